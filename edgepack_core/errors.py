@@ -1,0 +1,136 @@
+"""The one error hierarchy of the shared core (artifact format, signing, schemas, preprocessing).
+
+Every expected failure is an :class:`EdgepackError` subclass with structured fields, so that
+callers can branch on the type and the CLIs can print ``str(error)`` as one clear line.
+The host (``sdk.errors``) and the device (``device_agent.errors``) extend this tree; neither
+side raises bare ``ValueError`` for a condition a user can cause.
+"""
+
+from __future__ import annotations
+
+
+class EdgepackError(Exception):
+    """Base of every expected Edgepack failure. ``str()`` is one line meant for a human."""
+
+    exit_code = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(EdgepackError):
+    """Bad input from the user: a config or recipe that does not validate, a wrong flag value."""
+
+    exit_code = 2
+
+
+class SchemaError(UsageError):
+    """A document (recipe, agent.yaml, command payload) does not match its schema.
+
+    ``path`` is the dotted location of the offending key, e.g. ``quantize.calibration.npz``.
+    """
+
+    def __init__(self, path: str, problem: str, *, document: str = "") -> None:
+        where = f"{document}: " if document else ""
+        super().__init__(f"{where}{path or '<root>'}: {problem}")
+        self.path = path
+        self.problem = problem
+        self.document = document
+
+
+# --------------------------------------------------------------------------- artifacts
+
+
+class ArtifactError(EdgepackError):
+    """An artifact was refused. ``artifact`` names the file when known."""
+
+    def __init__(self, message: str, *, artifact: str = "") -> None:
+        super().__init__(message)
+        self.artifact = artifact
+
+
+class SignatureError(ArtifactError):
+    """The manifest signature is missing, malformed, by an untrusted key, or does not verify."""
+
+
+class MissingSignatureError(SignatureError):
+    """The archive has no manifest.sig."""
+
+
+class UntrustedKeyError(SignatureError):
+    """Signed by a key whose id is not in the trust store."""
+
+    def __init__(self, key_ids: list[str], *, artifact: str = "") -> None:
+        ids = ", ".join(key_ids) or "none"
+        super().__init__(f"signed by untrusted key id(s) {ids}", artifact=artifact)
+        self.key_ids = key_ids
+
+
+class BadSignatureError(SignatureError):
+    """A trusted key's signature does not match the manifest bytes (manifest changed)."""
+
+
+class ManifestError(ArtifactError):
+    """manifest.json is missing, not JSON, or does not match the manifest schema."""
+
+
+class IntegrityError(ArtifactError):
+    """A member's bytes do not match the size or sha256 the signed manifest declares."""
+
+    def __init__(self, member: str, problem: str, *, artifact: str = "") -> None:
+        super().__init__(f"{member}: {problem}", artifact=artifact)
+        self.member = member
+        self.problem = problem
+
+
+class UnsafeMemberError(ArtifactError):
+    """A tar member that could escape or confuse extraction: traversal, link, device, duplicate,
+    or a name the manifest does not list."""
+
+    def __init__(self, member: str, problem: str, *, artifact: str = "") -> None:
+        super().__init__(f"unsafe member {member!r}: {problem}", artifact=artifact)
+        self.member = member
+        self.problem = problem
+
+
+class LimitExceededError(ArtifactError):
+    """The archive, a member or the member count is over a configured limit."""
+
+    def __init__(self, what: str, size: int, limit: int, *, artifact: str = "") -> None:
+        super().__init__(f"{what} is {size} bytes or more, over the limit of {limit}", artifact=artifact)
+        self.what = what
+        self.size = size
+        self.limit = limit
+
+
+class TruncatedArchiveError(ArtifactError):
+    """The archive ends early or is not a readable tar stream."""
+
+
+class DowngradeError(ArtifactError):
+    """The artifact's version is not newer than the installed one, and the install was not forced."""
+
+    def __init__(self, candidate: str, installed: str, *, artifact: str = "") -> None:
+        super().__init__(
+            f"version {candidate} is not newer than installed version {installed} (force to override)",
+            artifact=artifact,
+        )
+        self.candidate = candidate
+        self.installed = installed
+
+
+class KeyFileError(EdgepackError):
+    """A key file is missing, unreadable, not Ed25519, or would be overwritten."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class PreprocessError(EdgepackError):
+    """Input that the preprocessing spec cannot turn into a tensor (corrupt image, wrong shape)."""

@@ -1,0 +1,1 @@
+"""The host side of Edgepack: recipes, packager passes, artifact writer, signing, fleet tools."""
