@@ -1,0 +1,227 @@
+"""The manifest of an ``.edgepkg`` artifact (format 1): schema, canonical bytes, typed view.
+
+manifest.json is the only thing the signature covers; it lists every other file of the
+artifact with its size and sha256, so verifying the signature and then every file's hash
+proves the whole artifact. The writer emits canonical bytes (sorted keys, compact, UTF-8) so
+that the same build gives the same manifest; the reader verifies the exact bytes it received
+and never re-serializes before checking.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from edgepack_core.errors import ManifestError, SchemaError
+from edgepack_core.schema import Validator, validate
+from edgepack_core.versions import VERSION_PATTERN, Version
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SIGNATURE_NAME = "manifest.sig"
+REPORT_NAME = "report.json"
+
+# A member path: relative, forward slashes, no empty/dot/dot-dot parts, a conservative charset.
+MEMBER_PATTERN = r"^(?!.*(^|/)\.{1,2}(/|$))[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*$"
+DTYPES = [
+    "float32", "float16", "float64", "bfloat16", "int8", "uint8", "int16", "uint16",
+    "int32", "uint32", "int64", "uint64", "bool", "string",
+]
+
+_TENSOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "dtype", "shape"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "dtype": {"enum": DTYPES},
+        "shape": {
+            "type": "array",
+            "items": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}]},
+        },
+    },
+}
+
+MANIFEST_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "edgepack manifest.json (format 1)",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["format", "name", "version", "created", "files", "model", "inputs", "outputs"],
+    "properties": {
+        "format": {"const": FORMAT_VERSION},
+        "name": {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
+        "version": {"type": "string", "pattern": VERSION_PATTERN},
+        "created": {"type": "string"},
+        "description": {"type": "string"},
+        "files": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["size", "sha256"],
+                "properties": {
+                    "size": {"type": "integer", "minimum": 0},
+                    "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                },
+            },
+        },
+        "model": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["path", "opset"],
+            "properties": {
+                "path": {"type": "string", "pattern": MEMBER_PATTERN},
+                "ort_path": {"type": "string", "pattern": MEMBER_PATTERN},
+                "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                "opset": {"type": "integer", "minimum": 1},
+                "ir_version": {"type": "integer", "minimum": 1},
+                "min_onnxruntime": {"type": "string"},
+                "precision": {"type": "string"},
+            },
+        },
+        "inputs": {"type": "array", "minItems": 1, "items": _TENSOR},
+        "outputs": {"type": "array", "minItems": 1, "items": _TENSOR},
+        "preprocess": {"type": "object"},
+        "postprocess": {"type": "object"},
+        "targets": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "properties": {"providers": {"type": "array", "items": {"type": "string"}}},
+            },
+        },
+        "golden": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["samples"],
+            "properties": {
+                "samples": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["inputs", "outputs"],
+                        "properties": {
+                            "inputs": {"type": "string", "pattern": MEMBER_PATTERN},
+                            "outputs": {"type": "string", "pattern": MEMBER_PATTERN},
+                        },
+                    },
+                },
+                "rtol": {"type": "number", "minimum": 0},
+                "atol": {"type": "number", "minimum": 0},
+            },
+        },
+        "tools": {"type": "object", "additionalProperties": {"type": "string"}},
+        "report": {"type": "string", "pattern": MEMBER_PATTERN},
+    },
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated manifest. ``raw`` keeps the full document for fields not modelled here."""
+
+    raw: Mapping[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.raw["name"]
+
+    @property
+    def version(self) -> str:
+        return self.raw["version"]
+
+    @property
+    def files(self) -> Mapping[str, Mapping[str, Any]]:
+        return self.raw["files"]
+
+    @property
+    def model_path(self) -> str:
+        return self.raw["model"]["path"]
+
+    @property
+    def model_sha256(self) -> str:
+        return self.files[self.model_path]["sha256"]
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return [TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in self.raw["inputs"]]
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return [TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in self.raw["outputs"]]
+
+    @property
+    def preprocess(self) -> Mapping[str, Any] | None:
+        return self.raw.get("preprocess")
+
+    @property
+    def postprocess(self) -> Mapping[str, Any] | None:
+        return self.raw.get("postprocess")
+
+    @property
+    def targets(self) -> Mapping[str, Any]:
+        return self.raw.get("targets", {})
+
+    @property
+    def golden(self) -> Mapping[str, Any]:
+        return self.raw.get("golden", {"samples": []})
+
+    def to_json(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.raw))
+
+
+def canonical_bytes(document: Mapping[str, Any]) -> bytes:
+    """The exact bytes the writer stores and signs: sorted keys, compact, UTF-8, newline."""
+    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+def check_manifest(document: Any) -> Manifest:
+    """Validate a parsed manifest document against the schema and cross-field rules."""
+    try:
+        validate(document, MANIFEST_SCHEMA, document="manifest.json")
+    except SchemaError as err:
+        raise ManifestError(str(err)) from None
+    Version(document["version"])  # already pattern-checked; parse for ordering later
+    files = document["files"]
+    member = Validator({"type": "string", "pattern": MEMBER_PATTERN}, document="manifest.json")
+    for name in files:
+        try:
+            member.validate(name, path=f"files.{name}")
+        except SchemaError:
+            raise ManifestError(f"manifest.json: files: unsafe path {name!r}") from None
+        if name in (MANIFEST_NAME, SIGNATURE_NAME):
+            raise ManifestError(f"manifest.json: files: {name} cannot list itself")
+    referenced = [document["model"]["path"]]
+    if "ort_path" in document["model"]:
+        referenced.append(document["model"]["ort_path"])
+    if "report" in document:
+        referenced.append(document["report"])
+    for sample in document.get("golden", {}).get("samples", []):
+        referenced += [sample["inputs"], sample["outputs"]]
+    for ref in referenced:
+        if ref not in files:
+            raise ManifestError(f"manifest.json: {ref} is referenced but not listed in files")
+    return Manifest(document)
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    """Parse manifest bytes. Call only after the signature over ``data`` has verified."""
+    try:
+        document = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ManifestError(f"manifest.json is not valid UTF-8 JSON: {err}") from None
+    return check_manifest(document)

@@ -1,0 +1,204 @@
+"""Ed25519 signing of manifest bytes, key ids, and a trust store of several public keys.
+
+Design (after itsdangerous and TUF): the signature covers the exact bytes of manifest.json,
+nothing is parsed before it verifies, and every signature names the key that made it by a
+key id derived from the public key itself (first 16 hex digits of sha256 of the raw key),
+so a device can hold several trusted keys during a rotation and an artifact may carry
+signatures from the old and the new key at once.
+
+manifest.sig is JSON::
+
+    {"schema": "edgepack.sig/1",
+     "signatures": [{"key_id": "3f2a...", "algorithm": "ed25519", "signature": "<base64>"}]}
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from edgepack_core.errors import (
+    BadSignatureError,
+    KeyFileError,
+    MissingSignatureError,
+    SignatureError,
+    UntrustedKeyError,
+)
+
+SIGNATURE_SCHEMA = "edgepack.sig/1"
+ALGORITHM = "ed25519"
+MAX_SIGNATURE_BYTES = 64 * 1024
+
+
+def key_id(public_key: Ed25519PublicKey) -> str:
+    """Stable short id of a public key: 16 hex digits of sha256 over the raw 32 key bytes."""
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    """A private key ready to sign; hard to misuse: it signs bytes and says which key it is."""
+
+    private: Ed25519PrivateKey
+
+    @property
+    def key_id(self) -> str:
+        return key_id(self.private.public_key())
+
+    def sign(self, data: bytes) -> dict[str, str]:
+        return {
+            "key_id": self.key_id,
+            "algorithm": ALGORITHM,
+            "signature": base64.b64encode(self.private.sign(data)).decode("ascii"),
+        }
+
+
+def signature_document(data: bytes, keys: Iterable[SigningKey]) -> bytes:
+    """manifest.sig bytes for ``data`` signed by every key in ``keys`` (one or more)."""
+    signatures = [key.sign(data) for key in keys]
+    if not signatures:
+        raise ValueError("at least one signing key is required")
+    doc = {"schema": SIGNATURE_SCHEMA, "signatures": signatures}
+    return json.dumps(doc, sort_keys=True, indent=1).encode("utf-8") + b"\n"
+
+
+class TrustStore:
+    """The public keys a verifier accepts, by key id. Several keys allow rotation."""
+
+    def __init__(self, keys: Iterable[Ed25519PublicKey] = ()) -> None:
+        self._keys: dict[str, Ed25519PublicKey] = {}
+        for key in keys:
+            self._keys[key_id(key)] = key
+
+    @classmethod
+    def from_paths(cls, paths: Iterable[str | os.PathLike[str]]) -> TrustStore:
+        """Load PEM public keys; a directory contributes every ``*.pub`` file inside it."""
+        keys: list[Ed25519PublicKey] = []
+        for entry in paths:
+            path = Path(entry)
+            files = sorted(path.glob("*.pub")) if path.is_dir() else [path]
+            for file in files:
+                keys.append(load_public_key(file))
+        if not keys:
+            raise KeyFileError(", ".join(str(p) for p in paths) or "<none>", "no trusted public keys given")
+        return cls(keys)
+
+    @property
+    def key_ids(self) -> list[str]:
+        return sorted(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def verify(self, data: bytes, signature_bytes: bytes | None) -> str:
+        """Check ``signature_bytes`` (manifest.sig) over ``data``; return the verifying key id.
+
+        Passes when at least one signature is by a trusted key and verifies. A signature by a
+        trusted key that does not verify is an attack or corruption, so it fails outright even
+        if another signature would pass.
+        """
+        if signature_bytes is None:
+            raise MissingSignatureError("manifest.sig is missing: the artifact is unsigned")
+        if len(signature_bytes) > MAX_SIGNATURE_BYTES:
+            raise SignatureError("manifest.sig is too large")
+        try:
+            doc = json.loads(signature_bytes)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise SignatureError(f"manifest.sig is not valid JSON: {err}") from None
+        if not isinstance(doc, dict) or doc.get("schema") != SIGNATURE_SCHEMA:
+            raise SignatureError(f"manifest.sig schema is not {SIGNATURE_SCHEMA}")
+        signatures = doc.get("signatures")
+        if not isinstance(signatures, list) or not signatures:
+            raise MissingSignatureError("manifest.sig holds no signatures")
+
+        seen: list[str] = []
+        for entry in signatures:
+            if not isinstance(entry, dict):
+                raise SignatureError("manifest.sig entry is not an object")
+            kid, algorithm, sig = entry.get("key_id"), entry.get("algorithm"), entry.get("signature")
+            if not isinstance(kid, str) or not isinstance(sig, str):
+                raise SignatureError("manifest.sig entry needs key_id and signature strings")
+            seen.append(kid)
+            public = self._keys.get(kid)
+            if public is None:
+                continue
+            if algorithm != ALGORITHM:
+                raise SignatureError(f"unsupported signature algorithm {algorithm!r}")
+            try:
+                raw = base64.b64decode(sig, validate=True)
+                public.verify(raw, data)
+            except (InvalidSignature, binascii.Error, ValueError):
+                raise BadSignatureError(
+                    f"signature by trusted key {kid} does not match manifest.json (manifest changed?)"
+                ) from None
+            return kid
+        raise UntrustedKeyError(seen)
+
+
+# --------------------------------------------------------------------------- key files
+
+
+def generate_private_key() -> SigningKey:
+    return SigningKey(Ed25519PrivateKey.generate())
+
+
+def private_key_pem(key: SigningKey) -> bytes:
+    return key.private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def public_key_pem(key: SigningKey | Ed25519PublicKey) -> bytes:
+    public = key.private.public_key() if isinstance(key, SigningKey) else key
+    return public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _read_key_file(path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise KeyFileError(str(path), "no such key file") from None
+    except OSError as err:
+        raise KeyFileError(str(path), f"cannot read: {err.strerror}") from None
+    if len(data) > 64 * 1024:
+        raise KeyFileError(str(path), "too large to be a key file")
+    return data
+
+
+def load_private_key(path: str | os.PathLike[str], password: bytes | None = None) -> SigningKey:
+    path = Path(path)
+    data = _read_key_file(path)
+    try:
+        key = serialization.load_pem_private_key(data, password=password)
+    except TypeError:
+        raise KeyFileError(str(path), "key is encrypted: set EDGEPACK_KEY_PASSWORD") from None
+    except ValueError:
+        raise KeyFileError(str(path), "not a PEM private key (or wrong password)") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise KeyFileError(str(path), "not an Ed25519 private key")
+    return SigningKey(key)
+
+
+def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
+    path = Path(path)
+    data = _read_key_file(path)
+    try:
+        key = serialization.load_pem_public_key(data)
+    except ValueError:
+        if b"PRIVATE KEY" in data:
+            raise KeyFileError(str(path), "this is a private key; trust the public key instead") from None
+        raise KeyFileError(str(path), "not a PEM public key") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise KeyFileError(str(path), "not an Ed25519 public key")
+    return key
