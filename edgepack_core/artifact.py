@@ -19,6 +19,7 @@ nothing is ever left half-extracted. ``verify_artifact`` runs the same walk with
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import hashlib
 import lzma
@@ -118,6 +119,31 @@ def _copy_hashed(stream: IO[bytes], size: int, sink: IO[bytes] | None) -> str:
     return digest.hexdigest()
 
 
+class _Counting:
+    """Counts the bytes read through it, to tell a complete tar stream from a cut one."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.stream = stream
+        self.count = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.count += len(data)
+        return data
+
+
+def _open_decompressed(path: Path) -> IO[bytes]:
+    with open(path, "rb") as probe:
+        magic = probe.read(6)
+    if magic.startswith(b"\x1f\x8b"):
+        return gzip.open(path, "rb")
+    if magic.startswith(b"\xfd7zXZ\x00"):
+        return lzma.open(path, "rb")
+    if magic.startswith(b"BZh"):
+        return bz2.open(path, "rb")
+    return open(path, "rb")
+
+
 def _members(tar: tarfile.TarFile, limits: Limits) -> Iterator[tarfile.TarInfo]:
     count = 0
     while True:
@@ -138,8 +164,10 @@ def _walk(path: Path, trust: TrustStore, limits: Limits, staging: Path | None) -
     if size > limits.max_archive_bytes:
         raise LimitExceededError("archive", size, limits.max_archive_bytes)
     try:
-        # Stream mode ("r|*"): one forward pass, no seeking, transparent gzip/bz2/xz.
-        with tarfile.open(path, mode="r|*") as tar:
+        # One forward pass in stream mode, no seeking. The decompressor is opened here rather
+        # than by tarfile so that reading to its end checks the gzip/xz/bz2 trailer (CRC and
+        # length): a cut-off archive is refused even when the cut is after the last member.
+        with _open_decompressed(path) as source, tarfile.open(fileobj=(raw := _Counting(source)), mode="r|") as tar:
             members = _members(tar, limits)
             first = next(members, None)
             if first is None or first.name != MANIFEST_NAME:
@@ -176,6 +204,10 @@ def _walk(path: Path, trust: TrustStore, limits: Limits, staging: Path | None) -
             missing = sorted(set(manifest.files) - seen)
             if missing:
                 raise IntegrityError(missing[0], "listed in the manifest but missing from the archive")
+            while raw.read(_CHUNK):
+                pass
+            if raw.count < tar.offset + 2 * tarfile.BLOCKSIZE:
+                raise TruncatedArchiveError("archive ends without the tar end-of-archive marker")
             if staging is not None:
                 (staging / MANIFEST_NAME).write_bytes(manifest_bytes)
                 (staging / SIGNATURE_NAME).write_bytes(signature)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from edgepack_core.postprocess import POSTPROCESS_SCHEMA
 from edgepack_core.preprocess import PREPROCESS_SCHEMA
+
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
 from edgepack_core.versions import VERSION_PATTERN

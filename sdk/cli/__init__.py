@@ -1,0 +1,37 @@
+"""``edgepack``: thin click commands over the library. Errors become one line here, only here.
+
+Each command lives in its own module and registers itself on :data:`main`; this module turns
+every :class:`EdgepackError` into ``edgepack: <message>`` on stderr with the error's exit code
+(1 for a failed operation, 2 for bad usage), so no expected failure shows a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from edgepack_core.errors import EdgepackError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except EdgepackError as err:
+            click.echo(f"edgepack: error: {err}", err=True)
+            sys.exit(err.exit_code)
+        except KeyboardInterrupt:
+            click.echo("edgepack: interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="edgepack", prog_name="edgepack")
+def main() -> None:
+    """Package ONNX models into signed artifacts and run them on fleets of edge devices."""
+
+
+# Register the commands (each module adds itself to ``main``).
+from sdk.cli import artifact_commands, keys  # noqa: E402,F401  isort: skip

@@ -1,0 +1,79 @@
+"""``edgepack build``, ``verify``, ``inspect`` and ``schema``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from edgepack_core.artifact import verify_artifact
+from edgepack_core.signing import TrustStore
+from sdk.cli import main
+from sdk.inspect import format_view, inspect_artifact
+from sdk.recipe import RECIPE_SCHEMA, load_recipe
+
+_TRUST = click.option("--trust", "trust", multiple=True, type=click.Path(path_type=Path),
+                      help="Trusted public key (repeat for rotation) or a folder of *.pub files.")
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--key", "keys", multiple=True, type=click.Path(path_type=Path),
+              help="Private key to sign with (repeat to sign with several, e.g. during a rotation).")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Artifact path to write.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the artifact path.")
+@click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON.")
+def build(recipe: Path, keys: tuple[Path, ...], output: Path | None, quiet: bool, as_json: bool) -> None:
+    """Build a signed .edgepkg from RECIPE."""
+    from sdk.packager.pipeline import build as run_build  # onnx import only when building
+
+    parsed = load_recipe(recipe)
+
+    def progress(message: str) -> None:
+        if not quiet and not as_json:
+            click.echo(f"  {message}", err=True)
+
+    result = run_build(parsed, key_paths=[str(k) for k in keys], output=output, progress=progress)
+    size = result.output.stat().st_size
+    if as_json:
+        click.echo(json.dumps({"artifact": str(result.output), "bytes": size, "manifest": result.manifest.to_json(),
+                               "report": result.report, "warnings": result.warnings}, default=str))
+    elif quiet:
+        click.echo(str(result.output))
+    else:
+        m = result.manifest
+        click.echo(f"built {result.output} ({size:,d} bytes): {m.name} {m.version}, "
+                   f"{len(m.inputs)} input(s), {len(m.golden.get('samples', []))} golden sample(s), "
+                   f"targets {', '.join(m.targets)}")
+        for warning in result.warnings:
+            click.echo(f"warning: {warning}", err=True)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@_TRUST
+def verify(artifact: Path, trust: tuple[Path, ...]) -> None:
+    """Verify ARTIFACT's signature and every file's hash; exit 1 if refused."""
+    if not trust:
+        raise click.UsageError("give at least one --trust PUBLIC key")
+    result = verify_artifact(artifact, TrustStore.from_paths(trust))
+    click.echo(f"OK {artifact}: {result.manifest.name} {result.manifest.version}, "
+               f"{len(result.manifest.files)} files verified, signed by key {result.key_id}")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@_TRUST
+@click.option("--json", "as_json", is_flag=True, help="Print everything as one JSON object.")
+def inspect(artifact: Path, trust: tuple[Path, ...], as_json: bool) -> None:
+    """Show ARTIFACT's manifest, inputs/outputs, preprocessing, signer and build report."""
+    view = inspect_artifact(artifact, TrustStore.from_paths(trust) if trust else None)
+    click.echo(json.dumps(view.to_json(), indent=2, sort_keys=True) if as_json else format_view(view))
+
+
+@main.command()
+@click.argument("kind", type=click.Choice(["recipe"]), default="recipe")
+def schema(kind: str) -> None:
+    """Print the JSON Schema of a recipe (for editors and CI checks)."""
+    click.echo(json.dumps(RECIPE_SCHEMA, indent=2))

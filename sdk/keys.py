@@ -1,0 +1,48 @@
+"""Key pair files on the host: private key 0600, never overwritten unless forced."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from edgepack_core.errors import KeyFileError
+from edgepack_core.signing import generate_private_key, private_key_pem, public_key_pem
+
+
+def _write_new(path: Path, data: bytes, mode: int, force: bool) -> None:
+    """Write ``data`` with ``mode`` from the first byte (no window where a key is readable),
+    atomically: temp file beside the target, fsync, rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)  # umask may have narrowed it; never widened beyond ``mode``
+        if force:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # fails if ``path`` appeared meanwhile: no silent overwrite
+            os.unlink(tmp)
+    except FileExistsError:
+        os.unlink(tmp)
+        raise KeyFileError(str(path), "already exists (use --force to overwrite)") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_keypair(private_path: Path, public_path: Path, *, force: bool = False) -> str:
+    """Generate an Ed25519 pair; write the private key 0600 and the public key 0644."""
+    if private_path.resolve() == public_path.resolve():
+        raise KeyFileError(str(private_path), "private and public key paths are the same file")
+    if not force:
+        for path in (private_path, public_path):
+            if path.exists():
+                raise KeyFileError(str(path), "already exists (use --force to overwrite)")
+    key = generate_private_key()
+    _write_new(private_path, private_key_pem(key), 0o600, force)
+    _write_new(public_path, public_key_pem(key), 0o644, force)
+    return key.key_id

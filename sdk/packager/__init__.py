@@ -1,0 +1,1 @@
+"""The packager: recipe -> passes -> signed artifact. Entry point: ``pipeline.build``."""

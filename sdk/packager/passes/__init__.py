@@ -1,0 +1,1 @@
+"""Packager passes; each module registers its passes with ``base.register``."""

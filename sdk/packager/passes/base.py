@@ -1,0 +1,92 @@
+"""The pass interface of the packager (after Olive): each step is a small registered unit.
+
+A pass declares its name, the recipe section it reads (its options), and whether it applies
+to a given build; ``run`` transforms the :class:`BuildContext` in place and records what it
+did in ``ctx.report[name]``. The pipeline (``sdk.packager.pipeline``) lists pass names in
+order, so adding an optimization is: write a pass, register it, put its name in the list.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import onnx
+
+from edgepack_core.manifest import TensorSpec
+from sdk.recipe import Recipe
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class BuildContext:
+    """Everything a pass may read or change during one build."""
+
+    recipe: Recipe
+    workdir: Path
+    progress: Progress = lambda message: None
+    model: onnx.ModelProto | None = None
+    original: onnx.ModelProto | None = None
+    inputs: list[TensorSpec] = field(default_factory=list)
+    outputs: list[TensorSpec] = field(default_factory=list)
+    preprocess: dict[str, Any] = field(default_factory=dict)
+    postprocess: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
+    manifest_extra: dict[str, Any] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        self.progress(f"warning: {message}")
+
+    def require_model(self) -> onnx.ModelProto:
+        if self.model is None:
+            raise RuntimeError("no model loaded: the load pass must run first")
+        return self.model
+
+    def model_bytes(self) -> bytes:
+        return self.require_model().SerializeToString()
+
+    def new_tempdir(self, prefix: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=self.workdir))
+
+
+class Pass(ABC):
+    """One packager step. Subclasses set ``name`` and ``section`` and implement ``run``."""
+
+    name: ClassVar[str]
+    section: ClassVar[str | None] = None
+
+    def options(self, ctx: BuildContext) -> Mapping[str, Any]:
+        return ctx.recipe.section(self.section) if self.section else {}
+
+    def applies(self, ctx: BuildContext) -> bool:
+        return True
+
+    @abstractmethod
+    def run(self, ctx: BuildContext) -> None: ...
+
+
+_REGISTRY: dict[str, type[Pass]] = {}
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    """Class decorator: make a pass available to pipelines by its ``name``."""
+    if cls.name in _REGISTRY:
+        raise ValueError(f"pass {cls.name} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_pass(name: str) -> Pass:
+    return _REGISTRY[name]()
+
+
+def registered_passes() -> list[str]:
+    return sorted(_REGISTRY)

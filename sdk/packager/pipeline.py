@@ -1,0 +1,165 @@
+"""The build: run the registered passes in order, then bundle and sign the artifact."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+import edgepack_core
+from edgepack_core.manifest import FORMAT_VERSION, REPORT_NAME, Manifest, parse_manifest
+from edgepack_core.signing import SigningKey, load_private_key
+from edgepack_core.targets import profile_providers
+from sdk.artifact_writer import write_artifact
+from sdk.errors import RecipeError
+from sdk.packager.passes import base
+from sdk.packager.passes.base import BuildContext, Progress
+from sdk.recipe import Recipe
+
+# Importing the pass modules registers them.
+from sdk.packager.passes import golden, model_checks  # noqa: F401  isort: skip
+
+MODEL_MEMBER = "model/model.onnx"
+
+# The order of a build. Each name is a registered pass; a pass skips itself when its
+# recipe section asks for nothing (``Pass.applies``).
+PIPELINE: list[str] = [
+    "load",
+    "check",
+    "opset",
+    "shape_inference",
+    "io_spec",
+    "golden",
+]
+
+
+@dataclass
+class BuildResult:
+    output: Path
+    manifest: Manifest
+    report: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+
+
+def _created() -> str:
+    """Build time in UTC; SOURCE_DATE_EPOCH pins it for reproducible builds."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    moment = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
+    return moment.replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def tool_versions() -> dict[str, str]:
+    return {
+        "edgepack": edgepack_core.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": ort.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def resolve_signing_keys(recipe: Recipe, key_paths: list[str] | None) -> list[SigningKey]:
+    paths = list(key_paths or [])
+    if not paths and recipe.section("sign").get("key"):
+        paths = [recipe.section("sign")["key"]]
+    if not paths:
+        raise RecipeError("sign.key", "no signing key: pass --key PRIVATE or set sign.key in the recipe",
+                          recipe=str(recipe.path))
+    password = os.environ.get("EDGEPACK_KEY_PASSWORD")
+    return [load_private_key(p, password.encode() if password else None) for p in paths]
+
+
+def resolve_output(recipe: Recipe, output: str | os.PathLike[str] | None) -> Path:
+    if output is not None:
+        return Path(output)
+    if recipe.data.get("output"):
+        return Path(recipe.data["output"])
+    return Path("dist") / f"{recipe.name}-{recipe.version}.edgepkg"
+
+
+def run_passes(ctx: BuildContext, names: list[str] | None = None) -> None:
+    timings: dict[str, float] = {}
+    for name in names or PIPELINE:
+        step = base.get_pass(name)
+        if not step.applies(ctx):
+            continue
+        ctx.progress(f"{name} ...")
+        started = time.perf_counter()
+        step.run(ctx)
+        timings[name] = round(time.perf_counter() - started, 3)
+    ctx.report["timings_s"] = timings
+
+
+def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
+    model = ctx.require_model()
+    extra = ctx.manifest_extra
+    model_section: dict[str, Any] = {
+        "path": MODEL_MEMBER,
+        "opset": extra["opset"],
+        "ir_version": int(model.ir_version),
+        "min_onnxruntime": extra["min_onnxruntime"],
+        "precision": extra.get("precision", "fp32"),
+    }
+    if "ort_path" in extra:
+        model_section["ort_path"] = extra["ort_path"]
+    manifest: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "name": ctx.recipe.name,
+        "version": ctx.recipe.version,
+        "created": _created(),
+        "model": model_section,
+        "inputs": [i.to_json() for i in ctx.inputs],
+        "outputs": [o.to_json() for o in ctx.outputs],
+        "preprocess": ctx.preprocess,
+        "postprocess": ctx.postprocess,
+        "targets": {t: {"providers": list(profile_providers(t))} for t in ctx.recipe.targets},
+        "tools": tool_versions(),
+        "report": REPORT_NAME,
+    }
+    if "description" in ctx.recipe.data:
+        manifest["description"] = ctx.recipe.data["description"]
+    if "golden" in extra:
+        manifest["golden"] = extra["golden"]
+    return manifest
+
+
+def build(
+    recipe: Recipe,
+    *,
+    key_paths: list[str] | None = None,
+    output: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+) -> BuildResult:
+    """Build a signed artifact from a validated recipe. Raises EdgepackError subclasses."""
+    keys = resolve_signing_keys(recipe, key_paths)  # fail on a bad key before any long work
+    target = resolve_output(recipe, output)
+    workdir = Path(tempfile.mkdtemp(prefix="edgepack-build-"))
+    try:
+        ctx = BuildContext(recipe=recipe, workdir=workdir, progress=progress or (lambda message: None))
+        run_passes(ctx)
+        ctx.files[MODEL_MEMBER] = ctx.model_bytes()
+        report = {
+            "name": recipe.name,
+            "version": recipe.version,
+            "passes": {k: v for k, v in ctx.report.items() if k != "timings_s"},
+            "timings_s": ctx.report.get("timings_s", {}),
+            "warnings": ctx.warnings,
+            "tools": tool_versions(),
+        }
+        ctx.files[REPORT_NAME] = json.dumps(report, indent=2, sort_keys=True, default=float).encode() + b"\n"
+        manifest_bytes = write_artifact(target, assemble_manifest(ctx), ctx.files, keys)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return BuildResult(output=target, manifest=parse_manifest(manifest_bytes), report=report,
+                       warnings=list(ctx.warnings))

@@ -1,0 +1,285 @@
+"""Attacks on the artifact reader, each test named after what it blocks (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from edgepack_core.artifact import Limits, extract_artifact, read_extracted, verify_artifact
+from edgepack_core.errors import (
+    ArtifactError,
+    BadSignatureError,
+    DowngradeError,
+    IntegrityError,
+    LimitExceededError,
+    ManifestError,
+    MissingSignatureError,
+    TruncatedArchiveError,
+    UnsafeMemberError,
+    UntrustedKeyError,
+)
+from edgepack_core.manifest import canonical_bytes
+from edgepack_core.signing import TrustStore, generate_private_key, signature_document
+from edgepack_core.versions import Version, check_upgrade
+from sdk.artifact_writer import file_entry, write_artifact
+
+MODEL = b"\x08\x07fake-onnx-model-bytes" * 10
+
+
+def _manifest(version: str = "1.0.0") -> dict:
+    return {
+        "format": 1,
+        "name": "demo",
+        "version": version,
+        "created": "2026-01-01T00:00:00Z",
+        "model": {"path": "model/model.onnx", "opset": 17},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}],
+        "files": {},
+    }
+
+
+@pytest.fixture()
+def key():
+    return generate_private_key()
+
+
+@pytest.fixture()
+def trust(key):
+    return TrustStore([key.private.public_key()])
+
+
+@pytest.fixture()
+def good(tmp_path, key) -> Path:
+    path = tmp_path / "good.edgepkg"
+    write_artifact(path, _manifest(), {"model/model.onnx": MODEL, "assets/labels.txt": b"a\nb\n"}, [key])
+    return path
+
+
+def _members(path: Path) -> list[tuple[tarfile.TarInfo, bytes]]:
+    out = []
+    with tarfile.open(path, "r:*") as tar:
+        for m in tar.getmembers():
+            data = tar.extractfile(m).read() if m.isfile() else b""
+            out.append((m, data))
+    return out
+
+
+def _rewrite(path: Path, members: list[tuple[tarfile.TarInfo, bytes]], mode: str = "w:gz") -> Path:
+    out = path.with_name("evil.edgepkg")
+    with tarfile.open(out, mode) as tar:
+        for info, data in members:
+            info = _copy(info)
+            if info.isfile():
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(info)
+    return out
+
+
+def _copy(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    new = tarfile.TarInfo(info.name)
+    for attr in ("size", "mode", "mtime", "type", "linkname", "uid", "gid"):
+        setattr(new, attr, getattr(info, attr))
+    return new
+
+
+def _signed_with(members, key, mutate) -> list[tuple[tarfile.TarInfo, bytes]]:
+    """Re-sign a mutated manifest with ``key`` (an attacker who holds a trusted key's
+    signature cannot do this; used to craft members the manifest does list)."""
+    manifest = json.loads(members[0][1])
+    mutate(manifest)
+    data = canonical_bytes(manifest)
+    sig = signature_document(data, [key])
+    return [(members[0][0], data), (members[1][0], sig), *members[2:]]
+
+
+def test_valid_artifact_verifies_and_extracts(good, trust, tmp_path):
+    result = verify_artifact(good, trust)
+    assert result.manifest.name == "demo" and result.key_id == trust.key_ids[0]
+    dest = tmp_path / "store" / "demo-1.0.0"
+    extracted = extract_artifact(good, dest, trust)
+    assert (dest / "model/model.onnx").read_bytes() == MODEL
+    assert read_extracted(extracted.root, trust).manifest.version == "1.0.0"
+
+
+def test_tampered_model_byte_is_refused(good, trust, tmp_path):
+    members = _members(good)
+    idx = next(i for i, (m, _) in enumerate(members) if m.name == "model/model.onnx")
+    data = bytearray(members[idx][1])
+    data[5] ^= 0x01
+    members[idx] = (members[idx][0], bytes(data))
+    evil = _rewrite(good, members)
+    with pytest.raises(IntegrityError, match="sha256"):
+        verify_artifact(evil, trust)
+    dest = tmp_path / "x"
+    with pytest.raises(IntegrityError):
+        extract_artifact(evil, dest, trust)
+    assert not dest.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".x.partial")], "half-extracted leftovers"
+
+
+def test_changed_manifest_is_refused(good, trust):
+    members = _members(good)
+    manifest = json.loads(members[0][1])
+    manifest["version"] = "9.9.9"
+    members[0] = (members[0][0], canonical_bytes(manifest))
+    with pytest.raises(BadSignatureError):
+        verify_artifact(_rewrite(good, members), trust)
+
+
+def test_signed_by_untrusted_key_is_refused(good):
+    other = TrustStore([generate_private_key().private.public_key()])
+    with pytest.raises(UntrustedKeyError):
+        verify_artifact(good, other)
+
+
+def test_key_rotation_accepts_either_trusted_key(tmp_path, key):
+    new_key = generate_private_key()
+    path = tmp_path / "rotated.edgepkg"
+    write_artifact(path, _manifest(), {"model/model.onnx": MODEL}, [key, new_key])
+    assert verify_artifact(path, TrustStore([new_key.private.public_key()])).key_id == new_key.key_id
+    assert verify_artifact(path, TrustStore([key.private.public_key()])).key_id == key.key_id
+
+
+def test_missing_signature_is_refused(good, trust):
+    members = [m for m in _members(good) if m[0].name != "manifest.sig"]
+    with pytest.raises(MissingSignatureError):
+        verify_artifact(_rewrite(good, members), trust)
+
+
+def test_file_not_in_manifest_is_refused(good, trust):
+    members = _members(good)
+    extra = tarfile.TarInfo("model/backdoor.so")
+    members.append((extra, b"\x7fELF"))
+    with pytest.raises(UnsafeMemberError, match="not listed"):
+        verify_artifact(_rewrite(good, members), trust)
+
+
+@pytest.mark.parametrize("name", ["../escape.txt", "/etc/passwd", "assets/../../escape.txt", "./assets/x"])
+def test_path_traversal_member_is_refused(good, trust, key, tmp_path, name):
+    members = _members(good)
+    evil_info = tarfile.TarInfo(name)
+    members.append((evil_info, b"owned"))
+    # Even when the attacker manages to list the name in a manifest, the schema refuses it.
+    signed = _signed_with(members, key, lambda m: m["files"].update({name: file_entry(b"owned")}))
+    with pytest.raises((UnsafeMemberError, ManifestError)):
+        extract_artifact(_rewrite(good, signed), tmp_path / "dest", trust)
+    assert not (tmp_path / "escape.txt").exists()
+    with pytest.raises(UnsafeMemberError):
+        verify_artifact(_rewrite(good, members), trust)
+
+
+@pytest.mark.parametrize("kind", [tarfile.SYMTYPE, tarfile.LNKTYPE])
+def test_symlink_or_hardlink_member_is_refused(good, trust, key, tmp_path, kind):
+    members = _members(good)
+    link = tarfile.TarInfo("assets/link.txt")
+    link.type = kind
+    link.linkname = "/etc/passwd" if kind == tarfile.SYMTYPE else "model/model.onnx"
+    members.append((link, b""))
+    signed = _signed_with(members, key, lambda m: m["files"].update({"assets/link.txt": file_entry(b"")}))
+    with pytest.raises(UnsafeMemberError, match="link"):
+        extract_artifact(_rewrite(good, signed), tmp_path / "dest", trust)
+    assert not (tmp_path / "dest").exists()
+
+
+def test_device_file_member_is_refused(good, trust, key, tmp_path):
+    members = _members(good)
+    dev = tarfile.TarInfo("assets/dev")
+    dev.type = tarfile.CHRTYPE
+    members.append((dev, b""))
+    signed = _signed_with(members, key, lambda m: m["files"].update({"assets/dev": file_entry(b"")}))
+    with pytest.raises(UnsafeMemberError, match="device"):
+        verify_artifact(_rewrite(good, signed), trust)
+
+
+def test_duplicate_member_names_are_refused(good, trust):
+    members = _members(good)
+    dup = next(m for m in members if m[0].name == "assets/labels.txt")
+    members.append((dup[0], b"c\nd\n"))  # the second copy would overwrite the first on extract
+    with pytest.raises(UnsafeMemberError, match="duplicate"):
+        verify_artifact(_rewrite(good, members), trust)
+
+
+def test_member_over_size_limit_is_refused(good, trust):
+    with pytest.raises(LimitExceededError, match=r"member model/model\.onnx"):
+        verify_artifact(good, trust, Limits(max_member_bytes=len(MODEL) - 1))
+
+
+def test_archive_over_size_limit_is_refused(good, trust):
+    with pytest.raises(LimitExceededError, match="archive"):
+        verify_artifact(good, trust, Limits(max_archive_bytes=good.stat().st_size - 1))
+
+
+def test_too_many_members_is_refused(good, trust):
+    with pytest.raises(LimitExceededError, match="member count"):
+        verify_artifact(good, trust, Limits(max_members=3))
+
+
+def test_decompression_bomb_total_is_refused(good, trust):
+    with pytest.raises(LimitExceededError, match="unpacked"):
+        verify_artifact(good, trust, Limits(max_total_bytes=len(MODEL)))
+
+
+def test_truncated_archive_is_refused(good, trust, tmp_path):
+    raw = good.read_bytes()
+    for cut in (len(raw) // 2, len(raw) - 20, 40):
+        short = tmp_path / f"short-{cut}.edgepkg"
+        short.write_bytes(raw[:cut])
+        dest = tmp_path / f"dest-{cut}"
+        with pytest.raises((TruncatedArchiveError, ArtifactError)):
+            extract_artifact(short, dest, trust)
+        assert not dest.exists()
+
+
+def test_uncompressed_truncated_tar_is_refused(good, trust, tmp_path):
+    plain = _rewrite(good, _members(good), mode="w")
+    with tarfile.open(plain) as tar:
+        last = tar.getmembers()[-1]
+    raw = plain.read_bytes()
+    # Cut inside the last member's data, and just before the end-of-archive marker.
+    for cut in (last.offset_data + 10, last.offset_data + tarfile.BLOCKSIZE):
+        short = tmp_path / f"short-{cut}.tar"
+        short.write_bytes(raw[:cut])
+        with pytest.raises(TruncatedArchiveError):
+            verify_artifact(short, trust)
+
+
+def test_missing_listed_file_is_refused(good, trust):
+    members = [m for m in _members(good) if m[0].name != "assets/labels.txt"]
+    with pytest.raises(IntegrityError, match="missing"):
+        verify_artifact(_rewrite(good, members), trust)
+
+
+def test_manifest_not_first_is_refused(good, trust):
+    members = _members(good)
+    members = [members[2], *members[:2], *members[3:]]
+    with pytest.raises(ArtifactError, match="first member"):
+        verify_artifact(_rewrite(good, members), trust)
+
+
+def test_file_changed_after_install_is_caught(good, trust, tmp_path):
+    dest = tmp_path / "installed"
+    extract_artifact(good, dest, trust)
+    (dest / "assets/labels.txt").write_bytes(b"evil\n")
+    with pytest.raises(IntegrityError):
+        read_extracted(dest, trust)
+
+
+@pytest.mark.parametrize(("candidate", "installed"), [("1.0.0", "1.0.0"), ("1.0.0", "1.0.1"),
+                                                      ("1.2.0-rc.1", "1.2.0"), ("0.9.10", "1.0.0")])
+def test_downgrade_or_same_version_is_refused(candidate, installed):
+    with pytest.raises(DowngradeError):
+        check_upgrade(candidate, installed)
+    check_upgrade(candidate, installed, force=True)  # an explicit force is the only way past
+
+
+def test_upgrade_is_accepted_and_versions_order_semver():
+    check_upgrade("1.10.0", "1.9.0")
+    check_upgrade("1.2.0", "1.2.0-rc.2")
+    assert Version("1.0.0-alpha") < Version("1.0.0-alpha.1") < Version("1.0.0-beta") < Version("1.0.0")

@@ -1,0 +1,57 @@
+"""The small JSON Schema validator names the offending key and refuses unknown keywords."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgepack_core.errors import SchemaError
+from edgepack_core.schema import Validator, validate
+
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+        "mode": {"enum": ["a", "b"]},
+        "nested": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"items": {"type": "array", "items": {"type": "number"}}},
+        },
+        "either": {"oneOf": [{"type": "string"}, {"type": "object", "properties": {"x": {"type": "integer"}},
+                                                  "additionalProperties": False}]},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("document", "path", "problem"),
+    [
+        ({}, "name", "is required"),
+        ({"name": "x", "colour": 1}, "colour", "unknown key"),
+        ({"name": "x", "port": "80"}, "port", "expected integer, got string"),
+        ({"name": "x", "port": True}, "port", "expected integer, got boolean"),
+        ({"name": "x", "port": 70000}, "port", "above the maximum"),
+        ({"name": "x", "mode": "c"}, "mode", "is not one of"),
+        ({"name": "x", "nested": {"items": [1, "two"]}}, "nested.items[1]", "expected number"),
+        ({"name": "x", "nested": {"bogus": 1}}, "nested.bogus", "unknown key"),
+        ({"name": "x", "either": {"x": "s"}}, "either.x", "expected integer"),
+    ],
+)
+def test_errors_name_the_offending_key(document, path, problem):
+    with pytest.raises(SchemaError) as caught:
+        validate(document, SCHEMA, document="doc.yaml")
+    assert caught.value.path == path
+    assert problem in caught.value.problem
+    assert str(caught.value).startswith(f"doc.yaml: {path}: ")
+
+
+def test_valid_document_passes():
+    validate({"name": "x", "port": 1883, "mode": "a", "nested": {"items": [1, 2.5]}, "either": {"x": 1}}, SCHEMA)
+
+
+def test_schema_with_unsupported_keyword_is_refused():
+    with pytest.raises(ValueError, match="unsupported keyword"):
+        Validator({"type": "object", "patternProperties": {}})
