@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
@@ -24,17 +25,22 @@ _TRUST = click.option("--trust", "trust", multiple=True, type=click.Path(path_ty
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Artifact path to write.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the artifact path.")
 @click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON.")
-def build(recipe: Path, keys: tuple[Path, ...], output: Path | None, quiet: bool, as_json: bool) -> None:
+@click.option("--progress/--no-progress", default=None,
+              help="Show each step on stderr (default: only when stderr is a terminal).")
+def build(recipe: Path, keys: tuple[Path, ...], output: Path | None, quiet: bool, as_json: bool,
+          progress: bool | None) -> None:
     """Build a signed .edgepkg from RECIPE."""
     from sdk.packager.pipeline import build as run_build  # onnx import only when building
 
     parsed = load_recipe(recipe)
+    show = sys.stderr.isatty() if progress is None else progress
+    show = show and not quiet and not as_json
 
-    def progress(message: str) -> None:
-        if not quiet and not as_json:
+    def report_progress(message: str) -> None:
+        if show:
             click.echo(f"  {message}", err=True)
 
-    result = run_build(parsed, key_paths=[str(k) for k in keys], output=output, progress=progress)
+    result = run_build(parsed, key_paths=[str(k) for k in keys], output=output, progress=report_progress)
     size = result.output.stat().st_size
     if as_json:
         click.echo(json.dumps({"artifact": str(result.output), "bytes": size, "manifest": result.manifest.to_json(),
