@@ -1,0 +1,449 @@
+"""The declarative preprocessing spec (DESIGN.md section 5) and its one executor.
+
+The same :class:`Preprocessor` runs on the workstation (calibration, validation, golden
+samples) and on the device (``predict``), so the packager measures exactly the tensors a
+device will compute. It needs only numpy, plus Pillow for images (imported lazily, so a
+tensor-only device never loads it).
+
+Two kinds of spec:
+
+``kind: image`` — decode an encoded image and turn it into one model input tensor, in this
+fixed order:
+
+1. decode with Pillow (first frame of an animation); refuse more than ``max_pixels`` pixels
+   before any pixel is decoded, as a guard against decompression bombs;
+2. apply the EXIF orientation (``ImageOps.exif_transpose``), so photos from phones and
+   cameras arrive upright;
+3. convert to RGB, or to 8-bit luma for ``color: gray`` (ITU-R 601-2, as Pillow's "L"
+   conversion does). Alpha is dropped, not composited;
+4. resize to ``resize.size = [H, W]`` with Pillow's filter named by ``interpolation``
+   (``nearest``, ``bilinear``, ``bicubic``, ``area`` = Pillow's BOX; Pillow's filters
+   antialias when shrinking). ``mode`` says how the aspect ratio is handled; sizes are
+   rounded half up and crops/pads are centered with the odd pixel at the bottom/right:
+
+   - ``stretch``: resize to exactly HxW, ignoring the aspect ratio;
+   - ``letterbox``: scale by ``min(H/h, W/w)`` so the whole image fits inside HxW, then pad
+     to HxW with ``pad_value`` (0..255, every channel) around the centered image;
+   - ``keep-aspect``: scale by ``max(H/h, W/w)`` so the image covers HxW, then center-crop
+     HxW (nothing is padded, the overflow on the long side is cut);
+   - ``center-crop``: scale by ``max(H/h, W/w) / crop_fraction`` and center-crop HxW; for a
+     square target S this resizes the shorter side to ``round(S / crop_fraction)`` and crops
+     S x S, i.e. the classic ImageNet ``Resize(256) + CenterCrop(224)`` with the default
+     ``crop_fraction`` 0.875. ``keep-aspect`` is ``center-crop`` with fraction 1.
+
+   Without ``resize`` the image keeps its own size;
+5. from here on float32: multiply by ``scale``; ``bgr`` reverses the channel order; then
+   ``(x - mean[c]) / std[c]`` per output channel (so for ``bgr`` the mean and std lists are
+   given in B, G, R order, as BGR-trained models publish them);
+6. transpose to ``layout`` (NCHW or NHWC; gray images have one channel);
+7. cast to ``dtype``; ``uint8`` and ``int8`` round half to even and clip to their range;
+8. add a leading batch dimension of 1 when ``batch`` is true (the default).
+
+``kind: tensor`` — the input is already a tensor (an ``.npy`` file, a numpy array). The
+optional ``shape`` is checked (integers must match, strings and nulls are symbolic dims
+that match anything) and the array is cast to the declared ``dtype`` (refusing casts that
+would change the kind of number, like float to int). With ``batch: true`` the shape
+describes one sample and a leading batch dimension is added after the check; the default
+``batch: false`` passes the tensor through as given. No spec at all means raw tensors.
+
+:func:`normalize_preprocess` validates a spec and fills every default, so the manifest
+stores an explicit spec and a later change of a default cannot change what a device
+computes for an artifact already built.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+from collections.abc import Iterable, Mapping
+from os import PathLike
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edgepack_core.errors import PreprocessError, SchemaError
+from edgepack_core.schema import Validator
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+SPEC_VERSION = 1
+DEFAULT_MAX_PIXELS = 50_000_000
+DEFAULT_CROP_FRACTION = 0.875
+
+IMAGE_DTYPES = ["float32", "float16", "uint8", "int8"]
+TENSOR_DTYPES = ["float32", "float16", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64", "bool"]
+_RESIZE_MODES = ["stretch", "keep-aspect", "letterbox", "center-crop"]
+_INTERPOLATIONS = ["nearest", "bilinear", "bicubic", "area"]
+_CHANNELS = {"rgb": 3, "bgr": 3, "gray": 1}
+
+_RESIZE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "Resize to size [H, W]; mode says how the aspect ratio is kept.",
+    "additionalProperties": False,
+    "required": ["size"],
+    "properties": {
+        "size": {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer", "minimum": 1},
+                 "description": "[height, width] of the result"},
+        "mode": {"enum": _RESIZE_MODES, "default": "stretch",
+                 "description": "stretch: ignore aspect; letterbox: fit inside and pad; keep-aspect: cover and "
+                 "center-crop; center-crop: cover enlarged by 1/crop_fraction and center-crop"},
+        "interpolation": {"enum": _INTERPOLATIONS, "default": "bilinear"},
+        "pad_value": {"type": "integer", "minimum": 0, "maximum": 255, "default": 0,
+                      "description": "letterbox only: the value of every channel of the padding"},
+        "crop_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": DEFAULT_CROP_FRACTION,
+                          "description": "center-crop only: the fraction of the resized image that is kept"},
+    },
+    # pad_value and crop_fraction belong to one mode each; naming them with another mode is
+    # a mistake the user should hear about rather than a silently ignored key.
+    "oneOf": [
+        {"additionalProperties": False,
+         "properties": {"size": {}, "interpolation": {}, "mode": {"enum": ["stretch", "keep-aspect"]}}},
+        {"additionalProperties": False, "required": ["mode"],
+         "properties": {"size": {}, "interpolation": {}, "mode": {"const": "letterbox"}, "pad_value": {}}},
+        {"additionalProperties": False, "required": ["mode"],
+         "properties": {"size": {}, "interpolation": {}, "mode": {"const": "center-crop"}, "crop_fraction": {}}},
+    ],
+}
+
+_PER_CHANNEL = {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "number"}}
+_PROPERTIES: dict[str, Any] = {
+    "kind": {"enum": ["image", "tensor"], "description": "image: decode and transform; tensor: raw tensors"},
+    "version": {"type": "integer", "const": SPEC_VERSION, "default": SPEC_VERSION},
+    "color": {"enum": list(_CHANNELS), "default": "rgb"},
+    "resize": _RESIZE_SCHEMA,
+    "scale": {"type": "number", "default": 1.0, "description": "multiplies pixel values after resize"},
+    "mean": {**_PER_CHANNEL, "description": "per output channel, subtracted after scale"},
+    "std": {**_PER_CHANNEL, "items": {"type": "number", "exclusiveMinimum": 0},
+            "description": "per output channel, divides after the mean is subtracted"},
+    "layout": {"enum": ["NCHW", "NHWC"], "default": "NCHW"},
+    "dtype": {"enum": TENSOR_DTYPES, "description": f"image: one of {', '.join(IMAGE_DTYPES)}"},
+    "batch": {"type": "boolean", "description": "add a leading batch dimension (default: true for images, "
+              "false for tensors, whose shape then includes the batch)"},
+    "input": {"type": "string", "minLength": 1, "description": "the model input this feeds (default: first)"},
+    "shape": {"type": "array", "items": {"type": ["integer", "string", "null"], "minimum": 0},
+              "description": "tensor: the expected shape; strings and nulls are symbolic dims"},
+}
+_KIND_KEYS = {
+    "image": ["kind", "version", "color", "resize", "scale", "mean", "std", "layout", "dtype", "batch", "input"],
+    "tensor": ["kind", "version", "shape", "dtype", "batch", "input"],
+}
+_KIND_OVERRIDES: dict[str, dict[str, Any]] = {
+    "image": {"kind": {"const": "image"}, "dtype": {"enum": IMAGE_DTYPES}},
+    "tensor": {"kind": {"const": "tensor"}},
+}
+
+PREPROCESS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "title": "Edgepack preprocessing spec",
+    "description": "How a raw input (an encoded image, or a tensor) becomes a model input tensor. "
+    "See edgepack_core/preprocess.py for the exact order of the steps.",
+    "additionalProperties": False,
+    "required": ["kind"],
+    "properties": _PROPERTIES,
+    # Which keys each kind takes. Tensor first: when both branches fail at equally long key
+    # paths, the validator reports the first, and "mean"/"std" on a tensor spec tie with "kind".
+    "oneOf": [
+        {"additionalProperties": False,
+         "properties": {**{key: {} for key in _KIND_KEYS[kind]}, **_KIND_OVERRIDES[kind]}}
+        for kind in ("tensor", "image")
+    ],
+}
+
+# One complete schema per kind: once the kind is known, validating against its own schema
+# names the offending key precisely, where the combined oneOf can only guess which branch
+# the author meant.
+_KIND_SCHEMAS: dict[str, dict[str, Any]] = {
+    kind: {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {**{key: _PROPERTIES[key] for key in keys},
+                       **{key: {**_PROPERTIES[key], **rule} for key, rule in _KIND_OVERRIDES[kind].items()}},
+    }
+    for kind, keys in _KIND_KEYS.items()
+}
+
+
+def normalize_preprocess(spec: Mapping[str, Any] | None, *, document: str = "", path: str = "") -> dict[str, Any]:
+    """Validate ``spec`` and return a new, complete spec with every default written out.
+
+    ``None`` (a recipe without a preprocess section) means raw tensors. ``document`` and
+    ``path`` only prefix error messages, e.g. ``path="preprocess"`` inside a recipe. Raises
+    :class:`SchemaError` naming the offending key. Idempotent.
+    """
+    raw: Any = {"kind": "tensor"} if spec is None else spec
+    raw = copy.deepcopy(dict(raw)) if isinstance(raw, Mapping) else raw
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    if isinstance(kind, str) and kind in _KIND_SCHEMAS:
+        Validator(_KIND_SCHEMAS[kind], document=document).validate(raw, None, path)
+    Validator(PREPROCESS_SCHEMA, document=document).validate(raw, None, path)
+    out: dict[str, Any] = {"kind": raw["kind"], "version": raw.get("version", SPEC_VERSION)}
+    if raw["kind"] == "tensor":
+        out["batch"] = raw.get("batch", False)
+        for key in ("shape", "dtype", "input"):
+            if key in raw:
+                out[key] = raw[key]
+        return out
+
+    color = raw.get("color", "rgb")
+    channels = _CHANNELS[color]
+    out["color"] = color
+    if "resize" in raw:
+        out["resize"] = _normalize_resize(raw["resize"])
+    out["scale"] = float(raw.get("scale", 1.0))
+    for key, fill in (("mean", 0.0), ("std", 1.0)):
+        values = raw.get(key, [fill] * channels)
+        if len(values) != channels:
+            where = f"{path}.{key}" if path else key
+            raise SchemaError(where, f"has {len(values)} value(s) but color {color} has {channels} channel(s)",
+                              document=document)
+        out[key] = [float(v) for v in values]
+    out["layout"] = raw.get("layout", "NCHW")
+    out["dtype"] = raw.get("dtype", "float32")
+    out["batch"] = raw.get("batch", True)
+    if "input" in raw:
+        out["input"] = raw["input"]
+    return out
+
+
+def _normalize_resize(resize: Mapping[str, Any]) -> dict[str, Any]:
+    mode = resize.get("mode", "stretch")
+    out: dict[str, Any] = {
+        "size": [int(v) for v in resize["size"]],
+        "mode": mode,
+        "interpolation": resize.get("interpolation", "bilinear"),
+    }
+    if mode == "letterbox":
+        out["pad_value"] = resize.get("pad_value", 0)
+    elif mode == "center-crop":
+        out["crop_fraction"] = float(resize.get("crop_fraction", DEFAULT_CROP_FRACTION))
+    return out
+
+
+# ----------------------------------------------------------------------------- geometry
+
+
+def _round_half_up(value: float) -> int:
+    return math.floor(value + 0.5)
+
+
+def resize_plan(
+    height: int, width: int, resize: Mapping[str, Any]
+) -> tuple[tuple[int, int], tuple[int, int, int, int] | None, tuple[int, int] | None]:
+    """Decide, without touching pixels, how an ``height`` x ``width`` image becomes the target.
+
+    Returns ``(resized (h, w), crop box (left, top, right, bottom) or None, paste offset
+    (left, top) into the padded canvas or None)``. Kept pure so the geometry of every mode
+    can be checked exactly, apart from the resampling filter.
+    """
+    target_h, target_w = resize["size"]
+    mode = resize["mode"]
+    if mode == "stretch":
+        return (target_h, target_w), None, None
+    if mode == "letterbox":
+        factor = min(target_h / height, target_w / width)
+        new_h = min(target_h, max(1, _round_half_up(height * factor)))
+        new_w = min(target_w, max(1, _round_half_up(width * factor)))
+        return (new_h, new_w), None, ((target_w - new_w) // 2, (target_h - new_h) // 2)
+    fraction = resize.get("crop_fraction", 1.0) if mode == "center-crop" else 1.0
+    factor = max(target_h / height, target_w / width) / fraction
+    new_h = max(target_h, _round_half_up(height * factor))
+    new_w = max(target_w, _round_half_up(width * factor))
+    left, top = (new_w - target_w) // 2, (new_h - target_h) // 2
+    return (new_h, new_w), (left, top, left + target_w, top + target_h), None
+
+
+def _matches(shape: tuple[int, ...], expected: list[Any]) -> bool:
+    if len(shape) != len(expected):
+        return False
+    return all(not isinstance(want, int) or got == want for got, want in zip(shape, expected, strict=True))
+
+
+# ----------------------------------------------------------------------------- executor
+
+
+class Preprocessor:
+    """Turns one raw input into one model input tensor, following a spec (see module docs).
+
+    The spec is normalized on construction, so a manifest written before a default existed
+    still runs, and ``self.spec`` is the complete spec actually executed.
+    """
+
+    def __init__(self, spec: Mapping[str, Any] | None, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+        self.spec = normalize_preprocess(spec)
+        self.max_pixels = max_pixels
+        self.kind: str = self.spec["kind"]
+        self.input_name: str | None = self.spec.get("input")
+        if self.kind == "image":
+            channels = _CHANNELS[self.spec["color"]]
+            self._mean = np.asarray(self.spec["mean"], dtype=np.float32).reshape(1, 1, channels)
+            self._std = np.asarray(self.spec["std"], dtype=np.float32).reshape(1, 1, channels)
+
+    # ---- entry points
+
+    def from_path(self, path: str | PathLike[str]) -> np.ndarray:
+        """An encoded image file (image kind) or an ``.npy`` file (tensor kind)."""
+        if self.kind == "tensor":
+            try:
+                array = np.load(path, allow_pickle=False)
+            except (OSError, ValueError, EOFError) as err:
+                raise PreprocessError(f"{path}: not a readable .npy file ({err})") from None
+            if not isinstance(array, np.ndarray):
+                raise PreprocessError(f"{path}: holds several arrays; a tensor spec takes one .npy array")
+            return self.from_array(array)
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except OSError as err:
+            raise PreprocessError(f"{path}: cannot read ({err.strerror or err})") from None
+        return self.from_image_bytes(data)
+
+    def batch_from_paths(self, paths: Iterable[str | PathLike[str]]) -> np.ndarray:
+        """Several files as one tensor with the samples along the first axis (for calibration).
+
+        With ``batch: false`` the per-sample tensors are stacked, giving the same layout.
+        """
+        tensors = [self.from_path(p) for p in paths]
+        if not tensors:
+            raise PreprocessError("no input files given")
+        shapes = {t.shape for t in tensors}
+        if len(shapes) > 1:
+            raise PreprocessError(f"inputs give different shapes {sorted(shapes)}; add a resize to the spec")
+        return np.concatenate(tensors, axis=0) if self.spec["batch"] else np.stack(tensors, axis=0)
+
+    def from_image_bytes(self, data: bytes) -> np.ndarray:
+        """Decode an encoded image (PNG, JPEG, ...) and preprocess it."""
+        self._require_image()
+        from PIL import Image
+
+        try:
+            image = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as err:
+            raise PreprocessError(f"image refused as a decompression bomb: {err}") from None
+        except Exception as err:
+            # Pillow's format plugins raise a zoo of types (OSError, SyntaxError, struct.error,
+            # ValueError, ...) for hostile or damaged bytes; to the caller they all mean one thing.
+            raise PreprocessError(f"cannot decode image ({type(err).__name__}: {err})") from None
+        self._check_pixels(image.width, image.height)
+        try:
+            image.load()
+        except Exception as err:
+            raise PreprocessError(f"cannot decode image ({type(err).__name__}: {err})") from None
+        return self.from_image(image)
+
+    def from_image(self, image: Image.Image) -> np.ndarray:
+        """Preprocess an already decoded Pillow image (EXIF orientation is still applied)."""
+        self._require_image()
+        from PIL import ImageOps
+
+        self._check_pixels(image.width, image.height)
+        try:
+            image = ImageOps.exif_transpose(image)
+        except Exception as err:
+            raise PreprocessError(f"cannot apply the EXIF orientation ({type(err).__name__}: {err})") from None
+        return self._pipeline(self._convert_color(image))
+
+    def from_array(self, array: np.ndarray) -> np.ndarray:
+        """Image kind: an HxWx3 uint8 RGB array (or HxW / HxWx1 gray, HxWx4 RGBA), as if decoded.
+        Tensor kind: the tensor itself, checked against the spec's shape and cast to its dtype."""
+        array = np.asarray(array)
+        if self.kind == "tensor":
+            return self._tensor(array)
+        from PIL import Image
+
+        if array.dtype != np.uint8:
+            raise PreprocessError(f"an image array must be uint8, got {array.dtype}")
+        if array.ndim == 3 and array.shape[2] == 1:
+            array = array[:, :, 0]
+        modes = {3: "RGB", 4: "RGBA"}
+        if array.ndim == 2:
+            mode = "L"
+        elif array.ndim == 3 and array.shape[2] in modes:
+            mode = modes[array.shape[2]]
+        else:
+            raise PreprocessError(f"an image array must be HxW, HxWx1, HxWx3 or HxWx4, got shape {list(array.shape)}")
+        self._check_pixels(array.shape[1], array.shape[0])
+        image = Image.fromarray(np.ascontiguousarray(array), mode=mode)
+        return self._pipeline(self._convert_color(image))
+
+    # ---- steps
+
+    def _require_image(self) -> None:
+        if self.kind != "image":
+            raise PreprocessError("this model takes raw tensors (preprocess kind: tensor), not images")
+
+    def _check_pixels(self, width: int, height: int) -> None:
+        if width * height > self.max_pixels:
+            raise PreprocessError(f"image is {width}x{height} = {width * height} pixels, "
+                                  f"over the limit of {self.max_pixels}")
+
+    def _convert_color(self, image: Image.Image) -> Image.Image:
+        wanted = "L" if self.spec["color"] == "gray" else "RGB"
+        if image.mode == wanted:
+            return image
+        try:
+            if image.mode not in ("RGB", "L"):
+                # Palette, CMYK, alpha, 16-bit... all go through RGB first, so gray always means
+                # the same luma formula on the same RGB values whatever the file's mode was.
+                image = image.convert("RGB")
+            return image.convert(wanted) if image.mode != wanted else image
+        except ValueError as err:
+            raise PreprocessError(f"cannot convert a {image.mode} image to {wanted} ({err})") from None
+
+    def _resize(self, image: Image.Image) -> Image.Image:
+        from PIL import Image
+
+        resize = self.spec.get("resize")
+        if resize is None:
+            return image
+        filters = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
+                   "bicubic": Image.Resampling.BICUBIC, "area": Image.Resampling.BOX}
+        (new_h, new_w), crop, paste = resize_plan(image.height, image.width, resize)
+        out = image.resize((new_w, new_h), resample=filters[resize["interpolation"]])
+        if crop is not None:
+            out = out.crop(crop)
+        if paste is not None:
+            target_h, target_w = resize["size"]
+            fill = resize["pad_value"] if out.mode == "L" else (resize["pad_value"],) * 3
+            canvas = Image.new(out.mode, (target_w, target_h), fill)
+            canvas.paste(out, paste)
+            out = canvas
+        return out
+
+    def _pipeline(self, image: Image.Image) -> np.ndarray:
+        pixels = np.asarray(self._resize(image), dtype=np.float32)
+        if pixels.ndim == 2:
+            pixels = pixels[:, :, None]
+        if self.spec["scale"] != 1.0:
+            pixels = pixels * np.float32(self.spec["scale"])
+        if self.spec["color"] == "bgr":
+            pixels = pixels[:, :, ::-1]
+        pixels = (pixels - self._mean) / self._std
+        if self.spec["layout"] == "NCHW":
+            pixels = pixels.transpose(2, 0, 1)
+        tensor = _cast(pixels, self.spec["dtype"])
+        if self.spec["batch"]:
+            tensor = tensor[None]
+        return np.ascontiguousarray(tensor)
+
+    def _tensor(self, array: np.ndarray) -> np.ndarray:
+        shape = self.spec.get("shape")
+        if shape is not None and not _matches(array.shape, shape):
+            raise PreprocessError(f"tensor shape mismatch: expected {shape}, got {list(array.shape)}")
+        dtype = self.spec.get("dtype")
+        if dtype is not None and array.dtype != np.dtype(dtype):
+            if not np.can_cast(array.dtype, dtype, casting="same_kind"):
+                raise PreprocessError(f"tensor dtype {array.dtype} cannot be cast to {dtype} without changing "
+                                      "its kind of number")
+            array = array.astype(dtype)
+        if self.spec["batch"]:
+            array = array[None]
+        return np.ascontiguousarray(array)
+
+
+def _cast(pixels: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype in ("uint8", "int8"):
+        info = np.iinfo(dtype)
+        return np.clip(np.rint(pixels), info.min, info.max).astype(dtype)
+    return pixels.astype(dtype, copy=False)
