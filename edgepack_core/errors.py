@@ -132,5 +132,9 @@ class KeyFileError(EdgepackError):
         self.problem = problem
 
 
+class PostprocessError(EdgepackError):
+    """Model outputs that the postprocessing spec cannot interpret (missing output, no classes)."""
+
+
 class PreprocessError(EdgepackError):
     """Input that the preprocessing spec cannot turn into a tensor (corrupt image, wrong shape)."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgepack_core.errors import ManifestError, SchemaError
+from edgepack_core.postprocess import POSTPROCESS_SCHEMA
+from edgepack_core.preprocess import PREPROCESS_SCHEMA
 from edgepack_core.schema import Validator, validate
 from edgepack_core.versions import VERSION_PATTERN, Version
 
@@ -84,8 +86,8 @@ MANIFEST_SCHEMA: dict[str, Any] = {
         },
         "inputs": {"type": "array", "minItems": 1, "items": _TENSOR},
         "outputs": {"type": "array", "minItems": 1, "items": _TENSOR},
-        "preprocess": {"type": "object"},
-        "postprocess": {"type": "object"},
+        "preprocess": PREPROCESS_SCHEMA,
+        "postprocess": POSTPROCESS_SCHEMA,
         "targets": {
             "type": "object",
             "additionalProperties": {

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepack_core.errors import EdgepackError
+from edgepack_core.errors import PostprocessError
 from edgepack_core.schema import Validator
 
 SPEC_VERSION = 1
@@ -75,10 +75,6 @@ _KIND_SCHEMAS: dict[str, dict[str, Any]] = {
     }
     for kind, keys in (("raw", _PLAIN_KEYS), ("softmax", _PLAIN_KEYS), ("topk", list(_PROPERTIES)))
 }
-
-
-class PostprocessError(EdgepackError):
-    """Model outputs that the postprocessing spec cannot interpret (missing output, no classes)."""
 
 
 def normalize_postprocess(spec: Mapping[str, Any] | None, *, document: str = "", path: str = "") -> dict[str, Any]:

@@ -136,17 +136,24 @@ class Validator:
 
         if "oneOf" in schema or "anyOf" in schema:
             options = schema.get("oneOf", []) or schema.get("anyOf", [])
-            errors: list[SchemaError] = []
+            errors: list[tuple[bool, SchemaError]] = []
             for option in options:
                 try:
                     self.validate(value, option, path)
                 except SchemaError as err:
-                    errors.append(err)
+                    errors.append((self._discriminated(value, option), err))
                 else:
                     return
-            # Report the error of the option that got furthest (deepest key path).
-            best = max(errors, key=lambda e: len(e.path))
-            raise best
+            # Report the error of the option the document meant (its ``const`` discriminator,
+            # e.g. ``kind``, matched), else of the option that got furthest (deepest key path).
+            raise max(errors, key=lambda pair: (pair[0], len(pair[1].path)))[1]
+
+    def _discriminated(self, value: Any, option: Mapping[str, Any]) -> bool:
+        """True when ``option`` has ``const`` properties and ``value`` matches all of them."""
+        if "$ref" in option:
+            option = self._resolve(option["$ref"])
+        consts = {k: v["const"] for k, v in option.get("properties", {}).items() if "const" in v}
+        return bool(consts) and isinstance(value, dict) and all(value.get(k) == c for k, c in consts.items())
 
     def _validate_object(self, value: dict, schema: Mapping[str, Any], path: str) -> None:
         properties = schema.get("properties", {})

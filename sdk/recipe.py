@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from edgepack_core.postprocess import POSTPROCESS_SCHEMA
-from edgepack_core.preprocess import PREPROCESS_SCHEMA
 
+from edgepack_core.postprocess import POSTPROCESS_SCHEMA, normalize_postprocess
+from edgepack_core.preprocess import PREPROCESS_SCHEMA, normalize_preprocess
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
 from edgepack_core.versions import VERSION_PATTERN
@@ -212,6 +212,9 @@ def check_recipe(document: Any, path: Path) -> Recipe:
     """Validate a parsed recipe document; resolve and check its paths."""
     recipe = str(path)
     validate(document, RECIPE_SCHEMA, document=recipe)
+    # The spec normalizers check what a schema cannot (e.g. one mean/std value per channel).
+    normalize_preprocess(document.get("preprocess"), document=recipe, path="preprocess")
+    normalize_postprocess(document.get("postprocess"), document=recipe, path="postprocess")
     data = copy.deepcopy(document)
     model = data["model"]
     if ("path" in model) == ("pytorch" in model):

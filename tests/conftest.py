@@ -34,3 +34,7 @@ def keypair(tmp_path_factory) -> tuple[Path, Path]:
     private, public = folder / "release.key", folder / "release.pub"
     write_keypair(private, public)
     return private, public
+
+
+# The real mosquitto broker fixture (function scope), shared by the MQTT tests.
+from tests.broker import mosquitto_broker  # noqa: E402,F401

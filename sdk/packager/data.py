@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from edgepack_core.preprocess import Preprocessor
 
 from edgepack_core.errors import PreprocessError
 from edgepack_core.manifest import TensorSpec
+from edgepack_core.preprocess import Preprocessor
 from sdk.errors import RecipeError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}

@@ -6,11 +6,11 @@ from typing import Any
 
 import numpy as np
 import onnx
-from edgepack_core.postprocess import normalize_postprocess
-from edgepack_core.preprocess import normalize_preprocess
 from onnx import TensorProto, helper
 
 from edgepack_core.manifest import TensorSpec
+from edgepack_core.postprocess import normalize_postprocess
+from edgepack_core.preprocess import normalize_preprocess
 from sdk.errors import ModelError, RecipeError
 from sdk.packager.passes.base import BuildContext, Pass, register
 

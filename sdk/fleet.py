@@ -1,0 +1,299 @@
+"""The fleet view: every device's state and latest telemetry, built from MQTT messages.
+
+``FleetView`` is pure: it takes (topic, payload, receive time) and answers "which devices,
+online or not, running what". A device is offline when its retained state says so (its
+last will, or a clean shutdown) or when nothing was heard from it for ``silence_s``.
+Payloads that are not JSON, too large, or of the wrong schema are counted and dropped; they
+never raise. ``collect`` and ``watch`` are the thin I/O around it (paho-mqtt).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from device_agent.mqtt.topics import DEFAULT_ROOT, Topics
+from edgepack_core.errors import EdgepackError
+
+log = logging.getLogger("edgepack.fleet")
+
+MAX_PAYLOAD_BYTES = 256 * 1024
+MAX_DEVICES = 1_000_000
+STATE_SCHEMA = "edgepack.state/1"
+TELEMETRY_SCHEMA = "edgepack.telemetry/1"
+
+
+class FleetError(EdgepackError):
+    """The broker could not be reached or the fleet could not be read."""
+
+
+@dataclass
+class DeviceRow:
+    device: str
+    status: str = "unknown"  # online | offline | silent | unknown
+    status_reason: str = ""
+    last_seen: float | None = None
+    model: dict[str, Any] | None = None
+    provider: str | None = None
+    profile: str | None = None
+    groups: list[str] = field(default_factory=list)
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    telemetry: dict[str, Any] | None = None
+    telemetry_count: int = 0
+    last_seq: int | None = None
+    seq_gaps: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        telemetry = self.telemetry or {}
+        return {
+            "device": self.device,
+            "status": self.status,
+            "status_reason": self.status_reason,
+            "last_seen": self.last_seen,
+            "model": self.model,
+            "provider": self.provider,
+            "profile": self.profile,
+            "groups": self.groups,
+            "latency_ms": telemetry.get("latency_ms"),
+            "errors": telemetry.get("errors"),
+            "inferences": telemetry.get("inferences"),
+            "queue": telemetry.get("queue"),
+            "telemetry_messages": self.telemetry_count,
+            "telemetry_gaps": self.seq_gaps,
+        }
+
+
+@dataclass
+class FleetView:
+    """Pure aggregation of state and telemetry messages into one row per device."""
+
+    root: str = DEFAULT_ROOT
+    silence_s: float = 60.0
+    devices: dict[str, DeviceRow] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._topics = Topics(self.root)
+
+    def _drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def _row(self, device: str) -> DeviceRow | None:
+        row = self.devices.get(device)
+        if row is None:
+            if len(self.devices) >= MAX_DEVICES:
+                self._drop("too_many_devices")
+                return None
+            row = self.devices[device] = DeviceRow(device)
+        return row
+
+    def apply(self, topic: str, payload: bytes, now: float) -> None:
+        """Take one message. Never raises for bad input: counts it in ``dropped``."""
+        parsed = self._topics.parse(topic)
+        if parsed is None:
+            self._drop("bad_topic")
+            return
+        if parsed.kind not in ("state", "telemetry") or parsed.device is None:
+            return
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            self._drop("too_large")
+            return
+        if parsed.kind == "state" and payload == b"":
+            self.devices.pop(parsed.device, None)  # retained state cleared: device decommissioned
+            return
+        try:
+            doc = json.loads(payload)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            self._drop("not_json")
+            return
+        if not isinstance(doc, dict):
+            self._drop("bad_schema")
+            return
+        if parsed.kind == "state":
+            self._apply_state(parsed.device, doc, now)
+        else:
+            self._apply_telemetry(parsed.device, doc, now)
+
+    def _apply_state(self, device: str, doc: dict[str, Any], now: float) -> None:
+        status = doc.get("status")
+        if doc.get("schema") != STATE_SCHEMA or status not in ("online", "offline"):
+            self._drop("bad_schema")
+            return
+        row = self._row(device)
+        if row is None:
+            return
+        row.status = status
+        row.status_reason = str(doc.get("reason", "")) if status == "offline" else ""
+        row.last_seen = now
+        if isinstance(doc.get("model"), dict) or doc.get("model") is None:
+            row.model = doc.get("model") or row.model
+        caps = doc.get("capabilities")
+        if isinstance(caps, dict):
+            row.capabilities = caps
+            row.profile = caps.get("profile") if isinstance(caps.get("profile"), str) else row.profile
+        groups = doc.get("groups")
+        if isinstance(groups, list):
+            row.groups = [g for g in groups if isinstance(g, str)]
+        if isinstance(doc.get("provider"), str):
+            row.provider = doc["provider"]
+
+    def _apply_telemetry(self, device: str, doc: dict[str, Any], now: float) -> None:
+        if doc.get("schema") != TELEMETRY_SCHEMA:
+            self._drop("bad_schema")
+            return
+        row = self._row(device)
+        if row is None:
+            return
+        row.telemetry = doc
+        row.telemetry_count += 1
+        row.last_seen = now
+        if row.status in ("unknown", "silent"):
+            row.status = "online"
+        if isinstance(doc.get("model"), dict):
+            row.model = doc["model"]
+        if isinstance(doc.get("provider"), str):
+            row.provider = doc["provider"]
+        seq = doc.get("seq")
+        if isinstance(seq, int):
+            if row.last_seq is not None and seq > row.last_seq + 1:
+                row.seq_gaps += seq - row.last_seq - 1
+            row.last_seq = seq if row.last_seq is None else max(seq, row.last_seq)
+
+    def rows(self, now: float) -> list[DeviceRow]:
+        """Rows sorted by device id, with silent devices marked as such."""
+        out = []
+        for device in sorted(self.devices):
+            row = self.devices[device]
+            if row.status == "online" and row.last_seen is not None and now - row.last_seen > self.silence_s:
+                row.status = "silent"
+                row.status_reason = f"nothing heard for {now - row.last_seen:.0f}s"
+            out.append(row)
+        return out
+
+
+def format_table(rows: list[DeviceRow], now: float) -> str:
+    """The human table of ``edgepack fleet status``."""
+    header = f"{'DEVICE':<20} {'STATUS':<8} {'MODEL':<24} {'PROVIDER':<26} {'P50 MS':>7} {'P99 MS':>7} " \
+             f"{'ERRORS':>6} {'LAST SEEN':>9}"
+    lines = [header]
+    for row in rows:
+        model = f"{row.model.get('name')} {row.model.get('version')}" if row.model else "-"
+        latency = (row.telemetry or {}).get("latency_ms") or {}
+        errors = (row.telemetry or {}).get("errors") or {}
+        total_errors = sum(v for v in errors.values() if isinstance(v, int)) if isinstance(errors, dict) else 0
+        seen = f"{now - row.last_seen:.0f}s ago" if row.last_seen else "-"
+        p50, p99 = latency.get("p50"), latency.get("p99")
+        lines.append(
+            f"{row.device[:20]:<20} {row.status:<8} {model[:24]:<24} {(row.provider or '-')[:26]:<26} "
+            f"{p50 if p50 is not None else '-':>7} {p99 if p99 is not None else '-':>7} {total_errors:>6} {seen:>9}"
+        )
+    online = sum(1 for r in rows if r.status == "online")
+    lines.append(f"{len(rows)} device(s), {online} online")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- I/O
+
+
+def parse_broker(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise FleetError(f"--broker must be HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def _client(client_id: str, protocol: str) -> Any:
+    import paho.mqtt.client as mqtt
+
+    version = mqtt.MQTTv5 if protocol == "5" else mqtt.MQTTv311
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=version)
+
+    def nodelay(_client: Any, _userdata: Any, sock: Any) -> None:
+        # Nagle's algorithm holds small QoS 1 packets for tens of milliseconds; off.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    client.on_socket_open = nodelay
+    return client
+
+
+def stream_messages(
+    broker: str, *, root: str = DEFAULT_ROOT, share: str | None = None, protocol: str = "5",
+    username: str | None = None, password: str | None = None, connect_timeout: float = 5.0,
+) -> Iterator[tuple[str, bytes, float]]:
+    """Yield (topic, payload, receive time) from the state and telemetry topics until closed.
+
+    With ``share``, telemetry is read through the MQTT 5 shared subscription
+    ``$share/<share>/...`` so several consumers split the load; state stays a normal
+    subscription, since every consumer needs every device's retained state.
+    """
+    import queue
+
+    host, port = parse_broker(broker)
+    topics = Topics(root)
+    client = _client(f"edgepack-fleet-{int(time.time() * 1000) % 10**9}", protocol)
+    if username:
+        client.username_pw_set(username, password)
+    inbox: queue.Queue[tuple[str, bytes, float]] = queue.Queue(maxsize=100_000)
+    connected = threading.Event()
+    failure: list[str] = []
+
+    def on_connect(c: Any, _u: Any, _flags: Any, reason: Any, _props: Any = None) -> None:
+        if getattr(reason, "is_failure", False):
+            failure.append(str(reason))
+            connected.set()
+            return
+        telemetry = topics.all_of("telemetry")
+        c.subscribe([(topics.all_of("state"), 1), (f"$share/{share}/{telemetry}" if share else telemetry, 1)])
+        connected.set()
+
+    def on_message(_c: Any, _u: Any, message: Any) -> None:
+        try:
+            inbox.put_nowait((message.topic, message.payload, time.time()))
+        except queue.Full:
+            log.warning("fleet inbox full: dropping a message")
+
+    client.on_connect = on_connect
+    client.on_message = on_message
+    try:
+        client.connect(host, port, keepalive=30)
+    except OSError as err:
+        raise FleetError(f"cannot reach the broker at {broker}: {err.strerror or err}") from None
+    client.loop_start()
+    try:
+        if not connected.wait(connect_timeout):
+            raise FleetError(f"no answer from the broker at {broker} within {connect_timeout:.0f}s")
+        if failure:
+            raise FleetError(f"the broker at {broker} refused the connection: {failure[0]}")
+        while True:
+            try:
+                yield inbox.get(timeout=0.1)
+            except queue.Empty:
+                yield ("", b"", time.time())  # a tick, so callers can stop on time
+    finally:
+        client.loop_stop()
+        client.disconnect()
+
+
+def collect(broker: str, *, wait_s: float = 2.0, quiet_s: float = 0.5, silence_s: float = 60.0,
+            root: str = DEFAULT_ROOT, on_tick: Callable[[FleetView], None] | None = None,
+            **kwargs: Any) -> FleetView:
+    """Read the fleet for up to ``wait_s`` seconds, ending early once retained states have
+    arrived and the stream has been quiet for ``quiet_s``."""
+    view = FleetView(root=root, silence_s=silence_s)
+    started = last = time.time()
+    for topic, payload, received in stream_messages(broker, root=root, **kwargs):
+        if topic:
+            view.apply(topic, payload, received)
+            last = received
+        if on_tick is not None:
+            on_tick(view)
+        now = time.time()
+        if now - started >= wait_s or (view.devices and now - last >= quiet_s):
+            break
+    return view

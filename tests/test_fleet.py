@@ -1,0 +1,133 @@
+"""The fleet view: pure aggregation, hostile payloads, and `edgepack fleet status` on a real broker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+
+from sdk.fleet import FleetView, format_table
+from tests.conftest import run_cli
+
+ROOT = "edgepack/v1"
+
+
+def _state(device: str, status: str, **extra) -> bytes:
+    return json.dumps({"schema": "edgepack.state/1", "device": device, "status": status, **extra}).encode()
+
+
+def _telemetry(device: str, seq: int, p50: float = 1.5) -> bytes:
+    return json.dumps({"schema": "edgepack.telemetry/1", "device": device, "seq": seq,
+                       "latency_ms": {"p50": p50, "p99": 3.0}, "errors": {"bad_input": 2},
+                       "model": {"name": "digits", "version": "1.0.0"}, "provider": "CPUExecutionProvider"}).encode()
+
+
+def test_state_and_telemetry_make_one_row_per_device():
+    view = FleetView()
+    view.apply(f"{ROOT}/dev/pi-1/state", _state("pi-1", "online", groups=["kitchen"],
+                                                 capabilities={"profile": "rpi"}), now=100)
+    view.apply(f"{ROOT}/dev/pi-1/telemetry", _telemetry("pi-1", 1), now=101)
+    view.apply(f"{ROOT}/dev/pi-2/state", _state("pi-2", "offline", reason="last will"), now=102)
+    rows = {r.device: r for r in view.rows(now=103)}
+    assert rows["pi-1"].status == "online" and rows["pi-1"].profile == "rpi" and rows["pi-1"].groups == ["kitchen"]
+    assert rows["pi-1"].model == {"name": "digits", "version": "1.0.0"}
+    assert rows["pi-2"].status == "offline" and rows["pi-2"].status_reason == "last will"
+    table = format_table(view.rows(now=103), now=103)
+    assert "pi-1" in table and "digits 1.0.0" in table and "2 device(s), 1 online" in table
+
+
+def test_silent_device_is_marked_after_the_silence_window():
+    view = FleetView(silence_s=30)
+    view.apply(f"{ROOT}/dev/pi-1/state", _state("pi-1", "online"), now=0)
+    assert view.rows(now=29)[0].status == "online"
+    row = view.rows(now=31)[0]
+    assert row.status == "silent" and "31s" in row.status_reason
+
+
+def test_telemetry_gaps_are_counted_from_sequence_numbers():
+    view = FleetView()
+    for seq in (1, 2, 5, 6):
+        view.apply(f"{ROOT}/dev/d/telemetry", _telemetry("d", seq), now=seq)
+    assert view.devices["d"].seq_gaps == 2 and view.devices["d"].telemetry_count == 4
+
+
+def test_hostile_payloads_are_dropped_and_counted_never_raised():
+    view = FleetView()
+    view.apply(f"{ROOT}/dev/d/telemetry", b"\xff\xfe not json", now=1)
+    view.apply(f"{ROOT}/dev/d/telemetry", b"[1, 2, 3]", now=1)
+    view.apply(f"{ROOT}/dev/d/telemetry", json.dumps({"schema": "other"}).encode(), now=1)
+    view.apply(f"{ROOT}/dev/d/state", b"{" + b"x" * (300 * 1024) + b"}", now=1)
+    view.apply(f"{ROOT}/dev/d/state", json.dumps({"schema": "edgepack.state/1", "status": "maybe"}).encode(), now=1)
+    view.apply(f"{ROOT}/dev/bad+name/state", _state("x", "online"), now=1)
+    view.apply(f"{ROOT}/dev/d/state", json.dumps({"schema": "edgepack.state/1", "status": "online",
+                                                  "groups": "not-a-list", "model": 7}).encode(), now=1)
+    assert view.dropped == {"not_json": 1, "bad_schema": 3, "too_large": 1, "bad_topic": 1}
+    assert list(view.devices) == ["d"] and view.devices["d"].groups == []
+
+
+def _publisher(port: int) -> mqtt.Client:
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="test-pub", protocol=mqtt.MQTTv5)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    return client
+
+
+def test_fleet_status_reads_retained_states_and_last_will_from_a_real_broker(mosquitto_broker, tmp_path):
+    pub = _publisher(mosquitto_broker.port)
+    pub.publish(f"{ROOT}/dev/pi-1/state", _state("pi-1", "online"), qos=1, retain=True).wait_for_publish(5)
+    pub.publish(f"{ROOT}/dev/pi-1/telemetry", _telemetry("pi-1", 1), qos=1).wait_for_publish(5)
+    pub.publish(f"{ROOT}/dev/junk/state", b"not json at all", qos=1, retain=True).wait_for_publish(5)
+
+    # A device process whose connection dies: the broker publishes its retained last will.
+    script = tmp_path / "device.py"
+    script.write_text(
+        "import json, sys, time, paho.mqtt.client as mqtt\n"
+        "c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id='pi-2', protocol=mqtt.MQTTv5)\n"
+        f"c.will_set('{ROOT}/dev/pi-2/state', json.dumps({{'schema': 'edgepack.state/1', 'status': 'offline',"
+        " 'reason': 'last will'}), qos=1, retain=True)\n"
+        f"c.connect('127.0.0.1', {mosquitto_broker.port}, keepalive=5)\n"
+        f"c.publish('{ROOT}/dev/pi-2/state', json.dumps({{'schema': 'edgepack.state/1', 'status': 'online'}}),"
+        " qos=1, retain=True).wait_for_publish(5) if c.loop_start() is None else None\n"
+        "print('up', flush=True); time.sleep(60)\n"
+    )
+    device = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert device.stdout.readline().strip() == "up"
+        device.kill()
+        device.wait(5)
+        deadline = time.time() + 10
+        rows: dict = {}
+        while time.time() < deadline:
+            result = run_cli("edgepack", "fleet", "status", "--broker", mosquitto_broker.address, "--json",
+                             "--wait", "2")
+            assert result.returncode == 0, result.stderr
+            rows = {d["device"]: d for d in json.loads(result.stdout)["devices"]}
+            if rows.get("pi-2", {}).get("status") == "offline":
+                break
+        assert rows["pi-1"]["status"] == "online"
+        assert rows["pi-2"]["status"] == "offline" and rows["pi-2"]["status_reason"] == "last will"
+        assert "junk" not in rows
+    finally:
+        device.kill()
+        pub.loop_stop()
+
+
+def test_fleet_status_with_unreachable_broker_is_one_line_exit_1():
+    result = run_cli("edgepack", "fleet", "status", "--broker", "127.0.0.1:1")
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0 and "cannot reach the broker" in result.stderr
+
+
+def test_fleet_sim_small_run_loses_nothing_and_status_sees_every_device(mosquitto_broker):
+    sim = Path(__file__).resolve().parent.parent / "tools" / "fleet_sim.py"
+    result = subprocess.run([sys.executable, str(sim), "--devices", "50", "--rate", "5", "--duration", "2",
+                             "--broker", mosquitto_broker.address, "--json"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr + result.stdout
+    summary = json.loads(result.stdout)
+    assert summary["sent"] >= 50 * 5 and summary["lost"] == 0
+    assert summary["fleet_status_devices"] == 50 and summary["fleet_status_online"] == 50
