@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,7 +237,7 @@ def stream_messages(
 
     host, port = parse_broker(broker)
     topics = Topics(root)
-    client = _client(f"edgepack-fleet-{int(time.time() * 1000) % 10**9}", protocol)
+    client = _client(f"edgepack-fleet-{uuid.uuid4().hex[:12]}", protocol)
     if username:
         client.username_pw_set(username, password)
     inbox: queue.Queue[tuple[str, bytes, float]] = queue.Queue(maxsize=100_000)

@@ -131,3 +131,42 @@ def test_fleet_sim_small_run_loses_nothing_and_status_sees_every_device(mosquitt
     summary = json.loads(result.stdout)
     assert summary["sent"] >= 50 * 5 and summary["lost"] == 0
     assert summary["fleet_status_devices"] == 50 and summary["fleet_status_online"] == 50
+
+
+def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker):
+    """Two fleet consumers in one MQTT 5 share group each get part of the telemetry, together all."""
+    import threading
+
+    from sdk.fleet import stream_messages
+
+    got: list[list[str]] = [[], []]
+    stop = threading.Event()
+    ready = [threading.Event(), threading.Event()]
+
+    def consume(index: int) -> None:
+        for topic, payload, _ in stream_messages(mosquitto_broker.address, share="exporters"):
+            ready[index].set()
+            if topic.endswith("/telemetry"):
+                got[index].append(json.loads(payload)["device"] + f":{json.loads(payload)['seq']}")
+            if stop.is_set():
+                return
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for event in ready:
+        assert event.wait(10)
+    time.sleep(0.3)  # let both subscriptions settle on the broker
+    pub = _publisher(mosquitto_broker.port)
+    sent = [f"d{i % 5}:{i}" for i in range(200)]
+    for i in range(200):
+        pub.publish(f"{ROOT}/dev/d{i % 5}/telemetry", _telemetry(f"d{i % 5}", i), qos=1).wait_for_publish(5)
+    deadline = time.time() + 10
+    while len(got[0]) + len(got[1]) < 200 and time.time() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    for thread in threads:
+        thread.join(5)
+    pub.loop_stop()
+    assert sorted(got[0] + got[1]) == sorted(sent), "every message delivered exactly once across the group"
+    assert got[0] and got[1], "the broker should hand messages to both consumers"
