@@ -20,7 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,3 +193,13 @@ def mosquitto_broker(tmp_path: Path) -> Iterator[Broker]:
     finally:
         with contextlib.suppress(Exception):
             broker.kill()
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0, interval: float = 0.01) -> bool:
+    """Poll ``predicate`` until it is truthy or ``timeout`` passes; return its last truthiness."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
