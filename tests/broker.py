@@ -139,14 +139,19 @@ class Broker:
             return ""
 
 
-def default_config(port: int, *, anonymous: bool = True) -> str:
-    """The base config every test broker gets; ``config_extra`` is appended to it."""
+def default_config(port: int, *, anonymous: bool = True, persistence_dir: Path | None = None) -> str:
+    """The base config every test broker gets; ``config_extra`` is appended to it. With a
+    ``persistence_dir`` the broker saves sessions and queued messages there on stop, so a
+    restart keeps persistent sessions (as a production broker would)."""
+    persistence = ["persistence false"] if persistence_dir is None else [
+        "persistence true", f"persistence_location {persistence_dir}/", "autosave_interval 0",
+    ]
     lines = [
         f"listener {port} {HOST}",
         # mosquitto drops root privileges to user "mosquitto" unless told otherwise, and could
         # then not read password files in a temp dir; as a non-root user this line is ignored.
         f"user {getpass.getuser()}",
-        "persistence false",
+        *persistence,
         "set_tcp_nodelay true",
         "max_queued_messages 0",
         "max_queued_bytes 268435456",
@@ -168,18 +173,20 @@ def start_mosquitto(
     *,
     anonymous: bool = True,
     workdir: Path | None = None,
+    persistence: bool = False,
 ) -> Broker:
     """Start a broker on ``port`` (or a free loopback port) and return once it accepts connections.
 
     ``config_extra`` is appended to :func:`default_config`; pass ``anonymous=False`` when it
     brings its own ``allow_anonymous false`` / ``password_file`` / ``acl_file``. Files live in
-    ``workdir`` (a new temp dir by default).
+    ``workdir`` (a new temp dir by default), and so does the persistence file if ``persistence``.
     """
     folder = workdir or Path(tempfile.mkdtemp(prefix="mosquitto-"))
     folder.mkdir(parents=True, exist_ok=True)
     chosen = port or free_port()
     config = folder / "mosquitto.conf"
-    config.write_text(default_config(chosen, anonymous=anonymous) + config_extra)
+    persistence_dir = folder if persistence else None
+    config.write_text(default_config(chosen, anonymous=anonymous, persistence_dir=persistence_dir) + config_extra)
     broker = Broker(port=chosen, workdir=folder, config_path=config, log_path=folder / "mosquitto.log")
     return broker.start()
 
