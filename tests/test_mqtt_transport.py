@@ -280,3 +280,18 @@ def test_persistent_session_receives_commands_sent_while_offline(mosquitto_broke
         again.subscribe(cmd, 1, inbox)
         with connected(again, cmd):
             assert wait_until(lambda: inbox.payloads() == [b"deploy while offline"]), inbox.payloads()
+
+
+def test_overlapping_subscriptions_each_see_a_message_once(mosquitto_broker: Broker) -> None:
+    everything, own_cmd = Inbox(), Inbox()
+    device = MqttTransport(mosquitto_broker.settings(client_id="pi-07"))
+    device.subscribe(TOPICS.everything(), 1, everything)
+    device.subscribe(TOPICS.cmd("pi-07"), 1, own_cmd)
+    operator = MqttTransport(mosquitto_broker.settings(client_id="operator"))
+    with connected(device, TOPICS.everything(), TOPICS.cmd("pi-07")), connected(operator):
+        operator.publish(TOPICS.cmd("pi-07"), b"c1", qos=1)
+        operator.publish(TOPICS.telemetry("other"), b"t1", qos=1)
+        assert wait_until(lambda: everything.payloads() == [b"c1", b"t1"])
+        time.sleep(0.2)  # a duplicate copy would arrive right behind
+        assert everything.payloads() == [b"c1", b"t1"]
+        assert own_cmd.payloads() == [b"c1"]

@@ -207,6 +207,7 @@ class _Subscription:
     qos: int
     handler: Handler
     match: str
+    identifier: int
 
 
 class MqttTransport:
@@ -221,6 +222,7 @@ class MqttTransport:
         self._rng = rng or random.Random()
         self._lock = threading.Lock()  # subscriptions, connection flag, publish bookkeeping
         self._subscriptions: dict[str, _Subscription] = {}
+        self._next_identifier = 0  # MQTT 5 subscription identifiers, one per subscribe() call
         self._active: set[str] = set()
         self._suback_pending: dict[int, str] = {}
         self._pending_acks: dict[int, PublishCallback | None] = {}
@@ -372,13 +374,23 @@ class MqttTransport:
 
     def subscribe(self, topic_filter: str, qos: int, handler: Handler) -> None:
         """Subscribe now if connected, and again after every reconnect. A second call with the
-        same filter replaces the handler. Shared subscriptions (``$share/<group>/<filter>``) work."""
+        same filter replaces the handler. Shared subscriptions (``$share/<group>/<filter>``) work.
+
+        Brokers may send one copy of a message per matching subscription. On MQTT 5 every
+        subscription carries a Subscription Identifier and each copy goes only to the handler it
+        was sent for, so overlapping filters each see a message once. MQTT 3.1.1 has no such
+        identifier and a copy goes to every matching handler; mosquitto sends v3 clients a
+        single copy, but a broker that sends one per subscription would repeat it there.
+        """
         if qos not in (0, 1, 2):
             raise UsageError(f"subscription QoS {qos!r} is not 0, 1 or 2")
         if not topic_filter:
             raise UsageError("empty topic filter")
         with self._lock:
-            self._subscriptions[topic_filter] = _Subscription(qos, handler, _filter_for_matching(topic_filter))
+            self._next_identifier += 1
+            self._subscriptions[topic_filter] = _Subscription(
+                qos, handler, _filter_for_matching(topic_filter), self._next_identifier
+            )
             if self._connected.is_set():
                 self._send_subscribe([topic_filter])
 
@@ -510,7 +522,12 @@ class MqttTransport:
     def _send_subscribe(self, filters: list[str]) -> None:
         """Issue SUBSCRIBE for ``filters`` (caller holds ``self._lock``)."""
         for topic_filter in filters:
-            rc, mid = self._client.subscribe(topic_filter, self._subscriptions[topic_filter].qos)
+            subscription = self._subscriptions[topic_filter]
+            properties = None
+            if self.settings.protocol == "5":
+                properties = Properties(PacketTypes.SUBSCRIBE)
+                properties.SubscriptionIdentifier = subscription.identifier
+            rc, mid = self._client.subscribe(topic_filter, subscription.qos, properties=properties)
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and mid is not None:
                 self._suback_pending[mid] = topic_filter
 
@@ -549,9 +566,13 @@ class MqttTransport:
                             size, topic, self.settings.max_incoming_bytes)
                 return
             incoming = Incoming(topic, bytes(message.payload), message.qos, bool(message.retain))
+            identifiers = getattr(message.properties, "SubscriptionIdentifier", None) or []
             with self._lock:
                 subscriptions = list(self._subscriptions.values())
-            handlers = [sub.handler for sub in subscriptions if mqtt.topic_matches_sub(sub.match, topic)]
+            if identifiers:
+                handlers = [sub.handler for sub in subscriptions if sub.identifier in identifiers]
+            else:
+                handlers = [sub.handler for sub in subscriptions if mqtt.topic_matches_sub(sub.match, topic)]
         except Exception:  # e.g. a topic that is not UTF-8
             log.exception("dropped an undecodable incoming message")
             return
