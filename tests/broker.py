@@ -174,20 +174,25 @@ def start_mosquitto(
     anonymous: bool = True,
     workdir: Path | None = None,
     persistence: bool = False,
+    config: str | None = None,
 ) -> Broker:
     """Start a broker on ``port`` (or a free loopback port) and return once it accepts connections.
 
     ``config_extra`` is appended to :func:`default_config`; pass ``anonymous=False`` when it
     brings its own ``allow_anonymous false`` / ``password_file`` / ``acl_file``. Files live in
     ``workdir`` (a new temp dir by default), and so does the persistence file if ``persistence``.
+    A complete ``config`` replaces the default one (its listener must use ``port``).
     """
+    if config is not None and port is None:
+        raise BrokerError("a complete config needs the port its listener uses")
     folder = workdir or Path(tempfile.mkdtemp(prefix="mosquitto-"))
     folder.mkdir(parents=True, exist_ok=True)
     chosen = port or free_port()
-    config = folder / "mosquitto.conf"
     persistence_dir = folder if persistence else None
-    config.write_text(default_config(chosen, anonymous=anonymous, persistence_dir=persistence_dir) + config_extra)
-    broker = Broker(port=chosen, workdir=folder, config_path=config, log_path=folder / "mosquitto.log")
+    base = default_config(chosen, anonymous=anonymous, persistence_dir=persistence_dir) if config is None else config
+    config_path = folder / "mosquitto.conf"
+    config_path.write_text(base + config_extra)
+    broker = Broker(port=chosen, workdir=folder, config_path=config_path, log_path=folder / "mosquitto.log")
     return broker.start()
 
 

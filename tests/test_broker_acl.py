@@ -1,0 +1,192 @@
+"""The shipped broker config and per-device ACL (deploy/mosquitto), on a real mosquitto.
+
+mosquitto runs with deploy/mosquitto/mosquitto.conf itself (port and paths swapped for temporary
+ones) and deploy/mosquitto/acl unchanged, so what is tested is what ships. Devices pi-07 (group
+kitchen) and pi-08 (group lobby) and the operator are the users that ACL names.
+"""
+
+from __future__ import annotations
+
+import getpass
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from device_agent.mqtt.topics import Topics
+from device_agent.mqtt.transport import Incoming, MqttTransport
+from device_agent.telemetry.queue import Forwarder, Outbox
+from tests.broker import Broker, free_port, start_mosquitto, wait_until
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "mosquitto"
+TOPICS = Topics()
+USERS = {"pi-07": "pw-07", "pi-08": "pw-08", "operator": "pw-operator"}
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.messages: list[tuple[str, bytes]] = []
+
+    def __call__(self, message: Incoming) -> None:
+        with self._lock:
+            self.messages.append((message.topic, message.payload))
+
+    def payloads(self) -> list[bytes]:
+        with self._lock:
+            return [payload for _, payload in self.messages]
+
+
+def shipped_config(port: int, workdir: Path) -> str:
+    """deploy/mosquitto/mosquitto.conf with its port and file locations moved into ``workdir``."""
+    text = (DEPLOY / "mosquitto.conf").read_text()
+    replacements = {
+        "listener 1883\n": f"listener {port} 127.0.0.1\n",
+        "/etc/mosquitto/edgepack/passwd": str(workdir / "passwd"),
+        "/etc/mosquitto/edgepack/acl": str(DEPLOY / "acl"),
+        "persistence_location /var/lib/mosquitto/": f"persistence_location {workdir}/",
+    }
+    for old, new in replacements.items():
+        assert old in text, f"deploy/mosquitto/mosquitto.conf no longer contains {old!r}"
+        text = text.replace(old, new)
+    # As root, mosquitto would switch to user "mosquitto", which cannot read a temp dir.
+    return text + f"\nuser {getpass.getuser()}\n"
+
+
+@pytest.fixture
+def secured_broker(tmp_path: Path) -> Iterator[Broker]:
+    workdir = tmp_path / "broker"
+    workdir.mkdir()
+    passwd = workdir / "passwd"
+    for index, (user, password) in enumerate(USERS.items()):
+        create = ["-c"] if index == 0 else []
+        subprocess.run(["mosquitto_passwd", *create, "-b", str(passwd), user, password],
+                       check=True, capture_output=True, stdin=subprocess.DEVNULL)
+    port = free_port()
+    broker = start_mosquitto(config=shipped_config(port, workdir), port=port, workdir=workdir)
+    try:
+        yield broker
+    finally:
+        broker.kill()
+
+
+def login(broker: Broker, user: str, *, password: str | None = None, protocol: str = "5") -> MqttTransport:
+    return MqttTransport(broker.settings(client_id=f"{user}-client", username=user,
+                                         password=USERS[user] if password is None else password, protocol=protocol))
+
+
+def up(transport: MqttTransport, *filters: str) -> MqttTransport:
+    transport.start()
+    assert transport.wait_connected(5), transport.last_error
+    assert wait_until(lambda: all(transport.is_subscribed(f) for f in filters)), filters
+    return transport
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_device_cannot_publish_on_or_read_another_devices_topics(secured_broker: Broker, protocol: str) -> None:
+    operator_inbox, a_inbox, b_inbox = Inbox(), Inbox(), Inbox()
+    operator = login(secured_broker, "operator", protocol=protocol)
+    operator.subscribe(TOPICS.everything(), 1, operator_inbox)
+    device_a = login(secured_broker, "pi-07", protocol=protocol)
+    # A tries to listen to B's commands and to the whole tree; the broker filters on delivery.
+    device_a.subscribe(TOPICS.cmd("pi-08"), 1, a_inbox)
+    device_a.subscribe(TOPICS.everything(), 1, a_inbox)
+    device_b = login(secured_broker, "pi-08", protocol=protocol)
+    device_b.subscribe(TOPICS.cmd("pi-08"), 1, b_inbox)
+    transports = [operator, device_a, device_b]
+    try:
+        up(operator, TOPICS.everything())
+        up(device_a)
+        up(device_b, TOPICS.cmd("pi-08"))
+
+        # A forges B's telemetry and a command to B; mosquitto refuses both.
+        refused: list[bool] = []
+        device_a.publish(TOPICS.telemetry("pi-08"), b"forged telemetry", qos=1, on_done=refused.append)
+        device_a.publish(TOPICS.cmd("pi-08"), b"forged command", qos=1, on_done=refused.append)
+        if protocol == "5":  # MQTT 5 says so in the PUBACK (and mosquitto then drops the connection)
+            assert wait_until(lambda: refused == [False, False]), refused
+        # A's own telemetry goes through (after A's reconnect, if the broker dropped it).
+        assert wait_until(lambda: device_a.connected, timeout=5)
+        device_a.publish(TOPICS.telemetry("pi-07"), b"own telemetry", qos=1)
+        assert wait_until(lambda: b"own telemetry" in operator_inbox.payloads(), timeout=5)
+
+        # The operator commands B, then A: each device receives its own command only.
+        assert wait_until(lambda: device_a.connected and device_a.is_subscribed(TOPICS.everything()))
+        operator.publish(TOPICS.cmd("pi-08"), b"for B", qos=1)
+        operator.publish(TOPICS.cmd("pi-07"), b"for A", qos=1)
+        assert wait_until(lambda: b"for A" in a_inbox.payloads())
+        assert wait_until(lambda: b"for B" in b_inbox.payloads())
+
+        assert b"forged telemetry" not in operator_inbox.payloads()
+        assert b"forged command" not in operator_inbox.payloads() + b_inbox.payloads()
+        assert b"for B" not in a_inbox.payloads()
+        assert b"own telemetry" not in a_inbox.payloads()  # A may not even read its own telemetry back
+        assert set(a_inbox.payloads()) == {b"for A"}
+    finally:
+        for transport in transports:
+            transport.close()
+
+
+def test_group_commands_reach_only_members(secured_broker: Broker) -> None:
+    kitchen, lobby = TOPICS.group_cmd("kitchen"), TOPICS.group_cmd("lobby")
+    a_inbox, b_inbox = Inbox(), Inbox()
+    device_a, device_b = login(secured_broker, "pi-07"), login(secured_broker, "pi-08")
+    for device, inbox in ((device_a, a_inbox), (device_b, b_inbox)):
+        device.subscribe(kitchen, 1, inbox)
+        device.subscribe(lobby, 1, inbox)
+    operator = login(secured_broker, "operator")
+    try:
+        up(device_a, kitchen, lobby)
+        up(device_b, kitchen, lobby)
+        up(operator)
+        operator.publish(kitchen, b"kitchen job", qos=1)
+        operator.publish(lobby, b"lobby job", qos=1)
+        assert wait_until(lambda: a_inbox.payloads() == [b"kitchen job"] and b_inbox.payloads() == [b"lobby job"])
+        # A device cannot command its own group either.
+        refused: list[bool] = []
+        device_a.publish(kitchen, b"self-issued", qos=1, on_done=refused.append)
+        assert wait_until(lambda: refused == [False])
+        operator.publish(lobby, b"marker", qos=1)
+        assert wait_until(lambda: b"marker" in b_inbox.payloads())
+        assert b"self-issued" not in a_inbox.payloads() + b_inbox.payloads()
+    finally:
+        for transport in (device_a, device_b, operator):
+            transport.close()
+
+
+@pytest.mark.parametrize(("user", "password"), [("pi-07", "wrong"), ("stranger", "x"), (None, None)])
+def test_unknown_or_anonymous_clients_are_refused(secured_broker: Broker, user: str | None,
+                                                  password: str | None) -> None:
+    transport = MqttTransport(secured_broker.settings(client_id="intruder", username=user, password=password))
+    transport.start()
+    try:
+        assert wait_until(lambda: transport.last_error is not None and "not authori" in transport.last_error.lower())
+        assert not transport.connected
+    finally:
+        transport.close()
+
+
+def test_outbox_counts_a_message_the_broker_refuses_and_moves_on(secured_broker: Broker, tmp_path: Path) -> None:
+    operator_inbox = Inbox()
+    operator = login(secured_broker, "operator")
+    operator.subscribe(TOPICS.everything(), 1, operator_inbox)
+    device = login(secured_broker, "pi-07")
+    outbox = Outbox(tmp_path / "outbox.db")
+    forwarder = Forwarder(outbox, device, window=1)
+    try:
+        up(operator, TOPICS.everything())
+        up(device)
+        forwarder.start()
+        outbox.put(TOPICS.job("pi-08"), b"misrouted", 1, "job")  # not this device's topic
+        outbox.put(TOPICS.job("pi-07"), b"job result", 1, "job")
+        assert wait_until(lambda: outbox.counters()["queued"] == 0, timeout=10), outbox.counters()
+        counters = outbox.counters()
+        assert (counters["delivered"], counters["refused"], counters["dropped_by_kind"]["job"]) == (1, 1, 1)
+        assert wait_until(lambda: b"job result" in operator_inbox.payloads())
+        assert b"misrouted" not in operator_inbox.payloads()
+    finally:
+        forwarder.stop()
+        device.close()
+        operator.close()
