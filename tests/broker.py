@@ -139,7 +139,9 @@ class Broker:
             return ""
 
 
-def default_config(port: int, *, anonymous: bool = True, persistence_dir: Path | None = None) -> str:
+def default_config(
+    port: int, *, anonymous: bool = True, persistence_dir: Path | None = None, tcp_nodelay: bool = True
+) -> str:
     """The base config every test broker gets; ``config_extra`` is appended to it. With a
     ``persistence_dir`` the broker saves sessions and queued messages there on stop, so a
     restart keeps persistent sessions (as a production broker would)."""
@@ -152,7 +154,7 @@ def default_config(port: int, *, anonymous: bool = True, persistence_dir: Path |
         # then not read password files in a temp dir; as a non-root user this line is ignored.
         f"user {getpass.getuser()}",
         *persistence,
-        "set_tcp_nodelay true",
+        f"set_tcp_nodelay {'true' if tcp_nodelay else 'false'}",
         "max_queued_messages 0",
         "max_queued_bytes 268435456",
         "log_dest stderr",
@@ -175,13 +177,15 @@ def start_mosquitto(
     workdir: Path | None = None,
     persistence: bool = False,
     config: str | None = None,
+    tcp_nodelay: bool = True,
 ) -> Broker:
     """Start a broker on ``port`` (or a free loopback port) and return once it accepts connections.
 
     ``config_extra`` is appended to :func:`default_config`; pass ``anonymous=False`` when it
     brings its own ``allow_anonymous false`` / ``password_file`` / ``acl_file``. Files live in
     ``workdir`` (a new temp dir by default), and so does the persistence file if ``persistence``.
-    A complete ``config`` replaces the default one (its listener must use ``port``).
+    A complete ``config`` replaces the default one (its listener must use ``port``);
+    ``tcp_nodelay=False`` turns Nagle back on in the broker (for tools/bench/mqtt_rtt.py).
     """
     if config is not None and port is None:
         raise BrokerError("a complete config needs the port its listener uses")
@@ -189,9 +193,10 @@ def start_mosquitto(
     folder.mkdir(parents=True, exist_ok=True)
     chosen = port or free_port()
     persistence_dir = folder if persistence else None
-    base = default_config(chosen, anonymous=anonymous, persistence_dir=persistence_dir) if config is None else config
+    if config is None:
+        config = default_config(chosen, anonymous=anonymous, persistence_dir=persistence_dir, tcp_nodelay=tcp_nodelay)
     config_path = folder / "mosquitto.conf"
-    config_path.write_text(base + config_extra)
+    config_path.write_text(config + config_extra)
     broker = Broker(port=chosen, workdir=folder, config_path=config_path, log_path=folder / "mosquitto.log")
     return broker.start()
 
