@@ -103,7 +103,7 @@ def test_aggregator_builds_a_valid_payload_with_interval_and_cumulative_counts()
     payload = aggregator.build(now=110.0, ts=1_700_000_000.123456, model=model, provider="CPUExecutionProvider",
                                system=system, queue=_queue())
     validate(payload, TELEMETRY_SCHEMA, document="telemetry")
-    assert payload["schema"] == SCHEMA_ID and payload["device"] == "pi-07"
+    assert payload["schema"] == SCHEMA_ID and payload["device"] == "pi-07" and payload["seq"] == 1
     assert payload["model"] == {"name": "ocr-cls", "version": "1.2.0", "sha256": "ab" * 32}
     assert payload["inferences"] == {"interval": 100, "total": 100}
     assert payload["errors"] == {"preprocess": 2, "runtime": 1}
@@ -120,7 +120,7 @@ def test_aggregator_builds_a_valid_payload_with_interval_and_cumulative_counts()
     aggregator.record_error("runtime")
     second = aggregator.build(now=115.0, ts=1.0, model=None, provider=None, system=None, queue=None)
     validate(second, TELEMETRY_SCHEMA, document="telemetry")
-    assert second["inferences"] == {"interval": 1, "total": 101}
+    assert second["inferences"] == {"interval": 1, "total": 101} and second["seq"] == 2
     assert second["errors"] == {"preprocess": 2, "runtime": 2}
     assert second["errors_interval"] == {"runtime": 1}
     assert second["latency_ms"]["p50"] == 500.0 and second["interval_s"] == 5.0
@@ -128,6 +128,8 @@ def test_aggregator_builds_a_valid_payload_with_interval_and_cumulative_counts()
     validate(idle, TELEMETRY_SCHEMA, document="telemetry")
     assert idle["latency_ms"] == {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
     assert idle["throughput_per_s"] == 0.0
+    resumed = TelemetryAggregator("pi-07", started=0.0, first_seq=42)
+    assert resumed.build(now=1.0, ts=1.0, model=None, provider=None, system=None, queue=None)["seq"] == 42
 
 
 def test_error_kinds_are_bounded_so_memory_stays_fixed() -> None:

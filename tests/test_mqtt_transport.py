@@ -1,5 +1,4 @@
 """MqttTransport against a real mosquitto: delivery, broker restart, last will, hostile payloads."""
-# ruff: noqa: F811
 
 from __future__ import annotations
 
@@ -27,11 +26,8 @@ from device_agent.mqtt.transport import (
     Will,
     backoff_delay,
 )
-
-# mosquitto_broker is a fixture: importing it registers it here until tests/conftest.py does
-# (pytest then passes it as an argument, which ruff reads as a redefinition: F811).
 from edgepack_core.errors import SchemaError
-from tests.broker import Broker, free_port, mosquitto_broker, wait_until  # noqa: F401
+from tests.broker import Broker, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPICS = Topics()

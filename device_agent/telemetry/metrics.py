@@ -185,11 +185,15 @@ class TelemetryAggregator:
     Inference threads call :meth:`record_inference` / :meth:`record_error`; the telemetry thread
     calls :meth:`build`, which reports and resets the interval. Cumulative totals never reset,
     so a consumer that missed a message (dropped by the outbox policy) still gets exact counts.
+    Each payload carries ``seq``, one more than the previous one, so a consumer counts the
+    messages it never received (``edgepack fleet`` reports them as telemetry gaps); pass
+    ``first_seq`` to continue a sequence across agent restarts.
     """
 
-    def __init__(self, device_id: str, *, started: float) -> None:
+    def __init__(self, device_id: str, *, started: float, first_seq: int = 1) -> None:
         self.device_id = device_id
         self.started = started
+        self._next_seq = first_seq
         self._lock = threading.Lock()
         self._interval = LatencyHistogram()
         self._interval_start = started
@@ -230,9 +234,11 @@ class TelemetryAggregator:
             total = self._total_inferences
             interval_s = max(0.0, now - self._interval_start)
             self._interval_start = now
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
         return {
             "schema": SCHEMA_ID,
             "device": self.device_id,
+            "seq": seq,
             "ts": round(ts, 3),
             "model": None if model is None else {"name": model.name, "version": model.version, "sha256": model.sha256},
             "provider": provider,
@@ -272,12 +278,13 @@ TELEMETRY_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "required": [
-        "schema", "device", "ts", "model", "provider", "interval_s", "inferences", "errors", "errors_interval",
+        "schema", "device", "seq", "ts", "model", "provider", "interval_s", "inferences", "errors", "errors_interval",
         "latency_ms", "throughput_per_s", "cpu_percent", "memory_rss_bytes", "temperature_c", "uptime_s", "queue",
     ],
     "properties": {
         "schema": {"const": SCHEMA_ID},
         "device": {"type": "string", "minLength": 1, "maxLength": 64},
+        "seq": {"type": "integer", "minimum": 0, "description": "previous payload's seq + 1"},
         "ts": {"type": "number", "description": "unix time, seconds"},
         "model": {
             "type": ["object", "null"],
