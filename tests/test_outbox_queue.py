@@ -229,3 +229,22 @@ def _drain_across_an_outage(broker: Broker, tmp_path: Path) -> None:
         forwarder.stop()
         device.close()
         consumer.close()
+
+
+def test_a_message_mqtt_cannot_carry_is_dropped_not_retried_forever(mosquitto_broker: Broker, tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path / "outbox.db")
+    with pytest.raises(UsageError):
+        outbox.put("edgepack/v1/dev/+/telemetry", b"x", 1, "telemetry")  # wildcards are refused at once
+    outbox.put("edgepack/v1/" + "x" * 70_000, b"topic too long for MQTT", 1, "telemetry")
+    outbox.put(TOPICS.telemetry("d1"), b"fine", 1, "telemetry")
+    device = MqttTransport(mosquitto_broker.settings(client_id="d1"))
+    forwarder = Forwarder(outbox, device)
+    device.start()
+    forwarder.start()
+    try:
+        assert wait_until(lambda: outbox.counters()["queued"] == 0), outbox.counters()
+        counters = assert_accounting(outbox)
+        assert (counters["delivered"], counters["refused"]) == (1, 1)
+    finally:
+        forwarder.stop()
+        device.close()

@@ -356,6 +356,8 @@ class MqttTransport:
         authorised). It is not called for a message that never got an answer (closed first).
         """
         data = encode_payload(topic, payload)
+        if self._stop.is_set():
+            return False  # closed: paho would queue it for a connection that never comes
         try:
             info = self._client.publish(topic, data, qos, retain)
         except ValueError as err:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from device_agent.mqtt.transport import MqttTransport
+from device_agent.mqtt.transport import InvalidPublishError, MqttTransport
 from edgepack_core.errors import EdgepackError, UsageError
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,9 @@ class Outbox:
         """
         if kind not in KINDS:
             raise UsageError(f"outbox kind {kind!r} is not one of {', '.join(KINDS)}")
+        if not topic or "+" in topic or "#" in topic:
+            # Caught here, not when forwarding, so one bad row cannot reach the head of the queue.
+            raise UsageError(f"outbox topic {topic!r} must be a non-empty topic name without wildcards")
         if qos not in (0, 1, 2):
             raise UsageError(f"outbox qos {qos!r} is not 0, 1 or 2")
         limit = self.job_max_bytes if kind == "job" else self.max_bytes
@@ -377,10 +380,17 @@ class Forwarder:
             return
         for message in self.outbox.peek(room, after=self._last_sent):
             self._in_flight.add(message.seq)
-            accepted = self.transport.publish(
-                message.topic, message.payload, max(1, message.qos), message.retain,
-                on_done=lambda ok, seq=message.seq: self._acknowledged(seq, ok),
-            )
+            try:
+                accepted = self.transport.publish(
+                    message.topic, message.payload, max(1, message.qos), message.retain,
+                    on_done=lambda ok, seq=message.seq: self._acknowledged(seq, ok),
+                )
+            except InvalidPublishError as err:  # e.g. a topic MQTT rejects: retrying cannot help
+                log.warning("outbox message %d cannot be published (%s); dropped", message.seq, err)
+                self._in_flight.discard(message.seq)
+                self.outbox.refuse(message.seq)
+                self._last_sent = message.seq
+                continue
             if not accepted:  # paho's queue is full or the connection just dropped: retry later
                 self._in_flight.discard(message.seq)
                 return
