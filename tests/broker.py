@@ -54,7 +54,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _accepts(port: int) -> bool:
+def port_accepts(port: int) -> bool:
+    """Whether something accepts TCP connections on ``port`` of the loopback interface."""
     try:
         with socket.create_connection((HOST, port), timeout=0.2):
             return True
@@ -98,7 +99,7 @@ class Broker:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise BrokerError(f"mosquitto exited with {self.process.returncode}:\n{self.log()}")
-            if _accepts(self.port):
+            if port_accepts(self.port):
                 return self
             time.sleep(0.02)
         self.kill()

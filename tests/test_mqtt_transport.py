@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import ipaddress
 import json
 import os
 import signal
@@ -15,6 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from device_agent.mqtt.topics import Topics
 from device_agent.mqtt.transport import (
@@ -23,11 +29,12 @@ from device_agent.mqtt.transport import (
     MqttSettings,
     MqttSettingsError,
     MqttTransport,
+    TlsSettings,
     Will,
     backoff_delay,
 )
 from edgepack_core.errors import SchemaError
-from tests.broker import Broker, free_port, wait_until
+from tests.broker import Broker, free_port, port_accepts, start_mosquitto, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPICS = Topics()
@@ -291,3 +298,62 @@ def test_overlapping_subscriptions_each_see_a_message_once(mosquitto_broker: Bro
         time.sleep(0.2)  # a duplicate copy would arrive right behind
         assert everything.payloads() == [b"c1", b"t1"]
         assert own_cmd.payloads() == [b"c1"]
+
+
+def _write_ca_and_server_cert(folder: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 signed by it (PEM files)."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "edgepack test CA")])
+    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+               .sign(ca_key, hashes.SHA256()))
+    server_cert = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+                   .issuer_name(ca_name).public_key(server_key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                                  critical=False)
+                   .sign(ca_key, hashes.SHA256()))
+    ca_path, cert_path, key_path = folder / "ca.pem", folder / "server.pem", folder / "server.key"
+    ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    cert_path.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return ca_path, cert_path, key_path
+
+
+def test_tls_connects_with_the_right_ca_and_refuses_an_unknown_one(tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    ca, cert, key = _write_ca_and_server_cert(certs)
+    other_ca = tmp_path / "other"
+    other_ca.mkdir()
+    wrong_ca, _, _ = _write_ca_and_server_cert(other_ca)
+    tls_port = free_port()
+    broker = start_mosquitto(f"listener {tls_port} 127.0.0.1\ncafile {ca}\ncertfile {cert}\nkeyfile {key}\n",
+                             workdir=tmp_path / "broker")
+    try:
+        assert wait_until(lambda: port_accepts(tls_port))
+        good = MqttTransport(MqttSettings(host="127.0.0.1", port=tls_port, client_id="pi-07",
+                                          tls=TlsSettings(ca=str(ca))))
+        with connected(good):
+            assert good.tcp_nodelay_active is True  # set on the TLS socket too
+            acks: list[bool] = []
+            assert good.publish(TOPICS.telemetry("pi-07"), b"over tls", qos=1, on_done=acks.append)
+            assert wait_until(lambda: acks == [True])
+        impostor_check = MqttTransport(MqttSettings(host="127.0.0.1", port=tls_port, client_id="pi-08",
+                                                    reconnect_min=0.05, reconnect_max=0.2,
+                                                    tls=TlsSettings(ca=str(wrong_ca))))
+        impostor_check.start()
+        try:
+            assert wait_until(lambda: impostor_check.last_error is not None
+                              and "certificate verify failed" in impostor_check.last_error.lower())
+            assert not impostor_check.connected
+        finally:
+            impostor_check.close()
+    finally:
+        broker.kill()
