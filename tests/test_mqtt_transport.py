@@ -100,6 +100,13 @@ def test_bad_settings_are_refused_with_the_field_path(field: str, value: object)
     assert field in str(info.value)
 
 
+def test_missing_tls_files_are_a_settings_error_at_construction(tmp_path: Path) -> None:
+    settings = MqttSettings(host="localhost", port=8883, tls=TlsSettings(ca=str(tmp_path / "missing-ca.pem")))
+    with pytest.raises(MqttSettingsError) as info:
+        MqttTransport(settings)
+    assert info.value.path == "mqtt.tls"
+
+
 def test_a_persistent_session_needs_a_client_id() -> None:
     with pytest.raises(MqttSettingsError) as info:
         MqttSettings(host="localhost", session_expiry=60)

@@ -217,9 +217,9 @@ class MqttTransport:
     Hooks and handlers run on the network thread: keep them short and hand work to a queue.
     """
 
-    def __init__(self, settings: MqttSettings, *, rng: random.Random | None = None) -> None:
+    def __init__(self, settings: MqttSettings) -> None:
         self.settings = settings
-        self._rng = rng or random.Random()
+        self._rng = random.Random()
         self._lock = threading.Lock()  # subscriptions, connection flag, publish bookkeeping
         self._subscriptions: dict[str, _Subscription] = {}
         self._next_identifier = 0  # MQTT 5 subscription identifiers, one per subscribe() call
@@ -256,10 +256,13 @@ class MqttTransport:
         if s.username is not None:
             client.username_pw_set(s.username, s.password)
         if s.tls is not None:
-            client.tls_set(
-                ca_certs=s.tls.ca, certfile=s.tls.cert, keyfile=s.tls.key,
-                cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT,
-            )
+            try:  # loads the files now, so a wrong path fails at start-up, not on every reconnect
+                client.tls_set(
+                    ca_certs=s.tls.ca, certfile=s.tls.cert, keyfile=s.tls.key,
+                    cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT,
+                )
+            except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+                raise MqttSettingsError("tls", f"cannot load the TLS files: {err}") from err
             client.tls_insecure_set(s.tls.insecure)
         if s.will is not None:
             client.will_set(s.will.topic, encode_payload(s.will.topic, s.will.payload), s.will.qos, s.will.retain)
