@@ -33,7 +33,7 @@ from device_agent.mqtt.transport import (
     Will,
     backoff_delay,
 )
-from edgepack_core.errors import SchemaError
+from edgepack_core.errors import SchemaError, UsageError
 from tests.broker import Broker, free_port, port_accepts, start_mosquitto, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,6 +105,13 @@ def test_missing_tls_files_are_a_settings_error_at_construction(tmp_path: Path) 
     with pytest.raises(MqttSettingsError) as info:
         MqttTransport(settings)
     assert info.value.path == "mqtt.tls"
+
+
+@pytest.mark.parametrize("topic_filter", ["", "a/#/b", "a/b#", "a/+b/c", "$share/g", "$share/g/a/#/b"])
+def test_invalid_filters_are_refused_before_reaching_the_network_thread(topic_filter: str) -> None:
+    transport = MqttTransport(MqttSettings(host="localhost"))
+    with pytest.raises(UsageError):
+        transport.subscribe(topic_filter, 1, lambda message: None)
 
 
 def test_a_persistent_session_needs_a_client_id() -> None:

@@ -202,6 +202,16 @@ def _filter_for_matching(topic_filter: str) -> str:
     return topic_filter
 
 
+def _check_filter(topic_filter: str) -> None:
+    """Refuse a filter the broker would reject (and paho would raise on, in the network thread)."""
+    levels = _filter_for_matching(topic_filter).split("/")
+    for index, level in enumerate(levels):
+        if ("#" in level and (level != "#" or index != len(levels) - 1)) or ("+" in level and level != "+"):
+            raise UsageError(f"invalid topic filter {topic_filter!r}: '+' and '#' must fill a level, '#' only last")
+    if not topic_filter or (topic_filter.startswith("$share/") and topic_filter.count("/") < 2):
+        raise UsageError(f"invalid topic filter {topic_filter!r}")
+
+
 @dataclass
 class _Subscription:
     qos: int
@@ -225,7 +235,8 @@ class MqttTransport:
         self._next_identifier = 0  # MQTT 5 subscription identifiers, one per subscribe() call
         self._active: set[str] = set()
         self._suback_pending: dict[int, str] = {}
-        self._pending_acks: dict[int, PublishCallback | None] = {}
+        # mid -> (qos, callback) of every publish paho accepted, until its acknowledgement.
+        self._pending_acks: dict[int, tuple[int, PublishCallback | None]] = {}
         self._early_acks: dict[int, bool] = {}
         self._connected_hooks: list[Callable[[], None]] = []
         self._disconnected_hooks: list[Callable[[], None]] = []
@@ -372,7 +383,7 @@ class MqttTransport:
         with self._lock:
             early = self._early_acks.pop(info.mid, None)
             if early is None:
-                self._pending_acks[info.mid] = on_done
+                self._pending_acks[info.mid] = (qos, on_done)
         if early is not None and on_done is not None:
             self._call_safely(on_done, early)
         return True
@@ -389,8 +400,7 @@ class MqttTransport:
         """
         if qos not in (0, 1, 2):
             raise UsageError(f"subscription QoS {qos!r} is not 0, 1 or 2")
-        if not topic_filter:
-            raise UsageError("empty topic filter")
+        _check_filter(topic_filter)
         with self._lock:
             self._next_identifier += 1
             self._subscriptions[topic_filter] = _Subscription(
@@ -480,12 +490,14 @@ class MqttTransport:
         self._mark_lost()
 
     def _mark_lost(self) -> None:
-        """Connection gone without paho's on_disconnect (internal error or forced close)."""
+        """The connection is gone (paho's on_disconnect, an internal error, or close)."""
         with self._lock:
             was_connected = self._connected.is_set()
             self._connected.clear()
             self._active.clear()
             self._suback_pending.clear()
+            # paho discards unsent QoS 0 messages on reconnect and never reports them.
+            self._pending_acks = {mid: entry for mid, entry in self._pending_acks.items() if entry[0] > 0}
             hooks = list(self._disconnected_hooks)
         if was_connected:
             self._run_hooks(hooks)
@@ -554,7 +566,7 @@ class MqttTransport:
             log.warning("broker refused message %d: %s", mid, reason)
         with self._lock:
             if mid in self._pending_acks:
-                callback = self._pending_acks.pop(mid)
+                callback = self._pending_acks.pop(mid)[1]
             else:  # acknowledged before publish() got to record the mid
                 self._early_acks[mid] = accepted
                 return
