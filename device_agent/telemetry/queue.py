@@ -398,10 +398,10 @@ class Forwarder:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the work, so a wake-up that arrives during it is not lost
             try:
                 self._settle()
                 self._fill()
             except EdgepackError:
                 log.exception("outbox forwarder error; retrying")
             self._wake.wait(self.poll)
-            self._wake.clear()
