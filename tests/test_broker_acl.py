@@ -10,6 +10,7 @@ from __future__ import annotations
 import getpass
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -190,3 +191,58 @@ def test_outbox_counts_a_message_the_broker_refuses_and_moves_on(secured_broker:
         forwarder.stop()
         device.close()
         operator.close()
+
+
+def _burst_received_by_an_offline_consumer(broker: Broker, count: int) -> tuple[int, int]:
+    """Device pi-07 publishes ``count`` QoS 1 messages while the operator's persistent session is
+    offline; return (messages the broker acknowledged, messages the operator then receives)."""
+    received: list[bytes] = []
+    topic = TOPICS.telemetry("pi-07")
+
+    def consumer() -> MqttTransport:
+        transport = MqttTransport(broker.settings(client_id="fleet-consumer", username="operator",
+                                                  password=USERS["operator"], session_expiry=600))
+        transport.subscribe(topic, 1, lambda message: received.append(message.payload))
+        return transport
+
+    first = up(consumer(), topic)
+    first.close()
+    device = MqttTransport(broker.settings(client_id="pi-07", username="pi-07", password=USERS["pi-07"],
+                                           max_queued=count))
+    acks: list[bool] = []
+    try:
+        up(device)
+        for index in range(count):
+            assert device.publish(topic, b"%d" % index, qos=1, on_done=acks.append)
+        assert wait_until(lambda: len(acks) == count, timeout=20)
+    finally:
+        device.close()
+    again = up(consumer())
+    try:
+        seen = -1
+        while len(received) != seen:  # until the broker has nothing more for this session
+            seen = len(received)
+            time.sleep(0.3)
+        return sum(acks), len(received)
+    finally:
+        again.close()
+
+
+def test_shipped_queue_limits_keep_a_burst_that_mosquittos_default_drops(tmp_path: Path) -> None:
+    results = {}
+    for name, extra in (("shipped", ""), ("mosquitto default", "max_queued_messages 1000\n")):
+        workdir = tmp_path / name.replace(" ", "-")
+        workdir.mkdir()
+        subprocess.run(["mosquitto_passwd", "-c", "-b", str(workdir / "passwd"), "operator", USERS["operator"]],
+                       check=True, capture_output=True, stdin=subprocess.DEVNULL)
+        subprocess.run(["mosquitto_passwd", "-b", str(workdir / "passwd"), "pi-07", USERS["pi-07"]],
+                       check=True, capture_output=True, stdin=subprocess.DEVNULL)
+        port = free_port()
+        broker = start_mosquitto(extra, config=shipped_config(port, workdir), port=port, workdir=workdir)
+        try:
+            results[name] = _burst_received_by_an_offline_consumer(broker, 1500)
+        finally:
+            broker.kill()
+    assert results["shipped"] == (1500, 1500)
+    acked, received = results["mosquitto default"]
+    assert acked == 1500 and received == 1000  # every message acknowledged, a third silently gone
