@@ -219,6 +219,7 @@ def _burst_received_by_an_offline_consumer(broker: Broker, count: int) -> tuple[
         device.close()
     again = up(consumer())
     try:
+        assert wait_until(lambda: len(received) > 0, timeout=5)
         seen = -1
         while len(received) != seen:  # until the broker has nothing more for this session
             seen = len(received)
