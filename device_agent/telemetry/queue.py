@@ -128,6 +128,9 @@ class Outbox:
         self._watchers: list[Callable[[], None]] = []
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+        except sqlite3.Error as err:
+            raise OutboxError(str(self.path), str(err)) from err
+        try:
             mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if str(mode).lower() != "wal":
                 raise OutboxError(str(self.path), f"cannot switch to WAL mode (got {mode})")
@@ -137,7 +140,10 @@ class Outbox:
                 "INSERT OR IGNORE INTO counters (name, value) VALUES (?, 0)", [(n,) for n in _COUNTERS]
             )
             self._load_totals()
-        except sqlite3.Error as err:
+        except (sqlite3.Error, OutboxError) as err:
+            self._db.close()
+            if isinstance(err, OutboxError):
+                raise
             raise OutboxError(str(self.path), str(err)) from err
 
     # ------------------------------------------------------------------ plumbing
