@@ -1,0 +1,211 @@
+"""The agent's MQTT presence: retained birth and last will, periodic telemetry, job events.
+
+``TelemetryReporter`` composes the building blocks (``MqttTransport``, ``Outbox``,
+``Forwarder``, ``TelemetryAggregator``) into what the daemon starts and stops. Everything it
+publishes except the retained state goes through the on-disk outbox, so telemetry and job
+events survive a broker outage and an agent restart. Inference threads only touch the
+aggregator (a lock and a few integer adds); building and publishing happen on the reporter's
+own thread, never on the request path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from device_agent.mqtt.topics import Topics
+from device_agent.mqtt.transport import MqttSettings, MqttTransport, TlsSettings, Will
+from device_agent.telemetry.metrics import ModelInfo, SystemReading, TelemetryAggregator, read_system
+from device_agent.telemetry.queue import Forwarder, Outbox
+from edgepack_core import __version__ as edgepack_version
+
+log = logging.getLogger("edgepack.agent.telemetry")
+
+STATE_SCHEMA = "edgepack.state/1"
+JOB_SCHEMA = "edgepack.job/1"
+SESSION_EXPIRY_S = 24 * 3600  # the broker keeps queued commands for a device offline up to a day
+
+
+@dataclass
+class AgentStatus:
+    """What the runtime reports about itself; the reporter asks for it at each publish."""
+
+    model: ModelInfo | None = None
+    provider: str | None = None
+    profile: str | None = None
+    available_providers: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def capabilities(status: AgentStatus) -> dict[str, Any]:
+    """The device's capabilities for the birth message: what an operator needs to target it."""
+    try:
+        import onnxruntime
+
+        ort_version = onnxruntime.__version__
+    except ImportError:  # pragma: no cover - the agent always has onnxruntime
+        ort_version = None
+    return {
+        "arch": platform.machine(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "onnxruntime": ort_version,
+        "providers": status.available_providers,
+        "profile": status.profile,
+        "agent": edgepack_version,
+    }
+
+
+def state_document(device_id: str, online: bool, status: AgentStatus, groups: list[str], *,
+                   reason: str = "", ts: float | None = None) -> dict[str, Any]:
+    """The retained ``state`` payload: "online" birth with capabilities, or "offline"."""
+    doc: dict[str, Any] = {
+        "schema": STATE_SCHEMA,
+        "device": device_id,
+        "status": "online" if online else "offline",
+        "ts": round(time.time() if ts is None else ts, 3),
+        "groups": groups,
+    }
+    if online:
+        doc["capabilities"] = capabilities(status)
+        doc["model"] = None if status.model is None else {
+            "name": status.model.name, "version": status.model.version, "sha256": status.model.sha256}
+        doc["provider"] = status.provider
+        doc.update(status.extra)
+    else:
+        doc["reason"] = reason
+    return doc
+
+
+def settings_from_config(mqtt: Mapping[str, Any], device_id: str, groups: list[str]) -> MqttSettings:
+    """MqttSettings from agent.yaml's ``mqtt`` section, with the device's last will."""
+    topics = Topics(mqtt.get("topic_root", "edgepack/v1"))
+    will = state_document(device_id, False, AgentStatus(), groups, reason="connection lost (last will)", ts=0)
+    tls = mqtt.get("tls")
+    return MqttSettings(
+        host=mqtt["host"],
+        port=int(mqtt.get("port", 1883)),
+        keepalive=int(mqtt.get("keepalive", 30)),
+        protocol=mqtt.get("protocol", "5"),
+        client_id=mqtt.get("client_id") or device_id,
+        username=mqtt.get("username"),
+        password=mqtt.get("password"),
+        tls=TlsSettings(ca=tls.get("ca"), cert=tls.get("cert"), key=tls.get("key"),
+                        insecure=bool(tls.get("insecure", False))) if tls else None,
+        topic_root=topics.root,
+        will=Will(topics.state(device_id), json.dumps(will).encode()),
+        session_expiry=SESSION_EXPIRY_S,
+    )
+
+
+class TelemetryReporter:
+    """Birth/last will, telemetry every ``interval`` seconds and job events, for one device."""
+
+    def __init__(
+        self,
+        device_id: str,
+        settings: MqttSettings,
+        outbox_path: Path,
+        status: Callable[[], AgentStatus],
+        *,
+        groups: list[str] | None = None,
+        interval: float = 10.0,
+        outbox_limits: Mapping[str, int] | None = None,
+    ) -> None:
+        self.device_id = device_id
+        self.groups = list(groups or [])
+        self.topics = Topics(settings.topic_root)
+        self.status = status
+        self._interval = interval
+        self.aggregator = TelemetryAggregator(device_id, started=time.monotonic())
+        self.outbox = Outbox(outbox_path, **dict(outbox_limits or {}))
+        self.transport = MqttTransport(settings)
+        self.forwarder = Forwarder(self.outbox, self.transport)
+        self.transport.on_connected(self.publish_state)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._system: SystemReading | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> TelemetryReporter:
+        self._system = read_system()
+        self.transport.start()
+        self.forwarder.start()
+        self._thread = threading.Thread(target=self._run, name="telemetry", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, reason: str = "agent stopped") -> None:
+        """Flush what is in flight, publish a clean retained "offline" and disconnect."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self.forwarder.stop(flush_timeout=2.0)
+        offline = state_document(self.device_id, False, self.status(), self.groups, reason=reason)
+        self.transport.close(json.dumps(offline).encode(), topic=self.topics.state(self.device_id))
+        self.outbox.close()
+
+    # ---------------------------------------------------------------- what the agent calls
+
+    @property
+    def interval(self) -> float:
+        return self._interval
+
+    def set_interval(self, seconds: float) -> None:
+        """Change the telemetry period now (a remote ``set-telemetry-interval`` command)."""
+        self._interval = max(0.1, float(seconds))
+        self._wake.set()
+
+    def record_inference(self, seconds: float) -> None:
+        self.aggregator.record_inference(seconds)
+
+    def record_error(self, kind: str) -> None:
+        self.aggregator.record_error(kind)
+
+    def publish_state(self) -> None:
+        """Publish the retained "online" birth (on every connect, and when the model changes)."""
+        doc = state_document(self.device_id, True, self.status(), self.groups)
+        self.transport.publish(self.topics.state(self.device_id), json.dumps(doc).encode(), qos=1, retain=True)
+
+    def publish_job_event(self, event: Mapping[str, Any]) -> int:
+        """Queue a job event on ``dev/{d}/job``; job events are never dropped before telemetry."""
+        doc = {"schema": JOB_SCHEMA, "device": self.device_id, "ts": round(time.time(), 3), **event}
+        return self.outbox.put(self.topics.job(self.device_id), json.dumps(doc).encode(), 1, "job")
+
+    def publish_telemetry_now(self) -> None:
+        status = self.status()
+        self._system = read_system(self._system)
+        doc = self.aggregator.build(now=time.monotonic(), ts=time.time(), model=status.model,
+                                    provider=status.provider, system=self._system, queue=self.outbox.counters())
+        self.outbox.put(self.topics.telemetry(self.device_id), json.dumps(doc).encode(), 1, "telemetry")
+
+    # ---------------------------------------------------------------- thread
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self._interval
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, deadline - time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            now = time.monotonic()
+            if now < deadline and deadline - now > self._interval:
+                deadline = now + self._interval  # the interval was shortened: do not wait out the old one
+            if time.monotonic() >= deadline:
+                try:
+                    self.publish_telemetry_now()
+                except Exception:  # a full disk must not kill the reporter thread
+                    log.exception("could not queue telemetry")
+                deadline += self._interval
+                if deadline < time.monotonic():  # fell behind (suspend, overload): skip, do not burst
+                    deadline = time.monotonic() + self._interval
