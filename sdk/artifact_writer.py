@@ -70,6 +70,7 @@ def write_artifact(
                 sink.close()
             raw.flush()
             os.fsync(raw.fileno())
+        os.chmod(tmp_name, 0o644)  # mkstemp makes 0600; an artifact is signed, not secret
         os.replace(tmp_name, output)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)

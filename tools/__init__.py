@@ -1,0 +1,1 @@
+"""Developer tools: demo model builders, benchmarks, the fleet simulator."""
