@@ -1,0 +1,202 @@
+"""``edgepack-agent``: the device CLI (argparse: the device side does not import click).
+
+Every expected failure is an EdgepackError and becomes one line on stderr with its exit
+code (1 failed, 2 bad usage); argparse's own usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgepack_core import __version__
+from edgepack_core.errors import EdgepackError, UsageError
+from edgepack_core.targets import PROFILES
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
+
+
+def _trust(paths: Sequence[str]) -> Any:
+    from edgepack_core.signing import TrustStore
+
+    return TrustStore.from_paths(paths)
+
+
+def _read_input(path: Path) -> bytes | np.ndarray | dict[str, np.ndarray]:
+    if not path.exists():
+        raise UsageError(f"{path}: no such input file")
+    suffix = path.suffix.lower()
+    if suffix in (".npy", ".npz"):
+        try:
+            loaded = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise UsageError(f"{path}: not a readable {suffix} file ({err})") from None
+        if isinstance(loaded, np.ndarray):
+            return loaded
+        with loaded:
+            return {name: loaded[name] for name in loaded.files}
+    return path.read_bytes()
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from device_agent.runtime import InferenceService, load_model
+    from edgepack_core.artifact import extract_artifact
+
+    data = _read_input(Path(args.input))
+    with tempfile.TemporaryDirectory(prefix="edgepack-predict-") as tmp:
+        verified = extract_artifact(args.artifact, Path(tmp) / "model", _trust(args.trust))
+        model = load_model(verified.root, verified.manifest, profile=args.profile,
+                           threads=args.threads)
+        service = InferenceService(model)
+        result = service.predict(data)
+        answer = result.to_json()
+    if args.json:
+        print(json.dumps(answer))
+    else:
+        print(f"{answer['model']['name']} {answer['model']['version']} on {answer['provider']} "
+              f"({answer['latency_ms']} ms)")
+        for fallback in answer["provider_fallbacks"]:
+            print(f"  not using {fallback['provider']}: {fallback['reason']}")
+        print(json.dumps(answer["result"], indent=2) if answer["result"] is not None else
+              {k: np.asarray(v).shape for k, v in answer["outputs"].items()})
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from edgepack_core.artifact import verify_artifact
+
+    result = verify_artifact(args.artifact, _trust(args.trust))
+    print(f"OK {args.artifact}: {result.manifest.name} {result.manifest.version}, "
+          f"{len(result.manifest.files)} files verified, signed by key {result.key_id}")
+    return 0
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    from device_agent.runtime import load_model
+    from device_agent.store import ModelStore
+
+    store = ModelStore(Path(args.store), _trust(args.trust))
+    store.recover()
+    reports: list[Any] = []
+
+    def smoke(model: Any) -> None:
+        loaded = load_model(model.directory, model.verified.manifest, profile=args.profile, threads=args.threads)
+        reports.append(loaded)
+
+    installed = store.install(Path(args.artifact), force=args.force, smoke_test=smoke)
+    loaded = reports[0]
+    print(json.dumps({"installed": installed.to_json(), "provider": loaded.provider,
+                      "provider_fallbacks": [{"provider": p, "reason": r} for p, r in loaded.fallbacks],
+                      "smoke_test": loaded.smoke.to_json() if loaded.smoke else None}))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from device_agent.store import ModelStore
+
+    status = ModelStore(Path(args.store), _trust(args.trust)).status()
+    if args.json:
+        print(json.dumps(status))
+    else:
+        for role in ("active", "previous"):
+            entry = status.get(role)
+            text = "-" if not entry else (entry.get("error") or f"{entry['name']} {entry['version']}")
+            print(f"{role:<9} {text}")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from device_agent.store import ModelStore
+
+    model = ModelStore(Path(args.store), _trust(args.trust)).rollback()
+    print(f"active: {model.name} {model.version}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from device_agent.config import load_config
+    from device_agent.daemon import Daemon
+
+    config = load_config(args.config)
+    logging.getLogger().setLevel(getattr(logging, config.log_level.upper()))
+    Daemon(config).run_until_signal()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgepack-agent", description="The Edgepack device agent.")
+    parser.add_argument("--version", action="version", version=f"edgepack-agent {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the agent daemon")
+    run.add_argument("--config", required=True, help="agent.yaml")
+    run.set_defaults(func=cmd_run)
+
+    def trust(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--trust", action="append", required=True, help="trusted public key (repeatable)")
+
+    def runtime(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--profile", default="x86", choices=sorted(PROFILES), help="device profile (default x86)")
+        p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: onnxruntime default)")
+
+    predict = sub.add_parser("predict", help="verify an artifact and run one inference")
+    predict.add_argument("--artifact", required=True)
+    trust(predict)
+    predict.add_argument("--input", required=True, help="an image, a .npy (one input) or a .npz (named inputs)")
+    predict.add_argument("--json", action="store_true", help="print one JSON object")
+    runtime(predict)
+    predict.set_defaults(func=cmd_predict)
+
+    verify = sub.add_parser("verify", help="verify an artifact's signature and hashes")
+    verify.add_argument("--artifact", required=True)
+    trust(verify)
+    verify.set_defaults(func=cmd_verify)
+
+    install = sub.add_parser("install", help="install an artifact into a store (smoke test, then activate)")
+    install.add_argument("--store", required=True)
+    install.add_argument("--artifact", required=True)
+    trust(install)
+    install.add_argument("--force", action="store_true", help="allow a downgrade or reinstall")
+    runtime(install)
+    install.set_defaults(func=cmd_install)
+
+    status = sub.add_parser("status", help="show the store's active and previous models")
+    status.add_argument("--store", required=True)
+    trust(status)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
+    rollback = sub.add_parser("rollback", help="make the previous model active again")
+    rollback.add_argument("--store", required=True)
+    trust(rollback)
+    rollback.set_defaults(func=cmd_rollback)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "run":
+        logging.getLogger().setLevel(logging.INFO)
+    try:
+        return int(args.func(args))
+    except EdgepackError as err:
+        print(f"edgepack-agent: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("edgepack-agent: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""agent.yaml: schema, validation up front, typed view.
+
+Every key is validated before the agent touches the store or the network; unknown keys are
+rejected with their dotted path (a typo like ``telemetry_intreval`` must not silently fall
+back to a default). Relative paths are resolved against the config file's directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from device_agent.errors import ConfigError
+from edgepack_core.schema import validate
+from edgepack_core.targets import PROFILES
+
+MAX_CONFIG_BYTES = 256 * 1024
+_NAME = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"}
+_PATH = {"type": "string", "minLength": 1}
+_POSITIVE = {"type": "integer", "minimum": 1}
+
+CONFIG_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "edgepack-agent configuration (agent.yaml)",
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["device_id", "store", "trust"],
+    "properties": {
+        "device_id": _NAME,
+        "store": _PATH,
+        "trust": {"type": "array", "minItems": 1, "items": _PATH},
+        "profile": {"enum": sorted(PROFILES)},
+        "threads": {"type": "integer", "minimum": 0, "maximum": 256},
+        "artifact": _PATH,
+        "log_level": {"enum": ["debug", "info", "warning", "error"]},
+        "api": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "listen": {"type": "string", "pattern": r"^[^\s:]*:\d{1,5}$"},
+                "max_body_bytes": _POSITIVE,
+                "enabled": {"type": "boolean"},
+            },
+        },
+        "limits": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "max_artifact_bytes": _POSITIVE,
+                "max_member_bytes": _POSITIVE,
+                "max_total_bytes": _POSITIVE,
+            },
+        },
+        "mqtt": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["host"],
+            "properties": {
+                "host": {"type": "string", "minLength": 1},
+                "port": {"type": "integer", "minimum": 1, "maximum": 65535},
+                "keepalive": {"type": "integer", "minimum": 1, "maximum": 65535},
+                "telemetry_interval": {"type": "number", "exclusiveMinimum": 0},
+                "groups": {"type": "array", "items": _NAME},
+                "protocol": {"enum": ["5", "3.1.1"]},
+                "client_id": {"type": "string", "minLength": 1},
+                "username": {"type": "string"},
+                "password": {"type": "string"},
+                "topic_root": {"type": "string", "minLength": 1},
+                "tls": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"ca": _PATH, "cert": _PATH, "key": _PATH, "insecure": {"type": "boolean"}},
+                },
+                "queue": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"path": _PATH, "max_messages": _POSITIVE, "max_bytes": _POSITIVE},
+                },
+            },
+        },
+        "updates": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "enabled": {"type": "boolean"},
+                "health_window_s": {"type": "number", "minimum": 0},
+                "max_error_rate": {"type": "number", "minimum": 0, "maximum": 1},
+                "max_latency_factor": {"type": "number", "exclusiveMinimum": 0},
+                "download_dir": _PATH,
+                "max_download_bytes": _POSITIVE,
+            },
+        },
+    },
+}
+
+DEFAULT_LISTEN = "127.0.0.1:8750"
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """A validated agent.yaml with absolute paths and defaults filled in."""
+
+    path: Path | None
+    device_id: str
+    store: Path
+    trust: list[Path]
+    profile: str = "x86"
+    threads: int = 0
+    artifact: Path | None = None
+    log_level: str = "info"
+    listen: str | None = DEFAULT_LISTEN
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    limits: dict[str, int] = field(default_factory=dict)
+    mqtt: dict[str, Any] | None = None
+    updates: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def listen_host_port(self) -> tuple[str, int] | None:
+        if self.listen is None:
+            return None
+        host, _, port = self.listen.rpartition(":")
+        return host or "127.0.0.1", int(port)
+
+
+def _resolve(base: Path, value: str) -> Path:
+    return (base / value).resolve()
+
+
+def check_config(document: Any, path: Path | None) -> AgentConfig:
+    name = str(path) if path else "agent config"
+    if not isinstance(document, dict):
+        raise ConfigError("<root>", "must be a mapping of keys", config=name)
+    validate(document, CONFIG_SCHEMA, document=name)
+    base = path.parent if path else Path.cwd()
+    api = document.get("api") or {}
+    listen = api.get("listen", DEFAULT_LISTEN) if api.get("enabled", True) else None
+    if listen is not None and not 0 < int(listen.rpartition(":")[2]) < 65536:
+        raise ConfigError("api.listen", f"{listen!r} has no valid port", config=name)
+    mqtt = dict(document["mqtt"]) if document.get("mqtt") else None
+    if mqtt is not None:
+        if "tls" in mqtt:
+            mqtt["tls"] = {k: (str(_resolve(base, v)) if k in ("ca", "cert", "key") else v)
+                           for k, v in mqtt["tls"].items()}
+        if "queue" in mqtt and "path" in mqtt["queue"]:
+            mqtt["queue"] = {**mqtt["queue"], "path": str(_resolve(base, mqtt["queue"]["path"]))}
+        if "password" in mqtt and "username" not in mqtt:
+            raise ConfigError("mqtt.password", "is set without mqtt.username", config=name)
+    updates = dict(document.get("updates") or {})
+    if "download_dir" in updates:
+        updates["download_dir"] = str(_resolve(base, updates["download_dir"]))
+    return AgentConfig(
+        path=path,
+        device_id=document["device_id"],
+        store=_resolve(base, document["store"]),
+        trust=[_resolve(base, t) for t in document["trust"]],
+        profile=document.get("profile", "x86"),
+        threads=int(document.get("threads", 0)),
+        artifact=_resolve(base, document["artifact"]) if document.get("artifact") else None,
+        log_level=document.get("log_level", "info"),
+        listen=listen,
+        max_body_bytes=int(api.get("max_body_bytes", DEFAULT_MAX_BODY)),
+        limits=dict(document.get("limits") or {}),
+        mqtt=mqtt,
+        updates=updates,
+    )
+
+
+def load_config(path: str | Path) -> AgentConfig:
+    """Read and validate agent.yaml; errors name the offending key."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError("<file>", "no such config file", config=str(path)) from None
+    except OSError as err:
+        raise ConfigError("<file>", f"cannot read: {err.strerror}", config=str(path)) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError("<file>", f"larger than {MAX_CONFIG_BYTES} bytes", config=str(path))
+    try:
+        document = yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError("<file>", f"not valid YAML{where}", config=str(path)) from None
+    return check_config(document, path.resolve())
+
+
+def limits_from(config: AgentConfig) -> Mapping[str, int]:
+    """The artifact reader limits of agent.yaml, as ``Limits`` keyword arguments."""
+    mapping = {"max_artifact_bytes": "max_archive_bytes", "max_member_bytes": "max_member_bytes",
+               "max_total_bytes": "max_total_bytes"}
+    return {mapping[k]: v for k, v in config.limits.items()}

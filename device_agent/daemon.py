@@ -1,0 +1,154 @@
+"""``edgepack-agent run``: the daemon that composes store, runtime, HTTP API, telemetry and updates.
+
+Start order: recover the store (crash cleanup, re-verify), install the configured first
+artifact if the store is empty, load the active model (provider choice, smoke test), then
+serve: HTTP API, MQTT telemetry, remote updates. Stop order is the reverse; SIGTERM and
+SIGINT stop it gracefully (a clean retained "offline" state, the outbox flushed).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from device_agent.config import AgentConfig, limits_from
+from device_agent.errors import StoreError
+from device_agent.http_api import ApiServer
+from device_agent.runtime import InferenceService, LoadedModel, load_model
+from device_agent.store import InstalledModel, ModelStore
+from device_agent.telemetry.metrics import ModelInfo
+from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
+from edgepack_core.artifact import Limits
+from edgepack_core.signing import TrustStore
+
+log = logging.getLogger("edgepack.agent")
+
+
+class Daemon:
+    """One running agent. ``start``/``stop`` are idempotent enough for tests and signals."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.trust = TrustStore.from_paths(config.trust)
+        self.store = ModelStore(config.store, self.trust, Limits(**limits_from(config)))
+        self.service = InferenceService()
+        self.api: ApiServer | None = None
+        self.reporter: TelemetryReporter | None = None
+        self.updates: Any = None
+        self._stopped = threading.Event()
+
+    # ---------------------------------------------------------------- models
+
+    def load(self, installed: InstalledModel) -> LoadedModel:
+        """Load an installed model with this device's profile; runs its smoke test."""
+        return load_model(installed.directory, installed.verified.manifest, profile=self.config.profile,
+                          threads=self.config.threads)
+
+    def install_artifact(self, artifact: Path, *, force: bool = False) -> LoadedModel:
+        """Verify, stage, smoke-test and activate an artifact, then hot-swap it in."""
+        loaded: list[LoadedModel] = []
+        installed = self.store.install(artifact, force=force, smoke_test=lambda m: loaded.append(self.load(m)))
+        self.activate_loaded(loaded[0])
+        log.info("installed %s %s", installed.name, installed.version)
+        return loaded[0]
+
+    def activate_loaded(self, model: LoadedModel) -> LoadedModel | None:
+        old = self.service.swap(model)
+        if self.reporter is not None:
+            self.reporter.publish_state()
+        return old
+
+    def status(self) -> AgentStatus:
+        import onnxruntime as ort
+
+        model = self.service.model
+        info = None if model is None else ModelInfo(model.manifest.name, model.manifest.version,
+                                                    model.manifest.model_sha256)
+        return AgentStatus(model=info, provider=None if model is None else model.provider,
+                           profile=self.config.profile, available_providers=list(ort.get_available_providers()))
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> Daemon:
+        active = self.store.recover()
+        if active is None and self.config.artifact is not None:
+            log.info("store is empty: installing %s", self.config.artifact)
+            self.install_artifact(self.config.artifact)
+        elif active is not None:
+            try:
+                self.service.swap(self.load(active))
+            except Exception as err:
+                # The active model verified but no longer loads (e.g. an onnxruntime upgrade):
+                # fall back to the previous one rather than serve nothing.
+                log.error("active model %s does not load (%s); rolling back", active.key, err)
+                try:
+                    self.service.swap(self.load(self.store.rollback()))
+                except StoreError:
+                    raise err from None
+        if self.config.mqtt is not None:
+            mqtt = self.config.mqtt
+            groups = list(mqtt.get("groups", []))
+            queue = dict(mqtt.get("queue", {}))
+            outbox = Path(queue.pop("path", self.config.store / "outbox.db"))
+            self.reporter = TelemetryReporter(
+                self.config.device_id, settings_from_config(mqtt, self.config.device_id, groups), outbox,
+                self.status, groups=groups, interval=float(mqtt.get("telemetry_interval", 10)), outbox_limits=queue)
+            self.service.observers.append(self._observe)
+            self.reporter.start()
+            self._start_updates()
+        address = self.config.listen_host_port
+        if address is not None:
+            self.api = ApiServer(address, self.service, max_body_bytes=self.config.max_body_bytes).start()
+            log.info("HTTP API on http://%s:%d", address[0], self.api.port)
+        return self
+
+    def _start_updates(self) -> None:
+        """Remote updates over MQTT, when the update service is installed in this build."""
+        try:
+            from device_agent.updates.service import UpdateService
+        except ImportError:
+            log.info("remote updates are not available in this build")
+            return
+        if self.config.updates.get("enabled", True):
+            self.updates = UpdateService(self)
+            self.updates.start()
+
+    def _observe(self, latency: float | None, error: str | None) -> None:
+        if self.reporter is None:
+            return
+        if error is None and latency is not None:
+            self.reporter.record_inference(latency)
+        elif error is not None:
+            self.reporter.record_error(error)
+
+    def stop(self, reason: str = "agent stopped") -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self.api is not None:
+            self.api.stop()
+        if self.updates is not None:
+            self.updates.stop()
+        if self.reporter is not None:
+            self.reporter.stop(reason)
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+    def run_until_signal(self) -> None:
+        """Serve until SIGTERM/SIGINT, then stop gracefully."""
+        stop_requested = threading.Event()
+
+        def handle(signum: int, _frame: Any) -> None:
+            log.info("received %s: stopping", signal.Signals(signum).name)
+            stop_requested.set()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+        self.start()
+        while not stop_requested.wait(1.0):
+            pass
+        self.stop("agent stopped (signal)")

@@ -1,0 +1,69 @@
+"""The device side's error hierarchy, extending ``edgepack_core.errors``.
+
+``edgepack-agent`` turns any :class:`EdgepackError` into one line on stderr and its exit
+code; the HTTP API turns a :class:`BadRequest` into a 4xx JSON answer and keeps serving.
+"""
+
+from __future__ import annotations
+
+from edgepack_core.errors import EdgepackError, SchemaError, UsageError
+
+__all__ = [
+    "AgentError", "BadRequest", "ConfigError", "EdgepackError", "NoModelError", "ProviderError",
+    "SchemaError", "SmokeTestError", "StoreError",
+]
+
+
+class AgentError(EdgepackError):
+    """Base of the device agent's own failures."""
+
+
+class ConfigError(UsageError):
+    """agent.yaml cannot be used (beyond schema errors, which are ``SchemaError``)."""
+
+    def __init__(self, key: str, problem: str, *, config: str = "") -> None:
+        where = f"{config}: " if config else ""
+        super().__init__(f"{where}{key}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+class StoreError(AgentError):
+    """The model store cannot complete an operation (nothing to roll back to, disk errors)."""
+
+
+class SmokeTestError(AgentError):
+    """A model's golden samples did not reproduce: it is not activated."""
+
+    def __init__(self, model: str, sample: int | None, problem: str) -> None:
+        where = f" (golden sample {sample})" if sample is not None else ""
+        super().__init__(f"smoke test of {model} failed{where}: {problem}")
+        self.model = model
+        self.sample = sample
+        self.problem = problem
+
+
+class ProviderError(AgentError):
+    """No execution provider on the list could create a session for the model."""
+
+    def __init__(self, model: str, attempts: list[tuple[str, str]]) -> None:
+        tried = "; ".join(f"{name}: {reason}" for name, reason in attempts)
+        super().__init__(f"no provider could load {model} ({tried})")
+        self.model = model
+        self.attempts = attempts
+
+
+class NoModelError(AgentError):
+    """A request arrived while no model is active."""
+
+    http_status = 503
+
+
+class BadRequest(AgentError):
+    """A request the model cannot take: wrong shape, dtype or input name, corrupt image,
+    oversized body. ``kind`` names the problem for metrics; ``http_status`` is the answer."""
+
+    def __init__(self, kind: str, problem: str, *, http_status: int = 400) -> None:
+        super().__init__(problem)
+        self.kind = kind
+        self.http_status = http_status

@@ -1,0 +1,162 @@
+"""The local HTTP API: ``POST /predict``, ``GET /healthz``, ``GET /metrics`` (Prometheus).
+
+Standard library only (a device should not need a web framework). Each request runs on its
+own thread; a bad request gets a 4xx JSON answer and never affects the server. Bodies are
+bounded (``max_body_bytes``, 413 beyond it) and read with the declared length only.
+
+POST /predict takes:
+  - ``image/*`` (or ``application/octet-stream`` for an image model): raw image bytes
+  - ``application/x-npy`` / ``application/x-npz``: one array / named arrays
+  - ``application/json``: ``{"inputs": {name: nested list}}``
+and answers the ``predict --json`` object.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from device_agent.errors import BadRequest, NoModelError
+from device_agent.runtime import LATENCY_BUCKETS, InferenceService, json_to_feed
+
+log = logging.getLogger("edgepack.agent.http")
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(service: InferenceService) -> str:
+    """Metrics in the Prometheus text exposition format (version 0.0.4)."""
+    snap = service.stats.snapshot()
+    lines = ["# HELP edgepack_requests_total Predict requests by outcome.", "# TYPE edgepack_requests_total counter"]
+    for status, count in sorted(snap["requests"].items()):
+        lines.append(f'edgepack_requests_total{{status="{status}"}} {count}')
+    lines += ["# HELP edgepack_errors_total Failed requests by kind.", "# TYPE edgepack_errors_total counter"]
+    for kind, count in sorted(snap["errors"].items()):
+        lines.append(f'edgepack_errors_total{{kind="{_escape(kind)}"}} {count}')
+    lines += ["# HELP edgepack_inference_latency_seconds Model run time per request.",
+              "# TYPE edgepack_inference_latency_seconds histogram"]
+    cumulative = 0
+    for bound, count in zip(LATENCY_BUCKETS, snap["buckets"], strict=False):
+        cumulative += count
+        lines.append(f'edgepack_inference_latency_seconds_bucket{{le="{bound}"}} {cumulative}')
+    cumulative += snap["buckets"][-1]
+    lines.append(f'edgepack_inference_latency_seconds_bucket{{le="+Inf"}} {cumulative}')
+    lines.append(f"edgepack_inference_latency_seconds_sum {snap['latency_sum']:.9f}")
+    lines.append(f"edgepack_inference_latency_seconds_count {cumulative}")
+    lines += ["# HELP edgepack_model_info The active model and the provider it runs on.",
+              "# TYPE edgepack_model_info gauge"]
+    model = service.model
+    if model is not None:
+        info = model.describe()
+        lines.append(f'edgepack_model_info{{name="{_escape(info["name"])}",version="{_escape(info["version"])}",'
+                     f'sha256="{info["sha256"]}",provider="{info["provider"]}"}} 1')
+    return "\n".join(lines) + "\n"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: ApiServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _json(self, status: int, document: Any) -> None:
+        self._send(status, json.dumps(document).encode() + b"\n")
+
+    def _error(self, status: int, kind: str, message: str) -> None:
+        self._json(status, {"error": {"kind": kind, "message": message}})
+
+    def do_GET(self) -> None:
+        service = self.server.service
+        if self.path == "/healthz":
+            model = service.model
+            if model is None:
+                self._json(503, {"status": "no model"})
+            else:
+                self._json(200, {"status": "ok", "model": model.describe()})
+        elif self.path == "/metrics":
+            self._send(200, prometheus_text(service).encode(), "text/plain; version=0.0.4; charset=utf-8")
+        else:
+            self._error(404, "not_found", f"no such endpoint {self.path}")
+
+    def do_POST(self) -> None:
+        if self.path != "/predict":
+            self._error(404, "not_found", f"no such endpoint {self.path}")
+            return
+        service = self.server.service
+        length_text = self.headers.get("Content-Length")
+        if length_text is None or not length_text.isdigit():
+            self.close_connection = True
+            self._error(411, "length_required", "send a Content-Length header")
+            return
+        length = int(length_text)
+        if length > self.server.max_body_bytes:
+            self.close_connection = True  # do not read the oversized body
+            service.stats.error("too_large", client=True)
+            self._error(413, "too_large", f"body of {length} bytes is over the limit of {self.server.max_body_bytes}")
+            return
+        body = self.rfile.read(length)
+        content_type = (self.headers.get("Content-Type") or "application/octet-stream").split(";")[0].strip().lower()
+        try:
+            if content_type == "application/json":
+                try:
+                    document = json.loads(body)
+                except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                    raise BadRequest("bad_json", f"body is not JSON: {err}") from None
+                model = service.model
+                if model is None:
+                    raise NoModelError("no model is active")
+                inputs = document.get("inputs") if isinstance(document, dict) else None
+                result = service.predict(json_to_feed(model, inputs))
+            else:
+                result = service.predict(body, content_type=content_type)
+        except BadRequest as err:
+            self._error(err.http_status, err.kind, str(err))
+            return
+        except NoModelError as err:
+            self._error(503, "no_model", str(err))
+            return
+        except Exception as err:  # the server must survive anything a request triggers
+            log.exception("predict failed")
+            service.stats.error("internal", client=False)
+            self._error(500, "internal", f"{type(err).__name__}: {err}")
+            return
+        self._json(200, result.to_json())
+
+
+class ApiServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], service: InferenceService, *, max_body_bytes: int) -> None:
+        super().__init__(address, _Handler)
+        self.service = service
+        self.max_body_bytes = max_body_bytes
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    def start(self) -> ApiServer:
+        self._thread = threading.Thread(target=self.serve_forever, name="http-api", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
