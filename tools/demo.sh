@@ -27,9 +27,10 @@ fi
 step "Package the digits CNN into a signed artifact"
 "$EDGEPACK" build recipes/digits.yaml --key "$DEMO/keys/release.key" --output "$DEMO/dist/digits.edgepkg"
 "$EDGEPACK" verify "$DEMO/dist/digits.edgepkg" --trust "$DEMO/keys/release.pub"
-"$EDGEPACK" inspect "$DEMO/dist/digits.edgepkg" --trust "$DEMO/keys/release.pub" | head -n 20
+"$EDGEPACK" inspect "$DEMO/dist/digits.edgepkg" --trust "$DEMO/keys/release.pub" | sed -n "1,14p"
 
-IMAGE=$(ls "$DEMO"/digits/val/*.png | head -n 1)
+IMAGES=("$DEMO"/digits/val/*.png)
+IMAGE=${IMAGES[0]}
 step "One-shot inference on the device side: $(basename "$IMAGE")"
 "$AGENT" predict --artifact "$DEMO/dist/digits.edgepkg" --trust "$DEMO/keys/release.pub" --input "$IMAGE" --json
 
@@ -65,7 +66,7 @@ request = urllib.request.Request(f"{base}/predict", data=open(image, "rb").read(
 answer = json.load(urllib.request.urlopen(request, timeout=10))
 print("POST /predict ->", json.dumps(answer.get("result")))
 metrics = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
-print("GET /metrics ->", next(line for line in metrics.splitlines() if line.startswith("edgepack_requests_total")))
+print("GET /metrics ->", next(line for line in metrics.splitlines() if line.startswith('edgepack_requests_total{status="ok"}')))
 EOF
 kill -TERM "$AGENT_PID"
 wait "$AGENT_PID" || true
