@@ -148,8 +148,12 @@ class ModelStore:
             target = self.models / key
             state = self._read_state()
             if target.exists():
-                if key in (state["active"], state["previous"]):
-                    raise StoreError(f"{key} is already installed")
+                if key == state["active"]:
+                    raise StoreError(f"{key} is already the active model")
+                if key == state["previous"]:
+                    # The same signed build is kept for rollback: reuse it (re-verified) rather
+                    # than hold two copies.
+                    return InstalledModel(target, read_extracted(target, self.trust))
                 shutil.rmtree(target)  # a leftover nobody refers to
             os.rename(tmp / "x", target)
             _test_only_crash_point("after-extract")
@@ -182,11 +186,11 @@ class ModelStore:
         return model
 
     def discard(self, model: InstalledModel) -> None:
-        """Remove a staged model that never became active."""
+        """Remove a staged model that never became active (one the state still refers to,
+        such as a reused previous model, is kept)."""
         state = self._read_state()
-        if model.key in (state["active"], state["previous"]):
-            raise StoreError(f"{model.key} is in use and cannot be discarded")
-        shutil.rmtree(model.directory, ignore_errors=True)
+        if model.key not in (state["active"], state["previous"]):
+            shutil.rmtree(model.directory, ignore_errors=True)
 
     def rollback(self) -> InstalledModel:
         """Swap active and previous. Raises StoreError when there is no previous model."""
