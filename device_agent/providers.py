@@ -11,7 +11,7 @@ asking onnxruntime for XNNPACK on a build without it silently gives CPU.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,10 +132,16 @@ def session_options(threads: int) -> Any:
     return options
 
 
-def create_session(model_path: Path, plan: ProviderPlan, *, threads: int = 0) -> SessionResult:
-    """Create one session, falling back down the plan. Reports the provider really in use."""
+def create_session(model_path: Path, plan: ProviderPlan, *, threads: int = 0,
+                   factory: Callable[..., Any] | None = None) -> SessionResult:
+    """Create one session, falling back down the plan. Reports the provider really in use.
+
+    ``factory`` defaults to ``onnxruntime.InferenceSession``; tests pass one that fails the way
+    a real accelerator does (a CUDA library missing on a Jetson image), which cannot happen here.
+    """
     import onnxruntime as ort
 
+    factory = factory or ort.InferenceSession
     fallbacks = list(plan.skipped)
     attempts: list[tuple[str, str]] = []
     for choice in plan.choices:
@@ -143,7 +149,7 @@ def create_session(model_path: Path, plan: ProviderPlan, *, threads: int = 0) ->
         if choice.name != CPU:
             providers.append(CPU)  # nodes the accelerator cannot take run on CPU
         try:
-            session = ort.InferenceSession(str(model_path), session_options(threads), providers=providers)
+            session = factory(str(model_path), session_options(threads), providers=providers)
         except Exception as err:  # onnxruntime raises untyped errors for provider failures
             reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
             log.warning("provider %s failed for %s: %s; trying the next", choice.name, model_path.name, reason)
