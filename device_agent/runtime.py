@@ -132,6 +132,7 @@ class RequestStats:
         self.errors: dict[str, int] = {}
         self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
+        self.non_finite = 0  # responses with NaN/inf outputs, counted while a health window watches
 
     def ok(self, seconds: float) -> None:
         index = 0
@@ -151,7 +152,11 @@ class RequestStats:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"requests": dict(self.requests), "errors": dict(self.errors), "buckets": list(self.buckets),
-                    "latency_sum": self.latency_sum}
+                    "latency_sum": self.latency_sum, "non_finite": self.non_finite}
+
+    def count_non_finite(self) -> None:
+        with self._lock:
+            self.non_finite += 1
 
 
 Observer = Callable[[float | None, str | None], None]
@@ -165,6 +170,9 @@ class InferenceService:
         self._swap_lock = threading.Lock()
         self.stats = RequestStats()
         self.observers: list[Observer] = []  # e.g. telemetry: called with (latency, None) or (None, error kind)
+        # Set by an update's health window: check every output for NaN/inf (costs a pass over
+        # the outputs, so only while a new model is being watched).
+        self.check_finite = False
 
     @property
     def model(self) -> LoadedModel | None:
@@ -216,6 +224,8 @@ class InferenceService:
                              http_status=500) from None
         elapsed = time.perf_counter() - started
         outputs = dict(zip(model.output_names, values, strict=True))
+        if self.check_finite and any(v.dtype.kind == "f" and not np.isfinite(v).all() for v in values):
+            self.stats.count_non_finite()
         result = None
         if postprocess:
             try:

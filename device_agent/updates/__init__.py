@@ -1,0 +1,1 @@
+"""Remote updates over MQTT: commands, the job state machine, delivery, and the executor."""
