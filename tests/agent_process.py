@@ -1,0 +1,184 @@
+"""An `edgepack-agent run` daemon as a real subprocess, plus an MQTT observer of its topics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+from tests.conftest import cli
+
+ROOT = "edgepack/v1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class AgentProcess:
+    def __init__(self, folder: Path, *, device: str, broker_port: int, trust: Path, artifact: Path | None,
+                 groups: list[str] | None = None, health_window_s: float = 0.5, extra_env: dict | None = None):
+        self.folder = folder
+        self.device = device
+        self.port = free_port()
+        self.config = folder / f"{device}.yaml"
+        lines = [f"device_id: {device}", f"store: {folder / (device + '-store')}", f"trust: [{trust}]",
+                 f"api: {{listen: '127.0.0.1:{self.port}'}}",
+                 f"mqtt: {{host: 127.0.0.1, port: {broker_port}, telemetry_interval: 0.5, keepalive: 5, "
+                 f"groups: [{', '.join(groups or [])}]}}",
+                 f"updates: {{health_window_s: {health_window_s}}}"]
+        if artifact is not None:
+            lines.append(f"artifact: {artifact}")
+        self.config.write_text("\n".join(lines) + "\n")
+        self.extra_env = extra_env or {}
+        self.proc: subprocess.Popen | None = None
+        self.log = folder / f"{device}.log"
+
+    def start(self, env: dict | None = None) -> AgentProcess:
+        environment = {**os.environ, **self.extra_env, **(env or {})}
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([cli("edgepack-agent"), "run", "--config", str(self.config)],
+                                         stdout=log, stderr=log, env=environment)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                if self.health().get("status") == "ok":
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"agent did not come up: {self.log.read_text()[-2000:]}")
+
+    def health(self) -> dict[str, Any]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as response:
+                return json.load(response)
+        except urllib.error.HTTPError as err:
+            return json.load(err)
+
+    def version(self) -> str | None:
+        try:
+            return self.health()["model"]["version"]
+        except (OSError, KeyError):
+            return None
+
+    def predict(self, values: list[float]) -> tuple[int, dict]:
+        body = json.dumps({"inputs": {"x": [values]}}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/predict", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.load(response)
+        except urllib.error.HTTPError as err:
+            return err.code, json.load(err)
+
+    def wait_exit(self, timeout: float = 30) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class Observer:
+    """Collects every message under the topic root (QoS 1)."""
+
+    def __init__(self, port: int) -> None:
+        self.messages: list[tuple[str, Any]] = []
+        self.lock = threading.Lock()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"observer-{free_port()}",
+                                  protocol=mqtt.MQTTv5)
+        ready = threading.Event()
+        self.client.on_connect = lambda c, *_: (c.subscribe(f"{ROOT}/#", qos=1), ready.set())
+        self.client.on_message = self._on_message
+        self.client.connect("127.0.0.1", port)
+        self.client.loop_start()
+        assert ready.wait(5)
+        time.sleep(0.2)
+
+    def _on_message(self, _c: Any, _u: Any, message: Any) -> None:
+        try:
+            payload = json.loads(message.payload)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            payload = message.payload
+        with self.lock:
+            self.messages.append((message.topic, payload))
+
+    def jobs(self, device: str, job_id: str | None = None) -> list[dict]:
+        with self.lock:
+            return [p for t, p in self.messages if t == f"{ROOT}/dev/{device}/job" and isinstance(p, dict)
+                    and (job_id is None or p.get("job") == job_id)]
+
+    def wait_for(self, predicate, timeout: float = 30.0) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if predicate():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def publish(self, topic: str, payload: bytes | str) -> None:
+        self.client.publish(topic, payload, qos=1).wait_for_publish(5)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+class LoadGenerator:
+    """Continuous predict requests against an agent from a few threads, counting failures."""
+
+    def __init__(self, agent: AgentProcess, threads: int = 3, values: list[float] | None = None) -> None:
+        self.agent = agent
+        self.values = values or [1.0, 2.0, 3.0, 4.0]
+        self.stop_event = threading.Event()
+        self.ok = 0
+        self.failures: list[str] = []
+        self.versions: set[str] = set()
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _run(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                status, answer = self.agent.predict(self.values)
+            except OSError as err:
+                with self.lock:
+                    self.failures.append(f"connection: {err}")
+                continue
+            with self.lock:
+                if status == 200:
+                    self.ok += 1
+                    self.versions.add(answer["model"]["version"])
+                else:
+                    self.failures.append(f"{status}: {answer}")
+
+    def __enter__(self) -> LoadGenerator:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(10)

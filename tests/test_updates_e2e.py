@@ -1,0 +1,249 @@
+"""Remote updates end to end: a real mosquitto, the agent as a real subprocess, `edgepack deploy`.
+
+Named after what they show or block: zero failed requests during an update, tampered artifact,
+downgrade, smoke-test failure, health-window rollback, kill -9 in every job state, duplicate
+command, broker restart mid-transfer, hostile commands.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from device_agent.store import TEST_CRASH_ENV
+from edgepack_core.signing import TrustStore, load_public_key
+from sdk.deploy import deploy
+from tests.agent_process import AgentProcess, LoadGenerator, Observer
+from tests.artifacts import build_artifact, resign_with_changes, wrong_golden_outputs
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _sqrt_model(path: Path) -> Path:
+    """y = sqrt(x): finite on the (positive) golden inputs, NaN on negative requests."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    graph = helper.make_graph([helper.make_node("Sqrt", ["x"], ["y"])], "sqrt", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory, keypair):
+    folder = tmp_path_factory.mktemp("updates")
+    key = keypair[0]
+    out = {
+        "v1": build_artifact(folder, key, version="1.0.0", factor=2.0),
+        "v2": build_artifact(folder, key, version="1.1.0", factor=3.0),
+    }
+    out["wrong_golden"] = resign_with_changes(out["v2"], folder / "wrong.edgepkg", key,
+                                              replace=wrong_golden_outputs(out["v2"]),
+                                              manifest_changes={"version": "1.5.0"})
+    big_asset = np.random.default_rng(0).bytes(3 * 1024 * 1024)
+    out["big"] = resign_with_changes(out["v2"], folder / "big.edgepkg", key, replace={"assets/blob.bin": big_asset},
+                                     manifest_changes={"version": "1.2.0"})
+    # A validly shaped artifact whose model byte was flipped after signing.
+    tampered = folder / "tampered.edgepkg"
+    with tarfile.open(out["v2"]) as src, tarfile.open(tampered, "w:gz") as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member).read()
+            if member.name == "model/model.onnx":
+                data = data[:-1] + bytes([data[-1] ^ 0x01])
+            dst.addfile(member, io.BytesIO(data))
+    out["tampered"] = tampered
+    np.savez(folder / "positive.npz", x=np.abs(np.random.default_rng(1).standard_normal((4, 4))).astype(np.float32))
+    _sqrt_model(folder / "sqrt.onnx")
+    (folder / "sqrt.yaml").write_text("name: scale\nversion: 1.3.0\nmodel: {path: sqrt.onnx}\ntargets: [x86]\n"
+                                      "golden: {data: {npz: positive.npz}}\n")
+    from sdk.packager.pipeline import build
+    from sdk.recipe import load_recipe
+
+    out["nan_on_negative"] = build(load_recipe(folder / "sqrt.yaml"), key_paths=[str(key)],
+                                   output=folder / "sqrt.edgepkg").output
+    return out
+
+
+@pytest.fixture()
+def agent(tmp_path, mosquitto_broker, keypair, arts):
+    process = AgentProcess(tmp_path, device="pi-07", broker_port=mosquitto_broker.port, trust=keypair[1],
+                           artifact=arts["v1"], groups=["kitchen"], health_window_s=0.5).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture()
+def observer(mosquitto_broker):
+    watch = Observer(mosquitto_broker.port)
+    yield watch
+    watch.close()
+
+
+def _deploy_cli(artifact: Path, broker, *extra: str):
+    return run_cli("edgepack", "deploy", str(artifact), "--device", "pi-07", "--broker", broker.address, "--wait",
+                   "--timeout", "60", *extra)
+
+
+def test_update_under_continuous_load_fails_no_request(agent, arts, mosquitto_broker):
+    with LoadGenerator(agent) as load:
+        time.sleep(0.5)
+        result = _deploy_cli(arts["v2"], mosquitto_broker)
+        time.sleep(0.5)
+    assert result.returncode == 0, result.stderr
+    assert agent.version() == "1.1.0"
+    assert load.failures == []
+    assert load.versions == {"1.0.0", "1.1.0"} and load.ok > 50
+
+
+def test_update_over_mqtt_chunks_survives_a_broker_restart_mid_transfer(agent, arts, mosquitto_broker, keypair):
+    trust = TrustStore([load_public_key(keypair[1])])
+    outcome: dict = {}
+    seen_states: list[str] = []
+
+    def run() -> None:
+        outcome["result"] = deploy(arts["big"], broker=mosquitto_broker.address, devices=["pi-07"], transfer="mqtt",
+                                   chunk_size=4096, timeout=90, trust=trust,
+                                   on_event=lambda d, e: seen_states.append(e["state"]))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.time() + 20
+    while "downloading" not in seen_states and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    mosquitto_broker.restart()
+    thread.join(120)
+    result = outcome["result"]
+    assert result.succeeded, result.jobs["pi-07"]
+    assert agent.version() == "1.2.0"
+
+
+def test_tampered_artifact_is_rejected_and_the_old_model_keeps_serving(agent, arts, mosquitto_broker):
+    result = _deploy_cli(arts["tampered"], mosquitto_broker)
+    assert result.returncode == 1
+    assert "rejected" in result.stdout and "sha256 differs" in result.stdout
+    assert agent.version() == "1.0.0"
+    status, answer = agent.predict([1, 1, 1, 1])
+    assert status == 200 and answer["outputs"]["y"] == [[2.0, 2.0, 2.0, 2.0]]
+
+
+def test_downgrade_is_rejected_unless_forced(agent, arts, mosquitto_broker):
+    assert _deploy_cli(arts["v2"], mosquitto_broker).returncode == 0
+    refused = _deploy_cli(arts["v1"], mosquitto_broker)
+    assert refused.returncode == 1 and "not newer than installed version 1.1.0" in refused.stdout
+    assert agent.version() == "1.1.0"
+    forced = _deploy_cli(arts["v1"], mosquitto_broker, "--force-downgrade")
+    assert forced.returncode == 0 and agent.version() == "1.0.0"
+
+
+def test_model_failing_its_smoke_test_is_not_activated(agent, arts, mosquitto_broker):
+    result = _deploy_cli(arts["wrong_golden"], mosquitto_broker)
+    assert result.returncode == 1
+    assert "failed" in result.stdout and "differs from golden" in result.stdout
+    assert agent.version() == "1.0.0"
+
+
+def test_unhealthy_model_is_rolled_back_after_the_health_window(agent, arts, mosquitto_broker, keypair):
+    with LoadGenerator(agent, values=[-1.0, -2.0, 3.0, 4.0]) as load:
+        result = _deploy_cli(arts["nan_on_negative"], mosquitto_broker, "--health-window", "1.5")
+    assert result.returncode == 1
+    assert "rolled_back" in result.stdout and "non-finite" in result.stdout
+    assert agent.version() == "1.0.0"
+    assert load.failures == []
+    status = run_cli("edgepack-agent", "status", "--store", str(agent.folder / "pi-07-store"), "--trust",
+                     str(keypair[1]), "--json")
+    assert json.loads(status.stdout)["active"]["version"] == "1.0.0", "the rollback is persisted in the store"
+
+
+def test_same_deploy_command_delivered_twice_installs_once(agent, arts, mosquitto_broker, observer, tmp_path):
+    import hashlib
+
+    data = arts["v2"].read_bytes()
+    server_dir = tmp_path / "www"
+    server_dir.mkdir()
+    from sdk.deploy import ArtifactServer
+
+    sha = hashlib.sha256(data).hexdigest()
+    server = ArtifactServer(arts["v2"], sha)
+    try:
+        command = {"schema": "edgepack.cmd/1", "id": "dup-1", "type": "deploy", "expires_at": time.time() + 60,
+                   "artifact": {"url": server.url}, "version": "1.1.0", "size": len(data), "sha256": sha}
+        observer.publish("edgepack/v1/dev/pi-07/cmd", json.dumps(command))
+        observer.publish("edgepack/v1/grp/kitchen/cmd", json.dumps(command))
+        assert observer.wait_for(lambda: any(e.get("final") for e in observer.jobs("pi-07", "dup-1")), 30)
+        time.sleep(1.0)
+        observer.publish("edgepack/v1/dev/pi-07/cmd", json.dumps(command))
+        assert observer.wait_for(lambda: sum(1 for e in observer.jobs("pi-07", "dup-1") if e.get("duplicate")) >= 2)
+    finally:
+        server.stop()
+    events = observer.jobs("pi-07", "dup-1")
+    assert sum(1 for e in events if e["state"] == "downloading" and not e.get("duplicate")) == 1, "ran once"
+    assert sum(1 for e in events if e.get("duplicate")) >= 2
+    assert agent.version() == "1.1.0"
+
+
+@pytest.mark.parametrize(("state", "expected"), [
+    ("downloading", "active"), ("verifying", "active"), ("staging", "active"), ("testing", "active"),
+    ("active", "rolled_back"),
+])
+def test_kill_9_in_each_job_state_then_restart_ends_consistent(tmp_path, mosquitto_broker, keypair, arts, state,
+                                                               expected):
+    agent = AgentProcess(tmp_path, device="pi-09", broker_port=mosquitto_broker.port, trust=keypair[1],
+                         artifact=arts["v1"], health_window_s=0.5)
+    agent.start(env={TEST_CRASH_ENV: f"job-{state}"})
+    watch = Observer(mosquitto_broker.port)
+    holder: dict = {}
+    try:
+        thread = threading.Thread(target=lambda: holder.update(result=deploy(
+            arts["v2"], broker=mosquitto_broker.address, devices=["pi-09"], timeout=60)))
+        thread.start()
+        assert agent.wait_exit(30) == -9, "the agent should have been killed at the crash point"
+        env = {k: v for k, v in os.environ.items() if k != TEST_CRASH_ENV}
+        agent.start(env=env)
+        thread.join(90)
+        final = [e for e in watch.jobs("pi-09") if e.get("final") and e.get("type") == "deploy"]
+        assert final and final[-1]["state"] == expected, watch.jobs("pi-09")
+        assert agent.version() == ("1.1.0" if expected == "active" else "1.0.0")
+        store = run_cli("edgepack-agent", "status", "--store", str(tmp_path / "pi-09-store"), "--trust",
+                        str(keypair[1]), "--json")
+        status = json.loads(store.stdout)
+        assert "error" not in (status["active"] or {})
+        models = [p.name for p in (tmp_path / "pi-09-store" / "models").iterdir()]
+        assert len(models) <= 2 and not [m for m in models if m.startswith(".")]
+    finally:
+        watch.close()
+        agent.stop()
+
+
+def test_hostile_commands_are_rejected_and_the_agent_keeps_running(agent, observer):
+    hostile = [
+        b"not json at all",
+        json.dumps({"schema": "edgepack.cmd/1", "id": "c1", "type": "format-disk", "expires_at": 9e9}).encode(),
+        json.dumps({"schema": "edgepack.cmd/1", "id": "c2", "type": "ping", "expires_at": 1}).encode(),
+        json.dumps({"schema": "edgepack.cmd/1", "id": "c3", "type": "deploy", "expires_at": 9e9,
+                    "artifact": {"url": "file:///etc/passwd"}, "version": "9.0.0", "size": 1,
+                    "sha256": "0" * 64}).encode(),
+        b"{" + b'"x": 1,' * 20000 + b'"y": 2}',
+    ]
+    for payload in hostile:
+        observer.publish("edgepack/v1/dev/pi-07/cmd", payload)
+    assert observer.wait_for(lambda: len([e for e in observer.jobs("pi-07") if e["state"] == "rejected"]) >= 4)
+    reasons = {e["job"]: e["reason"] for e in observer.jobs("pi-07") if e["state"] == "rejected"}
+    assert "unknown command type" in reasons["c1"]
+    assert "expired" in reasons["c2"]
+    assert "artifact" in reasons["c3"]
+    ping = run_cli("edgepack", "device", "ping", "pi-07", "--broker", f"127.0.0.1:{observer.client._port}")
+    assert ping.returncode == 0 and json.loads(ping.stdout)["reason"] == "pong"
+    assert agent.version() == "1.0.0"
