@@ -247,3 +247,26 @@ def test_hostile_commands_are_rejected_and_the_agent_keeps_running(agent, observ
     ping = run_cli("edgepack", "device", "ping", "pi-07", "--broker", f"127.0.0.1:{observer.client._port}")
     assert ping.returncode == 0 and json.loads(ping.stdout)["reason"] == "pong"
     assert agent.version() == "1.0.0"
+
+
+def test_staged_rollout_stops_at_the_canaries_when_they_fail(tmp_path, mosquitto_broker, keypair, arts):
+    agents = [AgentProcess(tmp_path, device=f"k-{i}", broker_port=mosquitto_broker.port, trust=keypair[1],
+                           artifact=arts["v1"], groups=["kitchen"]).start() for i in range(2)]
+    try:
+        time.sleep(0.5)  # retained birth messages reach the broker
+        failed = run_cli("edgepack", "deploy", str(arts["wrong_golden"]), "--group", "kitchen", "--canary", "50%",
+                         "--broker", mosquitto_broker.address, "--wait", "--timeout", "60", "--json")
+        assert failed.returncode == 1
+        summary = json.loads(failed.stdout)
+        assert summary["aborted"].startswith("canary failed on k-0")
+        assert summary["devices"]["k-0"]["state"] == "failed"
+        assert summary["devices"]["k-1"]["state"] == "skipped"
+        assert [a.version() for a in agents] == ["1.0.0", "1.0.0"]
+
+        good = run_cli("edgepack", "deploy", str(arts["v2"]), "--group", "kitchen", "--canary", "50%",
+                       "--broker", mosquitto_broker.address, "--wait", "--timeout", "60", "--expect", "2")
+        assert good.returncode == 0, good.stderr
+        assert [a.version() for a in agents] == ["1.1.0", "1.1.0"]
+    finally:
+        for agent in agents:
+            agent.stop()
