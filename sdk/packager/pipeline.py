@@ -28,7 +28,7 @@ from sdk.packager.passes.base import BuildContext, Progress
 from sdk.recipe import Recipe
 
 # Importing the pass modules registers them.
-from sdk.packager.passes import golden, model_checks  # noqa: F401  isort: skip
+from sdk.packager.passes import golden, model_checks, optimize, quantize, validate  # noqa: F401  isort: skip
 
 MODEL_MEMBER = "model/model.onnx"
 
@@ -40,7 +40,16 @@ PIPELINE: list[str] = [
     "opset",
     "shape_inference",
     "io_spec",
+    "fix_shapes",
+    "eliminate_identity",
+    "fold_batchnorm",
+    "ort_optimize",
+    "fp16",
+    "quantize",
+    "validate",
+    "target_report",
     "golden",
+    "ort_format",
 ]
 
 

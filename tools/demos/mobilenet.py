@@ -1,6 +1,6 @@
 """A MobileNet-style image classifier with deterministic weights (no training, no download).
 
-Structure as in MobileNet v1 at width 0.25: a strided 3x3 stem, depthwise-separable blocks
+Structure as in MobileNet v1 at width 0.5: a strided 3x3 stem, depthwise-separable blocks
 (depthwise 3x3 Conv with group = channels, BatchNormalization, ReLU6 as Clip(0, 6); pointwise
 1x1 Conv, BatchNormalization, ReLU6), GlobalAveragePool, Flatten and a Gemm classifier.
 Input ``input`` float32 [batch, 3, 224, 224]; output ``logits`` [batch, 1000]. BatchNorm is
@@ -18,9 +18,9 @@ from PIL import Image, ImageDraw
 from tools.demos.onnx_util import float_input, initializer, save_model
 
 CLASSES = 1000
-# (out_channels, stride) of each depthwise-separable block, MobileNet v1 at width 0.25.
-BLOCKS = [(16, 1), (32, 2), (32, 1), (64, 2), (64, 1), (128, 2), (128, 1), (128, 1), (256, 2), (256, 1)]
-STEM = 8
+# (out_channels, stride) of each depthwise-separable block, MobileNet v1 at width 0.5.
+BLOCKS = [(32, 1), (64, 2), (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (256, 1), (512, 2), (512, 1)]
+STEM = 16
 
 
 class _Graph:
@@ -107,7 +107,7 @@ PREPROCESS = {
 def build_mobilenet(out: Path, images: int = 16) -> Path:
     out = Path(out)
     model = save_model(mobilenet_graph(), out / "model.onnx",
-                       "MobileNet-style classifier (width 0.25) with deterministic weights: a demo, not trained")
+                       "MobileNet-style classifier (width 0.5) with deterministic weights: a demo, not trained")
     (out / "labels.txt").write_text("".join(f"class_{i}\n" for i in range(CLASSES)))
     folder = out / "images"
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,303 @@
+"""Optimization passes. Each is a small registered unit reading the ``optimize`` section.
+
+Order matters and is fixed by the pipeline: fixed shapes (for accelerators that need them),
+identity elimination, BatchNorm folding, onnxruntime's offline graph optimization, then fp16
+(after the folding: an unfolded BatchNorm variance can overflow fp16, measured on a real
+detector), then quantization.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from edgepack_core.targets import STATIC_SHAPE_TARGETS
+from sdk.errors import BuildError
+from sdk.packager.passes.base import BuildContext, Pass, register
+from sdk.packager.passes.model_checks import graph_io
+
+FP16_MAX = 65504.0
+# Targets whose providers share one CPU family, so "extended" offline optimizations (fusions
+# written for the CPU execution provider) stay valid on every one of them.
+_CPU_ONLY_TARGETS = {"x86"}
+
+
+def _initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    return {init.name: init for init in model.graph.initializer}
+
+
+@register
+class FixShapesPass(Pass):
+    """Give symbolic input dims fixed sizes (batch 1) when a target's accelerator (NNAPI,
+    CoreML) needs static shapes, or when the recipe asks for it."""
+
+    name = "fix_shapes"
+    section = "optimize"
+
+    def applies(self, ctx: BuildContext) -> bool:
+        wanted = self.options(ctx).get("fixed_shapes")
+        return wanted if wanted is not None else bool(set(ctx.recipe.targets) & STATIC_SHAPE_TARGETS)
+
+    def run(self, ctx: BuildContext) -> None:
+        model = ctx.require_model()
+        fixed = {}
+        for graph_input in model.graph.input:
+            for dim in graph_input.type.tensor_type.shape.dim:
+                if not dim.HasField("dim_value"):
+                    fixed[dim.dim_param or "?"] = 1
+                    dim.dim_value = 1
+        for output in model.graph.output:
+            for dim in output.type.tensor_type.shape.dim:
+                if not dim.HasField("dim_value") and dim.dim_param in fixed:
+                    dim.dim_value = 1
+        ctx.model = onnx.shape_inference.infer_shapes(model)
+        ctx.inputs, ctx.outputs = graph_io(ctx.model)
+        ctx.report[self.name] = {"fixed": sorted(fixed)}
+
+
+@register
+class EliminateIdentityPass(Pass):
+    """Remove Identity nodes (export leftovers) by rewiring their consumers."""
+
+    name = "eliminate_identity"
+    section = "optimize"
+
+    def applies(self, ctx: BuildContext) -> bool:
+        return self.options(ctx).get("level", "basic") != "none"
+
+    def run(self, ctx: BuildContext) -> None:
+        graph = ctx.require_model().graph
+        outputs = {o.name for o in graph.output}
+        removed = 0
+        for node in list(graph.node):
+            if node.op_type != "Identity" or node.output[0] in outputs:
+                continue
+            source, target = node.input[0], node.output[0]
+            for other in graph.node:
+                for i, name in enumerate(other.input):
+                    if name == target:
+                        other.input[i] = source
+            graph.node.remove(node)
+            removed += 1
+        ctx.report[self.name] = {"removed": removed}
+
+
+@register
+class FoldBatchNormPass(Pass):
+    """Fold BatchNormalization into the Conv before it: w' = w * g / sqrt(v + e),
+    b' = (b - m) * g / sqrt(v + e) + beta. Exact in float64, one node fewer per block."""
+
+    name = "fold_batchnorm"
+    section = "optimize"
+
+    def applies(self, ctx: BuildContext) -> bool:
+        options = self.options(ctx)
+        return options.get("level", "basic") != "none" and options.get("fold_batchnorm", True)
+
+    def run(self, ctx: BuildContext) -> None:
+        model = ctx.require_model()
+        graph = model.graph
+        inits = _initializers(model)
+        producers = {out: node for node in graph.node for out in node.output}
+        consumers: dict[str, int] = {}
+        for node in graph.node:
+            for name in node.input:
+                consumers[name] = consumers.get(name, 0) + 1
+        folded = 0
+        for bn in list(graph.node):
+            if bn.op_type != "BatchNormalization" or len(bn.output) != 1:
+                continue
+            conv = producers.get(bn.input[0])
+            if conv is None or conv.op_type != "Conv" or consumers.get(conv.output[0], 0) != 1:
+                continue
+            names = [conv.input[1], *bn.input[1:5]] + ([conv.input[2]] if len(conv.input) > 2 else [])
+            if not all(n in inits for n in names):
+                continue
+            weight = numpy_helper.to_array(inits[conv.input[1]]).astype(np.float64)
+            scale, beta, mean, var = (numpy_helper.to_array(inits[n]).astype(np.float64) for n in bn.input[1:5])
+            epsilon = next((a.f for a in bn.attribute if a.name == "epsilon"), 1e-5)
+            bias = numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64) if len(conv.input) > 2 \
+                else np.zeros(weight.shape[0])
+            factor = scale / np.sqrt(var + epsilon)
+            new_weight = weight * factor.reshape(-1, *([1] * (weight.ndim - 1)))
+            new_bias = (bias - mean) * factor + beta
+            stem = conv.name or conv.output[0]
+            weight_name, bias_name = f"{stem}.folded_w", f"{stem}.folded_b"
+            graph.initializer.extend([numpy_helper.from_array(new_weight.astype(np.float32), weight_name),
+                                      numpy_helper.from_array(new_bias.astype(np.float32), bias_name)])
+            del conv.input[1:]
+            conv.input.extend([weight_name, bias_name])
+            conv.output[0] = bn.output[0]
+            graph.node.remove(bn)
+            folded += 1
+        used = {name for node in graph.node for name in node.input}
+        for init in list(graph.initializer):
+            if init.name not in used:
+                graph.initializer.remove(init)
+        ctx.report[self.name] = {"folded": folded}
+
+
+@register
+class OrtOptimizePass(Pass):
+    """onnxruntime's offline graph optimization (constant folding, redundant node removal,
+    fusions). Level ``basic`` by default, because higher levels may produce nodes only one
+    execution provider runs; ``extended`` only when every target runs the CPU provider alone."""
+
+    name = "ort_optimize"
+    section = "optimize"
+
+    def applies(self, ctx: BuildContext) -> bool:
+        options = self.options(ctx)
+        return options.get("level", "basic") != "none" and options.get("constant_folding", True)
+
+    def level(self, ctx: BuildContext) -> str:
+        requested = self.options(ctx).get("level")
+        portable = set(ctx.recipe.targets) <= _CPU_ONLY_TARGETS
+        if requested in ("extended", "all") and not portable:
+            ctx.warn(f"optimize.level {requested} is not portable across targets {', '.join(ctx.recipe.targets)}; "
+                     "using basic")
+            return "basic"
+        return requested or ("extended" if portable else "basic")
+
+    def run(self, ctx: BuildContext) -> None:
+        import onnxruntime as ort
+
+        level = self.level(ctx)
+        before = len(ctx.require_model().graph.node)
+        folder = ctx.new_tempdir("ort-opt-")
+        source, target = folder / "in.onnx", folder / "out.onnx"
+        source.write_bytes(ctx.model_bytes())
+        options = ort.SessionOptions()
+        options.graph_optimization_level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+                                            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[level]
+        options.optimized_model_filepath = str(target)
+        options.log_severity_level = 3
+        try:
+            ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+        except Exception as err:  # onnxruntime raises untyped errors
+            raise BuildError(self.name, f"onnxruntime could not optimize the model: {str(err).splitlines()[0]}") \
+                from None
+        optimized = onnx.load(target)
+        ctx.model = optimized
+        ctx.report[self.name] = {"level": level, "nodes_before": before, "nodes_after": len(optimized.graph.node)}
+
+
+def _to_fp16_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every float32 tensor becomes float16; Casts at the graph edges keep io types float32."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    for init in graph.initializer:
+        if init.data_type == TensorProto.FLOAT:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float16), init.name))
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
+                attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float16)))
+        if node.op_type == "Cast":
+            for attr in node.attribute:
+                if attr.name == "to" and attr.i == TensorProto.FLOAT:
+                    attr.i = TensorProto.FLOAT16
+    del graph.value_info[:]
+    casts_in, casts_out = [], []
+    for graph_input in graph.input:
+        if graph_input.type.tensor_type.elem_type == TensorProto.FLOAT:
+            internal = f"{graph_input.name}.fp16"
+            for node in graph.node:
+                for i, name in enumerate(node.input):
+                    if name == graph_input.name:
+                        node.input[i] = internal
+            casts_in.append(helper.make_node("Cast", [graph_input.name], [internal], to=TensorProto.FLOAT16))
+    for graph_output in graph.output:
+        if graph_output.type.tensor_type.elem_type == TensorProto.FLOAT:
+            internal = f"{graph_output.name}.fp16"
+            for node in graph.node:
+                for i, name in enumerate(node.output):
+                    if name == graph_output.name:
+                        node.output[i] = internal
+            casts_out.append(helper.make_node("Cast", [internal], [graph_output.name], to=TensorProto.FLOAT))
+    nodes = [*casts_in, *graph.node, *casts_out]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return onnx.shape_inference.infer_shapes(out)
+
+
+def activation_ranges(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]) -> float:
+    """Largest absolute value any intermediate tensor takes on ``feeds`` (fp32 run)."""
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    known = {o.name for o in probe.graph.output}
+    for node in probe.graph.node:
+        for name in node.output:
+            if name and name not in known:
+                probe.graph.output.append(helper.make_empty_tensor_value_info(name))
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    largest = 0.0
+    for feed in feeds:
+        for value in session.run(None, feed):
+            if isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.size:
+                largest = max(largest, float(np.nanmax(np.abs(value))))
+    return largest
+
+
+@register
+class Fp16Pass(Pass):
+    """Convert to fp16 keeping fp32 inputs and outputs, after checking nothing overflows."""
+
+    name = "fp16"
+    section = "optimize"
+
+    def applies(self, ctx: BuildContext) -> bool:
+        return bool(self.options(ctx).get("fp16")) and (ctx.recipe.section("quantize").get("mode", "none") == "none")
+
+    def run(self, ctx: BuildContext) -> None:
+        from sdk.packager.data import synthetic_samples
+
+        model = ctx.require_model()
+        weights = max((float(np.abs(numpy_helper.to_array(i)).max()) for i in model.graph.initializer
+                       if i.data_type == TensorProto.FLOAT and i.dims), default=0.0)
+        feeds = synthetic_samples(4, ctx.preprocess, ctx.inputs).feeds
+        activations = activation_ranges(model, feeds)
+        if max(weights, activations) >= FP16_MAX:
+            ctx.warn(f"fp16 refused: values up to {max(weights, activations):.3g} overflow fp16 (max {FP16_MAX}); "
+                     "keeping fp32")
+            ctx.report[self.name] = {"applied": False, "max_weight": weights, "max_activation": activations}
+            return
+        ctx.model = _to_fp16_graph(model)
+        ctx.manifest_extra["precision"] = "fp16"
+        ctx.report[self.name] = {"applied": True, "max_weight": weights, "max_activation": activations}
+
+
+@register
+class OrtFormatPass(Pass):
+    """Add the compact ``.ort`` format next to the .onnx for onnxruntime mobile builds."""
+
+    name = "ort_format"
+    section = "optimize"
+
+    def applies(self, ctx: BuildContext) -> bool:
+        return bool(self.options(ctx).get("ort_format"))
+
+    def run(self, ctx: BuildContext) -> None:
+        import subprocess
+        import sys
+
+        folder = ctx.new_tempdir("ort-format-")
+        source = folder / "model.onnx"
+        source.write_bytes(ctx.model_bytes())
+        result = subprocess.run([sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort", str(source),
+                                 "--optimization_style", "Fixed"], capture_output=True, text=True,
+                                env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=300)
+        produced = sorted(Path(folder).glob("*.ort"))
+        if result.returncode != 0 or not produced:
+            raise BuildError(self.name, f"ORT format conversion failed: {result.stderr.strip().splitlines()[-1:]}")
+        ctx.files["model/model.ort"] = produced[0].read_bytes()
+        ctx.manifest_extra["ort_path"] = "model/model.ort"
+        ctx.report[self.name] = {"bytes": produced[0].stat().st_size}
