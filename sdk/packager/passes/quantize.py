@@ -14,6 +14,8 @@ Pitfalls handled (measured on real models with onnxruntime 1.31 on x86):
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -109,6 +111,18 @@ class _Reader:
         return next(self._iter, None)
 
 
+@contextlib.contextmanager
+def _working_directory(folder: Path) -> Iterator[None]:
+    """onnxruntime's quantization tools drop temp files (sym_shape_infer_temp.onnx, *.data) in
+    the current directory: run them inside the build's own temp folder."""
+    previous = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
 def _ensure_names(model: onnx.ModelProto) -> None:
     for index, node in enumerate(model.graph.node):
         if not node.name:
@@ -193,7 +207,8 @@ class QuantizePass(Pass):
             ctx.progress(f"quantize: candidate {index + 1} {candidate.describe()}")
             out = folder / f"candidate-{index}.onnx"
             try:
-                quantize_once(source, out, candidate, calib_feeds)
+                with _working_directory(folder):
+                    quantize_once(source, out, candidate, calib_feeds)
                 outputs = run_feeds(out.read_bytes(), validation.feeds)
             except BuildError as err:
                 tried.append({**candidate.describe(), "error": str(err)})
@@ -252,7 +267,8 @@ class QuantizePass(Pass):
         try:
             from onnxruntime.quantization.shape_inference import quant_pre_process
 
-            quant_pre_process(str(raw), str(prepared), auto_merge=True, skip_symbolic_shape=False)
+            with _working_directory(folder):
+                quant_pre_process(str(raw), str(prepared), auto_merge=True, skip_symbolic_shape=False)
             return prepared
         except Exception as err:  # symbolic shape inference fails on some graphs: quantize as is
             ctx.report.setdefault("quantize_notes", []).append(f"quant_pre_process skipped: {str(err)[:200]}")
@@ -271,7 +287,7 @@ class QuantizePass(Pass):
         variants.append(replace(config, per_channel=not config.per_channel))
         ranked = [name for name, _ in weight_sensitivity(model)]
         for count in (1, 2, 4, 8):
-            if ranked[:count]:
+            if 0 < count < len(ranked):  # always leave some layers quantized
                 variants.append(replace(config, exclude=tuple(sorted(set(config.exclude) | set(ranked[:count])))))
         for variant in variants:
             if variant not in seen:

@@ -1,0 +1,36 @@
+"""``edgepack bench``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from edgepack_core.signing import TrustStore
+from sdk.bench import bench as run_bench
+from sdk.cli import main
+
+
+@main.command()
+@click.argument("model_or_artifact", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--original", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The source .onnx, measured side by side with the packaged model.")
+@click.option("--trust", multiple=True, type=click.Path(path_type=Path), help="Verify the artifact first.")
+@click.option("--runs", default=100, show_default=True, help="Timed runs per model.")
+@click.option("--threads", default=0, help="intra-op threads (0: onnxruntime default).")
+@click.option("--json", "as_json", is_flag=True)
+def bench(model_or_artifact: Path, original: Path | None, trust: tuple[Path, ...], runs: int, threads: int,
+          as_json: bool) -> None:
+    """Latency (p50/p95) and throughput on this machine, original and packaged side by side."""
+    results = run_bench(model_or_artifact, original=original, trust=TrustStore.from_paths(trust) if trust else None,
+                        runs=runs, threads=threads)
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in results]))
+        return
+    click.echo(f"{'MODEL':<40} {'P50 MS':>9} {'P95 MS':>9} {'PER S':>9} {'BYTES':>12}")
+    for r in results:
+        click.echo(f"{r.label[:40]:<40} {r.p50_ms:>9.3f} {r.p95_ms:>9.3f} {r.throughput_per_s:>9.1f} {r.bytes:>12,d}")
+    if len(results) == 2:
+        click.echo(f"packaged/original latency ratio: {results[1].p50_ms / results[0].p50_ms:.2f}x, "
+                   f"size ratio: {results[0].bytes / results[1].bytes:.2f}x smaller")
