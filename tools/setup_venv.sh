@@ -8,4 +8,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q -e ".[dev]"
+# Optional: PyTorch for the export workflow and its tests (CI sets EDGEPACK_WITH_TORCH=1).
+# Pinned: on these machines 2.13.0 is a CPU build on local disk; an unpinned torch pulls GBs of CUDA.
+if [ "${EDGEPACK_WITH_TORCH:-0}" = 1 ]; then
+  .venv/bin/python -m pip install -q "torch==${EDGEPACK_TORCH_VERSION:-2.13.0}"
+fi
 echo "installed: $(.venv/bin/python -c 'import onnxruntime, onnx, numpy; print("onnxruntime", onnxruntime.__version__, "onnx", onnx.__version__, "numpy", numpy.__version__)')"

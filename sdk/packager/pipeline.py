@@ -35,6 +35,7 @@ MODEL_MEMBER = "model/model.onnx"
 # The order of a build. Each name is a registered pass; a pass skips itself when its
 # recipe section asks for nothing (``Pass.applies``).
 PIPELINE: list[str] = [
+    "export_pytorch",
     "load",
     "check",
     "opset",

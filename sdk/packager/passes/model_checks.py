@@ -204,3 +204,30 @@ class IoSpecPass(Pass):
             if isinstance(got, int) and want is not None and got != want:
                 raise RecipeError("preprocess", f"produces {expected} per image but input {name} "
                                   f"expects {shape}", recipe=recipe)
+
+
+@register
+class ExportPytorchPass(Pass):
+    """The recipe's ``model.pytorch`` section: build the module and export it (sdk.export)."""
+
+    name = "export_pytorch"
+
+    def applies(self, ctx: BuildContext) -> bool:
+        return "pytorch" in ctx.recipe.data["model"]
+
+    def run(self, ctx: BuildContext) -> None:
+        from sdk.export import DEFAULT_OPSET, export_pytorch, load_factory
+
+        options = ctx.recipe.data["model"]["pytorch"]
+        module = load_factory(options["factory"])()
+        if options.get("weights"):
+            import torch
+
+            module.load_state_dict(torch.load(options["weights"], map_location="cpu", weights_only=True))
+        path = ctx.workdir / "exported.onnx"
+        report = export_pytorch(module, options["input_shape"], path, opset=options.get("opset", DEFAULT_OPSET),
+                                input_name=options.get("input_name", "input"),
+                                output_names=options.get("output_names", ["output"]),
+                                dynamic_batch=options.get("dynamic_batch", True))
+        ctx.model = onnx.load(path)
+        ctx.report[self.name] = report
