@@ -181,3 +181,13 @@ def test_published_schema_file_matches_the_code():
     assert json.loads(published.read_text()) == json.loads(json.dumps(RECIPE_SCHEMA)), (
         "schemas/recipe.schema.json is stale: run `edgepack schema recipe > schemas/recipe.schema.json`"
     )
+
+
+def test_inspect_netron_without_netron_gives_a_clear_hint(project):
+    import importlib.util
+
+    run_cli("edgepack", "build", str(project / "recipe.yaml"), check=True, cwd=project)
+    result = run_cli("edgepack", "inspect", str(project / "dist" / "tiny.edgepkg"), "--netron")
+    assert importlib.util.find_spec("netron") is None, "this test needs an environment without netron (as CI)"
+    assert result.returncode == 1
+    assert "pip install netron" in _one_error_line(result)

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from edgepack_core.artifact import verify_artifact
+from edgepack_core.errors import EdgepackError
 from edgepack_core.signing import TrustStore
 from sdk.cli import main
 from sdk.inspect import format_view, inspect_artifact
@@ -72,10 +73,33 @@ def verify(artifact: Path, trust: tuple[Path, ...]) -> None:
 @click.argument("artifact", type=click.Path(path_type=Path))
 @_TRUST
 @click.option("--json", "as_json", is_flag=True, help="Print everything as one JSON object.")
-def inspect(artifact: Path, trust: tuple[Path, ...], as_json: bool) -> None:
+@click.option("--netron", is_flag=True, help="Open the packaged model in Netron (needs `pip install netron`).")
+def inspect(artifact: Path, trust: tuple[Path, ...], as_json: bool, netron: bool) -> None:
     """Show ARTIFACT's manifest, inputs/outputs, preprocessing, signer and build report."""
     view = inspect_artifact(artifact, TrustStore.from_paths(trust) if trust else None)
     click.echo(json.dumps(view.to_json(), indent=2, sort_keys=True) if as_json else format_view(view))
+    if netron:
+        _open_in_netron(artifact, view.manifest.get("model", {}).get("path", "model/model.onnx"))
+
+
+def _open_in_netron(artifact: Path, member: str) -> None:
+    try:
+        import netron  # type: ignore[import-not-found]
+    except ImportError:
+        raise EdgepackError("Netron is not installed: pip install netron (then run inspect --netron again)") \
+            from None
+    import tarfile
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="edgepack-netron-"))
+    with tarfile.open(artifact, "r:*") as tar:
+        stream = tar.extractfile(member)
+        if stream is None:
+            raise EdgepackError(f"{artifact}: no {member} inside")
+        (folder / "model.onnx").write_bytes(stream.read())
+    click.echo(f"opening {member} in Netron (Ctrl-C to stop)", err=True)
+    netron.start(str(folder / "model.onnx"))
+    netron.wait()
 
 
 @main.command()
