@@ -46,10 +46,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
+CHROOT=$(command -v chroot)
 in_root() {  # in_root CMD...: run inside the arm64 root with a clean environment
   env -i PATH=/opt/edgepack-venv/bin:/usr/local/bin:/usr/bin:/bin HOME=/root LANG=C.UTF-8 \
     PIP_CERT=/etc/ssl/certs/host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 \
-    chroot "$ROOTFS" "$@"
+    "$CHROOT" "$ROOTFS" "$@"
 }
 
 [ "$(id -u)" = 0 ] || { say "FAIL arm64 check needs root (chroot, mounts)"; exit 2; }
