@@ -93,20 +93,28 @@ def cold_start(artifact: Path, public: Path, example: Path, model_path: Path) ->
     return results[0], results[1]
 
 
+_RSS = "print(int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE'))"
+_AGENT_PROCESS = (
+    "import os, sys\n"
+    "from pathlib import Path\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "from device_agent.runtime import load_model\n"
+    "from edgepack_core.manifest import parse_manifest\n"
+    "model = load_model(Path(sys.argv[2]), parse_manifest(Path(sys.argv[3]).read_bytes()))\n" + _RSS
+)
+_BARE_PROCESS = (
+    "import os, sys, onnxruntime as ort\n"
+    "session = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n" + _RSS
+)
+
+
 def footprint(root: Path, manifest_path: Path) -> tuple[int, int]:
-    code_agent = ("import sys, json, os; sys.path.insert(0, %r)\n"
-                  "from pathlib import Path\n"
-                  "from device_agent.runtime import load_model\n"
-                  "from edgepack_core.manifest import parse_manifest\n"
-                  "m = load_model(Path(%r), parse_manifest(Path(%r).read_bytes()))\n"
-                  "print(int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE'))"
-                  % (str(ROOT), str(root), str(manifest_path)))
-    code_bare = ("import os, onnxruntime as ort\n"
-                 "s = ort.InferenceSession(%r, providers=['CPUExecutionProvider'])\n"
-                 "print(int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE'))"
-                 % str(root / "model" / "model.onnx"))
-    agent = int(subprocess.run([sys.executable, "-c", code_agent], capture_output=True, text=True, check=True).stdout)
-    bare = int(subprocess.run([sys.executable, "-c", code_bare], capture_output=True, text=True, check=True).stdout)
+    def rss_of(*command: str) -> int:
+        return int(subprocess.run([sys.executable, "-c", *command], capture_output=True, text=True,
+                                  check=True).stdout)
+
+    agent = rss_of(_AGENT_PROCESS, str(ROOT), str(root), str(manifest_path))
+    bare = rss_of(_BARE_PROCESS, str(root / "model" / "model.onnx"))
     return agent, bare
 
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from device_agent.mqtt.topics import Topics  # noqa: E402
-from device_agent.mqtt.transport import MqttSettings, MqttTransport  # noqa: E402
+from device_agent.mqtt.transport import Incoming, MqttSettings, MqttTransport  # noqa: E402
 from sdk.deploy import deploy  # noqa: E402
 from sdk.keys import write_keypair  # noqa: E402
 from tests.agent_process import AgentProcess  # noqa: E402
@@ -44,7 +44,7 @@ def ping_round_trips(port: int, device: str, count: int) -> list[float]:
     answered = threading.Event()
     waiting: dict[str, str] = {}
 
-    def on_job(message) -> None:  # noqa: ANN001 - transport Incoming
+    def on_job(message: Incoming) -> None:
         event = json.loads(message.payload)
         if event.get("job") == waiting.get("id"):
             answered.set()
@@ -88,7 +88,8 @@ def main() -> int:
         rtts = ping_round_trips(broker.port, "bench-01", args.pings)
         results["ping_ms"] = {"median": round(statistics.median(rtts) * 1000, 3),
                               "p90": round(float(np.percentile(rtts, 90)) * 1000, 3), "count": len(rtts)}
-        print(f"ping round trip over MQTT: median {results['ping_ms']['median']} ms, p90 {results['ping_ms']['p90']} ms")
+        ping = results["ping_ms"]
+        print(f"ping round trip over MQTT: median {ping['median']} ms, p90 {ping['p90']} ms")
 
         version = [1, 2, 0]
         for transfer in ("http", "mqtt"):
