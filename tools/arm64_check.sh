@@ -97,7 +97,7 @@ if [ "$(cat "$ROOTFS/opt/edgepack-venv/.deps-key" 2>/dev/null)" != "$DEPS_KEY" ]
 fi
 run_logged "install the project wheel in root" in_root /opt/edgepack-venv/bin/pip install -q --no-deps \
   --force-reinstall "/work/wheel/$WHEEL"
-ORT=$(in_root /opt/edgepack-venv/bin/python -c 'import onnxruntime as o; print(o.__version__, o.get_available_providers())')
+ORT=$(in_root /opt/edgepack-venv/bin/python -c 'import onnxruntime as o; print(o.__version__, o.get_available_providers())' 2>/dev/null)
 pass "agent extra installed in the arm64 venv: onnxruntime $ORT"
 
 # 4. Lightness: no onnx, click or host-only packages in the device venv.
