@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from device_agent.errors import ConfigError
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
+from edgepack_core.yamlfile import read_yaml_file
 
 MAX_CONFIG_BYTES = 256 * 1024
 _NAME = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"}
@@ -173,20 +172,8 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
 def load_config(path: str | Path) -> AgentConfig:
     """Read and validate agent.yaml; errors name the offending key."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError("<file>", "no such config file", config=str(path)) from None
-    except OSError as err:
-        raise ConfigError("<file>", f"cannot read: {err.strerror}", config=str(path)) from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError("<file>", f"larger than {MAX_CONFIG_BYTES} bytes", config=str(path))
-    try:
-        document = yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError("<file>", f"not valid YAML{where}", config=str(path)) from None
+    document = read_yaml_file(path, MAX_CONFIG_BYTES, lambda problem: ConfigError("<file>", problem, config=str(path)),
+                              kind="config")
     return check_config(document, path.resolve())
 
 

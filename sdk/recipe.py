@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from edgepack_core.postprocess import POSTPROCESS_SCHEMA, normalize_postprocess
 from edgepack_core.preprocess import PREPROCESS_SCHEMA, normalize_preprocess
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
 from edgepack_core.versions import VERSION_PATTERN
+from edgepack_core.yamlfile import read_yaml_file
 from sdk.errors import RecipeError, SchemaError
 
 MAX_RECIPE_BYTES = 1024 * 1024
@@ -234,20 +233,8 @@ def check_recipe(document: Any, path: Path) -> Recipe:
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe file. Raises RecipeError/SchemaError naming the key."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise RecipeError("<file>", "no such recipe file", recipe=str(path)) from None
-    except OSError as err:
-        raise RecipeError("<file>", f"cannot read: {err.strerror}", recipe=str(path)) from None
-    if len(raw) > MAX_RECIPE_BYTES:
-        raise RecipeError("<file>", f"larger than {MAX_RECIPE_BYTES} bytes", recipe=str(path))
-    try:
-        document = yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise RecipeError("<file>", f"not valid YAML{where}", recipe=str(path)) from None
+    document = read_yaml_file(path, MAX_RECIPE_BYTES, lambda problem: RecipeError("<file>", problem, recipe=str(path)),
+                              kind="recipe")
     if not isinstance(document, dict):
         raise SchemaError("", "a recipe must be a mapping of keys", document=str(path))
     return check_recipe(document, path)

@@ -124,6 +124,11 @@ class Observer:
         with self.lock:
             self.messages.append((message.topic, payload))
 
+    def of(self, suffix: str) -> list[dict]:
+        """JSON payloads of the messages whose topic ends with ``suffix``."""
+        with self.lock:
+            return [p for t, p in self.messages if t.endswith(suffix) and isinstance(p, dict)]
+
     def jobs(self, device: str, job_id: str | None = None) -> list[dict]:
         with self.lock:
             return [p for t, p in self.messages if t == f"{ROOT}/dev/{device}/job" and isinstance(p, dict)

@@ -3,62 +3,22 @@ last will, and no telemetry lost through a broker outage or a kill -9 while offl
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import paho.mqtt.client as mqtt
 import pytest
 
 from device_agent.telemetry.metrics import TELEMETRY_SCHEMA, ModelInfo
 from device_agent.telemetry.queue import Outbox
 from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
 from edgepack_core.schema import validate
+from tests.agent_process import Observer
 
 ROOT_TOPIC = "edgepack/v1"
 REPO = Path(__file__).resolve().parent.parent
-
-
-class Listener:
-    """A real subscriber collecting everything under the topic root (QoS 1)."""
-
-    def __init__(self, port: int) -> None:
-        self.messages: list[tuple[str, dict, bool]] = []
-        self.lock = threading.Lock()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"listener-{os.getpid()}-{id(self)}",
-                                  protocol=mqtt.MQTTv5)
-        ready = threading.Event()
-        self.client.on_connect = lambda c, *_: (c.subscribe(f"{ROOT_TOPIC}/#", qos=1), ready.set())
-        self.client.on_message = self._on_message
-        self.client.connect("127.0.0.1", port)
-        self.client.loop_start()
-        assert ready.wait(5)
-        time.sleep(0.2)
-
-    def _on_message(self, _c, _u, message) -> None:
-        payload = json.loads(message.payload) if message.payload else {}
-        with self.lock:
-            self.messages.append((message.topic, payload, bool(message.retain)))
-
-    def of(self, suffix: str) -> list[dict]:
-        with self.lock:
-            return [p for t, p, _ in self.messages if t.endswith(suffix)]
-
-    def wait_for(self, predicate, timeout: float = 10.0) -> bool:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if predicate():
-                return True
-            time.sleep(0.05)
-        return False
-
-    def close(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()
 
 
 def _status() -> AgentStatus:
@@ -73,7 +33,7 @@ def _reporter(broker, tmp_path: Path, interval: float = 0.2) -> TelemetryReporte
 
 
 def test_birth_telemetry_job_event_and_clean_offline(mosquitto_broker, tmp_path):
-    listener = Listener(mosquitto_broker.port)
+    listener = Observer(mosquitto_broker.port)
     reporter = _reporter(mosquitto_broker, tmp_path).start()
     try:
         for ms in (1.0, 2.0, 3.0):
@@ -113,7 +73,7 @@ def test_last_will_says_offline_when_the_agent_dies(mosquitto_broker, tmp_path):
         f"r = TelemetryReporter('pi-09', s, {str(tmp_path / 'o.db')!r}, AgentStatus, interval=0.2).start()\n"
         "r.transport.wait_connected(5); print('up', flush=True); time.sleep(60)\n"
     )
-    listener = Listener(mosquitto_broker.port)
+    listener = Observer(mosquitto_broker.port)
     agent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert agent.stdout.readline().strip() == "up"
@@ -132,7 +92,7 @@ def test_broker_outage_of_60_seconds_loses_no_telemetry(mosquitto_broker, tmp_pa
     """Accounting across a real 60 s outage: produced = delivered + dropped + queued, and every
     sequence number arrives, in order."""
     outage_s = float(os.environ.get("EDGEPACK_OUTAGE_S", "60"))
-    listener = Listener(mosquitto_broker.port)
+    listener = Observer(mosquitto_broker.port)
     reporter = _reporter(mosquitto_broker, tmp_path, interval=0.5).start()
     try:
         assert listener.wait_for(lambda: len(listener.of("/telemetry")) >= 2)
@@ -142,7 +102,7 @@ def test_broker_outage_of_60_seconds_loses_no_telemetry(mosquitto_broker, tmp_pa
         queued_during = reporter.outbox.counters()["queued"]
         assert queued_during >= outage_s / 0.5 * 0.8, "telemetry kept being produced into the outbox"
         mosquitto_broker.restart()
-        listener = Listener(mosquitto_broker.port)
+        listener = Observer(mosquitto_broker.port)
         assert listener.wait_for(lambda: reporter.outbox.counters()["queued"] == 0, 30)
         counters = reporter.outbox.counters()
         assert counters["dropped"] == 0
@@ -177,7 +137,7 @@ def test_queue_survives_kill_9_while_offline_and_drains_after_restart(mosquitto_
     assert queued["queued"] >= 5 and queued["delivered"] == 0
 
     mosquitto_broker.restart()
-    listener = Listener(mosquitto_broker.port)
+    listener = Observer(mosquitto_broker.port)
     settings = settings_from_config({"host": "127.0.0.1", "port": mosquitto_broker.port}, "pi-08", [])
     reporter = TelemetryReporter("pi-08", settings, db, AgentStatus, interval=60).start()
     try:
@@ -192,7 +152,7 @@ def test_queue_survives_kill_9_while_offline_and_drains_after_restart(mosquitto_
 
 
 def test_set_interval_takes_effect_without_waiting_out_the_old_period(mosquitto_broker, tmp_path):
-    listener = Listener(mosquitto_broker.port)
+    listener = Observer(mosquitto_broker.port)
     reporter = _reporter(mosquitto_broker, tmp_path, interval=3600).start()
     try:
         time.sleep(0.5)
