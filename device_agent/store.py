@@ -39,7 +39,7 @@ STATE_FILE = "state.json"
 TEST_CRASH_ENV = "EDGEPACK_TEST_CRASH_AT"
 
 
-def _test_only_crash_point(name: str) -> None:
+def simulate_power_cut_if_testing(name: str) -> None:
     """TEST ONLY: if EDGEPACK_TEST_CRASH_AT names this point, die at once with SIGKILL, as a
     power cut would. Lets the crash-safety tests kill a real process at exact points."""
     if os.environ.get(TEST_CRASH_ENV) == name:
@@ -156,7 +156,7 @@ class ModelStore:
                     return InstalledModel(target, read_extracted(target, self.trust))
                 shutil.rmtree(target)  # a leftover nobody refers to
             os.rename(tmp / "x", target)
-            _test_only_crash_point("after-extract")
+            simulate_power_cut_if_testing("after-extract")
             return InstalledModel(target, VerifiedArtifact(verified.path, verified.manifest, verified.manifest_bytes,
                                                            verified.key_id, target))
         finally:
@@ -165,9 +165,9 @@ class ModelStore:
     def activate(self, model: InstalledModel) -> None:
         """Make ``model`` active (one atomic state write); the old active becomes previous."""
         state = self._read_state()
-        _test_only_crash_point("before-switch")
+        simulate_power_cut_if_testing("before-switch")
         self._write_state(model.key, state["active"] if state["active"] != model.key else state["previous"])
-        _test_only_crash_point("after-switch")
+        simulate_power_cut_if_testing("after-switch")
         self.prune()
 
     def install(self, artifact: Path, *, force: bool = False,
@@ -181,7 +181,7 @@ class ModelStore:
             except BaseException:
                 self.discard(model)
                 raise
-        _test_only_crash_point("after-smoke")
+        simulate_power_cut_if_testing("after-smoke")
         self.activate(model)
         return model
 

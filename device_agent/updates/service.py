@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from device_agent.errors import SmokeTestError
 from device_agent.runtime import LoadedModel
-from device_agent.store import _test_only_crash_point
+from device_agent.store import simulate_power_cut_if_testing
 from device_agent.updates import jobs as J
 from device_agent.updates.commands import Command, Rejection, parse_command
 from device_agent.updates.download import DownloadError, download
@@ -116,7 +116,7 @@ class UpdateService:
         self.journal.save(job)
         self.reporter.publish_job_event(job.event())
         log.info("job %s: %s (%s)", job.id, state, reason)
-        _test_only_crash_point(f"job-{state}")
+        simulate_power_cut_if_testing(f"job-{state}")
         return job
 
     def _reply(self, command_id: str, kind: str, reason: str, **detail: Any) -> None:
