@@ -161,3 +161,17 @@ def test_bench_cli_measures_original_and_packaged_side_by_side(workspace, keypai
     rows = json.loads(result.stdout)
     assert [r["label"].split()[0] for r in rows] == ["original", "packaged"]
     assert all(r["p50_ms"] > 0 and r["p95_ms"] >= r["p50_ms"] for r in rows)
+
+
+def test_ort_format_for_mobile_targets_is_bundled_and_listed(tmp_path, keypair):
+    _big_weight_model(tmp_path / "m.onnx", 0.5)
+    (tmp_path / "r.yaml").write_text("name: m\nversion: 1.0.0\nmodel: {path: m.onnx}\noptimize: {ort_format: true}\n"
+                                     "targets: [android]\n")
+    result = build(load_recipe(tmp_path / "r.yaml"), key_paths=[str(keypair[0])], output=tmp_path / "a.edgepkg")
+    assert result.manifest.raw["model"]["ort_path"] == "model/model.ort"
+    assert "model/model.ort" in result.manifest.files
+    with tarfile.open(result.output) as tar:
+        ort_bytes = tar.extractfile("model/model.ort").read()
+    session = ort.InferenceSession(ort_bytes, providers=["CPUExecutionProvider"])
+    x = np.ones((1, 4), np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ np.full((4, 4), 0.5, np.float32))
