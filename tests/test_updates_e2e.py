@@ -121,10 +121,11 @@ def test_update_over_mqtt_chunks_survives_a_broker_restart_mid_transfer(agent, a
     thread.start()
     deadline = time.time() + 20
     while "downloading" not in seen_states and time.time() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.3)
+        time.sleep(0.005)
     mosquitto_broker.restart()
+    states_at_restart = list(seen_states)
     thread.join(120)
+    assert "downloading" in states_at_restart and "verifying" not in states_at_restart, "restart was mid-transfer"
     result = outcome["result"]
     assert result.succeeded, result.jobs["pi-07"]
     assert agent.version() == "1.2.0"
