@@ -170,3 +170,14 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
     pub.loop_stop()
     assert sorted(got[0] + got[1]) == sorted(sent), "every message delivered exactly once across the group"
     assert got[0] and got[1], "the broker should hand messages to both consumers"
+
+
+def test_fleet_watch_draws_the_live_table_and_stops_after_its_duration(mosquitto_broker):
+    pub = _publisher(mosquitto_broker.port)
+    pub.publish(f"{ROOT}/dev/pi-3/state", _state("pi-3", "online"), qos=1, retain=True).wait_for_publish(5)
+    pub.loop_stop()
+    result = run_cli("edgepack", "fleet", "watch", "--broker", mosquitto_broker.address, "--duration", "1.5",
+                     "--interval", "0.2")
+    assert result.returncode == 0, result.stderr
+    assert "pi-3" in result.stdout and "1 device(s), 1 online" in result.stdout
+    assert "watched for" in result.stdout
