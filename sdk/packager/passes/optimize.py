@@ -26,6 +26,11 @@ FP16_MAX = 65504.0
 _CPU_ONLY_TARGETS = {"x86"}
 
 
+def _graph_pass_enabled(options: dict, flag: str | None = None) -> bool:
+    """Graph clean-ups run unless ``optimize.level: none`` or their own flag turns them off."""
+    return options.get("level", "basic") != "none" and (flag is None or options.get(flag, True))
+
+
 def _initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
     return {init.name: init for init in model.graph.initializer}
 
@@ -67,7 +72,7 @@ class EliminateIdentityPass(Pass):
     section = "optimize"
 
     def applies(self, ctx: BuildContext) -> bool:
-        return self.options(ctx).get("level", "basic") != "none"
+        return _graph_pass_enabled(dict(self.options(ctx)))
 
     def run(self, ctx: BuildContext) -> None:
         graph = ctx.require_model().graph
@@ -95,8 +100,7 @@ class FoldBatchNormPass(Pass):
     section = "optimize"
 
     def applies(self, ctx: BuildContext) -> bool:
-        options = self.options(ctx)
-        return options.get("level", "basic") != "none" and options.get("fold_batchnorm", True)
+        return _graph_pass_enabled(dict(self.options(ctx)), "fold_batchnorm")
 
     def run(self, ctx: BuildContext) -> None:
         model = ctx.require_model()
@@ -151,8 +155,7 @@ class OrtOptimizePass(Pass):
     section = "optimize"
 
     def applies(self, ctx: BuildContext) -> bool:
-        options = self.options(ctx)
-        return options.get("level", "basic") != "none" and options.get("constant_folding", True)
+        return _graph_pass_enabled(dict(self.options(ctx)), "constant_folding")
 
     def level(self, ctx: BuildContext) -> str:
         requested = self.options(ctx).get("level")
