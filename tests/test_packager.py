@@ -175,3 +175,10 @@ def test_ort_format_for_mobile_targets_is_bundled_and_listed(tmp_path, keypair):
     session = ort.InferenceSession(ort_bytes, providers=["CPUExecutionProvider"])
     x = np.ones((1, 4), np.float32)
     np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ np.full((4, 4), 0.5, np.float32))
+
+
+def test_optimize_level_none_leaves_the_graph_alone(workspace, keypair):
+    _, report, artifact = _build(workspace, "mobilenet.yaml", keypair[0], optimize={"level": "none"})
+    assert not {"fold_batchnorm", "ort_optimize", "eliminate_identity"} & set(report["passes"])
+    ops = [n.op_type for n in onnx.load_from_string(_model_bytes(artifact)).graph.node]
+    assert "BatchNormalization" in ops
