@@ -87,6 +87,3 @@ def register(cls: type[Pass]) -> type[Pass]:
 def get_pass(name: str) -> Pass:
     return _REGISTRY[name]()
 
-
-def registered_passes() -> list[str]:
-    return sorted(_REGISTRY)
