@@ -49,6 +49,7 @@ class DeviceRow:
     telemetry_count: int = 0
     last_seq: int | None = None
     seq_gaps: int = 0
+    restarts: int = 0
 
     def to_json(self) -> dict[str, Any]:
         telemetry = self.telemetry or {}
@@ -67,6 +68,7 @@ class DeviceRow:
             "queue": telemetry.get("queue"),
             "telemetry_messages": self.telemetry_count,
             "telemetry_gaps": self.seq_gaps,
+            "restarts_seen": self.restarts,
         }
 
 
@@ -162,9 +164,11 @@ class FleetView:
             row.provider = doc["provider"]
         seq = doc.get("seq")
         if isinstance(seq, int):
-            if row.last_seq is not None and seq > row.last_seq + 1:
+            if row.last_seq is not None and seq < row.last_seq:
+                row.restarts += 1  # the agent restarted and began a new sequence
+            elif row.last_seq is not None and seq > row.last_seq + 1:
                 row.seq_gaps += seq - row.last_seq - 1
-            row.last_seq = seq if row.last_seq is None else max(seq, row.last_seq)
+            row.last_seq = seq
 
     def rows(self, now: float) -> list[DeviceRow]:
         """Rows sorted by device id, with silent devices marked as such."""

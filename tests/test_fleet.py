@@ -55,6 +55,13 @@ def test_telemetry_gaps_are_counted_from_sequence_numbers():
     assert view.devices["d"].seq_gaps == 2 and view.devices["d"].telemetry_count == 4
 
 
+def test_an_agent_restart_starts_a_new_sequence_without_hiding_later_gaps():
+    view = FleetView()
+    for seq in (1, 2, 3, 4, 5, 6, 1, 2, 4):  # restart after 6; then one message lost (3)
+        view.apply(f"{ROOT}/dev/d/telemetry", _telemetry("d", seq), now=seq)
+    assert view.devices["d"].restarts == 1 and view.devices["d"].seq_gaps == 1
+
+
 def test_hostile_payloads_are_dropped_and_counted_never_raised():
     view = FleetView()
     view.apply(f"{ROOT}/dev/d/telemetry", b"\xff\xfe not json", now=1)
