@@ -124,3 +124,17 @@ def test_chunk_codec_detects_corruption_and_requests_are_bounded():
     assert parse_request(b"not json", total=10) == []
     assert parse_request(json.dumps({"schema": "other", "chunks": [1]}).encode(), total=10) == []
     assert chunk_count(10, 4) == 3 and chunk_count(8, 4) == 2 and chunk_count(0, 4) == 1
+
+
+def test_journal_keeps_the_newest_jobs_and_forgets_the_oldest(tmp_path):
+    import os
+
+    from device_agent.updates.journal import MAX_JOBS_KEPT, Journal
+
+    journal = Journal(tmp_path)
+    for index in range(MAX_JOBS_KEPT + 10):
+        journal.save(Job(f"job-{index}", "deploy", state=J.FAILED, final=True))
+        os.utime(tmp_path / f"job-{index}.json", (1000 + index, 1000 + index))
+    journal.prune()
+    assert len(list(tmp_path.glob("*.json"))) == MAX_JOBS_KEPT
+    assert journal.get("job-0") is None and journal.get(f"job-{MAX_JOBS_KEPT + 9}") is not None

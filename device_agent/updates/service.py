@@ -114,15 +114,21 @@ class UpdateService:
     def _set(self, job: Job, state: str, reason: str, *, final: bool | None = None, **detail: Any) -> Job:
         job = advance(job, state, reason, time.time(), final=final, **detail)
         self.journal.save(job)
+        if job.final:
+            self.journal.prune()
         self.reporter.publish_job_event(job.event())
         log.info("job %s: %s (%s)", job.id, state, reason)
         simulate_power_cut_if_testing(f"job-{state}")
         return job
 
-    def _reply(self, command_id: str, kind: str, reason: str, **detail: Any) -> None:
-        """Answer a command that is not a job (ping, get-state, ...) right away."""
+    def _reply(self, command_id: str, kind: str, reason: str, *, record: bool = True, **detail: Any) -> None:
+        """Answer a command that is not a job (ping, get-state, ...) right away. Read-only
+        commands are not journaled: answering a duplicate again is harmless, and a monitor
+        pinging every minute must not grow the journal."""
         job = Job(id=command_id, type=kind, state=J.DONE, reason=reason, final=True, detail=detail)
-        self.journal.save(job)
+        if record:
+            self.journal.save(job)
+            self.journal.prune()
         self.transport.publish(self.topics.job(self.device_id), {"schema": "edgepack.job/1",
                                "device": self.device_id, "ts": round(time.time(), 3), **job.event()}, qos=1)
 
@@ -150,9 +156,9 @@ class UpdateService:
 
     def _accept(self, command: Command) -> None:
         if command.type == "ping":
-            self._reply(command.id, "ping", "pong")
+            self._reply(command.id, "ping", "pong", record=False)
         elif command.type == "get-state":
-            self._reply(command.id, "get-state", "state", **self.state_detail())
+            self._reply(command.id, "get-state", "state", record=False, **self.state_detail())
         elif command.type == "set-telemetry-interval":
             self.reporter.set_interval(float(command.body["seconds"]))
             self._reply(command.id, "set-telemetry-interval", f"telemetry every {command.body['seconds']} s")
