@@ -154,6 +154,7 @@ def test_model_failing_its_smoke_test_is_not_activated(agent, arts, mosquitto_br
     assert result.returncode == 1
     assert "failed" in result.stdout and "differs from golden" in result.stdout
     assert agent.version() == "1.0.0"
+    assert list((agent.folder / "pi-07-store" / "downloads").iterdir()) == [], "failed downloads are cleaned up"
 
 
 def test_unhealthy_model_is_rolled_back_after_the_health_window(agent, arts, mosquitto_broker, keypair):

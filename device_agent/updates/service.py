@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from device_agent.errors import SmokeTestError
 from device_agent.runtime import LoadedModel
 from device_agent.store import simulate_power_cut_if_testing
 from device_agent.updates import jobs as J
@@ -217,13 +216,21 @@ class UpdateService:
         return receiver.run(timeout=max(60.0, command["size"] / 50_000), cancelled=self._stop.is_set)
 
     def _deploy(self, job: Job) -> None:
-        command = job.command
         job = self._set(job, J.DOWNLOADING, "fetching the artifact")
         try:
             artifact = self._fetch(job)
         except (DownloadError, TransferError) as err:
             self._set(job, J.FAILED, str(err))
             return
+        try:
+            self._install_downloaded(job, artifact)
+        finally:
+            # Whatever the outcome, the download is no longer needed (a kill -9 skips this,
+            # and the resumed job then finds the file complete and does not fetch it again).
+            artifact.unlink(missing_ok=True)
+
+    def _install_downloaded(self, job: Job, artifact: Path) -> None:
+        command = job.command
         job = self._set(job, J.VERIFYING, "checking signature, hashes, version and target")
         store = self.daemon.store
         try:
@@ -239,7 +246,6 @@ class UpdateService:
                 raise ArtifactError(f"built for {', '.join(manifest.targets)}, not for this device's "
                                     f"profile {profile}")
         except (ArtifactError, DowngradeError) as err:
-            artifact.unlink(missing_ok=True)
             self._set(job, J.REJECTED, str(err))
             return
         job = self._set(job, J.STAGING, f"extracting {manifest.name} {manifest.version}")
@@ -251,11 +257,10 @@ class UpdateService:
         job = self._set(job, J.TESTING, "golden samples on a shadow session")
         try:
             loaded = self.daemon.load(staged)
-        except (SmokeTestError, EdgepackError) as err:
+        except EdgepackError as err:
             store.discard(staged)
             self._set(job, J.FAILED, f"{err} (the previous model keeps serving)")
             return
-        artifact.unlink(missing_ok=True)
         self._activate_and_watch(job, staged, loaded)
 
     def _activate_and_watch(self, job: Job, staged: Any, loaded: LoadedModel) -> None:
