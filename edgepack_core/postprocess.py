@@ -25,14 +25,13 @@ passes :func:`load_labels` of it, so the same code serves files on disk and arch
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from edgepack_core.errors import PostprocessError
-from edgepack_core.schema import Validator
+from edgepack_core.schema import validate_by_kind
 
 SPEC_VERSION = 1
 DEFAULT_K = 5
@@ -83,12 +82,8 @@ def normalize_postprocess(spec: Mapping[str, Any] | None, *, document: str = "",
     ``None`` means ``raw``. ``document`` and ``path`` prefix error messages (e.g.
     ``path="postprocess"`` inside a recipe). Raises :class:`SchemaError`. Idempotent.
     """
-    raw: Any = {"kind": "raw"} if spec is None else spec
-    raw = copy.deepcopy(dict(raw)) if isinstance(raw, Mapping) else raw
-    kind = raw.get("kind") if isinstance(raw, dict) else None
-    if isinstance(kind, str) and kind in _KIND_SCHEMAS:
-        Validator(_KIND_SCHEMAS[kind], document=document).validate(raw, None, path)
-    Validator(POSTPROCESS_SCHEMA, document=document).validate(raw, None, path)
+    raw = validate_by_kind({"kind": "raw"} if spec is None else spec, _KIND_SCHEMAS, POSTPROCESS_SCHEMA,
+                           document=document, path=path)
     out: dict[str, Any] = {"kind": raw["kind"], "version": raw.get("version", SPEC_VERSION)}
     if raw["kind"] == "topk":
         out["k"] = raw.get("k", DEFAULT_K)

@@ -53,7 +53,6 @@ computes for an artifact already built.
 
 from __future__ import annotations
 
-import copy
 import io
 import math
 from collections.abc import Iterable, Mapping
@@ -63,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgepack_core.errors import PreprocessError, SchemaError
-from edgepack_core.schema import Validator
+from edgepack_core.schema import validate_by_kind
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -172,12 +171,8 @@ def normalize_preprocess(spec: Mapping[str, Any] | None, *, document: str = "", 
     ``path`` only prefix error messages, e.g. ``path="preprocess"`` inside a recipe. Raises
     :class:`SchemaError` naming the offending key. Idempotent.
     """
-    raw: Any = {"kind": "tensor"} if spec is None else spec
-    raw = copy.deepcopy(dict(raw)) if isinstance(raw, Mapping) else raw
-    kind = raw.get("kind") if isinstance(raw, dict) else None
-    if isinstance(kind, str) and kind in _KIND_SCHEMAS:
-        Validator(_KIND_SCHEMAS[kind], document=document).validate(raw, None, path)
-    Validator(PREPROCESS_SCHEMA, document=document).validate(raw, None, path)
+    raw = validate_by_kind({"kind": "tensor"} if spec is None else spec, _KIND_SCHEMAS, PREPROCESS_SCHEMA,
+                           document=document, path=path)
     out: dict[str, Any] = {"kind": raw["kind"], "version": raw.get("version", SPEC_VERSION)}
     if raw["kind"] == "tensor":
         out["batch"] = raw.get("batch", False)

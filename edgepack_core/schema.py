@@ -14,6 +14,7 @@ default, examples, $schema, $id, $defs.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -176,3 +177,15 @@ class Validator:
 def validate(value: Any, schema: Mapping[str, Any], *, document: str = "") -> None:
     """Validate ``value`` against ``schema``; raise :class:`SchemaError` with the key path."""
     Validator(schema, document=document).validate(value)
+
+
+def validate_by_kind(spec: Any, by_kind: Mapping[str, Mapping[str, Any]], schema: Mapping[str, Any], *,
+                     document: str = "", path: str = "") -> dict[str, Any]:
+    """Validate a spec whose ``kind`` picks a schema: check against that kind's schema first
+    (its errors name the precise key), then against the whole schema. Returns a deep copy."""
+    raw = copy.deepcopy(dict(spec)) if isinstance(spec, Mapping) else spec
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    if isinstance(kind, str) and kind in by_kind:
+        Validator(by_kind[kind], document=document).validate(raw, None, path)
+    Validator(schema, document=document).validate(raw, None, path)
+    return raw

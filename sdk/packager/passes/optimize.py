@@ -31,6 +31,15 @@ def _graph_pass_enabled(options: dict, flag: str | None = None) -> bool:
     return options.get("level", "basic") != "none" and (flag is None or options.get(flag, True))
 
 
+def _rename(graph: onnx.GraphProto, old: str, new: str, field: str) -> None:
+    """Point every node's ``field`` ("input" or "output") that names ``old`` at ``new``."""
+    for node in graph.node:
+        names = getattr(node, field)
+        for i, name in enumerate(names):
+            if name == old:
+                names[i] = new
+
+
 def _initializers(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
     return {init.name: init for init in model.graph.initializer}
 
@@ -81,12 +90,8 @@ class EliminateIdentityPass(Pass):
         for node in list(graph.node):
             if node.op_type != "Identity" or node.output[0] in outputs:
                 continue
-            source, target = node.input[0], node.output[0]
-            for other in graph.node:
-                for i, name in enumerate(other.input):
-                    if name == target:
-                        other.input[i] = source
             graph.node.remove(node)
+            _rename(graph, node.output[0], node.input[0], "input")
             removed += 1
         ctx.report[self.name] = {"removed": removed}
 
@@ -211,18 +216,12 @@ def _to_fp16_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     for graph_input in graph.input:
         if graph_input.type.tensor_type.elem_type == TensorProto.FLOAT:
             internal = f"{graph_input.name}.fp16"
-            for node in graph.node:
-                for i, name in enumerate(node.input):
-                    if name == graph_input.name:
-                        node.input[i] = internal
+            _rename(graph, graph_input.name, internal, "input")
             casts_in.append(helper.make_node("Cast", [graph_input.name], [internal], to=TensorProto.FLOAT16))
     for graph_output in graph.output:
         if graph_output.type.tensor_type.elem_type == TensorProto.FLOAT:
             internal = f"{graph_output.name}.fp16"
-            for node in graph.node:
-                for i, name in enumerate(node.output):
-                    if name == graph_output.name:
-                        node.output[i] = internal
+            _rename(graph, graph_output.name, internal, "output")
             casts_out.append(helper.make_node("Cast", [internal], [graph_output.name], to=TensorProto.FLOAT))
     nodes = [*casts_in, *graph.node, *casts_out]
     del graph.node[:]
