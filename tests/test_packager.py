@@ -182,3 +182,22 @@ def test_optimize_level_none_leaves_the_graph_alone(workspace, keypair):
     assert not {"fold_batchnorm", "ort_optimize", "eliminate_identity"} & set(report["passes"])
     ops = [n.op_type for n in onnx.load_from_string(_model_bytes(artifact)).graph.node]
     assert "BatchNormalization" in ops
+
+
+def test_recipe_templates_validate_and_jetson_gets_fp16_smoke_tolerances(tmp_path, keypair):
+    templates = REPO / "recipes" / "templates"
+    _big_weight_model(tmp_path / "model.onnx", 0.5)
+    (tmp_path / "labels.txt").write_text("a\nb\nc\nd\n")
+    for folder in ("calib", "val"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "val" / "labels.csv").write_text("file,label\n")
+    np.savez(tmp_path / "samples.npz", x=np.ones((4, 4), np.float32))
+    names = sorted(p.name for p in templates.glob("*.yaml"))
+    assert len(names) >= 4
+    for name in names:
+        (tmp_path / name).write_text((templates / name).read_text())
+        recipe = load_recipe(tmp_path / name)  # every template is a valid recipe
+        assert recipe.name.startswith("my-")
+    (tmp_path / "jetson.yaml").write_text("name: j\nversion: 1.0.0\nmodel: {path: model.onnx}\ntargets: [jetson]\n")
+    result = build(load_recipe(tmp_path / "jetson.yaml"), key_paths=[str(keypair[0])], output=tmp_path / "j.edgepkg")
+    assert result.manifest.golden["atol"] == 0.05 and result.manifest.golden["rtol"] == 0.01
