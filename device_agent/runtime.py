@@ -108,7 +108,7 @@ class PredictResult:
     latency_s: float
 
     def to_json(self) -> dict[str, Any]:
-        """The ``predict --json`` object of DESIGN.md section 7."""
+        """The ``predict --json`` object (docs/agent.md, "One-shot predict")."""
         return {
             "model": {"name": self.model.manifest.name, "version": self.model.manifest.version},
             "provider": self.model.provider,

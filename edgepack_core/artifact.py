@@ -1,6 +1,6 @@
 """Reading ``.edgepkg`` artifacts: verify first, then stream every member through its hash.
 
-The rules (DESIGN.md section 3), in the order they apply:
+The rules (docs/architecture.md, "The artifact format"), in the order they apply:
 
 1. The archive file is at most ``limits.max_archive_bytes`` on disk.
 2. The first member is manifest.json, the second manifest.sig; both small regular files.

@@ -1,4 +1,4 @@
-"""The declarative preprocessing spec (DESIGN.md section 5) and its one executor.
+"""The declarative preprocessing spec and its one executor.
 
 The same :class:`Preprocessor` runs on the workstation (calibration, validation, golden
 samples) and on the device (``predict``), so the packager measures exactly the tensors a

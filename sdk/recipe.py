@@ -1,4 +1,4 @@
-"""Recipes: the YAML a user writes to describe one build (DESIGN.md section 4).
+"""Recipes: the YAML a user writes to describe one build.
 
 A recipe is validated completely before any model is loaded: unknown keys and wrong types
 are rejected with the key's dotted path, and every referenced file is checked to exist.

@@ -1,4 +1,4 @@
-"""Attacks on the artifact reader, each test named after what it blocks (DESIGN.md section 3)."""
+"""Attacks on the artifact reader, each test named after what it blocks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MQTT building blocks of the device agent and the fleet tools (DESIGN.md section 8).
+"""MQTT building blocks of the device agent and the fleet tools.
 
 ``topics`` builds and parses the v1 topic names (pure); ``transport`` wraps paho-mqtt with the
 connection policy Edgepack needs (background thread, jittered reconnect, subscriptions that

@@ -1,4 +1,4 @@
-"""The update job state machine (DESIGN.md section 8). Pure: states, allowed transitions, and
+"""The update job state machine. Pure: states, allowed transitions, and
 what a restarted agent does with a job it finds half-way.
 
     queued -> downloading -> verifying -> staging -> testing -> active
