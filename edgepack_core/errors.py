@@ -132,6 +132,11 @@ class KeyFileError(EdgepackError):
         self.problem = problem
 
 
+class CommandSignatureError(EdgepackError):
+    """A remote command that must be signed is unsigned, mis-signed, by a key that is not an
+    operator key, expired, or addressed to another device or group."""
+
+
 class PostprocessError(EdgepackError):
     """Model outputs that the postprocessing spec cannot interpret (missing output, no classes)."""
 
