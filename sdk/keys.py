@@ -6,7 +6,13 @@ import os
 from pathlib import Path
 
 from edgepack_core.errors import KeyFileError
-from edgepack_core.signing import generate_private_key, private_key_pem, public_key_pem
+from edgepack_core.signing import (
+    SigningKey,
+    generate_private_key,
+    load_private_key,
+    private_key_pem,
+    public_key_pem,
+)
 
 
 def _write_new(path: Path, data: bytes, mode: int, force: bool) -> None:
@@ -46,3 +52,25 @@ def write_keypair(private_path: Path, public_path: Path, *, force: bool = False)
     _write_new(private_path, private_key_pem(key), 0o600, force)
     _write_new(public_path, public_key_pem(key), 0o644, force)
     return key.key_id
+
+
+def write_operator_keypair(private_path: Path, public_path: Path, *, force: bool = False) -> str:
+    """An operator key pair: the private half signs commands (``--operator-key``), the public
+    half goes into devices' ``operator_keys``. Same format as artifact keys, kept as a separate
+    pair so that the key that builds models cannot also order devices around, and vice versa."""
+    return write_keypair(private_path, public_path, force=force)
+
+
+def load_operator_key(path: Path) -> SigningKey:
+    """Load an operator private key for signing commands, refusing one that others can read
+    (like ssh: a key anyone on the workstation could copy commands the whole fleet)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise KeyFileError(str(path), "no such key file") from None
+    except OSError as err:
+        raise KeyFileError(str(path), f"cannot read: {err.strerror}") from None
+    if mode & 0o077:
+        raise KeyFileError(str(path), f"operator key is readable by others (mode {mode & 0o777:o}); chmod 600 it")
+    password = os.environ.get("EDGEPACK_KEY_PASSWORD")
+    return load_private_key(path, password.encode() if password else None)

@@ -179,3 +179,38 @@ def test_signed_command_survives_a_json_round_trip(operator, trust):
     tampered["artifact"]["url"] = "http://evil.example/a.edgepkg"
     with pytest.raises(CommandSignatureError):
         verify_command(tampered, trust)
+
+
+# ------------------------------------------------------------------ operator keys on the host
+
+
+def test_keygen_operator_writes_a_private_0600_pair_that_signs_commands(tmp_path):
+    from click.testing import CliRunner
+
+    from sdk.cli import main
+    from sdk.keys import load_operator_key
+
+    private, public = tmp_path / "op.key", tmp_path / "op.pub"
+    result = CliRunner().invoke(main, ["keygen", "--operator", "--private", str(private), "--public", str(public)])
+    assert result.exit_code == 0, result.output
+    assert "operator key" in result.output
+    assert private.stat().st_mode & 0o777 == 0o600
+    key = load_operator_key(private)
+    signed = sign_command(deploy_command(), key)
+    assert verify_command(signed, TrustStore.from_paths([public])) == key.key_id
+    again = CliRunner().invoke(main, ["keygen", "--operator", "--private", str(private), "--public", str(public)])
+    assert again.exit_code != 0 and "already exists" in again.output
+
+
+def test_operator_key_readable_by_others_is_refused(tmp_path):
+    from sdk.keys import load_operator_key, write_operator_keypair
+
+    private, public = tmp_path / "op.key", tmp_path / "op.pub"
+    write_operator_keypair(private, public)
+    private.chmod(0o644)
+    from edgepack_core.errors import KeyFileError
+
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        load_operator_key(private)
+    with pytest.raises(KeyFileError, match="no such key file"):
+        load_operator_key(tmp_path / "missing.key")
