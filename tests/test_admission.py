@@ -1,0 +1,130 @@
+"""Admission before install: pure rule boundaries (name binding, versions within a name,
+profile, I/O contract)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from device_agent.updates.admission import DevicePolicy, admit, contract_difference, policy_names
+from edgepack_core.manifest import Manifest
+
+
+def raw(name: str = "scale", version: str = "1.0.0", **changes: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "format": 1, "name": name, "version": version, "created": "2026-01-01T00:00:00Z", "files": {},
+        "model": {"path": "model.onnx", "opset": 17},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 4]}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": ["N", 4]}],
+        "preprocess": {"kind": "tensor"},
+    }
+    doc.update(changes)
+    return doc
+
+
+def m(name: str = "scale", version: str = "1.0.0", **changes: Any) -> Manifest:
+    return Manifest(raw(name, version, **changes))
+
+
+def command(version: str = "1.1.0", **extra: Any) -> dict[str, Any]:
+    return {"type": "deploy", "version": version, **extra}
+
+
+POLICY = DevicePolicy(profile="x86")
+
+
+def test_a_newer_same_name_same_contract_model_is_admitted():
+    assert admit(m(version="1.1.0"), m(), command(), POLICY) is None
+
+
+def test_first_install_on_an_empty_device_admits_any_name():
+    assert admit(m("othermodel", "9.0.0"), None, command("9.0.0"), POLICY) is None
+
+
+def test_cross_name_upgrade_othermodel_9_is_refused():
+    reason = admit(m("othermodel", "9.0.0"), m("scale", "1.0.0"), command("9.0.0"), POLICY)
+    assert reason is not None and "'othermodel' is not allowed" in reason
+
+
+def test_allowed_names_bind_the_device():
+    policy = DevicePolicy(profile="x86", allowed_names=policy_names(["scale", "scale-v2"]))
+    assert admit(m("scale-v2", "0.1.0"), m("scale", "3.0.0"), command("0.1.0"), policy) is None
+    assert "not allowed" in admit(m("othermodel", "9.0.0"), m(), command("9.0.0"), policy)
+    # an explicit list also binds an empty device
+    assert "not allowed" in admit(m("othermodel", "9.0.0"), None, command("9.0.0"), policy)
+    assert policy_names(None) is None
+
+
+def test_versions_compare_only_within_a_name():
+    policy = DevicePolicy(profile="x86", allowed_names=frozenset({"a", "b"}), known_versions={"b": "2.0.0"})
+    assert admit(m("b", "2.0.1"), m("a", "5.0.0"), command("2.0.1"), policy) is None
+    reason = admit(m("b", "1.9.9"), m("a", "5.0.0"), command("1.9.9"), policy)
+    assert reason is not None and "not newer than b 2.0.0" in reason
+
+
+@pytest.mark.parametrize("version, admitted", [("1.0.0", False), ("0.9.9", False), ("1.0.1", True),
+                                               ("1.0.1-rc.1", True), ("1.0.0-rc.1", False)])
+def test_version_boundary(version, admitted):
+    assert (admit(m(version=version), m(), command(version), POLICY) is None) is admitted
+
+
+def test_downgrade_only_with_force_downgrade_true():
+    assert admit(m(version="0.9.0"), m(), command("0.9.0", force_downgrade=True), POLICY) is None
+    assert admit(m(version="0.9.0"), m(), command("0.9.0", force_downgrade=False), POLICY) is not None
+    assert admit(m(version="0.9.0"), m(), command("0.9.0", force_downgrade="yes"), POLICY) is not None
+
+
+def test_the_artifact_must_be_what_the_command_announced():
+    assert "announced" in admit(m(version="1.2.0"), m(), command("1.1.0"), POLICY)
+    assert "announced" in admit(m("scale", "1.1.0"), m(), command("1.1.0", name="other"), POLICY)
+
+
+def test_target_profile():
+    targets = {"jetson": {"providers": ["CUDAExecutionProvider"]}}
+    reason = admit(m(version="1.1.0", targets=targets), m(), command(), POLICY)
+    assert reason == "built for jetson, not for this device's profile x86"
+    assert admit(m(version="1.1.0", targets={"x86": {}}), m(), command(), POLICY) is None
+
+
+def test_contract_change_audio_onto_image_device_is_refused():
+    image = m(preprocess={"kind": "image"}, inputs=[{"name": "image", "dtype": "float32",
+                                                      "shape": [1, 3, 224, 224]}])
+    audio = m(version="1.1.0", preprocess={"kind": "tensor"},
+              inputs=[{"name": "waveform", "dtype": "float32", "shape": [1, 16000]}])
+    reason = admit(audio, image, command(), POLICY)
+    assert reason is not None and "preprocessing kind is tensor, was image" in reason
+    assert admit(audio, image, command(allow_contract_change=True), POLICY) is None
+    assert admit(audio, image, command(allow_contract_change=1), POLICY) is not None
+
+
+@pytest.mark.parametrize("changes, expected", [
+    ({"inputs": [{"name": "z", "dtype": "float32", "shape": ["N", 4]}]}, "input 'x' is gone"),
+    ({"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 4]},
+                 {"name": "w", "dtype": "float32", "shape": [1]}]}, "input 'w' is new"),
+    ({"inputs": [{"name": "x", "dtype": "float16", "shape": ["N", 4]}]}, "input 'x' dtype is float16, was float32"),
+    ({"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 5]}]}, "input 'x' dim 1 is 5, was 4"),
+    ({"inputs": [{"name": "x", "dtype": "float32", "shape": ["N", 4, 1]}]}, "input 'x' has rank 3, was 2"),
+    ({"inputs": [{"name": "x", "dtype": "float32", "shape": [1, 4]}]}, "input 'x' dim 0 is fixed 1"),
+    ({"outputs": [{"name": "y", "dtype": "float32", "shape": ["N", 3]}]}, "output 'y' dim 1 is 3, was 4"),
+    ({"outputs": [{"name": "y", "dtype": "float32", "shape": ["N", "K"]}]}, "output 'y' dim 1 is symbolic"),
+    ({"outputs": [{"name": "logits", "dtype": "float32", "shape": ["N", 4]}]}, "output 'y' is gone"),
+    ({"outputs": [{"name": "y", "dtype": "int64", "shape": ["N", 4]}]}, "output 'y' dtype is int64"),
+    ({"postprocess": {"kind": "softmax"}}, "postprocessing kind is softmax, was none"),
+])
+def test_contract_difference_names_the_first_difference(changes, expected):
+    difference = contract_difference(raw(), raw(**changes))
+    assert difference is not None and expected in difference
+
+
+def test_compatible_contract_changes_pass():
+    base = raw(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4]}])
+    relaxed = raw(inputs=[{"name": "x", "dtype": "float32", "shape": ["batch", 4]}])
+    assert contract_difference(base, relaxed) is None  # an input accepting more is compatible
+    renamed_symbol = raw(outputs=[{"name": "y", "dtype": "float32", "shape": ["batch", 4]}])
+    assert contract_difference(raw(), renamed_symbol) is None
+    constant = copy.deepcopy(raw())
+    constant["inputs"].append({"name": "scale", "dtype": "float32", "shape": [1], "role": "constant"})
+    assert contract_difference(raw(), constant) is None  # the agent feeds constants, not clients
+    assert contract_difference(raw(), raw()) is None
