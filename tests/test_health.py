@@ -1,0 +1,109 @@
+"""The health verdict: pure boundaries (error rate, contract-error rise, silence, latency, window range)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from device_agent.updates.health import (
+    HealthPolicy,
+    Probes,
+    Traffic,
+    check_window,
+    judge,
+    needs_probes,
+    traffic_between,
+    traffic_of,
+)
+
+POLICY = HealthPolicy(max_error_rate=0.05, max_latency_factor=3.0, min_requests=20)
+QUIET = Traffic()
+
+
+def snapshot(ok=0, errors=None, non_finite=0, latency_sum=0.0, client=0, server=0):
+    return {"requests": {"ok": ok, "client_error": client, "server_error": server}, "errors": errors or {},
+            "non_finite": non_finite, "latency_sum": latency_sum, "buckets": []}
+
+
+def test_zero_traffic_health_pass_is_impossible():
+    verdict = judge(Traffic(), QUIET, Probes(), POLICY)
+    assert not verdict.healthy and "no evidence" in verdict.reason
+
+
+def test_quiet_window_passes_on_good_probes_and_fails_on_a_bad_one():
+    assert judge(Traffic(ok=2), QUIET, Probes(sent=5), POLICY).healthy
+    verdict = judge(Traffic(ok=2), QUIET, Probes(sent=5, failed=1, first_problem="output y differs"), POLICY)
+    assert not verdict.healthy and "output y differs" in verdict.reason
+
+
+@pytest.mark.parametrize("total, probes_needed", [(0, True), (19, True), (20, False), (21, False)])
+def test_probe_threshold_boundary(total, probes_needed):
+    assert needs_probes(Traffic(ok=total), POLICY) is probes_needed
+
+
+def test_live_traffic_at_the_threshold_needs_no_probes():
+    assert judge(Traffic(ok=20), QUIET, Probes(), POLICY).healthy
+    assert not judge(Traffic(ok=19), QUIET, Probes(), POLICY).healthy
+
+
+@pytest.mark.parametrize("errors, healthy", [(5, True), (6, False)])
+def test_model_error_rate_boundary(errors, healthy):
+    window = Traffic(ok=100 - errors, model_errors=errors)
+    assert judge(window, QUIET, Probes(), POLICY).healthy is healthy
+
+
+def test_non_finite_outputs_count_as_model_failures():
+    assert not judge(Traffic(ok=100, non_finite=6), QUIET, Probes(), POLICY).healthy
+    assert judge(Traffic(ok=100, non_finite=5), QUIET, Probes(), POLICY).healthy
+
+
+def test_contract_errors_count_only_when_they_rise_above_the_pre_swap_rate():
+    # 513 of 566 live requests failing with 415 after an audio model landed on an image device
+    verdict = judge(Traffic(ok=53, contract_errors=513), Traffic(ok=1000), Probes(), POLICY)
+    assert not verdict.healthy and "client errors rose" in verdict.reason
+    # a client that always sent 30% bad shapes: same rate after the swap is not the model's fault
+    before = Traffic(ok=700, contract_errors=300)
+    assert judge(Traffic(ok=70, contract_errors=30), before, Probes(), POLICY).healthy
+
+
+def test_contract_rise_boundary():
+    before = Traffic(ok=90, contract_errors=10)  # 10%
+    assert judge(Traffic(ok=85, contract_errors=15), before, Probes(), POLICY).healthy  # 15% = 10% + 5%
+    assert not judge(Traffic(ok=84, contract_errors=16), before, Probes(), POLICY).healthy
+
+
+def test_malformed_input_never_counts_against_the_model():
+    before = snapshot()
+    after = snapshot(ok=30, client=500, errors={"bad_json": 300, "non_finite_input": 150, "too_large": 50})
+    window = traffic_between(before, after)
+    assert window == Traffic(ok=30)
+    assert judge(window, traffic_of(before), Probes(), POLICY).healthy
+
+
+def test_traffic_sorts_error_kinds():
+    traffic = traffic_of(snapshot(ok=7, non_finite=1, latency_sum=0.7,
+                                  errors={"runtime": 1, "postprocess": 2, "internal": 3, "shape": 4,
+                                          "unsupported_media": 5, "bad_image": 6}))
+    assert traffic == Traffic(ok=7, model_errors=6, contract_errors=9, non_finite=1, latency_sum=0.7)
+    assert traffic.total == 22
+
+
+def test_latency_rule_needs_enough_requests_and_a_baseline():
+    before = Traffic(ok=100, latency_sum=1.0)  # 10 ms
+    slow = Traffic(ok=20, latency_sum=20 * 0.0301)
+    assert not judge(slow, before, Probes(), POLICY).healthy
+    assert judge(Traffic(ok=20, latency_sum=20 * 0.03), before, Probes(), POLICY).healthy
+    assert judge(Traffic(ok=19, latency_sum=19 * 0.5), before, Probes(sent=5), POLICY).healthy
+    assert judge(slow, QUIET, Probes(), POLICY).healthy  # no baseline, no latency rule
+
+
+@pytest.mark.parametrize("value", [0, -1, math.nan, math.inf, -math.inf, 1e9, True, "30", None])
+def test_health_window_out_of_range_or_non_finite_is_refused(value):
+    with pytest.raises(ValueError):
+        check_window(value, low=1, high=3600)
+
+
+@pytest.mark.parametrize("value", [1, 1.0, 30, 3600])
+def test_health_window_range_is_inclusive(value):
+    assert check_window(value, low=1, high=3600) == float(value)
