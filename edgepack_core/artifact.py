@@ -2,15 +2,26 @@
 
 The rules (docs/architecture.md, "The artifact format"), in the order they apply:
 
-1. The archive file is at most ``limits.max_archive_bytes`` on disk.
-2. The first member is manifest.json, the second manifest.sig; both small regular files.
-   The signature over the exact manifest bytes must verify against the trust store before
-   the manifest is even parsed.
-3. Every later member must be a regular file (no symlink, hardlink, device, fifo or
+1. The archive file is at most ``limits.max_archive_bytes`` on disk. It is one gzip, xz or
+   bzip2 stream (or a plain tar); any byte after that stream's trailer is refused, so nothing
+   can hide behind the archive (a second tar appended, a second compressed stream, garbage).
+2. Tar headers are parsed here, by a small bounded parser over 512-byte blocks, never by
+   ``tarfile``: ``tarfile`` reads a PAX (``x``) or GNU long-name (``L``) header's declared
+   size whole before the caller sees a member, so a 4 MB gzip declaring a 1 GiB PAX header
+   cost 3 GB of memory before the signature was checked. Only ustar headers are accepted,
+   each optionally preceded by at most one PAX and one GNU long-name/long-link header of at
+   most ``MAX_EXTENDED_HEADER_BYTES``; global PAX headers, base-256 numbers and bad checksums
+   are refused.
+3. The first member is manifest.json (at most ``max_manifest_bytes``), the second
+   manifest.sig; both small regular files. The signature over the exact manifest bytes must
+   verify against the trust store before the manifest is even parsed.
+4. Every later member must be a regular file (no symlink, hardlink, device, fifo or
    directory), have a safe relative name listed in the manifest, appear once, and have the
    declared size (within ``max_member_bytes``) and sha256. The total of all members is
    bounded too (decompression bombs).
-4. Every file the manifest lists must be present.
+5. Every file the manifest lists must be present.
+6. After the end-of-archive marker (two zero blocks) only zero padding may follow, at most
+   ``MAX_TRAILING_PADDING`` bytes of it.
 
 Extraction goes into a hidden staging directory beside the destination and is renamed into
 place only when everything has verified; on any failure the staging directory is removed, so
@@ -20,18 +31,16 @@ nothing is ever left half-extracted. ``verify_artifact`` runs the same walk with
 from __future__ import annotations
 
 import bz2
-import gzip
 import hashlib
 import lzma
 import os
 import shutil
-import tarfile
 import tempfile
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from edgepack_core.errors import (
     ArtifactError,
@@ -45,6 +54,24 @@ from edgepack_core.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, pars
 from edgepack_core.signing import MAX_SIGNATURE_BYTES, TrustStore
 
 _CHUNK = 1 << 20
+_RAW_CHUNK = 64 << 10
+
+BLOCK = 512
+_ZERO_BLOCK = bytes(BLOCK)
+# A PAX record for one long name, or a GNU long name, fits in far less; nothing larger is
+# ever read into memory.
+MAX_EXTENDED_HEADER_BYTES = 4096
+# tar pads its output to a record (10 KiB by default, 1 MiB at the largest common blocking
+# factor); more zeros than that after the end marker is not padding.
+MAX_TRAILING_PADDING = 1 << 20
+
+REGULAR_TYPES = (b"0", b"\0")
+HARDLINK_TYPE, SYMLINK_TYPE = b"1", b"2"
+DEVICE_TYPES = (b"3", b"4", b"6")  # character device, block device, fifo
+PAX_TYPE, PAX_GLOBAL_TYPE, GNU_LONGNAME_TYPE, GNU_LONGLINK_TYPE = b"x", b"g", b"L", b"K"
+EXTENDED_TYPES = (PAX_TYPE, GNU_LONGNAME_TYPE, GNU_LONGLINK_TYPE)
+_MAGICS = (b"ustar\x0000", b"ustar  \x00")  # POSIX ustar, GNU
+_ZLIB_TYPE = type(zlib.decompressobj())
 
 
 @dataclass(frozen=True)
@@ -70,14 +97,115 @@ class VerifiedArtifact:
     root: Path | None = None
 
 
-def check_member_header(member: tarfile.TarInfo, expected: Manifest, seen: set[str], limits: Limits) -> None:
+@dataclass(frozen=True)
+class MemberHeader:
+    """One tar member as the reader sees it: name, size and type after any PAX/GNU header."""
+
+    name: str
+    size: int
+    type: bytes
+    linkname: str = ""
+
+
+# --------------------------------------------------------------------------- pure header rules
+
+
+def _octal(field: bytes, what: str) -> int:
+    if field[:1] in (b"\x80", b"\xff"):
+        raise ArtifactError(f"tar header {what} is a base-256 number (not accepted)")
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    if text.strip(b"01234567"):
+        raise ArtifactError(f"tar header {what} is not an octal number")
+    return int(text, 8) if text else 0
+
+
+def _text(raw: bytes, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UnsafeMemberError(repr(raw)[:80], f"{what} is not UTF-8") from None
+
+
+def parse_header(block: bytes) -> MemberHeader:
+    """Decode one 512-byte ustar (or GNU) header block. Pure; refuses anything else."""
+    if len(block) != BLOCK:
+        raise TruncatedArchiveError("archive ends inside a tar header")
+    magic = block[257:265]
+    if magic not in _MAGICS:
+        raise ArtifactError("not a ustar tar header")
+    checksum = _octal(block[148:156], "checksum")
+    if checksum != sum(block[:148]) + 8 * 0x20 + sum(block[156:]):
+        raise ArtifactError("tar header checksum mismatch")
+    name = block[0:100].split(b"\0", 1)[0]
+    prefix = block[345:500].split(b"\0", 1)[0] if magic == _MAGICS[0] else b""
+    if prefix:
+        name = prefix + b"/" + name
+    linkname = block[157:257].split(b"\0", 1)[0]
+    return MemberHeader(_text(name, "name"), _octal(block[124:136], "size"), block[156:157],
+                        _text(linkname, "link name"))
+
+
+def parse_pax_records(data: bytes) -> dict[str, str]:
+    """Decode PAX extended header records (``"<len> key=value\\n"``). Pure."""
+    records: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        space = data.find(b" ", pos, pos + 12)
+        digits = data[pos:space] if space > pos else b""
+        if not digits.isdigit():
+            raise ArtifactError("malformed PAX header record")
+        end = pos + int(digits)
+        if end > len(data) or end <= space + 1 or data[end - 1:end] != b"\n":
+            raise ArtifactError("malformed PAX header record")
+        key, sep, value = data[space + 1:end - 1].partition(b"=")
+        if not sep:
+            raise ArtifactError("malformed PAX header record")
+        records[_text(key, "PAX key")] = _text(value, "PAX value")
+        pos = end
+    return records
+
+
+def extended_fields(kind: bytes, data: bytes) -> dict[str, Any]:
+    """The member fields a PAX or GNU long-name/long-link header overrides. Pure."""
+    if kind == GNU_LONGNAME_TYPE:
+        return {"name": _text(data.split(b"\0", 1)[0], "name")}
+    if kind == GNU_LONGLINK_TYPE:
+        return {"linkname": _text(data.split(b"\0", 1)[0], "link name")}
+    records = parse_pax_records(data)
+    fields: dict[str, Any] = {}
+    if "path" in records:
+        fields["name"] = records["path"]
+    if "linkpath" in records:
+        fields["linkname"] = records["linkpath"]
+    if "size" in records:
+        if not records["size"].isdigit():
+            raise ArtifactError("PAX size is not a decimal number")
+        fields["size"] = int(records["size"])
+    return fields
+
+
+def check_extended_header(header: MemberHeader, seen_kinds: set[bytes]) -> None:
+    """Decide whether a PAX/GNU extended header may be read at all. Pure.
+
+    Its size is checked before a byte of it is read: that is the whole point of parsing
+    headers here rather than with ``tarfile``.
+    """
+    if header.size > MAX_EXTENDED_HEADER_BYTES:
+        raise LimitExceededError(f"extended tar header ({header.type.decode('ascii', 'replace')})", header.size,
+                                 MAX_EXTENDED_HEADER_BYTES)
+    if header.type in seen_kinds:
+        raise UnsafeMemberError(header.name, "repeated extended header for one member")
+
+
+def check_member_header(member: MemberHeader, expected: Manifest, seen: set[str], limits: Limits) -> None:
     """Decide whether a tar header is acceptable. Pure: looks at the header and manifest only."""
     name = member.name
-    if member.issym() or member.islnk():
-        raise UnsafeMemberError(name, f"link to {member.linkname!r} (links are never extracted)")
-    if member.ischr() or member.isblk() or member.isfifo() or member.isdev():
+    if member.type in (SYMLINK_TYPE, HARDLINK_TYPE):
+        kind = "symlink" if member.type == SYMLINK_TYPE else "hardlink"
+        raise UnsafeMemberError(name, f"{kind} to {member.linkname!r} (links are never extracted)")
+    if member.type in DEVICE_TYPES:
         raise UnsafeMemberError(name, "device or fifo member")
-    if not member.isfile():
+    if member.type not in REGULAR_TYPES:
         raise UnsafeMemberError(name, "not a regular file")
     if name.startswith("/") or "\\" in name or any(part in ("..", ".", "") for part in name.split("/")):
         raise UnsafeMemberError(name, "absolute path or path traversal")
@@ -92,68 +220,192 @@ def check_member_header(member: tarfile.TarInfo, expected: Manifest, seen: set[s
         raise IntegrityError(name, f"size {member.size} differs from the signed size {entry['size']}")
 
 
-def _read_small(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int) -> bytes:
-    if not member.isfile():
+def check_total(total: int, limits: Limits) -> None:
+    """The unpacked size so far must stay within ``max_total_bytes`` (decompression bombs). Pure."""
+    if total > limits.max_total_bytes:
+        raise LimitExceededError("unpacked artifact", total, limits.max_total_bytes)
+
+
+def _padding(size: int) -> int:
+    return -size % BLOCK
+
+
+# --------------------------------------------------------------------------- streams
+
+
+class _Source:
+    """The decompressed bytes of exactly one gzip/xz/bzip2 stream (or a plain file), produced
+    on demand in bounded pieces. ``finish`` refuses any byte after the stream's trailer:
+    Python's own gzip/lzma/bz2 readers silently read on into a second stream or skip garbage."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        magic = raw.read(6)
+        raw.seek(0)
+        self._dec: Any
+        if magic.startswith(b"\x1f\x8b"):
+            self._dec = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif magic.startswith(b"\xfd7zXZ\x00"):
+            self._dec = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+        elif magic.startswith(b"BZh"):
+            self._dec = bz2.BZ2Decompressor()
+        else:
+            self._dec = None
+
+    def read(self, size: int) -> bytes:
+        """Up to ``size`` bytes; fewer only at the end of the stream."""
+        if self._dec is None:
+            return self._raw.read(size)
+        pieces: list[bytes] = []
+        got = 0
+        while got < size and not self._dec.eof:
+            piece = self._step(size - got)
+            pieces.append(piece)
+            got += len(piece)
+        return b"".join(pieces)
+
+    def _step(self, want: int) -> bytes:
+        dec = self._dec
+        if isinstance(dec, _ZLIB_TYPE):
+            data = dec.unconsumed_tail or self._raw.read(_RAW_CHUNK)
+        else:
+            data = self._raw.read(_RAW_CHUNK) if dec.needs_input else b""
+        out = dec.decompress(data, want)
+        if not out and not data and not dec.eof:
+            raise TruncatedArchiveError("the compressed stream ends before its trailer (archive cut off)")
+        return bytes(out)
+
+    def finish(self) -> None:
+        """Called once everything was read: nothing may follow the compressed stream."""
+        if self._dec is not None and (self._dec.unused_data or self._raw.read(1)):
+            raise ArtifactError("bytes after the end of the compressed stream (a second archive or garbage)")
+
+
+class _TarReader:
+    """Walks tar members over a :class:`_Source`, one 512-byte header at a time, with every
+    size checked before anything is read or allocated."""
+
+    def __init__(self, source: _Source, limits: Limits) -> None:
+        self.source = source
+        self.limits = limits
+        self.count = 0
+
+    def _exact(self, size: int) -> bytes:
+        data = self.source.read(size)
+        if len(data) != size:
+            raise TruncatedArchiveError("archive ends inside a tar header or member")
+        return data
+
+    def next(self) -> MemberHeader | None:
+        """The next member's header (PAX/GNU extensions applied), or None at the end marker."""
+        fields: dict[str, Any] = {}
+        kinds: set[bytes] = set()
+        while True:
+            block = self.source.read(BLOCK)
+            if len(block) < BLOCK:
+                raise TruncatedArchiveError("archive ends without the tar end-of-archive marker")
+            if block == _ZERO_BLOCK:
+                if kinds:
+                    raise ArtifactError("extended tar header without a member")
+                self._end()
+                return None
+            header = parse_header(block)
+            if header.type == PAX_GLOBAL_TYPE:
+                raise UnsafeMemberError(header.name, "global PAX header (not accepted)")
+            if header.type not in EXTENDED_TYPES:
+                break
+            check_extended_header(header, kinds)
+            kinds.add(header.type)
+            data = self._exact(header.size)
+            self._exact(_padding(header.size))
+            fields.update(extended_fields(header.type, data))
+        self.count += 1
+        if self.count > self.limits.max_members:
+            raise LimitExceededError("member count", self.count, self.limits.max_members)
+        return replace(header, **fields)
+
+    def data(self, size: int) -> Iterator[bytes]:
+        """A member's ``size`` bytes in pieces of at most 1 MiB, then its block padding."""
+        remaining = size
+        while remaining > 0:
+            piece = self.source.read(min(_CHUNK, remaining))
+            if not piece:
+                raise TruncatedArchiveError("archive ends inside a member")
+            remaining -= len(piece)
+            yield piece
+        self._exact(_padding(size))
+
+    def _end(self) -> None:
+        """After the first zero block: a second one, then nothing but zeros to the end."""
+        if len(self.source.read(BLOCK)) < BLOCK:
+            raise TruncatedArchiveError("archive ends without the tar end-of-archive marker")
+        padding = 0
+        while piece := self.source.read(_RAW_CHUNK):
+            if piece.strip(b"\0"):
+                raise ArtifactError("data after the tar end-of-archive marker (a second archive or garbage)")
+            padding += len(piece)
+            if padding > MAX_TRAILING_PADDING:
+                raise LimitExceededError("zero padding after the end-of-archive marker", padding,
+                                         MAX_TRAILING_PADDING)
+        self.source.finish()
+
+
+# --------------------------------------------------------------------------- the walk
+
+
+def _read_small(reader: _TarReader, member: MemberHeader | None, name: str, limit: int) -> bytes:
+    if member is None or member.name != name:
+        if name == SIGNATURE_NAME:
+            raise MissingSignatureError("manifest.sig is missing: the artifact is unsigned")
+        raise ArtifactError(f"the first member must be {MANIFEST_NAME}")
+    if member.type not in REGULAR_TYPES:
         raise UnsafeMemberError(member.name, "not a regular file")
     if member.size > limit:
         raise LimitExceededError(member.name, member.size, limit)
-    stream = tar.extractfile(member)
-    assert stream is not None  # regular files always have a stream
-    data = stream.read()
-    if len(data) != member.size:
-        raise TruncatedArchiveError(f"{member.name} is truncated")
-    return data
+    return b"".join(reader.data(member.size))
 
 
-def _copy_hashed(stream: IO[bytes], size: int, sink: IO[bytes] | None) -> str:
+def _copy_hashed(pieces: Iterator[bytes], sink: IO[bytes] | None) -> str:
     digest = hashlib.sha256()
-    remaining = size
-    while remaining > 0:
-        block = stream.read(min(_CHUNK, remaining))
-        if not block:
-            raise TruncatedArchiveError("archive ends inside a member")
-        digest.update(block)
+    for piece in pieces:
+        digest.update(piece)
         if sink is not None:
-            sink.write(block)
-        remaining -= len(block)
+            sink.write(piece)
     return digest.hexdigest()
 
 
-class _Counting:
-    """Counts the bytes read through it, to tell a complete tar stream from a cut one."""
-
-    def __init__(self, stream: IO[bytes]) -> None:
-        self.stream = stream
-        self.count = 0
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.stream.read(size)
-        self.count += len(data)
-        return data
+def _file_pieces(stream: IO[bytes], size: int) -> Iterator[bytes]:
+    remaining = size
+    while remaining > 0:
+        piece = stream.read(min(_CHUNK, remaining))
+        if not piece:
+            raise TruncatedArchiveError("file ends early")
+        remaining -= len(piece)
+        yield piece
 
 
-def _open_decompressed(path: Path) -> IO[bytes]:
-    with open(path, "rb") as probe:
-        magic = probe.read(6)
-    if magic.startswith(b"\x1f\x8b"):
-        return gzip.open(path, "rb")
-    if magic.startswith(b"\xfd7zXZ\x00"):
-        return lzma.open(path, "rb")
-    if magic.startswith(b"BZh"):
-        return bz2.open(path, "rb")
-    return open(path, "rb")
-
-
-def _members(tar: tarfile.TarFile, limits: Limits) -> Iterator[tarfile.TarInfo]:
-    count = 0
-    while True:
-        member = tar.next()
-        if member is None:
-            return
-        count += 1
-        if count > limits.max_members:
-            raise LimitExceededError("member count", count, limits.max_members)
-        yield member
+def _walk_members(reader: _TarReader, manifest: Manifest, limits: Limits, staging: Path | None,
+                  total: int) -> None:
+    seen: set[str] = set()
+    while (member := reader.next()) is not None:
+        check_member_header(member, manifest, seen, limits)
+        total += member.size
+        check_total(total, limits)
+        seen.add(member.name)
+        if staging is None:
+            digest = _copy_hashed(reader.data(member.size), None)
+        else:
+            target = staging / member.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "xb") as sink:
+                digest = _copy_hashed(reader.data(member.size), sink)
+                sink.flush()
+                os.fsync(sink.fileno())
+        if digest != manifest.files[member.name]["sha256"]:
+            raise IntegrityError(member.name, "sha256 differs from the signed manifest")
+    missing = sorted(set(manifest.files) - seen)
+    if missing:
+        raise IntegrityError(missing[0], "listed in the manifest but missing from the archive")
 
 
 def _walk(path: Path, trust: TrustStore, limits: Limits, staging: Path | None) -> VerifiedArtifact:
@@ -164,55 +416,21 @@ def _walk(path: Path, trust: TrustStore, limits: Limits, staging: Path | None) -
     if size > limits.max_archive_bytes:
         raise LimitExceededError("archive", size, limits.max_archive_bytes)
     try:
-        # One forward pass in stream mode, no seeking. The decompressor is opened here rather
-        # than by tarfile so that reading to its end checks the gzip/xz/bz2 trailer (CRC and
-        # length): a cut-off archive is refused even when the cut is after the last member.
-        with _open_decompressed(path) as source, tarfile.open(fileobj=(raw := _Counting(source)), mode="r|") as tar:
-            members = _members(tar, limits)
-            first = next(members, None)
-            if first is None or first.name != MANIFEST_NAME:
-                raise ArtifactError(f"the first member must be {MANIFEST_NAME}")
-            manifest_bytes = _read_small(tar, first, limits.max_manifest_bytes)
-            second = next(members, None)
-            if second is None or second.name != SIGNATURE_NAME:
-                raise MissingSignatureError("manifest.sig is missing: the artifact is unsigned")
-            signature = _read_small(tar, second, MAX_SIGNATURE_BYTES)
+        # One forward pass, no seeking; reading to the end checks the end-of-archive marker,
+        # the padding after it and the compression trailer (CRC and length), so an archive
+        # cut off after its last member is refused as well as one with anything appended.
+        with open(path, "rb") as raw:
+            reader = _TarReader(_Source(raw), limits)
+            manifest_bytes = _read_small(reader, reader.next(), MANIFEST_NAME, limits.max_manifest_bytes)
+            signature = _read_small(reader, reader.next(), SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
             key = trust.verify(manifest_bytes, signature)
             manifest = parse_manifest(manifest_bytes)
-
-            seen: set[str] = set()
-            total = len(manifest_bytes) + len(signature)
-            for member in members:
-                check_member_header(member, manifest, seen, limits)
-                total += member.size
-                if total > limits.max_total_bytes:
-                    raise LimitExceededError("unpacked artifact", total, limits.max_total_bytes)
-                seen.add(member.name)
-                stream = tar.extractfile(member)
-                assert stream is not None
-                if staging is None:
-                    digest = _copy_hashed(stream, member.size, None)
-                else:
-                    target = staging / member.name
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    with open(target, "xb") as sink:
-                        digest = _copy_hashed(stream, member.size, sink)
-                        sink.flush()
-                        os.fsync(sink.fileno())
-                if digest != manifest.files[member.name]["sha256"]:
-                    raise IntegrityError(member.name, "sha256 differs from the signed manifest")
-            missing = sorted(set(manifest.files) - seen)
-            if missing:
-                raise IntegrityError(missing[0], "listed in the manifest but missing from the archive")
-            while raw.read(_CHUNK):
-                pass
-            if raw.count < tar.offset + 2 * tarfile.BLOCKSIZE:
-                raise TruncatedArchiveError("archive ends without the tar end-of-archive marker")
+            _walk_members(reader, manifest, limits, staging, len(manifest_bytes) + len(signature))
             if staging is not None:
                 (staging / MANIFEST_NAME).write_bytes(manifest_bytes)
                 (staging / SIGNATURE_NAME).write_bytes(signature)
-    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError) as err:
-        raise TruncatedArchiveError(f"not a complete tar archive ({err or type(err).__name__})") from None
+    except (zlib.error, lzma.LZMAError, EOFError) as err:
+        raise TruncatedArchiveError(f"not a valid compressed stream ({err or type(err).__name__})") from None
     except OSError as err:
         raise ArtifactError(f"{path}: cannot read or write: {err.strerror or err}") from None
     return VerifiedArtifact(path=path, manifest=manifest, manifest_bytes=manifest_bytes, key_id=key)
@@ -287,7 +505,7 @@ def read_extracted(root: str | os.PathLike[str], trust: TrustStore) -> VerifiedA
         file = root / name
         try:
             with open(file, "rb") as stream:
-                digest = _copy_hashed(stream, entry["size"], None)
+                digest = _copy_hashed(_file_pieces(stream, entry["size"]), None)
                 if stream.read(1):
                     raise IntegrityError(name, "larger than the signed size")
         except FileNotFoundError:
