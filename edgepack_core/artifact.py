@@ -337,8 +337,11 @@ class _TarReader:
 
     def _end(self) -> None:
         """After the first zero block: a second one, then nothing but zeros to the end."""
-        if len(self.source.read(BLOCK)) < BLOCK:
+        second = self.source.read(BLOCK)
+        if len(second) < BLOCK:
             raise TruncatedArchiveError("archive ends without the tar end-of-archive marker")
+        if second != _ZERO_BLOCK:
+            raise ArtifactError("data after the tar end-of-archive marker (a member after a lone zero block)")
         padding = 0
         while piece := self.source.read(_RAW_CHUNK):
             if piece.strip(b"\0"):

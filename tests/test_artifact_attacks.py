@@ -283,3 +283,204 @@ def test_upgrade_is_accepted_and_versions_order_semver():
     check_upgrade("1.10.0", "1.9.0")
     check_upgrade("1.2.0", "1.2.0-rc.2")
     assert Version("1.0.0-alpha") < Version("1.0.0-alpha.1") < Version("1.0.0-beta") < Version("1.0.0")
+
+
+# --------------------------------------------------------------------------- bounded header parser
+
+from edgepack_core.artifact import (  # noqa: E402
+    MAX_EXTENDED_HEADER_BYTES,
+    MAX_TRAILING_PADDING,
+    MemberHeader,
+    check_extended_header,
+    check_member_header,
+    check_total,
+    extended_fields,
+    parse_header,
+    parse_pax_records,
+)
+from edgepack_core.errors import SignatureError  # noqa: E402
+from edgepack_core.manifest import Manifest, parse_manifest  # noqa: E402
+
+
+def _manifest_with(files: dict[str, bytes]):
+    doc = _manifest()
+    doc["files"] = {name: file_entry(data) for name, data in {"model/model.onnx": MODEL, **files}.items()}
+    return parse_manifest(canonical_bytes(doc))
+
+
+def _block(name: str, kind: bytes = tarfile.REGTYPE, size: int = 0, fmt: int = tarfile.USTAR_FORMAT,
+           linkname: str = "") -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.linkname = kind, size, linkname
+    return info.tobuf(format=fmt)
+
+
+def test_hardlink_header_is_refused_as_a_link():
+    expected = _manifest_with({"assets/a.txt": b""})
+    header = MemberHeader("assets/a.txt", 0, b"1", "model/model.onnx")
+    with pytest.raises(UnsafeMemberError, match=r"hardlink to 'model/model\.onnx'"):
+        check_member_header(header, expected, set(), Limits())
+
+
+def test_symlink_header_is_refused_as_a_link():
+    expected = _manifest_with({"assets/a.txt": b""})
+    with pytest.raises(UnsafeMemberError, match="symlink to '/etc/passwd'"):
+        check_member_header(MemberHeader("assets/a.txt", 0, b"2", "/etc/passwd"), expected, set(), Limits())
+
+
+@pytest.mark.parametrize("kind", [b"5", b"7", b"S", b"g"])
+def test_directory_contiguous_sparse_or_unknown_member_is_not_a_regular_file(kind):
+    expected = _manifest_with({"assets/a.txt": b""})
+    with pytest.raises(UnsafeMemberError, match="not a regular file"):
+        check_member_header(MemberHeader("assets/a.txt", 0, kind), expected, set(), Limits())
+
+
+@pytest.mark.parametrize("kind", [b"0", b"\0"])
+def test_regular_member_listed_with_its_size_is_accepted(kind):
+    expected = _manifest_with({"assets/a.txt": b"abc"})
+    check_member_header(MemberHeader("assets/a.txt", 3, kind), expected, set(), Limits(max_member_bytes=3))
+    with pytest.raises(LimitExceededError):
+        check_member_header(MemberHeader("assets/a.txt", 3, kind), expected, set(), Limits(max_member_bytes=2))
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "manifest.sig"])
+def test_manifest_listing_itself_cannot_smuggle_a_second_copy(good, trust, key, tmp_path, name):
+    members = _members(good)
+    forged = b'{"format": 1}'
+    members.append((tarfile.TarInfo(name), forged))
+    signed = _signed_with(members, key, lambda m: m["files"].update({name: file_entry(forged)}))
+    with pytest.raises(ManifestError, match=f"{name} cannot list itself"):
+        verify_artifact(_rewrite(good, signed), trust)
+    with pytest.raises(ManifestError, match="cannot list itself"):
+        extract_artifact(_rewrite(good, signed), tmp_path / "dest", trust)
+    assert not (tmp_path / "dest").exists()
+    # The header rule refuses the second copy on its own too (a manifest built around the schema).
+    doc = json.loads(members[0][1])
+    doc["files"][name] = file_entry(forged)
+    with pytest.raises(UnsafeMemberError, match="duplicate"):
+        check_member_header(MemberHeader(name, len(forged), b"0"), Manifest(doc), set(), Limits())
+
+
+def test_total_bound_is_inclusive_at_the_limit(good, trust):
+    check_total(100, Limits(max_total_bytes=100))
+    with pytest.raises(LimitExceededError, match="unpacked artifact is 101"):
+        check_total(101, Limits(max_total_bytes=100))
+    with tarfile.open(good) as tar:
+        total = sum(m.size for m in tar.getmembers())
+    assert verify_artifact(good, trust, Limits(max_total_bytes=total)).manifest.name == "demo"
+    with pytest.raises(LimitExceededError, match="unpacked"):
+        verify_artifact(good, trust, Limits(max_total_bytes=total - 1))
+
+
+def test_signature_with_another_algorithm_label_is_refused(good, trust, key):
+    members = _members(good)
+    doc = json.loads(members[1][1])
+    doc["signatures"][0]["algorithm"] = "rsa-pss-sha256"  # the ed25519 bytes are still valid
+    members[1] = (members[1][0], json.dumps(doc).encode())
+    with pytest.raises(SignatureError, match="unsupported signature algorithm 'rsa-pss-sha256'"):
+        verify_artifact(_rewrite(good, members), trust)
+
+
+def test_header_with_bad_checksum_is_refused():
+    block = bytearray(_block("assets/a.txt", size=3))
+    block[0] ^= 0x01
+    with pytest.raises(ArtifactError, match="checksum"):
+        parse_header(bytes(block))
+
+
+def test_header_with_base256_size_is_refused():
+    block = bytearray(_block("assets/a.txt", size=3))
+    block[124:136] = b"\x80" + bytes(10) + b"\x03"
+    block[148:156] = b"        "
+    block[148:156] = f"{sum(block):06o}\0 ".encode()
+    with pytest.raises(ArtifactError, match="base-256"):
+        parse_header(bytes(block))
+
+
+def test_pre_posix_tar_header_is_refused():
+    block = bytearray(_block("assets/a.txt", size=3))
+    block[257:265] = bytes(8)
+    with pytest.raises(ArtifactError, match="not a ustar"):
+        parse_header(bytes(block))
+
+
+def test_ustar_prefix_and_gnu_headers_are_read():
+    long_name = "d" * 90 + "/" + "n" * 90
+    header = parse_header(_block(long_name, size=7))
+    assert (header.name, header.size, header.type) == (long_name, 7, b"0")
+    gnu = parse_header(_block("assets/a.txt", size=5, fmt=tarfile.GNU_FORMAT))
+    assert (gnu.name, gnu.size) == ("assets/a.txt", 5)
+
+
+def test_extended_header_size_is_checked_before_reading():
+    check_extended_header(MemberHeader("././@PaxHeader", MAX_EXTENDED_HEADER_BYTES, b"x"), set())
+    with pytest.raises(LimitExceededError, match="extended tar header"):
+        check_extended_header(MemberHeader("././@PaxHeader", MAX_EXTENDED_HEADER_BYTES + 1, b"x"), set())
+    with pytest.raises(UnsafeMemberError, match="repeated"):
+        check_extended_header(MemberHeader("././@LongLink", 10, b"L"), {b"L"})
+
+
+def test_pax_and_gnu_extended_fields_override_the_header():
+    assert parse_pax_records(b"21 path=assets/b.txt\n11 size=42\n") == {"path": "assets/b.txt", "size": "42"}
+    assert extended_fields(b"x", b"21 path=assets/b.txt\n11 size=42\n") == {"name": "assets/b.txt", "size": 42}
+    assert extended_fields(b"L", b"assets/long.txt\0") == {"name": "assets/long.txt"}
+    assert extended_fields(b"K", b"target\0") == {"linkname": "target"}
+
+
+@pytest.mark.parametrize("records", [b"99 path=x\n", b"x path=x\n", b"9 pathx\n", b"10 path=x ", b"3 =\n"])
+def test_malformed_pax_records_are_refused(records):
+    with pytest.raises(ArtifactError, match="PAX"):
+        parse_pax_records(records)
+
+
+def test_long_member_name_in_pax_header_is_accepted(tmp_path, key, trust):
+    name = "assets/" + "long-name-" * 12 + ".txt"  # over the 100 bytes of a ustar name field
+    path = tmp_path / "long.edgepkg"
+    write_artifact(path, _manifest(), {"model/model.onnx": MODEL, name: b"x"}, [key])
+    assert name in verify_artifact(path, trust).manifest.files
+
+
+def test_global_pax_header_is_refused(good, trust, tmp_path):
+    members = _members(good)
+    out = tmp_path / "global.edgepkg"
+    with tarfile.open(out, "w:gz", format=tarfile.PAX_FORMAT, pax_headers={"comment": "x"}) as tar:
+        for info, data in members:
+            tar.addfile(_copy(info), io.BytesIO(data))
+    with pytest.raises(UnsafeMemberError, match="global PAX"):
+        verify_artifact(out, trust)
+
+
+def test_zero_padding_after_the_end_marker_is_bounded(good, trust, tmp_path):
+    import gzip
+
+    body = gzip.decompress(good.read_bytes()).rstrip(b"\0")
+    tar = body + bytes(-len(body) % 512) + bytes(1024)  # members, then the two-block end marker
+    ok = tmp_path / "padded.edgepkg"
+    ok.write_bytes(gzip.compress(tar + bytes(MAX_TRAILING_PADDING), mtime=0))
+    assert verify_artifact(ok, trust).manifest.name == "demo"
+    bad = tmp_path / "overpadded.edgepkg"
+    bad.write_bytes(gzip.compress(tar + bytes(MAX_TRAILING_PADDING + 512), mtime=0))
+    with pytest.raises(LimitExceededError, match="zero padding"):
+        verify_artifact(bad, trust)
+
+
+@pytest.mark.parametrize("mode", ["w:xz", "w:bz2", "w"])
+def test_trailing_bytes_after_xz_bz2_or_plain_tar_are_refused(good, trust, tmp_path, mode):
+    clean = _rewrite(good, _members(good), mode=mode)
+    assert verify_artifact(clean, trust).manifest.name == "demo"
+    dirty = tmp_path / "dirty.edgepkg"
+    dirty.write_bytes(clean.read_bytes() + b"#!/bin/sh\n")
+    with pytest.raises(ArtifactError, match=r"after the (end of the compressed stream|tar end-of-archive)"):
+        verify_artifact(dirty, trust)
+
+
+def test_member_after_a_lone_zero_block_is_refused(good, trust, tmp_path):
+    import gzip
+
+    tar = gzip.decompress(good.read_bytes()).rstrip(b"\0")
+    tar += bytes(-len(tar) % 512)
+    evil = _block("evil.sh", size=0)
+    out = tmp_path / "lone.edgepkg"
+    out.write_bytes(gzip.compress(tar + bytes(512) + evil + bytes(1024), mtime=0))
+    with pytest.raises(ArtifactError, match="after the tar end-of-archive marker"):
+        verify_artifact(out, trust)
