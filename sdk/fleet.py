@@ -21,13 +21,14 @@ from typing import Any
 
 from device_agent.mqtt.topics import DEFAULT_ROOT, Topics
 from edgepack_core.errors import EdgepackError
+from edgepack_core.protocol.payloads import STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID
 
 log = logging.getLogger("edgepack.fleet")
 
 MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_DEVICES = 1_000_000
-STATE_SCHEMA = "edgepack.state/1"
-TELEMETRY_SCHEMA = "edgepack.telemetry/1"
+STATE_SCHEMA = STATE_SCHEMA_ID
+TELEMETRY_SCHEMA = TELEMETRY_SCHEMA_ID
 
 
 class FleetError(EdgepackError):

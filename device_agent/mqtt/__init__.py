@@ -1,7 +1,5 @@
-"""MQTT building blocks of the device agent and the fleet tools.
-
-``topics`` builds and parses the v1 topic names (pure); ``transport`` wraps paho-mqtt with the
-connection policy Edgepack needs (background thread, jittered reconnect, subscriptions that
-survive reconnects, TCP_NODELAY, bounded incoming payloads). Both sides import this package:
-it depends on nothing but paho-mqtt and the shared core.
+"""Compatibility package: the MQTT topic names and transport moved to the shared core
+(:mod:`edgepack_core.protocol.topics`, :mod:`edgepack_core.mqtt_transport`) so the host tools
+use them without importing the device agent. ``device_agent.mqtt.topics`` and
+``device_agent.mqtt.transport`` re-export them for old imports.
 """

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEMA_ID = "edgepack.telemetry/1"
+from edgepack_core.protocol.payloads import TELEMETRY_SCHEMA_ID, load_schema
+
+SCHEMA_ID = TELEMETRY_SCHEMA_ID
 
 LOW_S = 1e-6  # first bucket edge: 1 µs
 HIGH_S = 100.0  # last bucket edge: 100 s
@@ -267,57 +269,5 @@ class TelemetryAggregator:
         }
 
 
-_NUMBER_OR_NULL = {"type": ["number", "null"]}
-_COUNT = {"type": "integer", "minimum": 0}
-_COUNTS_BY_KIND = {"type": "object", "additionalProperties": _COUNT}
-
-TELEMETRY_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "$id": "edgepack.telemetry/1",
-    "title": "Edgepack device telemetry, published on {root}/dev/{device}/telemetry",
-    "type": "object",
-    "additionalProperties": False,
-    "required": [
-        "schema", "device", "seq", "ts", "model", "provider", "interval_s", "inferences", "errors", "errors_interval",
-        "latency_ms", "throughput_per_s", "cpu_percent", "memory_rss_bytes", "temperature_c", "uptime_s", "queue",
-    ],
-    "properties": {
-        "schema": {"const": SCHEMA_ID},
-        "device": {"type": "string", "minLength": 1, "maxLength": 64},
-        "seq": {"type": "integer", "minimum": 0, "description": "previous payload's seq + 1"},
-        "ts": {"type": "number", "description": "unix time, seconds"},
-        "model": {
-            "type": ["object", "null"],
-            "additionalProperties": False,
-            "required": ["name", "version", "sha256"],
-            "properties": {"name": {"type": "string"}, "version": {"type": "string"}, "sha256": {"type": "string"}},
-        },
-        "provider": {"type": ["string", "null"]},
-        "interval_s": {"type": "number", "minimum": 0},
-        "inferences": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["interval", "total"],
-            "properties": {"interval": _COUNT, "total": _COUNT},
-        },
-        "errors": _COUNTS_BY_KIND,
-        "errors_interval": _COUNTS_BY_KIND,
-        "latency_ms": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["p50", "p90", "p99", "max", "mean"],
-            "properties": {key: _NUMBER_OR_NULL for key in ("p50", "p90", "p99", "max", "mean")},
-        },
-        "throughput_per_s": {"type": "number", "minimum": 0},
-        "cpu_percent": _NUMBER_OR_NULL,
-        "memory_rss_bytes": {"type": ["integer", "null"], "minimum": 0},
-        "temperature_c": _NUMBER_OR_NULL,
-        "uptime_s": {"type": "number", "minimum": 0},
-        "queue": {
-            "type": ["object", "null"],
-            "additionalProperties": False,
-            "required": ["depth", "dropped", "produced", "delivered"],
-            "properties": {key: _COUNT for key in ("depth", "dropped", "produced", "delivered")},
-        },
-    },
-}
+# The payload's JSON Schema is part of the shared protocol (schemas/telemetry.schema.json).
+TELEMETRY_SCHEMA: dict[str, Any] = load_schema("telemetry")

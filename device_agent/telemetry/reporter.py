@@ -20,16 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from device_agent.mqtt.topics import Topics
-from device_agent.mqtt.transport import MqttSettings, MqttTransport, TlsSettings, Will
 from device_agent.telemetry.metrics import ModelInfo, SystemReading, TelemetryAggregator, read_system
 from device_agent.telemetry.queue import Forwarder, Outbox
 from edgepack_core import __version__ as edgepack_version
+from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, TlsSettings, Will
+from edgepack_core.protocol.payloads import JOB_SCHEMA_ID, STATE_SCHEMA_ID
+from edgepack_core.protocol.topics import Topics
 
 log = logging.getLogger("edgepack.agent.telemetry")
 
-STATE_SCHEMA = "edgepack.state/1"
-JOB_SCHEMA = "edgepack.job/1"
+STATE_SCHEMA = STATE_SCHEMA_ID
+JOB_SCHEMA = JOB_SCHEMA_ID
 SESSION_EXPIRY_S = 24 * 3600  # the broker keeps queued commands for a device offline up to a day
 
 
@@ -87,7 +88,13 @@ def state_document(device_id: str, online: bool, status: AgentStatus, groups: li
 def settings_from_config(mqtt: Mapping[str, Any], device_id: str, groups: list[str]) -> MqttSettings:
     """MqttSettings from agent.yaml's ``mqtt`` section, with the device's last will."""
     topics = Topics(mqtt.get("topic_root", "edgepack/v1"))
-    will = state_document(device_id, False, AgentStatus(), groups, reason="connection lost (last will)", ts=0)
+
+    def will() -> bytes:
+        # Called before every connection attempt: the broker publishes the will unchanged, so
+        # its ts is the time of the connection whose loss it reports (never 0).
+        doc = state_document(device_id, False, AgentStatus(), groups, reason="connection lost (last will)")
+        return json.dumps(doc).encode()
+
     tls = mqtt.get("tls")
     return MqttSettings(
         host=mqtt["host"],
@@ -100,7 +107,7 @@ def settings_from_config(mqtt: Mapping[str, Any], device_id: str, groups: list[s
         tls=TlsSettings(ca=tls.get("ca"), cert=tls.get("cert"), key=tls.get("key"),
                         insecure=bool(tls.get("insecure", False))) if tls else None,
         topic_root=topics.root,
-        will=Will(topics.state(device_id), json.dumps(will).encode()),
+        will=Will(topics.state(device_id), will),
         session_expiry=SESSION_EXPIRY_S,
     )
 

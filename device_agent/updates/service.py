@@ -33,6 +33,7 @@ from device_agent.updates.journal import Journal
 from device_agent.updates.xfer import Receiver, TransferError, XferSpec
 from edgepack_core.artifact import verify_artifact
 from edgepack_core.errors import ArtifactError, DowngradeError, EdgepackError
+from edgepack_core.protocol.payloads import JOB_SCHEMA_ID
 from edgepack_core.versions import check_upgrade
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class UpdateService:
         if record:
             self.journal.save(job)
             self.journal.prune()
-        self.transport.publish(self.topics.job(self.device_id), {"schema": "edgepack.job/1",
+        self.transport.publish(self.topics.job(self.device_id), {"schema": JOB_SCHEMA_ID,
                                "device": self.device_id, "ts": round(time.time(), 3), **job.event()}, qos=1)
 
     # ---------------------------------------------------------------- commands (network thread)

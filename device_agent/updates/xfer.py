@@ -1,4 +1,5 @@
-"""Chunked artifact transfer over MQTT, for devices that can reach only the broker.
+"""Chunked artifact transfer over MQTT, the device's receiving side (the frame format and the
+request codec are :mod:`edgepack_core.protocol.codec`, shared with the host's sender).
 
 Pull-based, so a device that reconnects simply asks again for what it lacks:
 
@@ -17,7 +18,6 @@ import hashlib
 import json
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -26,55 +26,34 @@ from pathlib import Path
 from typing import Any
 
 from device_agent.errors import AgentError
-from device_agent.mqtt.topics import Topics
 from device_agent.store import atomic_write
+from edgepack_core.protocol.codec import (
+    HEADER,
+    MAGIC,
+    MAX_REQUEST_CHUNKS,
+    chunk_count,
+    decode_chunk,
+    encode_chunk,
+    parse_request,
+    request_payload,
+)
+from edgepack_core.protocol.payloads import XFER_SCHEMA_ID
+from edgepack_core.protocol.topics import Topics
 
 log = logging.getLogger("edgepack.agent.xfer")
 
-MAGIC = b"EPX1"
-HEADER = struct.Struct(">4sI32s")
-XFER_SCHEMA = "edgepack.xfer/1"
+XFER_SCHEMA = XFER_SCHEMA_ID
 WINDOW = 32
 PERSIST_EVERY = 16
+
+__all__ = [
+    "HEADER", "MAGIC", "MAX_REQUEST_CHUNKS", "XFER_SCHEMA", "Receiver", "TransferError", "XferSpec", "chunk_count",
+    "decode_chunk", "encode_chunk", "parse_request", "request_payload",
+]
 
 
 class TransferError(AgentError):
     """A chunked transfer could not complete."""
-
-
-def encode_chunk(index: int, data: bytes) -> bytes:
-    return HEADER.pack(MAGIC, index, hashlib.sha256(data).digest()) + data
-
-
-def decode_chunk(payload: bytes) -> tuple[int, bytes] | None:
-    """(index, data), or None for a payload that is malformed or fails its own checksum."""
-    if len(payload) < HEADER.size:
-        return None
-    magic, index, digest = HEADER.unpack_from(payload)
-    data = payload[HEADER.size:]
-    if magic != MAGIC or hashlib.sha256(data).digest() != digest:
-        return None
-    return index, data
-
-
-def request_payload(chunks: list[int]) -> bytes:
-    return json.dumps({"schema": XFER_SCHEMA, "chunks": chunks}).encode()
-
-
-def parse_request(payload: bytes, total: int) -> list[int]:
-    """Chunk indexes asked for; invalid requests give an empty list. Pure, never raises."""
-    try:
-        doc = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return []
-    chunks = doc.get("chunks") if isinstance(doc, dict) and doc.get("schema") == XFER_SCHEMA else None
-    if not isinstance(chunks, list):
-        return []
-    return [c for c in chunks[:256] if isinstance(c, int) and 0 <= c < total]
-
-
-def chunk_count(size: int, chunk_size: int) -> int:
-    return max(1, -(-size // chunk_size))
 
 
 @dataclass

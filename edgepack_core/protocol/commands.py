@@ -1,0 +1,220 @@
+"""Remote commands (``edgepack.cmd/1``): the one builder (host) and the one parser (device).
+
+Every command has an ``id`` (a duplicate delivery is answered with the existing job, never
+re-run) and an ``expires_at`` (unix seconds; a command that arrives late, e.g. queued on the
+broker while the device was off for a week, is rejected instead of acted on). Its lifetime is
+bounded by :data:`MAX_LIFETIME_S`, because a device remembers ids until they expire.
+
+The parser is pure and total: bytes in, a :class:`Command` or a :class:`Rejection` out, never
+an exception. Everything is bounded before it is parsed (size, nesting, non-finite numbers),
+and no string from a rejected command survives except an id that passed
+:func:`~edgepack_core.protocol.ids.validate_id`: a rejected command with an unsafe id is named
+by a hash (:attr:`Rejection.ref`), so nothing from the network can become a file name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from edgepack_core.errors import SchemaError
+from edgepack_core.protocol.ids import digest_ref, is_valid_id, safe_id, validate_id
+from edgepack_core.protocol.payloads import CMD_SCHEMA_ID, validate_payload
+from edgepack_core.versions import VERSION_PATTERN
+
+MAX_COMMAND_BYTES = 64 * 1024
+MAX_LIFETIME_S = 7 * 24 * 3600
+"""No command is valid for longer than this (clock skew included): the device's memory of
+command ids, which stops replays, lasts until expiry and must stay bounded."""
+MAX_REASON_CHARS = 300
+COMMAND_TYPES = ("deploy", "rollback", "cancel", "ping", "get-state", "set-telemetry-interval")
+READ_ONLY_TYPES = ("ping", "get-state")
+
+_URL = re.compile(r"https?://[\x21-\x7e]+")
+_VERSION = re.compile(VERSION_PATTERN)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command that passed the schema, the id rules and the expiry check. ``body`` is the
+    whole decoded document (signature included), for the signature check and the job."""
+
+    id: str
+    type: str
+    expires_at: float
+    body: dict[str, Any]
+
+    @property
+    def target(self) -> dict[str, str] | None:
+        """``{"device": d}`` or ``{"group": g}`` if the command names its target."""
+        return self.body.get("target")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A command that cannot be run. ``id`` is the command's own id only when it passed
+    :func:`validate_id`; otherwise None, and :attr:`ref` names the command by a hash."""
+
+    id: str | None
+    reason: str
+    digest: str = ""
+
+    @property
+    def ref(self) -> str:
+        """A name that is always safe as a topic level or a file name."""
+        return self.id if self.id is not None else (self.digest or digest_ref(self.reason))
+
+
+class CommandBuildError(SchemaError):
+    """The host tried to build a command that the protocol does not allow (a bug or bad input,
+    caught before it reaches a device)."""
+
+
+# --------------------------------------------------------------------------- building (host)
+
+
+def new_command_id(kind: str, *parts: str) -> str:
+    """A fresh, readable id within the id pattern: ``<kind>-<parts...>-<random>``."""
+    suffix = uuid.uuid4().hex[:8]
+    head = "-".join([kind, *parts])
+    return safe_id(f"{head[: 64 - len(suffix) - 1]}-{suffix}")
+
+
+def build_command(
+    command_type: str,
+    *,
+    device: str | None = None,
+    group: str | None = None,
+    command_id: str | None = None,
+    ttl_s: float = 3600.0,
+    now: float | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """A complete command for ``device`` or ``group``, validated against the same schema and
+    rules the device applies (:func:`check_command`). Raises :class:`CommandBuildError`."""
+    if (device is None) == (group is None):
+        raise CommandBuildError("target", "a command goes to exactly one device or one group")
+    if not 0 < ttl_s <= MAX_LIFETIME_S:
+        raise CommandBuildError("expires_at", f"lifetime {ttl_s!r} s is outside (0, {MAX_LIFETIME_S}]")
+    issued = time.time() if now is None else now
+    command: dict[str, Any] = {
+        "schema": CMD_SCHEMA_ID,
+        "id": command_id or new_command_id(command_type),
+        "type": command_type,
+        "issued_at": round(issued, 3),
+        "expires_at": round(issued + ttl_s, 3),
+        "target": {"device": device} if device is not None else {"group": group},
+        **{key: value for key, value in fields.items() if value is not None},
+    }
+    try:
+        check_command(command, issued)
+    except SchemaError as err:
+        raise CommandBuildError(err.path, err.problem) from None
+    return command
+
+
+def encode_command(command: Mapping[str, Any]) -> bytes:
+    """The wire bytes of a built (and possibly signed) command: compact JSON, no NaN."""
+    data = json.dumps(command, separators=(",", ":"), allow_nan=False).encode()
+    if len(data) > MAX_COMMAND_BYTES:
+        raise CommandBuildError("command", f"{len(data)} bytes is over the limit of {MAX_COMMAND_BYTES}")
+    return data
+
+
+# --------------------------------------------------------------------------- checking (both)
+
+
+def _check_strings(document: Mapping[str, Any]) -> None:
+    """What the JSON Schema patterns cannot say exactly (a Python ``$`` also matches before a
+    trailing newline): ids, the URL and the version matched over the whole string."""
+    validate_id(document["id"], "id")
+    target = document.get("target") or {}
+    for key in ("device", "group"):
+        if key in target:
+            validate_id(target[key], f"target.{key}")
+    for key in ("name", "job"):
+        if key in document:
+            validate_id(document[key], key)
+    artifact = document.get("artifact") or {}
+    if "xfer" in artifact:
+        validate_id(artifact["xfer"]["id"], "artifact.xfer.id")
+    if "url" in artifact and not _URL.fullmatch(artifact["url"]):
+        raise SchemaError("artifact.url", "must be an http(s) URL of printable ASCII without spaces")
+    if "version" in document and not _VERSION.fullmatch(document["version"]):
+        raise SchemaError("version", "is not a semantic version")
+
+
+def _check_finite(value: Any, path: str) -> None:
+    """NaN passes every minimum and maximum; infinity has no JSON spelling. Refuse both."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SchemaError(path or "command", f"{value} is not a finite number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, f"{path}.{key}" if path else str(key))
+
+
+def check_command(document: Any, now: float) -> None:
+    """Schema, id rules, expiry and lifetime of a decoded command; :class:`SchemaError` if not."""
+    if not isinstance(document, dict) or document.get("type") not in COMMAND_TYPES:
+        shown = str(document.get("type") if isinstance(document, dict) else None)[:40]
+        raise SchemaError("type", f"unknown command type {shown!r} (known: {', '.join(COMMAND_TYPES)})")
+    _check_finite(document, "")
+    artifact = document.get("artifact")
+    if isinstance(artifact, dict) and ("url" in artifact) == ("xfer" in artifact):
+        raise SchemaError("artifact", "needs exactly one of url or xfer")
+    validate_payload("cmd", document)
+    _check_strings(document)
+    expires_at = float(document["expires_at"])
+    if expires_at < now:
+        raise SchemaError("expires_at", f"command expired at {expires_at:.0f} (now {now:.0f})")
+    if expires_at > now + MAX_LIFETIME_S:
+        raise SchemaError("expires_at", f"{expires_at:.0f} is more than {MAX_LIFETIME_S} s ahead (now {now:.0f})")
+
+
+# --------------------------------------------------------------------------- parsing (device)
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _decode(payload: bytes) -> Any:
+    """JSON without NaN/Infinity, with nesting errors turned into ValueError."""
+    try:
+        return json.loads(payload, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _short(reason: str) -> str:
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
+
+
+def parse_command(payload: bytes, now: float) -> Command | Rejection:
+    """Decode and validate a command payload. Never raises."""
+    if len(payload) > MAX_COMMAND_BYTES:
+        return Rejection(None, f"command of {len(payload)} bytes is over the limit of {MAX_COMMAND_BYTES}",
+                         digest_ref(payload[:4096].hex()))
+    try:
+        document = _decode(payload)
+    except (UnicodeDecodeError, ValueError) as err:
+        return Rejection(None, _short(f"command is not JSON: {err}"), digest_ref(payload.hex()))
+    if not isinstance(document, dict):
+        return Rejection(None, "command is not a JSON object", digest_ref(payload.hex()))
+    raw_id = document.get("id")
+    command_id = raw_id if is_valid_id(raw_id) else None
+    digest = "" if command_id is not None else digest_ref(raw_id if isinstance(raw_id, str) else payload.hex())
+    if document.get("type") not in COMMAND_TYPES:
+        shown = str(document.get("type"))[:40]
+        return Rejection(command_id, f"unknown command type {shown!r}", digest)
+    try:
+        check_command(document, now)
+    except SchemaError as err:
+        return Rejection(command_id, _short(str(err)), digest)
+    return Command(document["id"], document["type"], float(document["expires_at"]), document)
