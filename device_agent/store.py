@@ -12,6 +12,17 @@ file in the same directory and fsynced first). A kill -9 at any point therefore 
 either the old state or the new one; ``recover`` removes whatever a crash left half-done
 (partial extractions, directories no state refers to) and re-verifies the active model's
 signature and hashes, falling back to the previous model if the active one is damaged.
+
+The store survives its medium (SD cards corrupt files and go read-only):
+
+- a ``state.json`` that is unreadable, empty, garbage, not an object, or names a directory that
+  is not a plain entry of ``models/`` is *damaged*: nothing is ever deleted on its account.
+  ``recover`` picks the newest model that verifies, rewrites the state and records what it did
+  in ``state_note`` (the agent reports it);
+- a store that cannot be written still serves: ``writable`` is False, ``read_only_reason``
+  says why, every change (install, activate, rollback, prune) is refused with that reason and
+  ``recover`` only verifies;
+- every path is built from a validated entry name and checked to stay inside the store.
 """
 
 from __future__ import annotations
@@ -31,11 +42,12 @@ from device_agent.errors import StoreError
 from edgepack_core.artifact import Limits, VerifiedArtifact, extract_artifact, read_extracted
 from edgepack_core.errors import ArtifactError
 from edgepack_core.signing import TrustStore
-from edgepack_core.versions import check_upgrade
+from edgepack_core.versions import Version, check_upgrade
 
 log = logging.getLogger("edgepack.agent.store")
 
 STATE_FILE = "state.json"
+MAX_STATE_BYTES = 64 * 1024
 TEST_CRASH_ENV = "EDGEPACK_TEST_CRASH_AT"
 
 
@@ -89,6 +101,49 @@ class InstalledModel:
                 "sha256": self.verified.manifest.model_sha256, "signed_by": self.verified.key_id}
 
 
+def parse_state(data: bytes) -> tuple[dict[str, str | None], str | None]:
+    """Decode state.json bytes into ``({"active", "previous"}, problem)``. Pure.
+
+    ``problem`` is None for a sound state; otherwise the state is empty and ``problem`` says
+    what was wrong. A value must be null or a plain directory name (no separator, not hidden),
+    so a damaged or forged state can never point outside ``models/``.
+    """
+    empty: dict[str, str | None] = {"active": None, "previous": None}
+    if len(data) > MAX_STATE_BYTES:
+        return empty, f"{STATE_FILE} is larger than {MAX_STATE_BYTES} bytes"
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, ValueError):
+        return empty, f"{STATE_FILE} is not JSON" if data.strip() else f"{STATE_FILE} is empty"
+    if not isinstance(doc, dict):
+        return empty, f"{STATE_FILE} holds a {type(doc).__name__}, not an object"
+    state = dict(empty)
+    for role in state:
+        value = doc.get(role)
+        if value is not None and not is_entry_name(value):
+            return empty, f"{STATE_FILE}: {role} {str(value)[:80]!r} is not a model directory name"
+        state[role] = value
+    return state, None
+
+
+def is_entry_name(value: object) -> bool:
+    """A plain, visible directory entry name (what the store writes into state.json). Pure."""
+    return (isinstance(value, str) and 0 < len(value) <= 255 and "/" not in value and "\\" not in value
+            and "\0" not in value and not value.startswith("."))
+
+
+def newest_first(models: list[InstalledModel]) -> list[InstalledModel]:
+    """Models ordered by version, newest first (ties: the most recently written directory). Pure
+    over the models' versions and directory times."""
+    def key(model: InstalledModel) -> tuple[Version, float]:
+        try:
+            mtime = model.directory.stat().st_mtime
+        except OSError:
+            mtime = 0.0
+        return Version(model.version), mtime
+    return sorted(models, key=key, reverse=True)
+
+
 class ModelStore:
     """Install, activate, roll back and recover models under one directory."""
 
@@ -97,26 +152,84 @@ class ModelStore:
         self.models = self.root / "models"
         self.trust = trust
         self.limits = limits or Limits()
-        self.models.mkdir(parents=True, exist_ok=True)
+        self.state_note: str | None = None
+        self._override: dict[str, str | None] | None = None
+        self.read_only_reason: str | None = None
+        try:
+            self.models.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            if not self.models.is_dir():
+                raise StoreError(f"{self.models} cannot be created: {err.strerror or err}") from None
+        self.check_writable()
+
+    # ---------------------------------------------------------------- medium
+
+    @property
+    def writable(self) -> bool:
+        return self.read_only_reason is None
+
+    def check_writable(self) -> bool:
+        """Probe the medium with a real write (a temp file, fsynced and removed): permission
+        bits say nothing for root, and a card that went read-only only shows on write."""
+        try:
+            fd, name = tempfile.mkstemp(prefix=".probe-", dir=self.root)
+            try:
+                os.write(fd, b"probe")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(name)
+        except OSError as err:
+            self.read_only_reason = (f"the store {self.root} cannot be written ({err.strerror or err}); "
+                                     "updates are refused")
+        else:
+            self.read_only_reason = None
+        return self.writable
+
+    def _require_writable(self) -> None:
+        if self.read_only_reason is not None:
+            raise StoreError(self.read_only_reason)
+
+    def _inside(self, key: str) -> Path:
+        """``models/<key>``, refusing any key that is not a plain entry of ``models/``."""
+        if not is_entry_name(key):
+            raise StoreError(f"{key[:80]!r} is not a model directory name")
+        path = self.models / key
+        if path.resolve().parent != self.models.resolve():
+            raise StoreError(f"{key[:80]!r} leaves the store")
+        return path
 
     # ---------------------------------------------------------------- state
 
-    def _read_state(self) -> dict[str, str | None]:
+    def _load_state(self) -> tuple[dict[str, str | None], str | None]:
+        if self._override is not None:
+            return dict(self._override), None
         try:
-            state = json.loads((self.root / STATE_FILE).read_text())
+            with open(self.root / STATE_FILE, "rb") as handle:
+                data = handle.read(MAX_STATE_BYTES + 1)
         except FileNotFoundError:
-            return {"active": None, "previous": None}
-        except (OSError, ValueError) as err:
-            raise StoreError(f"{self.root / STATE_FILE} is unreadable: {err}") from None
-        return {"active": state.get("active"), "previous": state.get("previous")}
+            return {"active": None, "previous": None}, None
+        except OSError as err:
+            return {"active": None, "previous": None}, f"{STATE_FILE} is unreadable ({err.strerror or err})"
+        return parse_state(data)
+
+    def _read_state(self) -> dict[str, str | None]:
+        """The committed state; a damaged one raises StoreError (so nothing acts on a guess;
+        ``recover`` is the one place that repairs it)."""
+        state, problem = self._load_state()
+        if problem is not None:
+            raise StoreError(f"{self.root / STATE_FILE}: {problem}; run recovery")
+        return state
 
     def _write_state(self, active: str | None, previous: str | None) -> None:
+        self._require_writable()
         atomic_write(self.root / STATE_FILE, json.dumps({"active": active, "previous": previous}).encode() + b"\n")
+        self._override = None
 
     def _open(self, key: str | None) -> InstalledModel | None:
         if not key:
             return None
-        directory = self.models / key
+        directory = self._inside(key)
         return InstalledModel(directory, read_extracted(directory, self.trust))
 
     def active(self) -> InstalledModel | None:
@@ -131,8 +244,8 @@ class ModelStore:
         if not key:
             return None
         try:
-            return json.loads((self.models / key / "manifest.json").read_bytes())["version"]
-        except (OSError, ValueError, KeyError):
+            return json.loads((self._inside(key) / "manifest.json").read_bytes())["version"]
+        except (OSError, ValueError, KeyError, TypeError, StoreError):
             return None
 
     # ---------------------------------------------------------------- install steps
@@ -140,12 +253,13 @@ class ModelStore:
     def stage(self, artifact: Path, *, force: bool = False) -> InstalledModel:
         """Verify and extract ``artifact`` into its own directory; refuse a downgrade unless
         forced. Does not change what is active."""
+        self._require_writable()
         tmp = Path(tempfile.mkdtemp(prefix=".stage-", dir=self.models))
         try:
             verified = extract_artifact(artifact, tmp / "x", self.trust, self.limits)
             check_upgrade(verified.manifest.version, self.active_version(), force=force, artifact=str(artifact))
             key = f"{verified.manifest.name}-{verified.manifest.version}-{verified.manifest.model_sha256[:12]}"
-            target = self.models / key
+            target = self._inside(key)
             state = self._read_state()
             if target.exists():
                 if key == state["active"]:
@@ -164,6 +278,7 @@ class ModelStore:
 
     def activate(self, model: InstalledModel) -> None:
         """Make ``model`` active (one atomic state write); the old active becomes previous."""
+        self._require_writable()
         state = self._read_state()
         simulate_power_cut_if_testing("before-switch")
         self._write_state(model.key, state["active"] if state["active"] != model.key else state["previous"])
@@ -194,6 +309,7 @@ class ModelStore:
 
     def rollback(self) -> InstalledModel:
         """Swap active and previous. Raises StoreError when there is no previous model."""
+        self._require_writable()
         state = self._read_state()
         if not state["previous"]:
             raise StoreError("no previous model to roll back to")
@@ -203,7 +319,9 @@ class ModelStore:
         return previous
 
     def prune(self) -> list[str]:
-        """Delete model directories other than active and previous."""
+        """Delete model directories other than active and previous (never on a damaged state)."""
+        if not self.writable:
+            return []
         state = self._read_state()
         keep = {state["active"], state["previous"]}
         removed = []
@@ -219,36 +337,79 @@ class ModelStore:
         """Clean up after a crash and return the active model, verified.
 
         Removes partial extractions and directories no state refers to; if the active model
-        fails verification (a file damaged on disk), falls back to the previous one.
+        fails verification (a file damaged on disk), falls back to the previous one. A damaged
+        state.json is rebuilt from the newest models that verify, deleting nothing. On a
+        read-only store nothing is cleaned or written: the state is only verified.
         """
+        self.check_writable()
+        if self.writable:
+            self._remove_leftovers()
+        state, problem = self._load_state()
+        if problem is not None:
+            return self._rebuild_state(problem)
+        try:
+            active = self._open(state["active"])
+        except (ArtifactError, OSError, StoreError) as err:
+            log.error("active model %s failed verification (%s); falling back", state["active"], err)
+            try:
+                active = self._open(state["previous"])
+            except (ArtifactError, OSError, StoreError):
+                active = None
+            self._commit_recovered(active, None, f"active model {state['active']} failed verification ({err})")
+        self.prune()
+        return active
+
+    def _remove_leftovers(self) -> None:
         for entry in self.models.iterdir():
             if entry.name.startswith("."):
                 shutil.rmtree(entry, ignore_errors=True)
                 log.info("removed an unfinished extraction: %s", entry.name)
         for stray in self.root.glob(f".{STATE_FILE}.*.tmp"):
             stray.unlink(missing_ok=True)
-        state = self._read_state()
-        try:
-            active = self._open(state["active"])
-        except (ArtifactError, OSError) as err:
-            log.error("active model %s failed verification (%s); falling back", state["active"], err)
-            active = None
+
+    def verified_models(self) -> list[InstalledModel]:
+        """Every model directory that verifies (signature and hashes), newest first."""
+        found = []
+        for entry in self.models.iterdir():
+            if not is_entry_name(entry.name) or not entry.is_dir():
+                continue
             try:
-                fallback = self._open(state["previous"])
-            except (ArtifactError, OSError):
-                fallback = None
-            self._write_state(fallback.key if fallback else None, None)
-            active = fallback
-        self.prune()
+                found.append(InstalledModel(entry, read_extracted(entry, self.trust)))
+            except (ArtifactError, OSError) as err:
+                log.warning("model directory %s does not verify: %s", entry.name, err)
+        return newest_first(found)
+
+    def _rebuild_state(self, problem: str) -> InstalledModel | None:
+        """state.json is damaged: choose the newest verified model, keep the next one of the same
+        name as previous, delete nothing, and write the state again."""
+        models = self.verified_models()
+        active = models[0] if models else None
+        previous = next((m for m in models[1:] if active and m.name == active.name), None)
+        self._commit_recovered(active, previous, problem)
         return active
 
+    def _commit_recovered(self, active: InstalledModel | None, previous: InstalledModel | None, why: str) -> None:
+        chosen = f"{active.name} {active.version}" if active else "no model"
+        try:
+            self._write_state(active.key if active else None, previous.key if previous else None)
+            self.state_note = f"{why}; recovered: {chosen} is active"
+        except (OSError, StoreError) as err:
+            # Serve the choice from memory; the medium refuses writes (read_only_reason says why).
+            self._override = {"active": active.key if active else None, "previous": previous.key if previous else None}
+            self.state_note = f"{why}; serving {chosen} (state not rewritten: {getattr(err, 'strerror', None) or err})"
+        log.error("store: %s", self.state_note)
+
     def status(self) -> dict[str, Any]:
-        state = self._read_state()
-        out: dict[str, Any] = {"store": str(self.root)}
+        state, problem = self._load_state()
+        out: dict[str, Any] = {"store": str(self.root), "writable": self.writable}
+        if self.read_only_reason:
+            out["read_only_reason"] = self.read_only_reason
+        if problem or self.state_note:
+            out["state_note"] = problem or self.state_note
         for role in ("active", "previous"):
             try:
                 model = self._open(state[role])
                 out[role] = model.to_json() if model else None
-            except (ArtifactError, OSError) as err:
+            except (ArtifactError, OSError, StoreError) as err:
                 out[role] = {"directory": state[role], "error": str(err)}
         return out

@@ -15,7 +15,7 @@ import pytest
 
 from device_agent.mqtt.topics import Topics
 from device_agent.mqtt.transport import Incoming, MqttTransport
-from device_agent.telemetry.queue import Forwarder, MessageTooLargeError, Outbox, OutboxError
+from device_agent.telemetry.queue import Forwarder, MessageTooLargeError, Outbox
 from edgepack_core.errors import UsageError
 from tests.broker import Broker, start_mosquitto, wait_until
 
@@ -132,12 +132,36 @@ def test_concurrent_producers_keep_the_accounting_exact(tmp_path: Path) -> None:
     assert seqs == sorted(seqs)
 
 
-def test_unusable_database_file_is_one_clear_error(tmp_path: Path) -> None:
+def test_garbage_outbox_file_is_moved_aside_and_recreated(tmp_path: Path) -> None:
     path = tmp_path / "outbox.db"
-    path.write_bytes(b"this is not a sqlite database" * 100)
-    with pytest.raises(OutboxError) as info:
-        Outbox(path)
-    assert str(path) in str(info.value)
+    garbage = b"this is not a sqlite database" * 100
+    path.write_bytes(garbage)
+    outbox = Outbox(path)
+    assert outbox.recovered_from is not None and outbox.recovered_from.read_bytes() == garbage
+    assert outbox.recovered_from.parent == tmp_path and outbox.degraded is None
+    outbox.put("edgepack/v1/dev/d1/telemetry", b"after", 1, "telemetry")
+    outbox.close()
+    reopened = Outbox(path)  # the new file is a sound outbox that keeps what was queued
+    assert [m.payload for m in reopened.peek()] == [b"after"] and reopened.recovered_from is None
+    assert_accounting(reopened)
+
+
+def test_outbox_with_damaged_pages_is_moved_aside_and_recreated(tmp_path: Path) -> None:
+    path = tmp_path / "outbox.db"
+    outbox = Outbox(path)
+    for i in range(400):
+        outbox.put("edgepack/v1/dev/d1/telemetry", b"x" * 200 + str(i).encode(), 1, "telemetry")
+    outbox._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    outbox.close()
+    raw = bytearray(path.read_bytes())
+    assert len(raw) > 8 * 4096
+    raw[2 * 4096:6 * 4096] = b"\xa5" * (4 * 4096)  # an SD card's bad sectors, past the header
+    path.write_bytes(bytes(raw))
+    recovered = Outbox(path)
+    assert recovered.recovered_from is not None and recovered.recovered_from.exists()
+    assert len(recovered) == 0 and recovered.counters()["produced"] == 0
+    recovered.put("edgepack/v1/dev/d1/job", b"still works", 1, "job")
+    assert [m.payload for m in recovered.peek()] == [b"still works"]
 
 
 WRITER = textwrap.dedent("""

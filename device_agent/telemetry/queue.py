@@ -31,6 +31,7 @@ crash between the broker's PUBACK and the local delete sends it again on restart
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -126,25 +127,58 @@ class Outbox:
             raise UsageError(f"outbox synchronous={synchronous!r} is not NORMAL or FULL")
         self._lock = threading.Lock()
         self._watchers: list[Callable[[], None]] = []
+        self.recovered_from: Path | None = None
+        self.degraded: str | None = None
         try:
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10.0)
+            self._db = self._connect(str(self.path), synchronous)
+        except OutboxError as err:
+            self._db = self._recover(err, synchronous)
+
+    def _connect(self, target: str, synchronous: str) -> sqlite3.Connection:
+        """Open ``target``, check it (``PRAGMA quick_check``), create the schema, load totals."""
+        try:
+            db = sqlite3.connect(target, check_same_thread=False, isolation_level=None, timeout=10.0)
         except sqlite3.Error as err:
-            raise OutboxError(str(self.path), str(err)) from err
+            raise OutboxError(target, str(err)) from err
+        self._db = db
         try:
-            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise OutboxError(str(self.path), f"cannot switch to WAL mode (got {mode})")
-            self._db.execute(f"PRAGMA synchronous={synchronous}")
-            self._db.executescript(_SCHEMA)
-            self._db.executemany(
-                "INSERT OR IGNORE INTO counters (name, value) VALUES (?, 0)", [(n,) for n in _COUNTERS]
-            )
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal" and target != ":memory:":
+                raise OutboxError(target, f"cannot switch to WAL mode (got {mode})")
+            check = db.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise OutboxError(target, f"integrity check failed: {check}")
+            db.execute(f"PRAGMA synchronous={synchronous}")
+            db.executescript(_SCHEMA)
+            db.executemany("INSERT OR IGNORE INTO counters (name, value) VALUES (?, 0)", [(n,) for n in _COUNTERS])
             self._load_totals()
         except (sqlite3.Error, OutboxError) as err:
-            self._db.close()
+            db.close()
             if isinstance(err, OutboxError):
                 raise
-            raise OutboxError(str(self.path), str(err)) from err
+            raise OutboxError(target, str(err)) from err
+        return db
+
+    def _recover(self, err: OutboxError, synchronous: str) -> sqlite3.Connection:
+        """The file cannot be used. Move it (and its WAL/SHM) aside for a post-mortem and start a
+        fresh one; if the medium refuses that too (read-only), keep an in-memory outbox so the
+        device still reports, and say so in ``degraded``."""
+        log.error("outbox %s is unusable (%s); moving it aside", self.path, err.problem)
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        try:
+            if self.path.exists():
+                os.replace(self.path, aside)
+                self.recovered_from = aside
+            for suffix in ("-wal", "-shm"):
+                extra = self.path.with_name(self.path.name + suffix)
+                if extra.exists():
+                    os.replace(extra, aside.with_name(aside.name + suffix))
+            return self._connect(str(self.path), synchronous)
+        except (OSError, OutboxError) as again:
+            problem = getattr(again, "problem", None) or getattr(again, "strerror", None) or str(again)
+            self.degraded = f"outbox {self.path} unusable ({err.problem}; {problem}): messages kept in memory only"
+            log.error("%s", self.degraded)
+            return self._connect(":memory:", synchronous)
 
     # ------------------------------------------------------------------ plumbing
 

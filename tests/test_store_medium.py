@@ -1,0 +1,154 @@
+"""The store survives its medium: a damaged state.json never deletes models, a read-only store
+still serves, and nothing from the network becomes a path outside the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from device_agent.errors import StoreError
+from device_agent.runtime import load_model
+from device_agent.store import ModelStore, parse_state
+from edgepack_core.signing import TrustStore, load_public_key
+from tests.artifacts import build_artifact
+from tests.conftest import cli
+
+SYNTHETIC = "validate: {data: synthetic}\n"
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, keypair):
+    folder = tmp_path_factory.mktemp("medium-artifacts")
+    return {version: build_artifact(folder, keypair[0], version=version, factor=factor, extra=SYNTHETIC)
+            for version, factor in (("1.0.0", 2.0), ("1.1.0", 3.0), ("1.2.0", 4.0))}
+
+
+@pytest.fixture()
+def trust(keypair):
+    return TrustStore([load_public_key(keypair[1])])
+
+
+def _smoke(model):
+    load_model(model.directory, model.verified.manifest)
+
+
+def _two_installed(root: Path, artifacts, trust) -> ModelStore:
+    store = ModelStore(root, trust)
+    store.install(artifacts["1.0.0"], smoke_test=_smoke)
+    store.install(artifacts["1.1.0"], smoke_test=_smoke)
+    return store
+
+
+DAMAGED = {
+    "garbage": b"\x00\xff{not json",
+    "empty": b"",
+    "list_valued": b'["scale-1.1.0-abc", null]',
+    "traversal_valued": b'{"active": "../../etc", "previous": null}',
+    "wrong_types": b'{"active": 7, "previous": {"x": 1}}',
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED))
+def test_damaged_state_never_deletes_models(damage, tmp_path, artifacts, trust):
+    root = tmp_path / "store"
+    _two_installed(root, artifacts, trust)
+    before = sorted(p.name for p in (root / "models").iterdir())
+    (root / "state.json").write_bytes(DAMAGED[damage])
+
+    store = ModelStore(root, trust)
+    with pytest.raises(StoreError, match="run recovery"):
+        store.prune()  # nothing acts on a damaged state but recovery
+    active = store.recover()
+
+    assert sorted(p.name for p in (root / "models").iterdir()) == before, "models were deleted"
+    assert active is not None and active.version == "1.1.0", "the newest verified model is chosen"
+    state = json.loads((root / "state.json").read_text())
+    assert state["active"] == active.key and state["previous"].startswith("scale-1.0.0-")
+    assert "recovered: scale 1.1.0 is active" in store.state_note
+    assert store.status()["state_note"] == store.state_note
+    assert store.active().version == "1.1.0" and store.previous().version == "1.0.0"
+
+
+def test_unreadable_state_file_is_recovered(tmp_path, artifacts, trust):
+    root = tmp_path / "store"
+    _two_installed(root, artifacts, trust)
+    (root / "state.json").unlink()
+    (root / "state.json").mkdir()  # read() fails with EISDIR, as on a bad sector
+    store = ModelStore(root, trust)
+    assert "unreadable" in store.status()["state_note"]
+    active = store.recover()  # the state cannot be rewritten while a directory sits there
+    assert active is not None and active.version == "1.1.0"
+    assert "serving scale 1.1.0 (state not rewritten" in store.state_note
+    assert store.active().version == "1.1.0", "the choice is served from memory"
+    assert len(list((root / "models").iterdir())) == 2
+
+
+def test_damaged_newest_model_is_skipped_when_rebuilding_state(tmp_path, artifacts, trust):
+    root = tmp_path / "store"
+    store = _two_installed(root, artifacts, trust)
+    newest = store.active()
+    (newest.directory / newest.verified.manifest.model_path).write_bytes(b"bit rot")
+    (root / "state.json").write_bytes(b"garbage")
+    active = ModelStore(root, trust).recover()
+    assert active is not None and active.version == "1.0.0"
+    assert newest.directory.exists(), "a model that fails verification is kept for inspection, not deleted"
+
+
+def test_parse_state_boundaries():
+    assert parse_state(b'{"active": "a-1", "previous": null}') == ({"active": "a-1", "previous": None}, None)
+    assert parse_state(b'{"active": null}')[1] is None
+    for bad in (b"", b"[]", b"1", b'{"active": ".hidden"}', b'{"active": "a/b"}', b'{"active": ""}',
+                b'{"previous": ".."}', b"{" + b" " * 70_000 + b"}"):
+        state, problem = parse_state(bad)
+        assert problem is not None and state == {"active": None, "previous": None}, bad
+
+
+def test_state_naming_a_directory_outside_models_is_never_opened(tmp_path, artifacts, trust):
+    root = tmp_path / "store"
+    _two_installed(root, artifacts, trust)
+    outside = tmp_path / "outside"
+    shutil.copytree(next((root / "models").iterdir()), outside)
+    (root / "state.json").write_text(json.dumps({"active": "../../outside", "previous": None}))
+    store = ModelStore(root, trust)
+    active = store.recover()
+    assert active is not None and active.directory.parent == root / "models"
+    assert outside.exists()
+
+
+# --------------------------------------------------------------------------- read-only medium
+
+
+_READ_ONLY = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+
+
+def _on_read_only_store(store: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run an agent command with ``store`` mounted read-only (EROFS, as an SD card that went
+    read-only), in a private mount namespace of its own: nothing is left mounted afterwards."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(["unshare", "-rm", "sh", "-c", _READ_ONLY, "sh", str(store), cli(args[0]), *args[1:]],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env)
+
+
+def test_read_only_store_still_serves_and_refuses_updates(tmp_path, artifacts, keypair, trust):
+    root = tmp_path / "store"
+    _two_installed(root, artifacts, trust)
+    state_before = (root / "state.json").read_bytes()
+    public = str(keypair[1])
+
+    status = _on_read_only_store(root, "edgepack-agent", "status", "--store", str(root), "--trust", public, "--json")
+    assert status.returncode == 0, status.stderr
+    doc = json.loads(status.stdout)
+    assert doc["writable"] is False and "Read-only file system" in doc["read_only_reason"]
+    assert doc["active"]["version"] == "1.1.0", "the active model still verifies and serves"
+
+    refused = _on_read_only_store(root, "edgepack-agent", "install", "--store", str(root),
+                                  "--artifact", str(artifacts["1.2.0"]), "--trust", public)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "cannot be written (Read-only file system); updates are refused" in refused.stderr
+    assert (root / "state.json").read_bytes() == state_before
+    assert ModelStore(root, trust).writable, "the store itself was never changed"
