@@ -152,3 +152,69 @@ def test_read_only_store_still_serves_and_refuses_updates(tmp_path, artifacts, k
     assert "cannot be written (Read-only file system); updates are refused" in refused.stderr
     assert (root / "state.json").read_bytes() == state_before
     assert ModelStore(root, trust).writable, "the store itself was never changed"
+
+
+# --------------------------------------------------------------------------- journal: ids are never paths
+
+from device_agent.updates.jobs import Job  # noqa: E402
+from device_agent.updates.journal import (  # noqa: E402
+    MAX_REJECTION_REASONS,
+    Journal,
+    JournalError,
+    job_file_name,
+)
+
+
+def _files_under(folder: Path) -> set[Path]:
+    return {p for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("hostile", ["../state", "../../x", "a/b", "..", ".", "\U0001f600" * 128, "x" * 65, "",
+                                     "-leading-dash", "_" + "0" * 64])
+def test_hostile_job_id_stays_inside_the_journal(tmp_path, hostile):
+    store = tmp_path / "store"
+    (store / "jobs").mkdir(parents=True)
+    (store / "state.json").write_text('{"active": "m-1", "previous": null}')
+    before = _files_under(tmp_path)
+    journal = Journal(store / "jobs")
+    journal.save(Job(id=hostile, type="ping", state="rejected", final=True))
+    added = _files_under(tmp_path) - before
+    assert len(added) == 1 and next(iter(added)).parent == store / "jobs", added
+    assert next(iter(added)).name.startswith("_") and len(next(iter(added)).name) == 1 + 64 + 5
+    assert (store / "state.json").read_text() == '{"active": "m-1", "previous": null}'
+    assert journal.get(hostile).id == hostile
+    assert [job.id for job in journal.all()] == [hostile]
+
+
+def test_valid_job_id_names_its_file():
+    assert job_file_name("deploy-42.a_b") == "deploy-42.a_b.json"
+    assert job_file_name("../state") != "../state.json" and "/" not in job_file_name("../state")
+
+
+def test_job_that_cannot_be_written_raises_a_journal_error_naming_the_cause(tmp_path):
+    journal = Journal(tmp_path / "jobs")
+    (tmp_path / "jobs").rmdir()
+    (tmp_path / "jobs").write_text("a file where the folder was")
+    with pytest.raises(JournalError, match="cannot write the job journal: Not a directory"):
+        journal.save(Job(id="deploy-1", type="deploy"))
+
+
+def test_rejected_commands_are_counted_not_written(tmp_path):
+    journal = Journal(tmp_path / "jobs")
+    for i in range(3000):
+        journal.count_rejected(f"invalid command {i}: id must match the pattern")
+    for i in range(100):
+        journal.count_rejected(f"reason-{i}")
+    assert list((tmp_path / "jobs").iterdir()) == []
+    assert journal.rejected == 3100
+    assert len(journal.rejected_by_reason) <= MAX_REJECTION_REASONS + 1
+    assert sum(journal.rejected_by_reason.values()) == 3100
+
+
+def test_unreadable_job_files_are_skipped(tmp_path):
+    journal = Journal(tmp_path / "jobs")
+    journal.save(Job(id="deploy-1", type="deploy"))
+    (tmp_path / "jobs" / "deploy-2.json").write_text("[1, 2]")
+    (tmp_path / "jobs" / "deploy-3.json").write_bytes(b"\xff\xfe")
+    assert [job.id for job in journal.all()] == ["deploy-1"]
+    assert journal.get("deploy-2") is None
