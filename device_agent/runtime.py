@@ -28,6 +28,7 @@ from device_agent.providers import ModelTraits, choose_providers, create_session
 from device_agent.smoke import SmokeReport, run_smoke_test, shape_matches
 from edgepack_core.errors import PostprocessError, PreprocessError
 from edgepack_core.manifest import Manifest
+from edgepack_core.ort_compat import RuntimeTooOldError, runtime_refusal
 from edgepack_core.postprocess import Postprocessor, load_labels
 from edgepack_core.preprocess import Preprocessor
 
@@ -52,6 +53,8 @@ class LoadedModel:
     smoke: SmokeReport | None = None
     output_names: list[str] = field(default_factory=list)
     input_specs: dict[str, tuple[np.dtype, tuple[int | str, ...]]] = field(default_factory=dict)
+    # Inputs the manifest declares ``role: constant``: fed on every call, never asked of callers.
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -64,6 +67,8 @@ class LoadedModel:
         return (self.manifest.preprocess or {}).get("input") or self.manifest.inputs[0].name
 
     def run(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.constants:
+            feed = {**feed, **self.constants}
         return dict(zip(self.output_names, self.session.run(self.output_names, feed), strict=True))
 
     def describe(self) -> dict[str, Any]:
@@ -72,17 +77,32 @@ class LoadedModel:
                 "provider_fallbacks": [{"provider": p, "reason": r} for p, r in self.fallbacks]}
 
 
+def constant_inputs(manifest: Manifest) -> dict[str, np.ndarray]:
+    """The inputs the manifest declares ``role: constant``, as arrays of their dtype."""
+    constants = {}
+    for spec in manifest.raw["inputs"]:
+        if spec.get("role") == "constant":
+            dtype = str if spec["dtype"] == "string" else _DTYPES.get(spec["dtype"], np.float32)
+            constants[spec["name"]] = np.asarray(spec["value"], dtype=dtype)
+    return constants
+
+
 def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads: int = 0,
                smoke_test: bool = True) -> LoadedModel:
     """Create the session with the best provider, then run the golden smoke test."""
     import onnxruntime as ort
 
+    refusal = runtime_refusal(f"{manifest.name} {manifest.version}",
+                              str(manifest.raw["model"].get("min_onnxruntime", "0")), ort.__version__)
+    if refusal is not None:  # before any session: an old runtime's load error names neither version
+        raise RuntimeTooOldError(refusal)
     precision = manifest.raw["model"].get("precision", "fp32")
     static = all(isinstance(d, int) for t in manifest.inputs for d in t.shape)
     traits = ModelTraits(precision=precision, static_shapes=static, targets=list(manifest.targets))
     plan = choose_providers(profile, ort.get_available_providers(), traits, threads=threads,
                             cache_dir=root.parent.parent / "cache" / root.name)
     result = create_session(root / manifest.model_path, plan, threads=threads)
+    constants = constant_inputs(manifest)
     labels = None
     post = dict(manifest.postprocess or {"kind": "raw"})
     if post.get("labels"):
@@ -91,7 +111,9 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
         root=root, manifest=manifest, session=result.session, provider=result.provider, fallbacks=result.fallbacks,
         preprocessor=Preprocessor(manifest.preprocess), postprocessor=Postprocessor(post, labels),
         output_names=[o.name for o in result.session.get_outputs()],
-        input_specs={t.name: (np.dtype(_DTYPES.get(t.dtype, np.float32)), tuple(t.shape)) for t in manifest.inputs},
+        input_specs={t.name: (np.dtype(_DTYPES.get(t.dtype, np.float32)), tuple(t.shape)) for t in manifest.inputs
+                     if t.name not in constants},
+        constants=constants,
     )
     for name, reason in result.fallbacks:
         log.info("%s: not using %s: %s", model.label, name, reason)
@@ -217,7 +239,7 @@ class InferenceService:
     def _run(self, model: LoadedModel, feed: Mapping[str, np.ndarray], postprocess: bool) -> PredictResult:
         started = time.perf_counter()
         try:
-            values = model.session.run(model.output_names, feed)
+            values = model.session.run(model.output_names, {**feed, **model.constants} if model.constants else feed)
         except Exception as err:
             self._fail("runtime", client=False)
             raise BadRequest("runtime", f"inference failed: {str(err).splitlines()[0][:200]}",

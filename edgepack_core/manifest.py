@@ -43,6 +43,9 @@ _TENSOR = {
             "type": "array",
             "items": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}]},
         },
+        "role": {"enum": ["tensor", "constant"],
+                 "description": "constant: the agent feeds `value` on every call (inputs only)"},
+        "value": {"description": "the value of a constant input: a scalar or nested list of its shape"},
     },
 }
 
@@ -73,14 +76,19 @@ MANIFEST_SCHEMA: dict[str, Any] = {
         "model": {
             "type": "object",
             "additionalProperties": False,
-            "required": ["path", "opset"],
+            "required": ["path"],
             "properties": {
                 "path": {"type": "string", "pattern": MEMBER_PATTERN},
                 "ort_path": {"type": "string", "pattern": MEMBER_PATTERN},
                 "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                # The ai.onnx opset (absent for an ai.onnx.ml-only graph); every imported domain's
+                # opset is in "opsets", pruned to the domains the graph's nodes use.
                 "opset": {"type": "integer", "minimum": 1},
+                "opsets": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 1}},
+                # The oldest onnxruntime that runs the final graph (edgepack_core/ort_compat.py);
+                # the agent refuses the artifact on an older one.
                 "ir_version": {"type": "integer", "minimum": 1},
-                "min_onnxruntime": {"type": "string"},
+                "min_onnxruntime": {"type": "string", "pattern": r"^\d+\.\d+(\.\d+)?$"},
                 "precision": {"type": "string"},
             },
         },

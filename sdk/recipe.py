@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edgepack_core.manifest import DTYPES
 from edgepack_core.postprocess import POSTPROCESS_SCHEMA, normalize_postprocess
 from edgepack_core.preprocess import PREPROCESS_SCHEMA, normalize_preprocess
 from edgepack_core.schema import validate
@@ -26,16 +27,66 @@ from sdk.errors import RecipeError, SchemaError
 MAX_RECIPE_BYTES = 1024 * 1024
 
 _PATH = {"type": "string", "minLength": 1}
+_LIMIT = {"type": "integer", "minimum": 1, "description": "use at most this many samples"}
+_SAMPLE_AXIS = {
+    "anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}],
+    "description": "the axis of the array that runs over samples; null: the whole array is one sample",
+}
 _DATA_SOURCE = {
+    "description": "Sample data: {npz: FILE} (arrays keyed by input name), {test_data: DIR} (ONNX test data "
+    "sets), {images: DIR} (run through the preprocessing spec), or the string 'synthetic' (consent to "
+    "made-up inputs). docs/packager.md, 'Data', gives the layouts with examples.",
+    "oneOf": [
+        {"const": "synthetic"},
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["npz"],
+            "properties": {
+                "npz": {**_PATH, "description": "an .npz: per input, an array of the input's own rank is one "
+                        "sample, one more leading axis is a stack of samples; optional 'label' array"},
+                "sample_axis": {"type": "object", "additionalProperties": _SAMPLE_AXIS,
+                                "description": "per input name, where the layout is ambiguous"},
+                "limit": _LIMIT,
+            },
+        },
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["test_data"],
+            "properties": {
+                "test_data": {**_PATH, "description": "a folder of test_data_set_*/input_*.pb (and output_*.pb, "
+                              "expected outputs the build checks), or one such set"},
+                "limit": _LIMIT,
+            },
+        },
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["images"],
+            "properties": {
+                "images": {**_PATH, "description": "a folder of images, fed through the preprocessing spec"},
+                "labels": {**_PATH, "description": "CSV with columns file,label"},
+                "limit": _LIMIT,
+            },
+        },
+    ],
+}
+_INPUT = {
     "type": "object",
     "additionalProperties": False,
-    "description": "Sample data: a folder of images (run through the preprocessing spec) or an .npz of "
-    "ready model inputs keyed by input name.",
+    "description": "What the model's signature leaves open about one input.",
     "properties": {
-        "images": _PATH,
-        "npz": _PATH,
-        "labels": {**_PATH, "description": "CSV with columns file,label (images) or the npz key 'label'"},
-        "limit": {"type": "integer", "minimum": 1},
+        "shape": {"type": "array", "description": "fixes symbolic dims (a name keeps a dim symbolic)",
+                  "items": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "minLength": 1}]}},
+        "dtype": {"enum": DTYPES, "description": "must agree with the model's element type"},
+        "range": {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "number"},
+                  "description": "[low, high] of synthetic values (integers: low <= v < high)"},
+        "role": {"enum": ["tensor", "constant"], "default": "tensor",
+                 "description": "constant: the agent feeds `value` on every call; callers do not pass it"},
+        "value": {"description": "the value of a constant input: a scalar or a nested list of its shape"},
+        "sample_axis": {**_SAMPLE_AXIS, "description": "default sample axis of this input's npz arrays "
+                        "(null: an array is one sample); a data source's sample_axis overrides it"},
     },
 }
 
@@ -56,6 +107,11 @@ RECIPE_SCHEMA: dict[str, Any] = {
             "description": "Exactly one of path (an .onnx file) or pytorch (export a torch.nn.Module).",
             "properties": {
                 "path": _PATH,
+                "convert_opset": {"type": "integer", "minimum": 1,
+                                  "description": "convert the model to this default-domain opset first; the result "
+                                  "is validated against the original"},
+                "strict_check": {"type": "boolean", "default": False,
+                                 "description": "onnx.checker findings become errors instead of warnings"},
                 "pytorch": {
                     "type": "object",
                     "additionalProperties": False,
@@ -75,16 +131,8 @@ RECIPE_SCHEMA: dict[str, Any] = {
         },
         "inputs": {
             "type": "object",
-            "description": "Override input shapes/dtypes by input name.",
-            "additionalProperties": {
-                "type": "object",
-                "additionalProperties": False,
-                "properties": {
-                    "shape": {"type": "array", "items": {"anyOf": [{"type": "integer", "minimum": 1},
-                                                                  {"type": "string", "minLength": 1}]}},
-                    "dtype": {"type": "string"},
-                },
-            },
+            "description": "Per input name: shape, dtype, synthetic range, role (tensor or constant).",
+            "additionalProperties": _INPUT,
         },
         "preprocess": PREPROCESS_SCHEMA,
         "postprocess": POSTPROCESS_SCHEMA,
@@ -128,6 +176,10 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "max_abs": {"type": "number", "minimum": 0},
                 "samples": {"type": "integer", "minimum": 1},
                 "allow_failure": {"type": "boolean"},
+                "rtol": {"type": "number", "minimum": 0,
+                         "description": "relative tolerance of every float output (default by dtype)"},
+                "atol": {"type": "number", "minimum": 0,
+                         "description": "absolute tolerance of every float output (default by dtype)"},
             },
         },
         "golden": {
@@ -153,10 +205,15 @@ RECIPE_SCHEMA: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class Recipe:
-    """A validated recipe. ``data`` is the document with every path made absolute."""
+    """A validated recipe. ``data`` is the document with every path made absolute.
+
+    ``root`` is the folder every path of the recipe had to resolve inside (None when the
+    build allowed external paths); loaders of folders check each file against it too, so a
+    symlink inside a data folder cannot reach out either."""
 
     path: Path
     data: Mapping[str, Any]
+    root: Path | None = None
 
     @property
     def name(self) -> str:
@@ -174,26 +231,32 @@ class Recipe:
         return list(self.data.get("targets") or ["x86"])
 
 
+# The sections that hold a data source, and the key of the source inside each.
+DATA_SOURCES: tuple[tuple[str, str], ...] = (("golden", "data"), ("validate", "data"), ("quantize", "calibration"))
+
 # Keys whose values are file or folder paths, with whether they must already exist.
 _PATH_KEYS: list[tuple[tuple[str, ...], bool]] = [
     (("model", "path"), True),
     (("model", "pytorch", "weights"), True),
     (("postprocess", "labels"), True),
-    (("quantize", "calibration", "images"), True),
-    (("quantize", "calibration", "npz"), True),
-    (("quantize", "calibration", "labels"), True),
-    (("validate", "data", "images"), True),
-    (("validate", "data", "npz"), True),
-    (("validate", "data", "labels"), True),
-    (("golden", "data", "images"), True),
-    (("golden", "data", "npz"), True),
-    (("golden", "data", "labels"), True),
+    *[((section, key, kind), True) for section, key in DATA_SOURCES
+      for kind in ("images", "npz", "test_data", "labels")],
     (("sign", "key"), True),
     (("output",), False),
 ]
 
 
-def _resolve_paths(data: dict[str, Any], base: Path, recipe: str) -> None:
+def inside(path: Path, root: Path) -> bool:
+    """True when ``path`` (already resolved) is ``root`` or below it."""
+    return path == root or root in path.parents
+
+
+def _resolve_paths(data: dict[str, Any], base: Path, recipe: str, root: Path | None) -> None:
+    """Make every path absolute with symlinks resolved; refuse one outside ``root``.
+
+    Why: a recipe is often somebody else's file. Without this, ``labels: /etc/passwd`` packs
+    the host's password file into a signed artifact that every device serves back, and
+    ``output: ../elsewhere/file`` replaces a file the user never meant to touch."""
     for keys, must_exist in _PATH_KEYS:
         node: Any = data
         for key in keys[:-1]:
@@ -201,14 +264,48 @@ def _resolve_paths(data: dict[str, Any], base: Path, recipe: str) -> None:
         if not isinstance(node, dict) or keys[-1] not in node:
             continue
         resolved = (base / node[keys[-1]]).resolve()
+        where = ".".join(keys)
+        if root is not None and not inside(resolved, root):
+            raise RecipeError(where, f"{node[keys[-1]]} resolves to {resolved}, outside the recipe's folder {root} "
+                              "(build with --allow-external-paths to allow it)", recipe=recipe)
         if must_exist and not resolved.exists():
-            raise RecipeError(".".join(keys), f"{node[keys[-1]]} does not exist (looked at {resolved})",
-                              recipe=recipe)
+            raise RecipeError(where, f"{node[keys[-1]]} does not exist (looked at {resolved})", recipe=recipe)
         node[keys[-1]] = str(resolved)
 
 
-def check_recipe(document: Any, path: Path) -> Recipe:
-    """Validate a parsed recipe document; resolve and check its paths."""
+def _check_inputs(inputs: Mapping[str, Any], recipe: str) -> None:
+    """Cross-key rules of the ``inputs`` section that the schema cannot say."""
+    for name, spec in inputs.items():
+        constant = spec.get("role") == "constant"
+        if constant and "value" not in spec:
+            raise RecipeError(f"inputs.{name}.value", "an input with role constant needs a value", recipe=recipe)
+        if "value" in spec and not constant:
+            raise RecipeError(f"inputs.{name}.value", "only an input with role: constant takes a value",
+                              recipe=recipe)
+        if constant and ("range" in spec or "sample_axis" in spec):
+            key = "range" if "range" in spec else "sample_axis"
+            raise RecipeError(f"inputs.{name}.{key}", "a constant input takes no data settings", recipe=recipe)
+        low_high = spec.get("range")
+        if low_high is not None and not low_high[0] <= low_high[1]:
+            raise RecipeError(f"inputs.{name}.range", f"low {low_high[0]} is above high {low_high[1]}",
+                              recipe=recipe)
+
+
+def _check_data_consent(data: Mapping[str, Any], recipe: str) -> None:
+    """Validation and golden samples need data; made-up inputs only when the recipe says so.
+
+    Why: made-up inputs break real models (indices out of range, NaN outputs) and validate
+    nothing the user cares about; a build that silently used them looked proven when it was not."""
+    sources = [(data.get(section) or {}).get(key) for section, key in DATA_SOURCES]
+    if not any(sources):
+        raise RecipeError("validate.data", "no data to validate and make golden samples with: give validate.data "
+                          "({npz: FILE}, {test_data: DIR} or {images: DIR}), or write validate: {data: synthetic} "
+                          "to consent to made-up inputs", recipe=recipe)
+
+
+def check_recipe(document: Any, path: Path, *, allow_external_paths: bool = False) -> Recipe:
+    """Validate a parsed recipe document; resolve and check its paths against the folder of
+    ``path`` (every path must stay inside it unless ``allow_external_paths``)."""
     recipe = str(path)
     validate(document, RECIPE_SCHEMA, document=recipe)
     # The spec normalizers check what a schema cannot (e.g. one mean/std value per channel).
@@ -218,23 +315,28 @@ def check_recipe(document: Any, path: Path) -> Recipe:
     model = data["model"]
     if ("path" in model) == ("pytorch" in model):
         raise RecipeError("model", "give exactly one of model.path or model.pytorch", recipe=recipe)
-    _resolve_paths(data, path.parent, recipe)
-    for section in ("quantize", "validate", "golden"):
-        source = (data.get(section) or {}).get("calibration" if section == "quantize" else "data")
-        if source is not None and ("images" in source) == ("npz" in source):
-            key = f"{section}.{'calibration' if section == 'quantize' else 'data'}"
-            raise RecipeError(key, "give exactly one of images or npz", recipe=recipe)
+    base = path.parent.resolve()
+    root = None if allow_external_paths else base
+    _resolve_paths(data, base, recipe, root)
+    _check_inputs(data.get("inputs") or {}, recipe)
+    _check_data_consent(data, recipe)
     quantize = data.get("quantize") or {}
     if quantize.get("mode") == "static" and "calibration" not in quantize:
         raise RecipeError("quantize.calibration", "static quantization needs calibration data", recipe=recipe)
-    return Recipe(path=path.resolve(), data=data)
+    return Recipe(path=path.resolve(), data=data, root=root)
 
 
-def load_recipe(path: str | Path) -> Recipe:
+def load_recipe(path: str | Path, *, allow_external_paths: bool = False) -> Recipe:
     """Read and validate a recipe file. Raises RecipeError/SchemaError naming the key."""
     path = Path(path)
     document = read_yaml_file(path, MAX_RECIPE_BYTES, lambda problem: RecipeError("<file>", problem, recipe=str(path)),
                               kind="recipe")
     if not isinstance(document, dict):
         raise SchemaError("", "a recipe must be a mapping of keys", document=str(path))
-    return check_recipe(document, path)
+    return check_recipe(document, path, allow_external_paths=allow_external_paths)
+
+
+def recipe_from_dict(data: dict[str, Any], base_dir: Path, *, allow_external_paths: bool = False) -> Recipe:
+    """A recipe from an in-memory document, its relative paths resolved against ``base_dir``
+    (for drivers that build many models in-process without writing YAML files)."""
+    return check_recipe(data, Path(base_dir) / "<recipe>", allow_external_paths=allow_external_paths)

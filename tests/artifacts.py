@@ -39,15 +39,24 @@ def scale_model(path: Path, factor: float = 2.0, *, nan: bool = False, width: in
 
 def build_artifact(folder: Path, key: Path, *, version: str = "1.0.0", factor: float = 2.0, nan: bool = False,
                    name: str = "scale", extra: str = "") -> Path:
-    """Package a scale model through the real pipeline; returns the .edgepkg path."""
+    """Package a scale model through the real pipeline; returns the .edgepkg path.
+
+    ``nan``: a validly signed artifact whose model answers NaN. The packager refuses to sign
+    such golden samples, so the finite model is built and its model file swapped and re-signed
+    (what a device must still refuse at its smoke test)."""
     folder.mkdir(parents=True, exist_ok=True)
-    model = scale_model(folder / f"model-{version}-{factor}.onnx", factor, nan=nan)
+    model = scale_model(folder / f"model-{version}-{factor}.onnx", factor)
     recipe = folder / f"recipe-{version}-{factor}.yaml"
+    consent = "" if "validate:" in extra else "validate: {data: synthetic}\n"
     recipe.write_text(f"name: {name}\nversion: {version}\nmodel: {{path: {model.name}}}\n"
-                      f"postprocess: {{kind: raw}}\ntargets: [x86, rpi]\n{extra}")
-    out = folder / f"{name}-{version}-{factor}{'-nan' if nan else ''}.edgepkg"
+                      f"postprocess: {{kind: raw}}\ntargets: [x86, rpi]\n{consent}{extra}")
+    out = folder / f"{name}-{version}-{factor}.edgepkg"
     build(load_recipe(recipe), key_paths=[str(key)], output=out)
-    return out
+    if not nan:
+        return out
+    nan_model = scale_model(folder / f"model-{version}-nan.onnx", nan=True).read_bytes()
+    return resign_with_changes(out, folder / f"{name}-{version}-{factor}-nan.edgepkg", key,
+                               replace={"model/model.onnx": nan_model})
 
 
 def resign_with_changes(artifact: Path, out: Path, key: Path, *, replace: dict[str, bytes] | None = None,

@@ -30,10 +30,16 @@ def _matmul_model(path: Path, opset: int = 17) -> Path:
 def project(tmp_path, keypair) -> Path:
     _matmul_model(tmp_path / "model.onnx")
     (tmp_path / "labels.txt").write_text("cat\ndog\nbird\n")
+    # Recipe paths stay inside the recipe's folder: the key is copied next to it (0600).
+    (tmp_path / "release.key").write_bytes(keypair[0].read_bytes())
+    (tmp_path / "release.key").chmod(0o600)
+    # Four samples of x [batch, 4]: a stack along a new leading axis, each of batch 1.
+    np.savez(tmp_path / "samples.npz", x=np.random.default_rng(3).standard_normal((4, 1, 4)).astype(np.float32))
     (tmp_path / "recipe.yaml").write_text(
         "name: tiny\nversion: 1.0.0\nmodel: {path: model.onnx}\n"
         "postprocess: {kind: topk, k: 2, labels: labels.txt}\ntargets: [x86, rpi]\n"
-        f"sign: {{key: {keypair[0]}}}\noutput: dist/tiny.edgepkg\n"
+        "validate: {data: {npz: samples.npz}}\n"
+        "sign: {key: release.key}\noutput: dist/tiny.edgepkg\n"
     )
     return tmp_path
 

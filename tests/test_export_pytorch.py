@@ -40,7 +40,7 @@ def test_recipe_with_a_pytorch_section_builds_a_signed_artifact(tmp_path, keypai
     (tmp_path / "r.yaml").write_text(
         "name: torch-demo\nversion: 1.0.0\n"
         "model: {pytorch: {factory: 'tests.torch_models:make_classifier', input_shape: [1, 3, 16, 16]}}\n"
-        "targets: [x86]\n")
+        "targets: [x86]\nvalidate: {data: synthetic}\n")
     result = build(load_recipe(tmp_path / "r.yaml"), key_paths=[str(keypair[0])], output=tmp_path / "t.edgepkg")
     assert result.report["passes"]["export_pytorch"]["max_abs_diff_vs_torch"] <= 1e-5
     assert result.manifest.inputs[0].shape == ("batch", 3, 16, 16)

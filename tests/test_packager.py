@@ -20,6 +20,7 @@ from tests.conftest import run_cli
 from tools.demos import build_all
 
 REPO = Path(__file__).resolve().parent.parent
+_MOBILENET_IMAGES = {"images": "../demo/mobilenet/images"}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,10 @@ def _build(workspace: Path, recipe: str, key: Path, **edits) -> tuple[dict, dict
             doc[section] = value
         path = path.with_name(f"edited-{recipe}")
         path.write_text(yaml.safe_dump(doc))
-    result = build(load_recipe(path), key_paths=[str(key)], output=workspace / "out" / f"{path.stem}.edgepkg")
+    # The repo's recipes name the demo data in ../demo, outside their folder: allowed here as
+    # `edgepack build --allow-external-paths` allows it.
+    result = build(load_recipe(path, allow_external_paths=True), key_paths=[str(key)],
+                   output=workspace / "out" / f"{path.stem}.edgepkg")
     return result.manifest.raw, result.report, result.output
 
 
@@ -98,14 +102,17 @@ def test_dynamic_quantization_of_a_conv_model_is_never_silently_slower(workspace
 
 def test_a_missed_validation_threshold_fails_the_build_unless_allowed(workspace, keypair):
     with pytest.raises(ValidationFailed, match="max abs diff"):
-        _build(workspace, "mobilenet.yaml", keypair[0], validate={"metric": "max_abs", "max_abs": 0.0},
+        _build(workspace, "mobilenet.yaml", keypair[0],
+               validate={"data": _MOBILENET_IMAGES, "metric": "max_abs", "max_abs": 0.0},
                optimize={"fold_batchnorm": True})
     _, report, _ = _build(workspace, "mobilenet.yaml", keypair[0],
-                          validate={"metric": "max_abs", "max_abs": 0.0, "allow_failure": True})
+                          validate={"data": _MOBILENET_IMAGES, "metric": "max_abs", "max_abs": 0.0,
+                                    "allow_failure": True})
     assert any("allow_failure" in w for w in report["warnings"])
     recipe = workspace / "recipes" / "edited-mobilenet.yaml"
     recipe.write_text(recipe.read_text().replace("allow_failure: true", "allow_failure: false"))
-    result = run_cli("edgepack", "build", str(recipe), "--key", str(keypair[0]), "-o", str(workspace / "x.edgepkg"))
+    result = run_cli("edgepack", "build", str(recipe), "--allow-external-paths", "--key", str(keypair[0]),
+                     "-o", str(workspace / "x.edgepkg"))
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "misses the accuracy budget" in result.stderr
 
@@ -136,7 +143,7 @@ def _big_weight_model(path: Path, weight: float) -> Path:
 def test_fp16_keeps_io_types_and_refuses_overflow(tmp_path, keypair, weight, applied):
     _big_weight_model(tmp_path / "m.onnx", weight)
     (tmp_path / "r.yaml").write_text("name: f\nversion: 1.0.0\nmodel: {path: m.onnx}\noptimize: {fp16: true}\n"
-                                     "validate: {metric: cosine, min_cosine: 0.999}\n")
+                                     "validate: {data: synthetic, metric: cosine, min_cosine: 0.999}\n")
     result = build(load_recipe(tmp_path / "r.yaml"), key_paths=[str(keypair[0])], output=tmp_path / "a.edgepkg")
     assert result.report["passes"]["fp16"]["applied"] is applied
     assert result.manifest.raw["model"]["precision"] == ("fp16" if applied else "fp32")
@@ -166,7 +173,7 @@ def test_bench_cli_measures_original_and_packaged_side_by_side(workspace, keypai
 def test_ort_format_for_mobile_targets_is_bundled_and_listed(tmp_path, keypair):
     _big_weight_model(tmp_path / "m.onnx", 0.5)
     (tmp_path / "r.yaml").write_text("name: m\nversion: 1.0.0\nmodel: {path: m.onnx}\noptimize: {ort_format: true}\n"
-                                     "targets: [android]\n")
+                                     "targets: [android]\nvalidate: {data: synthetic}\n")
     result = build(load_recipe(tmp_path / "r.yaml"), key_paths=[str(keypair[0])], output=tmp_path / "a.edgepkg")
     assert result.manifest.raw["model"]["ort_path"] == "model/model.ort"
     assert "model/model.ort" in result.manifest.files
@@ -198,6 +205,7 @@ def test_recipe_templates_validate_and_jetson_gets_fp16_smoke_tolerances(tmp_pat
         (tmp_path / name).write_text((templates / name).read_text())
         recipe = load_recipe(tmp_path / name)  # every template is a valid recipe
         assert recipe.name.startswith("my-")
-    (tmp_path / "jetson.yaml").write_text("name: j\nversion: 1.0.0\nmodel: {path: model.onnx}\ntargets: [jetson]\n")
+    (tmp_path / "jetson.yaml").write_text("name: j\nversion: 1.0.0\nmodel: {path: model.onnx}\ntargets: [jetson]\n"
+                                         "validate: {data: synthetic}\n")
     result = build(load_recipe(tmp_path / "jetson.yaml"), key_paths=[str(keypair[0])], output=tmp_path / "j.edgepkg")
     assert result.manifest.golden["atol"] == 0.05 and result.manifest.golden["rtol"] == 0.01

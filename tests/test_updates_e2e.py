@@ -67,7 +67,8 @@ def arts(tmp_path_factory, keypair):
     np.savez(folder / "positive.npz", x=np.abs(np.random.default_rng(1).standard_normal((4, 4))).astype(np.float32))
     _sqrt_model(folder / "sqrt.onnx")
     (folder / "sqrt.yaml").write_text("name: scale\nversion: 1.3.0\nmodel: {path: sqrt.onnx}\ntargets: [x86]\n"
-                                      "golden: {data: {npz: positive.npz}}\n")
+                                      "validate: {data: {npz: positive.npz, sample_axis: {x: 0}}}\n"
+                                      "golden: {data: {npz: positive.npz, sample_axis: {x: 0}}}\n")
     from sdk.packager.pipeline import build
     from sdk.recipe import load_recipe
 

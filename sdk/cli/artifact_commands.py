@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
 import click
 
 from edgepack_core.artifact import verify_artifact
-from edgepack_core.errors import EdgepackError
+from edgepack_core.errors import EdgepackError, UsageError
 from edgepack_core.signing import TrustStore
 from sdk.cli import main
 from sdk.inspect import format_view, inspect_artifact
@@ -28,12 +30,21 @@ _TRUST = click.option("--trust", "trust", multiple=True, type=click.Path(path_ty
 @click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON.")
 @click.option("--progress/--no-progress", default=None,
               help="Show each step on stderr (default: only when stderr is a terminal).")
+@click.option("--allow-external-paths", is_flag=True,
+              help="Let the recipe name files outside its own folder (refused by default).")
+@click.option("--force", is_flag=True, help="Overwrite an existing output file that is not an Edgepack artifact.")
 def build(recipe: Path, keys: tuple[Path, ...], output: Path | None, quiet: bool, as_json: bool,
-          progress: bool | None) -> None:
+          progress: bool | None, allow_external_paths: bool, force: bool) -> None:
     """Build a signed .edgepkg from RECIPE."""
     from sdk.packager.pipeline import build as run_build  # onnx import only when building
+    from sdk.packager.pipeline import resolve_output
 
-    parsed = load_recipe(recipe)
+    parsed = load_recipe(recipe, allow_external_paths=allow_external_paths)
+    check_output_target(resolve_output(parsed, output), force=force)
+    for key in [*keys, *([parsed.section("sign")["key"]] if not keys and parsed.section("sign").get("key") else [])]:
+        loose = key_readable_by_others(Path(key))
+        if loose:
+            click.echo(f"warning: {loose}", err=True)
     show = sys.stderr.isatty() if progress is None else progress
     show = show and not quiet and not as_json
 
@@ -55,6 +66,47 @@ def build(recipe: Path, keys: tuple[Path, ...], output: Path | None, quiet: bool
                    f"targets {', '.join(m.targets)}")
         for warning in result.warnings:
             click.echo(f"warning: {warning}", err=True)
+
+
+def is_artifact(path: Path) -> bool:
+    """True when ``path`` reads as an .edgepkg: a (gzip-compressed) tar whose first member is
+    manifest.json. Reads one header, whatever the file's size."""
+    import gzip
+    import tarfile
+
+    try:
+        with open(path, "rb") as raw:
+            magic = raw.read(2)
+            raw.seek(0)
+            stream = gzip.GzipFile(fileobj=raw) if magic == b"\x1f\x8b" else raw
+            header = stream.read(tarfile.BLOCKSIZE)
+        info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
+    except (OSError, EOFError, tarfile.TarError, gzip.BadGzipFile):
+        return False
+    return info.name == "manifest.json"
+
+
+def check_output_target(target: Path, *, force: bool) -> None:
+    """Refuse to replace an existing file that is not an artifact (a recipe's ``output`` or a
+    mistyped ``--output`` must not destroy an unrelated file) unless ``force``."""
+    if force or not os.path.lexists(target):
+        return
+    if target.is_dir():
+        raise UsageError(f"{target}: the output is a folder; name the artifact file")
+    if not is_artifact(target):
+        raise UsageError(f"{target} exists and is not an Edgepack artifact; refusing to overwrite it "
+                         "(pass --force to replace it)")
+
+
+def key_readable_by_others(path: Path) -> str | None:
+    """A warning when a private key file can be read by group or others, else None."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return None  # the signing step reports a missing key
+    if mode & 0o044:
+        return f"private key {path} is readable by group or others (mode {mode:04o}); chmod 600 {path}"
+    return None
 
 
 @main.command()

@@ -1,11 +1,26 @@
-"""Sample data for calibration, validation and golden samples, fed through the device's own
-preprocessing code so the host measures exactly what a device will compute."""
+"""Sample data for calibration, validation and golden samples.
+
+Three layouts carry real inputs (docs/packager.md, "Data"):
+
+- ``{npz: FILE}``: per input, an array of the input's own rank is one sample and an array with
+  one more leading axis is a stack of samples; ``sample_axis`` settles the ambiguous cases.
+- ``{test_data: DIR}``: ONNX test data sets (``test_data_set_*/input_*.pb``), the layout of
+  onnxruntime's test runner and of the ONNX backend tests; ``output_*.pb`` become expected
+  outputs that the build checks.
+- ``{images: DIR}``: images through the device's own preprocessing code, so the host measures
+  exactly what a device computes.
+
+Made-up inputs (``synthetic``) only where the recipe consents; they honour the recipe's
+declared shapes, dtypes, ranges and constants and keep index inputs in range. Inputs declared
+``role: constant`` are fed their value in every sample, whatever the source.
+"""
 
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,30 +32,162 @@ from edgepack_core.preprocess import Preprocessor
 from sdk.errors import RecipeError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
+MAX_PB_BYTES = 1 << 30  # one test-data tensor file; bounded before it is read
 Feed = dict[str, np.ndarray]
+Declared = Mapping[str, Mapping[str, Any]]
 
 
 @dataclass
 class Samples:
-    """Model-ready feeds (batch 1 each) and optional integer labels, one per feed."""
+    """Model-ready feeds (every input, constants included), optional integer labels and
+    optional expected outputs (from test data), one per feed; ``names`` says where each
+    sample came from, for messages."""
 
     feeds: list[Feed]
     labels: list[int] | None = None
+    expected: list[dict[str, np.ndarray]] | None = None
+    names: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.feeds)
 
+    def name(self, index: int) -> str:
+        return self.names[index] if index < len(self.names) else f"sample {index}"
+
 
 def _numpy_dtype(name: str) -> np.dtype:
+    if name == "string":
+        return np.dtype(str)
     return np.dtype(np.float32 if name == "bfloat16" else name)
 
 
 def _fixed_shape(spec: TensorSpec) -> tuple[int, ...]:
-    return tuple(d if isinstance(d, int) and d > 0 else 1 for d in spec.shape)
+    """Symbolic dims become 1 (the documented default of synthetic data)."""
+    return tuple(d if isinstance(d, int) and d >= 0 else 1 for d in spec.shape)
 
 
 def _target_input(preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec]) -> str:
     return preprocess.get("input") or inputs[0].name
+
+
+def shape_fits(shape: Sequence[int], declared: Sequence[int | str]) -> bool:
+    """Symbolic dims match any size; fixed dims must be equal; the rank must agree."""
+    return len(shape) == len(declared) and all(
+        not isinstance(d, int) or d < 0 or d == s for s, d in zip(shape, declared, strict=True))
+
+
+# ---------------------------------------------------------------- dtypes and constants
+
+
+def as_input_dtype(array: Any, spec: TensorSpec, where: str) -> np.ndarray:
+    """``array`` as the dtype of ``spec``, exactly: a cast is allowed only when no value
+    changes kind or overflows (float64 data for a float32 input rounds, as any export does).
+    Strings become numpy unicode arrays (onnxruntime takes them; npz stores them without pickle)."""
+    array = np.asarray(array)
+    if spec.dtype == "string":
+        if array.dtype.kind == "U":
+            return array
+        if array.dtype.kind in "SO":
+            try:
+                return np.vectorize(lambda v: v.decode() if isinstance(v, bytes) else str(v), otypes=[str])(array) \
+                    if array.size else array.astype(str)
+            except UnicodeDecodeError:
+                raise RecipeError(where, f"input {spec.name}: strings must be UTF-8") from None
+        raise RecipeError(where, f"input {spec.name} takes strings, the data is {array.dtype.name}")
+    target = _numpy_dtype(spec.dtype)
+    if array.dtype == target:
+        return array
+    if target.kind == "b" or array.dtype.kind not in "biuf" or not np.can_cast(array.dtype, target, "same_kind"):
+        raise RecipeError(where, f"input {spec.name} is {spec.dtype}, the data is {array.dtype.name}")
+    converted = array.astype(target)
+    if target.kind in "iu" and not np.array_equal(converted.astype(array.dtype), array):
+        raise RecipeError(where, f"input {spec.name} is {spec.dtype}: the data's values do not fit")
+    return converted
+
+
+def constant_feeds(inputs: Sequence[TensorSpec], declared: Declared) -> Feed:
+    """The value of every input declared ``role: constant``, as arrays of the input's dtype
+    and shape (checked here, so a bad value is a recipe error naming the key)."""
+    by_name = {spec.name: spec for spec in inputs}
+    constants: Feed = {}
+    for name, decl in declared.items():
+        if decl.get("role") != "constant":
+            continue
+        key = f"inputs.{name}.value"
+        if name not in by_name:
+            raise RecipeError(f"inputs.{name}", f"the model has no input {name!r}")
+        spec = by_name[name]
+        try:
+            raw = np.asarray(decl["value"])
+        except ValueError as err:
+            raise RecipeError(key, f"not a regular nested list ({err})") from None
+        value = as_input_dtype(raw, spec, key)
+        if not shape_fits(value.shape, spec.shape):
+            raise RecipeError(key, f"has shape {list(value.shape)}, input {name} has shape {list(spec.shape)}")
+        if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
+            raise RecipeError(key, "holds NaN or infinity, which the manifest (JSON) cannot carry")
+        constants[name] = value
+    return constants
+
+
+def manifest_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[dict[str, Any]]:
+    """The manifest's input specs: constants carry ``role: constant`` and their value (as the
+    input's dtype makes it), which the agent feeds on every call."""
+    constants = constant_feeds(inputs, declared)
+    return [{**spec.to_json(), **({"role": "constant", "value": constants[spec.name].tolist()}
+                                  if spec.name in constants else {})} for spec in inputs]
+
+
+def tensor_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[TensorSpec]:
+    """The inputs data must supply: all but the constants."""
+    return [s for s in inputs if (declared.get(s.name) or {}).get("role") != "constant"]
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+def context_options(ctx: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`load_samples`/:func:`synthetic_samples` for a build."""
+    return {"declared": ctx.recipe.section("inputs"), "outputs": ctx.outputs, "root": ctx.recipe.root,
+            "graph": ctx.original if ctx.original is not None else ctx.model}
+
+
+def load_samples(
+    source: Mapping[str, Any] | str, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec], *, key: str,
+    limit: int | None = None, declared: Declared | None = None, outputs: Sequence[TensorSpec] = (),
+    root: Path | None = None, graph: Any = None,
+) -> Samples:
+    """Load ``source`` (a recipe data source) as feeds for every input of the model.
+
+    ``declared`` is the recipe's ``inputs`` section (constants, sample axes, ranges);
+    ``root`` the folder files must resolve inside (None: anywhere); ``graph`` the ONNX model,
+    used by synthetic data to keep index inputs in range."""
+    declared = declared or {}
+    if source == "synthetic":
+        return synthetic_samples(limit or 16, preprocess, inputs, declared=declared, graph=graph)
+    assert isinstance(source, Mapping)
+    limit = source.get("limit", limit)
+    constants = constant_feeds(inputs, declared)
+    if "npz" in source:
+        samples = _load_npz(Path(source["npz"]), inputs, declared, dict(source.get("sample_axis") or {}), key, limit)
+    elif "test_data" in source:
+        samples = _load_test_data(Path(source["test_data"]), inputs, outputs, declared, key, limit, root)
+    else:
+        samples = _load_images(source, preprocess, inputs, declared, key, limit, root)
+    for feed in samples.feeds:
+        feed.update(constants)
+    return samples
+
+
+def _inside(path: Path, root: Path | None, key: str) -> Path:
+    """Refuse a file (typically a symlink) inside a data folder that resolves outside the root."""
+    resolved = path.resolve()
+    if root is not None and resolved != root and root not in resolved.parents:
+        raise RecipeError(key, f"{path} resolves to {resolved}, outside the recipe's folder {root}")
+    return resolved
+
+
+# ---------------------------------------------------------------- images
 
 
 def _read_labels_csv(path: Path, key: str) -> dict[str, int]:
@@ -54,78 +201,278 @@ def _read_labels_csv(path: Path, key: str) -> dict[str, int]:
     return labels
 
 
-def load_samples(
-    source: Mapping[str, Any], preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec], *, key: str,
-    limit: int | None = None,
-) -> Samples:
-    """Load ``source`` (a recipe data section: images folder or npz) as model feeds."""
-    limit = source.get("limit", limit)
-    if "npz" in source:
-        return _load_npz(Path(source["npz"]), inputs, key, limit)
+def _load_images(source: Mapping[str, Any], preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec],
+                 declared: Declared, key: str, limit: int | None, root: Path | None) -> Samples:
     folder = Path(source["images"])
     if preprocess.get("kind") != "image":
         raise RecipeError(f"{key}.images", "image data needs an image preprocessing spec (preprocess.kind: image)")
+    name = _target_input(preprocess, inputs)
+    others = [s.name for s in tensor_inputs(inputs, declared) if s.name != name]
+    if others:
+        raise RecipeError(f"{key}.images", f"images feed only input {name}; input(s) {', '.join(others)} need "
+                          "npz or test_data, or role: constant")
     files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise RecipeError(f"{key}.images", f"{folder} holds no images")
     files = files[:limit] if limit else files
     labels_map = _read_labels_csv(Path(source["labels"]), f"{key}.labels") if "labels" in source else None
-    name = _target_input(preprocess, inputs)
     pre = Preprocessor(preprocess)
     feeds: list[Feed] = []
     labels: list[int] = []
     for file in files:
         try:
-            feeds.append({name: pre.from_path(file)})
+            feeds.append({name: pre.from_path(_inside(file, root, f"{key}.images"))})
         except PreprocessError as err:
             raise RecipeError(f"{key}.images", f"{file.name}: {err}") from None
         if labels_map is not None:
             if file.name not in labels_map:
                 raise RecipeError(f"{key}.labels", f"no label for {file.name}")
             labels.append(labels_map[file.name])
-    return Samples(feeds, labels if labels_map is not None else None)
+    return Samples(feeds, labels if labels_map is not None else None, names=[f.name for f in files])
 
 
-def _load_npz(path: Path, inputs: Sequence[TensorSpec], key: str, limit: int | None) -> Samples:
+# ---------------------------------------------------------------- npz
+
+
+def split_samples(array: np.ndarray, rank: int, axis: int | str | None, *, input_name: str) -> list[np.ndarray]:
+    """The samples an npz array holds for an input of rank ``rank``. Pure.
+
+    Without ``axis`` (``"auto"``): the input's own rank is one sample, one more axis is a stack
+    along axis 0. ``axis=None``: the whole array is one sample. ``axis=k``: the samples run
+    along axis k: dropped from an array of rank+1, kept as size 1 in an array of the input's
+    rank (a batch axis: ``[n:n+1]``)."""
+    if axis is None:
+        return [array]
+    if axis == "auto":
+        if array.ndim == rank:
+            return [array]
+        if array.ndim == rank + 1:
+            return list(array)
+        raise ValueError(f"input {input_name} has rank {rank}: an array of rank {rank} is one sample, of rank "
+                         f"{rank + 1} a stack of samples; this one has rank {array.ndim} (set sample_axis)")
+    if not isinstance(axis, int) or not 0 <= axis < max(array.ndim, 1) or array.ndim == 0:
+        raise ValueError(f"sample_axis {axis} of input {input_name} is not an axis of its array "
+                         f"(shape {list(array.shape)})")
+    if array.ndim == rank + 1:
+        return [np.take(array, n, axis=axis) for n in range(array.shape[axis])]
+    if array.ndim == rank:
+        return [np.take(array, [n], axis=axis) for n in range(array.shape[axis])]
+    raise ValueError(f"input {input_name} has rank {rank}; with sample_axis {axis} its array needs rank {rank} "
+                     f"or {rank + 1}, not {array.ndim}")
+
+
+def _read_npz(path: Path, key: str) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except (OSError, ValueError) as err:
-        raise RecipeError(f"{key}.npz", f"{path}: not a readable .npz ({err})") from None
-    missing = [i.name for i in inputs if i.name not in arrays]
+            if not hasattr(archive, "files"):
+                raise ValueError("a single .npy array, not an .npz archive")
+            return {name: archive[name] for name in archive.files}
+    except (OSError, ValueError, EOFError) as err:
+        raise RecipeError(key, f"{path}: not a readable .npz without pickles ({err})") from None
+
+
+def _load_npz(path: Path, inputs: Sequence[TensorSpec], declared: Declared, axes: Mapping[str, Any], key: str,
+              limit: int | None) -> Samples:
+    arrays = _read_npz(path, f"{key}.npz")
+    wanted = tensor_inputs(inputs, declared)
+    names = {s.name for s in inputs}
+    has_labels = "label" in arrays and "label" not in names
+    unknown = sorted(set(arrays) - names - ({"label"} if has_labels else set()))
+    if unknown:
+        raise RecipeError(f"{key}.npz", f"{path.name}: array(s) {', '.join(unknown)} match no model input "
+                          f"(inputs: {', '.join(sorted(names))})")
+    for name in axes:
+        if name not in names:
+            raise RecipeError(f"{key}.sample_axis.{name}", "the model has no such input")
+    missing = [s.name for s in wanted if s.name not in arrays]
     if missing:
-        raise RecipeError(f"{key}.npz", f"{path}: no array for input(s) {', '.join(missing)}")
-    count = min(len(arrays[i.name]) for i in inputs)
+        raise RecipeError(f"{key}.npz", f"{path.name}: no array for input(s) {', '.join(missing)}")
+    per_input: dict[str, list[np.ndarray]] = {}
+    for spec in wanted:
+        axis = axes[spec.name] if spec.name in axes else (declared.get(spec.name) or {}).get("sample_axis", "auto")
+        where = f"{key}.sample_axis.{spec.name}" if spec.name in axes else f"{key}.npz"
+        try:
+            per_input[spec.name] = split_samples(arrays[spec.name], len(spec.shape), axis, input_name=spec.name)
+        except ValueError as err:
+            raise RecipeError(where, f"{path.name}: {err}") from None
+    counts = {name: len(values) for name, values in per_input.items()}
+    if len(set(counts.values())) > 1:
+        listed = ", ".join(f"{name}: {n}" for name, n in counts.items())
+        raise RecipeError(f"{key}.npz", f"{path.name}: inputs hold different numbers of samples ({listed})")
+    count = next(iter(counts.values()), 0)
     count = min(count, limit) if limit else count
-    feeds = [
-        {i.name: arrays[i.name][n : n + 1].astype(_numpy_dtype(i.dtype), copy=False) for i in inputs}
-        for n in range(count)
-    ]
-    labels = [int(v) for v in arrays["label"][:count]] if "label" in arrays else None
-    return Samples(feeds, labels)
+    if count == 0:
+        raise RecipeError(f"{key}.npz", f"{path.name} holds no samples")
+    feeds = [{s.name: as_input_dtype(per_input[s.name][n], s, f"{key}.npz") for s in wanted} for n in range(count)]
+    labels = None
+    if has_labels:
+        label_array = np.asarray(arrays["label"]).reshape(-1)
+        if len(label_array) < count:
+            raise RecipeError(f"{key}.npz", f"{path.name}: {len(label_array)} labels for {count} samples")
+        labels = [int(v) for v in label_array[:count]]
+    return Samples(feeds, labels, names=[f"{path.name} sample {n}" for n in range(count)])
+
+
+# ---------------------------------------------------------------- ONNX test data sets
+
+
+def _natural_key(path: Path) -> tuple[Any, ...]:
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name))
+
+
+def find_test_data_sets(folder: Path) -> list[Path]:
+    """The test data set folders of ``folder``: itself when it holds input_*.pb, else its
+    test_data_set_* folders in natural order."""
+    if any(folder.glob("input_*.pb")):
+        return [folder]
+    return sorted((p for p in folder.glob("test_data_set_*") if p.is_dir()), key=_natural_key)
+
+
+def read_tensor_pb(path: Path) -> tuple[str, np.ndarray]:
+    """One serialized onnx.TensorProto -> (its name, the array). Strings become unicode."""
+    import onnx
+    from onnx import numpy_helper
+
+    size = path.stat().st_size
+    if size > MAX_PB_BYTES:
+        raise ValueError(f"{size} bytes, over the limit of {MAX_PB_BYTES}")
+    tensor = onnx.TensorProto()
+    try:
+        tensor.ParseFromString(path.read_bytes())
+        array = numpy_helper.to_array(tensor)
+    except Exception as err:  # protobuf's DecodeError and onnx's ValueError/TypeError
+        raise ValueError(f"not a serialized TensorProto ({type(err).__name__}: {err})") from None
+    if tensor.data_type == onnx.TensorProto.STRING:
+        array = np.vectorize(lambda v: v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v),
+                             otypes=[str])(array) if array.size else array.astype(str)
+    return tensor.name, array
+
+
+def _match_tensors(files: list[Path], specs: Sequence[TensorSpec], where: str, root: Path | None
+                   ) -> dict[str, np.ndarray]:
+    """Name each file's tensor after the spec of its TensorProto name, else of its position."""
+    by_name = {s.name for s in specs}
+    matched: dict[str, np.ndarray] = {}
+    for position, file in enumerate(files):
+        try:
+            name, array = read_tensor_pb(_inside(file, root, where))
+        except (OSError, ValueError) as err:
+            raise RecipeError(where, f"{file}: {err}") from None
+        if name not in by_name:
+            if position >= len(specs):
+                raise RecipeError(where, f"{file}: the model has only {len(specs)} of these")
+            name = specs[position].name
+        if name in matched:
+            raise RecipeError(where, f"{file.parent.name}: two files for {name}")
+        matched[name] = array
+    return matched
+
+
+def _load_test_data(folder: Path, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], declared: Declared,
+                    key: str, limit: int | None, root: Path | None) -> Samples:
+    where = f"{key}.test_data"
+    sets = find_test_data_sets(folder)
+    if not sets:
+        raise RecipeError(where, f"{folder} holds no test_data_set_* folder and no input_*.pb")
+    sets = sets[:limit] if limit else sets
+    wanted = tensor_inputs(inputs, declared)
+    feeds: list[Feed] = []
+    expected: list[dict[str, np.ndarray]] = []
+    for data_set in sets:
+        matched = _match_tensors(sorted(data_set.glob("input_*.pb"), key=_natural_key), inputs, where, root)
+        missing = [s.name for s in wanted if s.name not in matched]
+        if missing:
+            raise RecipeError(where, f"{data_set.name}: no tensor for input(s) {', '.join(missing)}")
+        feeds.append({s.name: as_input_dtype(matched[s.name], s, where) for s in wanted})
+        expected.append(_match_tensors(sorted(data_set.glob("output_*.pb"), key=_natural_key), outputs, where, root))
+    return Samples(feeds, expected=expected if any(expected) else None, names=[s.name for s in sets])
+
+
+# ---------------------------------------------------------------- synthetic data
+
+_INDEX_INPUTS = {"Gather": (1, 0), "GatherElements": (1, 0), "ScatterElements": (1, 0), "Scatter": (1, 0)}
+
+
+def _known_dims(graph: Any, inputs: Sequence[TensorSpec]) -> dict[str, list[int]]:
+    """Static shapes of initializers, graph inputs (symbolic dims as synthetic data fills them:
+    1) and inferred values of ``graph``."""
+    dims: dict[str, list[int]] = {s.name: list(_fixed_shape(s)) for s in inputs}
+    for init in graph.graph.initializer:
+        dims[init.name] = list(init.dims)
+    for info in graph.graph.value_info:
+        shape = info.type.tensor_type.shape
+        if info.type.HasField("tensor_type") and all(d.HasField("dim_value") for d in shape.dim):
+            dims.setdefault(info.name, [int(d.dim_value) for d in shape.dim])
+    return dims
+
+
+def index_ranges(graph: Any, inputs: Sequence[TensorSpec]) -> dict[str, tuple[int, int]]:
+    """Integer graph inputs used as indices (Gather and its kin, an embedding lookup), with the
+    range [0, size) of the axis they index, so made-up indices stay valid. Unknown sizes
+    (symbolic) give [0, 1): synthetic data sets symbolic dims to 1."""
+    if graph is None:
+        return {}
+    names = {s.name for s in inputs if s.dtype.startswith(("int", "uint"))}
+    dims = _known_dims(graph, inputs)
+    ranges: dict[str, tuple[int, int]] = {}
+    for node in graph.graph.node:
+        slot = _INDEX_INPUTS.get(node.op_type)
+        if slot is None or len(node.input) <= slot[0] or node.input[slot[0]] not in names:
+            continue
+        axis = next((a.i for a in node.attribute if a.name == "axis"), slot[1])
+        shape = dims.get(node.input[0])
+        size = 1
+        if shape is not None and -len(shape) <= axis < len(shape):
+            size = max(int(shape[axis]), 1)
+        name = node.input[slot[0]]
+        low, high = ranges.get(name, (0, size))
+        ranges[name] = (low, min(high, size))
+    return ranges
+
+
+def _synthetic_value(spec: TensorSpec, decl: Mapping[str, Any], index_range: tuple[int, int] | None,
+                     rng: np.random.Generator) -> np.ndarray:
+    shape = _fixed_shape(spec)
+    dtype = _numpy_dtype(spec.dtype)
+    low_high = decl.get("range")
+    if spec.dtype == "string":
+        return np.array([f"s{v}" for v in rng.integers(0, 10, size=shape).ravel()], dtype=str).reshape(shape)
+    if spec.dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if dtype.kind == "f":
+        if low_high is not None:
+            return rng.uniform(low_high[0], low_high[1], size=shape).astype(dtype)
+        return rng.standard_normal(shape).astype(dtype)
+    low, high = (int(low_high[0]), int(low_high[1])) if low_high is not None else index_range or (0, 10)
+    if high <= low:
+        return np.full(shape, low, dtype=dtype)
+    return rng.integers(low, high, size=shape).astype(dtype)
 
 
 def synthetic_samples(
-    count: int, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec], seed: int = 0
+    count: int, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec], seed: int = 0, *,
+    declared: Declared | None = None, graph: Any = None,
 ) -> Samples:
-    """Deterministic made-up inputs when a recipe gives no data. Image models get random
-    images pushed through the real preprocessing, so the golden samples exercise it too."""
+    """Deterministic made-up inputs (the recipe consented to them). Image models get random
+    images pushed through the real preprocessing, so the golden samples exercise it too;
+    declared ranges and constants are honoured, index inputs stay in range."""
+    declared = declared or {}
     rng = np.random.default_rng(seed)
     image_input = _target_input(preprocess, inputs) if preprocess.get("kind") == "image" else None
     pre = Preprocessor(preprocess) if image_input else None
+    constants = constant_feeds(inputs, declared)
+    indices = index_ranges(graph, inputs)
     feeds: list[Feed] = []
     for _ in range(count):
         feed: Feed = {}
         for spec in inputs:
-            if spec.name == image_input and pre is not None:
+            if spec.name in constants:
+                feed[spec.name] = constants[spec.name]
+            elif spec.name == image_input and pre is not None:
                 height, width = preprocess.get("resize", {}).get("size", (64, 64))
                 image = rng.integers(0, 256, size=(int(height) + 7, int(width) + 5, 3), dtype=np.uint8)
                 feed[spec.name] = pre.from_array(image)
-            elif np.issubdtype(_numpy_dtype(spec.dtype), np.floating):
-                feed[spec.name] = rng.standard_normal(_fixed_shape(spec)).astype(_numpy_dtype(spec.dtype))
-            elif spec.dtype == "bool":
-                feed[spec.name] = rng.integers(0, 2, size=_fixed_shape(spec)).astype(bool)
             else:
-                feed[spec.name] = rng.integers(0, 10, size=_fixed_shape(spec)).astype(_numpy_dtype(spec.dtype))
+                feed[spec.name] = _synthetic_value(spec, declared.get(spec.name) or {}, indices.get(spec.name), rng)
         feeds.append(feed)
-    return Samples(feeds)
+    return Samples(feeds, names=[f"synthetic sample {n}" for n in range(count)])

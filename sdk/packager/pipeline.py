@@ -23,6 +23,7 @@ from edgepack_core.signing import SigningKey, load_private_key
 from edgepack_core.targets import profile_providers
 from sdk.artifact_writer import write_artifact
 from sdk.errors import RecipeError
+from sdk.packager.data import manifest_inputs
 from sdk.packager.passes import base
 from sdk.packager.passes.base import BuildContext, Progress
 from sdk.recipe import Recipe
@@ -129,7 +130,7 @@ def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
         "version": ctx.recipe.version,
         "created": _created(),
         "model": model_section,
-        "inputs": [i.to_json() for i in ctx.inputs],
+        "inputs": manifest_inputs(ctx.inputs, ctx.recipe.section("inputs")),
         "outputs": [o.to_json() for o in ctx.outputs],
         "preprocess": ctx.preprocess,
         "postprocess": ctx.postprocess,

@@ -1,14 +1,24 @@
-"""Golden samples: a few inputs and the packaged model's outputs, for the device smoke test."""
+"""Golden samples: a few inputs and the packaged model's outputs, for the device smoke test.
+
+A sample whose outputs hold NaN/inf or nothing at all is never signed: the device's smoke
+test refuses non-finite outputs on every load, and an empty output proves nothing, so the
+build fails there, naming the sample and the output.
+"""
 
 from __future__ import annotations
 
 import io
+import zipfile
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from sdk.packager.data import Samples, load_samples, synthetic_samples
+from sdk.errors import BuildError, RecipeError
+from sdk.packager.data import Samples, context_options, load_samples
 from sdk.packager.ort_host import run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
+from sdk.recipe import DATA_SOURCES
 
 DEFAULT_COUNT = 4
 # fp32 on another CPU (arm64 vs x86, other SIMD paths) agrees to ~1e-5; quantized and fp16
@@ -16,10 +26,45 @@ DEFAULT_COUNT = 4
 DEFAULT_TOLERANCE = {"fp32": (1e-3, 1e-4), "reduced": (1e-2, 5e-2)}
 
 
-def npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+def storable(array: np.ndarray) -> np.ndarray:
+    """An array npz can store and ``np.load(allow_pickle=False)`` can read back: strings
+    (onnxruntime returns them as object arrays) become fixed-width unicode."""
+    if array.dtype.kind in "OS":
+        return np.vectorize(lambda v: v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v),
+                            otypes=[str])(array) if array.size else array.astype(str)
+    return array
+
+
+def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """An .npz of ``arrays``, written member by member: ``np.savez(**arrays)`` would take an
+    input named ``file`` (or ``allow_pickle``) as its own argument."""
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for name, value in arrays.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, storable(np.asarray(value)), allow_pickle=False)
     return buffer.getvalue()
+
+
+def unsignable_output(outputs: Mapping[str, np.ndarray]) -> tuple[str, str] | None:
+    """(output, why) for the first output a golden sample must not carry, else None. Pure."""
+    for name, value in outputs.items():
+        if value.size == 0:
+            return name, f"is empty (shape {list(value.shape)})"
+        if value.dtype.kind in "fc" and not np.all(np.isfinite(value)):
+            bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
+            return name, f"holds {bad} non-finite value(s) (NaN/inf)"
+    return None
+
+
+def golden_source(ctx: BuildContext) -> tuple[str, Mapping[str, Any] | str]:
+    """The first of golden.data, validate.data, quantize.calibration the recipe gives."""
+    for section, key in DATA_SOURCES:
+        source = ctx.recipe.section(section).get(key)
+        if source:
+            return f"{section}.{key}", source
+    raise RecipeError("golden.data", "no data for golden samples: give golden.data or validate.data, or write "
+                      "validate: {data: synthetic} to consent to made-up inputs", recipe=str(ctx.recipe.path))
 
 
 @register
@@ -32,39 +77,32 @@ class GoldenPass(Pass):
     def run(self, ctx: BuildContext) -> None:
         options = self.options(ctx)
         count = int(options.get("count", DEFAULT_COUNT))
-        samples = self._inputs(ctx, count)
+        key, source = golden_source(ctx)
+        samples: Samples = load_samples(source, ctx.preprocess, ctx.inputs, key=key, limit=count,
+                                        **context_options(ctx))
+        samples.feeds = samples.feeds[:count]
         outputs = run_feeds(ctx.model_bytes(), samples.feeds)
         precision = ctx.manifest_extra.get("precision", "fp32")
         # A Jetson runs fp32 models as TensorRT fp16 engines: its smoke test needs the looser
         # tolerance, as quantized models do.
         reduced = precision != "fp32" or "jetson" in ctx.recipe.targets
         rtol, atol = DEFAULT_TOLERANCE["reduced" if reduced else "fp32"]
+        constants = {name for name, decl in ctx.recipe.section("inputs").items() if decl.get("role") == "constant"}
         entries = []
         for n, (feed, result) in enumerate(zip(samples.feeds, outputs, strict=True)):
+            bad = unsignable_output(result)
+            if bad is not None:
+                raise BuildError("golden", f"golden sample {samples.name(n)} ({key}): output {bad[0]} {bad[1]}; "
+                                 "it would not be signed: give golden data on which the model answers")
             in_name, out_name = f"golden/{n:03d}.inputs.npz", f"golden/{n:03d}.outputs.npz"
-            ctx.files[in_name] = npz_bytes(feed)
+            # Constants stay out of the golden inputs: the agent feeds them from the manifest,
+            # so the smoke test proves that path too.
+            ctx.files[in_name] = npz_bytes({k: v for k, v in feed.items() if k not in constants})
             ctx.files[out_name] = npz_bytes(result)
-            for name, value in result.items():
-                if not np.all(np.isfinite(value)):
-                    ctx.warn(f"golden sample {n}: output {name} is not finite")
             entries.append({"inputs": in_name, "outputs": out_name})
         ctx.manifest_extra["golden"] = {
             "samples": entries,
             "rtol": float(options.get("rtol", rtol)),
             "atol": float(options.get("atol", atol)),
         }
-        ctx.report[self.name] = {"count": len(entries), "source": self._source_name(ctx)}
-
-    @staticmethod
-    def _source_name(ctx: BuildContext) -> str:
-        for section, key in (("golden", "data"), ("validate", "data"), ("quantize", "calibration")):
-            if key in ctx.recipe.section(section):
-                return f"{section}.{key}"
-        return "synthetic"
-
-    def _inputs(self, ctx: BuildContext, count: int) -> Samples:
-        for section, key in (("golden", "data"), ("validate", "data"), ("quantize", "calibration")):
-            source = ctx.recipe.section(section).get(key)
-            if source:
-                return load_samples(source, ctx.preprocess, ctx.inputs, key=f"{section}.{key}", limit=count)
-        return synthetic_samples(count, ctx.preprocess, ctx.inputs)
+        ctx.report[self.name] = {"count": len(entries), "source": "synthetic" if source == "synthetic" else key}

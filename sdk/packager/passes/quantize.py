@@ -27,7 +27,7 @@ import onnx
 from onnx import numpy_helper
 
 from sdk.errors import BuildError
-from sdk.packager.data import Samples, load_samples, synthetic_samples
+from sdk.packager.data import Samples, context_options, load_samples, synthetic_samples
 from sdk.packager.metrics import Budget, compare
 from sdk.packager.ort_host import cpu_session, run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
@@ -170,6 +170,10 @@ def median_latency(model: bytes | str, feed: dict[str, np.ndarray], runs: int = 
     return float(np.median(times))
 
 
+def _synthetic_options(ctx: BuildContext) -> dict[str, Any]:
+    return {k: v for k, v in context_options(ctx).items() if k in ("declared", "graph")}
+
+
 @register
 class QuantizePass(Pass):
     name = "quantize"
@@ -182,7 +186,8 @@ class QuantizePass(Pass):
         source = ctx.recipe.section(section).get(key)
         if not source:
             return None
-        return load_samples(source, ctx.preprocess, ctx.inputs, key=f"{section}.{key}", limit=limit)
+        return load_samples(source, ctx.preprocess, ctx.inputs, key=f"{section}.{key}", limit=limit,
+                            **context_options(ctx))
 
     def run(self, ctx: BuildContext) -> None:
         options = dict(self.options(ctx))
@@ -196,7 +201,7 @@ class QuantizePass(Pass):
         calibration = self._samples(ctx, "quantize", "calibration", 200)
         calib_feeds = calibration.feeds if calibration else []
         validation = self._samples(ctx, "validate", "data", ctx.recipe.section("validate").get("samples", 200)) \
-            or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs)
+            or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs, **_synthetic_options(ctx))
         budget = Budget.from_recipe(ctx.recipe.section("validate"), validation.labels is not None)
         output = ctx.postprocess.get("output")
         reference = run_feeds(source.read_bytes(), validation.feeds)

@@ -1,19 +1,53 @@
-"""Validation of every build: the packaged model against the original on N samples, and a
-target compatibility report. A missed threshold fails the build unless the recipe says
-``validate.allow_failure: true``."""
+"""Validation of every build: the packaged model against the original on real (or, with the
+recipe's consent, synthetic) samples, the expected outputs of test data, and a target
+compatibility report.
+
+A lossless build (no quantization, no fp16) must reproduce the original output by output
+within rtol/atol by dtype (``metrics.check_fidelity``), whatever the data source: the check
+never weakens to a summary metric. A lossy build is judged by the recipe's budget. A miss
+fails the build unless the recipe says ``validate.allow_failure: true``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from edgepack_core.targets import PROFILES
-from sdk.errors import ValidationFailed
-from sdk.packager.data import load_samples, synthetic_samples
-from sdk.packager.metrics import Budget, compare
+from sdk.errors import RecipeError, ValidationFailed
+from sdk.packager.data import Samples, context_options, load_samples
+from sdk.packager.metrics import Budget, check_fidelity, compare
 from sdk.packager.ort_host import run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
 
 DEFAULT_SAMPLES = 64
+SYNTHETIC_SAMPLES = 16
+_BUDGET_KEYS = ("metric", "max_drop", "min_cosine", "max_abs")
+
+
+def source_kind(source: Mapping[str, Any] | str) -> str:
+    if isinstance(source, str):
+        return source
+    return next(k for k in ("npz", "test_data", "images") if k in source)
+
+
+def expected_check(samples: Samples, outputs: Sequence[dict[str, np.ndarray]], options: Mapping[str, Any]
+                   ) -> dict[str, Any] | None:
+    """The outputs of a model against the expected outputs the test data carries (samples
+    without expected outputs are skipped). None when there are none."""
+    if not samples.expected:
+        return None
+    pairs = [(n, want, outputs[n]) for n, want in enumerate(samples.expected) if want]
+    if not pairs:
+        return None
+    names = sorted(set.intersection(*(set(want) for _, want, _ in pairs)))
+    fidelity = check_fidelity([{k: want[k] for k in names} for _, want, _ in pairs],
+                              [{k: got[k] for k in names if k in got} for _, _, got in pairs],
+                              rtol=options.get("rtol"), atol=options.get("atol"),
+                              sample_names=[samples.name(n) for n, _, _ in pairs])
+    return fidelity.to_json()
 
 
 @register
@@ -21,36 +55,77 @@ class ValidatePass(Pass):
     name = "validate"
     section = "validate"
 
-    def run(self, ctx: BuildContext) -> None:
-        options = self.options(ctx)
+    def _samples(self, ctx: BuildContext, options: Mapping[str, Any]) -> tuple[Samples, str]:
         limit = int(options.get("samples", DEFAULT_SAMPLES))
         source = options.get("data") or ctx.recipe.section("quantize").get("calibration")
-        if source:
-            samples = load_samples(source, ctx.preprocess, ctx.inputs, key="validate.data", limit=limit)
-        else:
-            samples = synthetic_samples(min(limit, 16), ctx.preprocess, ctx.inputs, seed=7)
+        if not source:
+            raise RecipeError("validate.data", "no validation data: give validate.data, or write validate: "
+                              "{data: synthetic} to consent to made-up inputs", recipe=str(ctx.recipe.path))
+        if source == "synthetic":
+            limit = min(limit, SYNTHETIC_SAMPLES)
+        key = "validate.data" if options.get("data") else "quantize.calibration"
+        samples = load_samples(source, ctx.preprocess, ctx.inputs, key=key, limit=limit, **context_options(ctx))
+        return samples, source_kind(source)
+
+    def run(self, ctx: BuildContext) -> None:
+        options = self.options(ctx)
+        samples, kind = self._samples(ctx, options)
         assert ctx.original is not None
         reference = run_feeds(ctx.original.SerializeToString(), samples.feeds)
         candidate = run_feeds(ctx.model_bytes(), samples.feeds)
-        result = compare(reference, candidate, output=ctx.postprocess.get("output"), labels=samples.labels)
         precision = ctx.manifest_extra.get("precision", "fp32")
-        # An fp32 build must reproduce the original closely whatever the recipe says; the
-        # recipe's budget is for lossy builds (quantized, fp16).
-        budget = Budget.from_recipe(options, samples.labels is not None) if (options or precision != "fp32") \
-            else Budget(metric="max_abs", max_abs=1e-3)
-        met, why = budget.check(result)
-        report: dict[str, Any] = {**result.to_json(), "precision": precision, "metric": budget.metric,
-                                  "budget_met": met, "summary": why, "source": "data" if source else "synthetic"}
+        lossless = precision == "fp32"
+        result = compare(reference, candidate, output=ctx.postprocess.get("output"), labels=samples.labels)
+        report: dict[str, Any] = {**result.to_json(), "precision": precision, "source": kind}
+        failures: list[tuple[str, float, float, str]] = []
+        summaries: list[str] = []
+        if lossless:
+            fidelity = check_fidelity(reference, candidate, rtol=options.get("rtol"), atol=options.get("atol"),
+                                      sample_names=samples.names)
+            report["fidelity"] = fidelity.to_json()
+            report["metric"] = "tolerance"
+            summaries.append(fidelity.summary())
+            if not fidelity.ok:
+                worst = fidelity.worst
+                failures.append(("tolerance", worst.ratio if worst else 0.0, 1.0,
+                                 f"the packaged model differs from the original: {fidelity.summary()}"))
+        if not lossless or any(k in options for k in _BUDGET_KEYS):
+            budget = Budget.from_recipe(options, samples.labels is not None)
+            met, why = budget.check(result)
+            report["metric"] = budget.metric
+            summaries.append(why)
+            if not met:
+                value = {"top1": result.accuracy_drop, "agreement": 1 - result.top1_agreement,
+                         "max_abs": result.max_abs_diff}.get(budget.metric, result.cosine)
+                failures.append((budget.metric, float(value or 0.0), 0.0,
+                                 f"the packaged model misses the accuracy budget: {why}"))
+        self._expected(ctx, samples, reference if not lossless else candidate, options, report, failures)
+        report.update({"budget_met": not failures, "summary": "; ".join(summaries)})
         ctx.report[self.name] = report
-        ctx.progress(f"validate: {why}")
-        if not met:
+        ctx.progress(f"validate: {report['summary']}")
+        if failures:
+            metric, value, threshold, problem = failures[0]
             if options.get("allow_failure"):
-                ctx.warn(f"validation missed its budget but allow_failure is set: {why}")
+                ctx.warn(f"validation failed but allow_failure is set: {problem}")
                 return
-            value = {"top1": result.accuracy_drop, "agreement": 1 - result.top1_agreement,
-                     "max_abs": result.max_abs_diff}.get(budget.metric, result.cosine)
-            raise ValidationFailed(budget.metric, float(value or 0.0), 0.0,
-                                   f"the packaged model misses the accuracy budget: {why}")
+            raise ValidationFailed(metric, value, threshold, problem)
+
+    @staticmethod
+    def _expected(ctx: BuildContext, samples: Samples, outputs: list[dict[str, np.ndarray]],
+                  options: Mapping[str, Any], report: dict[str, Any], failures: list[tuple[str, float, float, str]]
+                  ) -> None:
+        """Test data's expected outputs: checked against the packaged model of a lossless
+        build, and against the original of a lossy one (whose packaged model the budget judges)."""
+        expected = expected_check(samples, outputs, options)
+        if expected is None:
+            return
+        expected["against"] = "original" if ctx.manifest_extra.get("precision", "fp32") != "fp32" else "packaged"
+        report["expected_outputs"] = expected
+        if not expected["ok"]:
+            worst = next(o for o in expected["outputs"] if o["output"] == expected["worst_output"])
+            ratio = worst["ratio"] if isinstance(worst["ratio"], float) else float("inf")
+            failures.append(("expected", ratio, 1.0, f"the {expected['against']} model does not give the test "
+                             f"data's expected outputs: {expected['summary']}"))
 
 
 @register
