@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from edgepack_core import __version__
+from edgepack_core import __version__, wire_json
 from edgepack_core.errors import EdgepackError, UsageError
 from edgepack_core.targets import PROFILES
 
@@ -59,13 +59,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
         result = service.predict(data)
         answer = result.to_json()
     if args.json:
-        print(json.dumps(answer))
+        # Strict JSON by the agent's one convention (docs/agent.md, "Encoding of outputs").
+        print(wire_json.dumps(answer).decode())
     else:
         print(f"{answer['model']['name']} {answer['model']['version']} on {answer['provider']} "
               f"({answer['latency_ms']} ms)")
         for fallback in answer["provider_fallbacks"]:
             print(f"  not using {fallback['provider']}: {fallback['reason']}")
-        print(json.dumps(answer["result"], indent=2) if answer["result"] is not None else
+        print(json.dumps(wire_json.to_wire(answer["result"]), indent=2, allow_nan=False)
+              if answer["result"] is not None else
               {k: np.asarray(v).shape for k, v in answer["outputs"].items()})
     return 0
 

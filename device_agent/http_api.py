@@ -8,7 +8,10 @@ POST /predict takes:
   - ``image/*`` (or ``application/octet-stream`` for an image model): raw image bytes
   - ``application/x-npy`` / ``application/x-npz``: one array / named arrays
   - ``application/json``: ``{"inputs": {name: nested list}}``
-and answers the ``predict --json`` object.
+and answers the ``predict --json`` object as strict JSON (``edgepack_core.wire_json``: a
+non-finite float is the string "NaN", "Infinity" or "-Infinity", integers, booleans and strings
+keep their type), or, when the request says ``Accept: application/x-npz``, the exact output
+tensors as ``np.savez`` bytes with the model, provider and latency in ``X-Edgepack-*`` headers.
 """
 
 from __future__ import annotations
@@ -20,9 +23,54 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from device_agent.errors import BadRequest, NoModelError
-from device_agent.runtime import LATENCY_BUCKETS, InferenceService, json_to_feed
+from device_agent.runtime import LATENCY_BUCKETS, InferenceService, PredictResult, json_to_feed
+from edgepack_core import wire_json
 
 log = logging.getLogger("edgepack.agent.http")
+
+
+JSON_MEDIA_TYPE = "application/json"
+# What /predict can answer in, in the server's order of preference for a tie.
+ANSWER_TYPES = (JSON_MEDIA_TYPE, wire_json.NPZ_MEDIA_TYPE)
+MAX_ACCEPT_CHARS = 1024
+
+
+def _quality(parameters: list[str]) -> float:
+    for parameter in parameters:
+        key, _, value = parameter.partition("=")
+        if key.strip().lower() == "q":
+            try:
+                return min(max(float(value.strip()), 0.0), 1.0)
+            except ValueError:
+                return 0.0
+    return 1.0
+
+
+def _matches(pattern: str, media_type: str) -> bool:
+    if pattern in ("*/*", media_type):
+        return True
+    return pattern.endswith("/*") and media_type.startswith(pattern[:-1])
+
+
+def choose_answer_type(accept: str | None) -> str | None:
+    """The media type /predict answers in for an ``Accept`` header (pure; RFC 9110 q-values,
+    the most specific matching range decides a type's quality). JSON when the header is absent;
+    None when the client accepts neither JSON nor npz (the caller answers 406)."""
+    if accept is None or not accept.strip():
+        return JSON_MEDIA_TYPE
+    ranges = []
+    for item in accept[:MAX_ACCEPT_CHARS].split(","):
+        media, *parameters = item.split(";")
+        media = media.strip().lower()
+        if media:
+            ranges.append((media, _quality(parameters)))
+    best, best_quality = None, 0.0
+    for media_type in ANSWER_TYPES:
+        matching = [(r.count("*"), q) for r, q in ranges if _matches(r, media_type)]
+        quality = min(matching)[1] if matching else 0.0  # fewest wildcards = most specific
+        if quality > best_quality:
+            best, best_quality = media_type, quality
+    return best
 
 
 def _escape(value: str) -> str:
@@ -65,15 +113,28 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
-    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+    def _send(self, status: int, body: bytes, content_type: str = JSON_MEDIA_TYPE,
+              headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(body)
 
     def _json(self, status: int, document: Any) -> None:
-        self._send(status, json.dumps(document).encode() + b"\n")
+        self._send(status, wire_json.dumps(document) + b"\n")
+
+    def _answer(self, result: PredictResult, answer_type: str) -> None:
+        """The 200 answer of /predict in the negotiated media type."""
+        answer = result.to_json()
+        if answer_type != wire_json.NPZ_MEDIA_TYPE:
+            self._json(200, answer)
+            return
+        headers = {"X-Edgepack-Model": f"{answer['model']['name']} {answer['model']['version']}",
+                   "X-Edgepack-Provider": answer["provider"], "X-Edgepack-Latency-Ms": str(answer["latency_ms"])}
+        self._send(200, wire_json.npz_bytes(result.outputs), wire_json.NPZ_MEDIA_TYPE, headers)
 
     def _error(self, status: int, kind: str, message: str) -> None:
         self._json(status, {"error": {"kind": kind, "message": message}})
@@ -96,6 +157,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "not_found", f"no such endpoint {self.path}")
             return
         service = self.server.service
+        answer_type = choose_answer_type(self.headers.get("Accept"))
+        if answer_type is None:
+            self.close_connection = True
+            self._error(406, "not_acceptable", f"answers come as {' or '.join(ANSWER_TYPES)}")
+            return
         length_text = self.headers.get("Content-Length")
         if length_text is None or not length_text.isdigit():
             self.close_connection = True
@@ -113,8 +179,9 @@ class _Handler(BaseHTTPRequestHandler):
             if content_type == "application/json":
                 try:
                     document = json.loads(body)
-                except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                    raise BadRequest("bad_json", f"body is not JSON: {err}") from None
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+                    # nested too deeply is malformed input (400), never a server error of the model
+                    raise BadRequest("bad_json", f"body is not JSON: {str(err)[:200]}") from None
                 model = service.model
                 if model is None:
                     raise NoModelError("no model is active")
@@ -133,7 +200,7 @@ class _Handler(BaseHTTPRequestHandler):
             service.stats.error("internal", client=False)
             self._error(500, "internal", f"{type(err).__name__}: {err}")
             return
-        self._json(200, result.to_json())
+        self._answer(result, answer_type)
 
 
 class ApiServer(ThreadingHTTPServer):

@@ -1,0 +1,1 @@
+"""onnx's backend test suite run over bare onnxruntime and over Edgepack's real path."""
