@@ -180,6 +180,10 @@ def _finite_or_str(value: float) -> float | str:
     return round(value, 6) if np.isfinite(value) else str(value)
 
 
+def _scalar(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         value = value.item()
@@ -235,10 +239,10 @@ def _element_check(want: np.ndarray, got: np.ndarray, rtol: float | None, atol: 
         return float("inf"), diff, index
     a, b = want.astype(np.float64), got.astype(np.float64)
     same = (a == b) | (np.isnan(a) & np.isnan(b))  # equal infinities and NaN where NaN was expected
-    diff = np.where(same, 0.0, np.abs(b - a))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    allowed = atol + rtol * np.abs(np.where(np.isfinite(a), a, 0.0))
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        diff = np.where(same, 0.0, np.abs(b - a))
+        diff = np.where(np.isnan(diff), np.inf, diff)
+        allowed = atol + rtol * np.abs(np.where(np.isfinite(a), a, 0.0))
         ratio = np.where(diff == 0, 0.0, np.where(allowed > 0, diff / allowed, np.inf))
     flat = int(np.argmax(ratio))
     index = tuple(int(i) for i in np.unravel_index(flat, ratio.shape))
@@ -272,7 +276,7 @@ def _check_output(name: str, reference: Sequence[Mapping[str, np.ndarray]],
         largest = max(largest, max_abs)
         if index is not None and (worst is None or ratio > worst.ratio):
             worst = OutputFidelity(name, first.dtype.name, r, a, ratio <= 1.0, ratio, max_abs, n, index,
-                                   got[index], want[index])
+                                   _scalar(got[index]), _scalar(want[index]))
     if worst is None:
         return OutputFidelity(name, first.dtype.name, r, a, True, 0.0, 0.0)
     return OutputFidelity(**{**worst.__dict__, "max_abs_diff": largest})
