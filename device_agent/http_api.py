@@ -200,7 +200,11 @@ class _Handler(BaseHTTPRequestHandler):
             service.stats.error("internal", client=False)
             self._error(500, "internal", f"{type(err).__name__}: {err}")
             return
-        self._answer(result, answer_type)
+        try:
+            self._answer(result, answer_type)
+        except wire_json.WireEncodingError as err:
+            service.stats.error("encoding", client=False)
+            self._error(500, "encoding", str(err))
 
 
 class ApiServer(ThreadingHTTPServer):

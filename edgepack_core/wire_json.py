@@ -98,7 +98,7 @@ def to_wire(value: Any) -> Any:
         return {str(k): to_wire(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_wire(v) for v in value]
-    raise WireEncodingError(f"a {type(value).__name__} has no JSON encoding")
+    raise WireEncodingError(f"a {type(value).__name__} has no JSON encoding: ask for {NPZ_MEDIA_TYPE}")
 
 
 def dumps(document: Any) -> bytes:

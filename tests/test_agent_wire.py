@@ -67,9 +67,9 @@ def wire_artifact(tmp_path_factory, keypair) -> tuple[Path, Path]:
 @pytest.fixture()
 def server(wire_artifact, keypair, tmp_path):
     verified = extract_artifact(wire_artifact[0], tmp_path / "m", TrustStore([load_public_key(keypair[1])]))
-    api = ApiServer(("127.0.0.1", 0), InferenceService(load_model(verified.root, verified.manifest)),
-                    max_body_bytes=1 << 16).start()
-    yield f"http://127.0.0.1:{api.port}/predict"
+    service = InferenceService(load_model(verified.root, verified.manifest))
+    api = ApiServer(("127.0.0.1", 0), service, max_body_bytes=1 << 16).start()
+    yield f"http://127.0.0.1:{api.port}/predict", service
     api.stop()
 
 
@@ -111,14 +111,14 @@ def check_outputs(outputs: dict) -> None:
 
 
 def test_predict_answers_strict_json_with_typed_outputs(server):
-    status, headers, body = post(server)
+    status, headers, body = post(server[0])
     assert status == 200 and headers["Content-Type"] == "application/json"
     assert b"NaN," not in body.replace(b'"NaN",', b"")  # no bare token anywhere
     check_outputs(strict_loads(body)["outputs"])
 
 
 def test_accept_npz_answers_the_exact_tensors(server, wire_artifact):
-    status, headers, body = post(server, accept="application/x-npz")
+    status, headers, body = post(server[0], accept="application/x-npz")
     assert status == 200 and headers["Content-Type"] == "application/x-npz"
     assert headers["X-Edgepack-Model"] == "wire 1.0.0" and headers["X-Edgepack-Provider"] == "CPUExecutionProvider"
     assert float(headers["X-Edgepack-Latency-Ms"]) >= 0
@@ -133,10 +133,30 @@ def test_accept_npz_answers_the_exact_tensors(server, wire_artifact):
 
 
 def test_client_accepting_neither_json_nor_npz_gets_406_and_the_server_keeps_serving(server):
-    status, _, body = post(server, accept="text/html")
+    status, _, body = post(server[0], accept="text/html")
     assert status == 406 and strict_loads(body)["error"]["kind"] == "not_acceptable"
-    status, _, body = post(server, accept="application/json;q=0.1, application/x-npz;q=0.05")
+    status, _, body = post(server[0], accept="application/json;q=0.1, application/x-npz;q=0.05")
     assert status == 200 and "outputs" in strict_loads(body)
+
+
+def test_an_output_with_no_json_encoding_is_a_500_naming_it_and_npz_still_answers(server, monkeypatch):
+    url, service = server
+    real_predict = service.predict
+
+    def with_complex_output(*args, **kwargs):
+        # onnxruntime has no complex outputs on CPU: the one value no model here can produce.
+        result = real_predict(*args, **kwargs)
+        result.outputs["z"] = np.array([1 + 2j], np.complex64)
+        return result
+
+    monkeypatch.setattr(service, "predict", with_complex_output)
+    status, _, body = post(url)
+    error = strict_loads(body)["error"]
+    assert status == 500 and error["kind"] == "encoding" and "complex" in error["message"]
+    assert "application/x-npz" in error["message"]
+    status, _, body = post(url, accept="application/x-npz")
+    with np.load(io.BytesIO(body), allow_pickle=False) as loaded:
+        assert status == 200 and loaded["z"].tolist() == [1 + 2j]
 
 
 def test_predict_cli_json_is_strict_json_with_typed_outputs(wire_artifact, keypair, tmp_path):
