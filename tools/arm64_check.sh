@@ -121,8 +121,8 @@ run_logged "keygen" "$BIN/edgepack" keygen --private "$WORK/release.key" --publi
 declare -A INPUT=([mobilenet]=demo/mobilenet/images/img_000.png [digits]=demo/digits/val/digit_0000.png
                   [tabular]=demo/tabular/example.npy)
 for name in mobilenet digits tabular; do
-  run_logged "build $name" "$BIN/edgepack" build "$WORK/recipes/$name.yaml" --key "$WORK/release.key" \
-    --output "$WORK/$name.edgepkg"
+  run_logged "build $name" "$BIN/edgepack" build "$WORK/recipes/$name.yaml" --allow-external-paths \
+    --key "$WORK/release.key" --output "$WORK/$name.edgepkg"
   run_logged "x86 predict $name" bash -c "'$BIN/edgepack-agent' predict --artifact '$WORK/$name.edgepkg' \
     --trust '$WORK/release.pub' --input '$WORK/${INPUT[$name]}' --json --profile rpi > '$WORK/out/$name.x86.json'"
 done

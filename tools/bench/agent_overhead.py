@@ -45,7 +45,8 @@ def rss_bytes(pid: int | str = "self") -> int:
 def package(folder: Path, name: str, key: Path) -> Path:
     recipe = folder / f"{name}.yaml"
     if name == "tiny":
-        recipe.write_text("name: tiny\nversion: 1.0.0\nmodel: {path: demo/tiny/model.onnx}\ntargets: [x86]\n")
+        recipe.write_text("name: tiny\nversion: 1.0.0\nmodel: {path: demo/tiny/model.onnx}\ntargets: [x86]\n"
+                          "validate: {data: synthetic}\n")
     else:
         text = (ROOT / "recipes" / f"{name}.yaml").read_text().replace("../demo/", "demo/")
         recipe.write_text(text)
