@@ -241,6 +241,13 @@ def test_input_declarations_that_contradict_themselves_are_refused_naming_the_ke
                           "validate": {"data": "synthetic"}}, tmp_path)
 
 
+def test_a_declared_dtype_the_model_disagrees_with_is_refused_naming_the_key(tmp_path, keypair):
+    _add_model(tmp_path / "m.onnx")
+    with pytest.raises(RecipeError, match=r"inputs\.x\.dtype: is int64, the model's input is float32"):
+        _build(tmp_path, {"model": {"path": "m.onnx"}, "inputs": {"x": {"dtype": "int64"}},
+                          "validate": {"data": "synthetic"}}, keypair)
+
+
 def test_a_constant_of_the_wrong_shape_is_refused_naming_the_key(tmp_path, keypair):
     _add_model(tmp_path / "m.onnx")
     with pytest.raises(RecipeError, match=r"inputs\.k\.value: has shape \[3\]"):

@@ -107,16 +107,19 @@ def as_input_dtype(array: Any, spec: TensorSpec, where: str) -> np.ndarray:
 
 def constant_feeds(inputs: Sequence[TensorSpec], declared: Declared) -> Feed:
     """The value of every input declared ``role: constant``, as arrays of the input's dtype
-    and shape (checked here, so a bad value is a recipe error naming the key)."""
+    and shape. Every declaration is checked against the model here (a name it lacks, a dtype
+    it disagrees with, a bad value), so a mistake is a recipe error naming the key."""
     by_name = {spec.name: spec for spec in inputs}
     constants: Feed = {}
     for name, decl in declared.items():
+        if name not in by_name:
+            raise RecipeError(f"inputs.{name}", f"the model has no input {name!r} (inputs: {', '.join(by_name)})")
+        spec = by_name[name]
+        if "dtype" in decl and decl["dtype"] != spec.dtype:
+            raise RecipeError(f"inputs.{name}.dtype", f"is {decl['dtype']}, the model's input is {spec.dtype}")
         if decl.get("role") != "constant":
             continue
         key = f"inputs.{name}.value"
-        if name not in by_name:
-            raise RecipeError(f"inputs.{name}", f"the model has no input {name!r}")
-        spec = by_name[name]
         try:
             raw = np.asarray(decl["value"])
         except ValueError as err:
