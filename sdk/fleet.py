@@ -4,24 +4,28 @@
 online or not, running what". A device is offline when its retained state says so (its
 last will, or a clean shutdown) or when nothing was heard from it for ``silence_s``.
 Payloads that are not JSON, too large, or of the wrong schema are counted and dropped; they
-never raise. ``collect`` and ``watch`` are the thin I/O around it (paho-mqtt).
+never raise. ``collect`` and ``stream_messages`` are the thin I/O around it, on the shared
+``MqttTransport``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import socket
-import threading
+import queue
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from device_agent.mqtt.topics import DEFAULT_ROOT, Topics
 from edgepack_core.errors import EdgepackError
+from edgepack_core.mqtt_transport import Incoming, MqttTransport
+from edgepack_core.protocol.ids import validate_id
 from edgepack_core.protocol.payloads import STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID
+from edgepack_core.protocol.topics import DEFAULT_ROOT, Topics
+from sdk.broker import BrokerOptions, parse_broker
+
+__all__ = ["DeviceRow", "FleetError", "FleetView", "collect", "format_table", "parse_broker", "stream_messages"]
 
 log = logging.getLogger("edgepack.fleet")
 
@@ -207,90 +211,57 @@ def format_table(rows: list[DeviceRow], now: float) -> str:
 # --------------------------------------------------------------------------- I/O
 
 
-def parse_broker(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise FleetError(f"--broker must be HOST:PORT, got {text!r}")
-    return host, int(port)
-
-
-def _client(client_id: str, protocol: str) -> Any:
-    import paho.mqtt.client as mqtt
-
-    version = mqtt.MQTTv5 if protocol == "5" else mqtt.MQTTv311
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=version)
-
-    def nodelay(_client: Any, _userdata: Any, sock: Any) -> None:
-        # Nagle's algorithm holds small QoS 1 packets for tens of milliseconds; off.
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    client.on_socket_open = nodelay
-    return client
+def _options(broker: str | BrokerOptions, **given: Any) -> BrokerOptions:
+    """Accept a ready :class:`BrokerOptions` or a bare ``HOST:PORT`` plus keyword options."""
+    if isinstance(broker, BrokerOptions):
+        return broker
+    return BrokerOptions(broker, **{key: value for key, value in given.items() if value is not None})
 
 
 def stream_messages(
-    broker: str, *, root: str = DEFAULT_ROOT, share: str | None = None, protocol: str = "5",
+    broker: str | BrokerOptions, *, root: str = DEFAULT_ROOT, share: str | None = None, protocol: str = "5",
     username: str | None = None, password: str | None = None, connect_timeout: float = 5.0,
 ) -> Iterator[tuple[str, bytes, float]]:
-    """Yield (topic, payload, receive time) from the state and telemetry topics until closed.
+    """Yield (topic, payload, receive time) from the state and telemetry topics until closed;
+    an empty topic is a tick (every 0.1 s without a message) so callers can stop on time.
 
     With ``share``, telemetry is read through the MQTT 5 shared subscription
     ``$share/<share>/...`` so several consumers split the load; state stays a normal
     subscription, since every consumer needs every device's retained state.
     """
-    import queue
-
-    host, port = parse_broker(broker)
-    topics = Topics(root)
-    client = _client(f"edgepack-fleet-{uuid.uuid4().hex[:12]}", protocol)
-    if username:
-        client.username_pw_set(username, password)
+    options = _options(broker, topic_root=root, protocol=protocol, username=username, password=password,
+                       connect_timeout=connect_timeout)
+    topics = Topics(options.topic_root)
     inbox: queue.Queue[tuple[str, bytes, float]] = queue.Queue(maxsize=100_000)
-    connected = threading.Event()
-    failure: list[str] = []
 
-    def on_connect(c: Any, _u: Any, _flags: Any, reason: Any, _props: Any = None) -> None:
-        if getattr(reason, "is_failure", False):
-            failure.append(str(reason))
-            connected.set()
-            return
-        telemetry = topics.all_of("telemetry")
-        c.subscribe([(topics.all_of("state"), 1), (f"$share/{share}/{telemetry}" if share else telemetry, 1)])
-        connected.set()
-
-    def on_message(_c: Any, _u: Any, message: Any) -> None:
+    def on_message(message: Incoming) -> None:
         try:
             inbox.put_nowait((message.topic, message.payload, time.time()))
         except queue.Full:
             log.warning("fleet inbox full: dropping a message")
 
-    client.on_connect = on_connect
-    client.on_message = on_message
+    telemetry = topics.all_of("telemetry")
+    transport = MqttTransport(options.settings("edgepack-fleet"))
+    transport.subscribe(topics.all_of("state"), 1, on_message)
+    transport.subscribe(f"$share/{validate_id(share, 'share')}/{telemetry}" if share else telemetry, 1, on_message)
     try:
-        client.connect(host, port, keepalive=30)
-    except OSError as err:
-        raise FleetError(f"cannot reach the broker at {broker}: {err.strerror or err}") from None
-    client.loop_start()
-    try:
-        if not connected.wait(connect_timeout):
-            raise FleetError(f"no answer from the broker at {broker} within {connect_timeout:.0f}s")
-        if failure:
-            raise FleetError(f"the broker at {broker} refused the connection: {failure[0]}")
+        transport.connect_or_raise(options.connect_timeout)
         while True:
             try:
                 yield inbox.get(timeout=0.1)
             except queue.Empty:
-                yield ("", b"", time.time())  # a tick, so callers can stop on time
+                yield ("", b"", time.time())
     finally:
-        client.loop_stop()
-        client.disconnect()
+        transport.close(timeout=0.5)
 
 
-def collect(broker: str, *, wait_s: float = 2.0, quiet_s: float = 0.5, silence_s: float = 60.0,
+def collect(broker: str | BrokerOptions, *, wait_s: float = 2.0, quiet_s: float = 0.5, silence_s: float = 60.0,
             root: str = DEFAULT_ROOT, on_tick: Callable[[FleetView], None] | None = None,
             **kwargs: Any) -> FleetView:
     """Read the fleet for up to ``wait_s`` seconds, ending early once retained states have
     arrived and the stream has been quiet for ``quiet_s``."""
+    if isinstance(broker, BrokerOptions):
+        root = broker.topic_root
     view = FleetView(root=root, silence_s=silence_s)
     started = last = time.time()
     for topic, payload, received in stream_messages(broker, root=root, **kwargs):

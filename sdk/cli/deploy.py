@@ -1,4 +1,4 @@
-"""``edgepack deploy`` and ``edgepack device`` (ping, state, rollback)."""
+"""``edgepack deploy`` and ``edgepack device`` (ping, get-state, rollback, cancel)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,18 @@ from typing import Any
 
 import click
 
-from edgepack_core.signing import TrustStore
+from edgepack_core.signing import SigningKey, TrustStore
+from sdk.broker import BrokerOptions
 from sdk.cli import main
+from sdk.cli.broker_options import broker_options
+from sdk.deploy import DeployOptions, send_command
 from sdk.deploy import deploy as run_deploy
-from sdk.deploy import send_command
+from sdk.keys import load_operator_key
+
+_OPERATOR_KEY = click.option(
+    "--operator-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar="EDGEPACK_OPERATOR_KEY",
+    help="Sign the command with this operator key (edgepack keygen --operator); devices with operator_keys "
+         "refuse unsigned state-changing commands (or EDGEPACK_OPERATOR_KEY).")
 
 
 def _percent(value: str | None) -> float | None:
@@ -28,11 +36,27 @@ def _percent(value: str | None) -> float | None:
     return number
 
 
+def _key(path: Path | None) -> SigningKey | None:
+    return None if path is None else load_operator_key(path)
+
+
+def _print_result(result: Any, wait: bool, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"command": result.command_id, "succeeded": result.succeeded, "aborted": result.aborted,
+                               "devices": {d: {"state": j.state, "reason": j.reason, "final": j.final}
+                                           for d, j in result.jobs.items()}}))
+    elif wait:
+        for device, job in sorted(result.jobs.items()):
+            click.echo(f"{device:<24} {job.state:<12} {job.reason}")
+    else:
+        click.echo(f"sent {result.command_id} to {len(result.jobs)} device(s)")
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--device", "devices", multiple=True, help="Target device id (repeatable).")
 @click.option("--group", help="Target every online device of this group.")
-@click.option("--broker", required=True, help="MQTT broker as HOST:PORT.")
+@broker_options
 @click.option("--wait/--no-wait", default=False, help="Follow every job to its end (exit 0 only if all end active).")
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the jobs.")
 @click.option("--canary", help="Staged rollout: send to this share first (e.g. 10%), the rest only if they succeed.")
@@ -45,13 +69,15 @@ def _percent(value: str | None) -> float | None:
               help="Verify the artifact locally before sending it.")
 @click.option("--force-downgrade", is_flag=True, help="Allow devices to install an older version.")
 @click.option("--health-window", type=float, help="Seconds each device watches the new model before closing the job.")
+@click.option("--allow-contract-change", is_flag=True,
+              help="Allow a model whose inputs or outputs differ from the running one (signed into the command).")
 @click.option("--expect", type=int, help="With --group: fail unless at least this many devices are online.")
-@click.option("--topic-root", default="edgepack/v1", show_default=True)
+@_OPERATOR_KEY
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def deploy(artifact: Path, devices: tuple[str, ...], group: str | None, broker: str, wait: bool, timeout: float,
-           canary: str | None, url: str | None, transfer: str, serve_host: str, trust: tuple[Path, ...],
-           force_downgrade: bool, health_window: float | None, expect: int | None, topic_root: str,
-           as_json: bool) -> None:
+def deploy(artifact: Path, devices: tuple[str, ...], group: str | None, broker: BrokerOptions, wait: bool,
+           timeout: float, canary: str | None, url: str | None, transfer: str, serve_host: str,
+           trust: tuple[Path, ...], force_downgrade: bool, health_window: float | None, allow_contract_change: bool,
+           expect: int | None, operator_key: Path | None, as_json: bool) -> None:
     """Send ARTIFACT to devices over MQTT and follow their update jobs."""
     if bool(devices) == bool(group):
         raise click.UsageError("give --device ID (repeatable) or --group G")
@@ -64,21 +90,15 @@ def deploy(artifact: Path, devices: tuple[str, ...], group: str | None, broker: 
             click.echo(f"{device}: {event.get('state')} {'(final) ' if event.get('final') else ''}"
                        f"{event.get('reason', '')}", err=True)
 
-    result = run_deploy(
-        artifact, broker=broker, devices=list(devices) or None, group=group, wait=wait, timeout=timeout,
-        canary_percent=_percent(canary), url=url, transfer=transfer, serve_host=serve_host,
-        trust=TrustStore.from_paths(trust) if trust else None, force_downgrade=force_downgrade,
-        health_window_s=health_window, expect=expect, root=topic_root, on_event=show,
+    options = DeployOptions(
+        artifact=artifact, broker=broker, devices=devices, group=group, wait=wait, timeout=timeout,
+        canary_percent=_percent(canary), url=url, transfer=transfer,  # type: ignore[arg-type]
+        serve_host=serve_host, trust=TrustStore.from_paths(trust) if trust else None,
+        force_downgrade=force_downgrade, health_window_s=health_window, allow_contract_change=allow_contract_change,
+        expect=expect, operator_key=_key(operator_key), on_event=show,
     )
-    if as_json:
-        click.echo(json.dumps({"command": result.command_id, "succeeded": result.succeeded, "aborted": result.aborted,
-                               "devices": {d: {"state": j.state, "reason": j.reason, "final": j.final}
-                                           for d, j in result.jobs.items()}}))
-    elif wait:
-        for device, job in sorted(result.jobs.items()):
-            click.echo(f"{device:<24} {job.state:<12} {job.reason}")
-    else:
-        click.echo(f"sent {result.command_id} to {len(result.jobs)} device(s)")
+    result = run_deploy(options)
+    _print_result(result, wait, as_json)
     if wait and not result.succeeded:
         click.echo(f"edgepack: error: deployment {result.command_id} did not end active everywhere"
                    f"{': ' + result.aborted if result.aborted else ''}", err=True)
@@ -90,27 +110,46 @@ def device() -> None:
     """Send one command to one device and print its answer."""
 
 
-def _command(broker: str, device_id: str, kind: str, topic_root: str, **body: Any) -> None:
-    event, seconds = send_command(broker, device_id, kind, root=topic_root, **body)
+def _command(broker: BrokerOptions, device_id: str, kind: str, timeout: float, key_path: Path | None = None,
+             **body: Any) -> None:
+    event, seconds = send_command(broker, device_id, kind, timeout=timeout, operator_key=_key(key_path), **body)
     click.echo(json.dumps({**event, "round_trip_ms": round(seconds * 1000, 3)}))
-    if event.get("state") not in ("done", "active"):
+    if event.get("state") not in ("done", "active", "cancelled"):
         sys.exit(1)
 
 
-_OPTIONS = [click.argument("device_id"), click.option("--broker", required=True),
-            click.option("--topic-root", default="edgepack/v1")]
+_TIMEOUT = click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the answer.")
 
 
-def _device_command(kind: str, doc: str) -> None:
-    def command(device_id: str, broker: str, topic_root: str) -> None:
-        _command(broker, device_id, kind, topic_root)
+def _read_only_command(kind: str, doc: str) -> None:
+    @device.command(name=kind, help=doc)
+    @click.argument("device_id")
+    @broker_options
+    @_TIMEOUT
+    def command(device_id: str, broker: BrokerOptions, timeout: float) -> None:
+        _command(broker, device_id, kind, timeout)
 
-    command.__doc__ = doc
-    for option in reversed(_OPTIONS):
-        command = option(command)
-    device.command(name=kind)(command)
+
+_read_only_command("ping", "Round trip to a device over MQTT.")
+_read_only_command("get-state", "The device's active model, store and profile.")
 
 
-_device_command("ping", "Round trip to a device over MQTT.")
-_device_command("get-state", "The device's active model, store and profile.")
-_device_command("rollback", "Make the device's previous model active again.")
+@device.command(name="rollback")
+@click.argument("device_id")
+@broker_options
+@_TIMEOUT
+@_OPERATOR_KEY
+def rollback(device_id: str, broker: BrokerOptions, timeout: float, operator_key: Path | None) -> None:
+    """Make the device's previous model active again."""
+    _command(broker, device_id, "rollback", timeout, operator_key)
+
+
+@device.command(name="cancel")
+@click.argument("device_id")
+@click.argument("job_id")
+@broker_options
+@_TIMEOUT
+@_OPERATOR_KEY
+def cancel(device_id: str, job_id: str, broker: BrokerOptions, timeout: float, operator_key: Path | None) -> None:
+    """Stop a queued or running job (JOB_ID: the deploy's command id) on the device."""
+    _command(broker, device_id, "cancel", timeout, operator_key, job=job_id)

@@ -4,29 +4,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
-from typing import Any
 
 import click
 
+from sdk.broker import BrokerOptions
 from sdk.cli import main
+from sdk.cli.broker_options import broker_options
 from sdk.fleet import FleetView, collect, format_table
 
-_BROKER = click.option("--broker", required=True, help="MQTT broker as HOST:PORT.")
-_ROOT = click.option("--topic-root", default="edgepack/v1", show_default=True, help="Topic root of the fleet.")
 _SILENCE = click.option("--silence", "silence_s", default=60.0, show_default=True,
                         help="Seconds without a message after which an online device counts as silent.")
-_AUTH = [
-    click.option("--username", envvar="EDGEPACK_MQTT_USERNAME", help="MQTT user (or EDGEPACK_MQTT_USERNAME)."),
-    click.option("--password", envvar="EDGEPACK_MQTT_PASSWORD", help="MQTT password (or EDGEPACK_MQTT_PASSWORD)."),
-    click.option("--share", default=None, help="Join this MQTT 5 shared-subscription group for telemetry."),
-]
-
-
-def _auth(func: Callable[..., Any]) -> Callable[..., Any]:
-    for option in reversed(_AUTH):
-        func = option(func)
-    return func
+_SHARE = click.option("--share", default=None, help="Join this MQTT 5 shared-subscription group for telemetry.")
 
 
 @main.group()
@@ -35,17 +23,14 @@ def fleet() -> None:
 
 
 @fleet.command()
-@_BROKER
-@_ROOT
+@broker_options
 @_SILENCE
-@_auth
+@_SHARE
 @click.option("--wait", "wait_s", default=3.0, show_default=True, help="Listen at most this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def status(broker: str, topic_root: str, silence_s: float, username: str | None, password: str | None,
-           share: str | None, wait_s: float, as_json: bool) -> None:
+def status(broker: BrokerOptions, silence_s: float, share: str | None, wait_s: float, as_json: bool) -> None:
     """Print every known device: online or not, model, provider, latency, errors, last seen."""
-    view = collect(broker, wait_s=wait_s, silence_s=silence_s, root=topic_root, username=username,
-                   password=password, share=share)
+    view = collect(broker, wait_s=wait_s, silence_s=silence_s, share=share)
     now = time.time()
     rows = view.rows(now)
     if as_json:
@@ -56,14 +41,12 @@ def status(broker: str, topic_root: str, silence_s: float, username: str | None,
 
 
 @fleet.command()
-@_BROKER
-@_ROOT
+@broker_options
 @_SILENCE
-@_auth
+@_SHARE
 @click.option("--interval", default=1.0, show_default=True, help="Seconds between screen refreshes.")
 @click.option("--duration", default=0.0, help="Stop after this many seconds (0: until Ctrl-C).")
-def watch(broker: str, topic_root: str, silence_s: float, username: str | None, password: str | None,
-          share: str | None, interval: float, duration: float) -> None:
+def watch(broker: BrokerOptions, silence_s: float, share: str | None, interval: float, duration: float) -> None:
     """Show the fleet table live, refreshed every INTERVAL seconds."""
     last_draw = [0.0]
     started = time.time()
@@ -77,6 +60,6 @@ def watch(broker: str, topic_root: str, silence_s: float, username: str | None, 
 
     forever = duration <= 0
     collect(broker, wait_s=duration if not forever else float("inf"), quiet_s=float("inf"), silence_s=silence_s,
-            root=topic_root, on_tick=draw, username=username, password=password, share=share)
+            on_tick=draw, share=share)
     if not forever:
         click.echo(f"watched for {time.time() - started:.0f}s")

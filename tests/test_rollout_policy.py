@@ -1,0 +1,140 @@
+"""The pure rollout policy of edgepack deploy (sdk/deploy/policy.py) and the artifact server's
+Range parsing, at their boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdk.deploy.policy import JobBoard, RolloutError, all_active, plan_waves, wave_verdict
+from sdk.deploy.server import parse_range
+
+DEVICES = [f"d{i}" for i in range(10)]
+
+
+def _event(job: str = "c-1", state: str = "active", final: bool = True, **extra: object) -> dict:
+    return {"job": job, "state": state, "final": final, **extra}
+
+
+# ------------------------------------------------------------------ plan_waves
+
+
+@pytest.mark.parametrize(("percent", "canaries"), [(10, 1), (10.1, 2), (1, 1), (20, 2), (99, 10), (100, 10)])
+def test_canary_share_rounds_up_and_a_full_share_is_one_wave(percent, canaries):
+    waves = plan_waves(DEVICES, percent)
+    assert waves[0] == DEVICES[:canaries]
+    assert [d for wave in waves for d in wave] == DEVICES
+    assert len(waves) == (1 if canaries == len(DEVICES) else 2)
+
+
+def test_no_canary_or_a_single_target_is_one_wave():
+    assert plan_waves(DEVICES, None) == [DEVICES]
+    assert plan_waves(["only"], 10) == [["only"]]
+
+
+def test_duplicate_targets_are_planned_once_in_order():
+    assert plan_waves(["b", "a", "b"], None) == [["b", "a"]]
+
+
+@pytest.mark.parametrize("percent", [0, -5, 100.0001, float("nan"), float("inf")])
+def test_canary_share_out_of_range_is_refused(percent):
+    with pytest.raises(RolloutError, match="canary share"):
+        plan_waves(DEVICES, percent)
+
+
+def test_empty_target_list_is_refused():
+    with pytest.raises(RolloutError, match="no target"):
+        plan_waves([], None)
+
+
+# ------------------------------------------------------------------ JobBoard
+
+
+def test_board_folds_events_of_its_command_from_its_devices_only():
+    board = JobBoard("c-1", ["a", "b"])
+    assert board.fold("a", _event(state="downloading", final=False))
+    assert not board.fold("a", _event(job="c-2"))          # another command
+    assert not board.fold("stranger", _event())            # not in this rollout
+    assert not board.fold(None, _event())
+    assert not board.fold("a", ["not", "a", "dict"])
+    assert not board.fold("a", _event(state=7))            # wrong types are ignored, not raised
+    assert not board.fold("a", _event(final="yes"))
+    assert not board.fold("a", _event(state="x" * 33))
+    assert board.jobs["a"].state == "downloading" and not board.jobs["a"].final
+    assert board.jobs["b"].state == "sent"
+
+
+def test_a_final_state_is_kept_against_later_duplicates():
+    board = JobBoard("c-1", ["a"])
+    board.fold("a", _event(state="failed", reason="smoke test"))
+    board.fold("a", _event(state="active", duplicate=True))
+    assert (board.jobs["a"].state, board.jobs["a"].reason, board.jobs["a"].final) == ("failed", "smoke test", True)
+    assert len(board.jobs["a"].events) == 2
+
+
+def test_event_list_and_reason_are_bounded():
+    board = JobBoard("c-1", ["a"])
+    for _ in range(200):
+        board.fold("a", _event(state="downloading", final=False, reason="r" * 10_000))
+    assert len(board.jobs["a"].events) == 64
+    assert len(board.jobs["a"].reason) == 500
+
+
+def test_finished_and_all_active():
+    board = JobBoard("c-1", ["a", "b"])
+    board.fold("a", _event())
+    assert board.finished(["a"]) and not board.finished(["a", "b"])
+    assert not all_active(board.jobs)
+    board.fold("b", _event())
+    assert all_active(board.jobs)
+    assert not all_active({})
+
+
+# ------------------------------------------------------------------ wave_verdict
+
+
+def test_wave_passes_only_when_every_device_is_final_and_active():
+    board = JobBoard("c-1", ["a", "b"])
+    board.fold("a", _event())
+    assert wave_verdict(board, ["a", "b"], timed_out=False).outcome == "pending"
+    board.fold("b", _event(state="active", final=False))   # swapped, health window still open
+    assert wave_verdict(board, ["a", "b"], timed_out=False).outcome == "pending"
+    board.fold("b", _event())
+    assert wave_verdict(board, ["a", "b"], timed_out=False).outcome == "passed"
+
+
+def test_one_failure_fails_the_wave_without_waiting_for_the_others():
+    board = JobBoard("c-1", ["a", "b", "c"])
+    board.fold("b", _event(state="rolled_back", reason="error rate"))
+    verdict = wave_verdict(board, ["a", "b", "c"], timed_out=False)
+    assert (verdict.outcome, verdict.failed, verdict.timed_out) == ("failed", ("b",), False)
+    assert verdict.reason == "b: rolled_back (error rate)"
+
+
+def test_timeout_fails_the_wave_naming_the_silent_devices():
+    board = JobBoard("c-1", ["a", "b"])
+    board.fold("a", _event())
+    verdict = wave_verdict(board, ["a", "b"], timed_out=True)
+    assert (verdict.outcome, verdict.failed, verdict.timed_out) == ("failed", ("b",), True)
+    assert "b" in verdict.reason
+    board.fold("b", _event())
+    assert wave_verdict(board, ["a", "b"], timed_out=True).outcome == "passed"  # all in: time does not matter
+
+
+def test_skipped_devices_are_marked():
+    board = JobBoard("c-1", ["a", "b"])
+    board.skip(["b"], "canary failed")
+    assert (board.jobs["b"].state, board.jobs["b"].reason, board.jobs["b"].final) == ("skipped", "canary failed",
+                                                                                      False)
+
+
+# ------------------------------------------------------------------ Range
+
+
+@pytest.mark.parametrize(("header", "expected"), [
+    ("", None), ("bytes=0-", (0, 9)), ("bytes=5-9", (5, 9)), ("bytes=9-9", (9, 9)), ("bytes=0-100", (0, 9)),
+    ("bytes=-3", (7, 9)), ("bytes=-100", (0, 9)), ("bytes=10-", "unsatisfiable"), ("bytes=9-5", "unsatisfiable"),
+    ("bytes=-0", "unsatisfiable"), ("bytes=-", None), ("bytes=1-2,4-5", None), ("items=0-1", None),
+    ("bytes=" + "9" * 19 + "-", None), ("bytes=x-1", None),
+])
+def test_range_header_boundaries(header, expected):
+    assert parse_range(header, 10) == expected
