@@ -7,6 +7,7 @@ back to a default). Relative paths are resolved against the config file's direct
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,11 @@ MAX_CONFIG_BYTES = 256 * 1024
 _NAME = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"}
 _PATH = {"type": "string", "minLength": 1}
 _POSITIVE = {"type": "integer", "minimum": 1}
+_ORIGIN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?$"
+
+HEALTH_WINDOW_DEFAULTS = {"default": 30.0, "min": 5.0, "max": 3600.0}
+DOWNLOAD_DEADLINE_S = 3600.0
+MIN_RATE_BYTES_S = 1024.0
 
 CONFIG_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -32,6 +38,7 @@ CONFIG_SCHEMA: dict[str, Any] = {
         "device_id": _NAME,
         "store": _PATH,
         "trust": {"type": "array", "minItems": 1, "items": _PATH},
+        "operator_keys": {"type": "array", "minItems": 1, "items": _PATH},
         "profile": {"enum": sorted(PROFILES)},
         "threads": {"type": "integer", "minimum": 0, "maximum": 256},
         "artifact": _PATH,
@@ -86,11 +93,23 @@ CONFIG_SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {
                 "enabled": {"type": "boolean"},
-                "health_window_s": {"type": "number", "minimum": 0},
+                "health_window_s": {"anyOf": [
+                    {"type": "number", "minimum": 0},
+                    {"type": "object", "additionalProperties": False,
+                     "properties": {"default": {"type": "number", "minimum": 0},
+                                    "min": {"type": "number", "minimum": 0},
+                                    "max": {"type": "number", "minimum": 0}}},
+                ]},
+                "health_min_requests": {"type": "integer", "minimum": 0},
                 "max_error_rate": {"type": "number", "minimum": 0, "maximum": 1},
                 "max_latency_factor": {"type": "number", "exclusiveMinimum": 0},
                 "download_dir": _PATH,
                 "max_download_bytes": _POSITIVE,
+                "allowed_names": {"type": "array", "minItems": 1, "items": _NAME},
+                "allowed_origins": {"type": "array", "minItems": 1,
+                                    "items": {"type": "string", "pattern": _ORIGIN}},
+                "download_deadline_s": {"type": "number", "exclusiveMinimum": 0},
+                "min_rate_bytes_s": {"type": "number", "minimum": 0},
             },
         },
     },
@@ -108,6 +127,7 @@ class AgentConfig:
     device_id: str
     store: Path
     trust: list[Path]
+    operator_keys: list[Path] = field(default_factory=list)
     profile: str = "x86"
     threads: int = 0
     artifact: Path | None = None
@@ -130,6 +150,33 @@ def _resolve(base: Path, value: str) -> Path:
     return (base / value).resolve()
 
 
+def _finite(updates: dict[str, Any], key: str, value: Any, name: str) -> None:
+    """YAML's .nan and .inf pass every ``minimum`` check (NaN compares false): refuse them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"updates.{key}", f"{value} is not a finite number", config=name)
+
+
+def _check_updates(updates: dict[str, Any], name: str) -> dict[str, Any]:
+    """Normalise ``updates``: ``health_window_s`` becomes ``{default, min, max}`` (a plain number
+    is the default), every number finite, and min <= default <= max."""
+    given = updates.get("health_window_s", {})
+    if isinstance(given, dict):
+        window = {**HEALTH_WINDOW_DEFAULTS, **given}
+    else:  # a plain number is the default, and widens the range to include itself
+        window = {"default": given, "min": min(given, HEALTH_WINDOW_DEFAULTS["min"]),
+                  "max": max(given, HEALTH_WINDOW_DEFAULTS["max"])}
+    for key, value in window.items():
+        _finite(updates, f"health_window_s.{key}", value, name)
+    for key in ("max_error_rate", "max_latency_factor", "download_deadline_s", "min_rate_bytes_s"):
+        if key in updates:
+            _finite(updates, key, updates[key], name)
+    if not window["min"] <= window["default"] <= window["max"]:
+        raise ConfigError("updates.health_window_s", f"needs min <= default <= max, got {window['min']:g}, "
+                          f"{window['default']:g}, {window['max']:g}", config=name)
+    updates["health_window_s"] = {key: float(value) for key, value in window.items()}
+    return updates
+
+
 def check_config(document: Any, path: Path | None) -> AgentConfig:
     name = str(path) if path else "agent config"
     if not isinstance(document, dict):
@@ -149,7 +196,7 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
             mqtt["queue"] = {**mqtt["queue"], "path": str(_resolve(base, mqtt["queue"]["path"]))}
         if "password" in mqtt and "username" not in mqtt:
             raise ConfigError("mqtt.password", "is set without mqtt.username", config=name)
-    updates = dict(document.get("updates") or {})
+    updates = _check_updates(dict(document.get("updates") or {}), name)
     if "download_dir" in updates:
         updates["download_dir"] = str(_resolve(base, updates["download_dir"]))
     return AgentConfig(
@@ -157,6 +204,7 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         device_id=document["device_id"],
         store=_resolve(base, document["store"]),
         trust=[_resolve(base, t) for t in document["trust"]],
+        operator_keys=[_resolve(base, k) for k in document.get("operator_keys", [])],
         profile=document.get("profile", "x86"),
         threads=int(document.get("threads", 0)),
         artifact=_resolve(base, document["artifact"]) if document.get("artifact") else None,

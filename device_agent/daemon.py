@@ -21,7 +21,9 @@ from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.metrics import ModelInfo
 from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
+from device_agent.updates.service import UpdateService
 from edgepack_core.artifact import Limits
+from edgepack_core.errors import EdgepackError
 from edgepack_core.signing import TrustStore
 
 log = logging.getLogger("edgepack.agent")
@@ -33,11 +35,14 @@ class Daemon:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.trust = TrustStore.from_paths(config.trust)
+        # Operator keys sign commands (edgepack keygen --operator); without them, anyone who can
+        # publish to the broker may order deploys, rollbacks and downgrades (warned at start).
+        self.operator_trust = TrustStore.from_paths(config.operator_keys) if config.operator_keys else None
         self.store = ModelStore(config.store, self.trust, Limits(**limits_from(config)))
         self.service = InferenceService()
         self.api: ApiServer | None = None
         self.reporter: TelemetryReporter | None = None
-        self.updates: Any = None
+        self.updates: UpdateService | None = None
         self._stopped = threading.Event()
 
     # ---------------------------------------------------------------- models
@@ -78,16 +83,7 @@ class Daemon:
             log.info("store is empty: installing %s", self.config.artifact)
             self.install_artifact(self.config.artifact)
         elif active is not None:
-            try:
-                self.service.swap(self.load(active))
-            except Exception as err:
-                # The active model verified but no longer loads (e.g. an onnxruntime upgrade):
-                # fall back to the previous one rather than serve nothing.
-                log.error("active model %s does not load (%s); rolling back", active.key, err)
-                try:
-                    self.service.swap(self.load(self.store.rollback()))
-                except StoreError:
-                    raise err from None
+            self._load_active(active)
         if self.config.mqtt is not None:
             mqtt = self.config.mqtt
             groups = list(mqtt.get("groups", []))
@@ -105,16 +101,42 @@ class Daemon:
             log.info("HTTP API on http://%s:%d", address[0], self.api.port)
         return self
 
-    def _start_updates(self) -> None:
-        """Remote updates over MQTT, when the update service is installed in this build."""
+    def _load_active(self, active: InstalledModel) -> None:
+        """Serve the store's active model. If it verified but no longer loads (e.g. after an
+        onnxruntime upgrade), load and smoke-test the previous one *before* the store's commit
+        point changes, then commit and serve it; if that fails too, nothing changed on disk and
+        the original error stands."""
         try:
-            from device_agent.updates.service import UpdateService
-        except ImportError:
-            log.info("remote updates are not available in this build")
+            self.service.swap(self.load(active))
             return
-        if self.config.updates.get("enabled", True):
-            self.updates = UpdateService(self)
-            self.updates.start()
+        except EdgepackError as err:
+            failure = err
+        log.error("active model %s does not load (%s); trying the previous one", active.key, failure)
+        try:
+            previous = self.store.previous()
+            if previous is None:
+                raise StoreError("no previous model to roll back to")
+            loaded = self.load(previous)
+            self.store.rollback()
+        except EdgepackError as err:
+            log.error("the previous model cannot serve either (%s)", err)
+            raise failure from None
+        self.service.swap(loaded)
+        log.warning("serving %s %s after rolling back from %s", previous.name, previous.version, active.key)
+
+    def _start_updates(self) -> None:
+        """Remote updates over MQTT (the update service knows the daemon only as an AgentHost)."""
+        if not self.config.updates.get("enabled", True):
+            return
+        if self.operator_trust is None:
+            log.warning("no operator_keys in agent.yaml: commands are not authenticated, so anyone who can "
+                        "publish to the broker can order deploys, rollbacks and downgrades of signed artifacts "
+                        "(see docs/updates.md)")
+        else:
+            log.info("commands that change what runs must be signed by one of %d operator key(s)",
+                     len(self.operator_trust))
+        self.updates = UpdateService(self)
+        self.updates.start()
 
     def _observe(self, latency: float | None, error: str | None) -> None:
         if self.reporter is None:

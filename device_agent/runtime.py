@@ -282,6 +282,9 @@ class InferenceService:
                 raise BadRequest("dtype", f"input {name} must be {spec[0].name}, got {value.dtype.name}")
             if not shape_matches(value.shape, spec[1]):
                 raise BadRequest("shape", f"input {name} must have shape {list(spec[1])}, got {list(value.shape)}")
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                # malformed input, not the model's failure: a NaN in must not count as a NaN out
+                raise BadRequest("non_finite_input", f"input {name} holds NaN or infinite values")
         if len(feed) != len(specs):
             missing = sorted(set(specs) - set(feed))
             raise BadRequest("missing_input", f"missing input(s) {', '.join(missing)}")

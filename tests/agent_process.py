@@ -29,7 +29,8 @@ def free_port() -> int:
 
 class AgentProcess:
     def __init__(self, folder: Path, *, device: str, broker_port: int, trust: Path, artifact: Path | None,
-                 groups: list[str] | None = None, health_window_s: float = 0.5, extra_env: dict | None = None):
+                 groups: list[str] | None = None, health_window_s: float = 0.5, extra_env: dict | None = None,
+                 operator_keys: list[Path] | None = None, updates: dict | None = None):
         self.folder = folder
         self.device = device
         self.port = free_port()
@@ -38,7 +39,9 @@ class AgentProcess:
                  f"api: {{listen: '127.0.0.1:{self.port}'}}",
                  f"mqtt: {{host: 127.0.0.1, port: {broker_port}, telemetry_interval: 0.5, keepalive: 5, "
                  f"groups: [{', '.join(groups or [])}]}}",
-                 f"updates: {{health_window_s: {health_window_s}}}"]
+                 f"updates: {json.dumps({'health_window_s': health_window_s, **(updates or {})})}"]
+        if operator_keys:
+            lines.append(f"operator_keys: {json.dumps([str(k) for k in operator_keys])}")
         if artifact is not None:
             lines.append(f"artifact: {artifact}")
         self.config.write_text("\n".join(lines) + "\n")

@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from device_agent.updates.download import DownloadError, download
+from device_agent.updates.download import Bounds, DownloadError, allowed_origins, download
 from sdk.deploy import ArtifactServer
 
 
@@ -37,7 +37,7 @@ def test_download_resumes_a_partial_file_with_a_range_request(served, tmp_path):
 
     server.RequestHandlerClass.do_GET = spy
     try:
-        result = download(server.url, target, size=len(data), sha256=sha, max_bytes=10 * 1024 * 1024)
+        result = download(server.url, target, size=len(data), sha256=sha, bounds=_bounds(server.url, 10 * 1024 * 1024))
     finally:
         server.RequestHandlerClass.do_GET = original
     assert result.read_bytes() == data
@@ -45,22 +45,27 @@ def test_download_resumes_a_partial_file_with_a_range_request(served, tmp_path):
     assert not partial.exists()
 
 
+def _bounds(url: str, max_bytes: int) -> Bounds:
+    return Bounds(origins=allowed_origins([url.rsplit("/", 1)[0]]), max_bytes=max_bytes)
+
+
 def test_download_over_the_size_limit_is_refused_before_fetching(served, tmp_path):
     server, data, sha = served
     with pytest.raises(DownloadError, match="over the download limit"):
-        download(server.url, tmp_path / "x", size=len(data), sha256=sha, max_bytes=1024)
+        download(server.url, tmp_path / "x", size=len(data), sha256=sha, bounds=_bounds(server.url, 1024))
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.part").exists()
 
 
 def test_download_with_a_wrong_hash_is_discarded(served, tmp_path):
     server, data, _ = served
     with pytest.raises(DownloadError, match="sha256"):
-        download(server.url, tmp_path / "x", size=len(data), sha256="0" * 64, max_bytes=10 * 1024 * 1024)
+        download(server.url, tmp_path / "x", size=len(data), sha256="0" * 64,
+                 bounds=_bounds(server.url, 10 * 1024 * 1024))
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.part").exists()
 
 
 def test_server_sending_more_than_announced_is_cut_off(served, tmp_path):
     server, data, sha = served
     with pytest.raises(DownloadError):
-        download(server.url, tmp_path / "x", size=len(data) - 100, sha256=sha, max_bytes=10 * 1024 * 1024,
-                 attempts=1)
+        download(server.url, tmp_path / "x", size=len(data) - 100, sha256=sha,
+                 bounds=_bounds(server.url, 10 * 1024 * 1024), attempts=1)

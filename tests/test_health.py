@@ -34,7 +34,10 @@ def test_zero_traffic_health_pass_is_impossible():
 def test_quiet_window_passes_on_good_probes_and_fails_on_a_bad_one():
     assert judge(Traffic(ok=2), QUIET, Probes(sent=5), POLICY).healthy
     verdict = judge(Traffic(ok=2), QUIET, Probes(sent=5, failed=1, first_problem="output y differs"), POLICY)
-    assert not verdict.healthy and "output y differs" in verdict.reason
+    assert not verdict.healthy and "1 of 5 golden-sample probes" in verdict.reason
+    assert "output y differs" in verdict.reason
+    # one failed probe is decisive even with plenty of live traffic
+    assert not judge(Traffic(ok=500), QUIET, Probes(sent=1, failed=1, first_problem="x"), POLICY).healthy
 
 
 @pytest.mark.parametrize("total, probes_needed", [(0, True), (19, True), (20, False), (21, False)])

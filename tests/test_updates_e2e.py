@@ -144,7 +144,7 @@ def test_tampered_artifact_is_rejected_and_the_old_model_keeps_serving(agent, ar
 def test_downgrade_is_rejected_unless_forced(agent, arts, mosquitto_broker):
     assert _deploy_cli(arts["v2"], mosquitto_broker).returncode == 0
     refused = _deploy_cli(arts["v1"], mosquitto_broker)
-    assert refused.returncode == 1 and "not newer than installed version 1.1.0" in refused.stdout
+    assert refused.returncode == 1 and "scale 1.0.0 is not newer than scale 1.1.0" in refused.stdout
     assert agent.version() == "1.1.0"
     forced = _deploy_cli(arts["v1"], mosquitto_broker, "--force-downgrade")
     assert forced.returncode == 0 and agent.version() == "1.0.0"

@@ -1,5 +1,5 @@
 """Pure parts of remote updates: command parsing, the job state machine, restart decisions,
-health verdicts, and the chunk codec."""
+the chunk codec, the journal and the replay ledger (health verdicts: tests/test_health.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 from device_agent.updates import jobs as J
 from device_agent.updates.commands import Command, Rejection, parse_command
 from device_agent.updates.jobs import InvalidTransition, Job, advance, on_restart
-from device_agent.updates.service import judge_health
 from device_agent.updates.xfer import chunk_count, decode_chunk, encode_chunk, parse_request, request_payload
 
 NOW = 1_000_000.0
@@ -92,26 +91,68 @@ def test_restart_decision_for_each_state(state, final, job_type, committed, acti
     assert on_restart(job, active_is_job_version=committed) == action
 
 
-def _stats(ok=0, server=0, non_finite=0, latency_sum=0.0):
-    return {"requests": {"ok": ok, "client_error": 0, "server_error": server}, "non_finite": non_finite,
-            "latency_sum": latency_sum}
+def test_restart_does_not_resume_a_job_that_crashed_the_agent_while_verifying():
+    job = advance(advance(Job("j", "deploy", history=((J.QUEUED, NOW),)), J.DOWNLOADING, "", NOW),
+                  J.VERIFYING, "", NOW)
+    assert on_restart(job, active_is_job_version=False, now=NOW) == J.RESUME  # killed before the verifier ran
+    started = advance(job, J.VERIFYING, "", NOW, verify_started=True)
+    assert on_restart(started, active_is_job_version=False, now=NOW) == J.FAIL
+    assert "not verified again" in J.restart_reason(started, NOW)
 
 
-def test_health_verdicts():
-    base = _stats(ok=100, latency_sum=0.1)
-    healthy = judge_health(base, _stats(ok=200, latency_sum=0.2), 0.001, max_error_rate=0.05, max_latency_factor=3)
-    assert healthy.healthy
-    errors = judge_health(base, _stats(ok=150, server=10, latency_sum=0.15), 0.001, max_error_rate=0.05,
-                          max_latency_factor=3)
-    assert not errors.healthy and "10 errors" in errors.reason
-    nan = judge_health(base, _stats(ok=120, non_finite=20, latency_sum=0.12), 0.001, max_error_rate=0.05,
-                       max_latency_factor=3)
-    assert not nan.healthy and "20 non-finite" in nan.reason
-    slow = judge_health(base, _stats(ok=150, latency_sum=0.1 + 50 * 0.005), 0.001, max_error_rate=0.05,
-                        max_latency_factor=3)
-    assert not slow.healthy and "latency" in slow.reason
-    idle = judge_health(base, base, 0.001, max_error_rate=0.05, max_latency_factor=3)
-    assert idle.healthy
+def test_restart_does_not_resume_an_expired_deploy():
+    job = Job("j", "deploy", state=J.DOWNLOADING, command={"expires_at": NOW - 1})
+    assert on_restart(job, active_is_job_version=False, now=NOW) == J.FAIL
+    assert "expired" in J.restart_reason(job, NOW)
+    fresh = Job("j", "deploy", state=J.DOWNLOADING, command={"expires_at": NOW})
+    assert on_restart(fresh, active_is_job_version=False, now=NOW) == J.RESUME
+
+
+def test_restart_resumes_a_deploy_at_most_max_resumes_times():
+    job = Job("j", "deploy", history=((J.QUEUED, NOW),))
+    for _ in range(J.MAX_RESUMES):
+        job = advance(advance(job, J.DOWNLOADING, "", NOW), J.QUEUED, "resumed", NOW)
+    assert J.resumes(job) == J.MAX_RESUMES
+    assert on_restart(job, active_is_job_version=False, now=NOW) == J.FAIL
+    fewer = Job("j", "deploy", history=((J.QUEUED, NOW), (J.DOWNLOADING, NOW), (J.QUEUED, NOW)))
+    assert on_restart(fewer, active_is_job_version=False, now=NOW) == J.RESUME
+
+
+def test_cancel_ends_a_job_only_before_the_switch():
+    for state in J.CANCELLABLE:
+        job = Job("j", "deploy", state=state)
+        assert advance(job, J.CANCELLED, "cancelled", NOW).final
+    with pytest.raises(InvalidTransition):
+        advance(Job("j", "deploy", state=J.ACTIVE), J.CANCELLED, "too late", NOW)
+    # past the switch, a cancel or a failed rollback ends the job rolled back, or failed
+    assert advance(Job("j", "deploy", state=J.ACTIVE), J.ROLLED_BACK, "", NOW).final
+    assert advance(Job("j", "deploy", state=J.ACTIVE), J.FAILED, "rollback failed", NOW).final
+
+
+def test_restart_transitions_go_through_advance():
+    for state in (J.DOWNLOADING, J.VERIFYING, J.STAGING, J.TESTING):
+        assert advance(Job("j", "deploy", state=state), J.QUEUED, "resumed", NOW).state == J.QUEUED
+    assert advance(Job("j", "deploy", state=J.TESTING), J.ROLLED_BACK, "restart", NOW).final
+    for terminal in J.TERMINAL:
+        assert not J.TRANSITIONS[terminal]
+
+
+def test_replay_ledger_remembers_ids_until_expiry_across_restarts(tmp_path):
+    from device_agent.updates.replay import ReplayError, ReplayGuard
+
+    guard = ReplayGuard(tmp_path / "ids.json", max_ids=2)
+    guard.remember("a", NOW + 10, NOW)
+    with pytest.raises(ReplayError, match="already used"):
+        guard.remember("a", NOW + 10, NOW)
+    reopened = ReplayGuard(tmp_path / "ids.json", max_ids=2)
+    assert reopened.seen("a")
+    reopened.remember("b", NOW + 5, NOW)
+    with pytest.raises(ReplayError, match="most allowed"):
+        reopened.remember("c", NOW + 5, NOW)
+    reopened.remember("c", NOW + 20, NOW + 6)  # b expired and is forgotten, a is still remembered
+    assert reopened.seen("a") and not reopened.seen("b")
+    (tmp_path / "ids.json").write_text("[garbage")
+    assert not ReplayGuard(tmp_path / "ids.json").seen("a")
 
 
 def test_chunk_codec_detects_corruption_and_requests_are_bounded():

@@ -1,5 +1,11 @@
-"""HTTP(S) artifact download: streamed to disk in bounded memory, size-limited, resumable with
-Range requests, and checked against the sha256 the command carries.
+"""HTTP(S) artifact download, bounded in every dimension: only from allowed origins, no
+redirects to another origin or scheme, an overall deadline and a minimum rate, bounded memory
+and size, resumable with Range requests, cancellable, checked against the command's sha256.
+
+Errors are fixed texts: nothing the remote side sends (a status line, an SSH banner, a
+header) is ever put into a message, so URL delivery cannot be used to read other services'
+first bytes through the published job events, and an unreachable port looks like any other
+fetch failure.
 
 The command's sha256 is not what makes the artifact trusted (the signature check after the
 download does that); it makes a corrupt or swapped download fail early and lets a resumed
@@ -9,11 +15,14 @@ download prove that its two halves belong together.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import logging
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from device_agent.errors import AgentError
@@ -21,10 +30,75 @@ from device_agent.errors import AgentError
 log = logging.getLogger("edgepack.agent.download")
 
 CHUNK = 256 * 1024
+STALL_S = 5.0
+"""A read that sees no byte for this long ends the attempt (and bounds how late a cancel is seen)."""
+RATE_GRACE_S = 10.0
+"""The minimum rate is enforced over the download so far, after this much time."""
+MAX_REDIRECTS = 3
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class DownloadError(AgentError):
-    """The artifact could not be fetched completely and intact."""
+    """The artifact could not be fetched completely and intact. The message is one of a few fixed
+    texts (plus numbers the agent computed), never bytes from the remote side."""
+
+
+class DownloadCancelled(DownloadError):
+    """The job was cancelled or superseded while downloading."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Limits on one download. ``origins`` are ``scheme://host:port`` strings (normalised)."""
+
+    origins: frozenset[str]
+    max_bytes: int
+    deadline_s: float = 3600.0
+    min_rate_bytes_s: float = 1024.0
+    any_port_hosts: frozenset[str] = frozenset()
+
+
+def origin_of(url: str) -> str | None:
+    """``scheme://host:port`` of an http(s) URL (port made explicit), or None. Pure."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
+        return None
+    return f"{parts.scheme}://{parts.hostname.lower()}:{port or _DEFAULT_PORTS[parts.scheme]}"
+
+
+def allowed_origins(origins: Iterable[str]) -> frozenset[str]:
+    """Normalise agent.yaml ``updates.allowed_origins`` entries."""
+    normalised = {origin_of(entry) for entry in origins}
+    return frozenset(o for o in normalised if o is not None)
+
+
+def origin_allowed(url: str, bounds: Bounds) -> bool:
+    """Whether ``url`` is on an allowed origin (or an allowed host, any port). Pure."""
+    origin = origin_of(url)
+    if origin is None:
+        return False
+    if origin in bounds.origins:
+        return True
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return host.lower() in bounds.any_port_hosts
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow a redirect only to the same origin; anything else ends the download."""
+
+    max_redirections = MAX_REDIRECTS
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        if origin_of(newurl) != origin_of(req.full_url):
+            raise DownloadError("the server redirected to another origin or scheme; refused")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_SameOriginRedirects)
 
 
 def file_sha256(path: Path) -> str:
@@ -35,39 +109,87 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def download(url: str, target: Path, *, size: int, sha256: str, max_bytes: int, attempts: int = 5,
-             timeout: float = 30.0, progress: Callable[[int], None] | None = None) -> Path:
-    """Fetch ``url`` into ``target``; resume a partial ``target`` with a Range request."""
-    if size > max_bytes:
-        raise DownloadError(f"artifact of {size} bytes is over the download limit of {max_bytes}")
+def _fixed_text(err: BaseException) -> str:
+    """A fixed description of a fetch failure: never the remote side's bytes."""
+    if isinstance(err, urllib.error.HTTPError):
+        return f"HTTP status {int(err.code)}"
+    if isinstance(err, (http.client.HTTPException, ValueError)):
+        return "the server's answer is not valid HTTP"
+    if isinstance(err, TimeoutError):
+        return f"no data for {STALL_S:g} s"
+    return "could not fetch from the server"
+
+
+class _Progress:
+    """Deadline, minimum rate and cancellation over one download (all attempts together)."""
+
+    def __init__(self, bounds: Bounds, cancelled: Callable[[], bool], clock: Callable[[], float]) -> None:
+        self.bounds = bounds
+        self.cancelled = cancelled
+        self.clock = clock
+        self.started = clock()
+        self.received = 0
+
+    def remaining(self) -> float:
+        return self.bounds.deadline_s - (self.clock() - self.started)
+
+    def check(self) -> None:
+        if self.cancelled():
+            raise DownloadCancelled("download cancelled")
+        elapsed = self.clock() - self.started
+        if elapsed > self.bounds.deadline_s:
+            raise DownloadError(f"download deadline of {self.bounds.deadline_s:g} s passed")
+        if elapsed > RATE_GRACE_S and self.received / elapsed < self.bounds.min_rate_bytes_s:
+            raise DownloadError(f"download slower than the minimum of {self.bounds.min_rate_bytes_s:g} bytes/s")
+
+
+def _attempt(url: str, partial: Path, have: int, size: int, progress: _Progress) -> int:
+    """One HTTP request appending to ``partial``; returns the bytes now held."""
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    timeout = max(0.1, min(STALL_S, progress.remaining()))
+    with _OPENER.open(request, timeout=timeout) as response:
+        if have and response.status != 206:
+            have = 0  # the server ignored Range: start over
+        with open(partial, "ab" if have else "wb") as sink:
+            while True:
+                progress.check()
+                block = response.read1(CHUNK)
+                if not block:
+                    return have
+                have += len(block)
+                progress.received += len(block)
+                if have > size:
+                    raise DownloadError(f"server sent more than the declared {size} bytes")
+                sink.write(block)
+
+
+def download(url: str, target: Path, *, size: int, sha256: str, bounds: Bounds, attempts: int = 5,
+             cancelled: Callable[[], bool] = lambda: False, clock: Callable[[], float] = time.monotonic) -> Path:
+    """Fetch ``url`` into ``target`` within ``bounds``; resume a partial ``target`` with Range."""
+    if not origin_allowed(url, bounds):
+        raise DownloadError("the artifact URL is not on an origin this device allows")
+    if size > bounds.max_bytes:
+        raise DownloadError(f"artifact of {size} bytes is over the download limit of {bounds.max_bytes}")
     partial = target.with_name(target.name + ".part")
     if target.exists() and target.stat().st_size == size and file_sha256(target) == sha256:
         return target
-    last_error = ""
+    progress = _Progress(bounds, cancelled, clock)
+    last_error = "no attempt made"
     for attempt in range(attempts):
+        progress.check()
         have = partial.stat().st_size if partial.exists() else 0
         if have > size:
             partial.unlink()
             have = 0
         if have < size:
-            request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
             try:
-                with urllib.request.urlopen(request, timeout=timeout) as response:
-                    if have and response.status != 206:
-                        have = 0  # the server ignored Range: start over
-                    mode = "ab" if have else "wb"
-                    with open(partial, mode) as sink:
-                        while block := response.read(CHUNK):
-                            have += len(block)
-                            if have > size:
-                                raise DownloadError(f"server sent more than the declared {size} bytes")
-                            sink.write(block)
-                            if progress is not None:
-                                progress(have)
-            except (urllib.error.URLError, OSError, TimeoutError) as err:
-                last_error = str(getattr(err, "reason", err))
+                have = _attempt(url, partial, have, size, progress)
+            except DownloadError:
+                raise
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
+                last_error = _fixed_text(err)
                 log.warning("download attempt %d failed at %d bytes: %s", attempt + 1, have, last_error)
-                time.sleep(min(0.2 * 2**attempt, 5.0))
+                time.sleep(min(0.2 * 2**attempt, 2.0, max(0.0, progress.remaining())))
                 continue
         if partial.stat().st_size != size:
             last_error = f"got {partial.stat().st_size} of {size} bytes"

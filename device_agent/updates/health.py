@@ -15,7 +15,8 @@ Never counted: malformed input (bad JSON, nested too deep, NaN inputs, corrupt i
 oversized bodies), so a local client cannot forge a rollback with garbage.
 
 Never a pass on silence: with fewer than ``min_requests`` well-formed live requests the window
-must be backed by golden-sample probes through the live service, or it fails.
+must be backed by golden-sample probes through the live service, or it fails; a probe that does
+not reproduce its golden outputs fails the window outright (the smoke test demanded as much).
 """
 
 from __future__ import annotations
@@ -99,16 +100,16 @@ def needs_probes(window: Traffic, policy: HealthPolicy) -> bool:
 def judge(window: Traffic, before: Traffic, probes: Probes, policy: HealthPolicy) -> HealthVerdict:
     """The verdict on a health window. ``before`` is the traffic before the swap (the old model's
     rates and latency); ``probes`` the golden samples replayed in the window (possibly none)."""
-    evidence = window.total + probes.sent
     if window.total < policy.min_requests and probes.sent == 0:
         return HealthVerdict(False, f"only {window.total} live requests and no golden samples to probe: "
                                     "no evidence the model works")
-    failures = window.model_errors + window.non_finite + probes.failed
-    if failures / evidence > policy.max_error_rate:
-        detail = f"; probe: {probes.first_problem}" if probes.first_problem else ""
-        return HealthVerdict(False, f"{window.model_errors} model errors, {window.non_finite} non-finite outputs and "
-                                    f"{probes.failed}/{probes.sent} failed probes in {evidence} requests "
-                                    f"(limit {policy.max_error_rate:.0%}){detail}")
+    if probes.failed:
+        return HealthVerdict(False, f"{probes.failed} of {probes.sent} golden-sample probes through the live "
+                                    f"service failed: {probes.first_problem}")
+    failures = window.model_errors + window.non_finite
+    if window.total and failures / window.total > policy.max_error_rate:
+        return HealthVerdict(False, f"{window.model_errors} model errors and {window.non_finite} non-finite outputs "
+                                    f"in {window.total} requests (limit {policy.max_error_rate:.0%})")
     if window.total and window.contract_rate > before.contract_rate + policy.max_error_rate:
         return HealthVerdict(False, f"client errors rose to {window.contract_errors} of {window.total} requests "
                                     f"({window.contract_rate:.0%}, {before.contract_rate:.0%} before the swap): "

@@ -1,37 +1,46 @@
-"""The update job state machine. Pure: states, allowed transitions, and
+r"""The update job state machine. Pure: states, allowed transitions, and
 what a restarted agent does with a job it finds half-way.
 
     queued -> downloading -> verifying -> staging -> testing -> active
-       \\-> rejected     \\-> failed       \\-> rejected/failed  \\-> failed   \\-> rolled_back
+       \-> rejected     \-> failed       \-> rejected/failed  \-> failed   \-> rolled_back
+       \-> cancelled    \-> cancelled                        \-> cancelled
 
 ``active`` is reached at the hot-swap; the job stays open (``final`` false) through the
-health window and closes either ``active`` (final) or ``rolled_back``.
+health window and closes either ``active`` (final) or ``rolled_back``. Every state change of
+every job goes through :func:`advance`, including those a restart makes (a job cut short
+before the switch goes back to ``queued``; one cut short in ``testing`` after the switch goes
+to ``rolled_back``), a ``cancel`` command or a newer deploy (``cancelled``), and a rollback
+command (``queued -> rolled_back`` when it worked, ``failed`` naming what serves when not).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 QUEUED, DOWNLOADING, VERIFYING, STAGING, TESTING, ACTIVE = "queued", "downloading", "verifying", "staging", \
     "testing", "active"
-FAILED, REJECTED, ROLLED_BACK, DONE = "failed", "rejected", "rolled_back", "done"
+FAILED, REJECTED, ROLLED_BACK, DONE, CANCELLED = "failed", "rejected", "rolled_back", "done", "cancelled"
 
-STATES = (QUEUED, DOWNLOADING, VERIFYING, STAGING, TESTING, ACTIVE, FAILED, REJECTED, ROLLED_BACK, DONE)
-TERMINAL = frozenset({FAILED, REJECTED, ROLLED_BACK, DONE})
+STATES = (QUEUED, DOWNLOADING, VERIFYING, STAGING, TESTING, ACTIVE, FAILED, REJECTED, ROLLED_BACK, DONE, CANCELLED)
+TERMINAL = frozenset({FAILED, REJECTED, ROLLED_BACK, DONE, CANCELLED})
 
 TRANSITIONS: dict[str, frozenset[str]] = {
-    QUEUED: frozenset({DOWNLOADING, REJECTED, FAILED, DONE}),
-    DOWNLOADING: frozenset({DOWNLOADING, VERIFYING, FAILED}),
-    VERIFYING: frozenset({STAGING, REJECTED, FAILED}),
-    STAGING: frozenset({TESTING, FAILED}),
-    TESTING: frozenset({ACTIVE, FAILED}),
-    ACTIVE: frozenset({ACTIVE, ROLLED_BACK}),
+    QUEUED: frozenset({QUEUED, DOWNLOADING, REJECTED, FAILED, DONE, CANCELLED, ROLLED_BACK}),
+    DOWNLOADING: frozenset({DOWNLOADING, VERIFYING, FAILED, CANCELLED, QUEUED}),
+    VERIFYING: frozenset({VERIFYING, STAGING, REJECTED, FAILED, CANCELLED, QUEUED}),
+    STAGING: frozenset({TESTING, FAILED, CANCELLED, QUEUED}),
+    TESTING: frozenset({ACTIVE, FAILED, CANCELLED, QUEUED, ROLLED_BACK}),
+    ACTIVE: frozenset({ACTIVE, ROLLED_BACK, FAILED}),
     FAILED: frozenset(),
     REJECTED: frozenset(),
     ROLLED_BACK: frozenset(),
     DONE: frozenset(),
+    CANCELLED: frozenset(),
 }
+CANCELLABLE = frozenset({QUEUED, DOWNLOADING, VERIFYING, STAGING, TESTING})
+"""States a ``cancel`` (or a newer deploy) can end; past the switch only a rollback undoes a job."""
 
 
 class InvalidTransition(RuntimeError):
@@ -86,15 +95,27 @@ def advance(job: Job, state: str, reason: str, now: float, *, final: bool | None
 RESUME = "resume"        # start the pipeline again from the download (resumable, idempotent)
 ROLL_BACK = "roll_back"  # the new model was active but not yet proven: it may be why we died
 NOTHING = "nothing"      # the job had ended
-FAIL = "fail"            # a non-deploy job cut short: close it with a reason, do not re-run it
+FAIL = "fail"            # cut short and not to be re-run (non-deploy, expired, or it crashed us)
+
+MAX_RESUMES = 3
+"""A deploy resumed this many times without finishing is failed: each restart may be the job's
+doing (out of memory on a hostile artifact), and a fleet must not crash-loop on one command."""
 
 
-def on_restart(job: Job, *, active_is_job_version: bool) -> str:
+def resumes(job: Job) -> int:
+    """How many times a restart sent this job back to ``queued`` (the first entry is its creation)."""
+    return sum(1 for state, _ in job.history[1:] if state == QUEUED)
+
+
+def on_restart(job: Job, *, active_is_job_version: bool, now: float | None = None) -> str:
     """Decide what to do with a persisted job after a crash or restart. Pure.
 
     ``active_is_job_version`` says whether the store's committed active model is the one
     this job installs (the switch is the store's commit point, so it can be ahead of the
-    job's last saved state).
+    job's last saved state). A deploy is not resumed when its command has expired (the
+    operator's order is stale), when it stopped the agent while verifying (``verify_started``
+    set: a hostile archive that exhausts memory must not be verified again), or after
+    :data:`MAX_RESUMES` restarts.
     """
     if job.final or job.state in TERMINAL:
         return NOTHING
@@ -102,4 +123,24 @@ def on_restart(job: Job, *, active_is_job_version: bool) -> str:
         return ROLL_BACK
     if job.type != "deploy":
         return FAIL
+    if job.state == VERIFYING and job.detail.get("verify_started"):
+        return FAIL
+    expires_at = job.command.get("expires_at")
+    if now is not None and isinstance(expires_at, (int, float)) and (not math.isfinite(expires_at)
+                                                                      or expires_at < now):
+        return FAIL
+    if resumes(job) >= MAX_RESUMES:
+        return FAIL
     return RESUME
+
+
+def restart_reason(job: Job, now: float) -> str:
+    """The reason a restarted agent gives for failing ``job`` (after :func:`on_restart` said FAIL)."""
+    if job.type != "deploy":
+        return "the agent restarted before the command completed"
+    if job.state == VERIFYING and job.detail.get("verify_started"):
+        return "the agent stopped while verifying this artifact; it is not verified again"
+    expires_at = job.command.get("expires_at")
+    if isinstance(expires_at, (int, float)) and (not math.isfinite(expires_at) or expires_at < now):
+        return "the command expired while the agent was down"
+    return f"the agent restarted {resumes(job)} times during this job; not trying again"

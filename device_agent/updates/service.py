@@ -1,97 +1,149 @@
-"""The device-side executor of remote commands: deploy pipeline, rollback, ping, state.
+"""The device-side executor of remote commands: a thin shell of I/O around pure decisions.
+
+Decisions live elsewhere and are unit-tested: who may order what
+(:mod:`edgepack_core.command_auth`), which artifact this device accepts
+(:mod:`device_agent.updates.admission`), whether a new model is healthy
+(:mod:`device_agent.updates.health`), which job state follows which and what a restart does
+(:mod:`device_agent.updates.jobs`). This module fetches, verifies, stages, swaps and records,
+and every job state change goes through :func:`jobs.advance`.
 
 Threads: command messages arrive on the MQTT network thread, where they are only parsed,
-de-duplicated against the journal and queued (a ping is answered right there, because a
-round trip should cost a fraction of a millisecond); one worker thread runs jobs one at a
-time, never on the inference path. Every state change is saved to the journal first, then
-published on ``dev/{d}/job`` through the outbox (queued while offline).
+authorised, de-duplicated and queued (a ping is answered right there). Two worker lanes run
+jobs: the deploy lane (download, verify, stage, test, swap, health window) and the control
+lane (rollback), so a rollback never waits behind a download. The store's commit point and
+the hot-swap are serialised by one lock, held only for local steps (never for a download or
+a health window). A ``cancel`` command, or a newer deploy, ends a queued or running deploy
+at its next safe point (the download is interrupted).
 
-Threat model: anyone who can publish to the broker can send commands. A deploy still needs
-an artifact signed by a key in the device's trust store, of a newer version (a downgrade only
-when the command asks for it, and still signed), built for this device's profile, that
-passes its golden smoke test; the worst such an attacker can do is make a device install a
-validly signed, newer artifact.
+Threat model: see docs/updates.md. With ``operator_keys`` configured, every command that
+changes what runs or how it is judged must carry an operator signature naming this device
+(or one of its groups) and an expiry; without them the agent warns at start, and anyone who
+can publish to the broker can order what a valid artifact signature allows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from device_agent.runtime import LoadedModel
-from device_agent.store import simulate_power_cut_if_testing
+import numpy as np
+
+from device_agent.config import AgentConfig
+from device_agent.errors import StoreError
+from device_agent.runtime import InferenceService, LoadedModel
+from device_agent.smoke import compare_outputs
+from device_agent.store import InstalledModel, ModelStore, simulate_power_cut_if_testing
 from device_agent.updates import jobs as J
+from device_agent.updates.admission import DevicePolicy, admit, policy_names
 from device_agent.updates.commands import Command, Rejection, parse_command
-from device_agent.updates.download import DownloadError, download
-from device_agent.updates.jobs import Job, advance, on_restart
+from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
+from device_agent.updates.health import (
+    HealthPolicy,
+    Probes,
+    check_window,
+    judge,
+    needs_probes,
+    traffic_between,
+    traffic_of,
+)
+from device_agent.updates.jobs import Job, advance, on_restart, restart_reason
 from device_agent.updates.journal import Journal
+from device_agent.updates.replay import ReplayError, ReplayGuard
 from device_agent.updates.xfer import Receiver, TransferError, XferSpec
 from edgepack_core.artifact import verify_artifact
-from edgepack_core.errors import ArtifactError, DowngradeError, EdgepackError
-from edgepack_core.protocol.payloads import JOB_SCHEMA_ID
-from edgepack_core.versions import check_upgrade
-
-if TYPE_CHECKING:
-    from device_agent.daemon import Daemon
+from edgepack_core.command_auth import authorize_command, requires_signature
+from edgepack_core.errors import ArtifactError, CommandSignatureError, EdgepackError
+from edgepack_core.manifest import Manifest
+from edgepack_core.signing import TrustStore
+from edgepack_core.versions import Version
 
 log = logging.getLogger("edgepack.agent.updates")
 
-DEFAULT_HEALTH_WINDOW_S = 30.0
 DEFAULT_MAX_ERROR_RATE = 0.05
 DEFAULT_MAX_LATENCY_FACTOR = 3.0
+DEFAULT_MIN_REQUESTS = 20
 DEFAULT_MAX_DOWNLOAD = 1024**3
-MIN_REQUESTS_FOR_LATENCY = 20
+DEFAULT_DEADLINE_S = 3600.0
+DEFAULT_MIN_RATE = 1024.0
+MAX_PROBES = 16
 
 
-@dataclasses.dataclass(frozen=True)
-class HealthVerdict:
-    healthy: bool
-    reason: str
+class AgentHost(Protocol):
+    """What the update service needs from the agent that runs it, and nothing more."""
+
+    config: AgentConfig
+    store: ModelStore
+    trust: TrustStore
+    operator_trust: TrustStore | None
+    service: InferenceService
+    reporter: Any
+
+    def load(self, installed: InstalledModel) -> LoadedModel: ...
+
+    def activate_loaded(self, model: LoadedModel) -> LoadedModel | None: ...
 
 
-def judge_health(before: dict[str, Any], after: dict[str, Any], baseline_mean_s: float | None, *,
-                 max_error_rate: float, max_latency_factor: float) -> HealthVerdict:
-    """Decide from two RequestStats snapshots whether the new model is healthy. Pure."""
-    ok = after["requests"]["ok"] - before["requests"]["ok"]
-    server_errors = after["requests"]["server_error"] - before["requests"]["server_error"]
-    non_finite = after["non_finite"] - before["non_finite"]
-    total = ok + server_errors
-    if total and (server_errors + non_finite) / total > max_error_rate:
-        return HealthVerdict(False, f"{server_errors} errors and {non_finite} non-finite outputs in {total} "
-                                    f"requests (limit {max_error_rate:.0%})")
-    if baseline_mean_s and ok >= MIN_REQUESTS_FOR_LATENCY:
-        mean = (after["latency_sum"] - before["latency_sum"]) / ok
-        if mean > baseline_mean_s * max_latency_factor:
-            return HealthVerdict(False, f"mean latency {mean * 1000:.2f} ms is over {max_latency_factor}x the "
-                                        f"previous model's {baseline_mean_s * 1000:.2f} ms")
-    return HealthVerdict(True, f"{total} requests, no problem found")
+@dataclass
+class _Running:
+    """The deploy the deploy lane is working on, and how another thread may stop it."""
+
+    job_id: str
+    stop: threading.Event = field(default_factory=threading.Event)
+    why: str = ""
+    rolled_back_by: str = ""  # set when a rollback command took over during the health window
+    in_window: bool = False
+
+    def cancel(self, why: str) -> None:
+        self.why = self.why or why
+        self.stop.set()
 
 
 class UpdateService:
-    def __init__(self, daemon: Daemon) -> None:
-        assert daemon.reporter is not None, "updates need MQTT"
-        self.daemon = daemon
-        self.reporter = daemon.reporter
-        self.transport = daemon.reporter.transport
-        self.topics = daemon.reporter.topics
-        self.device_id = daemon.config.device_id
-        settings = daemon.config.updates
-        self.health_window_s = float(settings.get("health_window_s", DEFAULT_HEALTH_WINDOW_S))
-        self.max_error_rate = float(settings.get("max_error_rate", DEFAULT_MAX_ERROR_RATE))
-        self.max_latency_factor = float(settings.get("max_latency_factor", DEFAULT_MAX_LATENCY_FACTOR))
-        self.max_download = int(settings.get("max_download_bytes", DEFAULT_MAX_DOWNLOAD))
-        self.downloads = Path(settings.get("download_dir") or daemon.config.store / "downloads")
+    def __init__(self, host: AgentHost) -> None:
+        assert host.reporter is not None, "updates need MQTT"
+        self.host = host
+        self.reporter = host.reporter
+        self.transport = host.reporter.transport
+        self.topics = host.reporter.topics
+        config = host.config
+        self.device_id = config.device_id
+        self.groups = list((config.mqtt or {}).get("groups", []))
+        settings = config.updates
+        self.window = dict(settings.get("health_window_s") or {"default": 30.0, "min": 5.0, "max": 3600.0})
+        self.health = HealthPolicy(max_error_rate=float(settings.get("max_error_rate", DEFAULT_MAX_ERROR_RATE)),
+                                   max_latency_factor=float(settings.get("max_latency_factor",
+                                                                         DEFAULT_MAX_LATENCY_FACTOR)),
+                                   min_requests=int(settings.get("health_min_requests", DEFAULT_MIN_REQUESTS)))
+        self.bounds = self._bounds(config)
+        self.allowed_names = policy_names(settings.get("allowed_names"))
+        self.downloads = Path(settings.get("download_dir") or config.store / "downloads")
         self.downloads.mkdir(parents=True, exist_ok=True)
-        self.journal = Journal(daemon.config.store / "jobs")
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self.journal = Journal(config.store / "jobs")
+        self.replay = ReplayGuard(config.store / "command-ids.json")
+        self._deploys: queue.Queue[Job | None] = queue.Queue()
+        self._control: queue.Queue[Job | None] = queue.Queue()
+        self._pending: dict[str, Job] = {}  # queued deploys not started yet, by id
+        self._running: _Running | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()         # command intake and the pending/running bookkeeping
+        self._store_lock = threading.RLock()  # the store's commit point and the hot-swap
+
+    @staticmethod
+    def _bounds(config: AgentConfig) -> Bounds:
+        settings = config.updates
+        origins = settings.get("allowed_origins")
+        broker_host = str((config.mqtt or {}).get("host", "")).lower()
+        return Bounds(origins=allowed_origins(origins or []),
+                      any_port_hosts=frozenset() if origins else frozenset({broker_host} - {""}),
+                      max_bytes=int(settings.get("max_download_bytes", DEFAULT_MAX_DOWNLOAD)),
+                      deadline_s=float(settings.get("download_deadline_s", DEFAULT_DEADLINE_S)),
+                      min_rate_bytes_s=float(settings.get("min_rate_bytes_s", DEFAULT_MIN_RATE)))
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -100,224 +152,405 @@ class UpdateService:
         self.transport.subscribe(self.topics.cmd(self.device_id), 1, self._on_command)
         for group in self.reporter.groups:
             self.transport.subscribe(self.topics.group_cmd(group), 1, self._on_command)
-        self._thread = threading.Thread(target=self._work, name="updates", daemon=True)
-        self._thread.start()
+        for name, lane in (("updates-deploy", self._deploys), ("updates-control", self._control)):
+            thread = threading.Thread(target=self._work, args=(lane,), name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def stop(self) -> None:
         self._stop.set()
-        self._queue.put(None)
-        if self._thread is not None:
-            self._thread.join(10)
+        running = self._running
+        if running is not None:
+            running.cancel("the agent is stopping")
+        for lane in (self._deploys, self._control):
+            lane.put(None)
+        for thread in self._threads:
+            thread.join(10)
 
     # ---------------------------------------------------------------- job bookkeeping
 
-    def _set(self, job: Job, state: str, reason: str, *, final: bool | None = None, **detail: Any) -> Job:
+    def _set(self, job: Job, state: str, reason: str, *, final: bool | None = None, publish: bool = True,
+             **detail: Any) -> Job:
         job = advance(job, state, reason, time.time(), final=final, **detail)
         self.journal.save(job)
         if job.final:
             self.journal.prune()
-        self.reporter.publish_job_event(job.event())
-        log.info("job %s: %s (%s)", job.id, state, reason)
-        simulate_power_cut_if_testing(f"job-{state}")
+        if publish:
+            self.reporter.publish_job_event(job.event())
+            log.info("job %s: %s (%s)", job.id, state, reason)
+            simulate_power_cut_if_testing(f"job-{state}")
         return job
 
-    def _reply(self, command_id: str, kind: str, reason: str, *, record: bool = True, **detail: Any) -> None:
-        """Answer a command that is not a job (ping, get-state, ...) right away. Read-only
-        commands are not journaled: answering a duplicate again is harmless, and a monitor
-        pinging every minute must not grow the journal."""
-        job = Job(id=command_id, type=kind, state=J.DONE, reason=reason, final=True, detail=detail)
+    def _new_job(self, command: Command) -> Job:
+        return Job(id=command.id, type=command.type, command=command.body, reason="queued",
+                   history=((J.QUEUED, round(time.time(), 3)),))
+
+    def _reply(self, command: Command, state: str, reason: str, *, record: bool = True, **detail: Any) -> None:
+        """Answer a command that is not a queued job (ping, get-state, cancel, ...) right away.
+        Read-only commands are not journaled: answering a duplicate again is harmless, and a
+        monitor pinging every minute must not grow the journal."""
+        job = advance(self._new_job(command), state, reason, time.time(), **detail)
         if record:
             self.journal.save(job)
             self.journal.prune()
-        self.transport.publish(self.topics.job(self.device_id), {"schema": JOB_SCHEMA_ID,
-                               "device": self.device_id, "ts": round(time.time(), 3), **job.event()}, qos=1)
+        self.reporter.publish_job_event(job.event())
+
+    def _refuse(self, ref: str, kind: str, reason: str) -> None:
+        """A ``rejected`` event for a command that will not run. Not journaled: a flood of bad
+        commands must not fill the disk, and a refused id stays usable for a proper command."""
+        job = Job(id=ref, type=kind, reason="received")
+        self.reporter.publish_job_event(advance(job, J.REJECTED, reason, time.time()).event())
+        log.warning("rejected command %s: %s", ref, reason)
 
     # ---------------------------------------------------------------- commands (network thread)
 
     def _on_command(self, message: Any) -> None:
-        parsed = parse_command(message.payload, time.time())
+        now = time.time()
+        parsed = parse_command(message.payload, now)
+        if isinstance(parsed, Rejection):
+            ref = getattr(parsed, "ref", None) or parsed.id or f"invalid-{int(now * 1000)}"
+            self._refuse(ref, "unknown", parsed.reason)
+            return
         with self._lock:
-            command_id = parsed.id
-            existing = self.journal.get(command_id) if command_id else None
-            if existing is not None:
-                # A duplicate delivery (QoS 1 redelivery, a group and a device command with one
-                # id, an operator retrying): answer with the job as it stands, never re-run.
-                self.reporter.publish_job_event({**existing.event(), "duplicate": True})
-                return
-            if isinstance(parsed, Rejection):
-                job = Job(id=command_id or f"invalid-{int(time.time() * 1000)}", type="unknown",
-                          state=J.REJECTED, reason=parsed.reason, final=True)
-                if command_id:
-                    self.journal.save(job)
-                self.reporter.publish_job_event(job.event())
-                log.warning("rejected a command: %s", parsed.reason)
-                return
-            self._accept(parsed)
+            try:
+                self._intake(parsed, now)
+            except OSError as err:  # the journal or ledger cannot be written (read-only store)
+                self._refuse(parsed.id, parsed.type, f"cannot record the command: {err.strerror or err}")
+
+    def _intake(self, command: Command, now: float) -> None:
+        existing = self.journal.get(command.id)
+        if existing is not None:
+            # A duplicate delivery (QoS 1 redelivery, a group and a device command with one
+            # id, an operator retrying): answer with the job as it stands, never re-run.
+            self.reporter.publish_job_event({**existing.event(), "duplicate": True})
+            return
+        try:
+            authorize_command(command.body, self.host.operator_trust, device_id=self.device_id, groups=self.groups,
+                              now=now)
+            self._check_settings(command)
+            if requires_signature(command.body):
+                self.replay.remember(command.id, command.expires_at, now)
+        except (CommandSignatureError, ReplayError, ValueError) as err:
+            self._refuse(command.id, command.type, str(err))
+            return
+        self._accept(command)
+
+    def _check_settings(self, command: Command) -> None:
+        """Values the device bounds itself, whoever signed them: the health window's range."""
+        if "health_window_s" in command.body:
+            check_window(command.body["health_window_s"], low=self.window["min"], high=self.window["max"])
 
     def _accept(self, command: Command) -> None:
-        if command.type == "ping":
-            self._reply(command.id, "ping", "pong", record=False)
-        elif command.type == "get-state":
-            self._reply(command.id, "get-state", "state", record=False, **self.state_detail())
-        elif command.type == "set-telemetry-interval":
+        kind = command.type
+        if kind == "ping":
+            self._reply(command, J.DONE, "pong", record=False)
+        elif kind == "get-state":
+            self._reply(command, J.DONE, "state", record=False, **self.state_detail())
+        elif kind == "set-telemetry-interval":
             self.reporter.set_interval(float(command.body["seconds"]))
-            self._reply(command.id, "set-telemetry-interval", f"telemetry every {command.body['seconds']} s")
+            self._reply(command, J.DONE, f"telemetry every {command.body['seconds']} s")
+        elif kind == "cancel":
+            found = self._cancel(command.body["job"], f"cancelled by command {command.id}")
+            self._reply(command, J.DONE if found else J.FAILED,
+                        found or f"no queued or running deploy {command.body['job']}")
         else:
-            job = Job(id=command.id, type=command.type, command=command.body, history=((J.QUEUED, time.time()),),
-                      reason="queued")
+            job = self._new_job(command)
             self.journal.save(job)
             self.reporter.publish_job_event(job.event())
-            self._queue.put(job)
+            if kind == "rollback":
+                self._supersede_deploys(f"superseded by rollback {command.id}")
+                self._control.put(job)
+            else:
+                self._supersede_deploys(f"superseded by deploy {command.id}")
+                self._pending[job.id] = job
+                self._deploys.put(job)
+
+    def _cancel(self, job_id: str, why: str) -> str:
+        """Stop a queued deploy now, or a running one at its next safe point. Returns what was
+        done, or "" when there is no such deploy."""
+        pending = self._pending.pop(job_id, None)
+        if pending is not None:
+            self._set(pending, J.CANCELLED, why)
+            return f"cancelled queued deploy {job_id}"
+        running = self._running
+        if running is not None and running.job_id == job_id:
+            running.cancel(why)
+            return f"stopping deploy {job_id}" + (" and rolling it back" if running.in_window else "")
+        return ""
+
+    def _supersede_deploys(self, why: str) -> None:
+        for job_id in list(self._pending):
+            self._cancel(job_id, why)
+        running = self._running
+        if running is not None and not running.in_window:
+            running.cancel(why)
 
     def state_detail(self) -> dict[str, Any]:
-        model = self.daemon.service.model
-        return {"active": None if model is None else model.describe(), "store": self.daemon.store.status(),
-                "profile": self.daemon.config.profile}
+        model = self.host.service.model
+        return {"active": None if model is None else model.describe(), "store": self.host.store.status(),
+                "profile": self.host.config.profile}
 
-    # ---------------------------------------------------------------- worker
+    # ---------------------------------------------------------------- workers
 
-    def _work(self) -> None:
+    def _work(self, lane: queue.Queue[Job | None]) -> None:
         while not self._stop.is_set():
-            job = self._queue.get()
+            job = lane.get()
             if job is None:
                 return
             try:
                 if job.type == "deploy":
-                    self._deploy(job)
+                    self._run_deploy(job)
                 elif job.type == "rollback":
                     self._rollback_command(job)
             except Exception as err:  # a job must end with an event, whatever went wrong
                 log.exception("job %s crashed", job.id)
                 latest = self.journal.get(job.id) or job
                 if not latest.final and J.FAILED in J.TRANSITIONS[latest.state]:
-                    self._set(latest, J.FAILED, f"internal error: {type(err).__name__}: {err}")
+                    self._set(latest, J.FAILED, f"internal error: {type(err).__name__}: {err}; "
+                                                f"serving {self._serving()}")
+
+    def _serving(self) -> str:
+        model = self.host.service.model
+        return "nothing" if model is None else model.label
+
+    # ---------------------------------------------------------------- rollback
+
+    def _safe_rollback(self, fallback: LoadedModel | None = None) -> InstalledModel:
+        """Go back to the store's previous model: load and smoke-test it (or reuse ``fallback``,
+        the same model still in memory) *before* the store's commit point changes, then commit,
+        then swap. Raises EdgepackError with nothing changed if the target does not load."""
+        store = self.host.store
+        with self._store_lock:
+            target = store.previous()
+            if target is None:
+                raise StoreError("no previous model to roll back to")
+            if fallback is not None and fallback.manifest.model_sha256 == target.verified.manifest.model_sha256:
+                loaded = fallback
+            else:
+                loaded = self.host.load(target)
+            store.rollback()
+            self.host.activate_loaded(loaded)
+            return target
 
     def _rollback_command(self, job: Job) -> None:
+        running = self._running
+        if running is not None and running.in_window:
+            running.rolled_back_by = job.id
+            running.cancel(f"rolled back by command {job.id}")
         try:
-            previous = self.daemon.store.rollback()
-            loaded = self.daemon.load(previous)
-        except EdgepackError as err:
-            self._set(job, J.FAILED, str(err))
+            target = self._safe_rollback()
+        except (EdgepackError, OSError) as err:
+            self._set(job, J.FAILED, f"rollback failed: {err}; serving {self._serving()}")
             return
-        self.daemon.activate_loaded(loaded)
-        self._set(job, J.DONE, f"rolled back to {previous.name} {previous.version}")
+        self._set(job, J.DONE, f"rolled back to {target.name} {target.version}")
 
-    def _fetch(self, job: Job) -> Path:
+    # ---------------------------------------------------------------- deploy
+
+    def _run_deploy(self, job: Job) -> None:
+        with self._lock:
+            if self._pending.pop(job.id, None) is None:
+                return  # cancelled or superseded while queued
+            running = self._running = _Running(job.id)
+        try:
+            self._deploy(job, running)
+        finally:
+            with self._lock:
+                self._running = None
+
+    def _fetch(self, job: Job, running: _Running) -> Path:
         command = job.command
         target = self.downloads / f"{command['sha256']}.edgepkg"
         reference = command["artifact"]
         if "url" in reference:
             return download(reference["url"], target, size=command["size"], sha256=command["sha256"],
-                            max_bytes=self.max_download)
-        if command["size"] > self.max_download:
+                            bounds=self.bounds, cancelled=running.stop.is_set)
+        if command["size"] > self.bounds.max_bytes:
             raise DownloadError(f"artifact of {command['size']} bytes is over the download limit")
         spec = XferSpec(reference["xfer"]["id"], reference["xfer"]["chunk_size"], reference["xfer"]["chunks"])
         receiver = Receiver(self.transport, self.topics, self.device_id, spec, size=command["size"],
                             sha256=command["sha256"], target=target)
-        return receiver.run(timeout=max(60.0, command["size"] / 50_000), cancelled=self._stop.is_set)
+        try:
+            return receiver.run(timeout=self.bounds.deadline_s, cancelled=running.stop.is_set)
+        except TransferError:
+            if running.stop.is_set():
+                raise DownloadCancelled("transfer cancelled") from None
+            raise
 
-    def _deploy(self, job: Job) -> None:
+    def _deploy(self, job: Job, running: _Running) -> None:
         job = self._set(job, J.DOWNLOADING, "fetching the artifact")
         try:
-            artifact = self._fetch(job)
+            artifact = self._fetch(job, running)
+        except DownloadCancelled:
+            self._end_cancelled(job, running)
+            return
         except (DownloadError, TransferError) as err:
             self._set(job, J.FAILED, str(err))
             return
         try:
-            self._install_downloaded(job, artifact)
+            self._install_downloaded(job, artifact, running)
         finally:
             # Whatever the outcome, the download is no longer needed (a kill -9 skips this,
             # and the resumed job then finds the file complete and does not fetch it again).
             artifact.unlink(missing_ok=True)
 
-    def _install_downloaded(self, job: Job, artifact: Path) -> None:
-        command = job.command
-        job = self._set(job, J.VERIFYING, "checking signature, hashes, version and target")
-        store = self.daemon.store
+    def _policy(self) -> DevicePolicy:
+        known: dict[str, str] = {}
         try:
-            verified = verify_artifact(artifact, self.daemon.trust, store.limits)
-            manifest = verified.manifest
-            if manifest.version != command["version"] or command.get("name", manifest.name) != manifest.name:
-                raise ArtifactError(f"artifact is {manifest.name} {manifest.version}, the command announced "
-                                    f"{command.get('name', manifest.name)} {command['version']}")
-            force = bool(command.get("force_downgrade"))
-            check_upgrade(manifest.version, store.active_version(), force=force)
-            profile = self.daemon.config.profile
-            if manifest.targets and profile not in manifest.targets:
-                raise ArtifactError(f"built for {', '.join(manifest.targets)}, not for this device's "
-                                    f"profile {profile}")
-        except (ArtifactError, DowngradeError) as err:
+            previous = self.host.store.previous()
+        except (EdgepackError, OSError):
+            previous = None
+        if previous is not None:
+            known[previous.name] = previous.version
+        active = self._active_manifest()
+        if active is not None and (active.name not in known or Version(active.version) > Version(known[active.name])):
+            known[active.name] = active.version
+        return DevicePolicy(profile=self.host.config.profile, allowed_names=self.allowed_names, known_versions=known)
+
+    def _active_manifest(self) -> Manifest | None:
+        model = self.host.service.model
+        return None if model is None else model.manifest
+
+    def _install_downloaded(self, job: Job, artifact: Path, running: _Running) -> None:
+        job = self._set(job, J.VERIFYING, "checking signature, hashes, name, version, target and I/O contract")
+        # Recorded before the verifier runs: if it kills the agent (memory), the restart fails
+        # the job instead of verifying the same file again.
+        job = self._set(job, J.VERIFYING, job.reason, publish=False, verify_started=True)
+        try:
+            verified = verify_artifact(artifact, self.host.trust, self.host.store.limits)
+        except ArtifactError as err:
             self._set(job, J.REJECTED, str(err))
+            return
+        manifest = verified.manifest
+        reason = admit(manifest, self._active_manifest(), job.command, self._policy())
+        if reason is not None:
+            self._set(job, J.REJECTED, reason)
+            return
+        if running.stop.is_set():
+            self._end_cancelled(job, running)
             return
         job = self._set(job, J.STAGING, f"extracting {manifest.name} {manifest.version}")
         try:
-            staged = store.stage(artifact, force=force)
+            with self._store_lock:
+                # admission already applied the version rules (within a name), so the store's
+                # own cross-name check is overridden here
+                staged = self.host.store.stage(artifact, force=True)
         except EdgepackError as err:
             self._set(job, J.FAILED, str(err))
             return
         job = self._set(job, J.TESTING, "golden samples on a shadow session")
         try:
-            loaded = self.daemon.load(staged)
+            loaded = self.host.load(staged)
         except EdgepackError as err:
-            store.discard(staged)
+            self.host.store.discard(staged)
             self._set(job, J.FAILED, f"{err} (the previous model keeps serving)")
             return
-        self._activate_and_watch(job, staged, loaded)
+        self._activate_and_watch(job, staged, loaded, running)
 
-    def _activate_and_watch(self, job: Job, staged: Any, loaded: LoadedModel) -> None:
-        service = self.daemon.service
-        before = service.stats.snapshot()
-        baseline = before["latency_sum"] / before["requests"]["ok"] if before["requests"]["ok"] else None
-        self.daemon.store.activate(staged)
-        old = self.daemon.activate_loaded(loaded)
-        window = float(job.command.get("health_window_s", self.health_window_s))
-        job = self._set(job, J.ACTIVE, f"hot-swapped; watching health for {window:g} s", final=window <= 0,
+    def _window_of(self, job: Job) -> float:
+        return float(job.command.get("health_window_s", self.window["default"]))
+
+    def _activate_and_watch(self, job: Job, staged: InstalledModel, loaded: LoadedModel, running: _Running) -> None:
+        service = self.host.service
+        with self._store_lock:
+            if running.stop.is_set():
+                self.host.store.discard(staged)
+                self._end_cancelled(job, running)
+                return
+            before = service.stats.snapshot()
+            self.host.store.activate(staged)
+            old = self.host.activate_loaded(loaded)
+            running.in_window = True
+        window = self._window_of(job)
+        job = self._set(job, J.ACTIVE, f"hot-swapped; watching health for {window:g} s", final=False,
                         provider=loaded.provider)
-        if window <= 0:
-            return
         service.check_finite = True
         try:
-            self._stop.wait(window)
+            running.stop.wait(window)
+            after = service.stats.snapshot()
+            traffic = traffic_between(before, after)
+            probes = Probes()
+            if not running.stop.is_set() and needs_probes(traffic, self.health):
+                probes = self._probe(loaded)
         finally:
             service.check_finite = False
-        verdict = judge_health(before, service.stats.snapshot(), baseline, max_error_rate=self.max_error_rate,
-                               max_latency_factor=self.max_latency_factor)
-        if verdict.healthy:
-            self._set(job, J.ACTIVE, f"health window passed: {verdict.reason}", final=True)
-            return
-        previous = self.daemon.store.rollback()
-        restored = old if old is not None else self.daemon.load(previous)
-        self.daemon.activate_loaded(restored)
-        self._set(job, J.ROLLED_BACK, f"unhealthy: {verdict.reason}; back on {previous.name} {previous.version}")
+        self._close_window(job, running, old, traffic_of(before), traffic, probes)
+
+    def _end_cancelled(self, job: Job, running: _Running) -> None:
+        """End a deploy stopped before the switch: ``cancelled``, unless the agent itself is
+        stopping, in which case the journal keeps the job's state for the restart to resume."""
+        if not self._stop.is_set():
+            self._set(job, J.CANCELLED, running.why or "cancelled")
+
+    def _close_window(self, job: Job, running: _Running, old: LoadedModel | None, before: Any, traffic: Any,
+                      probes: Probes) -> None:
+        if self._stop.is_set():
+            return  # the agent is stopping: the restart rolls an unproven model back
+        with self._store_lock:
+            if running.rolled_back_by:
+                self._set(job, J.ROLLED_BACK, f"rolled back by command {running.rolled_back_by}")
+                return
+            if running.stop.is_set():
+                verdict_reason = running.why
+            else:
+                verdict = judge(traffic, before, probes, self.health)
+                if verdict.healthy:
+                    self._set(job, J.ACTIVE, f"health window passed: {verdict.reason}", final=True)
+                    return
+                verdict_reason = f"unhealthy: {verdict.reason}"
+            try:
+                target = self._safe_rollback(fallback=old)
+            except (EdgepackError, OSError) as err:
+                self._set(job, J.FAILED, f"{verdict_reason}; rollback failed: {err}; serving {self._serving()}")
+                return
+            self._set(job, J.ROLLED_BACK, f"{verdict_reason}; back on {target.name} {target.version}")
+
+    def _probe(self, model: LoadedModel) -> Probes:
+        """Replay the model's golden samples through the live service (the path users take)."""
+        golden = model.manifest.golden
+        samples = list(golden.get("samples", []))[:MAX_PROBES]
+        rtol, atol = float(golden.get("rtol", 1e-3)), float(golden.get("atol", 1e-4))
+        failed, first = 0, ""
+        for index, sample in enumerate(samples):
+            try:
+                with np.load(model.root / sample["inputs"], allow_pickle=False) as archive:
+                    inputs = {name: archive[name] for name in archive.files}
+                with np.load(model.root / sample["outputs"], allow_pickle=False) as archive:
+                    expected = {name: archive[name] for name in archive.files}
+                result = self.host.service.predict_tensors(inputs, postprocess=True)
+                problem, _ = compare_outputs(result.outputs, expected, model.manifest.outputs, rtol=rtol, atol=atol)
+            except (EdgepackError, OSError, ValueError) as err:
+                problem = f"probe {index} failed: {str(err)[:200]}"
+            if problem:
+                failed += 1
+                first = first or f"sample {index}: {problem}"
+        return Probes(sent=len(samples), failed=failed, first_problem=first)
 
     # ---------------------------------------------------------------- restart
 
     def _resume_jobs(self) -> None:
-        active_version = self.daemon.store.active_version()
+        active_version = self.host.store.active_version()
+        now = time.time()
         for job in self.journal.all():
-            action = on_restart(job, active_is_job_version=active_version == job.command.get("version"))
+            action = on_restart(job, active_is_job_version=active_version == job.command.get("version"), now=now)
             if action == J.RESUME:
                 # Start over from the download: it resumes where it stopped, and staging is
                 # idempotent (store.recover() removed anything half-extracted).
-                resumed = dataclasses.replace(job, state=J.QUEUED, reason="resumed after an agent restart")
-                self.journal.save(resumed)
-                self.reporter.publish_job_event(resumed.event())
-                self._queue.put(resumed)
+                resumed = self._set(job, J.QUEUED, "resumed after an agent restart")
+                self._pending[resumed.id] = resumed
+                self._deploys.put(resumed)
             elif action == J.ROLL_BACK:
                 self._rollback_after_restart(job)
             elif action == J.FAIL:
-                self._set(job, J.FAILED, "the agent restarted before the command completed")
+                self._set(job, J.FAILED, restart_reason(job, now))
         self.journal.prune()
 
     def _rollback_after_restart(self, job: Job) -> None:
         """The agent died while the new model was being tested or watched: it may be the cause,
-        so go back to the previous model."""
-        store = self.daemon.store
-        current = job if job.state == J.ACTIVE else dataclasses.replace(job, state=J.ACTIVE)
+        so go back to the previous model, loaded and tested before the store commits to it."""
+        reason = "agent restarted before the health window closed"
         try:
-            previous = store.rollback()
-            self.daemon.activate_loaded(self.daemon.load(previous))
-            reason = f"agent restarted before the health window closed; back on {previous.name} {previous.version}"
-        except EdgepackError as err:
-            reason = f"agent restarted before the health window closed; rollback failed: {err}"
-        self._set(current, J.ROLLED_BACK, reason)
+            target = self._safe_rollback()
+        except (EdgepackError, OSError) as err:
+            self._set(job, J.FAILED, f"{reason}; rollback failed: {err}; serving {self._serving()}")
+            return
+        self._set(job, J.ROLLED_BACK, f"{reason}; back on {target.name} {target.version}")
