@@ -267,6 +267,14 @@ def test_without_data_validation_is_a_recipe_error_unless_synthetic_is_consented
     assert result.report["passes"]["golden"]["source"] == "synthetic"
 
 
+def test_golden_data_alone_is_real_data_for_validation_too(tmp_path, keypair):
+    _add_model(tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.ones((2, 1, 4), np.float32), k=np.ones((2, 4), np.float32))
+    result = _build(tmp_path, {"model": {"path": "m.onnx"}, "golden": {"data": {"npz": "d.npz"}}}, keypair)
+    assert result.report["passes"]["validate"]["source"] == "npz"
+    assert result.report["passes"]["validate"]["samples"] == 2
+
+
 def _gather_model(path: Path, rows: int = 5) -> Path:
     table = numpy_helper.from_array(np.arange(rows * 3, dtype=np.float32).reshape(rows, 3), "table")
     ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 6])

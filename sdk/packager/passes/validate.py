@@ -25,6 +25,7 @@ from sdk.packager.passes.base import BuildContext, Pass, register
 DEFAULT_SAMPLES = 64
 SYNTHETIC_SAMPLES = 16
 _BUDGET_KEYS = ("metric", "max_drop", "min_cosine", "max_abs")
+VALIDATION_SOURCES = (("validate", "data"), ("quantize", "calibration"), ("golden", "data"))
 
 
 def source_kind(source: Mapping[str, Any] | str) -> str:
@@ -57,13 +58,16 @@ class ValidatePass(Pass):
 
     def _samples(self, ctx: BuildContext, options: Mapping[str, Any]) -> tuple[Samples, str]:
         limit = int(options.get("samples", DEFAULT_SAMPLES))
-        source = options.get("data") or ctx.recipe.section("quantize").get("calibration")
+        # validate.data, else the calibration data, else the golden data: whatever real data
+        # the recipe gives is used before anything is made up.
+        key, source = next(((f"{section}.{name}", ctx.recipe.section(section)[name])
+                            for section, name in VALIDATION_SOURCES if ctx.recipe.section(section).get(name)),
+                           ("validate.data", None))
         if not source:
             raise RecipeError("validate.data", "no validation data: give validate.data, or write validate: "
                               "{data: synthetic} to consent to made-up inputs", recipe=str(ctx.recipe.path))
         if source == "synthetic":
             limit = min(limit, SYNTHETIC_SAMPLES)
-        key = "validate.data" if options.get("data") else "quantize.calibration"
         samples = load_samples(source, ctx.preprocess, ctx.inputs, key=key, limit=limit, **context_options(ctx))
         return samples, source_kind(source)
 
