@@ -106,3 +106,181 @@ def format_view(view: ArtifactView) -> str:
         for warning in report.get("warnings", []):
             lines.append(f"    warning: {warning}")
     return "\n".join(lines)
+
+
+# -- models: any ONNX file, or the model inside an artifact ------------------------------------
+
+MAX_SUBGRAPH_DEPTH = 32
+
+
+def is_tar_archive(path: Path) -> bool:
+    """An artifact is a tar archive; anything else is treated as an ONNX model."""
+    try:
+        return tarfile.is_tarfile(path)
+    except OSError:
+        return False
+
+
+def load_model_for_display(path: Path, trust: TrustStore | None = None) -> Any:
+    """The ONNX model of ``path`` (a .onnx file, or the model inside an artifact, verified first
+    when a trust store is given), without external weights: only the structure is shown."""
+    import onnx
+
+    from sdk.errors import ModelError
+
+    if not path.exists():
+        raise ModelError(str(path), "no such file")
+    if is_tar_archive(path):
+        data = _artifact_model_bytes(path, trust)
+        source = f"{path} (model inside)"
+    else:
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise ModelError(str(path), f"cannot read: {err.strerror}") from None
+        source = str(path)
+    try:
+        return onnx.load_model_from_string(data)
+    except Exception as err:  # protobuf's DecodeError and friends: not an ONNX model
+        raise ModelError(source, f"not an ONNX model ({type(err).__name__}: {str(err)[:200]})") from None
+
+
+def _artifact_model_bytes(path: Path, trust: TrustStore | None) -> bytes:
+    if trust is not None:
+        import tempfile
+
+        from edgepack_core.artifact import extract_artifact
+
+        with tempfile.TemporaryDirectory() as tmp:
+            verified = extract_artifact(path, Path(tmp) / "x", trust)
+            return (Path(tmp) / "x" / verified.manifest.model_path).read_bytes()
+    view = read_unverified_for_display(path)
+    member = str(view.manifest.get("model", {}).get("path", "model/model.onnx"))
+    limit = Limits().max_member_bytes
+    try:
+        with tarfile.open(path, mode="r|*") as tar:
+            for entry in tar:
+                if entry.name == member and entry.isfile() and entry.size <= limit:
+                    stream = tar.extractfile(entry)
+                    assert stream is not None
+                    return stream.read()
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise TruncatedArchiveError(f"{path}: not a complete tar archive ({err})") from None
+    raise ArtifactError(f"{path}: no {member} inside within the size limit")
+
+
+def _type_text(type_proto: Any) -> tuple[str, list[Any] | None]:
+    """(dtype, shape) of an ONNX TypeProto for display; shape None when unknown."""
+    import onnx
+
+    kind = type_proto.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        tensor = getattr(type_proto, kind)
+        dtype = onnx.TensorProto.DataType.Name(tensor.elem_type).lower() if tensor.elem_type else "?"
+        if not tensor.HasField("shape"):
+            return dtype, None
+        return dtype, [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim]
+    if kind == "sequence_type":
+        return f"seq({_type_text(type_proto.sequence_type.elem_type)[0]})", None
+    if kind == "optional_type":
+        return f"optional({_type_text(type_proto.optional_type.elem_type)[0]})", None
+    if kind == "map_type":
+        return "map", None
+    return "?", None
+
+
+def _known_types(graph: Any, known: dict[str, tuple[str, list[Any] | None]]) -> None:
+    import onnx
+
+    for init in graph.initializer:
+        known[init.name] = (onnx.TensorProto.DataType.Name(init.data_type).lower(), list(init.dims))
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if value.type.WhichOneof("value"):
+            known[value.name] = _type_text(value.type)
+
+
+def node_table(model: Any) -> tuple[list[dict[str, Any]], str | None]:
+    """Every node (subgraph nodes too, named ``parent/child``) with op type, domain and the
+    dtype and shape of each input and output, from onnx shape inference. The second value says
+    why shapes are missing when shape inference failed."""
+    import onnx
+
+    note = None
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    except Exception as err:  # onnx raises several untyped errors on graphs it cannot infer
+        inferred, note = model, f"shape inference failed: {str(err).splitlines()[0][:200] if str(err) else err}"
+    rows: list[dict[str, Any]] = []
+    _walk(inferred.graph, "", {}, rows, 0)
+    return rows, note
+
+
+def _walk(graph: Any, prefix: str, outer: dict[str, tuple[str, list[Any] | None]], rows: list[dict[str, Any]],
+          depth: int) -> None:
+    import onnx
+
+    known = dict(outer)
+    _known_types(graph, known)
+    initializers = {i.name for i in graph.initializer}
+
+    def tensor(name: str) -> dict[str, Any]:
+        dtype, shape = known.get(name, ("?", None))
+        return {"name": name, "dtype": dtype, "shape": shape, **({"initializer": True} if name in initializers else {})}
+
+    for index, node in enumerate(graph.node):
+        name = f"{prefix}{node.name or f'#{index}'}"
+        rows.append({"name": name, "op_type": node.op_type, "domain": node.domain or "ai.onnx",
+                     "inputs": [tensor(i) for i in node.input if i], "outputs": [tensor(o) for o in node.output if o]})
+        if depth >= MAX_SUBGRAPH_DEPTH:
+            continue
+        for attr in node.attribute:
+            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            for sub in subgraphs:
+                _walk(sub, f"{name}/{attr.name}/", known, rows, depth + 1)
+
+
+def _tensor_text(entry: dict[str, Any]) -> str:
+    shape = "[?]" if entry["shape"] is None else _shape(["?" if d is None else d for d in entry["shape"]])
+    return f"{entry['name']}:{entry['dtype']}{shape}"
+
+
+def format_nodes(rows: list[dict[str, Any]], note: str | None) -> str:
+    """One line per node: name, op type (with its domain when not ai.onnx), inputs -> outputs."""
+    lines = [f"{len(rows)} node(s)" + (f"  ({note})" if note else "")]
+    for row in rows:
+        op = row["op_type"] if row["domain"] == "ai.onnx" else f"{row['domain']}.{row['op_type']}"
+        lines.append(f"  {row['name']:<28} {op:<20} {', '.join(_tensor_text(t) for t in row['inputs'])}"
+                     f" -> {', '.join(_tensor_text(t) for t in row['outputs'])}")
+    return "\n".join(lines)
+
+
+def model_summary(model: Any, path: Path) -> dict[str, Any]:
+    """IR version, opset imports, inputs and outputs (initializers excluded), op-type counts."""
+    known: dict[str, tuple[str, list[Any] | None]] = {}
+    _known_types(model.graph, known)
+    initializers = {i.name for i in model.graph.initializer}
+    ops: dict[str, int] = {}
+    for node in model.graph.node:
+        op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+        ops[op] = ops.get(op, 0) + 1
+
+    def io(values: Any) -> list[dict[str, Any]]:
+        return [{"name": v.name, "dtype": known[v.name][0], "shape": known[v.name][1]}
+                for v in values if v.name not in initializers]
+
+    return {"model": str(path), "ir_version": int(model.ir_version), "producer": model.producer_name,
+            "opsets": {o.domain or "ai.onnx": int(o.version) for o in model.opset_import},
+            "inputs": io(model.graph.input), "outputs": io(model.graph.output),
+            "nodes": len(model.graph.node), "op_types": dict(sorted(ops.items()))}
+
+
+def format_model_summary(summary: dict[str, Any]) -> str:
+    opsets = ", ".join(f"{domain} {version}" for domain, version in summary["opsets"].items())
+    return "\n".join([
+        f"{summary['model']}  (ONNX IR {summary['ir_version']}, opsets {opsets or 'none'})",
+        f"  producer     {summary['producer'] or '?'}",
+        "  inputs", *[f"    {_tensor_text(t)}" for t in summary["inputs"]],
+        "  outputs", *[f"    {_tensor_text(t)}" for t in summary["outputs"]],
+        f"  nodes        {summary['nodes']}: "
+        + ", ".join(f"{op} x{count}" for op, count in summary["op_types"].items()),
+    ])

@@ -15,12 +15,38 @@ import click
 from edgepack_core.errors import EdgepackError
 
 
+def _set_verbose(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
+    if value:
+        ctx.meta["edgepack.verbose"] = True
+        from sdk.packager import ort_host  # numpy only; onnxruntime loads in the worker
+
+        ort_host.set_verbose(True)
+    return value
+
+
+VERBOSE = click.option("-v", "--verbose", is_flag=True, expose_value=False, is_eager=True, callback=_set_verbose,
+                       help="Show onnxruntime's own log lines and an error's cause chain.")
+
+
+def _cause_chain(err: BaseException) -> list[str]:
+    lines, seen = [], {id(err)}
+    cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        lines.append(f"edgepack:   caused by {type(cause).__name__}: {cause}")
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    return lines
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except EdgepackError as err:
             click.echo(f"edgepack: error: {err}", err=True)
+            if ctx.meta.get("edgepack.verbose"):
+                for line in _cause_chain(err):
+                    click.echo(line, err=True)
             sys.exit(err.exit_code)
         except KeyboardInterrupt:
             click.echo("edgepack: interrupted", err=True)
@@ -29,6 +55,7 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="edgepack", prog_name="edgepack")
+@VERBOSE
 def main() -> None:
     """Package ONNX models into signed artifacts and run them on fleets of edge devices."""
 

@@ -13,8 +13,18 @@ import click
 from edgepack_core.artifact import verify_artifact
 from edgepack_core.errors import EdgepackError, UsageError
 from edgepack_core.signing import TrustStore
-from sdk.cli import main
-from sdk.inspect import format_view, inspect_artifact
+from sdk.cli import VERBOSE, main
+from sdk.inspect import (
+    format_model_summary,
+    format_nodes,
+    format_view,
+    inspect_artifact,
+    is_tar_archive,
+    load_model_for_display,
+    model_summary,
+    node_table,
+    read_unverified_for_display,
+)
 from sdk.recipe import RECIPE_SCHEMA, load_recipe
 
 _TRUST = click.option("--trust", "trust", multiple=True, type=click.Path(path_type=Path),
@@ -30,6 +40,7 @@ _TRUST = click.option("--trust", "trust", multiple=True, type=click.Path(path_ty
 @click.option("--json", "as_json", is_flag=True, help="Print the build result as JSON.")
 @click.option("--progress/--no-progress", default=None,
               help="Show each step on stderr (default: only when stderr is a terminal).")
+@VERBOSE
 @click.option("--allow-external-paths", is_flag=True,
               help="Let the recipe name files outside its own folder (refused by default).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file that is not an Edgepack artifact.")
@@ -122,16 +133,47 @@ def verify(artifact: Path, trust: tuple[Path, ...]) -> None:
 
 
 @main.command()
-@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("artifact", metavar="ARTIFACT|MODEL", type=click.Path(path_type=Path))
 @_TRUST
 @click.option("--json", "as_json", is_flag=True, help="Print everything as one JSON object.")
+@click.option("--nodes", is_flag=True, help="List every node: name, op type, input and output shapes (from shape "
+                                            "inference); works on any .onnx model or an artifact's model.")
 @click.option("--netron", is_flag=True, help="Open the packaged model in Netron (needs `pip install netron`).")
-def inspect(artifact: Path, trust: tuple[Path, ...], as_json: bool, netron: bool) -> None:
-    """Show ARTIFACT's manifest, inputs/outputs, preprocessing, signer and build report."""
-    view = inspect_artifact(artifact, TrustStore.from_paths(trust) if trust else None)
-    click.echo(json.dumps(view.to_json(), indent=2, sort_keys=True) if as_json else format_view(view))
-    if netron:
-        _open_in_netron(artifact, view.manifest.get("model", {}).get("path", "model/model.onnx"))
+def inspect(artifact: Path, trust: tuple[Path, ...], as_json: bool, nodes: bool, netron: bool) -> None:
+    """Show ARTIFACT's manifest, inputs/outputs, preprocessing, signer and build report, or a
+    MODEL's inputs, outputs and ops; --nodes lists the graph's nodes with their shapes."""
+    store = TrustStore.from_paths(trust) if trust else None
+    model_file = artifact.exists() and not is_tar_archive(artifact)
+    if nodes or model_file:
+        _inspect_model(artifact, store, as_json, nodes)
+        if netron and model_file:
+            _open_in_netron_file(artifact)
+    else:
+        view = inspect_artifact(artifact, store)
+        click.echo(json.dumps(view.to_json(), indent=2, sort_keys=True) if as_json else format_view(view))
+    if netron and not model_file:
+        _open_in_netron(artifact, read_unverified_for_display(artifact).manifest.get("model", {})
+                        .get("path", "model/model.onnx"))
+
+
+def _inspect_model(path: Path, trust: TrustStore | None, as_json: bool, nodes: bool) -> None:
+    model = load_model_for_display(path, trust)
+    if nodes:
+        rows, note = node_table(model)
+        click.echo(json.dumps({"nodes": rows, "note": note}, indent=2) if as_json else format_nodes(rows, note))
+        return
+    summary = model_summary(model, path)
+    click.echo(json.dumps(summary, indent=2) if as_json else format_model_summary(summary))
+
+
+def _open_in_netron_file(model: Path) -> None:
+    try:
+        import netron  # type: ignore[import-not-found]
+    except ImportError:
+        raise EdgepackError("Netron is not installed: pip install netron (then run inspect --netron again)") \
+            from None
+    netron.start(str(model))
+    netron.wait()
 
 
 def _open_in_netron(artifact: Path, member: str) -> None:

@@ -9,7 +9,7 @@ import click
 
 from edgepack_core.signing import TrustStore
 from sdk.bench import bench as run_bench
-from sdk.cli import main
+from sdk.cli import VERBOSE, main
 
 
 @main.command()
@@ -19,12 +19,27 @@ from sdk.cli import main
 @click.option("--trust", multiple=True, type=click.Path(path_type=Path), help="Verify the artifact first.")
 @click.option("--runs", default=100, show_default=True, help="Timed runs per model.")
 @click.option("--threads", default=0, help="intra-op threads (0: onnxruntime default).")
+@click.option("--shape", "shapes", multiple=True, metavar="NAME=DIMS",
+              help="Input shape, e.g. x=1x3x224x224 (repeat per input; NAME= may be left out for a one-input model).")
+@click.option("--recipe", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Take input shapes, dtypes, ranges and constants from this recipe's inputs: section.")
 @click.option("--json", "as_json", is_flag=True)
+@VERBOSE
 def bench(model_or_artifact: Path, original: Path | None, trust: tuple[Path, ...], runs: int, threads: int,
-          as_json: bool) -> None:
-    """Latency (p50/p95) and throughput on this machine, original and packaged side by side."""
+          shapes: tuple[str, ...], recipe: Path | None, as_json: bool) -> None:
+    """Latency (p50/p95) and throughput on this machine, original and packaged side by side.
+
+    Input shapes come from --shape, else the recipe's inputs: section (--recipe), else the
+    artifact's golden samples, else the model's own fixed dims."""
+    recipe_inputs = {}
+    if recipe is not None:
+        from sdk.recipe import load_recipe
+
+        recipe_inputs = dict(load_recipe(recipe).data.get("inputs") or {})
+    if runs < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--runs")
     results = run_bench(model_or_artifact, original=original, trust=TrustStore.from_paths(trust) if trust else None,
-                        runs=runs, threads=threads)
+                        runs=runs, threads=threads, shapes=list(shapes), recipe_inputs=recipe_inputs)
     if as_json:
         click.echo(json.dumps([r.to_json() for r in results]))
         return

@@ -1,36 +1,349 @@
-"""onnxruntime on the host: one place that creates CPU sessions for building and measuring."""
+"""onnxruntime on the host: every session of a build lives in one worker process.
+
+A build creates onnxruntime sessions to validate, calibrate, make golden samples and measure.
+A kernel that dies by a signal (SIGFPE, SIGSEGV, an abort, the out-of-memory killer) would take
+``edgepack build`` with it and print nothing. So sessions live in a child process
+(:mod:`sdk.packager.ort_worker`), started once and reused by every pass of a build and by every
+later build of the same process (the conformance driver runs thousands); the child caches
+sessions by model hash. When the child dies, the call that was running raises
+:class:`OrtCrashError` naming the pass, the model, the sample and the signal, and the next call
+starts a fresh child.
+
+The pass name comes from :func:`in_pass` (the pipeline wraps each pass in it); the model's name
+from :func:`in_pass`'s ``model`` or a call's ``label``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import atexit
+import contextlib
+import contextvars
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
 from sdk.errors import BuildError
+from sdk.packager.ort_worker import ort_message, read_message, write_message
+
+__all__ = ["ModelIO", "OrtCrashError", "OrtWorker", "call_in_worker", "cpu_session", "describe", "in_pass",
+           "measure_latency", "optimize_offline", "ort_message", "prestart", "release_sessions", "run_feeds",
+           "set_verbose", "shutdown", "worker"]
+
+_PASS: contextvars.ContextVar[str] = contextvars.ContextVar("edgepack_ort_pass", default="onnxruntime")
+_MODEL: contextvars.ContextVar[str] = contextvars.ContextVar("edgepack_ort_model", default="")
+_ROOT = Path(__file__).resolve().parents[2]
+_SIGNAL_MEANING = {
+    "SIGSEGV": "invalid memory access",
+    "SIGFPE": "arithmetic error such as an integer division by zero",
+    "SIGABRT": "aborted",
+    "SIGKILL": "killed from outside, often by the out-of-memory killer",
+    "SIGBUS": "bus error",
+    "SIGILL": "illegal instruction, a build for another CPU?",
+}
 
 
-def cpu_session(model: bytes | str, *, threads: int = 0) -> ort.InferenceSession:
+class OrtCrashError(BuildError):
+    """The onnxruntime worker died (a signal or an exit) while running ``doing`` for a pass."""
+
+    def __init__(self, pass_name: str, model: str, doing: str, returncode: int | None) -> None:
+        self.signal_name = _signal_name(returncode)
+        self.model = model
+        self.doing = doing
+        self.returncode = returncode
+        if self.signal_name:
+            meaning = _SIGNAL_MEANING.get(self.signal_name, "")
+            how = f"crashed with {self.signal_name}" + (f" ({meaning})" if meaning else "")
+        else:
+            how = f"exited with status {returncode}"
+        super().__init__(pass_name, f"onnxruntime {how} on {doing} of {model}")
+
+
+def _signal_name(returncode: int | None) -> str:
+    if returncode is None or returncode >= 0:
+        return ""
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+@contextlib.contextmanager
+def in_pass(name: str, *, model: str | None = None) -> Iterator[None]:
+    """Name the pass (and optionally the model) that crash and error messages mention."""
+    pass_token = _PASS.set(name)
+    model_token = _MODEL.set(model) if model is not None else None
+    try:
+        yield
+    finally:
+        _PASS.reset(pass_token)
+        if model_token is not None:
+            _MODEL.reset(model_token)
+
+
+def _model_label(key: str, label: str | None) -> str:
+    name = label or _MODEL.get() or "the model"
+    return f"{name} (sha256 {key[:12]})" if not key.startswith("path:") else name
+
+
+class OrtWorker:
+    """One onnxruntime worker process and the pipe to it. Thread-safe; restarts after a death."""
+
+    def __init__(self, *, verbose: bool = False) -> None:
+        self.verbose = verbose
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._owner = os.getpid()
+        self._lock = threading.RLock()
+        self._greeted = False
+        self.starts = 0
+
+    # -- process -------------------------------------------------------------------------------
+    def _start(self) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
+        env.setdefault("PYTHONWARNINGS", "default" if self.verbose else "ignore")
+        args = [sys.executable, "-m", "sdk.packager.ort_worker", *(["--verbose"] if self.verbose else [])]
+        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=None if self.verbose else subprocess.DEVNULL, env=env, cwd=str(_ROOT))
+        self._proc, self._owner, self._greeted = proc, os.getpid(), False
+        self.starts += 1
+        return proc
+
+    def prestart(self) -> None:
+        """Start the process now without waiting for it, so its start-up (importing
+        onnxruntime) overlaps the work before the first session is needed."""
+        with self._lock:
+            self._process()
+
+    def _process(self) -> subprocess.Popen[bytes]:
+        proc = self._proc
+        if proc is None or self._owner != os.getpid() or proc.poll() is not None:
+            if proc is not None and self._owner == os.getpid():
+                self._reap(proc)
+            return self._start()
+        return proc
+
+    def _reap(self, proc: subprocess.Popen[bytes]) -> int | None:
+        for stream in (proc.stdin, proc.stdout):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+        try:
+            return proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+        finally:
+            if self._proc is proc:
+                self._proc = None
+
+    def close(self) -> None:
+        """Stop the worker (it exits when its pipe closes); the next call starts a new one."""
+        with self._lock:
+            proc = self._proc
+            if proc is not None and self._owner == os.getpid():
+                with contextlib.suppress(OSError):
+                    assert proc.stdin is not None
+                    write_message(proc.stdin, {"op": "shutdown"})
+                self._reap(proc)
+            self._proc = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    # -- requests ------------------------------------------------------------------------------
+    def _receive(self, proc: subprocess.Popen[bytes], pass_name: str, model: str, doing: str) -> Any:
+        try:
+            assert proc.stdout is not None
+            answer = read_message(proc.stdout)
+        except (EOFError, OSError):
+            answer = None
+        if answer is None:
+            raise OrtCrashError(pass_name, model, doing, self._reap(proc))
+        return answer
+
+    def request(self, message: dict[str, Any], *, model: str, doing: str) -> tuple[Any, ...]:
+        """Send one request and return the worker's answer tuple; a death raises OrtCrashError."""
+        pass_name = _PASS.get()
+        with self._lock:
+            proc = self._process()
+            if not self._greeted:
+                self._receive(proc, pass_name, "the onnxruntime worker", "start-up")
+                self._greeted = True
+            try:
+                assert proc.stdin is not None
+                write_message(proc.stdin, message)
+            except OSError:
+                raise OrtCrashError(pass_name, model, doing, self._reap(proc)) from None
+            answer: tuple[Any, ...] = self._receive(proc, pass_name, model, doing)
+            return answer
+
+    def call(self, message: dict[str, Any], *, model: str, doing: str) -> Any:
+        """A request whose error answers become :class:`BuildError` for the current pass."""
+        answer = self.request(message, model=model, doing=doing)
+        if answer[0] == "ok":
+            return answer[1]
+        if answer[0] == "missing":
+            return _MISSING
+        raise BuildError(_PASS.get(), f"{answer[2]} [{doing} of {model}]" if answer[1] == "ort" else answer[2])
+
+    def session_call(self, model: bytes | str, message: dict[str, Any], *, threads: int = 0, label: str | None,
+                     doing: str, key: str | None = None) -> Any:
+        """A request on a cached session; loads the model first when the worker lacks it.
+        ``key`` (from :func:`model_key`) saves re-hashing a large model on every call."""
+        key = key or model_key(model, threads)
+        name = _model_label(key, label)
+        with self._lock:
+            result = self.call({**message, "key": key}, model=name, doing=doing)
+            if result is _MISSING:
+                source = model if isinstance(model, bytes) else str(Path(model).resolve())
+                self.call({"op": "load", "key": key, "model": source, "threads": threads}, model=name,
+                          doing="session creation")
+                result = self.call({**message, "key": key}, model=name, doing=doing)
+            return result
+
+
+_MISSING = object()
+
+
+def model_key(model: bytes | str | os.PathLike[str], threads: int = 0) -> str:
+    """The cache key of a model's session in the worker: content hash for bytes; resolved path,
+    size and mtime for a file (so external data files next to it keep working)."""
+    if isinstance(model, bytes):
+        digest = hashlib.sha256(model).hexdigest()
+    else:
+        path = Path(model).resolve()
+        try:
+            stat = path.stat()
+        except OSError as err:
+            raise BuildError(_PASS.get(), f"cannot read model {path}: {err.strerror}") from None
+        digest = f"path:{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    return f"{digest}:t{threads}"
+
+
+# -- the process-wide worker ------------------------------------------------------------------
+
+_WORKER: OrtWorker | None = None
+_VERBOSE = False
+_GLOBAL_LOCK = threading.Lock()
+
+
+def worker() -> OrtWorker:
+    """The worker shared by every build of this process (stopped at exit)."""
+    global _WORKER
+    with _GLOBAL_LOCK:
+        if _WORKER is None or _WORKER.verbose != _VERBOSE:
+            if _WORKER is not None:
+                _WORKER.close()
+            _WORKER = OrtWorker(verbose=_VERBOSE)
+        return _WORKER
+
+
+def prestart() -> None:
+    """Start the shared worker in the background (a build calls this first)."""
+    worker().prestart()
+
+
+def set_verbose(verbose: bool) -> None:
+    """``-v``: let onnxruntime's own log lines and the worker's stderr reach the terminal."""
+    global _VERBOSE
+    _VERBOSE = bool(verbose)
+
+
+def shutdown() -> None:
+    """Stop the shared worker (registered with atexit; safe to call any time)."""
+    global _WORKER
+    with _GLOBAL_LOCK:
+        if _WORKER is not None:
+            _WORKER.close()
+            _WORKER = None
+
+
+atexit.register(shutdown)
+
+
+def release_sessions(models: Sequence[bytes | str] | None = None) -> None:
+    """Free cached sessions in the worker (all of them by default); the worker keeps running."""
+    if _WORKER is None or _WORKER.pid is None:
+        return
+    keys = None if models is None else [model_key(m) for m in models]
+    _WORKER.call({"op": "release", "keys": keys}, model="cached sessions", doing="release")
+
+
+# -- what the passes call ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelIO:
+    """A model's inputs and outputs as onnxruntime sees them: name, type string
+    (``tensor(float)``) and shape (int, symbolic name, or None)."""
+
+    inputs: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+
+
+def describe(model: bytes | str, *, label: str | None = None, key: str | None = None) -> ModelIO:
+    """Inputs and outputs of the model's session in the worker (creating it if needed)."""
+    info = worker().session_call(model, {"op": "describe"}, label=label, doing="session creation", key=key)
+    return ModelIO(info["inputs"], info["outputs"])
+
+
+def run_feeds(model: bytes | str, feeds: Sequence[dict[str, np.ndarray]], *, label: str | None = None
+              ) -> list[dict[str, np.ndarray]]:
+    """Run each feed through the model in the worker; output dicts by name, in feed order."""
+    host, key = worker(), model_key(model)
+    names = [o["name"] for o in describe(model, label=label, key=key).outputs]
+    results = []
+    for index, feed in enumerate(feeds):
+        values = host.session_call(model, {"op": "run", "feed": feed}, label=label, doing=f"sample {index}",
+                                   key=key)
+        results.append(dict(zip(names, values, strict=True)))
+    return results
+
+
+def measure_latency(model: bytes | str, feed: dict[str, np.ndarray], *, runs: int, warmup: int = 3,
+                    threads: int = 0, label: str | None = None) -> list[float]:
+    """Seconds per run, timed inside the worker next to the session."""
+    times: list[float] = worker().session_call(model, {"op": "bench", "feed": feed, "runs": runs, "warmup": warmup},
+                                               threads=threads, label=label, doing="the benchmark runs")
+    return times
+
+
+def optimize_offline(model_bytes: bytes, level: str, *, label: str | None = None) -> bytes:
+    """onnxruntime's offline graph optimization (level disable|basic|extended|all), run in the
+    worker; the optimized model's bytes. Failures raise BuildError for the current pass."""
+    key = hashlib.sha256(model_bytes).hexdigest()
+    name = _model_label(key, label)
+    optimized: bytes = worker().call({"op": "optimize", "model": model_bytes, "level": level}, model=name,
+                                     doing="graph optimization")
+    return optimized
+
+
+def call_in_worker(target: str, *args: Any, label: str | None = None, doing: str = "a call", **kwargs: Any) -> Any:
+    """Run ``module:function`` (in this package) inside the worker: for library code that
+    creates onnxruntime sessions itself, such as onnxruntime.quantization's calibration."""
+    name = label or _MODEL.get() or "the model"
+    return worker().call({"op": "call", "target": target, "args": args, "kwargs": kwargs}, model=name, doing=doing)
+
+
+def cpu_session(model: bytes | str, *, threads: int = 0) -> Any:
+    """An onnxruntime CPU session in THIS process, for tools outside the build that want a
+    session object; a crash here takes the caller with it. The build uses the worker."""
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 2 if _VERBOSE else 4
     if threads:
         options.intra_op_num_threads = threads
     try:
         return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     except Exception as err:  # onnxruntime raises its own untyped exceptions
-        raise BuildError("onnxruntime", f"cannot create a session: {str(err).splitlines()[0]}") from None
-
-
-def run_feeds(model: bytes | str | ort.InferenceSession, feeds: Sequence[dict[str, np.ndarray]]
-              ) -> list[dict[str, np.ndarray]]:
-    """Run each feed through the model; return output dicts by name, in feed order."""
-    session = model if isinstance(model, ort.InferenceSession) else cpu_session(model)
-    names = [o.name for o in session.get_outputs()]
-    results = []
-    for feed in feeds:
-        try:
-            values = session.run(names, feed)
-        except Exception as err:
-            raise BuildError("onnxruntime", f"inference failed: {str(err).splitlines()[0]}") from None
-        results.append(dict(zip(names, values, strict=True)))
-    return results
+        raise BuildError(_PASS.get(), f"cannot create a session: {ort_message(err)}") from None

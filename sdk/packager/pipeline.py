@@ -23,6 +23,7 @@ from edgepack_core.signing import SigningKey, load_private_key
 from edgepack_core.targets import profile_providers
 from sdk.artifact_writer import write_artifact
 from sdk.errors import RecipeError
+from sdk.packager import ort_host
 from sdk.packager.data import manifest_inputs
 from sdk.packager.passes import base
 from sdk.packager.passes.base import BuildContext, Progress
@@ -101,13 +102,17 @@ def resolve_output(recipe: Recipe, output: str | os.PathLike[str] | None) -> Pat
 
 def run_passes(ctx: BuildContext, names: list[str] | None = None) -> None:
     timings: dict[str, float] = {}
+    source = ctx.recipe.data.get("model")
+    model_name = Path(str(source.get("path") if isinstance(source, dict) and source.get("path") else
+                          ctx.recipe.name)).name
     for name in names or PIPELINE:
         step = base.get_pass(name)
         if not step.applies(ctx):
             continue
         ctx.progress(f"{name} ...")
         started = time.perf_counter()
-        step.run(ctx)
+        with ort_host.in_pass(name, model=model_name):  # names the pass in onnxruntime crash messages
+            step.run(ctx)
         timings[name] = round(time.perf_counter() - started, 3)
     ctx.report["timings_s"] = timings
 
@@ -156,6 +161,7 @@ def build(
     keys = resolve_signing_keys(recipe, key_paths)  # fail on a bad key before any long work
     target = resolve_output(recipe, output)
     workdir = Path(tempfile.mkdtemp(prefix="edgepack-build-"))
+    ort_host.prestart()  # the onnxruntime worker starts while the first passes run
     try:
         ctx = BuildContext(recipe=recipe, workdir=workdir, progress=progress or (lambda message: None))
         run_passes(ctx)

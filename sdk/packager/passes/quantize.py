@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,7 +28,7 @@ from onnx import numpy_helper
 from sdk.errors import BuildError
 from sdk.packager.data import Samples, context_options, load_samples, synthetic_samples
 from sdk.packager.metrics import Budget, compare
-from sdk.packager.ort_host import cpu_session, run_feeds
+from sdk.packager.ort_host import OrtCrashError, call_in_worker, measure_latency, run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.model_checks import default_opset
 
@@ -157,17 +156,31 @@ def quantize_once(model_path: Path, out_path: Path, config: QuantConfig, calibra
     return out_path
 
 
+def quantize_in_folder(folder: Path, model_path: Path, out_path: Path, config: QuantConfig,
+                       calibration: list[dict[str, np.ndarray]]) -> Path:
+    """:func:`quantize_once` with ``folder`` as the working directory. Runs inside the
+    onnxruntime worker (calibration creates sessions), where changing directory touches no
+    other thread of the build."""
+    with _working_directory(folder):
+        return quantize_once(model_path, out_path, config, calibration)
+
+
+def pre_process_in_folder(folder: Path, raw: Path, prepared: Path) -> str | None:
+    """onnxruntime's quantization pre-processing (it optimizes with a session: runs inside the
+    worker). None when done, else why it was skipped: symbolic shape inference fails on some
+    graphs, and the model is then quantized as it is."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    try:
+        with _working_directory(folder):
+            quant_pre_process(str(raw), str(prepared), auto_merge=True, skip_symbolic_shape=False)
+    except Exception as err:  # a tool script's untyped failure: recorded in the report
+        return f"{type(err).__name__}: {str(err)[:200]}"
+    return None
+
+
 def median_latency(model: bytes | str, feed: dict[str, np.ndarray], runs: int = 30) -> float:
-    session = cpu_session(model)
-    names = [o.name for o in session.get_outputs()]
-    for _ in range(3):
-        session.run(names, feed)
-    times = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        session.run(names, feed)
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))
+    return float(np.median(measure_latency(model, feed, runs=runs, warmup=3)))
 
 
 def _synthetic_options(ctx: BuildContext) -> dict[str, Any]:
@@ -204,7 +217,7 @@ class QuantizePass(Pass):
             or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs, **_synthetic_options(ctx))
         budget = Budget.from_recipe(ctx.recipe.section("validate"), validation.labels is not None)
         output = ctx.postprocess.get("output")
-        reference = run_feeds(source.read_bytes(), validation.feeds)
+        reference = run_feeds(source.read_bytes(), validation.feeds, label="the fp32 model")
 
         tried: list[dict[str, Any]] = []
         chosen: tuple[QuantConfig, Path, dict[str, Any]] | None = None
@@ -212,14 +225,13 @@ class QuantizePass(Pass):
             ctx.progress(f"quantize: candidate {index + 1} {candidate.describe()}")
             out = folder / f"candidate-{index}.onnx"
             try:
-                with _working_directory(folder):
-                    quantize_once(source, out, candidate, calib_feeds)
-                outputs = run_feeds(out.read_bytes(), validation.feeds)
-            except BuildError as err:
-                tried.append({**candidate.describe(), "error": str(err)})
-                continue
-            except Exception as err:  # onnxruntime.quantization raises untyped errors
-                tried.append({**candidate.describe(), "error": f"{type(err).__name__}: {str(err)[:200]}"})
+                call_in_worker(f"{__name__}:quantize_in_folder", folder, source, out, candidate, calib_feeds,
+                               label=f"candidate {index + 1}", doing="quantization and calibration")
+                outputs = run_feeds(out.read_bytes(), validation.feeds, label=f"candidate {index + 1}")
+            except OrtCrashError:
+                raise  # a crash ends the build with one line naming it; never a skipped candidate
+            except BuildError as err:  # onnxruntime.quantization's own errors, reported by the worker
+                tried.append({**candidate.describe(), "error": err.problem[:300]})
                 continue
             result = compare(reference, outputs, output=output, labels=validation.labels)
             met, why = budget.check(result)
@@ -269,15 +281,12 @@ class QuantizePass(Pass):
         raw = folder / "fp32.onnx"
         onnx.save(model, raw)
         prepared = folder / "prepared.onnx"
-        try:
-            from onnxruntime.quantization.shape_inference import quant_pre_process
-
-            with _working_directory(folder):
-                quant_pre_process(str(raw), str(prepared), auto_merge=True, skip_symbolic_shape=False)
+        skipped = call_in_worker(f"{__name__}:pre_process_in_folder", folder, raw, prepared,
+                                 doing="quantization pre-processing")
+        if skipped is None:
             return prepared
-        except Exception as err:  # symbolic shape inference fails on some graphs: quantize as is
-            ctx.report.setdefault("quantize_notes", []).append(f"quant_pre_process skipped: {str(err)[:200]}")
-            return raw
+        ctx.report.setdefault("quantize_notes", []).append(f"quant_pre_process skipped: {skipped}")
+        return raw
 
     @staticmethod
     def _candidates(config: QuantConfig, options: dict[str, Any], model: onnx.ModelProto) -> Iterator[QuantConfig]:

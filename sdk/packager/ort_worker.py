@@ -1,0 +1,265 @@
+"""The onnxruntime worker: a child process that owns every onnxruntime session of a build.
+
+Why a separate process: onnxruntime kernels can die by a signal on inputs they do not expect
+(integer division by zero in STFT is a SIGFPE, some voice models end in SIGSEGV), and the
+out-of-memory killer takes whichever process holds the memory. Inside the build process any of
+these ends ``edgepack build`` with no message at all. Here the worker dies instead; the parent
+(:mod:`sdk.packager.ort_host`) sees the signal, names the pass, the model and the sample in
+one line, and starts a fresh worker the next time one is needed.
+
+Protocol (private, parent <-> own child, never a network peer): each message is an 8-byte
+big-endian length followed by a pickle. The parent sends a dict with an ``op``; the worker
+answers ``("ok", value)``, ``("missing",)`` when a session key is not (or no longer) cached,
+or ``("error", kind, message)``. The worker's own stdout is moved to its stderr at start so a
+stray print from a library can never corrupt the protocol stream.
+
+Sessions are cached by the key the parent computes (sha256 of the model bytes, or path, size
+and mtime, plus thread count), least recently used first out, bounded in count and in model
+bytes, so thousands of builds in one process stay within memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import signal
+import struct
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import IO, Any
+
+HEADER = struct.Struct(">Q")
+MAX_SESSIONS = 8
+MAX_CACHED_BYTES = 1 << 30
+# The parent only sends calls into its own package; anything else is refused.
+CALLABLE_PREFIX = "sdk."
+# Test-only: when this variable names a signal (e.g. SIGSEGV), the worker kills itself with that
+# real signal on its next inference run. Named loudly so nobody sets it by accident.
+SIMULATE_CRASH_ENV = "EDGEPACK_SIMULATE_CRASH_IF_TESTING"
+LEVELS = ("disable", "basic", "extended", "all")
+
+
+def read_message(stream: IO[bytes]) -> Any:
+    """One framed message, or None at a clean end of stream (the other side closed)."""
+    header = _read_exactly(stream, HEADER.size)
+    if header is None:
+        return None
+    (length,) = HEADER.unpack(header)
+    body = _read_exactly(stream, length)
+    if body is None:
+        raise EOFError(f"stream ended inside a {length}-byte message")
+    return pickle.loads(body)
+
+
+def _read_exactly(stream: IO[bytes], size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = stream.read(left)
+        if not chunk:
+            if left == size:
+                return None
+            raise EOFError("stream ended inside a message")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def write_message(stream: IO[bytes], message: Any) -> None:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(HEADER.pack(len(body)) + body)
+    stream.flush()
+
+
+def simulate_crash_if_testing() -> None:
+    """Kill this worker with the real signal named in ``EDGEPACK_SIMULATE_CRASH_IF_TESTING``
+    (tests only: proves the parent's crash handling with SIGSEGV, SIGABRT, SIGKILL...)."""
+    name = os.environ.get(SIMULATE_CRASH_ENV)
+    if name:
+        os.kill(os.getpid(), signal.Signals[name].value)
+
+
+def ort_message(err: BaseException) -> str:
+    """Every line of onnxruntime's text that says what is wrong, joined on one line.
+
+    onnxruntime puts the useful part on later lines (``index: 0 Got: 1 Expected: 3``); only the
+    ``[ONNXRuntimeError] : 2 : INVALID_ARGUMENT :`` prefix and blank lines are dropped."""
+    text = str(err) or type(err).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines and lines[0].startswith("[ONNXRuntimeError]"):
+        parts = lines[0].split(" : ", 3)
+        lines[0] = parts[3] if len(parts) == 4 else lines[0]
+    message = " ".join(lines)
+    return message if len(message) <= 4000 else message[:4000] + " …"
+
+
+class _Missing(Exception):
+    """The session key is not cached (never loaded, or evicted): the parent loads and retries."""
+
+
+class Worker:
+    """The request handler; one per worker process."""
+
+    def __init__(self, verbose: bool) -> None:
+        import onnxruntime as ort
+
+        self.ort = ort
+        # Severity 4 (fatal only) keeps onnxruntime's own log lines off the terminal; -v shows
+        # warnings and errors.
+        self.severity = 2 if verbose else 4
+        ort.set_default_logger_severity(self.severity)
+        self.sessions: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+
+    def handle(self, request: dict[str, Any]) -> tuple[Any, ...]:
+        op = request.get("op")
+        handler = getattr(self, f"op_{op}", None)
+        if handler is None:
+            return ("error", "protocol", f"unknown op {op!r}")
+        try:
+            return handler(request)
+        except _Missing:
+            return ("missing",)
+
+    # -- sessions ----------------------------------------------------------------------------
+    def _options(self, threads: int) -> Any:
+        options = self.ort.SessionOptions()
+        options.log_severity_level = self.severity
+        if threads:
+            options.intra_op_num_threads = threads
+        return options
+
+    def op_load(self, request: dict[str, Any]) -> tuple[Any, ...]:
+        key, model, threads = request["key"], request["model"], int(request.get("threads", 0))
+        try:
+            session = self.ort.InferenceSession(model, self._options(threads), providers=["CPUExecutionProvider"])
+        except Exception as err:  # onnxruntime raises its own untyped exceptions
+            return ("error", "ort", f"cannot create a session: {ort_message(err)}")
+        size = len(model) if isinstance(model, bytes) else _file_size(model)
+        self.sessions[key] = (session, size)
+        self._evict()
+        return ("ok", _describe(session))
+
+    def _evict(self) -> None:
+        while len(self.sessions) > MAX_SESSIONS or (
+                len(self.sessions) > 1 and sum(size for _, size in self.sessions.values()) > MAX_CACHED_BYTES):
+            self.sessions.popitem(last=False)
+
+    def _session(self, key: str) -> Any:
+        if key not in self.sessions:
+            raise _Missing(key)
+        self.sessions.move_to_end(key)
+        return self.sessions[key][0]
+
+    def op_describe(self, request: dict[str, Any]) -> tuple[Any, ...]:
+        return ("ok", _describe(self._session(request["key"])))
+
+    def op_run(self, request: dict[str, Any]) -> tuple[Any, ...]:
+        session = self._session(request["key"])
+        simulate_crash_if_testing()
+        names = [o.name for o in session.get_outputs()]
+        try:
+            values = session.run(names, request["feed"])
+        except Exception as err:
+            return ("error", "ort", f"inference failed: {ort_message(err)}")
+        return ("ok", values)
+
+    def op_bench(self, request: dict[str, Any]) -> tuple[Any, ...]:
+        """Latencies measured here, next to the session, so the pipe never enters the timing."""
+        session = self._session(request["key"])
+        simulate_crash_if_testing()
+        feed, names = request["feed"], [o.name for o in session.get_outputs()]
+        times = []
+        try:
+            for _ in range(int(request.get("warmup", 0))):
+                session.run(names, feed)
+            for _ in range(int(request["runs"])):
+                started = time.perf_counter()
+                session.run(names, feed)
+                times.append(time.perf_counter() - started)
+        except Exception as err:
+            return ("error", "ort", f"inference failed: {ort_message(err)}")
+        return ("ok", times)
+
+    def op_release(self, request: dict[str, Any]) -> tuple[Any, ...]:
+        keys = request.get("keys")
+        for key in list(self.sessions) if keys is None else keys:
+            self.sessions.pop(key, None)
+        return ("ok", len(self.sessions))
+
+    def op_ping(self, request: dict[str, Any]) -> tuple[Any, ...]:
+        return ("ok", {"pid": os.getpid(), "sessions": list(self.sessions), "onnxruntime": self.ort.__version__})
+
+    # -- whole-model jobs ----------------------------------------------------------------------
+    def op_optimize(self, request: dict[str, Any]) -> tuple[Any, ...]:
+        """onnxruntime's offline graph optimization: the optimized model's bytes."""
+        ort, level = self.ort, request["level"]
+        options = self._options(0)
+        options.graph_optimization_level = {
+            "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[level]
+        with tempfile.TemporaryDirectory(prefix="edgepack-ort-opt-") as folder:
+            target = Path(folder) / "optimized.onnx"
+            options.optimized_model_filepath = str(target)
+            try:
+                ort.InferenceSession(request["model"], options, providers=["CPUExecutionProvider"])
+            except Exception as err:
+                return ("error", "ort", ort_message(err))
+            return ("ok", target.read_bytes())
+
+    def op_call(self, request: dict[str, Any]) -> tuple[Any, ...]:
+        """Run one function of this package here (quantization and its calibration sessions)."""
+        target = request["target"]
+        module_name, _, function_name = target.partition(":")
+        if not module_name.startswith(CALLABLE_PREFIX) or not function_name:
+            return ("error", "protocol", f"refused call target {target!r}")
+        function = getattr(importlib.import_module(module_name), function_name)
+        simulate_crash_if_testing()
+        try:
+            return ("ok", function(*request.get("args", ()), **request.get("kwargs", {})))
+        except Exception as err:  # reported to the parent, which raises a typed error
+            return ("error", "python", f"{type(err).__name__}: {ort_message(err)}")
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _describe(session: Any) -> dict[str, list[dict[str, Any]]]:
+    def spec(value: Any) -> dict[str, Any]:
+        shape = value.shape if isinstance(value.shape, list) else []
+        return {"name": value.name, "type": value.type, "shape": [d if isinstance(d, int) else d or None
+                                                                   for d in shape]}
+
+    return {"inputs": [spec(i) for i in session.get_inputs()], "outputs": [spec(o) for o in session.get_outputs()]}
+
+
+def serve(verbose: bool) -> int:
+    """The worker's loop: read requests until the parent closes the pipe."""
+    # Ctrl-C reaches the whole process group; the parent decides what it means and closes us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    requests = sys.stdin.buffer
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    worker = Worker(verbose)
+    write_message(answers, ("ok", {"pid": os.getpid(), "onnxruntime": worker.ort.__version__}))
+    while True:
+        request = read_message(requests)
+        if request is None or request.get("op") == "shutdown":
+            return 0
+        try:
+            answer = worker.handle(request)
+        except Exception as err:  # a bug in a handler: report it rather than die silently
+            answer = ("error", "python", f"{type(err).__name__}: {err}")
+        write_message(answers, answer)
+
+
+if __name__ == "__main__":
+    sys.exit(serve(verbose="--verbose" in sys.argv[1:]))

@@ -1,0 +1,206 @@
+"""The onnxruntime worker: one process for every session of a build, crashes named in one line.
+
+Crashes are real: a model whose STFT kernel divides by zero (frame_length 0) kills onnxruntime
+with SIGFPE; the other signals come from the worker killing itself with the real signal
+(``EDGEPACK_SIMULATE_CRASH_IF_TESTING``), as a segfault, an abort or the OOM killer would.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from sdk.errors import BuildError
+from sdk.packager import ort_host, ort_worker
+from sdk.packager.ort_host import OrtCrashError, in_pass, run_feeds
+from sdk.packager.pipeline import build
+from sdk.recipe import load_recipe
+from tests.conftest import run_cli
+
+
+def stft_model(frame_step: int = 8, frame_length: int = 16) -> onnx.ModelProto:
+    """STFT over a [1, 128, 1] signal. frame_length 0 is a real SIGFPE in onnxruntime 1.32's
+    kernel; frame_step 0 is an ordinary onnxruntime error (with an error log line)."""
+    node = helper.make_node("STFT", ["signal", "frame_step", "", "frame_length"], ["out"])
+    graph = helper.make_graph(
+        [node], "stft", [helper.make_tensor_value_info("signal", TensorProto.FLOAT, [1, 128, 1])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n", "frames", "bins", "parts"])],
+        initializer=[helper.make_tensor("frame_step", TensorProto.INT64, [], [frame_step]),
+                     helper.make_tensor("frame_length", TensorProto.INT64, [], [frame_length])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def relu_model(width: int = 3, *, name: str = "relu") -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [width])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [width])
+    model = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], name, [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+SIGNAL_FEED = {"signal": np.linspace(-1, 1, 128, dtype=np.float32).reshape(1, 128, 1)}
+
+
+@pytest.fixture
+def fresh_worker():
+    """A worker started for this test (env changes reach it), stopped afterwards."""
+    ort_host.shutdown()
+    yield
+    ort_host.shutdown()
+
+
+def test_a_real_sigfpe_becomes_one_line_naming_pass_model_sample_and_signal_then_the_worker_restarts():
+    host = ort_host.worker()
+    good = relu_model().SerializeToString()
+    assert run_feeds(good, [{"x": np.array([-1, 0, 2], np.float32)}])[0]["y"].tolist() == [0, 0, 2]
+    first_pid, starts = host.pid, host.starts
+    feeds = [SIGNAL_FEED, SIGNAL_FEED]
+    with in_pass("validate", model="stft.onnx"), pytest.raises(OrtCrashError) as caught:
+        run_feeds(stft_model(frame_length=0).SerializeToString(), feeds)
+    err = caught.value
+    message = str(err)
+    assert err.signal_name == "SIGFPE" and err.returncode == -signal.SIGFPE
+    assert message.startswith("validate: onnxruntime crashed with SIGFPE")
+    assert "sample 0 of stft.onnx" in message and "\n" not in message
+    assert err.exit_code == 1
+    # The next use starts a fresh worker and works.
+    assert run_feeds(good, [{"x": np.array([3, -3, 1], np.float32)}])[0]["y"].tolist() == [3, 0, 1]
+    assert host.starts == starts + 1 and host.pid not in (None, first_pid)
+
+
+def test_sessions_are_cached_by_model_hash_and_reused_across_calls():
+    host = ort_host.worker()
+    model = relu_model(5, name="cached").SerializeToString()
+    run_feeds(model, [{"x": np.ones(5, np.float32)}])
+    pid, starts = host.pid, host.starts
+    key = ort_host.model_key(model)
+    for _ in range(3):
+        run_feeds(model, [{"x": np.ones(5, np.float32)}] * 4)
+    state = host.call({"op": "ping"}, model="-", doing="ping")
+    assert state["pid"] == pid and host.starts == starts
+    assert state["sessions"].count(key) == 1
+
+
+def test_session_cache_is_bounded_and_an_evicted_model_reloads():
+    host = ort_host.worker()
+    models = [relu_model(width, name=f"m{width}").SerializeToString()
+              for width in range(1, ort_worker.MAX_SESSIONS + 4)]
+    for width, model in enumerate(models, start=1):
+        run_feeds(model, [{"x": np.ones(width, np.float32)}])
+    cached = host.call({"op": "ping"}, model="-", doing="ping")["sessions"]
+    assert len(cached) == ort_worker.MAX_SESSIONS
+    assert ort_host.model_key(models[0]) not in cached
+    assert run_feeds(models[0], [{"x": np.array([-2], np.float32)}])[0]["y"].tolist() == [0]
+    ort_host.release_sessions()
+    assert host.call({"op": "ping"}, model="-", doing="ping")["sessions"] == []
+
+
+def test_an_onnxruntime_error_keeps_the_line_that_says_what_is_wrong():
+    with in_pass("golden", model="relu.onnx"), pytest.raises(BuildError) as caught:
+        run_feeds(relu_model(3).SerializeToString(), [{"x": np.ones(1, np.float32)}])
+    message = str(caught.value)
+    assert "index: 0 Got: 1 Expected: 3" in message
+    assert message.startswith("golden: inference failed:") and "\n" not in message
+    assert "sample 0 of relu.onnx" in message
+    assert not isinstance(caught.value, OrtCrashError)
+
+
+def test_ort_message_drops_only_the_status_prefix_and_blank_lines():
+    err = RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions for input: x\n"
+                       "\n index: 0 Got: 1 Expected: 3\n Please fix either the inputs/outputs or the model.\n")
+    assert ort_worker.ort_message(err) == ("Got invalid dimensions for input: x index: 0 Got: 1 Expected: 3 "
+                                           "Please fix either the inputs/outputs or the model.")
+    assert ort_worker.ort_message(RuntimeError("plain")) == "plain"
+    assert ort_worker.ort_message(ValueError()) == "ValueError"
+    assert ort_worker.ort_message(RuntimeError("x" * 5000)).endswith(" …")
+
+
+def test_offline_optimization_runs_in_the_worker_and_returns_a_loadable_model():
+    model = relu_model(4).SerializeToString()
+    optimized = ort_host.optimize_offline(model, "extended")
+    assert run_feeds(optimized, [{"x": np.array([-1, 1, -2, 2], np.float32)}])[0]["y"].tolist() == [0, 1, 0, 2]
+    with in_pass("ort_optimize"), pytest.raises(BuildError, match=r"^ort_optimize: .*(?i:protobuf|parse|load)"):
+        ort_host.optimize_offline(b"not a model", "basic")
+
+
+def test_call_in_worker_refuses_targets_outside_the_package():
+    with pytest.raises(BuildError, match="refused call target"):
+        ort_host.call_in_worker("os:getcwd")
+
+
+@pytest.mark.parametrize("name", ["SIGSEGV", "SIGABRT", "SIGKILL"])
+def test_every_crash_signal_is_named(name, monkeypatch, fresh_worker):
+    monkeypatch.setenv(ort_worker.SIMULATE_CRASH_ENV, name)
+    with in_pass("golden", model="relu.onnx"), pytest.raises(OrtCrashError) as caught:
+        run_feeds(relu_model().SerializeToString(), [{"x": np.ones(3, np.float32)}])
+    assert caught.value.signal_name == name
+    assert str(caught.value).startswith(f"golden: onnxruntime crashed with {name}")
+    if name == "SIGKILL":
+        assert "out-of-memory" in str(caught.value)
+
+
+def _crash_project(folder: Path, model: onnx.ModelProto, extra: str = "") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, folder / "model.onnx")
+    np.savez(folder / "data.npz", **SIGNAL_FEED)
+    recipe = folder / "recipe.yaml"
+    recipe.write_text("name: crash\nversion: 1.0.0\nmodel: {path: model.onnx}\npostprocess: {kind: raw}\n"
+                      f"validate: {{data: {{npz: data.npz}}}}\ntargets: [x86]\n{extra}")
+    return recipe
+
+
+def test_edgepack_build_killed_by_sigfpe_exits_1_with_one_line(tmp_path, keypair):
+    recipe = _crash_project(tmp_path, stft_model(frame_length=0))
+    result = run_cli("edgepack", "build", str(recipe), "--key", str(keypair[0]), "-o", str(tmp_path / "a.edgepkg"))
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert "SIGFPE" in lines[0] and "model.onnx" in lines[0] and "sample 0" in lines[0]
+    assert lines[0].startswith("edgepack: error: validate: onnxruntime crashed")
+    assert not (tmp_path / "a.edgepkg").exists()
+
+
+def test_quantization_runs_inside_the_worker(tmp_path, keypair, monkeypatch, fresh_worker):
+    """Calibration sessions are the worker's: a crash there is named as the quantize pass's."""
+    x = helper.make_tensor_value_info("signal", TensorProto.FLOAT, [1, 128, 1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 128, 4])
+    weight = helper.make_tensor("w", TensorProto.FLOAT, [1, 4], [0.5, -1.0, 2.0, 0.25])
+    model = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["signal", "w"], ["y"])], "mm", [x], [y],
+                                                [weight]), opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    recipe = _crash_project(tmp_path, model, "quantize: {mode: static, calibration: {npz: data.npz}}\n")
+    monkeypatch.setenv(ort_worker.SIMULATE_CRASH_ENV, "SIGSEGV")
+    with pytest.raises(OrtCrashError) as caught:
+        build(load_recipe(recipe), key_paths=[str(keypair[0])], output=tmp_path / "q.edgepkg")
+    assert str(caught.value).startswith("quantize: onnxruntime crashed with SIGSEGV")
+    assert "quantization pre-processing" in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["SIGSEGV", "SIGABRT"])
+def test_edgepack_bench_crash_is_one_line_without_traceback(tmp_path, name, monkeypatch):
+    onnx.save(relu_model(), tmp_path / "relu.onnx")
+    monkeypatch.setenv(ort_worker.SIMULATE_CRASH_ENV, name)
+    result = run_cli("edgepack", "bench", str(tmp_path / "relu.onnx"), "--runs", "2")
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert f"bench: onnxruntime crashed with {name}" in result.stderr and "relu.onnx" in result.stderr
+
+
+def test_onnxruntime_log_lines_reach_the_terminal_only_with_verbose(tmp_path):
+    onnx.save(stft_model(frame_step=0), tmp_path / "stft.onnx")
+    quiet = run_cli("edgepack", "bench", str(tmp_path / "stft.onnx"), "--runs", "1")
+    assert quiet.returncode == 1
+    assert quiet.stderr.strip().count("\n") == 0, quiet.stderr
+    assert "frame_step must be greater than zero" in quiet.stderr and "[E:onnxruntime" not in quiet.stderr
+    for args in (("-v", "bench", str(tmp_path / "stft.onnx")), ("bench", "-v", str(tmp_path / "stft.onnx"))):
+        loud = run_cli("edgepack", *args, "--runs", "1")
+        assert loud.returncode == 1
+        assert "E:onnxruntime" in loud.stderr and "frame_step must be greater than zero" in loud.stderr
