@@ -225,6 +225,8 @@ def test_unsigned_force_downgrade_is_refused(agent, observer, arts, origin, oper
     event = final_event(observer, send(observer, tampered))
     assert event["state"] == "rejected" and "does not match the command" in event["reason"]
     assert agent.version() == "1.0.0"
+    log = agent.log.read_text()
+    assert "must be signed by one of 1 operator key(s)" in log and "no operator_keys" not in log
 
 
 def test_health_window_0_or_nan_is_refused(agent, observer, arts, origin, operator):

@@ -250,6 +250,7 @@ def test_hostile_commands_are_rejected_and_the_agent_keeps_running(agent, observ
     ping = run_cli("edgepack", "device", "ping", "pi-07", "--broker", f"127.0.0.1:{observer.client._port}")
     assert ping.returncode == 0 and json.loads(ping.stdout)["reason"] == "pong"
     assert agent.version() == "1.0.0"
+    assert "no operator_keys in agent.yaml: commands are not authenticated" in agent.log.read_text()
 
 
 def test_staged_rollout_stops_at_the_canaries_when_they_fail(tmp_path, mosquitto_broker, keypair, arts):

@@ -179,3 +179,92 @@ def test_journal_keeps_the_newest_jobs_and_forgets_the_oldest(tmp_path):
     journal.prune()
     assert len(list(tmp_path.glob("*.json"))) == MAX_JOBS_KEPT
     assert journal.get("job-0") is None and journal.get(f"job-{MAX_JOBS_KEPT + 9}") is not None
+
+
+# ------------------------------------------------------------------ agent.yaml update settings
+
+
+def _config(tmp_path, **updates):
+    from device_agent.config import check_config
+
+    document = {"device_id": "pi-07", "store": "store", "trust": ["k.pub"], "updates": updates}
+    return check_config(document, tmp_path / "agent.yaml")
+
+
+def test_update_settings_defaults_and_plain_window(tmp_path):
+    config = _config(tmp_path)
+    assert config.updates["health_window_s"] == {"default": 30.0, "min": 5.0, "max": 3600.0}
+    assert config.operator_keys == []
+    short = _config(tmp_path, health_window_s=0.5)
+    assert short.updates["health_window_s"] == {"default": 0.5, "min": 0.5, "max": 3600.0}
+
+
+@pytest.mark.parametrize("updates, key", [
+    ({"health_window_s": float("nan")}, "updates.health_window_s.default"),
+    ({"health_window_s": {"max": float("inf")}}, "updates.health_window_s.max"),
+    ({"health_window_s": {"default": 2, "min": 5}}, "updates.health_window_s"),
+    ({"health_window_s": {"default": 50, "max": 40}}, "updates.health_window_s"),
+    ({"min_rate_bytes_s": float("nan")}, "updates.min_rate_bytes_s"),
+    ({"download_deadline_s": 0}, "updates.download_deadline_s"),
+    ({"allowed_origins": ["ftp://host"]}, "updates.allowed_origins"),
+    ({"allowed_origins": ["http://host/path"]}, "updates.allowed_origins"),
+    ({"allowed_names": ["../x"]}, "updates.allowed_names"),
+    ({"health_window_s": {"ceiling": 5}}, "updates.health_window_s"),
+])
+def test_bad_update_settings_are_refused_naming_the_key(tmp_path, updates, key):
+    from edgepack_core.errors import UsageError
+
+    with pytest.raises(UsageError) as caught:
+        _config(tmp_path, **updates)
+    assert key in str(caught.value)
+
+
+def test_operator_keys_resolve_against_the_config_folder(tmp_path):
+    from device_agent.config import check_config
+
+    config = check_config({"device_id": "d", "store": "s", "trust": ["k.pub"], "operator_keys": ["ops/op.pub"]},
+                          tmp_path / "agent.yaml")
+    assert config.operator_keys == [(tmp_path / "ops" / "op.pub").resolve()]
+
+
+# ------------------------------------------------------------------ download bounds (pure parts)
+
+
+def test_origins_are_normalised_and_checked():
+    from device_agent.updates.download import Bounds, allowed_origins, origin_allowed, origin_of
+
+    assert origin_of("http://Host.Example/a") == "http://host.example:80"
+    assert origin_of("https://h:8443/a") == "https://h:8443"
+    assert origin_of("ftp://h/a") is None and origin_of("http://h:99999/a") is None
+    bounds = Bounds(origins=allowed_origins(["http://h:8000", "https://objects.example"]), max_bytes=1)
+    assert origin_allowed("http://h:8000/x.edgepkg", bounds)
+    assert origin_allowed("https://objects.example:443/x", bounds)
+    assert not origin_allowed("http://h:8001/x", bounds)
+    assert not origin_allowed("https://h:8000/x", bounds)
+    assert not origin_allowed("http://objects.example/x", bounds)
+    broker_host = Bounds(origins=frozenset(), any_port_hosts=frozenset({"broker"}), max_bytes=1)
+    assert origin_allowed("http://broker:1234/a", broker_host) and not origin_allowed("http://other:1/a", broker_host)
+
+
+def test_download_progress_enforces_deadline_minimum_rate_and_cancel():
+    from device_agent.updates.download import RATE_GRACE_S, Bounds, DownloadCancelled, DownloadError, _Progress
+
+    now = [0.0]
+    bounds = Bounds(origins=frozenset(), max_bytes=1, deadline_s=60.0, min_rate_bytes_s=100.0)
+    progress = _Progress(bounds, lambda: False, lambda: now[0])
+    now[0] = RATE_GRACE_S  # within the grace period nothing is judged
+    progress.check()
+    now[0] = 20.0
+    progress.received = 2000  # exactly 100 bytes/s: allowed
+    progress.check()
+    progress.received = 1999
+    with pytest.raises(DownloadError, match="slower than the minimum of 100 bytes/s"):
+        progress.check()
+    progress.received = 10**9
+    now[0] = 60.0
+    progress.check()  # at the deadline: still allowed
+    now[0] = 60.001
+    with pytest.raises(DownloadError, match="deadline of 60 s passed"):
+        progress.check()
+    with pytest.raises(DownloadCancelled):
+        _Progress(bounds, lambda: True, lambda: 0.0).check()

@@ -52,7 +52,7 @@ from device_agent.updates.health import (
     traffic_of,
 )
 from device_agent.updates.jobs import Job, advance, on_restart, restart_reason
-from device_agent.updates.journal import Journal
+from device_agent.updates.journal import Journal, JournalError
 from device_agent.updates.replay import ReplayError, ReplayGuard
 from device_agent.updates.xfer import Receiver, TransferError, XferSpec
 from edgepack_core.artifact import verify_artifact
@@ -195,12 +195,14 @@ class UpdateService:
             self.journal.prune()
         self.reporter.publish_job_event(job.event())
 
-    def _refuse(self, ref: str, kind: str, reason: str) -> None:
-        """A ``rejected`` event for a command that will not run. Not journaled: a flood of bad
-        commands must not fill the disk, and a refused id stays usable for a proper command."""
+    def _refuse(self, ref: str, kind: str, reason: str, *, state: str = J.REJECTED) -> None:
+        """A ``rejected`` (or ``failed``) event for a command that will not run. Not journaled,
+        only counted: a flood of bad commands must not fill the disk, and a refused id stays
+        usable for a proper command."""
         job = Job(id=ref, type=kind, reason="received")
-        self.reporter.publish_job_event(advance(job, J.REJECTED, reason, time.time()).event())
-        log.warning("rejected command %s: %s", ref, reason)
+        self.reporter.publish_job_event(advance(job, state, reason, time.time()).event())
+        total = self.journal.count_rejected(reason)
+        log.warning("refused command %s (%d so far): %s", ref, total, reason)
 
     # ---------------------------------------------------------------- commands (network thread)
 
@@ -214,8 +216,8 @@ class UpdateService:
         with self._lock:
             try:
                 self._intake(parsed, now)
-            except OSError as err:  # the journal or ledger cannot be written (read-only store)
-                self._refuse(parsed.id, parsed.type, f"cannot record the command: {err.strerror or err}")
+            except JournalError as err:  # the store cannot be written (read-only or full medium)
+                self._refuse(parsed.id, parsed.type, f"command not run: {err}", state=J.FAILED)
 
     def _intake(self, command: Command, now: float) -> None:
         existing = self.journal.get(command.id)
@@ -304,10 +306,20 @@ class UpdateService:
                     self._rollback_command(job)
             except Exception as err:  # a job must end with an event, whatever went wrong
                 log.exception("job %s crashed", job.id)
-                latest = self.journal.get(job.id) or job
-                if not latest.final and J.FAILED in J.TRANSITIONS[latest.state]:
-                    self._set(latest, J.FAILED, f"internal error: {type(err).__name__}: {err}; "
-                                                f"serving {self._serving()}")
+                self._end_crashed(job, err)
+
+    def _end_crashed(self, job: Job, err: Exception) -> None:
+        """Close a job whose lane raised. If even the journal cannot be written (the medium
+        failed), the ``failed`` event is still published, unrecorded, and the lane lives on."""
+        latest = self.journal.get(job.id) or job
+        if latest.final or J.FAILED not in J.TRANSITIONS[latest.state]:
+            return
+        reason = f"internal error: {type(err).__name__}: {err}; serving {self._serving()}"
+        try:
+            self._set(latest, J.FAILED, reason)
+        except JournalError as journal_err:
+            failed = advance(latest, J.FAILED, f"{reason}; {journal_err}", time.time())
+            self.reporter.publish_job_event(failed.event())
 
     def _serving(self) -> str:
         model = self.host.service.model
