@@ -11,6 +11,7 @@ where other users could read it in the process list.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,11 @@ from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, TlsSetting
 from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
 
 MAX_PASSWORD_FILE_BYTES = 4096
+
+# Host tools turn connection failures into one error line (``connect_or_raise``); without a
+# handler, Python's last-resort handler would print the transport's own warnings as a second,
+# unformatted copy. Whoever configures logging (-v, an embedding program) still gets them.
+logging.getLogger("edgepack.mqtt").addHandler(logging.NullHandler())
 
 
 class BrokerOptionError(UsageError):

@@ -247,3 +247,69 @@ def test_shipped_queue_limits_keep_a_burst_that_mosquittos_default_drops(tmp_pat
     assert results["shipped"] == (1500, 1500)
     acked, received = results["mosquitto default"]
     assert acked == 1500 and received == 1000  # every message acknowledged, a third silently gone
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_device_publishing_a_command_to_itself_is_refused(secured_broker: Broker, protocol: str) -> None:
+    """A device account (or whoever took its password) must not command the device, even itself."""
+    operator_inbox, own_inbox = Inbox(), Inbox()
+    operator = login(secured_broker, "operator", protocol=protocol)
+    operator.subscribe(TOPICS.everything(), 1, operator_inbox)
+    device = login(secured_broker, "pi-07", protocol=protocol)
+    device.subscribe(TOPICS.cmd("pi-07"), 1, own_inbox)
+    try:
+        up(operator, TOPICS.everything())
+        up(device, TOPICS.cmd("pi-07"))
+        operator.publish(TOPICS.cmd("pi-07"), b"real command", qos=1)
+        assert wait_until(lambda: b"real command" in own_inbox.payloads())
+        refused: list[bool] = []
+        device.publish(TOPICS.cmd("pi-07"), b"self command", qos=1, on_done=refused.append)
+        if protocol == "5":
+            assert wait_until(lambda: refused == [False]), refused
+        assert wait_until(lambda: device.connected and device.is_subscribed(TOPICS.cmd("pi-07")), timeout=5)
+        device.publish(TOPICS.xfer("pi-07", "t1", "data"), b"forged chunk", qos=1)
+        # What a device may send; queued QoS 1, so it also arrives after a reconnect the refusal caused.
+        device.publish(TOPICS.xfer("pi-07", "t1", "req"), b"chunk request", qos=1)
+        device.publish(TOPICS.job("pi-07"), b"job event", qos=1)
+        assert wait_until(lambda: {b"chunk request", b"job event"} <= set(operator_inbox.payloads()), timeout=10)
+        assert b"self command" not in operator_inbox.payloads() + own_inbox.payloads()
+        assert b"forged chunk" not in operator_inbox.payloads()
+    finally:
+        device.close()
+        operator.close()
+
+
+def test_last_will_carries_the_time_of_the_lost_connection(secured_broker: Broker, tmp_path: Path) -> None:
+    """The retained offline state said "ts": 0; it must say when the lost connection was made."""
+    import json
+    import sys
+
+    script = tmp_path / "agent.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(DEPLOY.parent.parent)!r})\n"
+        "from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config\n"
+        f"s = settings_from_config({{'host': '127.0.0.1', 'port': {secured_broker.port}, 'keepalive': 2,"
+        f" 'username': 'pi-07', 'password': {USERS['pi-07']!r}}}, 'pi-07', [])\n"
+        f"r = TelemetryReporter('pi-07', s, {str(tmp_path / 'o.db')!r}, AgentStatus, interval=0.2).start()\n"
+        "r.transport.wait_connected(5); print('up', flush=True); time.sleep(60)\n"
+    )
+    states: list[dict] = []
+    operator = login(secured_broker, "operator")
+    operator.subscribe(TOPICS.state("pi-07"), 1, lambda m: states.append(json.loads(m.payload)) if m.payload else None)
+    up(operator, TOPICS.state("pi-07"))
+    started = time.time()
+    agent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout is not None and agent.stdout.readline().strip() == "up"
+        assert wait_until(lambda: any(s.get("status") == "online" for s in states), timeout=10)
+        agent.kill()
+        killed = time.time()
+        agent.wait(5)
+        assert wait_until(lambda: states[-1].get("status") == "offline", timeout=15), states
+        will = states[-1]
+        assert "last will" in will["reason"]
+        assert started <= will["ts"] <= killed
+    finally:
+        agent.kill()
+        operator.close()
