@@ -121,6 +121,7 @@ def arts(tmp_path_factory, keypair):
     out = {
         "v1": build_artifact(folder, key, version="1.0.0", factor=2.0),
         "v2": build_artifact(folder, key, version="1.1.0", factor=3.0),
+        "v3": build_artifact(folder, key, version="1.2.0", factor=4.0),
     }
     out["other"] = resign_with_changes(out["v2"], folder / "other.edgepkg", key,
                                        manifest_changes={"name": "othermodel", "version": "9.0.0"})
@@ -316,6 +317,28 @@ def test_stuck_job_blocking_rollback_is_impossible(agent, observer, arts, origin
     assert cancel["state"] == "done" and f"stopping deploy {second}" in cancel["reason"]
     assert final_event(observer, second, timeout=30)["state"] == "cancelled"
     assert agent.version() == "1.0.0"
+
+    third = send(observer, signed(deploy_of(arts["wide"], origin, url=origin.url("slow")), operator))
+    assert observer.wait_for(lambda: any(e["state"] == "downloading" for e in observer.jobs(DEVICE, third)))
+    newer = final_event(observer, send(observer, signed(deploy_of(arts["v3"], origin), operator)))
+    assert newer["state"] == "active", newer
+    superseded = final_event(observer, third)
+    assert superseded["state"] == "cancelled" and "superseded by deploy" in superseded["reason"]
+    assert agent.version() == "1.2.0"
+
+
+def test_failed_rollback_is_reported_failed_naming_what_serves(agent, observer, arts, origin, operator):
+    assert final_event(observer, send(observer, signed(deploy_of(arts["v2"], origin), operator)))["state"] == "active"
+    models = agent.folder / f"{DEVICE}-store" / "models"
+    (previous,) = [p for p in models.iterdir() if p.name.startswith("scale-1.0.0-")]
+    with open(previous / "model" / "model.onnx", "ab") as handle:
+        handle.write(b"bit rot")
+    state_before = (agent.folder / f"{DEVICE}-store" / "state.json").read_bytes()
+    event = final_event(observer, send(observer, signed(command("rollback"), operator)))
+    assert event["state"] == "failed" and "rollback failed" in event["reason"], event
+    assert event["reason"].endswith("serving scale 1.1.0")
+    assert agent.version() == "1.1.0" and agent.predict([1, 1, 1, 1])[0] == 200
+    assert (agent.folder / f"{DEVICE}-store" / "state.json").read_bytes() == state_before
 
 
 def test_contract_change_audio_onto_image_device_is_refused(agent, observer, arts, origin, operator):
