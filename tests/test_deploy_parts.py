@@ -127,3 +127,12 @@ def test_password_file_first_line_bounded_and_non_empty(tmp_path: Path):
         read_password_file(path)
     path.write_bytes(b"x" * 4096)
     assert read_password_file(path) == "x" * 4096
+
+
+@pytest.mark.parametrize(("devices", "group", "field"), [(("../x",), None, "device"), ((), "a/b", "group")])
+def test_deploy_targets_are_validated_before_anything_connects(tmp_path: Path, devices, group, field):
+    from edgepack_core.protocol.ids import InvalidNameError
+
+    with pytest.raises(InvalidNameError) as caught:
+        DeployOptions(artifact=tmp_path / "a", broker=BrokerOptions("127.0.0.1:1883"), devices=devices, group=group)
+    assert caught.value.path == field

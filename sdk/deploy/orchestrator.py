@@ -27,6 +27,7 @@ from typing import Any, Literal
 from edgepack_core.artifact import verify_artifact
 from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.commands import new_command_id
+from edgepack_core.protocol.ids import validate_id
 from edgepack_core.protocol.topics import ParsedTopic, Topics
 from edgepack_core.signing import SigningKey, TrustStore
 from sdk.broker import BrokerOptions
@@ -70,6 +71,10 @@ class DeployOptions:
     def __post_init__(self) -> None:
         if bool(self.devices) == (self.group is not None):
             raise DeployError("a deployment targets either devices or one group")
+        for device in self.devices:
+            validate_id(device, "device")
+        if self.group is not None:
+            validate_id(self.group, "group")
         if self.transfer not in ("http", "mqtt"):
             raise DeployError(f"unknown transfer {self.transfer!r} (http or mqtt)")
 
