@@ -26,18 +26,9 @@ PY=${PYTHON:-$REPO/.venv/bin/python}
 BIN=$(dirname "$PY")
 WORK=$(mktemp -d /tmp/edgepack-arm64.XXXXXX)
 LOG=$WORK/arm64.log
-FAILED=0
 START=$(date +%s)
-
-say() { printf '%s\n' "$*"; }
-pass() { say "PASS $*"; }
-fail() { say "FAIL $*"; FAILED=1; }
-run_logged() {  # run_logged DESCRIPTION CMD...: output to the log, its tail on failure
-  local what=$1; shift
-  if ! "$@" >>"$LOG" 2>&1; then
-    say "FAIL $what (last lines of $LOG):"; tail -n 25 "$LOG" | sed 's/^/    /'; exit 1
-  fi
-}
+# shellcheck source=tools/check_helpers.sh
+. "$REPO/tools/check_helpers.sh"  # say, pass, fail, run_logged; FAILED=0
 cleanup() {
   for mount in "$ROOTFS/work" "$ROOTFS/proc"; do
     if mountpoint -q "$mount" 2>/dev/null; then umount -l "$mount" || true; fi

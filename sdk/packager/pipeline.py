@@ -40,6 +40,7 @@ PIPELINE: list[str] = [
     "export_pytorch",
     "load",
     "check",
+    "convert_opset",
     "opset",
     "shape_inference",
     "io_spec",
@@ -53,6 +54,7 @@ PIPELINE: list[str] = [
     "target_report",
     "golden",
     "ort_format",
+    "runtime_compat",
 ]
 
 
@@ -122,11 +124,13 @@ def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
     extra = ctx.manifest_extra
     model_section: dict[str, Any] = {
         "path": MODEL_MEMBER,
-        "opset": extra["opset"],
+        "opsets": extra["opsets"],
         "ir_version": int(model.ir_version),
         "min_onnxruntime": extra["min_onnxruntime"],
         "precision": extra.get("precision", "fp32"),
     }
+    if "opset" in extra:  # the ai.onnx opset; absent for an ai.onnx.ml-only model
+        model_section["opset"] = extra["opset"]
     if "ort_path" in extra:
         model_section["ort_path"] = extra["ort_path"]
     manifest: dict[str, Any] = {
