@@ -400,3 +400,25 @@ def test_forged_health_failures_by_nested_json_and_nan_inputs_are_ignored(agent,
     assert len(statuses) >= 6 and set(statuses) == {400}, statuses[:10]
     assert event["state"] == "active" and "health window passed" in event["reason"], event
     assert agent.version() == "1.1.0"
+
+
+def test_rollback_or_cancel_during_the_health_window_does_not_wait_for_it(agent, observer, arts, origin, operator):
+    def watching(job_id: str) -> bool:
+        return any(e["state"] == "active" and not e["final"] for e in observer.jobs(DEVICE, job_id))
+
+    first = send(observer, signed(deploy_of(arts["v2"], origin, health_window_s=30), operator))
+    assert observer.wait_for(lambda: watching(first))
+    started = time.monotonic()
+    rollback = final_event(observer, send(observer, signed(command("rollback"), operator)))
+    assert rollback["state"] == "done" and "rolled back to scale 1.0.0" in rollback["reason"], rollback
+    deploy = final_event(observer, first)
+    assert deploy["state"] == "rolled_back" and f"rolled back by command {rollback['job']}" in deploy["reason"]
+    assert time.monotonic() - started < 15 and agent.version() == "1.0.0"
+
+    second = send(observer, signed(deploy_of(arts["v3"], origin, health_window_s=30), operator))
+    assert observer.wait_for(lambda: watching(second))
+    cancel = final_event(observer, send(observer, signed(command("cancel", job=second), operator)))
+    assert cancel["state"] == "done" and "rolling it back" in cancel["reason"]
+    ended = final_event(observer, second)
+    assert ended["state"] == "rolled_back" and "cancelled by command" in ended["reason"], ended
+    assert agent.version() == "1.0.0"

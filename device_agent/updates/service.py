@@ -23,6 +23,7 @@ can publish to the broker can order what a valid artifact signature allows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -257,6 +258,9 @@ class UpdateService:
                         found or f"no queued or running deploy {command.body['job']}")
         else:
             job = self._new_job(command)
+            serving = self.host.service.model
+            if kind == "rollback" and serving is not None:
+                job = dataclasses.replace(job, detail={"from_sha256": serving.manifest.model_sha256})
             self.journal.save(job)
             self.reporter.publish_job_event(job.event())
             if kind == "rollback":
@@ -327,12 +331,18 @@ class UpdateService:
 
     # ---------------------------------------------------------------- rollback
 
-    def _safe_rollback(self, fallback: LoadedModel | None = None) -> InstalledModel:
+    def _safe_rollback(self, fallback: LoadedModel | None = None, *, from_sha256: str = "") -> InstalledModel | None:
         """Go back to the store's previous model: load and smoke-test it (or reuse ``fallback``,
         the same model still in memory) *before* the store's commit point changes, then commit,
-        then swap. Raises EdgepackError with nothing changed if the target does not load."""
+        then swap. Raises EdgepackError with nothing changed if the target does not load.
+
+        With ``from_sha256``, roll back only if that model still serves (None otherwise): a
+        rollback command racing a health-window rollback must not toggle back to the bad model."""
         store = self.host.store
         with self._store_lock:
+            serving = self.host.service.model
+            if from_sha256 and (serving is None or serving.manifest.model_sha256 != from_sha256):
+                return None
             target = store.previous()
             if target is None:
                 raise StoreError("no previous model to roll back to")
@@ -350,9 +360,13 @@ class UpdateService:
             running.rolled_back_by = job.id
             running.cancel(f"rolled back by command {job.id}")
         try:
-            target = self._safe_rollback()
+            target = self._safe_rollback(from_sha256=str(job.detail.get("from_sha256", "")))
         except (EdgepackError, OSError) as err:
             self._set(job, J.FAILED, f"rollback failed: {err}; serving {self._serving()}")
+            return
+        if target is None:
+            self._set(job, J.DONE, f"the model this rollback was sent against no longer serves; serving "
+                                   f"{self._serving()}")
             return
         self._set(job, J.DONE, f"rolled back to {target.name} {target.version}")
 
@@ -511,6 +525,7 @@ class UpdateService:
                 verdict_reason = f"unhealthy: {verdict.reason}"
             try:
                 target = self._safe_rollback(fallback=old)
+                assert target is not None  # no from_sha256 given: it rolls back or raises
             except (EdgepackError, OSError) as err:
                 self._set(job, J.FAILED, f"{verdict_reason}; rollback failed: {err}; serving {self._serving()}")
                 return
@@ -562,6 +577,7 @@ class UpdateService:
         reason = "agent restarted before the health window closed"
         try:
             target = self._safe_rollback()
+            assert target is not None  # no from_sha256 given: it rolls back or raises
         except (EdgepackError, OSError) as err:
             self._set(job, J.FAILED, f"{reason}; rollback failed: {err}; serving {self._serving()}")
             return
