@@ -186,7 +186,14 @@ class _Handler(BaseHTTPRequestHandler):
                 if model is None:
                     raise NoModelError("no model is active")
                 inputs = document.get("inputs") if isinstance(document, dict) else None
-                result = service.predict(json_to_feed(model, inputs))
+                try:
+                    feed = json_to_feed(model, inputs)
+                except BadRequest as err:
+                    # counted for the health window: an unknown input name is the contract's
+                    # doing; values that do not convert are malformed input, never the model's
+                    service.stats.error("unknown_input" if err.kind == "unknown_input" else "bad_input", client=True)
+                    raise
+                result = service.predict(feed)
             else:
                 result = service.predict(body, content_type=content_type)
         except BadRequest as err:

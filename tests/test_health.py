@@ -110,3 +110,56 @@ def test_health_window_out_of_range_or_non_finite_is_refused(value):
 @pytest.mark.parametrize("value", [1, 1.0, 30, 3600])
 def test_health_window_range_is_inclusive(value):
     assert check_window(value, low=1, high=3600) == float(value)
+
+
+# ------------------------------------------------------------------ what the live service counts
+
+
+@pytest.fixture()
+def live(tmp_path, keypair):
+    from device_agent.http_api import ApiServer
+    from device_agent.runtime import InferenceService, load_model
+    from edgepack_core.artifact import extract_artifact
+    from edgepack_core.signing import TrustStore, load_public_key
+    from tests.artifacts import build_artifact
+
+    artifact = build_artifact(tmp_path / "a", keypair[0], version="1.0.0")
+    verified = extract_artifact(artifact, tmp_path / "m", TrustStore([load_public_key(keypair[1])]))
+    service = InferenceService(load_model(verified.root, verified.manifest))
+    api = ApiServer(("127.0.0.1", 0), service, max_body_bytes=1 << 20).start()
+    yield f"http://127.0.0.1:{api.port}/predict", service
+    api.stop()
+
+
+def _status(url: str, body: bytes) -> int:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_forged_requests_are_400_and_never_count_against_the_model(live):
+    url, service = live
+    before = service.stats.snapshot()
+    forged = [b'{"inputs": {"x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}}",  # nested too deeply
+              b'{"inputs": {"x": [[NaN, 1, 2, 3]]}}', b'{"inputs": {"x": [[-Infinity, 1, 2, 3]]}}',
+              b'{"inputs": {"x": [[1, 2], [3]]}}', b'{"inputs": {"x": [["a", "b", "c", "d"]]}}', b"{nope"]
+    assert [_status(url, body) for body in forged] == [400] * len(forged)
+    window = traffic_between(before, service.stats.snapshot())
+    assert window == Traffic()
+    assert judge(window, Traffic(), Probes(sent=1), POLICY).healthy
+
+
+def test_contract_breaks_count_as_client_errors(live):
+    url, service = live
+    before = service.stats.snapshot()
+    broken = [b'{"inputs": {"waveform": [[1, 2, 3, 4]]}}', b'{"inputs": {"x": [[1, 2, 3, 4, 5, 6, 7, 8]]}}']
+    assert [_status(url, body) for body in broken] == [400, 400]
+    assert _status(url, b'{"inputs": {"x": [[1, 2, 3, 4]]}}') == 200
+    window = traffic_between(before, service.stats.snapshot())
+    assert window.contract_errors == 2 and window.ok == 1 and window.model_errors == 0
