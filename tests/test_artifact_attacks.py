@@ -484,3 +484,162 @@ def test_member_after_a_lone_zero_block_is_refused(good, trust, tmp_path):
     out.write_bytes(gzip.compress(tar + bytes(512) + evil + bytes(1024), mtime=0))
     with pytest.raises(ArtifactError, match="after the tar end-of-archive marker"):
         verify_artifact(out, trust)
+
+
+# --------------------------------------------------------------------------- header rules, exactly
+# Each refusal is checked by its whole message and each field by its exact bytes, so that a rule
+# that changes (a bound off by one, a field read from the wrong offset) fails a test.
+
+from edgepack_core.artifact import _octal, _text  # noqa: E402
+
+
+def _message(call, *args) -> str:
+    with pytest.raises(ArtifactError) as info:
+        call(*args)
+    return str(info.value)
+
+
+def _set_checksum(block: bytearray) -> bytes:
+    block[148:156] = b" " * 8
+    block[148:155] = b"%06o\0" % sum(block)
+    return bytes(block)
+
+
+def test_octal_fields_read_digits_up_to_the_first_nul():
+    assert _octal(b"0000017\0", "size") == 15
+    assert _octal(b" 17 \0", "size") == 15
+    assert _octal(b"17\0xy\0", "size") == 15, "bytes after the terminating NUL are ignored"
+    assert _octal(b"\0" * 12, "size") == 0
+    assert _octal(b"777777777777", "size") == 0o777777777777
+    assert _message(_octal, b"\t17\0", "size") == "tar header size is not an octal number"
+    assert _message(_octal, b"18\0", "mode") == "tar header mode is not an octal number"
+    assert _message(_octal, b"\x80" + bytes(11), "size") == "tar header size is a base-256 number (not accepted)"
+    assert _message(_octal, b"\xff" * 12, "size") == "tar header size is a base-256 number (not accepted)"
+
+
+def test_text_fields_must_be_utf8():
+    assert _text("é".encode(), "name") == "é"
+    assert _message(_text, b"a\xff", "link name") == "unsafe member \"b'a\\\\xff'\": link name is not UTF-8"
+    long_raw = b"\xfe" * 100
+    assert _message(_text, long_raw, "name") == f"unsafe member {repr(long_raw)[:80]!r}: name is not UTF-8"
+
+
+def test_header_fields_are_read_from_their_exact_offsets():
+    name, link = "n" * 100, "l" * 100  # full-width fields: no terminating NUL
+    block = bytearray(_block(name, tarfile.SYMTYPE, linkname=link))
+    block[124:136] = b"000000000007"  # twelve digits, no NUL either
+    block[136:148] = b"777777777777"
+    header = parse_header(_set_checksum(block))
+    assert header == MemberHeader(name, 7, b"2", link)
+
+
+def test_gnu_header_ignores_the_ustar_prefix_area():
+    block = bytearray(_block("assets/a.txt", size=3, fmt=tarfile.GNU_FORMAT))
+    block[345:500] = b"\xff" * 155  # GNU keeps times and sparse data there; it is not a name prefix
+    header = parse_header(_set_checksum(block))  # (a checksum over 0o100000: all seven bytes count)
+    assert (header.name, header.size) == ("assets/a.txt", 3)
+
+
+def test_header_refusals_say_what_is_wrong():
+    good_block = _block("assets/a.txt", size=3)
+    assert _message(parse_header, good_block[:511]) == "archive ends inside a tar header"
+    v7 = bytearray(good_block)
+    v7[257:265] = bytes(8)
+    assert _message(parse_header, bytes(v7)) == "not a ustar tar header"
+    bad_sum = bytearray(good_block)
+    bad_sum[0] ^= 1
+    assert _message(parse_header, bytes(bad_sum)) == "tar header checksum mismatch"
+    garbled = bytearray(good_block)
+    garbled[148:156] = b"9\0      "
+    assert _message(parse_header, bytes(garbled)) == "tar header checksum is not an octal number"
+    size = bytearray(good_block)
+    size[124:136] = b"9" * 11 + b"\0"
+    assert _message(parse_header, _set_checksum(size)) == "tar header size is not an octal number"
+    name = bytearray(good_block)
+    name[0:3] = b"\xff\xfe\xfd"
+    assert "name is not UTF-8" in _message(parse_header, _set_checksum(name))
+    link = bytearray(_block("assets/a.txt", tarfile.SYMTYPE, linkname="ok"))
+    link[157:159] = b"\xff\xfe"
+    assert _message(parse_header, _set_checksum(link)).endswith(": link name is not UTF-8")
+
+
+def _record(key: str, value: str, width: int = 0) -> bytes:
+    body = f" {key}={value}\n".encode()
+    length = len(body) + max(width, 1)
+    while len(str(length).zfill(width)) + len(body) != length:
+        length += 1
+    return str(length).zfill(width).encode() + body
+
+
+def test_pax_record_length_has_at_most_eleven_digits():
+    assert parse_pax_records(_record("path", "a", width=11)) == {"path": "a"}
+    assert _message(parse_pax_records, _record("path", "a", width=12)) == "malformed PAX header record"
+
+
+def test_pax_records_split_on_the_first_space_and_first_equals():
+    assert parse_pax_records(_record("linkpath", "x=y z")) == {"linkpath": "x=y z"}
+    assert parse_pax_records(_record("comment", "a b c d e f")) == {"comment": "a b c d e f"}
+    assert parse_pax_records(b"") == {}
+
+
+@pytest.mark.parametrize("records", [b"4 a=b\n", b"5 a=b\n", b"7 a=b\n", b"3 \n", b"5 ab\n", b"6 =b\nx", b"6 a=b\nx"])
+def test_pax_record_refusals_are_one_message(records):
+    assert _message(parse_pax_records, records) == "malformed PAX header record"
+
+
+def test_pax_key_and_value_must_be_utf8():
+    assert _message(parse_pax_records, b"6 \xff=b\n").endswith(": PAX key is not UTF-8")
+    assert _message(parse_pax_records, b"6 a=\xff\n").endswith(": PAX value is not UTF-8")
+
+
+def test_extended_fields_exactly():
+    assert extended_fields(b"L", b"assets/long.txt\0\0\0") == {"name": "assets/long.txt"}
+    assert extended_fields(b"K", b"target\0\0") == {"linkname": "target"}
+    assert extended_fields(b"x", _record("linkpath", "t") + _record("path", "p")) == {"linkname": "t", "name": "p"}
+    assert extended_fields(b"x", _record("mtime", "1.5")) == {}
+    assert _message(extended_fields, b"x", _record("size", "1e9")) == "PAX size is not a decimal number"
+    assert _message(extended_fields, b"L", b"\xff\0").endswith(": name is not UTF-8")
+    assert _message(extended_fields, b"K", b"\xff\0").endswith(": link name is not UTF-8")
+
+
+def test_extended_header_refusals_exactly():
+    big = MemberHeader("././@PaxHeader", MAX_EXTENDED_HEADER_BYTES + 1, b"x")
+    assert _message(check_extended_header, big, set()) == (
+        f"extended tar header (x) is {MAX_EXTENDED_HEADER_BYTES + 1} bytes or more, over the limit of "
+        f"{MAX_EXTENDED_HEADER_BYTES}")
+    odd = MemberHeader("h", MAX_EXTENDED_HEADER_BYTES + 1, b"\xff")
+    assert _message(check_extended_header, odd, set()).startswith("extended tar header (\ufffd) is ")
+    assert _message(check_extended_header, MemberHeader("h", 1, b"L"), {b"L"}) == (
+        "unsafe member 'h': repeated extended header for one member")
+    check_extended_header(MemberHeader("h", 1, b"L"), {b"x"})
+
+
+@pytest.mark.parametrize(("name", "kind", "size", "expected"), [
+    ("assets/a.txt", b"1", 0,
+     "unsafe member 'assets/a.txt': hardlink to 'model/model.onnx' (links are never extracted)"),
+    ("assets/a.txt", b"2", 0,
+     "unsafe member 'assets/a.txt': symlink to 'model/model.onnx' (links are never extracted)"),
+    ("assets/a.txt", b"3", 0, "unsafe member 'assets/a.txt': device or fifo member"),
+    ("assets/a.txt", b"4", 0, "unsafe member 'assets/a.txt': device or fifo member"),
+    ("assets/a.txt", b"6", 0, "unsafe member 'assets/a.txt': device or fifo member"),
+    ("assets/a.txt", b"5", 0, "unsafe member 'assets/a.txt': not a regular file"),
+    ("/assets/a.txt", b"0", 3, "unsafe member '/assets/a.txt': absolute path or path traversal"),
+    ("assets\\a.txt", b"0", 3, "unsafe member 'assets\\\\a.txt': absolute path or path traversal"),
+    ("assets/../a.txt", b"0", 3, "unsafe member 'assets/../a.txt': absolute path or path traversal"),
+    ("assets/./a.txt", b"0", 3, "unsafe member 'assets/./a.txt': absolute path or path traversal"),
+    ("assets//a.txt", b"0", 3, "unsafe member 'assets//a.txt': absolute path or path traversal"),
+    ("model/model.onnx", b"0", 3, "unsafe member 'model/model.onnx': duplicate member name"),
+    ("assets/b.txt", b"0", 3, "unsafe member 'assets/b.txt': file not listed in the signed manifest"),
+    ("assets/a.txt", b"0", 4, "member assets/a.txt is 4 bytes or more, over the limit of 3"),
+    ("assets/a.txt", b"0", 2, "assets/a.txt: size 2 differs from the signed size 3"),
+])
+def test_member_header_refusals_exactly(name, kind, size, expected):
+    manifest = _manifest_with({"assets/a.txt": b"abc"})
+    header = MemberHeader(name, size, kind, "model/model.onnx")
+    assert _message(check_member_header, header, manifest, {"model/model.onnx"}, Limits(max_member_bytes=3)) \
+        == expected
+
+
+def test_total_refusal_exactly():
+    assert _message(check_total, 11, Limits(max_total_bytes=10)) == (
+        "unpacked artifact is 11 bytes or more, over the limit of 10")
