@@ -31,6 +31,11 @@ from typing import Any
 
 import numpy as np
 
+try:
+    import fcntl
+except ImportError:  # not on Windows
+    fcntl = None  # type: ignore[assignment]
+
 from sdk.errors import BuildError
 from sdk.packager.ort_worker import ort_message, read_message, write_message
 
@@ -113,6 +118,8 @@ class OrtWorker:
         args = [sys.executable, "-m", "sdk.packager.ort_worker", *(["--verbose"] if self.verbose else [])]
         proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=None if self.verbose else subprocess.DEVNULL, env=env, cwd=str(_ROOT))
+        for stream in (proc.stdin, proc.stdout):
+            _widen_pipe(stream)
         self._proc, self._owner, self._greeted = proc, os.getpid(), False
         self.starts += 1
         return proc
@@ -213,6 +220,17 @@ class OrtWorker:
 
 
 _MISSING = object()
+_PIPE_BYTES = 1 << 20
+
+
+def _widen_pipe(stream: Any) -> None:
+    """Ask Linux for a 1 MiB pipe buffer (default 64 KiB): a 600 KB image tensor then crosses
+    in one write instead of ten context switches. Best effort; other systems keep the default."""
+    setsize = getattr(fcntl, "F_SETPIPE_SZ", None) if fcntl is not None else None
+    if stream is None or setsize is None:
+        return
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(stream.fileno(), setsize, _PIPE_BYTES)
 
 
 def model_key(model: bytes | str | os.PathLike[str], threads: int = 0) -> str:
