@@ -291,6 +291,16 @@ def test_synthetic_indices_stay_within_the_table_they_index_and_declared_ranges_
 
     inputs = graph_io(model)[0]
     assert index_ranges(model, inputs) == {"ids": (0, 5)}
+    table = numpy_helper.from_array(np.zeros((4, 9), np.float32), "t")
+    depth = numpy_helper.from_array(np.array(7, np.int64), "depth")
+    other = helper.make_graph(
+        [helper.make_node("GatherND", ["t", "nd"], ["a"]), helper.make_node("Gather", ["t", "col"], ["b"], axis=1),
+         helper.make_node("OneHot", ["hot", "depth", "vals"], ["c"])], "o",
+        [helper.make_tensor_value_info(n, TensorProto.INT64, [2]) for n in ("nd", "col", "hot")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "b", "c")],
+        [table, depth, numpy_helper.from_array(np.float32([0, 1]), "vals")])
+    other_inputs = [i for i in graph_io(helper.make_model(other))[0] if i.name in ("nd", "col", "hot")]
+    assert index_ranges(helper.make_model(other), other_inputs) == {"nd": (0, 4), "col": (0, 9), "hot": (0, 7)}
     samples = synthetic_samples(16, {}, inputs, declared={"scale": {"range": [2.0, 3.0]}}, graph=model)
     ids = np.stack([f["ids"] for f in samples.feeds])
     scale = np.stack([f["scale"] for f in samples.feeds])

@@ -393,7 +393,13 @@ def _load_test_data(folder: Path, inputs: Sequence[TensorSpec], outputs: Sequenc
 
 # ---------------------------------------------------------------- synthetic data
 
-_INDEX_INPUTS = {"Gather": (1, 0), "GatherElements": (1, 0), "ScatterElements": (1, 0), "Scatter": (1, 0)}
+# Ops whose input at ``slot`` holds indices into an axis of their input 0 (``axis`` attribute,
+# default ``default_axis``; None: any leading axis, GatherND/ScatterND), and OneHot, whose
+# indices run up to its depth (input 1).
+_INDEX_INPUTS: dict[str, tuple[int, int | None]] = {
+    "Gather": (1, 0), "GatherElements": (1, 0), "ScatterElements": (1, 0), "Scatter": (1, 0),
+    "GatherND": (1, None), "ScatterND": (1, None),
+}
 
 
 def _known_dims(graph: Any, inputs: Sequence[TensorSpec]) -> dict[str, list[int]]:
@@ -409,9 +415,29 @@ def _known_dims(graph: Any, inputs: Sequence[TensorSpec]) -> dict[str, list[int]
     return dims
 
 
+def _indexed_size(node: Any, dims: Mapping[str, list[int]], default_axis: int | None) -> int:
+    """The size of the axis an index input of ``node`` selects from (1 when unknown)."""
+    shape = dims.get(node.input[0])
+    if not shape:
+        return 1
+    if default_axis is None:  # GatherND/ScatterND: an index may address any leading axis
+        return max(min(int(d) for d in shape), 1)
+    axis = next((a.i for a in node.attribute if a.name == "axis"), default_axis)
+    return max(int(shape[axis]), 1) if -len(shape) <= axis < len(shape) else 1
+
+
+def _one_hot_depth(node: Any, graph: Any) -> int:
+    from onnx import numpy_helper
+
+    for init in graph.graph.initializer:
+        if len(node.input) > 1 and init.name == node.input[1]:
+            return max(int(np.asarray(numpy_helper.to_array(init)).reshape(-1)[0]), 1)
+    return 1
+
+
 def index_ranges(graph: Any, inputs: Sequence[TensorSpec]) -> dict[str, tuple[int, int]]:
-    """Integer graph inputs used as indices (Gather and its kin, an embedding lookup), with the
-    range [0, size) of the axis they index, so made-up indices stay valid. Unknown sizes
+    """Integer graph inputs used as indices (Gather and its kin, an embedding lookup, OneHot),
+    with the range [0, size) of what they index, so made-up indices stay valid. Unknown sizes
     (symbolic) give [0, 1): synthetic data sets symbolic dims to 1."""
     if graph is None:
         return {}
@@ -419,15 +445,15 @@ def index_ranges(graph: Any, inputs: Sequence[TensorSpec]) -> dict[str, tuple[in
     dims = _known_dims(graph, inputs)
     ranges: dict[str, tuple[int, int]] = {}
     for node in graph.graph.node:
-        slot = _INDEX_INPUTS.get(node.op_type)
-        if slot is None or len(node.input) <= slot[0] or node.input[slot[0]] not in names:
+        if node.op_type == "OneHot" and node.input and node.input[0] in names:
+            name, size = node.input[0], _one_hot_depth(node, graph)
+        elif node.op_type in _INDEX_INPUTS:
+            slot, default_axis = _INDEX_INPUTS[node.op_type]
+            if len(node.input) <= slot or node.input[slot] not in names:
+                continue
+            name, size = node.input[slot], _indexed_size(node, dims, default_axis)
+        else:
             continue
-        axis = next((a.i for a in node.attribute if a.name == "axis"), slot[1])
-        shape = dims.get(node.input[0])
-        size = 1
-        if shape is not None and -len(shape) <= axis < len(shape):
-            size = max(int(shape[axis]), 1)
-        name = node.input[slot[0]]
         low, high = ranges.get(name, (0, size))
         ranges[name] = (low, min(high, size))
     return ranges
