@@ -166,16 +166,29 @@ def _serve(conn: Connection, classes: dict[str, dict[str, type[unittest.TestCase
     os.environ["ONNX_MODELS"] = str(root / "onnx-models")  # where the runner writes light-model data
     current.append(Workspace(root / "edgepack", data_source))
     current[-1].root.mkdir()
-    while (job := conn.recv()) is not None:
-        category, name = job
-        for backend, suite in classes.items():
-            conn.send(("start", backend))  # so the parent knows whom to blame if the process dies
-            outcome = run_test(suite[category], name)
-            conn.send((backend, outcome))
-            current[-1].clear_cases()
-            if outcome[0] != "pass":
-                break
-        conn.send(("done", None))
+    try:
+        while (job := conn.recv()) is not None:
+            category, name = job
+            for backend, suite in classes.items():
+                conn.send(("start", backend))  # so the parent knows whom to blame if the process dies
+                outcome = run_test(suite[category], name)
+                conn.send((backend, outcome))
+                current[-1].clear_cases()
+                if outcome[0] != "pass":
+                    break
+            conn.send(("done", None))
+    finally:
+        _stop_build_worker()
+
+
+def _stop_build_worker() -> None:
+    """Stop the packager's onnxruntime worker process, if this process started one (forked
+    children do not run atexit handlers)."""
+    from sdk.packager import ort_host
+
+    shutdown = getattr(ort_host, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
 
 
 def _signal_text(exitcode: int | None) -> str:
