@@ -204,3 +204,14 @@ def test_onnxruntime_log_lines_reach_the_terminal_only_with_verbose(tmp_path):
         loud = run_cli("edgepack", *args, "--runs", "1")
         assert loud.returncode == 1
         assert "E:onnxruntime" in loud.stderr and "frame_step must be greater than zero" in loud.stderr
+
+
+def test_edgepack_build_verbose_shows_onnxruntime_log_lines(tmp_path, keypair):
+    recipe = _crash_project(tmp_path, stft_model(frame_step=0))
+    args = ("build", str(recipe), "--key", str(keypair[0]), "-o", str(tmp_path / "a.edgepkg"))
+    quiet = run_cli("edgepack", *args)
+    assert quiet.returncode == 1 and quiet.stderr.strip().count("\n") == 0, quiet.stderr
+    assert "frame_step must be greater than zero" in quiet.stderr and "E:onnxruntime" not in quiet.stderr
+    loud = run_cli("edgepack", *args, "-v")
+    assert loud.returncode == 1 and "E:onnxruntime" in loud.stderr
+    assert loud.stderr.strip().splitlines()[-1].startswith("edgepack: error: validate: inference failed")
