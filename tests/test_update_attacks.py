@@ -251,7 +251,14 @@ def test_rollback_from_anyone_is_refused(agent, observer, arts, origin, operator
     refused = final_event(observer, send(observer, command("rollback")))
     assert refused["state"] == "rejected" and "must be signed" in refused["reason"]
     assert agent.version() == "1.1.0"
-    done = final_event(observer, send(observer, signed(command("rollback"), operator)))
+    other_group = signed({**command("rollback"), "target": {"group": "garage"}}, operator)
+    observer.publish("edgepack/v1/grp/kitchen/cmd", json.dumps(other_group))
+    refused = final_event(observer, other_group["id"])
+    assert refused["state"] == "rejected" and "not for this device" in refused["reason"]
+    assert agent.version() == "1.1.0"
+    by_group = signed({**command("rollback"), "target": {"group": "kitchen"}}, operator)
+    observer.publish("edgepack/v1/grp/kitchen/cmd", json.dumps(by_group))
+    done = final_event(observer, by_group["id"])
     assert done["state"] == "done" and "rolled back to scale 1.0.0" in done["reason"]
     assert agent.version() == "1.0.0"
 
