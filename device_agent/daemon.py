@@ -73,7 +73,8 @@ class Daemon:
         info = None if model is None else ModelInfo(model.manifest.name, model.manifest.version,
                                                     model.manifest.model_sha256)
         return AgentStatus(model=info, provider=None if model is None else model.provider,
-                           profile=self.config.profile, available_providers=list(ort.get_available_providers()))
+                           profile=self.config.profile, available_providers=list(ort.get_available_providers()),
+                           extra=self.store.health())
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -97,7 +98,8 @@ class Daemon:
             self._start_updates()
         address = self.config.listen_host_port
         if address is not None:
-            self.api = ApiServer(address, self.service, max_body_bytes=self.config.max_body_bytes).start()
+            self.api = ApiServer(address, self.service, max_body_bytes=self.config.max_body_bytes,
+                                 health=self.store.health).start()
             log.info("HTTP API on http://%s:%d", address[0], self.api.port)
         return self
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -143,10 +144,11 @@ class _Handler(BaseHTTPRequestHandler):
         service = self.server.service
         if self.path == "/healthz":
             model = service.model
+            extra = self.server.health() if self.server.health is not None else {}
             if model is None:
-                self._json(503, {"status": "no model"})
+                self._json(503, {"status": "no model", **extra})
             else:
-                self._json(200, {"status": "ok", "model": model.describe()})
+                self._json(200, {"status": "ok", "model": model.describe(), **extra})
         elif self.path == "/metrics":
             self._send(200, prometheus_text(service).encode(), "text/plain; version=0.0.4; charset=utf-8")
         else:
@@ -218,9 +220,11 @@ class ApiServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], service: InferenceService, *, max_body_bytes: int) -> None:
+    def __init__(self, address: tuple[str, int], service: InferenceService, *, max_body_bytes: int,
+                 health: Callable[[], dict[str, Any]] | None = None) -> None:
         super().__init__(address, _Handler)
         self.service = service
+        self.health = health  # extra /healthz fields (the store's condition: read-only, recovered)
         self.max_body_bytes = max_body_bytes
         self._thread: threading.Thread | None = None
 

@@ -399,6 +399,20 @@ class ModelStore:
             self.state_note = f"{why}; serving {chosen} (state not rewritten: {getattr(err, 'strerror', None) or err})"
         log.error("store: %s", self.state_note)
 
+    def health(self) -> dict[str, Any]:
+        """What /healthz and the published state add about the store: nothing while it is sound;
+        ``{"store": {...}, "updates": "refused: ..."}`` while it is read-only or was recovered."""
+        if self.writable and not self.state_note:
+            return {}
+        store: dict[str, Any] = {"writable": self.writable}
+        if self.state_note:
+            store["state_note"] = self.state_note
+        out: dict[str, Any] = {"store": store}
+        if self.read_only_reason:
+            store["read_only_reason"] = self.read_only_reason
+            out["updates"] = f"refused: {self.read_only_reason}"
+        return out
+
     def status(self) -> dict[str, Any]:
         state, problem = self._load_state()
         out: dict[str, Any] = {"store": str(self.root), "writable": self.writable}

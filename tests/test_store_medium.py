@@ -218,3 +218,47 @@ def test_unreadable_job_files_are_skipped(tmp_path):
     (tmp_path / "jobs" / "deploy-3.json").write_bytes(b"\xff\xfe")
     assert [job.id for job in journal.all()] == ["deploy-1"]
     assert journal.get("deploy-2") is None
+
+
+# --------------------------------------------------------------------------- a running agent on a read-only store
+
+from tests.agent_process import AgentProcess, Observer  # noqa: E402
+
+
+def test_agent_on_read_only_store_serves_and_says_updates_are_refused(tmp_path, artifacts, keypair,
+                                                                        mosquitto_broker):
+    agent = AgentProcess(tmp_path, device="ro1", broker_port=mosquitto_broker.port, trust=keypair[1],
+                         artifact=artifacts["1.0.0"])
+    agent.start()  # a first, normal run: the store, its journal and its outbox exist as in the field
+    agent.stop()
+    store = tmp_path / "ro1-store"
+    state_before = (store / "state.json").read_bytes()
+    observer = Observer(mosquitto_broker.port)
+    try:
+        with open(agent.log, "ab") as log:
+            agent.proc = subprocess.Popen(
+                ["unshare", "-rm", "sh", "-c", _READ_ONLY, "sh", str(store), cli("edgepack-agent"), "run",
+                 "--config", str(agent.config)], stdout=log, stderr=log, env={**os.environ})
+        assert observer.wait_for(lambda: _healthy(agent), timeout=60), agent.log.read_text()[-2000:]
+        health = agent.health()
+        assert health["model"]["version"] == "1.0.0"
+        assert health["store"]["writable"] is False
+        assert health["updates"].startswith("refused: the store") and "Read-only file system" in health["updates"]
+        status, answer = agent.predict([1.0, 2.0, 3.0, 4.0])
+        assert (status, answer["outputs"]) == (200, {"y": [[2.0, 4.0, 6.0, 8.0]]}), "it still serves"
+        assert observer.wait_for(lambda: any("Read-only file system" in s.get("updates", "")
+                                             for s in observer.of("/dev/ro1/state")), timeout=30), \
+            "the published state says why updates are refused"
+    finally:
+        agent.stop()
+        observer.close()
+    assert (store / "state.json").read_bytes() == state_before
+
+
+def _healthy(agent: AgentProcess) -> bool:
+    if agent.proc.poll() is not None:
+        raise AssertionError(f"agent exited with {agent.proc.returncode}: {agent.log.read_text()[-2000:]}")
+    try:
+        return agent.health().get("status") == "ok"
+    except OSError:
+        return False
