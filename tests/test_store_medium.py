@@ -262,3 +262,32 @@ def _healthy(agent: AgentProcess) -> bool:
         return agent.health().get("status") == "ok"
     except OSError:
         return False
+
+
+def test_rejected_command_ids_never_become_paths_on_a_running_agent(tmp_path, artifacts, keypair, mosquitto_broker):
+    agent = AgentProcess(tmp_path, device="ids1", broker_port=mosquitto_broker.port, trust=keypair[1],
+                         artifact=artifacts["1.0.0"])
+    observer = Observer(mosquitto_broker.port)
+    try:
+        agent.start()
+        store = tmp_path / "ids1-store"
+        state_before = (store / "state.json").read_bytes()
+        outside_before = sorted(p.name for p in tmp_path.iterdir())
+        jobs_before = sorted(p.name for p in (store / "jobs").iterdir())
+        hostile = ["../state", "../../x", "a/b", "\U0001f600" * 128, "..", "/etc/passwd"]
+        for command_id in hostile:
+            observer.publish("edgepack/v1/dev/ids1/cmd", json.dumps({"id": command_id, "type": "ping"}))
+        for i in range(300):  # a flood of garbage: counted, never one file each
+            observer.publish("edgepack/v1/dev/ids1/cmd", json.dumps({"id": f"../flood-{i}", "type": "ping"}))
+        rejected = lambda: [e for e in observer.jobs("ids1") if e.get("state") == "rejected"]  # noqa: E731
+        assert observer.wait_for(lambda: len(rejected()) >= len(hostile) + 300, timeout=60), len(rejected())
+        assert all("/" not in event["job"] and ".." not in event["job"] for event in rejected())
+        assert (store / "state.json").read_bytes() == state_before
+        assert sorted(p.name for p in tmp_path.iterdir()) == outside_before, "a file appeared outside the store"
+        assert sorted(p.name for p in (store / "jobs").iterdir()) == jobs_before, "rejected commands were written"
+        assert agent.health()["model"]["version"] == "1.0.0"
+    finally:
+        agent.stop()
+        observer.close()
+    restarted = ModelStore(tmp_path / "ids1-store", TrustStore([load_public_key(keypair[1])]))
+    assert restarted.recover().version == "1.0.0", "after a restart the model is still there"
