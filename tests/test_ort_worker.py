@@ -215,3 +215,26 @@ def test_edgepack_build_verbose_shows_onnxruntime_log_lines(tmp_path, keypair):
     loud = run_cli("edgepack", *args, "-v")
     assert loud.returncode == 1 and "E:onnxruntime" in loud.stderr
     assert loud.stderr.strip().splitlines()[-1].startswith("edgepack: error: validate: inference failed")
+
+
+def test_a_call_interrupted_mid_answer_leaves_no_stale_answer_behind():
+    """A driver's timeout signal can interrupt a request; the late answer must never be read
+    as the answer to the next request, so the worker is replaced."""
+    host = ort_host.worker()
+    model = relu_model(3, name="interrupted").SerializeToString()
+    run_feeds(model, [{"x": np.ones(3, np.float32)}])
+    pid = host.pid
+
+    def expire(signum, frame):
+        raise TimeoutError("driver timeout")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(TimeoutError):
+            ort_host.measure_latency(model, {"x": np.ones(3, np.float32)}, runs=10**8)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert run_feeds(model, [{"x": np.array([-1, 5, -7], np.float32)}])[0]["y"].tolist() == [0, 5, 0]
+    assert host.pid not in (None, pid)

@@ -39,7 +39,7 @@ except ImportError:  # not on Windows
 from sdk.errors import BuildError
 from sdk.packager.ort_worker import ort_message, read_message, write_message
 
-__all__ = ["ModelIO", "OrtCrashError", "OrtWorker", "call_in_worker", "cpu_session", "describe", "in_pass",
+__all__ = ["ModelIO", "OrtCrashError", "OrtWorker", "call_in_worker", "describe", "in_pass",
            "measure_latency", "optimize_offline", "ort_message", "prestart", "release_sessions", "run_feeds",
            "set_verbose", "shutdown", "worker"]
 
@@ -172,7 +172,7 @@ class OrtWorker:
         try:
             assert proc.stdout is not None
             answer = read_message(proc.stdout)
-        except (EOFError, OSError):
+        except (EOFError, ConnectionError):  # the worker died mid-message (not a signal's exception here)
             answer = None
         if answer is None:
             raise OrtCrashError(pass_name, model, doing, self._reap(proc))
@@ -183,15 +183,24 @@ class OrtWorker:
         pass_name = _PASS.get()
         with self._lock:
             proc = self._process()
-            if not self._greeted:
-                self._receive(proc, pass_name, "the onnxruntime worker", "start-up")
-                self._greeted = True
             try:
-                assert proc.stdin is not None
-                write_message(proc.stdin, message)
-            except OSError:
-                raise OrtCrashError(pass_name, model, doing, self._reap(proc)) from None
-            answer: tuple[Any, ...] = self._receive(proc, pass_name, model, doing)
+                if not self._greeted:
+                    self._receive(proc, pass_name, "the onnxruntime worker", "start-up")
+                    self._greeted = True
+                try:
+                    assert proc.stdin is not None
+                    write_message(proc.stdin, message)
+                except ConnectionError:  # BrokenPipeError: the worker is gone
+                    raise OrtCrashError(pass_name, model, doing, self._reap(proc)) from None
+                answer: tuple[Any, ...] = self._receive(proc, pass_name, model, doing)
+            except OrtCrashError:
+                raise
+            except BaseException:
+                # Interrupted mid-message (Ctrl-C, a timeout signal in a driver): the pipe may hold
+                # half a request or a late answer, so only a fresh worker is a safe state.
+                proc.kill()
+                self._reap(proc)
+                raise
             return answer
 
     def call(self, message: dict[str, Any], *, model: str, doing: str) -> Any:
@@ -350,18 +359,3 @@ def call_in_worker(target: str, *args: Any, label: str | None = None, doing: str
     creates onnxruntime sessions itself, such as onnxruntime.quantization's calibration."""
     name = label or _MODEL.get() or "the model"
     return worker().call({"op": "call", "target": target, "args": args, "kwargs": kwargs}, model=name, doing=doing)
-
-
-def cpu_session(model: bytes | str, *, threads: int = 0) -> Any:
-    """An onnxruntime CPU session in THIS process, for tools outside the build that want a
-    session object; a crash here takes the caller with it. The build uses the worker."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 2 if _VERBOSE else 4
-    if threads:
-        options.intra_op_num_threads = threads
-    try:
-        return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    except Exception as err:  # onnxruntime raises its own untyped exceptions
-        raise BuildError(_PASS.get(), f"cannot create a session: {ort_message(err)}") from None
