@@ -36,7 +36,7 @@ log = logging.getLogger("edgepack.agent.runtime")
 
 _DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "int8": np.int8,
            "uint8": np.uint8, "int16": np.int16, "uint16": np.uint16, "int32": np.int32, "uint32": np.uint32,
-           "int64": np.int64, "uint64": np.uint64, "bool": np.bool_}
+           "int64": np.int64, "uint64": np.uint64, "bool": np.bool_, "string": np.object_}
 
 
 @dataclass
@@ -278,7 +278,8 @@ class InferenceService:
                 raise BadRequest("unknown_input", f"unknown input {name!r} (inputs: {', '.join(specs)})")
             if not isinstance(value, np.ndarray):
                 raise BadRequest("bad_input", f"input {name} must be a numpy array")
-            if value.dtype != spec[0]:
+            # A string input takes numpy's unicode arrays as well as object arrays of str.
+            if value.dtype != spec[0] and not (spec[0].kind == "O" and value.dtype.kind == "U"):
                 raise BadRequest("dtype", f"input {name} must be {spec[0].name}, got {value.dtype.name}")
             if not shape_matches(value.shape, spec[1]):
                 raise BadRequest("shape", f"input {name} must have shape {list(spec[1])}, got {list(value.shape)}")

@@ -110,6 +110,11 @@ def test_scalars_strings_bools_int64_and_float16_round_trip_exactly_through_npz_
         assert np.array_equal(outputs[f"{name}_out"], value) and outputs[f"{name}_out"].shape == value.shape, name
     loaded = _agent_loads(result.output, keypair, tmp_path)
     assert loaded.smoke is not None and loaded.smoke.samples == 1
+    service = InferenceService(loaded)
+    for strings in (ALL_KINDS["t"], ALL_KINDS["t"].astype(object)):  # unicode or object arrays of str
+        answer = service.predict_tensors({**ALL_KINDS, "t": strings}, postprocess=False)
+        assert answer.outputs["t_out"].tolist() == ["héllo", "wörld"]
+        assert answer.outputs["i_out"].dtype == np.int64 and answer.outputs["s_out"].shape == ()
 
 
 def _write_pb(folder: Path, name: str, array: np.ndarray, tensor_name: str = "") -> None:
