@@ -291,3 +291,21 @@ def test_rejected_command_ids_never_become_paths_on_a_running_agent(tmp_path, ar
         observer.close()
     restarted = ModelStore(tmp_path / "ids1-store", TrustStore([load_public_key(keypair[1])]))
     assert restarted.recover().version == "1.0.0", "after a restart the model is still there"
+
+
+def test_journal_counts_the_attempts_of_a_job(tmp_path):
+    from device_agent.updates import jobs as J
+
+    journal = Journal(tmp_path / "jobs")
+    assert journal.attempts("deploy-1") == 0
+    job = Job(id="deploy-1", type="deploy", history=((J.QUEUED, 1.0),))
+    journal.save(job)
+    assert journal.attempts("deploy-1") == 1
+    for restart in range(2):
+        job = J.advance(J.advance(job, J.DOWNLOADING, "fetching", 2.0), J.QUEUED, "resumed", 3.0)
+        journal.save(job)
+        assert journal.attempts("deploy-1") == 2 + restart
+    verifying = J.advance(J.advance(job, J.DOWNLOADING, "fetching", 4.0), J.VERIFYING, "checking", 5.0,
+                          verify_started=True)
+    journal.save(verifying)
+    assert J.on_restart(journal.get("deploy-1"), active_is_job_version=False, now=6.0) == J.FAIL

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from device_agent.errors import AgentError
 from device_agent.store import atomic_write
-from device_agent.updates.jobs import Job
+from device_agent.updates.jobs import Job, resumes
 from edgepack_core.protocol.ids import is_valid_id
 
 log = logging.getLogger("edgepack.agent.updates")
@@ -87,6 +87,13 @@ class Journal:
             atomic_write(self._path(job.id), json.dumps(job.to_json()).encode())
         except OSError as err:
             raise JournalError(f"cannot write the job journal: {err.strerror or err}") from None
+
+    def attempts(self, job_id: str) -> int:
+        """How many times the job was started: its first queueing plus every restart that sent
+        it back to ``queued`` (0 for an unknown job). ``jobs.on_restart`` refuses to resume a
+        job past ``jobs.MAX_RESUMES`` attempts, or one that was verifying when the agent died."""
+        job = self.get(job_id)
+        return 0 if job is None else 1 + resumes(job)
 
     def _job_files(self) -> list[Path]:
         paths = []
