@@ -70,6 +70,12 @@ def test_contract_errors_count_only_when_they_rise_above_the_pre_swap_rate():
     assert judge(Traffic(ok=70, contract_errors=30), before, Probes(), POLICY).healthy
 
 
+def test_contract_rise_boundary_exact():
+    policy = HealthPolicy(max_error_rate=0.25, min_requests=1)
+    assert judge(Traffic(ok=3, contract_errors=1), QUIET, Probes(), policy).healthy  # 25% = 0% + 25%
+    assert not judge(Traffic(ok=2, contract_errors=1), QUIET, Probes(), policy).healthy
+
+
 def test_contract_rise_boundary():
     before = Traffic(ok=90, contract_errors=10)  # 10%
     assert judge(Traffic(ok=85, contract_errors=15), before, Probes(), POLICY).healthy  # 15% = 10% + 5%

@@ -268,3 +268,14 @@ def test_download_progress_enforces_deadline_minimum_rate_and_cancel():
         progress.check()
     with pytest.raises(DownloadCancelled):
         _Progress(bounds, lambda: True, lambda: 0.0).check()
+
+
+def test_replay_ledger_keeps_an_id_through_its_expiry_second(tmp_path):
+    from device_agent.updates.replay import ReplayError, ReplayGuard, live_ids
+
+    assert live_ids({"a": NOW, "b": NOW - 0.001}, NOW) == {"a": NOW}
+    guard = ReplayGuard(tmp_path / "ids.json", max_ids=1)
+    guard.remember("a", NOW + 5, NOW)
+    with pytest.raises(ReplayError, match="most allowed"):
+        guard.remember("b", NOW + 60, NOW + 5)  # "a" is still valid at its expiry instant
+    guard.remember("b", NOW + 60, NOW + 5.001)
