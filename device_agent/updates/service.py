@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from device_agent.config import AgentConfig
+from device_agent.config import DOWNLOAD_DEADLINE_S, HEALTH_WINDOW_DEFAULTS, MIN_RATE_BYTES_S, AgentConfig
 from device_agent.errors import StoreError
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.smoke import compare_outputs
@@ -69,8 +69,6 @@ DEFAULT_MAX_ERROR_RATE = 0.05
 DEFAULT_MAX_LATENCY_FACTOR = 3.0
 DEFAULT_MIN_REQUESTS = 20
 DEFAULT_MAX_DOWNLOAD = 1024**3
-DEFAULT_DEADLINE_S = 3600.0
-DEFAULT_MIN_RATE = 1024.0
 MAX_PROBES = 16
 
 
@@ -115,7 +113,7 @@ class UpdateService:
         self.device_id = config.device_id
         self.groups = list((config.mqtt or {}).get("groups", []))
         settings = config.updates
-        self.window = dict(settings.get("health_window_s") or {"default": 30.0, "min": 5.0, "max": 3600.0})
+        self.window = dict(settings.get("health_window_s") or HEALTH_WINDOW_DEFAULTS)
         self.health = HealthPolicy(max_error_rate=float(settings.get("max_error_rate", DEFAULT_MAX_ERROR_RATE)),
                                    max_latency_factor=float(settings.get("max_latency_factor",
                                                                          DEFAULT_MAX_LATENCY_FACTOR)),
@@ -143,8 +141,8 @@ class UpdateService:
         return Bounds(origins=allowed_origins(origins or []),
                       any_port_hosts=frozenset() if origins else frozenset({broker_host} - {""}),
                       max_bytes=int(settings.get("max_download_bytes", DEFAULT_MAX_DOWNLOAD)),
-                      deadline_s=float(settings.get("download_deadline_s", DEFAULT_DEADLINE_S)),
-                      min_rate_bytes_s=float(settings.get("min_rate_bytes_s", DEFAULT_MIN_RATE)))
+                      deadline_s=float(settings.get("download_deadline_s", DOWNLOAD_DEADLINE_S)),
+                      min_rate_bytes_s=float(settings.get("min_rate_bytes_s", MIN_RATE_BYTES_S)))
 
     # ---------------------------------------------------------------- lifecycle
 
