@@ -279,3 +279,44 @@ def test_replay_ledger_keeps_an_id_through_its_expiry_second(tmp_path):
     with pytest.raises(ReplayError, match="most allowed"):
         guard.remember("b", NOW + 60, NOW + 5)  # "a" is still valid at its expiry instant
     guard.remember("b", NOW + 60, NOW + 5.001)
+
+
+# ------------------------------------------------------------------ daemon start: rollback order
+
+
+@pytest.mark.parametrize("previous_loads", [True, False])
+def test_active_model_that_no_longer_loads_is_replaced_only_after_the_previous_loads(tmp_path, keypair,
+                                                                                    previous_loads):
+    """An onnxruntime upgrade can make a verified model fail to load (simulated: it cannot
+    happen here). The daemon loads the previous model *before* state.json changes; if that
+    fails too, state.json is untouched and the original error stands."""
+    from device_agent.config import check_config
+    from device_agent.daemon import Daemon
+    from device_agent.errors import SmokeTestError
+    from tests.artifacts import build_artifact
+
+    v1 = build_artifact(tmp_path / "a", keypair[0], version="1.0.0")
+    v2 = build_artifact(tmp_path / "a", keypair[0], version="1.1.0", factor=3.0)
+    config = check_config({"device_id": "d", "store": "store", "trust": [str(keypair[1])], "artifact": str(v1),
+                           "api": {"enabled": False}}, tmp_path / "agent.yaml")
+    first = Daemon(config).start()
+    first.install_artifact(v2)
+    first.stop()
+    state = (tmp_path / "store" / "state.json").read_bytes()
+
+    class UpgradedRuntime(Daemon):
+        def load(self, installed):
+            if installed.version == "1.1.0" or not previous_loads:
+                raise SmokeTestError(f"{installed.name} {installed.version}", 0, "differs after a runtime upgrade")
+            return super().load(installed)
+
+    daemon = UpgradedRuntime(config)
+    if previous_loads:
+        daemon.start()
+        assert daemon.service.model.manifest.version == "1.0.0"
+        assert json.loads((tmp_path / "store" / "state.json").read_text())["active"].startswith("scale-1.0.0-")
+        daemon.stop()
+    else:
+        with pytest.raises(SmokeTestError, match=r"scale 1\.1\.0"):
+            daemon.start()
+        assert (tmp_path / "store" / "state.json").read_bytes() == state
