@@ -102,7 +102,8 @@ def _fmt(dims: list[Any] | tuple[Any, ...]) -> str:
 def resolve_shape(name: str, declared: list[int | str | None], given: tuple[int, ...] | None, where: str
                   ) -> tuple[int, ...]:
     """The dims to feed ``name``: the given ones when they fit the model's rank and fixed dims,
-    else the model's own when all are fixed. Pure; raises UsageError naming what to pass."""
+    else the model's own when all are fixed but a leading batch dim (then 1). Pure; raises
+    UsageError naming what to pass."""
     if given is not None:
         if len(given) != len(declared):
             raise UsageError(f"{where}: input {name} has rank {len(declared)} {_fmt(declared)}, "
@@ -112,8 +113,12 @@ def resolve_shape(name: str, declared: list[int | str | None], given: tuple[int,
                 raise UsageError(f"{where}: input {name} has dim {axis} fixed to {want}, the shape given says {got}")
         shape = given
     else:
-        open_dims = [d for d in declared if not (isinstance(d, int) and d >= 0)]
-        if open_dims:
+        open_axes = [axis for axis, d in enumerate(declared) if not (isinstance(d, int) and d >= 0)]
+        if open_axes == [0] and len(declared) >= 2:
+            # A free leading dim is the batch: a device runs one sample per call, as
+            # onnxruntime's perf test assumes. Any other free dim has no safe default.
+            declared = [1, *declared[1:]]
+        elif open_axes:
             raise UsageError(f"input {name} has dynamic dims {_fmt(declared)}: pass --shape {name}=DIMS "
                              f"(dims joined by x, e.g. 1x3x224x224), a --recipe whose inputs.{name}.shape "
                              "fixes them, or an artifact with golden samples")

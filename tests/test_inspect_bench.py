@@ -11,7 +11,16 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgepack_core.errors import UsageError
-from sdk.bench import MAX_INPUT_ELEMENTS, InputHints, bench, make_feed, parse_shape, resolve_shape, shapes_by_name
+from sdk.bench import (
+    MAX_INPUT_ELEMENTS,
+    InputHints,
+    bench,
+    make_feed,
+    packaged_model,
+    parse_shape,
+    resolve_shape,
+    shapes_by_name,
+)
 from tests.artifacts import build_artifact
 from tests.conftest import run_cli
 
@@ -129,10 +138,11 @@ def test_resolve_shape_boundaries():
     assert resolve_shape("x", [], None, "model") == ()
     assert resolve_shape("x", ["N", 3], (5, 3), "--shape") == (5, 3)
     assert resolve_shape("x", [None, 0], (2, 0), "--shape") == (2, 0)
-    with pytest.raises(UsageError, match="dynamic dims"):
-        resolve_shape("x", ["N", 3], None, "model")
-    with pytest.raises(UsageError, match="dynamic dims"):
-        resolve_shape("x", [-1, 3], None, "model")
+    assert resolve_shape("x", ["N", 3], None, "model") == (1, 3)  # a free leading (batch) dim is 1
+    assert resolve_shape("x", [-1, 3], None, "model") == (1, 3)
+    for declared in (["N"], [1, "T"], ["N", "T"], [None, 3, None]):
+        with pytest.raises(UsageError, match="dynamic dims"):
+            resolve_shape("x", declared, None, "model")
     with pytest.raises(UsageError, match="rank 2"):
         resolve_shape("x", ["N", 3], (3,), "--shape")
     with pytest.raises(UsageError, match="dim 1 fixed to 3"):
@@ -143,7 +153,7 @@ def test_resolve_shape_boundaries():
 
 
 def test_feed_follows_shape_then_recipe_then_golden_then_model():
-    inputs = [{"name": "x", "type": "tensor(float)", "shape": ["N", 4]},
+    inputs = [{"name": "x", "type": "tensor(float)", "shape": ["N", "F"]},
               {"name": "k", "type": "tensor(int64)", "shape": []},
               {"name": "s", "type": "tensor(string)", "shape": [2]}]
     golden = {"x": np.ones((3, 4), np.float32)}
@@ -186,8 +196,9 @@ def test_bench_takes_shapes_from_the_recipe(tmp_path):
 
 
 def test_bench_of_an_artifact_feeds_its_golden_sample(tmp_path, keypair):
-    """The scale model's batch dim is dynamic: only the golden sample can fix it."""
     artifact = build_artifact(tmp_path / "a", keypair[0], extra="validate: {data: synthetic}\n")
+    golden = packaged_model(artifact, None).golden
+    assert list(golden) == ["x"]
     rows = bench(artifact, original=tmp_path / "a" / "model-1.0.0-2.0.onnx", runs=3)
     assert [r.label.split()[0] for r in rows] == ["original", "packaged"]
-    assert rows[0].shapes == rows[1].shapes == {"x": [1, 4]}
+    assert rows[0].shapes == rows[1].shapes == {"x": list(golden["x"].shape)}
