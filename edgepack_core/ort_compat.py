@@ -38,9 +38,13 @@ class RuntimeRow:
     ir_version: int
 
 
-# onnxruntime's compatibility table, oldest first (docs/reference/compatibility.md). Releases
-# newer than the last row are added at build time from the build host's own onnxruntime
-# (``sdk.packager.passes.model_checks.host_runtime_row`` asks it), never guessed.
+# onnxruntime's compatibility table, oldest first: up to 1.20 as its docs give it
+# (docs/reference/compatibility.md); from 1.21 as each release answers itself (a model stamped
+# opset/IR 999 is refused naming the newest it runs; asked of the PyPI wheels the way
+# ``sdk.packager.passes.model_checks.host_runtime_row`` asks the build host's, which also adds
+# releases newer than the last row). Where a release's own answer is wider than its docs (1.15
+# says IR 9, 1.18-1.20 say ai.onnx.ml 5), the docs' narrower row stays: kernels may lag the
+# schemas a release knows. A release absent here runs what the previous row says.
 COMPATIBILITY: tuple[RuntimeRow, ...] = (
     RuntimeRow("1.0.0", 11, 2, 6),
     RuntimeRow("1.3.0", 12, 2, 7),
@@ -56,6 +60,10 @@ COMPATIBILITY: tuple[RuntimeRow, ...] = (
     RuntimeRow("1.18.0", 21, 4, 10),
     RuntimeRow("1.19.0", 21, 4, 10),
     RuntimeRow("1.20.0", 21, 4, 10),
+    RuntimeRow("1.21.0", 22, 5, 10),
+    RuntimeRow("1.23.0", 23, 5, 11),
+    RuntimeRow("1.24.1", 25, 5, 13),
+    RuntimeRow("1.25.0", 26, 5, 13),
 )
 
 # Contrib ops (com.microsoft) and the first onnxruntime release that has their CPU kernel.

@@ -36,19 +36,22 @@ def _need(opsets=None, ops=(), ort_format=False, **kw):
 
 @pytest.mark.parametrize(("opset", "version"), [
     (7, "1.0.0"), (11, "1.0.0"), (12, "1.3.0"), (13, "1.6.0"), (15, "1.9.0"), (16, "1.11.0"), (17, "1.12.0"),
-    (18, "1.14.0"), (19, "1.15.0"), (20, "1.17.0"), (21, "1.18.0"),
+    (18, "1.14.0"), (19, "1.15.0"), (20, "1.17.0"), (21, "1.18.0"), (22, "1.21.0"), (23, "1.23.0"), (24, "1.24.1"),
+    (25, "1.24.1"), (26, "1.25.0"),
 ])
 def test_default_domain_opset_boundaries_follow_onnxruntimes_table(opset, version):
     assert _need({"": opset}) == (version, f"opset {opset} (ai.onnx)")
     assert _need({"ai.onnx": opset})[0] == version, "'' and 'ai.onnx' are the same domain"
 
 
-@pytest.mark.parametrize(("ml", "version"), [(1, "1.0.0"), (2, "1.0.0"), (3, "1.12.0"), (4, "1.17.0")])
+@pytest.mark.parametrize(("ml", "version"), [(1, "1.0.0"), (2, "1.0.0"), (3, "1.12.0"), (4, "1.17.0"),
+                                               (5, "1.21.0")])
 def test_ml_opset_boundaries(ml, version):
     assert _need({"ai.onnx.ml": ml}) == (version, f"opset {ml} (ai.onnx.ml)")
 
 
-@pytest.mark.parametrize(("ir", "version"), [(6, "1.0.0"), (7, "1.3.0"), (8, "1.9.0"), (9, "1.16.0"), (10, "1.18.0")])
+@pytest.mark.parametrize(("ir", "version"), [(6, "1.0.0"), (7, "1.3.0"), (8, "1.9.0"), (9, "1.16.0"), (10, "1.18.0"),
+                                         (11, "1.23.0"), (12, "1.24.1"), (13, "1.24.1")])
 def test_ir_version_boundaries(ir, version):
     assert _need({"": 7}, ir_version=ir)[0] == version
 
@@ -62,11 +65,12 @@ def test_the_newest_requirement_wins_and_is_named():
 
 
 def test_opsets_beyond_the_table_need_a_known_newer_row():
-    with pytest.raises(RuntimeTooOld, match=r"opset 22 \(ai.onnx\) is newer than any onnxruntime Edgepack knows"):
-        _need({"": 22})
+    with pytest.raises(RuntimeTooOld, match=r"opset 27 \(ai.onnx\) is newer than any onnxruntime Edgepack knows"):
+        _need({"": 27})
     host = RuntimeRow("1.32.0", 28, 5, 14)
-    assert _need({"": 22}, extra_rows=[host]) == ("1.32.0", "opset 22 (ai.onnx)")
-    assert _need({"ai.onnx.ml": 5}, extra_rows=[host])[0] == "1.32.0"
+    assert _need({"": 27}, extra_rows=[host]) == ("1.32.0", "opset 27 (ai.onnx)")
+    assert _need({"": 22}, extra_rows=[host])[0] == "1.21.0", "a host row never raises what the table settles"
+    assert _need({"": 17}, ir_version=14, extra_rows=[host])[0] == "1.32.0"
     with pytest.raises(RuntimeTooOld):
         _need({"": 29}, extra_rows=[host])
 
