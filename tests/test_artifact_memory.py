@@ -50,7 +50,8 @@ def _valid_artifact(folder: Path, key: Path) -> Path:
     model = scale_model(folder / "scale.onnx").read_bytes()
     manifest = {
         "format": 1, "name": "scale", "version": "1.0.0", "created": "2026-01-01T00:00:00Z",
-        "model": {"path": "model/model.onnx", "opset": 17, "ir_version": 8, "precision": "fp32"},
+        "model": {"path": "model/model.onnx", "opset": 17, "ir_version": 8, "precision": "fp32",
+                  "min_onnxruntime": "1.13.0"},
         "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
         "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}],
         "preprocess": {"kind": "tensor", "version": 1, "batch": False},
