@@ -126,6 +126,20 @@ def test_symlinked_test_data_tensor_escaping_the_folder_is_refused(project, tmp_
         build(recipe, key_paths=[str(keypair[0])], output=project / "a.edgepkg")
 
 
+def test_test_data_tensor_with_external_data_pointing_at_etc_passwd_is_refused(project, keypair):
+    from onnx import TensorProto
+
+    tensor = TensorProto(name="x", data_type=TensorProto.UINT8, dims=[16], data_location=TensorProto.EXTERNAL)
+    tensor.external_data.add(key="location", value="/etc/passwd")
+    data_set = project / "cases" / "test_data_set_0"
+    data_set.mkdir(parents=True)
+    (data_set / "input_0.pb").write_bytes(tensor.SerializeToString())
+    recipe = recipe_from_dict(_recipe(project, validate={"data": {"test_data": "cases"}}), project)
+    with pytest.raises(RecipeError, match=r"input_0\.pb: stores its values in an external file"):
+        build(recipe, key_paths=[str(keypair[0])], output=project / "a.edgepkg")
+    assert not (project / "a.edgepkg").exists()
+
+
 def test_allow_external_paths_lets_the_recipe_reach_out(project, tmp_path, keypair):
     outside = tmp_path / "shared" / "labels.txt"
     outside.parent.mkdir()

@@ -342,6 +342,13 @@ def read_tensor_pb(path: Path) -> tuple[str, np.ndarray]:
     tensor = onnx.TensorProto()
     try:
         tensor.ParseFromString(path.read_bytes())
+    except Exception as err:  # protobuf's DecodeError
+        raise ValueError(f"not a serialized TensorProto ({type(err).__name__}: {err})") from None
+    if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.external_data:
+        # Its values would be read from a path the file names: a test data set must not make
+        # the build read (and sign into golden samples) a file outside the recipe's folder.
+        raise ValueError("stores its values in an external file; test data tensors must hold their data")
+    try:
         array = numpy_helper.to_array(tensor)
     except Exception as err:  # protobuf's DecodeError and onnx's ValueError/TypeError
         raise ValueError(f"not a serialized TensorProto ({type(err).__name__}: {err})") from None
