@@ -7,7 +7,11 @@ with SIGFPE; the other signals come from the worker killing itself with the real
 
 from __future__ import annotations
 
+import os
+import select
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -238,3 +242,32 @@ def test_a_call_interrupted_mid_answer_leaves_no_stale_answer_behind():
         signal.signal(signal.SIGALRM, previous)
     assert run_feeds(model, [{"x": np.array([-1, 5, -7], np.float32)}])[0]["y"].tolist() == [0, 5, 0]
     assert host.pid not in (None, pid)
+
+
+def test_a_killed_build_leaves_no_worker_behind_even_mid_kernel(tmp_path):
+    """The parent dies by SIGKILL while the worker is busy (it never reads its closed pipe):
+    the worker notices it is orphaned and exits."""
+    script = tmp_path / "parent.py"
+    script.write_text(  # queue a practically endless benchmark, say the worker's pid, wait to be killed
+        "import numpy as np, sys, threading\n"
+        "from sdk.packager import ort_host\n"
+        "from sdk.packager.ort_worker import write_message\n"
+        "model = open(sys.argv[1], 'rb').read()\n"
+        "host = ort_host.worker()\n"
+        "ort_host.describe(model)\n"
+        "write_message(host._proc.stdin, {'op': 'bench', 'key': ort_host.model_key(model), 'runs': 10**9,\n"
+        "                                 'feed': {'x': np.ones(3, np.float32)}})\n"
+        "print(host.pid, flush=True)\n"
+        "threading.Event().wait()\n")
+    onnx.save(relu_model(), tmp_path / "relu.onnx")
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path / "relu.onnx")], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parent.parent)
+    worker_pid = int(parent.stdout.readline())
+    exited = os.pidfd_open(worker_pid)  # becomes readable when the worker exits
+    try:
+        assert select.select([exited], [], [], 0)[0] == []
+        parent.kill()
+        parent.wait()
+        assert select.select([exited], [], [], 30)[0] == [exited]
+    finally:
+        os.close(exited)

@@ -115,7 +115,8 @@ class OrtWorker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
         env.setdefault("PYTHONWARNINGS", "default" if self.verbose else "ignore")
-        args = [sys.executable, "-m", "sdk.packager.ort_worker", *(["--verbose"] if self.verbose else [])]
+        args = [sys.executable, "-m", "sdk.packager.ort_worker", "--parent", str(os.getpid()),
+                *(["--verbose"] if self.verbose else [])]
         proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=None if self.verbose else subprocess.DEVNULL, env=env, cwd=str(_ROOT))
         for stream in (proc.stdin, proc.stdout):

@@ -27,6 +27,7 @@ import signal
 import struct
 import sys
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -241,10 +242,23 @@ def _describe(session: Any) -> dict[str, list[dict[str, Any]]]:
     return {"inputs": [spec(i) for i in session.get_inputs()], "outputs": [spec(o) for o in session.get_outputs()]}
 
 
-def serve(verbose: bool) -> int:
+def _exit_when_orphaned(parent: int, period_s: float = 1.0) -> None:
+    """Leave when the parent is gone, even in the middle of a kernel that never returns (a
+    closed pipe is only noticed between requests): a killed build leaves no worker behind."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(period_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="edgepack-orphan-watch", daemon=True).start()
+
+
+def serve(verbose: bool, parent: int | None = None) -> int:
     """The worker's loop: read requests until the parent closes the pipe."""
     # Ctrl-C reaches the whole process group; the parent decides what it means and closes us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_when_orphaned(parent or os.getppid())
     requests = sys.stdin.buffer
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
@@ -261,5 +275,9 @@ def serve(verbose: bool) -> int:
         write_message(answers, answer)
 
 
+def _parent_argument(argv: list[str]) -> int | None:
+    return int(argv[argv.index("--parent") + 1]) if "--parent" in argv[:-1] else None
+
+
 if __name__ == "__main__":
-    sys.exit(serve(verbose="--verbose" in sys.argv[1:]))
+    sys.exit(serve(verbose="--verbose" in sys.argv[1:], parent=_parent_argument(sys.argv[1:])))
