@@ -16,6 +16,7 @@ worker takes the next case. A case that runs past ``timeout`` is killed the same
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import re
@@ -103,11 +104,14 @@ def list_cases() -> list[Case]:
     return cases
 
 
+@functools.cache
 def runner_classes(backend: type[onnx.backend.base.Backend]) -> dict[str, type[unittest.TestCase]]:
     """onnx's runner over ``backend``: runner category -> its unittest.TestCase class."""
     import onnx.backend.test
 
-    runner = onnx.backend.test.BackendTest(backend, __name__)
+    with warnings.catch_warnings():  # onnx computes node test outputs, some on purpose inf
+        warnings.simplefilter("ignore", RuntimeWarning)
+        runner = onnx.backend.test.BackendTest(backend, __name__)
     return {name.removeprefix("OnnxBackend").removesuffix("Test"): cls for name, cls in runner.test_cases.items()}
 
 
@@ -157,15 +161,41 @@ def run_test(test_class: type[unittest.TestCase], name: str) -> tuple[str, str, 
 # ----------------------------------------------------------------------------- workers
 
 
-def _serve(conn: Connection, classes: dict[str, dict[str, type[unittest.TestCase]]], root: Path,
-           data_source: str, current: list[Workspace]) -> None:
-    """Worker loop: for each case, bare onnxruntime then (if it passed) Edgepack."""
+_WORKSPACE: list[Workspace] = []  # this worker process's workspace (set by _serve)
+
+
+def _current_workspace() -> Workspace:
+    return _WORKSPACE[-1]
+
+
+# The default backends, in order: the first is the reference; each next one runs a case only
+# when the one before passed it.
+DEFAULT_BACKENDS: dict[str, type[onnx.backend.base.Backend]] = {
+    "onnxruntime": BareOrtBackend,
+    "edgepack": edgepack_backend(_current_workspace),
+}
+
+
+def warm() -> None:
+    """Everything a worker needs, loaded once in the fork server so that each worker (and each
+    replacement after a crash) starts in milliseconds: the node test cases, the runner's classes
+    for the default backends, the packager and the agent runtime."""
+    for backend in DEFAULT_BACKENDS.values():
+        runner_classes(backend)
+    import device_agent.runtime  # noqa: F401
+    import sdk.packager.pipeline  # noqa: F401
+
+
+def _serve(conn: Connection, backends: dict[str, type[onnx.backend.base.Backend]], root: Path,
+           data_source: str) -> None:
+    """Worker loop: for each case, the reference backend, then (if it passed) the next."""
     import onnxruntime
 
     onnxruntime.set_default_logger_severity(3)
     os.environ["ONNX_MODELS"] = str(root / "onnx-models")  # where the runner writes light-model data
-    current.append(Workspace(root / "edgepack", data_source))
-    current[-1].root.mkdir()
+    _WORKSPACE.append(Workspace(root / "edgepack", data_source))
+    _WORKSPACE[-1].root.mkdir()
+    classes = {name: runner_classes(backend) for name, backend in backends.items()}
     try:
         while (job := conn.recv()) is not None:
             category, name = job
@@ -173,12 +203,19 @@ def _serve(conn: Connection, classes: dict[str, dict[str, type[unittest.TestCase
                 conn.send(("start", backend))  # so the parent knows whom to blame if the process dies
                 outcome = run_test(suite[category], name)
                 conn.send((backend, outcome))
-                current[-1].clear_cases()
+                _WORKSPACE[-1].clear_cases()
                 if outcome[0] != "pass":
                     break
             conn.send(("done", None))
     finally:
         _stop_build_worker()
+
+
+def _serve_by_name(conn: Connection, backends: dict[str, type[onnx.backend.base.Backend]] | None, root: Path,
+                   data_source: str) -> None:
+    """The worker's entry point: ``None`` stands for DEFAULT_BACKENDS (whose Edgepack class is
+    made at import time and cannot be pickled by reference)."""
+    _serve(conn, backends or DEFAULT_BACKENDS, root, data_source)
 
 
 def _stop_build_worker() -> None:
@@ -224,33 +261,34 @@ class _Worker:
 
 
 class Pool:
-    """Forked workers that each run one case at a time; a dead or stuck worker is replaced."""
+    """Workers that each run one case at a time; a dead or stuck worker is replaced.
+
+    Workers are forked from a fork server (a fresh, single-threaded process that imported
+    ``tools.conformance.preload``), never from the caller, which may hold threads and
+    onnxruntime state (a pytest process does)."""
 
     def __init__(self, jobs: int, data_source: str, timeout: float,
                  backends: dict[str, type[onnx.backend.base.Backend]] | None = None) -> None:
-        """``backends`` in order: the first is the reference; each next one runs a case only
-        when the one before passed it (default: bare onnxruntime, then Edgepack)."""
+        """``backends``: module-level classes, in order (default DEFAULT_BACKENDS)."""
         self.jobs, self.data_source, self.timeout = jobs, data_source, timeout
-        self.context = multiprocessing.get_context("fork")
-        self.current: list[Workspace] = []  # the worker's workspace (set after the fork)
-        backends = backends or {"onnxruntime": BareOrtBackend,
-                                "edgepack": edgepack_backend(lambda: self.current[-1])}
-        self.classes = {name: runner_classes(backend) for name, backend in backends.items()}
-        # Imported once here so that each forked worker starts warm.
-        import device_agent.runtime  # noqa: F401
-        import sdk.packager.pipeline  # noqa: F401
+        self.backends = backends or DEFAULT_BACKENDS
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(["tools.conformance.preload"])
 
     def _spawn(self) -> _Worker:
         root = Path(tempfile.mkdtemp(prefix="edgepack-conformance-"))
         parent, child = self.context.Pipe()
-        process = self.context.Process(target=_serve, args=(child, self.classes, root, self.data_source,
-                                                             self.current), daemon=True)
+        backends = None if self.backends is DEFAULT_BACKENDS else self.backends
+        process = self.context.Process(target=_serve_by_name, args=(child, backends, root, self.data_source),
+                                       daemon=True)
         process.start()
         child.close()
         return _Worker(process, parent, root)
 
     def run(self, cases: Iterable[Case], report: Callable[[Outcome], None]) -> None:
-        pending = list(cases)[::-1]
+        # Slowest first (the light CNNs take a minute or more to build), so that they overlap
+        # with the many small node tests instead of finishing alone at the end.
+        pending = sorted(cases, key=lambda c: c.part != "light")[::-1]
         workers = [self._spawn() for _ in range(self.jobs)]
         try:
             while pending or any(w.case for w in workers):
