@@ -360,3 +360,21 @@ def test_probe_feeds_are_index_safe_and_typed():
                                              _vi("f", TensorProto.FLOAT16, [3])], []))[0], 2)
     assert len(feeds) == 2 and feeds[0]["i"].tolist() == [[0, 0]] and feeds[0]["s"].tolist() == ["a"]
     assert feeds[0]["f"].dtype == np.float16 and ((feeds[0]["f"] >= 0) & (feeds[0]["f"] < 1)).all()
+
+
+def test_optimizer_failure_keeps_the_unoptimized_graph_with_a_one_line_reason(tmp_path):
+    from sdk.packager.passes.base import BuildContext, get_pass
+
+    model = _graph([helper.make_node("Sin", ["x"], ["y"])], [_vi("x", TensorProto.INT32, [2])],
+                   [_vi("y", TensorProto.INT32, [2])])  # no Sin kernel for int32: onnxruntime refuses it
+    _save(model, tmp_path, "sin.onnx")
+    recipe = recipe_from_dict({"name": "sin", "version": "1.0.0", "model": {"path": "sin.onnx"},
+                               "validate": {"data": "synthetic"}}, tmp_path)
+    ctx = BuildContext(recipe=recipe, workdir=tmp_path, model=model)
+    ctx.inputs, ctx.outputs = graph_io(model)
+    get_pass("ort_optimize").run(ctx)
+    assert ctx.model is model
+    assert ctx.report["ort_optimize"]["applied"] is False
+    (warning,) = ctx.warnings
+    assert warning.startswith("ort_optimize: kept the unoptimized graph: onnxruntime's optimizer failed: ")
+    assert "Sin" in warning and "\n" not in warning

@@ -182,10 +182,14 @@ class OrtOptimizePass(Pass):
         model = ctx.require_model()
         before = len(model.graph.node)
         label = model_label(ctx)
-        optimized = onnx.load_from_string(ort_host.optimize_offline(ctx.model_bytes(), level, label=label))
-        prune_opset_imports(optimized)
-        problem = check_optimized(model, optimized, ctx.inputs)
         report: dict[str, Any] = {"level": level, "nodes_before": before}
+        try:
+            optimized = onnx.load_from_string(ort_host.optimize_offline(ctx.model_bytes(), level, label=label))
+        except BuildError as err:  # the optimizer failed (or crashed): the graph itself may still run
+            problem: str | None = f"onnxruntime's optimizer failed: {err.problem}"
+        else:
+            prune_opset_imports(optimized)
+            problem = check_optimized(model, optimized, ctx.inputs)
         if problem is not None:
             ctx.warn(f"ort_optimize: kept the unoptimized graph: {problem}")
             ctx.report[self.name] = {**report, "applied": False, "reason": problem}
