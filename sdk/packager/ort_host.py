@@ -117,8 +117,12 @@ class OrtWorker:
         env.setdefault("PYTHONWARNINGS", "default" if self.verbose else "ignore")
         args = [sys.executable, "-m", "sdk.packager.ort_worker", "--parent", str(os.getpid()),
                 *(["--verbose"] if self.verbose else [])]
-        proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=None if self.verbose else subprocess.DEVNULL, env=env, cwd=str(_ROOT))
+        try:  # the parent's working directory, so relative paths mean the same on both sides
+            proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=None if self.verbose else subprocess.DEVNULL, env=env)
+        except OSError as err:
+            raise BuildError(_PASS.get(), f"cannot start the onnxruntime worker ({sys.executable}): "
+                                          f"{err.strerror or err}") from None
         for stream in (proc.stdin, proc.stdout):
             _widen_pipe(stream)
         self._proc, self._owner, self._greeted = proc, os.getpid(), False
