@@ -55,6 +55,8 @@ class LoadedModel:
     input_specs: dict[str, tuple[np.dtype, tuple[int | str, ...]]] = field(default_factory=dict)
     # Inputs the manifest declares ``role: constant``: fed on every call, never asked of callers.
     constants: dict[str, np.ndarray] = field(default_factory=dict)
+    # Inputs the manifest declares ``allow_non_finite``: NaN/inf there is data, not a malformed request.
+    non_finite_inputs: frozenset[str] = frozenset()
 
     @property
     def label(self) -> str:
@@ -114,6 +116,7 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
         input_specs={t.name: (np.dtype(_DTYPES.get(t.dtype, np.float32)), tuple(t.shape)) for t in manifest.inputs
                      if t.name not in constants},
         constants=constants,
+        non_finite_inputs=frozenset(s["name"] for s in manifest.raw["inputs"] if s.get("allow_non_finite")),
     )
     for name, reason in result.fallbacks:
         log.info("%s: not using %s: %s", model.label, name, reason)
@@ -283,7 +286,7 @@ class InferenceService:
                 raise BadRequest("dtype", f"input {name} must be {spec[0].name}, got {value.dtype.name}")
             if not shape_matches(value.shape, spec[1]):
                 raise BadRequest("shape", f"input {name} must have shape {list(spec[1])}, got {list(value.shape)}")
-            if value.dtype.kind == "f" and not np.isfinite(value).all():
+            if value.dtype.kind == "f" and name not in model.non_finite_inputs and not np.isfinite(value).all():
                 # malformed input, not the model's failure: a NaN in must not count as a NaN out
                 raise BadRequest("non_finite_input", f"input {name} holds NaN or infinite values")
         if len(feed) != len(specs):

@@ -14,6 +14,7 @@ import numpy as np
 
 from device_agent.errors import SmokeTestError
 from edgepack_core.manifest import Manifest, TensorSpec
+from edgepack_core.tensor_compare import same_non_finite
 
 
 @dataclass(frozen=True)
@@ -43,17 +44,19 @@ def compare_outputs(
         value = got[spec.name]
         if not shape_matches(value.shape, spec.shape):
             return f"output {spec.name} has shape {list(value.shape)}, declared {list(spec.shape)}", worst
-        if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
-            return f"output {spec.name} holds non-finite values", worst
         if spec.name not in expected:
             return f"golden outputs lack {spec.name}", worst
         want = expected[spec.name]
         if value.shape != want.shape:
             return f"output {spec.name} has shape {list(value.shape)}, golden {list(want.shape)}", worst
         if value.dtype.kind in "fc":
-            diff = float(np.max(np.abs(value.astype(np.float64) - want.astype(np.float64)))) if value.size else 0.0
+            if not same_non_finite(value, want):
+                return f"output {spec.name} holds non-finite values where golden has other values", worst
+            finite = np.isfinite(want)
+            diff = float(np.max(np.abs(value[finite].astype(np.float64) - want[finite].astype(np.float64)))) \
+                if finite.any() else 0.0
             worst = max(worst, diff)
-            if not np.allclose(value, want, rtol=rtol, atol=atol):
+            if not np.allclose(value, want, rtol=rtol, atol=atol, equal_nan=True):
                 return f"output {spec.name} differs from golden by up to {diff:.3g} (rtol {rtol}, atol {atol})", worst
         elif not np.array_equal(value, want):
             return f"output {spec.name} differs from golden", worst

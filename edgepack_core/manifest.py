@@ -46,6 +46,9 @@ _TENSOR = {
         "role": {"enum": ["tensor", "constant"],
                  "description": "constant: the agent feeds `value` on every call (inputs only)"},
         "value": {"description": "the value of a constant input: a scalar or nested list of its shape"},
+        "allow_non_finite": {"type": "boolean",
+                             "description": "the input takes NaN/inf by design (IsNaN, missing values, -inf "
+                             "masks): the agent does not refuse them (inputs only)"},
     },
 }
 

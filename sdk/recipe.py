@@ -85,6 +85,9 @@ _INPUT = {
         "role": {"enum": ["tensor", "constant"], "default": "tensor",
                  "description": "constant: the agent feeds `value` on every call; callers do not pass it"},
         "value": {"description": "the value of a constant input: a scalar or a nested list of its shape"},
+        "allow_non_finite": {"type": "boolean", "default": False,
+                             "description": "the model takes NaN/inf in this input by design (IsNaN, missing "
+                             "values, -inf attention masks): the agent serves them instead of answering 400"},
         "sample_axis": {**_SAMPLE_AXIS, "description": "default sample axis of this input's npz arrays "
                         "(null: an array is one sample); a data source's sample_axis overrides it"},
     },

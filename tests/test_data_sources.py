@@ -341,3 +341,65 @@ def test_a_golden_sample_with_an_empty_output_fails_the_build(tmp_path, keypair)
     np.savez(tmp_path / "empty.npz", x=np.zeros((0,), np.float32))
     with pytest.raises(BuildError, match=r"output y is empty \(shape \[0\]\)"):
         _build(tmp_path, {"model": {"path": "m.onnx"}, "validate": {"data": {"npz": "empty.npz"}}}, keypair)
+
+
+def _log_test_data(folder: Path, x: np.ndarray, y: np.ndarray) -> str:
+    _write_pb(folder / "cases" / "test_data_set_0", "input_0.pb", x, "x")
+    _write_pb(folder / "cases" / "test_data_set_0", "output_0.pb", y, "y")
+    return "cases"
+
+
+def test_non_finite_golden_outputs_the_test_data_declares_are_signed_and_pass_the_smoke_test(tmp_path, keypair):
+    _log_model(tmp_path / "m.onnx")
+    x = np.array([1.0, 0.0, -1.0], np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.log(x)  # [0, -inf, nan]: the answer the user's own test data states
+    cases = _log_test_data(tmp_path, x, y)
+    result = _build(tmp_path, {"model": {"path": "m.onnx"}, "validate": {"data": {"test_data": cases}}}, keypair)
+    _, outputs = _golden(result.output)
+    assert np.isneginf(outputs["y"][1]) and np.isnan(outputs["y"][2])
+    loaded = _agent_loads(result.output, keypair, tmp_path)
+    assert loaded.smoke is not None and loaded.smoke.samples == 1
+
+
+def test_non_finite_golden_outputs_the_test_data_does_not_declare_still_fail_the_build(tmp_path, keypair):
+    _log_model(tmp_path / "m.onnx")
+    x = np.array([1.0, 0.0, -1.0], np.float32)
+    cases = _log_test_data(tmp_path, x, np.zeros(3, np.float32))  # expects finite values
+    with pytest.raises((BuildError, ValidationFailed), match=r"output y"):
+        _build(tmp_path, {"model": {"path": "m.onnx"}, "validate": {"data": {"test_data": cases}}}, keypair)
+    assert not (tmp_path / "a.edgepkg").exists()
+
+
+def test_an_empty_golden_output_the_test_data_declares_is_signed(tmp_path, keypair):
+    _log_model(tmp_path / "m.onnx")
+    empty = np.zeros((0,), np.float32)
+    cases = _log_test_data(tmp_path, empty, empty)
+    result = _build(tmp_path, {"model": {"path": "m.onnx"}, "validate": {"data": {"test_data": cases}}}, keypair)
+    _, outputs = _golden(result.output)
+    assert outputs["y"].shape == (0,)
+    assert _agent_loads(result.output, keypair, tmp_path).smoke.samples == 1
+
+
+def _isnan_model(path: Path) -> Path:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
+    y = helper.make_tensor_value_info("y", TensorProto.BOOL, [3])
+    return _save(path, [helper.make_node("IsNaN", ["x"], ["y"])], [x], [y])
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["allow_non_finite", "default"])
+def test_non_finite_inputs_are_served_only_where_the_recipe_declares_them(tmp_path, keypair, declared):
+    from device_agent.errors import BadRequest
+
+    _isnan_model(tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=np.array([1.0, 2.0, 3.0], np.float32))
+    inputs = {"x": {"allow_non_finite": True}} if declared else {}
+    result = _build(tmp_path, {"model": {"path": "m.onnx"}, "inputs": inputs,
+                               "validate": {"data": {"npz": "d.npz"}}}, keypair)
+    service = InferenceService(_agent_loads(result.output, keypair, tmp_path))
+    feed = {"x": np.array([np.nan, 1.0, np.inf], np.float32)}
+    if declared:
+        assert service.predict_tensors(feed, postprocess=False).outputs["y"].tolist() == [True, False, False]
+    else:
+        with pytest.raises(BadRequest, match="NaN or infinite"):
+            service.predict_tensors(feed, postprocess=False)

@@ -137,8 +137,10 @@ def manifest_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[di
     """The manifest's input specs: constants carry ``role: constant`` and their value (as the
     input's dtype makes it), which the agent feeds on every call."""
     constants = constant_feeds(inputs, declared)
+    non_finite = {name for name, decl in declared.items() if (decl or {}).get("allow_non_finite")}
     return [{**spec.to_json(), **({"role": "constant", "value": constants[spec.name].tolist()}
-                                  if spec.name in constants else {})} for spec in inputs]
+                                  if spec.name in constants else {}),
+             **({"allow_non_finite": True} if spec.name in non_finite else {})} for spec in inputs]
 
 
 def tensor_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[TensorSpec]:
