@@ -271,3 +271,13 @@ def test_a_killed_build_leaves_no_worker_behind_even_mid_kernel(tmp_path):
         assert select.select([exited], [], [], 30)[0] == [exited]
     finally:
         os.close(exited)
+
+
+def test_a_build_frees_its_sessions_but_keeps_the_worker(tmp_path, keypair):
+    recipe = _crash_project(tmp_path, stft_model())
+    build(load_recipe(recipe), key_paths=[str(keypair[0])], output=tmp_path / "one.edgepkg")
+    host = ort_host.worker()
+    pid = host.pid
+    assert pid is not None and host.call({"op": "ping"}, model="-", doing="ping")["sessions"] == []
+    build(load_recipe(recipe), key_paths=[str(keypair[0])], output=tmp_path / "two.edgepkg")
+    assert host.pid == pid  # one worker across builds

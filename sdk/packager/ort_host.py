@@ -308,7 +308,8 @@ def release_sessions(models: Sequence[bytes | str] | None = None) -> None:
     if _WORKER is None or _WORKER.pid is None:
         return
     keys = None if models is None else [model_key(m) for m in models]
-    _WORKER.call({"op": "release", "keys": keys}, model="cached sessions", doing="release")
+    with contextlib.suppress(OrtCrashError):  # a worker that died holds no sessions: done either way
+        _WORKER.call({"op": "release", "keys": keys}, model="cached sessions", doing="release")
 
 
 # -- what the passes call ---------------------------------------------------------------------

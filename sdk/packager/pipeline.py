@@ -182,5 +182,6 @@ def build(
         manifest_bytes = write_artifact(target, assemble_manifest(ctx), ctx.files, keys)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        ort_host.release_sessions()  # the worker stays for the next build; this build's sessions go
     return BuildResult(output=target, manifest=parse_manifest(manifest_bytes), report=report,
                        warnings=list(ctx.warnings))
