@@ -188,6 +188,8 @@ def required_onnxruntime(
     for domain, op_type in sorted(op_types):
         if normalize_domain(domain) == CONTRIB_DOMAIN:
             found.append(_from_table(CONTRIB_OPS.get(op_type), builder, f"contrib op {CONTRIB_DOMAIN}.{op_type}"))
+        elif domain.startswith(CONTRIB_DOMAIN + "."):  # layouts of optimize.level all (com.microsoft.nchwc)
+            found.append(_from_table(None, builder, f"onnxruntime-internal op {domain}.{op_type}"))
     if ort_format:
         found.append(_from_table(ORT_FORMAT_READERS.get(ort_format_version or ""), builder,
                                  f"the .ort format version {ort_format_version or '(unknown)'}"))

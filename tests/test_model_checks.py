@@ -263,6 +263,20 @@ def test_literal_minus_one_and_zero_dims_and_named_dims_in_the_io_spec():
     assert inputs[1].shape == (0, "batch", "e_dim2")
 
 
+def test_input_of_unknown_rank_needs_a_declared_shape(tmp_path, keypair):
+    private, public = keypair
+    model = _graph([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", TensorProto.FLOAT, None)],
+                   [_vi("y", TensorProto.FLOAT, None)])
+    path = _save(model, tmp_path, "norank.onnx")
+    with pytest.raises(ModelError) as refused:
+        _build(tmp_path, private, path)
+    assert str(refused.value) == ("norank.onnx: input: x declares no rank; declare its shape in the recipe: "
+                                  "inputs: {x: {shape: [...]}}")
+    result = _build(tmp_path, private, path, inputs={"x": {"shape": ["n", 3]}})
+    assert result.manifest.inputs[0].shape == ("n", 3) and result.manifest.outputs[0].shape == ("n", 3)
+    _same_as_bare(_serve(result, tmp_path, public), path, {"x": np.array([[1, -2, 3]], np.float32)})
+
+
 def test_sequence_output_is_refused_with_the_zipmap_hint():
     seq = helper.make_tensor_sequence_value_info("y", TensorProto.FLOAT, None)
     model = _graph([helper.make_node("SequenceConstruct", ["x"], ["y"])], [_vi("x", TensorProto.FLOAT, [2])], [seq])

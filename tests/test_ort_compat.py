@@ -81,6 +81,12 @@ def test_unknown_contrib_op_needs_the_building_runtime_or_is_refused():
         _need({"": 17}, [("com.microsoft", "BrandNewOp")])
 
 
+def test_onnxruntime_internal_layout_ops_need_the_building_runtime():
+    assert _need({"": 17}, [("com.microsoft.nchwc", "Conv")], builder="1.32.0") == \
+        ("1.32.0", "onnxruntime-internal op com.microsoft.nchwc.Conv (not in Edgepack's table: the building "
+                   "onnxruntime is the oldest proven to run it)")
+
+
 def test_ort_format_versions():
     assert _need({"": 17}, ort_format=True, ort_format_version="6") == ("1.16.0", "the .ort format version 6")
     assert _need({"": 17}, ort_format=True, ort_format_version="5")[0] == "1.13.0" == ORT_FORMAT_READERS["5"]

@@ -184,6 +184,9 @@ def value_info_spec(info: onnx.ValueInfoProto, what: str = "input") -> TensorSpe
             TensorProto.DataType.values() else str(tensor.elem_type)
         raise ModelError(what, f"{info.name} has element type {type_name}, which Edgepack cannot carry "
                                f"(supported: {', '.join(DTYPES)})")
+    if not tensor.HasField("shape") and what.endswith("input"):
+        raise ModelError(what, f"{info.name} declares no rank; declare its shape in the recipe: "
+                               f"inputs: {{{info.name}: {{shape: [...]}}}}")
     dims: list[int | str] = []
     for i, dim in enumerate(tensor.shape.dim):
         if dim.HasField("dim_value") and dim.dim_value >= 0:
@@ -328,6 +331,8 @@ def _override_shapes(model: onnx.ModelProto, overrides: dict[str, Any], recipe: 
         tensor = by_name[name].type.tensor_type
         if "shape" in override:
             shape = override["shape"]
+            if not tensor.HasField("shape"):  # unknown rank: the recipe's shape gives it
+                tensor.shape.dim.extend(onnx.TensorShapeProto.Dimension() for _ in shape)
             if len(shape) != len(tensor.shape.dim):
                 raise RecipeError(f"inputs.{name}.shape",
                                   f"has rank {len(shape)}, the model input has rank {len(tensor.shape.dim)}",
