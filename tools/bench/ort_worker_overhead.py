@@ -7,6 +7,8 @@ Two measurements:
    hits every tree alike: give the tree before the worker and the tree after it
    (``git worktree add``) to see the difference.
    Wall time and CPU time (the CLI process and its worker; less sensitive to a busy machine).
+   With ``--in-process N``: N builds after a first one inside one Python process per tree
+   (the conformance driver's case, where the worker starts once).
 2. In this tree, the worker's own costs: cold start (spawn to first answer), and per-sample
    ``run_feeds`` on the MobileNet-style model (a 1x3x224x224 float32 tensor over the pipe and
    back, in calls of 20 samples as validation makes them) against ``session.run`` on an
@@ -72,6 +74,44 @@ def build_times(trees: dict[str, Path], runs: int) -> dict[str, list[tuple[float
     return times
 
 
+_IN_PROCESS = """
+import json, os, sys, time
+from pathlib import Path
+from sdk.packager.pipeline import build
+from sdk.recipe import load_recipe
+recipe = load_recipe(Path("recipes/mobilenet.yaml"), allow_external_paths=True)
+times = []
+for n in range(int(sys.argv[1]) + 1):
+    t0, c0 = time.perf_counter(), os.times()
+    build(recipe, key_paths=[sys.argv[2]], output=Path(sys.argv[3]))
+    c1 = os.times()
+    cpu = c1.user + c1.system - c0.user - c0.system + c1.children_user + c1.children_system \
+        - c0.children_user - c0.children_system
+    times.append((time.perf_counter() - t0, cpu))
+print(json.dumps(times[1:]))
+"""
+
+
+def in_process_times(trees: dict[str, Path], builds: int) -> dict[str, list[tuple[float, float]]]:
+    """Wall time of builds after the first in one long-lived process (the conformance driver's
+    case: the worker, when there is one, is already running). CPU of the worker is counted only
+    when it exits, so only wall time is comparable here."""
+    from sdk.keys import write_keypair
+
+    times: dict[str, list[tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        key = Path(tmp) / "bench.key"
+        write_keypair(key, Path(tmp) / "bench.pub")
+        for label, tree in trees.items():
+            _ensure_demo(tree)
+            env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONWARNINGS": "ignore"}
+            result = subprocess.run([sys.executable, "-c", _IN_PROCESS, str(builds), str(key),
+                                     str(Path(tmp) / f"{label}.edgepkg")], cwd=tree, env=env,
+                                    capture_output=True, text=True, check=True)
+            times[label] = [tuple(t) for t in json.loads(result.stdout)]
+    return times
+
+
 def worker_costs(samples: int) -> dict[str, float]:
     import numpy as np
     import onnxruntime as ort
@@ -114,22 +154,29 @@ def main() -> None:
                         help="a source tree to build in (repeat); default: this tree")
     parser.add_argument("--runs", type=int, default=5, help="builds per tree (default 5; 0: worker costs only)")
     parser.add_argument("--samples", type=int, default=200, help="run_feeds samples for the per-call cost")
+    parser.add_argument("--in-process", type=int, default=0, metavar="N",
+                        help="also time N builds after a first one in one process, per tree")
     args = parser.parse_args()
     trees = {label: Path(path).resolve() for label, _, path in (t.partition("=") for t in args.tree)} \
         or {"this": ROOT}
     times = build_times(trees, args.runs) if args.runs > 0 else {}
+    resident = in_process_times(trees, args.in_process) if args.in_process > 0 else {}
     costs = worker_costs(args.samples)
     print(f"{'tree':<10} {'median wall s':>14} {'min':>8} {'max':>8} {'median CPU s':>13}")
     for label, values in times.items():
         walls = [w for w, _ in values]
         print(f"{label:<10} {statistics.median(walls):>14.3f} {min(walls):>8.3f} {max(walls):>8.3f} "
               f"{statistics.median(c for _, c in values):>13.3f}")
+    for label, values in resident.items():
+        walls = [w for w, _ in values]
+        print(f"{label:<10} in one process, median wall per build {statistics.median(walls):.3f} s "
+              f"(min {min(walls):.3f}, max {max(walls):.3f}, {len(walls)} builds)")
     print(f"worker cold start (spawn to first answer): {costs['worker_start_ms']:.1f} ms")
     print(f"MobileNet-style sample: run_feeds via worker {costs['run_feeds_ms']:.3f} ms, "
           f"in-process session.run {costs['in_process_run_ms']:.3f} ms")
     print(json.dumps({"build_wall_s": {k: statistics.median(w for w, _ in v) for k, v in times.items()},
                       "build_cpu_s": {k: statistics.median(c for _, c in v) for k, v in times.items()},
-                      "build_runs": times, **costs}))
+                      "build_runs": times, "in_process_runs": resident, **costs}))
 
 
 if __name__ == "__main__":
