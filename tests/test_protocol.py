@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from edgepack_core.protocol.commands import (
     CommandBuildError,
     Rejection,
     build_command,
+    check_command,
     encode_command,
     parse_command,
 )
@@ -140,6 +142,7 @@ def test_a_built_deploy_parses_back_to_the_same_command():
     assert isinstance(parsed, Command)
     assert (parsed.id, parsed.type, parsed.body, parsed.target) == (command["id"], "deploy", command,
                                                                      {"device": "pi-07"})
+    assert parsed.expires_at == command["expires_at"] == NOW + 3600
 
 
 @pytest.mark.parametrize(("kind", "fields"), [("ping", {}), ("get-state", {}), ("rollback", {}),
@@ -168,6 +171,48 @@ def test_the_host_cannot_build_a_command_the_device_would_reject(call, path):
     with pytest.raises(CommandBuildError) as caught:
         call()
     assert path in caught.value.path or path in str(caught.value)
+
+
+def test_build_refusals_name_the_field_and_the_rule():
+    with pytest.raises(CommandBuildError) as caught:
+        build_command("ping", now=NOW)
+    assert (caught.value.path, caught.value.problem) == ("target", "a command goes to exactly one device or one group")
+    with pytest.raises(CommandBuildError) as caught:
+        build_command("ping", device="a", now=NOW, ttl_s=-1)
+    assert (caught.value.path, caught.value.problem) == ("expires_at",
+                                                         f"lifetime -1 s is outside (0, {MAX_LIFETIME_S}]")
+    for artifact in ({}, {"url": "http://h/a", **_XFER}):
+        with pytest.raises(CommandBuildError) as caught:
+            _deploy(artifact=artifact)
+        assert (caught.value.path, caught.value.problem) == ("artifact", "needs exactly one of url or xfer")
+    with pytest.raises(CommandBuildError) as caught:
+        build_command("t" * 50, device="a", now=NOW)
+    assert caught.value.problem.startswith(f"unknown command type {'t' * 40!r} (known: deploy, ")
+
+
+def test_check_command_refuses_a_document_that_is_not_an_object():
+    with pytest.raises(SchemaError) as caught:
+        check_command(["ping"], NOW)
+    assert caught.value.path == "type" and "None" in caught.value.problem
+
+
+def test_build_times_are_rounded_to_milliseconds_and_default_to_now():
+    command = build_command("ping", device="a", now=NOW + 0.1234567, ttl_s=0.5)
+    assert command["issued_at"] == round(NOW + 0.1234567, 3)
+    assert command["expires_at"] == round(NOW + 0.6234567, 3)
+    before = time.time()
+    fresh = build_command("ping", device="a")
+    assert round(before, 3) <= fresh["issued_at"] <= time.time() + 0.001
+
+
+def test_expiry_refusals_name_expires_at():
+    late = build_command("ping", device="a", now=NOW, ttl_s=10)
+    parsed = parse_command(_raw(late), NOW + 20)
+    assert parsed.reason == f"expires_at: command expired at {NOW + 10:.0f} (now {NOW + 20:.0f})"
+    early = {**late, "expires_at": NOW + MAX_LIFETIME_S + 5}
+    parsed = parse_command(_raw(early), NOW)
+    assert parsed.reason == f"expires_at: {NOW + MAX_LIFETIME_S + 5:.0f} is more than {MAX_LIFETIME_S} s ahead " \
+                            f"(now {NOW:.0f})"
 
 
 def test_a_ttl_at_the_lifetime_limit_builds_and_parses():
@@ -243,9 +288,69 @@ def test_deeply_nested_command_is_rejected_not_raised():
     assert isinstance(parsed, Rejection) and parsed.id is None
 
 
-def test_command_with_a_newline_smuggled_into_the_url_is_rejected():
-    parsed = parse_command(_raw(_deploy(artifact={"url": "http://h/a"}) | {"artifact": {"url": "http://h/a\n"}}), NOW)
-    assert isinstance(parsed, Rejection) and "artifact.url" in parsed.reason
+def _with(document: dict, path: str, value: object) -> dict:
+    """A deep copy of ``document`` with the value at dotted ``path`` replaced."""
+    copy = json.loads(json.dumps(document))
+    *parents, last = path.split(".")
+    node = copy
+    for key in parents:
+        node = node[key]
+    node[last] = value
+    return copy
+
+
+_XFER = {"xfer": {"id": "t-1", "chunk_size": 4096, "chunks": 3}}
+
+
+@pytest.mark.parametrize(("path", "base"), [
+    ("id", "deploy"), ("target.device", "deploy"), ("name", "deploy"), ("version", "deploy"), ("sha256", "deploy"),
+    ("artifact.url", "deploy"), ("artifact.xfer.id", "xfer"), ("target.group", "group"), ("job", "cancel"),
+])
+def test_control_character_smuggled_into_a_field_is_rejected(path, base):
+    """A Python ``$`` matches before a trailing newline: "id\n" would pass a schema pattern."""
+    if base == "deploy":
+        document = _deploy()
+    elif base == "xfer":
+        document = _deploy(artifact=_XFER)
+    elif base == "group":
+        document = build_command("ping", group="kitchen", now=NOW)
+    else:
+        document = build_command("cancel", device="pi-07", job="deploy-1", now=NOW)
+    original = document
+    for key in path.split("."):
+        original = original[key]
+    parsed = parse_command(_raw(_with(document, path, original + "\n")), NOW)
+    assert isinstance(parsed, Rejection)
+    assert parsed.reason == f"{path}: holds a control character"
+    assert parsed.ref == (document["id"] if path != "id" else ids.digest_ref(document["id"] + "\n"))
+
+
+def test_non_finite_value_deep_in_a_command_is_refused_naming_its_path():
+    with pytest.raises(CommandBuildError) as caught:
+        _deploy(artifact={"xfer": {"id": "t-1", "chunk_size": 4096, "chunks": float("nan")}})
+    assert caught.value.path == "artifact.xfer.chunks" and "not a finite number" in caught.value.problem
+
+
+def test_rejection_reasons_and_refs_are_exact():
+    big = b"{" + b" " * MAX_COMMAND_BYTES + b"}"
+    cases = [
+        (big, None, f"command of {len(big)} bytes is over the limit of {MAX_COMMAND_BYTES}",
+         ids.digest_ref(big[:4096].hex())),
+        (b"{nope", None, "command is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 "
+         "(char 1)", ids.digest_ref(b"{nope".hex())),
+        (b"[1]", None, "command is not a JSON object", ids.digest_ref(b"[1]".hex())),
+        (b"[" * 100_00, None, "command is not JSON: nested too deeply", ids.digest_ref((b"[" * 100_00).hex())),
+        (_raw({"id": "c-9", "type": "format-disk"}), "c-9",
+         "type: unknown command type 'format-disk' (known: deploy, rollback, cancel, ping, get-state, "
+         "set-telemetry-interval)", "c-9"),
+        (_raw({"id": 5, "type": "ping"}), None, "type", ids.digest_ref(_raw({"id": 5, "type": "ping"}).hex())),
+    ]
+    for payload, command_id, reason, ref in cases:
+        parsed = parse_command(payload, NOW)
+        assert isinstance(parsed, Rejection), payload[:40]
+        assert (parsed.id, parsed.ref) == (command_id, ref), payload[:40]
+        assert parsed.reason == reason or (reason == "type" and parsed.reason.startswith("edgepack.cmd/1: ")), \
+            parsed.reason
 
 
 def test_rejection_reason_echoes_at_most_a_bounded_amount():

@@ -42,8 +42,9 @@ def test_canary_share_out_of_range_is_refused(percent):
 
 
 def test_empty_target_list_is_refused():
-    with pytest.raises(RolloutError, match="no target"):
+    with pytest.raises(RolloutError) as caught:
         plan_waves([], None)
+    assert str(caught.value) == "no target device to deploy to"
 
 
 # ------------------------------------------------------------------ JobBoard
@@ -59,8 +60,28 @@ def test_board_folds_events_of_its_command_from_its_devices_only():
     assert not board.fold("a", _event(state=7))            # wrong types are ignored, not raised
     assert not board.fold("a", _event(final="yes"))
     assert not board.fold("a", _event(state="x" * 33))
+    assert not board.fold("a", _event(state=""))
+    assert not board.fold("a", {"job": "c-1", "state": "active"})  # no final: not a job event
     assert board.jobs["a"].state == "downloading" and not board.jobs["a"].final
     assert board.jobs["b"].state == "sent"
+
+
+@pytest.mark.parametrize("state", ["x", "s" * 32])
+def test_state_length_boundaries_are_accepted(state):
+    board = JobBoard("c-1", ["a"])
+    event = _event(state=state, final=False, reason="r")
+    assert board.fold("a", event)
+    assert (board.jobs["a"].state, board.jobs["a"].events) == (state, [event])
+
+
+@pytest.mark.parametrize("reason", [None, 5, ["x"]])
+def test_missing_or_non_text_reason_reads_as_empty(reason):
+    board = JobBoard("c-1", ["a"])
+    event = {"job": "c-1", "state": "failed", "final": True}
+    if reason is not None:
+        event["reason"] = reason
+    assert board.fold("a", event)
+    assert board.jobs["a"].reason == ""
 
 
 def test_a_final_state_is_kept_against_later_duplicates():
@@ -87,6 +108,9 @@ def test_finished_and_all_active():
     board.fold("b", _event())
     assert all_active(board.jobs)
     assert not all_active({})
+    failed = JobBoard("c-1", ["a"])
+    failed.fold("a", _event(state="failed"))
+    assert not all_active(failed.jobs)
 
 
 # ------------------------------------------------------------------ wave_verdict
@@ -108,6 +132,8 @@ def test_one_failure_fails_the_wave_without_waiting_for_the_others():
     verdict = wave_verdict(board, ["a", "b", "c"], timed_out=False)
     assert (verdict.outcome, verdict.failed, verdict.timed_out) == ("failed", ("b",), False)
     assert verdict.reason == "b: rolled_back (error rate)"
+    board.fold("c", _event(state="failed", reason="smoke"))
+    assert wave_verdict(board, ["a", "b", "c"], timed_out=False).reason == "b, c: rolled_back (error rate)"
 
 
 def test_timeout_fails_the_wave_naming_the_silent_devices():
@@ -115,7 +141,9 @@ def test_timeout_fails_the_wave_naming_the_silent_devices():
     board.fold("a", _event())
     verdict = wave_verdict(board, ["a", "b"], timed_out=True)
     assert (verdict.outcome, verdict.failed, verdict.timed_out) == ("failed", ("b",), True)
-    assert "b" in verdict.reason
+    assert verdict.reason == "no final answer from b"
+    three = JobBoard("c-1", ["a", "b", "c"])
+    assert wave_verdict(three, ["a", "b", "c"], timed_out=True).reason == "no final answer from a, b, c"
     board.fold("b", _event())
     assert wave_verdict(board, ["a", "b"], timed_out=True).outcome == "passed"  # all in: time does not matter
 

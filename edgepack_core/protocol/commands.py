@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgepack_core.errors import SchemaError
-from edgepack_core.protocol.ids import digest_ref, is_valid_id, safe_id, validate_id
+from edgepack_core.protocol.ids import digest_ref, is_valid_id, safe_id
 from edgepack_core.protocol.payloads import CMD_SCHEMA_ID, validate_payload
-from edgepack_core.versions import VERSION_PATTERN
 
 MAX_COMMAND_BYTES = 64 * 1024
 MAX_LIFETIME_S = 7 * 24 * 3600
@@ -36,8 +35,7 @@ MAX_REASON_CHARS = 300
 COMMAND_TYPES = ("deploy", "rollback", "cancel", "ping", "get-state", "set-telemetry-interval")
 READ_ONLY_TYPES = ("ping", "get-state")
 
-_URL = re.compile(r"https?://[\x21-\x7e]+")
-_VERSION = re.compile(VERSION_PATTERN)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -59,16 +57,13 @@ class Command:
 @dataclass(frozen=True)
 class Rejection:
     """A command that cannot be run. ``id`` is the command's own id only when it passed
-    :func:`validate_id`; otherwise None, and :attr:`ref` names the command by a hash."""
+    :func:`~edgepack_core.protocol.ids.validate_id`, else None; ``ref`` always names the
+    command safely (as a topic level or a file name): the id, or ``rejected-<hash>`` of the
+    raw id (or of the whole payload when there is no string id)."""
 
     id: str | None
     reason: str
-    digest: str = ""
-
-    @property
-    def ref(self) -> str:
-        """A name that is always safe as a topic level or a file name."""
-        return self.id if self.id is not None else (self.digest or digest_ref(self.reason))
+    ref: str
 
 
 class CommandBuildError(SchemaError):
@@ -130,33 +125,17 @@ def encode_command(command: Mapping[str, Any]) -> bytes:
 # --------------------------------------------------------------------------- checking (both)
 
 
-def _check_strings(document: Mapping[str, Any]) -> None:
-    """What the JSON Schema patterns cannot say exactly (a Python ``$`` also matches before a
-    trailing newline): ids, the URL and the version matched over the whole string."""
-    validate_id(document["id"], "id")
-    target = document.get("target") or {}
-    for key in ("device", "group"):
-        if key in target:
-            validate_id(target[key], f"target.{key}")
-    for key in ("name", "job"):
-        if key in document:
-            validate_id(document[key], key)
-    artifact = document.get("artifact") or {}
-    if "xfer" in artifact:
-        validate_id(artifact["xfer"]["id"], "artifact.xfer.id")
-    if "url" in artifact and not _URL.fullmatch(artifact["url"]):
-        raise SchemaError("artifact.url", "must be an http(s) URL of printable ASCII without spaces")
-    if "version" in document and not _VERSION.fullmatch(document["version"]):
-        raise SchemaError("version", "is not a semantic version")
-
-
-def _check_finite(value: Any, path: str) -> None:
-    """NaN passes every minimum and maximum; infinity has no JSON spelling. Refuse both."""
+def _check_values(value: Any, path: str) -> None:
+    """What the JSON Schema cannot say, for every value at any depth: numbers are finite (NaN
+    passes every minimum and maximum) and strings hold no control character (a Python ``$``
+    in a schema pattern also matches before a trailing newline, so ``"id\\n"`` would pass)."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise SchemaError(path or "command", f"{value} is not a finite number")
+        raise SchemaError(path, f"{value} is not a finite number")
+    if isinstance(value, str) and _CONTROL.search(value):
+        raise SchemaError(path, "holds a control character")
     if isinstance(value, dict):
         for key, item in value.items():
-            _check_finite(item, f"{path}.{key}" if path else str(key))
+            _check_values(item, f"{path}.{key}" if path else str(key))
 
 
 def check_command(document: Any, now: float) -> None:
@@ -164,12 +143,12 @@ def check_command(document: Any, now: float) -> None:
     if not isinstance(document, dict) or document.get("type") not in COMMAND_TYPES:
         shown = str(document.get("type") if isinstance(document, dict) else None)[:40]
         raise SchemaError("type", f"unknown command type {shown!r} (known: {', '.join(COMMAND_TYPES)})")
-    _check_finite(document, "")
+    for key, value in document.items():
+        _check_values(value, key)
     artifact = document.get("artifact")
     if isinstance(artifact, dict) and ("url" in artifact) == ("xfer" in artifact):
         raise SchemaError("artifact", "needs exactly one of url or xfer")
     validate_payload("cmd", document)
-    _check_strings(document)
     expires_at = float(document["expires_at"])
     if expires_at < now:
         raise SchemaError("expires_at", f"command expired at {expires_at:.0f} (now {now:.0f})")
@@ -196,25 +175,26 @@ def _short(reason: str) -> str:
     return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
 
 
+def _rejection(command_id: str | None, reason: str, raw: str) -> Rejection:
+    return Rejection(command_id, _short(reason), command_id if command_id is not None else digest_ref(raw))
+
+
 def parse_command(payload: bytes, now: float) -> Command | Rejection:
     """Decode and validate a command payload. Never raises."""
     if len(payload) > MAX_COMMAND_BYTES:
-        return Rejection(None, f"command of {len(payload)} bytes is over the limit of {MAX_COMMAND_BYTES}",
-                         digest_ref(payload[:4096].hex()))
+        return _rejection(None, f"command of {len(payload)} bytes is over the limit of {MAX_COMMAND_BYTES}",
+                          payload[:4096].hex())
     try:
         document = _decode(payload)
     except (UnicodeDecodeError, ValueError) as err:
-        return Rejection(None, _short(f"command is not JSON: {err}"), digest_ref(payload.hex()))
+        return _rejection(None, f"command is not JSON: {err}", payload.hex())
     if not isinstance(document, dict):
-        return Rejection(None, "command is not a JSON object", digest_ref(payload.hex()))
+        return _rejection(None, "command is not a JSON object", payload.hex())
     raw_id = document.get("id")
     command_id = raw_id if is_valid_id(raw_id) else None
-    digest = "" if command_id is not None else digest_ref(raw_id if isinstance(raw_id, str) else payload.hex())
-    if document.get("type") not in COMMAND_TYPES:
-        shown = str(document.get("type"))[:40]
-        return Rejection(command_id, f"unknown command type {shown!r}", digest)
+    raw = raw_id if isinstance(raw_id, str) else payload.hex()
     try:
         check_command(document, now)
     except SchemaError as err:
-        return Rejection(command_id, _short(str(err)), digest)
+        return _rejection(command_id, str(err), raw)
     return Command(document["id"], document["type"], float(document["expires_at"]), document)

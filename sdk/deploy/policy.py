@@ -71,11 +71,13 @@ class JobBoard:
         self.jobs: dict[str, DeviceJob] = {device: DeviceJob(device) for device in devices}
 
     def fold(self, device: str | None, event: Any) -> bool:
-        """Take one event from ``device``; True if it was for this rollout and was recorded."""
-        job = self.jobs.get(device) if device is not None else None
+        """Take one event from ``device``; True if it was for this rollout and was recorded.
+        ``state`` (1 to 32 characters) and ``final`` (a boolean) are required, as in the job
+        schema; a missing or non-text ``reason`` reads as empty."""
+        job = self.jobs.get(device)  # type: ignore[arg-type]
         if job is None or not isinstance(event, Mapping) or event.get("job") != self.command_id:
             return False
-        state, final, reason = event.get("state"), event.get("final", False), event.get("reason", "")
+        state, final, reason = event.get("state"), event.get("final"), event.get("reason")
         if not isinstance(state, str) or not 0 < len(state) <= MAX_STATE_CHARS or not isinstance(final, bool):
             return False
         if len(job.events) < MAX_EVENTS_PER_DEVICE:
