@@ -113,7 +113,7 @@ class MemberHeader:
 def _octal(field: bytes, what: str) -> int:
     if field[:1] in (b"\x80", b"\xff"):
         raise ArtifactError(f"tar header {what} is a base-256 number (not accepted)")
-    text = field.split(b"\0", 1)[0].strip(b" ")
+    text = field.partition(b"\0")[0].strip(b" ")
     if text.strip(b"01234567"):
         raise ArtifactError(f"tar header {what} is not an octal number")
     return int(text, 8) if text else 0
@@ -121,7 +121,7 @@ def _octal(field: bytes, what: str) -> int:
 
 def _text(raw: bytes, what: str) -> str:
     try:
-        return raw.decode("utf-8")
+        return raw.decode()
     except UnicodeDecodeError:
         raise UnsafeMemberError(repr(raw)[:80], f"{what} is not UTF-8") from None
 
@@ -136,11 +136,11 @@ def parse_header(block: bytes) -> MemberHeader:
     checksum = _octal(block[148:156], "checksum")
     if checksum != sum(block[:148]) + 8 * 0x20 + sum(block[156:]):
         raise ArtifactError("tar header checksum mismatch")
-    name = block[0:100].split(b"\0", 1)[0]
-    prefix = block[345:500].split(b"\0", 1)[0] if magic == _MAGICS[0] else b""
+    name = block[0:100].partition(b"\0")[0]
+    prefix = block[345:500].partition(b"\0")[0] if magic == _MAGICS[0] else b""
     if prefix:
         name = prefix + b"/" + name
-    linkname = block[157:257].split(b"\0", 1)[0]
+    linkname = block[157:257].partition(b"\0")[0]
     return MemberHeader(_text(name, "name"), _octal(block[124:136], "size"), block[156:157],
                         _text(linkname, "link name"))
 
@@ -168,9 +168,9 @@ def parse_pax_records(data: bytes) -> dict[str, str]:
 def extended_fields(kind: bytes, data: bytes) -> dict[str, Any]:
     """The member fields a PAX or GNU long-name/long-link header overrides. Pure."""
     if kind == GNU_LONGNAME_TYPE:
-        return {"name": _text(data.split(b"\0", 1)[0], "name")}
+        return {"name": _text(data.partition(b"\0")[0], "name")}
     if kind == GNU_LONGLINK_TYPE:
-        return {"linkname": _text(data.split(b"\0", 1)[0], "link name")}
+        return {"linkname": _text(data.partition(b"\0")[0], "link name")}
     records = parse_pax_records(data)
     fields: dict[str, Any] = {}
     if "path" in records:
@@ -191,7 +191,7 @@ def check_extended_header(header: MemberHeader, seen_kinds: set[bytes]) -> None:
     headers here rather than with ``tarfile``.
     """
     if header.size > MAX_EXTENDED_HEADER_BYTES:
-        raise LimitExceededError(f"extended tar header ({header.type.decode('ascii', 'replace')})", header.size,
+        raise LimitExceededError(f"extended tar header ({chr(header.type[0])})", header.size,
                                  MAX_EXTENDED_HEADER_BYTES)
     if header.type in seen_kinds:
         raise UnsafeMemberError(header.name, "repeated extended header for one member")
@@ -207,7 +207,8 @@ def check_member_header(member: MemberHeader, expected: Manifest, seen: set[str]
         raise UnsafeMemberError(name, "device or fifo member")
     if member.type not in REGULAR_TYPES:
         raise UnsafeMemberError(name, "not a regular file")
-    if name.startswith("/") or "\\" in name or any(part in ("..", ".", "") for part in name.split("/")):
+    # A leading "/" shows up as an empty first part.
+    if "\\" in name or any(part in ("..", ".", "") for part in name.split("/")):
         raise UnsafeMemberError(name, "absolute path or path traversal")
     if name in seen or name in (MANIFEST_NAME, SIGNATURE_NAME):
         raise UnsafeMemberError(name, "duplicate member name")

@@ -512,6 +512,8 @@ def test_octal_fields_read_digits_up_to_the_first_nul():
     assert _octal(b"\0" * 12, "size") == 0
     assert _octal(b"777777777777", "size") == 0o777777777777
     assert _message(_octal, b"\t17\0", "size") == "tar header size is not an octal number"
+    assert _message(_octal, b"X17\0", "size") == "tar header size is not an octal number"
+    assert _message(_octal, b"1X\0", "size") == "tar header size is not an octal number"
     assert _message(_octal, b"18\0", "mode") == "tar header mode is not an octal number"
     assert _message(_octal, b"\x80" + bytes(11), "size") == "tar header size is a base-256 number (not accepted)"
     assert _message(_octal, b"\xff" * 12, "size") == "tar header size is a base-256 number (not accepted)"
@@ -608,7 +610,7 @@ def test_extended_header_refusals_exactly():
         f"extended tar header (x) is {MAX_EXTENDED_HEADER_BYTES + 1} bytes or more, over the limit of "
         f"{MAX_EXTENDED_HEADER_BYTES}")
     odd = MemberHeader("h", MAX_EXTENDED_HEADER_BYTES + 1, b"\xff")
-    assert _message(check_extended_header, odd, set()).startswith("extended tar header (\ufffd) is ")
+    assert _message(check_extended_header, odd, set()).startswith("extended tar header (\xff) is ")
     assert _message(check_extended_header, MemberHeader("h", 1, b"L"), {b"L"}) == (
         "unsafe member 'h': repeated extended header for one member")
     check_extended_header(MemberHeader("h", 1, b"L"), {b"x"})
@@ -643,3 +645,80 @@ def test_member_header_refusals_exactly(name, kind, size, expected):
 def test_total_refusal_exactly():
     assert _message(check_total, 11, Limits(max_total_bytes=10)) == (
         "unpacked artifact is 11 bytes or more, over the limit of 10")
+
+
+def test_checksum_of_eight_digits_and_names_ending_the_field_exactly():
+    block = bytearray(_block("d" * 155 + "/" + "n" * 20, size=1))  # a 155-byte ustar prefix
+    block[500] = ord("z")  # the pad after the prefix field is not part of the name
+    block[148:156] = b" " * 8
+    block[148:156] = b"%08o" % sum(block)  # eight digits, no NUL: all eight are the checksum
+    header = parse_header(bytes(block))
+    assert header.name == "d" * 155 + "/" + "n" * 20
+
+
+def test_link_name_is_read_up_to_its_nul_only():
+    header = parse_header(_block("assets/a.txt", tarfile.SYMTYPE, linkname="dir/target file"))
+    assert header == MemberHeader("assets/a.txt", 0, b"2", "dir/target file")
+
+
+def test_pax_length_is_the_text_before_the_first_space():
+    assert parse_pax_records(_record("a", "b c d e f g h")) == {"a": "b c d e f g h"}
+
+
+# --------------------------------------------------------------------------- signature document rules, exactly
+
+import base64  # noqa: E402
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
+
+from edgepack_core.signing import MAX_SIGNATURE_BYTES, SigningKey  # noqa: E402
+
+FIXED = SigningKey(Ed25519PrivateKey.from_private_bytes(bytes(range(32))))
+
+
+def _verify_message(signature: bytes | None, data: bytes = b"manifest") -> str:
+    with pytest.raises(SignatureError) as info:
+        TrustStore([FIXED.private.public_key()]).verify(data, signature)
+    return str(info.value)
+
+
+def _doc(*entries) -> bytes:
+    return json.dumps({"schema": "edgepack.sig/1", "signatures": list(entries)}).encode()
+
+
+def test_signature_document_layout_is_fixed():
+    text = signature_document(b"manifest", [FIXED]).decode("utf-8")
+    lines = text.split("\n")
+    assert lines[0] == "{" and lines[1].startswith(' "schema": ') and lines[2] == ' "signatures": ['
+    assert lines[4] == '   "algorithm": "ed25519",' and lines[5].startswith('   "key_id": "')
+    assert text.endswith("}\n") and not text.endswith("}\n\n")
+    with pytest.raises(ValueError, match=r"^at least one signing key is required$"):
+        signature_document(b"manifest", [])
+
+
+def test_signature_refusals_say_what_is_wrong():
+    good = json.loads(signature_document(b"manifest", [FIXED]))["signatures"][0]
+    with pytest.raises(MissingSignatureError, match=r"^manifest\.sig is missing: the artifact is unsigned$"):
+        TrustStore([FIXED.private.public_key()]).verify(b"manifest", None)
+    assert _verify_message(b"x" * (MAX_SIGNATURE_BYTES + 1)) == "manifest.sig is too large"
+    assert _verify_message(b"\xff").startswith("manifest.sig is not valid JSON: ")
+    assert _verify_message(b"[]") == "manifest.sig schema is not edgepack.sig/1"
+    assert _verify_message(b'{"schema": "other"}') == "manifest.sig schema is not edgepack.sig/1"
+    assert _verify_message(_doc()) == "manifest.sig holds no signatures"
+    assert _verify_message(b'{"schema": "edgepack.sig/1", "signatures": {"a": 1}}') == \
+        "manifest.sig holds no signatures"
+    assert _verify_message(_doc(7)) == "manifest.sig entry is not an object"
+    assert _verify_message(_doc({"key_id": good["key_id"]})) == \
+        "manifest.sig entry needs key_id and signature strings"
+    assert _verify_message(_doc({"signature": good["signature"]})) == \
+        "manifest.sig entry needs key_id and signature strings"
+    assert _verify_message(_doc({**good, "signature": "!" + good["signature"]})) == \
+        f"signature by trusted key {good['key_id']} does not match manifest.json (manifest changed?)"
+
+
+def test_signature_document_at_the_size_limit_is_read():
+    document = signature_document(b"manifest", [FIXED])
+    padded = document + b" " * (MAX_SIGNATURE_BYTES - len(document))
+    assert len(padded) == MAX_SIGNATURE_BYTES
+    assert TrustStore([FIXED.private.public_key()]).verify(b"manifest", padded) == FIXED.key_id
+    assert base64.b64decode(json.loads(document)["signatures"][0]["signature"], validate=True)

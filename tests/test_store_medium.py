@@ -309,3 +309,26 @@ def test_journal_counts_the_attempts_of_a_job(tmp_path):
                           verify_started=True)
     journal.save(verifying)
     assert J.on_restart(journal.get("deploy-1"), active_is_job_version=False, now=6.0) == J.FAIL
+
+
+def test_parse_state_refusals_exactly():
+    from device_agent.store import MAX_STATE_BYTES
+
+    big = b'{"active": null, "previous": null}'
+    exact = big + b" " * (MAX_STATE_BYTES - len(big))
+    assert parse_state(exact) == ({"active": None, "previous": None}, None)
+    assert parse_state(exact + b" ")[1] == f"state.json is larger than {MAX_STATE_BYTES} bytes"
+    assert parse_state(b" \n")[1] == "state.json is empty"
+    assert parse_state(b"x")[1] == "state.json is not JSON"
+    assert parse_state(b"[]")[1] == "state.json holds a list, not an object"
+    long_name = "a/" + "b" * 100
+    assert parse_state(json.dumps({"previous": long_name}).encode())[1] == (
+        f"state.json: previous {long_name[:80]!r} is not a model directory name")
+
+
+def test_entry_names_boundaries():
+    from device_agent.store import is_entry_name
+
+    assert is_entry_name("a") and is_entry_name("a" * 255)
+    for bad in ("", "a" * 256, "a\\b", "a\0b", "a/b", ".a", 7, None):
+        assert not is_entry_name(bad), bad
