@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -40,8 +41,8 @@ def table(rows: Sequence[PartCount]) -> str:
 
 
 def markdown(rows: Sequence[PartCount], groups: Sequence[Category], ort_groups: Sequence[Category],
-             command: str, seconds: float) -> str:
-    out = [f"Command: `{command}` ({seconds:.0f} s)", "", "```", table(rows), "```", "",
+             command: str, seconds: float, cpu: float) -> str:
+    out = [f"Command: `{command}` ({seconds:.0f} s wall, {cpu:.0f} s CPU)", "", "```", table(rows), "```", "",
            "## Edgepack failures among the tests bare onnxruntime passes", "",
            "| count | category (stage: error, numbers and names blanked) | example | error |",
            "| ---: | --- | --- | --- |"]
@@ -97,11 +98,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif done[0] % 100 == 0 and outcome.backend == "onnxruntime":
             print(f"... {done[0]}/{len(cases)} cases", file=sys.stderr)
 
-    outcomes = run_suite(cases, jobs=args.jobs, data_source=args.data, timeout=args.timeout, progress=progress)
+    workers_cpu: list[float] = []
+    outcomes = run_suite(cases, jobs=args.jobs, data_source=args.data, timeout=args.timeout, progress=progress,
+                         cpu=workers_cpu.append)
     seconds = time.monotonic() - started
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = sum(workers_cpu) + usage.ru_utime + usage.ru_stime
     rows = tally(cases, outcomes)
     print(table(rows))
-    print(f"{seconds:.0f} s, {args.jobs} jobs; onnxruntime {dict(status_counts(outcomes, 'onnxruntime'))}, "
+    print(f"{seconds:.0f} s wall, {cpu:.0f} s CPU (workers and this process), {args.jobs} jobs; "
+          f"onnxruntime {dict(status_counts(outcomes, 'onnxruntime'))}, "
           f"edgepack {dict(status_counts(outcomes, 'edgepack'))}")
     groups = categories(outcomes, "edgepack")
     for group in groups[:15]:
@@ -109,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m tools.conformance " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.markdown:
         args.markdown.write_text(markdown(rows, groups, categories(outcomes, "onnxruntime"), command.strip(),
-                                          seconds))
+                                          seconds, cpu))
     if args.json:
         args.json.write_text(json.dumps([o.to_json() for o in outcomes], indent=1) + "\n")
     return 0 if rows[-1].rate >= args.gate else 1

@@ -102,6 +102,10 @@ class Workspace:
 
     root: Path
     data_source: str = "test_data"
+    # The running test's expected outputs (graph output order), set by the driver before each
+    # case: onnx's runner gives a backend only the inputs, but a user's test data sets carry
+    # outputs too, and the build checks them (output_N.pb in the test_data source).
+    expected: list[np.ndarray] | None = None
     _counter: Iterator[int] = field(default_factory=itertools.count)
     _private: Path | None = None
     _trust: Any = None
@@ -142,19 +146,27 @@ def _string_safe(array: np.ndarray) -> np.ndarray:
     return array.astype(str) if array.dtype == object else array
 
 
-def write_test_data(folder: Path, names: Sequence[str], inputs: Sequence[np.ndarray]) -> None:
-    """Write one ONNX test data set (``test_data_set_0/input_N.pb``), the onnxruntime layout."""
+def write_test_data(folder: Path, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray] | None = None
+                    ) -> None:
+    """Write one ONNX test data set (``test_data_set_0/input_N.pb`` and ``output_N.pb``, each
+    tensor named after its model input or output), the layout of onnxruntime's test runner."""
     data_set = folder / "test_data_set_0"
     data_set.mkdir(parents=True)
-    for n, (name, value) in enumerate(zip(names, inputs, strict=True)):
-        tensor = numpy_helper.from_array(np.asarray(value), name)
-        (data_set / f"input_{n}.pb").write_bytes(tensor.SerializeToString())
+    for kind, tensors in (("input", inputs), ("output", outputs or {})):
+        for n, (name, value) in enumerate(tensors.items()):
+            tensor = numpy_helper.from_array(np.asarray(value), name)
+            (data_set / f"{kind}_{n}.pb").write_bytes(tensor.SerializeToString())
 
 
-def minimal_recipe(model: str, source: dict[str, Any]) -> dict[str, Any]:
+def non_finite(value: np.ndarray) -> bool:
+    return np.asarray(value).dtype.kind == "f" and not np.isfinite(value).all()
+
+
+def minimal_recipe(model: str, source: dict[str, Any], non_finite_inputs: Sequence[str] = ()) -> dict[str, Any]:
     """The recipe an ML engineer with one model and one sample would write: raw outputs, default
-    optimization, no quantization, the sample as validation and golden data."""
-    return {
+    optimization, no quantization, the sample as validation and golden data; an input whose
+    sample holds NaN/inf is declared to take them (``allow_non_finite``), as its owner would."""
+    document: dict[str, Any] = {
         "name": "conformance",
         "version": "1.0.0",
         "model": {"path": model},
@@ -162,6 +174,9 @@ def minimal_recipe(model: str, source: dict[str, Any]) -> dict[str, Any]:
         "validate": {"data": dict(source)},
         "golden": {"data": dict(source)},
     }
+    if non_finite_inputs:
+        document["inputs"] = {name: {"allow_non_finite": True} for name in non_finite_inputs}
+    return document
 
 
 def recipe_from_document(document: dict[str, Any], base_dir: Path) -> Any:
@@ -187,7 +202,9 @@ class EdgepackRep(BackendRep):
         if self.workspace.data_source == "npz":
             np.savez(case / "data.npz", **{n: _string_safe(np.asarray(v)) for n, v in zip(names, inputs, strict=True)})
             return {"npz": "data.npz"}
-        write_test_data(case / "data", names, inputs)
+        expected = self.workspace.expected
+        outputs = dict(zip(self.output_names, expected, strict=True)) if expected is not None else None
+        write_test_data(case / "data", dict(zip(names, inputs, strict=True)), outputs)
         return {"test_data": "data"}
 
     def _build_and_load(self, inputs: Sequence[np.ndarray]) -> None:
@@ -201,7 +218,8 @@ class EdgepackRep(BackendRep):
         onnx.save(self.model, str(case / "model.onnx"))
         source = self._data_source(case, names, inputs)
         with stage("build"):
-            recipe = recipe_from_document(minimal_recipe("model.onnx", source), case)
+            declared = [n for n, v in zip(names, inputs, strict=True) if non_finite(v)]
+            recipe = recipe_from_document(minimal_recipe("model.onnx", source, declared), case)
             build(recipe, key_paths=[str(private)], output=case / "model.edgepkg")
         with stage("verify"):
             verified = extract_artifact(case / "model.edgepkg", case / "installed", trust)

@@ -20,6 +20,7 @@ import functools
 import multiprocessing
 import os
 import re
+import resource
 import shutil
 import signal
 import tempfile
@@ -33,7 +34,9 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from tools.conformance.backends import BareOrtBackend, StageFailure, Workspace, edgepack_backend
 
@@ -113,6 +116,35 @@ def runner_classes(backend: type[onnx.backend.base.Backend]) -> dict[str, type[u
         warnings.simplefilter("ignore", RuntimeWarning)
         runner = onnx.backend.test.BackendTest(backend, __name__)
     return {name.removeprefix("OnnxBackend").removesuffix("Test"): cls for name, cls in runner.test_cases.items()}
+
+
+@functools.cache
+def _runner_tests() -> dict[tuple[str, str], Any]:
+    """The runner's test cases by (category, test method name)."""
+    from onnx.backend.test.loader import load_model_tests
+
+    index = {}
+    for kind, category, _ in PARTS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            tests = load_model_tests(kind=kind)
+        index.update({(category, f"{test.name}_cpu"): test for test in tests})
+    return index
+
+
+def expected_outputs(category: str, name: str) -> list[np.ndarray] | None:
+    """The expected outputs of a case's first data set, where the runner itself reads them: in
+    memory for node tests, ``test_data_set_0/output_N.pb`` beside the model for the shipped
+    models, and in ``$ONNX_MODELS`` for the light models (written there by the runner's first run)."""
+    test = _runner_tests().get((category, name))
+    if test is None:
+        return None
+    if test.data_sets:
+        return [numpy_helper.to_array(o) if isinstance(o, onnx.TensorProto) else np.asarray(o)
+                for o in test.data_sets[0][1]]
+    folder = Path(test.model_dir or os.path.join(os.environ.get("ONNX_MODELS", ""), test.model_name))
+    files = sorted(folder.glob("test_data_set_0/output_*.pb"), key=lambda p: int(p.stem.rsplit("_", 1)[1]))
+    return [numpy_helper.to_array(onnx.TensorProto.FromString(f.read_bytes())) for f in files] or None
 
 
 # ----------------------------------------------------------------------------- one test
@@ -201,6 +233,7 @@ def _serve(conn: Connection, backends: dict[str, type[onnx.backend.base.Backend]
             category, name = job
             for backend, suite in classes.items():
                 conn.send(("start", backend))  # so the parent knows whom to blame if the process dies
+                _WORKSPACE[-1].expected = expected_outputs(category, name)
                 outcome = run_test(suite[category], name)
                 conn.send((backend, outcome))
                 _WORKSPACE[-1].clear_cases()
@@ -208,7 +241,15 @@ def _serve(conn: Connection, backends: dict[str, type[onnx.backend.base.Backend]
                     break
             conn.send(("done", None))
     finally:
-        _stop_build_worker()
+        _stop_build_worker()  # reaped: its CPU time joins this process's children
+        with contextlib.suppress(OSError):
+            conn.send(("cpu", _cpu_seconds()))
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its reaped children (the packager's onnxruntime worker)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _serve_by_name(conn: Connection, backends: dict[str, type[onnx.backend.base.Backend]] | None, root: Path,
@@ -246,18 +287,24 @@ class _Worker:
     backend: str = ""
     started: float = 0.0
 
-    def stop(self, kill: bool = False) -> None:
+    def stop(self, kill: bool = False) -> float:
+        """Stop the worker; return the CPU seconds it reports (0 when killed)."""
+        cpu = 0.0
         if kill and self.process.is_alive():
             self.process.kill()
         elif self.process.is_alive():
-            with contextlib.suppress(OSError):  # a worker that died just now
+            with contextlib.suppress(OSError, EOFError):  # a worker that died just now
                 self.conn.send(None)
+                if self.conn.poll(60):
+                    kind, value = self.conn.recv()
+                    cpu = float(value) if kind == "cpu" else 0.0
         self.process.join(10)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(10)
         self.conn.close()
         shutil.rmtree(self.root, ignore_errors=True)
+        return cpu
 
 
 class Pool:
@@ -272,6 +319,7 @@ class Pool:
         """``backends``: module-level classes, in order (default DEFAULT_BACKENDS)."""
         self.jobs, self.data_source, self.timeout = jobs, data_source, timeout
         self.backends = backends or DEFAULT_BACKENDS
+        self.cpu_seconds = 0.0  # reported by the workers that stopped normally
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(["tools.conformance.preload"])
 
@@ -301,7 +349,7 @@ class Pool:
                     workers[index] = self._step(worker, worker.conn in ready, report)
         finally:
             for worker in workers:
-                worker.stop()
+                self.cpu_seconds += worker.stop()
 
     def _step(self, worker: _Worker, ready: bool, report: Callable[[Outcome], None]) -> _Worker:
         """Handle one worker's news; return the worker to use from now on (a new one after a death)."""
@@ -338,7 +386,8 @@ class Pool:
 
 def run_suite(cases: Iterable[Case], *, jobs: int = 2, data_source: str = "test_data",
               timeout: float = DEFAULT_TIMEOUT_S, progress: Callable[[Outcome], None] | None = None,
-              backends: dict[str, type[onnx.backend.base.Backend]] | None = None) -> list[Outcome]:
+              backends: dict[str, type[onnx.backend.base.Backend]] | None = None,
+              cpu: Callable[[float], None] | None = None) -> list[Outcome]:
     """Run ``cases`` on both backends; return every outcome (Edgepack only where onnxruntime passed)."""
     outcomes: list[Outcome] = []
 
@@ -347,7 +396,10 @@ def run_suite(cases: Iterable[Case], *, jobs: int = 2, data_source: str = "test_
         if progress is not None:
             progress(outcome)
 
-    Pool(jobs, data_source, timeout, backends).run(cases, report)
+    pool = Pool(jobs, data_source, timeout, backends)
+    pool.run(cases, report)
+    if cpu is not None:
+        cpu(pool.cpu_seconds)
     return outcomes
 
 
