@@ -249,6 +249,16 @@ def test_agent_on_read_only_store_serves_and_says_updates_are_refused(tmp_path, 
         assert observer.wait_for(lambda: any("Read-only file system" in s.get("updates", "")
                                              for s in observer.of("/dev/ro1/state")), timeout=30), \
             "the published state says why updates are refused"
+        # A command that must be recorded (replay ledger, journal) cannot be: its final event names
+        # the cause (the replay ledger refuses it first; the journal would fail it).
+        from edgepack_core.protocol.commands import build_command, encode_command
+
+        command = build_command("set-telemetry-interval", device="ro1", command_id="interval-ro", seconds=5)
+        observer.publish("edgepack/v1/dev/ro1/cmd", encode_command(command))
+        assert observer.wait_for(lambda: any(e.get("final") for e in observer.jobs("ro1", "interval-ro")),
+                                 timeout=30), observer.jobs("ro1")
+        final = next(e for e in observer.jobs("ro1", "interval-ro") if e.get("final"))
+        assert final["state"] in ("failed", "rejected") and "Read-only file system" in final["reason"], final
     finally:
         agent.stop()
         observer.close()
