@@ -281,3 +281,46 @@ def test_a_build_frees_its_sessions_but_keeps_the_worker(tmp_path, keypair):
     assert pid is not None and host.call({"op": "ping"}, model="-", doing="ping")["sessions"] == []
     build(load_recipe(recipe), key_paths=[str(keypair[0])], output=tmp_path / "two.edgepkg")
     assert host.pid == pid  # one worker across builds
+
+
+def stft_inputs_model() -> onnx.ModelProto:
+    """STFT whose frame_step and frame_length are inputs: a feed decides whether it runs,
+    fails (frame_step 0) or kills onnxruntime with SIGFPE (frame_length 0)."""
+    node = helper.make_node("STFT", ["signal", "frame_step", "", "frame_length"], ["out"])
+    graph = helper.make_graph(
+        [node], "stft_inputs",
+        [helper.make_tensor_value_info("signal", TensorProto.FLOAT, [1, 128, 1]),
+         helper.make_tensor_value_info("frame_step", TensorProto.INT64, []),
+         helper.make_tensor_value_info("frame_length", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n", "frames", "bins", "parts"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _stft_feed(step: int, length: int) -> dict[str, np.ndarray]:
+    return {**SIGNAL_FEED, "frame_step": np.array(step, np.int64), "frame_length": np.array(length, np.int64)}
+
+
+def test_the_crash_and_the_error_name_the_sample_that_caused_them():
+    model = stft_inputs_model().SerializeToString()
+    with in_pass("validate", model="stft.onnx"):
+        outputs = run_feeds(model, [_stft_feed(8, 16), _stft_feed(4, 16)])
+        assert [o["out"].shape[1] for o in outputs] == [15, 29]  # (128 - 16) / step + 1 frames
+        with pytest.raises(OrtCrashError, match=r"SIGFPE .* on sample 2 of stft.onnx"):
+            run_feeds(model, [_stft_feed(8, 16), _stft_feed(8, 16), _stft_feed(8, 0), _stft_feed(8, 16)])
+        with pytest.raises(BuildError, match=r"frame_step must be greater than zero\. \[sample 1 of stft.onnx"):
+            run_feeds(model, [_stft_feed(8, 16), _stft_feed(0, 16), _stft_feed(8, 16)])
+
+
+def test_feeds_travel_in_bounded_chunks_numbered_from_their_first_sample(monkeypatch):
+    monkeypatch.setattr(ort_host, "_CHUNK_BYTES", 100)
+    feeds = [{"x": np.zeros(n, np.uint8)} for n in (60, 40, 1, 100, 200, 0)]
+    chunks = list(ort_host._chunks(feeds))
+    assert [(first, [int(f["x"].size) for f in chunk]) for first, chunk in chunks] == [
+        (0, [60, 40]), (2, [1]), (3, [100]), (4, [200]), (5, [0])]
+    assert list(ort_host._chunks([])) == []
+    model = relu_model(2).SerializeToString()
+    many = [{"x": np.array([i, -i], np.float32)} for i in range(30)]  # 8 bytes each: 4 chunks of <= 12
+    monkeypatch.setattr(ort_host, "_CHUNK_BYTES", 96)
+    assert [o["y"].tolist() for o in run_feeds(model, many)] == [[i, 0] for i in range(30)]

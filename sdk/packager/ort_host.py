@@ -183,8 +183,10 @@ class OrtWorker:
             raise OrtCrashError(pass_name, model, doing, self._reap(proc))
         return answer
 
-    def request(self, message: dict[str, Any], *, model: str, doing: str) -> tuple[Any, ...]:
-        """Send one request and return the worker's answer tuple; a death raises OrtCrashError."""
+    def request(self, message: dict[str, Any], *, model: str, doing: str, progress: str = "") -> tuple[Any, ...]:
+        """Send one request and return the worker's answer tuple; a death raises OrtCrashError.
+        ``progress`` (e.g. ``"sample {}"``) names what a ``("progress", n)`` message started,
+        so a crash after it is named by it."""
         pass_name = _PASS.get()
         with self._lock:
             proc = self._process()
@@ -198,6 +200,9 @@ class OrtWorker:
                 except ConnectionError:  # BrokenPipeError: the worker is gone
                     raise OrtCrashError(pass_name, model, doing, self._reap(proc)) from None
                 answer: tuple[Any, ...] = self._receive(proc, pass_name, model, doing)
+                while answer[0] == "progress":
+                    doing = progress.format(answer[1]) if progress else doing
+                    answer = self._receive(proc, pass_name, model, doing)
             except OrtCrashError:
                 raise
             except BaseException:
@@ -208,33 +213,36 @@ class OrtWorker:
                 raise
             return answer
 
-    def call(self, message: dict[str, Any], *, model: str, doing: str) -> Any:
+    def call(self, message: dict[str, Any], *, model: str, doing: str, progress: str = "") -> Any:
         """A request whose error answers become :class:`BuildError` for the current pass."""
-        answer = self.request(message, model=model, doing=doing)
+        answer = self.request(message, model=model, doing=doing, progress=progress)
         if answer[0] == "ok":
             return answer[1]
         if answer[0] == "missing":
             return _MISSING
+        if len(answer) > 3 and progress:
+            doing = progress.format(answer[3])
         raise BuildError(_PASS.get(), f"{answer[2]} [{doing} of {model}]" if answer[1] == "ort" else answer[2])
 
     def session_call(self, model: bytes | str, message: dict[str, Any], *, threads: int = 0, label: str | None,
-                     doing: str, key: str | None = None) -> Any:
+                     doing: str, key: str | None = None, progress: str = "") -> Any:
         """A request on a cached session; loads the model first when the worker lacks it.
         ``key`` (from :func:`model_key`) saves re-hashing a large model on every call."""
         key = key or model_key(model, threads)
         name = _model_label(key, label)
         with self._lock:
-            result = self.call({**message, "key": key}, model=name, doing=doing)
+            result = self.call({**message, "key": key}, model=name, doing=doing, progress=progress)
             if result is _MISSING:
                 source = model if isinstance(model, bytes) else str(Path(model).resolve())
                 self.call({"op": "load", "key": key, "model": source, "threads": threads}, model=name,
                           doing="session creation")
-                result = self.call({**message, "key": key}, model=name, doing=doing)
+                result = self.call({**message, "key": key}, model=name, doing=doing, progress=progress)
             return result
 
 
 _MISSING = object()
 _PIPE_BYTES = 1 << 20
+_CHUNK_BYTES = 64 << 20
 
 
 def _widen_pipe(stream: Any) -> None:
@@ -335,11 +343,27 @@ def run_feeds(model: bytes | str, feeds: Sequence[dict[str, np.ndarray]], *, lab
     host, key = worker(), model_key(model)
     names = [o["name"] for o in describe(model, label=label, key=key).outputs]
     results = []
-    for index, feed in enumerate(feeds):
-        values = host.session_call(model, {"op": "run", "feed": feed}, label=label, doing=f"sample {index}",
-                                   key=key)
-        results.append(dict(zip(names, values, strict=True)))
+    for first, chunk in _chunks(feeds):
+        batch = host.session_call(model, {"op": "run_many", "feeds": chunk, "first": first}, label=label,
+                                  doing=f"sample {first}", progress="sample {}", key=key)
+        results.extend(dict(zip(names, values, strict=True)) for values in batch)
     return results
+
+
+def _chunks(feeds: Sequence[dict[str, np.ndarray]]) -> Iterator[tuple[int, list[dict[str, np.ndarray]]]]:
+    """Feeds in requests of at most ``_CHUNK_BYTES`` (at least one feed each), with the index
+    of each request's first feed: few round trips, and a bounded message size."""
+    chunk: list[dict[str, np.ndarray]] = []
+    first = size = 0
+    for index, feed in enumerate(feeds):
+        nbytes = sum(int(getattr(v, "nbytes", 0)) for v in feed.values())
+        if chunk and size + nbytes > _CHUNK_BYTES:
+            yield first, chunk
+            chunk, first, size = [], index, 0
+        chunk.append(feed)
+        size += nbytes
+    if chunk:
+        yield first, chunk
 
 
 def measure_latency(model: bytes | str, feed: dict[str, np.ndarray], *, runs: int, warmup: int = 3,

@@ -10,7 +10,8 @@ one line, and starts a fresh worker the next time one is needed.
 Protocol (private, parent <-> own child, never a network peer): each message is an 8-byte
 big-endian length followed by a pickle. The parent sends a dict with an ``op``; the worker
 answers ``("ok", value)``, ``("missing",)`` when a session key is not (or no longer) cached,
-or ``("error", kind, message)``. The worker's own stdout is moved to its stderr at start so a
+or ``("error", kind, message[, sample])``, after any number of ``("progress", sample)``
+messages for a request that runs several samples. The worker's own stdout is moved to its stderr at start so a
 stray print from a library can never corrupt the protocol stream.
 
 Sessions are cached by the key the parent computes (sha256 of the model bytes, or path, size
@@ -113,6 +114,7 @@ class Worker:
         self.severity = 2 if verbose else 4
         ort.set_default_logger_severity(self.severity)
         self.sessions: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self.answers: IO[bytes] | None = None  # the answer stream, for progress messages
 
     def handle(self, request: dict[str, Any]) -> tuple[Any, ...]:
         op = request.get("op")
@@ -166,6 +168,23 @@ class Worker:
         except Exception as err:
             return ("error", "ort", f"inference failed: {ort_message(err)}")
         return ("ok", values)
+
+    def op_run_many(self, request: dict[str, Any]) -> tuple[Any, ...]:
+        """Several samples in one request. Before each, a ``("progress", index)`` message tells
+        the parent which sample is running (a crash is named by it) without waiting for the
+        parent: the samples run back to back, whatever the parent's scheduling."""
+        session = self._session(request["key"])
+        names = [o.name for o in session.get_outputs()]
+        results = []
+        for index, feed in enumerate(request["feeds"], start=int(request.get("first", 0))):
+            if self.answers is not None:
+                write_message(self.answers, ("progress", index))
+            simulate_crash_if_testing()
+            try:
+                results.append(session.run(names, feed))
+            except Exception as err:
+                return ("error", "ort", f"inference failed: {ort_message(err)}", index)
+        return ("ok", results)
 
     def op_bench(self, request: dict[str, Any]) -> tuple[Any, ...]:
         """Latencies measured here, next to the session, so the pipe never enters the timing."""
@@ -263,6 +282,7 @@ def serve(verbose: bool, parent: int | None = None) -> int:
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     worker = Worker(verbose)
+    worker.answers = answers
     write_message(answers, ("ok", {"pid": os.getpid(), "onnxruntime": worker.ort.__version__}))
     while True:
         request = read_message(requests)
