@@ -159,16 +159,6 @@ class Worker:
     def op_describe(self, request: dict[str, Any]) -> tuple[Any, ...]:
         return ("ok", _describe(self._session(request["key"])))
 
-    def op_run(self, request: dict[str, Any]) -> tuple[Any, ...]:
-        session = self._session(request["key"])
-        simulate_crash_if_testing()
-        names = [o.name for o in session.get_outputs()]
-        try:
-            values = session.run(names, request["feed"])
-        except Exception as err:
-            return ("error", "ort", f"inference failed: {ort_message(err)}")
-        return ("ok", values)
-
     def op_run_many(self, request: dict[str, Any]) -> tuple[Any, ...]:
         """Several samples in one request. Before each, a ``("progress", index)`` message tells
         the parent which sample is running (a crash is named by it) without waiting for the
