@@ -80,13 +80,16 @@ for name in sys.stdin.buffer.read().decode().split("\0"):
 
 toml_list() { printf '"%s", ' "$@" | sed 's/, $//'; }
 unique_tests=$(printf '%s\n' "${tests[@]}" | sort -u)
+# Tests read data beside the packages (recipes/, schemas/, tools/...): copy every other folder.
+extra_dirs=$(cd "$WORK" && find . -mindepth 1 -maxdepth 1 -type d ! -name edgepack_core ! -name device_agent \
+    ! -name sdk ! -name tests ! -name mutants -printf '%f\n' | sort)
 # shellcheck disable=SC2086
 cat >>"$WORK/pyproject.toml" <<TOML
 
 [tool.mutmut]
 source_paths = ["edgepack_core", "device_agent", "sdk"]
 only_mutate = [$(toml_list "${modules[@]}")]
-also_copy = ["tools", "schemas"]
+also_copy = [$(toml_list $extra_dirs)]
 pytest_add_cli_args = ["-q", "-p", "no:cacheprovider"]
 pytest_add_cli_args_test_selection = [$(toml_list $unique_tests)]
 TOML
