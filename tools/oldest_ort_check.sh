@@ -9,8 +9,8 @@
 # (verification and golden smoke test) and `edgepack-agent predict`, whose outputs must match
 # the same predict on the main venv's onnxruntime (max abs diff <= 1e-4). Finally it builds an
 # artifact that needs a newer onnxruntime (an opset-21 graph) and checks that the old agent
-# refuses it in one line naming both versions. One PASS/FAIL line per check; non-zero exit on
-# any failure.
+# refuses it in one line naming both versions, and that a `.ort` file the packager writes
+# loads there. One PASS/FAIL line per check; non-zero exit on any failure.
 #
 #   bash tools/oldest_ort_check.sh            (CI runs it from .ci/run, after the tests)
 set -euo pipefail
@@ -139,6 +139,40 @@ if [ "$CODE" = 1 ] && [ "$LINES" = 1 ] && grep -q "needs onnxruntime >= 1.18.0, 
   pass "onnxruntime $HAVE refuses an opset-21 artifact in one line: $(cat "$WORK/newer/err")"
 else
   fail "onnxruntime $HAVE on an opset-21 artifact: exit $CODE, stderr:"; sed 's/^/    /' "$WORK/newer/err"
+fi
+
+# 5. The .ort format the packager writes (edgepack_core/ort_compat.py says version 6 files need
+#    1.16): an android artifact's model/model.ort loads and runs on the old onnxruntime.
+mkdir -p "$WORK/ort"
+cp "$WORK/newer/x.npy" "$WORK/ort/x.npy"
+"$PY" - "$WORK/ort" <<'EOF'
+import sys
+from pathlib import Path
+import onnx
+from onnx import TensorProto, helper
+folder = Path(sys.argv[1])
+graph = helper.make_graph([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Softmax", ["r"], ["y"])], "ortfmt",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+model.ir_version = 8
+onnx.save(model, folder / "ortfmt.onnx")
+(folder / "recipe.yaml").write_text("name: ortfmt\nversion: 1.0.0\nmodel: {path: ortfmt.onnx}\n"
+                                    "postprocess: {kind: raw}\nvalidate: {data: synthetic}\n"
+                                    "optimize: {ort_format: true}\ntargets: [android]\n")
+EOF
+run_logged "build ortfmt (.ort format, android)" "$BIN/edgepack" build "$WORK/ort/recipe.yaml" \
+  --key "$WORK/release.key" --output "$WORK/ort/ortfmt.edgepkg"
+(cd "$WORK/ort" && tar xzf ortfmt.edgepkg model/model.ort manifest.json)
+RUN_ORT='import sys, numpy as np, onnxruntime as ort
+s = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+print(np.array2string(s.run(None, {"x": np.load(sys.argv[2])})[0], precision=6))'
+ORT_NEED=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['model']['min_onnxruntime'])" "$WORK/ort/manifest.json")
+if OLD_OUT=$("$OLD/bin/python" -c "$RUN_ORT" "$WORK/ort/model/model.ort" "$WORK/ort/x.npy" 2>>"$LOG") \
+    && [ "$OLD_OUT" = "$("$PY" -c "$RUN_ORT" "$WORK/ort/model/model.ort" "$WORK/ort/x.npy")" ]; then
+  pass "onnxruntime $HAVE loads and runs the .ort file written by the current onnxruntime (min_onnxruntime $ORT_NEED)"
+else
+  fail "onnxruntime $HAVE cannot run the .ort file (min_onnxruntime $ORT_NEED)"; tail -n 3 "$LOG" | sed 's/^/    /'
 fi
 
 ELAPSED=$(( $(date +%s) - START ))
