@@ -96,7 +96,7 @@ def test_the_agents_state_job_and_xfer_payloads_match_their_schemas():
 # ------------------------------------------------------------------ ids
 
 
-@pytest.mark.parametrize("value", ["a", "pi-07", "A.b_c-9", "x" * 64])
+@pytest.mark.parametrize("value", ["a", "X", "aX", "pi-07", "A.b_c-9", "x" * 64])
 def test_valid_ids(value):
     assert ids.validate_id(value, "id") == value
 
@@ -110,16 +110,48 @@ def test_invalid_ids_are_refused_naming_the_field(value):
     assert not ids.is_valid_id(value)
 
 
+@pytest.mark.parametrize(("value", "shown", "problem"), [
+    (7, "7", "must be a string"),
+    (None, "None", "must be a string"),
+    ("", "", "must not be empty"),
+    ("x" * 65, "x" * 65, "is longer than 64 characters"),
+    ("a+b", "a+b", "must not contain '+'"),
+    ("a#b", "a#b", "must not contain '#'"),
+    ("a/b", "a/b", "must not contain '/'"),
+    ("-a", "-a", "may hold only letters, digits, '.', '_' and '-' and must start with a letter or digit"),
+])
+def test_each_id_rule_has_its_own_message(value, shown, problem):
+    with pytest.raises(ids.InvalidNameError) as caught:
+        ids.validate_id(value, "group")
+    assert (caught.value.path, caught.value.value, caught.value.problem) == ("group", shown, f"{shown!r} {problem}")
+    assert str(caught.value) == f"group: {shown!r} {problem}"
+
+
+def test_a_long_rejected_value_is_shortened_in_the_message():
+    exact, long = "y" * 80, "z" * 81
+    for value, shown in ((exact, exact), (long, "z" * 77 + "...")):
+        with pytest.raises(ids.InvalidNameError) as caught:
+            ids.validate_id(value, "id")
+        assert caught.value.value == shown
+
+
 def test_digest_ref_is_a_valid_id_and_stable():
+    import hashlib
+
     ref = ids.digest_ref("../../x")
+    assert ref == "rejected-" + hashlib.sha256(b"../../x").hexdigest()[:16]
     assert ids.is_valid_id(ref) and ref == ids.digest_ref("../../x") != ids.digest_ref("../../y")
-    assert "/" not in ref and "." not in ref
+    assert ids.digest_ref(5) == "rejected-" + hashlib.sha256(b"5").hexdigest()[:16] != ids.digest_ref("6")
+    assert ids.is_valid_id(ids.digest_ref("\udcff"))  # a lone surrogate from json.loads does not raise
 
 
 @pytest.mark.parametrize(("text", "expected"), [("deploy-m-1.0.0+build.7", "deploy-m-1.0.0_build.7"),
-                                                 ("-lead", "x-lead"), ("y" * 80, "y" * 64)])
+                                                 ("-lead", "x-lead"), ("y" * 80, "y" * 64), ("", "x"),
+                                                 ("ABC+d", "ABC_d"), ("é1", "x_1"), ("../..", "x.._.."),
+                                                 ("a_b", "a_b")])
 def test_safe_id_squeezes_text_into_the_pattern(text, expected):
     assert ids.safe_id(text) == expected
+    assert ids.is_valid_id(expected)
 
 
 def test_topics_use_the_same_pattern():
@@ -389,5 +421,13 @@ def test_chunk_span_boundaries():
     assert codec.chunk_span(0, 2500, 1024) == (0, 1024)
     assert codec.chunk_span(2, 2500, 1024) == (2048, 452)
     for index in (-1, 3):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError) as caught:
             codec.chunk_span(index, 2500, 1024)
+        assert str(caught.value) == f"chunk {index} is outside a file of 2500 bytes in chunks of 1024"
+
+
+def test_xfer_request_size_boundary():
+    request = codec.request_payload([1, 2])
+    exact = request[:-1] + b" " * (codec.MAX_REQUEST_BYTES - len(request)) + b"}"
+    assert len(exact) == codec.MAX_REQUEST_BYTES and codec.parse_request(exact, 10) == [1, 2]
+    assert codec.parse_request(exact[:-1] + b" }", 10) == []

@@ -166,3 +166,12 @@ def test_skipped_devices_are_marked():
 ])
 def test_range_header_boundaries(header, expected):
     assert parse_range(header, 10) == expected
+
+
+def test_range_on_tiny_files_and_header_length_boundary():
+    assert parse_range("bytes=-5", 0) == "unsatisfiable"
+    assert parse_range("bytes=-5", 1) == (0, 0)
+    assert parse_range("bytes=0-", 1) == (0, 0)
+    padded = "bytes=2-" + " " * 192
+    assert len(padded) == 200 and parse_range(padded, 10) == (2, 9)
+    assert parse_range(padded + " ", 10) is None

@@ -56,11 +56,11 @@ def parse_request(payload: bytes, total: int) -> list[int]:
     chunks = doc.get("chunks") if isinstance(doc, dict) and doc.get("schema") == XFER_SCHEMA_ID else None
     if not isinstance(chunks, list):
         return []
-    wanted: dict[int, None] = {}
+    wanted: list[int] = []
     for chunk in chunks[:MAX_REQUEST_CHUNKS]:
-        if isinstance(chunk, int) and not isinstance(chunk, bool) and 0 <= chunk < total:
-            wanted[chunk] = None
-    return list(wanted)
+        if isinstance(chunk, int) and not isinstance(chunk, bool) and 0 <= chunk < total and chunk not in wanted:
+            wanted.append(chunk)
+    return wanted
 
 
 def chunk_count(size: int, chunk_size: int) -> int:

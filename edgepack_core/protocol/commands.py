@@ -135,7 +135,7 @@ def _check_values(value: Any, path: str) -> None:
         raise SchemaError(path, "holds a control character")
     if isinstance(value, dict):
         for key, item in value.items():
-            _check_values(item, f"{path}.{key}" if path else str(key))
+            _check_values(item, f"{path}.{key}")
 
 
 def check_command(document: Any, now: float) -> None:

@@ -57,20 +57,21 @@ def validate_id(value: object, what: str) -> str:
     return value
 
 
-def digest_ref(raw: object, prefix: str = "rejected") -> str:
+def digest_ref(raw: object) -> str:
     """A safe stand-in for a value that failed :func:`validate_id` (e.g. the id of a rejected
-    command): ``<prefix>-`` and 16 hex digits of the SHA-256 of its JSON-ish text. Equal raw
-    values give equal refs, so duplicates of one bad command can still be recognised."""
+    command): ``rejected-`` and 16 hex digits of the SHA-256 of its text (``repr`` for a
+    non-string). Equal raw values give equal refs, so duplicates of one bad command can still
+    be recognised; the result always matches :data:`ID_PATTERN`."""
     text = raw if isinstance(raw, str) else repr(raw)
-    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    return validate_id(f"{prefix}-{digest}", "ref")
+    return "rejected-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def safe_id(text: str, *, fallback: str = "x") -> str:
     """``text`` squeezed into :data:`ID_PATTERN` (for ids the host makes up from model names and
-    versions, e.g. a semver ``1.0.0+build`` holds ``+``): other characters become ``_``, a bad
-    first character is prefixed, the result is cut to the maximum length."""
-    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text) or fallback
-    if not cleaned[0].isalnum() or not cleaned[0].isascii():
+    versions, e.g. a semver ``1.0.0+build`` holds ``+``): other characters become ``_``, a first
+    character that is not a letter or digit gets ``fallback`` in front, the result is cut to the
+    maximum length. ``fallback`` must itself start with a letter or digit."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text)
+    if not cleaned[:1].isalnum():
         cleaned = fallback + cleaned
-    return validate_id(cleaned[:MAX_ID_LENGTH], "id")
+    return cleaned[:MAX_ID_LENGTH]

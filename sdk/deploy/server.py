@@ -39,7 +39,7 @@ def parse_range(header: str, size: int) -> Span | str | None:
         return max(0, size - count), size - 1
     start = int(first)
     end = min(int(last), size - 1) if last else size - 1
-    if start >= size or end < start:
+    if end < start:  # also a start at or past the end, since end is at most size - 1
         return "unsatisfiable"
     return start, end
 
