@@ -136,3 +136,14 @@ def test_deploy_targets_are_validated_before_anything_connects(tmp_path: Path, d
     with pytest.raises(InvalidNameError) as caught:
         DeployOptions(artifact=tmp_path / "a", broker=BrokerOptions("127.0.0.1:1883"), devices=devices, group=group)
     assert caught.value.path == field
+
+
+@pytest.mark.parametrize(("transfer", "what"), [("http", "HTTP server"), ("mqtt", "chunk sender")])
+def test_deploy_without_wait_needs_a_hosted_url(tmp_path: Path, transfer, what):
+    from tests.conftest import run_cli
+
+    artifact = tmp_path / "a.edgepkg"
+    artifact.write_bytes(b"x")
+    result = run_cli("edgepack", "deploy", str(artifact), "--device", "pi-07", "--broker", "127.0.0.1:1",
+                     "--transfer", transfer)
+    assert result.returncode == 2 and f"the built-in {what} lives only while deploy runs" in result.stderr

@@ -81,9 +81,9 @@ def deploy(artifact: Path, devices: tuple[str, ...], group: str | None, broker: 
     """Send ARTIFACT to devices over MQTT and follow their update jobs."""
     if bool(devices) == bool(group):
         raise click.UsageError("give --device ID (repeatable) or --group G")
-    if transfer == "http" and url is None and not wait:
-        raise click.UsageError("the built-in HTTP server lives only while deploy runs: use --wait, --url or "
-                               "--transfer mqtt with --wait")
+    if url is None and not wait:
+        raise click.UsageError(f"the built-in {'HTTP server' if transfer == 'http' else 'chunk sender'} lives only "
+                               "while deploy runs: use --wait, or --url where the artifact is hosted")
 
     def show(device: str, event: dict[str, Any]) -> None:
         if not as_json:
