@@ -17,7 +17,7 @@ from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.signing import TrustStore, load_public_key
 from sdk.errors import BuildError, ModelError
-from sdk.packager.passes.model_checks import graph_io, host_runtime_row, prune_opset_imports
+from sdk.packager.passes.model_checks import graph_io, host_runtime_row, lower_ir_version, prune_opset_imports
 from sdk.packager.passes.optimize import check_optimized, dangling_inputs, outputs_differ, probe_feeds
 from sdk.packager.pipeline import build
 from sdk.recipe import recipe_from_dict
@@ -321,6 +321,38 @@ def test_built_artifact_imports_only_the_domains_its_nodes_use(tmp_path, keypair
     built = onnx.load_from_string(_member(result.output, "model/model.onnx"))
     assert [(e.domain, e.version) for e in built.opset_import] == [("", 17)]
     assert result.manifest.raw["model"]["opsets"] == {"ai.onnx": 17}
+
+
+def test_newest_ir_stamp_is_lowered_so_older_devices_load_the_artifact(tmp_path, keypair):
+    """onnx.helper stamps its newest IR (onnxruntime 1.32 only); an opset-17 graph needs IR 8."""
+    private, public = keypair
+    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["y"])], "g", [_vi("x", TensorProto.FLOAT, [1, 5])],
+                              [_vi("y", TensorProto.FLOAT, [1, 5])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert model.ir_version == onnx.IR_VERSION > 10
+    path = _save(model, tmp_path, "newest_ir.onnx")
+    result = _build(tmp_path, private, path, targets=["rpi", "x86"])
+    assert result.manifest.raw["model"]["ir_version"] == 8
+    assert result.manifest.raw["model"]["min_onnxruntime"] == "1.12.0"
+    assert result.report["passes"]["runtime_compat"]["ir_lowered_from"] == onnx.IR_VERSION
+    assert onnx.load_from_string(_member(result.output, "model/model.onnx")).ir_version == 8
+    _same_as_bare(_serve(result, tmp_path, public), path, {"x": np.arange(5, dtype=np.float32)[None]})
+
+
+def test_ir_is_kept_when_the_graph_uses_what_a_later_ir_brought():
+    relu = [helper.make_node("Relu", ["x"], ["y"])]
+    io = ([_vi("x", TensorProto.FLOAT, [2])], [_vi("y", TensorProto.FLOAT, [2])])
+    float8 = _graph(relu, *io, [helper.make_tensor("f8", TensorProto.FLOAT8E4M3FN, [1], [1.0])], ir=11)
+    assert lower_ir_version(float8) is None and float8.ir_version == 11
+    with_function = _graph(relu, *io, ir=11)
+    with_function.functions.append(helper.make_function("local", "f", ["a"], ["b"],
+                                                        [helper.make_node("Relu", ["a"], ["b"])],
+                                                        [helper.make_opsetid("", 17)]))
+    assert lower_ir_version(with_function) is None
+    classic = _graph(relu, *io, [numpy_helper.from_array(np.ones(2, np.float32), "w")], opsets=(("", 7),), ir=11)
+    assert lower_ir_version(classic) == 11 and classic.ir_version == 4, "a non-input initializer needs IR 4"
+    already = _graph(relu, *io, ir=8)
+    assert lower_ir_version(already) is None and already.ir_version == 8
 
 
 def test_prune_keeps_domains_used_inside_subgraphs():

@@ -111,6 +111,56 @@ def drop_initializer_inputs(model: onnx.ModelProto) -> list[str]:
     return dropped
 
 
+# Element types every IR from 3 on knows (FLOAT .. BFLOAT16); float8, int4 and later types
+# pin the IR version the model declares.
+_CLASSIC_TYPES = frozenset(range(0, TensorProto.BFLOAT16 + 1))
+_TYPE_ATTRIBUTES = frozenset({"to", "dtype", "output_dtype", "output_datatype"})
+
+
+def _value_types_classic(graph: onnx.GraphProto) -> bool:
+    for info in [*graph.input, *graph.output, *graph.value_info]:
+        if info.type.WhichOneof("value") != "tensor_type" or info.type.tensor_type.elem_type not in _CLASSIC_TYPES:
+            return False
+    return all(init.data_type in _CLASSIC_TYPES for init in graph.initializer) and not graph.sparse_initializer \
+        and not graph.metadata_props
+
+
+def _node_classic(node: onnx.NodeProto) -> bool:
+    if node.overload or node.metadata_props or node.device_configurations:
+        return False
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type not in _CLASSIC_TYPES:
+            return False
+        if attr.type in (onnx.AttributeProto.SPARSE_TENSOR, onnx.AttributeProto.SPARSE_TENSORS,
+                         onnx.AttributeProto.TYPE_PROTO, onnx.AttributeProto.TYPE_PROTOS):
+            return False
+        if attr.name in _TYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT and attr.i not in _CLASSIC_TYPES:
+            return False
+    return True
+
+
+def lower_ir_version(model: onnx.ModelProto) -> int | None:
+    """Lower the IR version to the least the graph needs, so an older onnxruntime loads it:
+    onnx.helper stamps its newest IR on every model (IR 14 needs onnxruntime 1.32), while an
+    opset-17 graph of classic tensors needs IR 8 (onnxruntime 1.9). The floor is the IR of the
+    opsets (onnx's own table), 4 when an initializer is not a graph input. A model using anything
+    a later IR brought (functions, training info, sparse or non-tensor values, float8/int4 types,
+    overloads, metadata on nodes) keeps its IR. Returns the IR it had when lowered, else None."""
+    graphs = list(_graphs(model.graph))
+    if model.functions or model.training_info or not all(_value_types_classic(g) for g in graphs) \
+            or not all(_node_classic(n) for g in graphs for n in g.node):
+        return None
+    floor = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    inputs = {i.name for i in model.graph.input}
+    if any(init.name not in inputs for init in model.graph.initializer):
+        floor = max(floor, 4)
+    if floor >= model.ir_version:
+        return None
+    before = int(model.ir_version)
+    model.ir_version = floor
+    return before
+
+
 _HOST_ROW: list[RuntimeRow | None] = []
 
 
@@ -469,6 +519,7 @@ class RuntimeCompatPass(Pass):
         model = ctx.require_model()
         label = model_label(ctx)
         pruned = prune_opset_imports(model)
+        lowered_from = lower_ir_version(model)
         ort_bytes = ctx.files.get(ctx.manifest_extra.get("ort_path", ""))
         try:
             version, reason = graph_requirement(model, ort_format=ort_bytes is not None,
@@ -486,5 +537,6 @@ class RuntimeCompatPass(Pass):
             ctx.manifest_extra["opset"] = opsets[DEFAULT_DOMAIN]
         ctx.manifest_extra["opsets"] = opsets
         ctx.manifest_extra["min_onnxruntime"] = version
-        ctx.report[self.name] = {"opsets": opsets, "pruned_opset_imports": pruned, "min_onnxruntime": version,
-                                 "reason": reason, "targets_onnxruntime": runtimes}
+        ctx.report[self.name] = {"opsets": opsets, "pruned_opset_imports": pruned, "ir_version": int(model.ir_version),
+                                 "ir_lowered_from": lowered_from, "min_onnxruntime": version, "reason": reason,
+                                 "targets_onnxruntime": runtimes}

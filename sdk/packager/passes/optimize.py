@@ -21,7 +21,7 @@ from edgepack_core.targets import STATIC_SHAPE_TARGETS
 from sdk.errors import BuildError
 from sdk.packager import ort_host
 from sdk.packager.passes.base import BuildContext, Pass, register
-from sdk.packager.passes.model_checks import graph_io, model_label, prune_opset_imports
+from sdk.packager.passes.model_checks import graph_io, lower_ir_version, model_label, prune_opset_imports
 
 FP16_MAX = 65504.0
 # Targets whose providers share one CPU family, so "extended" offline optimizations (fusions
@@ -373,7 +373,8 @@ class OrtFormatPass(Pass):
         import subprocess
         import sys
 
-        prune_opset_imports(ctx.require_model())  # the .ort file keeps the imports it is given
+        prune_opset_imports(ctx.require_model())  # the .ort file keeps the imports and IR it is given
+        lower_ir_version(ctx.require_model())
         folder = ctx.new_tempdir("ort-format-")
         source = folder / "model.onnx"
         source.write_bytes(ctx.model_bytes())
