@@ -323,6 +323,20 @@ def test_built_artifact_imports_only_the_domains_its_nodes_use(tmp_path, keypair
     assert result.manifest.raw["model"]["opsets"] == {"ai.onnx": 17}
 
 
+def test_an_unused_import_newer_than_the_target_runs_is_pruned_not_refused(tmp_path, keypair):
+    """ai.onnx.ml 4 needs onnxruntime 1.17; unused, it goes, and the rpi target's 1.16 runs the rest."""
+    private, public = keypair
+    model = _graph([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", TensorProto.FLOAT, [2])],
+                   [_vi("y", TensorProto.FLOAT, [2])], opsets=(("", 17), ("ai.onnx.ml", 4)))
+    path = _save(model, tmp_path, "unused_ml.onnx")
+    result = _build(tmp_path, private, path, targets=["rpi"])
+    assert result.manifest.raw["model"]["opsets"] == {"ai.onnx": 17}
+    assert result.report["passes"]["opset"]["opsets"] == {"ai.onnx": 17, "ai.onnx.ml": 4}
+    built = onnx.load_from_string(_member(result.output, "model/model.onnx"))
+    assert [(e.domain, e.version) for e in built.opset_import] == [("", 17)]
+    _same_as_bare(_serve(result, tmp_path, public), tmp_path / "unused_ml.onnx", {"x": np.array([-1, 1], np.float32)})
+
+
 def test_newest_ir_stamp_is_lowered_so_older_devices_load_the_artifact(tmp_path, keypair):
     """onnx.helper stamps its newest IR (onnxruntime 1.32 only); an opset-17 graph needs IR 8."""
     private, public = keypair
