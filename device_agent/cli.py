@@ -116,9 +116,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
+    """Make the previous model active, but only once it has loaded and passed its smoke test
+    on this device: a rollback to a model that cannot serve must leave state.json alone."""
+    from device_agent.errors import StoreError
+    from device_agent.runtime import load_model
     from device_agent.store import ModelStore
 
-    model = ModelStore(Path(args.store), _trust(args.trust)).rollback()
+    store = ModelStore(Path(args.store), _trust(args.trust))
+    target = store.previous()
+    if target is None:
+        raise StoreError("no previous model to roll back to")
+    load_model(target.directory, target.verified.manifest, profile=args.profile, threads=args.threads)
+    model = store.rollback()
     print(f"active: {model.name} {model.version}")
     return 0
 
@@ -180,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     rollback = sub.add_parser("rollback", help="make the previous model active again")
     rollback.add_argument("--store", required=True)
     trust(rollback)
+    runtime(rollback)
     rollback.set_defaults(func=cmd_rollback)
     return parser
 

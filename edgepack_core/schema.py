@@ -15,6 +15,8 @@ default, examples, $schema, $id, $defs.
 from __future__ import annotations
 
 import copy
+import functools
+import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -54,6 +56,14 @@ def _describe(value: Any) -> str:
         if _type_ok(value, name):
             return name
     return type(value).__name__
+
+
+@functools.lru_cache(maxsize=256)
+def ecma_pattern(pattern: str) -> re.Pattern[str]:
+    """A JSON Schema (ECMA 262) pattern as a Python regex. Why: in ECMA ``$`` matches only at
+    the very end, while Python's ``$`` also matches before a final newline, so ``^[a-z]+$``
+    would accept ``"name\\n"`` (a name that later becomes a path or a log line)."""
+    return re.compile(re.sub(r"(?<!\\)\$", r"\\Z", pattern))
 
 
 def _join(path: str, key: str | int) -> str:
@@ -111,43 +121,58 @@ class Validator:
             raise self._fail(path, f"{value!r} is not one of {choices}")
 
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if "minimum" in schema and value < schema["minimum"]:
-                raise self._fail(path, f"{value} is below the minimum {schema['minimum']}")
-            if "maximum" in schema and value > schema["maximum"]:
-                raise self._fail(path, f"{value} is above the maximum {schema['maximum']}")
-            if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
-                raise self._fail(path, f"{value} must be greater than {schema['exclusiveMinimum']}")
-        if isinstance(value, str):
-            if "minLength" in schema and len(value) < schema["minLength"]:
-                raise self._fail(path, f"must be at least {schema['minLength']} characters")
-            if "maxLength" in schema and len(value) > schema["maxLength"]:
-                raise self._fail(path, f"must be at most {schema['maxLength']} characters")
-            if "pattern" in schema and not re.search(schema["pattern"], value):
-                raise self._fail(path, f"{value!r} does not match {schema['pattern']}")
-        if isinstance(value, (list, tuple)):
-            if "minItems" in schema and len(value) < schema["minItems"]:
-                raise self._fail(path, f"needs at least {schema['minItems']} item(s)")
-            if "maxItems" in schema and len(value) > schema["maxItems"]:
-                raise self._fail(path, f"takes at most {schema['maxItems']} item(s)")
-            if "items" in schema:
-                for i, item in enumerate(value):
-                    self.validate(item, schema["items"], _join(path, i))
-        if isinstance(value, dict):
+            self._check_number(value, schema, path)
+        elif isinstance(value, str):
+            self._check_string(value, schema, path)
+        elif isinstance(value, (list, tuple)):
+            self._check_array(value, schema, path)
+        elif isinstance(value, dict):
             self._validate_object(value, schema, path)
 
         if "oneOf" in schema or "anyOf" in schema:
-            options = schema.get("oneOf", []) or schema.get("anyOf", [])
-            errors: list[tuple[bool, SchemaError]] = []
-            for option in options:
-                try:
-                    self.validate(value, option, path)
-                except SchemaError as err:
-                    errors.append((self._discriminated(value, option), err))
-                else:
-                    return
-            # Report the error of the option the document meant (its ``const`` discriminator,
-            # e.g. ``kind``, matched), else of the option that got furthest (deepest key path).
-            raise max(errors, key=lambda pair: (pair[0], len(pair[1].path)))[1]
+            self._check_options(value, schema.get("oneOf", []) or schema.get("anyOf", []), path)
+
+    def _check_number(self, value: float, schema: Mapping[str, Any], path: str) -> None:
+        # JSON has no NaN or infinity, but Python's json and YAML's .nan/.inf produce them,
+        # and NaN slips past every minimum/maximum comparison.
+        if not math.isfinite(value):
+            raise self._fail(path, f"{value} is not a finite number")
+        if "minimum" in schema and value < schema["minimum"]:
+            raise self._fail(path, f"{value} is below the minimum {schema['minimum']}")
+        if "maximum" in schema and value > schema["maximum"]:
+            raise self._fail(path, f"{value} is above the maximum {schema['maximum']}")
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            raise self._fail(path, f"{value} must be greater than {schema['exclusiveMinimum']}")
+
+    def _check_string(self, value: str, schema: Mapping[str, Any], path: str) -> None:
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            raise self._fail(path, f"must be at least {schema['minLength']} characters")
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            raise self._fail(path, f"must be at most {schema['maxLength']} characters")
+        if "pattern" in schema and not ecma_pattern(schema["pattern"]).search(value):
+            raise self._fail(path, f"{value!r} does not match {schema['pattern']}")
+
+    def _check_array(self, value: list | tuple, schema: Mapping[str, Any], path: str) -> None:
+        if "minItems" in schema and len(value) < schema["minItems"]:
+            raise self._fail(path, f"needs at least {schema['minItems']} item(s)")
+        if "maxItems" in schema and len(value) > schema["maxItems"]:
+            raise self._fail(path, f"takes at most {schema['maxItems']} item(s)")
+        if "items" in schema:
+            for i, item in enumerate(value):
+                self.validate(item, schema["items"], _join(path, i))
+
+    def _check_options(self, value: Any, options: list[Mapping[str, Any]], path: str) -> None:
+        errors: list[tuple[bool, SchemaError]] = []
+        for option in options:
+            try:
+                self.validate(value, option, path)
+            except SchemaError as err:
+                errors.append((self._discriminated(value, option), err))
+            else:
+                return
+        # Report the error of the option the document meant (its ``const`` discriminator,
+        # e.g. ``kind``, matched), else of the option that got furthest (deepest key path).
+        raise max(errors, key=lambda pair: (pair[0], len(pair[1].path)))[1]
 
     def _discriminated(self, value: Any, option: Mapping[str, Any]) -> bool:
         """True when ``option`` has ``const`` properties and ``value`` matches all of them."""

@@ -55,3 +55,20 @@ def test_valid_document_passes():
 def test_schema_with_unsupported_keyword_is_refused():
     with pytest.raises(ValueError, match="unsupported keyword"):
         Validator({"type": "object", "patternProperties": {}})
+
+
+def test_name_with_a_trailing_newline_is_refused_by_a_dollar_anchored_pattern():
+    """Python's ``$`` matches before a final newline; JSON Schema's does not."""
+    schema = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"}
+    validate("model-1", schema)
+    with pytest.raises(SchemaError, match="does not match"):
+        validate("model-1\n", schema)
+    validate("cost$", {"type": "string", "pattern": r"\$$"})  # an escaped dollar stays a literal
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_numbers_are_refused_even_without_bounds(value):
+    with pytest.raises(SchemaError, match="not a finite number"):
+        validate(value, {"type": "number"})
+    with pytest.raises(SchemaError, match="not a finite number"):
+        validate({"t": value}, {"type": "object", "properties": {"t": {"type": "number", "minimum": 0}}})
