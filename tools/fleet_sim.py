@@ -112,6 +112,15 @@ class Checker:
             return sum(self.counts.values())
 
 
+def _pump(devices: list[SimDevice], selector: selectors.BaseSelector, timeout: float) -> None:
+    """One round of socket I/O for every simulated device (writes first, then whatever is readable)."""
+    for dev in devices:
+        if dev.client.want_write():
+            dev.client.loop_write()
+    for key, _events in selector.select(timeout=timeout):
+        key.data.client.loop_read()
+
+
 def drive(devices: list[SimDevice], rate: float, duration: float) -> dict[str, float]:
     selector = selectors.DefaultSelector()
     for dev in devices:
@@ -131,11 +140,7 @@ def drive(devices: list[SimDevice], rate: float, duration: float) -> dict[str, f
             if now >= next_due[i]:
                 dev.telemetry()
                 next_due[i] += period
-        for dev in devices:
-            if dev.client.want_write():
-                dev.client.loop_write()
-        for key, _events in selector.select(timeout=0.002):
-            key.data.client.loop_read()
+        _pump(devices, selector, 0.002)
         if now - last_misc >= 1.0:
             for dev in devices:
                 dev.client.loop_misc()
@@ -143,11 +148,7 @@ def drive(devices: list[SimDevice], rate: float, duration: float) -> dict[str, f
     # Drain: wait for every QoS 1 PUBACK.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(d.acked < d.seq + 1 for d in devices):
-        for dev in devices:
-            if dev.client.want_write():
-                dev.client.loop_write()
-        for key, _events in selector.select(timeout=0.01):
-            key.data.client.loop_read()
+        _pump(devices, selector, 0.01)
     elapsed = time.monotonic() - started
     return {"elapsed_s": elapsed}
 
