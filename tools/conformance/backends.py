@@ -73,7 +73,7 @@ class BareOrtRep(BackendRep):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # the driver reports the error itself
         self.model = model
         self.session = ort.InferenceSession(model.SerializeToString(), options,
                                             providers=["CPUExecutionProvider"])
