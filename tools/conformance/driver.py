@@ -7,8 +7,8 @@ onnxruntime; a case that passes there runs again through Edgepack (build, verify
 with smoke test, predict), so the set of tests onnxruntime fails is computed here, never kept
 as a list.
 
-Cases run in forked worker processes (no interpreter or CLI start-up per model; the node test
-cases are generated once, in the parent, before forking). onnxruntime can kill a process
+Cases run in worker processes forked from a fork server that loaded the node test cases, the
+runner and the packager once (no interpreter or CLI start-up per model). onnxruntime can kill a process
 (SIGFPE, SIGSEGV): the worker dies, the case is recorded as a crash naming the signal and a new
 worker takes the next case. A case that runs past ``timeout`` is killed the same way.
 """
@@ -49,7 +49,6 @@ PARTS = (
     ("real", "RealModel", "light"),
 )
 LIGHT_PREFIX = "onnx/backend/test/data/light/"
-BACKENDS = ("onnxruntime", "edgepack")
 DEFAULT_TIMEOUT_S = 420.0
 
 
