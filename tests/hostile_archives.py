@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import struct
 import tarfile
 import zlib
@@ -87,3 +88,28 @@ def second_tar_appended(valid: Path, path: Path) -> Path:
 def trailing_garbage(valid: Path, path: Path, garbage: bytes = b"garbage") -> Path:
     path.write_bytes(valid.read_bytes() + garbage)
     return path
+
+
+def valid_artifact(folder: Path, key: Path, padding: int = 1_050_000) -> Path:
+    """A real, loadable scale model (y = 2x) signed with ``key``, padded with ``padding``
+    incompressible bytes to the hostile files' size (~1 MB). Written directly rather than by
+    the packager, so the memory figures do not depend on it."""
+    from edgepack_core.signing import load_private_key
+    from sdk.artifact_writer import write_artifact
+    from tests.artifacts import scale_model
+
+    manifest = {
+        "format": 1, "name": "scale", "version": "1.0.0", "created": "2026-01-01T00:00:00Z",
+        "model": {"path": "model/model.onnx", "opset": 17, "ir_version": 8, "precision": "fp32",
+                  "min_onnxruntime": "1.13.0"},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}],
+        "preprocess": {"kind": "tensor", "version": 1, "batch": False},
+        "postprocess": {"kind": "raw", "version": 1},
+        "targets": {"x86": {"providers": ["CPUExecutionProvider"]}},
+        "files": {},
+    }
+    out = folder / "valid.edgepkg"
+    write_artifact(out, manifest, {"model/model.onnx": scale_model(folder / "scale.onnx").read_bytes(),
+                                   "assets/padding.bin": os.urandom(padding)}, [load_private_key(key)])
+    return out

@@ -13,9 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from edgepack_core.signing import load_private_key
-from sdk.artifact_writer import write_artifact
-from tests.artifacts import scale_model
 from tests.conftest import cli
 from tests.hostile_archives import (
     huge_gnu_longname,
@@ -23,6 +20,7 @@ from tests.hostile_archives import (
     second_tar_appended,
     second_tar_in_stream,
     trailing_garbage,
+    valid_artifact,
 )
 
 SLACK_KIB = 16 * 1024
@@ -44,31 +42,10 @@ def _peak(*argv: str) -> dict:
     return json.loads(done.stdout)
 
 
-def _valid_artifact(folder: Path, key: Path) -> Path:
-    """A real, loadable scale model (y = 2x), padded with incompressible bytes to the hostile
-    files' size (~1 MB). Written directly so that this test does not depend on the packager."""
-    model = scale_model(folder / "scale.onnx").read_bytes()
-    manifest = {
-        "format": 1, "name": "scale", "version": "1.0.0", "created": "2026-01-01T00:00:00Z",
-        "model": {"path": "model/model.onnx", "opset": 17, "ir_version": 8, "precision": "fp32",
-                  "min_onnxruntime": "1.13.0"},
-        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
-        "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}],
-        "preprocess": {"kind": "tensor", "version": 1, "batch": False},
-        "postprocess": {"kind": "raw", "version": 1},
-        "targets": {"x86": {"providers": ["CPUExecutionProvider"]}},
-        "files": {},
-    }
-    out = folder / "valid.edgepkg"
-    write_artifact(out, manifest, {"model/model.onnx": model, "assets/padding.bin": os.urandom(1_050_000)},
-                   [load_private_key(key)])
-    return out
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, keypair) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("hostile")
-    valid = _valid_artifact(folder, keypair[0])
+    valid = valid_artifact(folder, keypair[0])
     return {
         "valid": valid,
         "pax_header_declaring_1gib": huge_pax_header(folder / "pax.edgepkg"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -23,16 +22,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from edgepack_core.signing import load_private_key  # noqa: E402
-from sdk.artifact_writer import write_artifact  # noqa: E402
 from sdk.keys import write_keypair  # noqa: E402
-from tests.artifacts import scale_model  # noqa: E402
 from tests.hostile_archives import (  # noqa: E402
     huge_gnu_longname,
     huge_pax_header,
     second_tar_appended,
     second_tar_in_stream,
     trailing_garbage,
+    valid_artifact,
 )
 
 BIN = Path(sys.executable).parent
@@ -57,19 +54,7 @@ def peak_mib(argv: list[str], runs: int) -> tuple[int, float]:
 
 
 def make_files(folder: Path, key: Path) -> dict[str, Path]:
-    manifest = {
-        "format": 1, "name": "scale", "version": "1.0.0", "created": "2026-01-01T00:00:00Z",
-        "model": {"path": "model/model.onnx", "opset": 17, "ir_version": 8, "precision": "fp32",
-                  "min_onnxruntime": "1.13.0"},
-        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
-        "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}],
-        "preprocess": {"kind": "tensor", "version": 1, "batch": False},
-        "postprocess": {"kind": "raw", "version": 1},
-        "targets": {"x86": {"providers": ["CPUExecutionProvider"]}}, "files": {},
-    }
-    valid = folder / "valid.edgepkg"
-    write_artifact(valid, manifest, {"model/model.onnx": scale_model(folder / "m.onnx").read_bytes(),
-                                     "assets/padding.bin": os.urandom(1_050_000)}, [load_private_key(key)])
+    valid = valid_artifact(folder, key)
     return {
         "valid": valid,
         "pax_x_1gib": huge_pax_header(folder / "pax.edgepkg"),
