@@ -342,3 +342,24 @@ def test_entry_names_boundaries():
     assert is_entry_name("a") and is_entry_name("a" * 255)
     for bad in ("", "a" * 256, "a\\b", "a\0b", "a/b", ".a", 7, None):
         assert not is_entry_name(bad), bad
+
+
+def test_old_command_id_is_still_refused_after_500_newer_jobs(tmp_path):
+    from device_agent.updates.journal import MAX_JOBS_KEPT
+    from device_agent.updates.replay import ReplayError, ReplayGuard
+
+    journal, ledger = Journal(tmp_path / "jobs"), ReplayGuard(tmp_path / "replay.json")
+    now = 1_000_000.0
+    ledger.remember("deploy-old", now + 3600, now)
+    journal.save(Job(id="deploy-old", type="deploy", state="active", final=True))
+    for index in range(MAX_JOBS_KEPT + 10):
+        ledger.remember(f"deploy-{index}", now + 3600, now)
+        journal.save(Job(id=f"deploy-{index}", type="deploy", state="active", final=True))
+        os.utime(journal.folder / f"deploy-{index}.json", (now + index, now + index))
+    os.utime(journal.folder / "deploy-old.json", (now - 1, now - 1))
+    journal.prune()
+    assert journal.get("deploy-old") is None, "the journal itself stays bounded"
+    assert len(list(journal.folder.iterdir())) == MAX_JOBS_KEPT
+    reopened = ReplayGuard(tmp_path / "replay.json")  # after a restart too
+    with pytest.raises(ReplayError, match="already used"):
+        reopened.remember("deploy-old", now + 3600, now + 10)
