@@ -95,7 +95,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                 "precision": {"type": "string"},
             },
         },
-        "inputs": {"type": "array", "minItems": 1, "items": _TENSOR},
+        "inputs": {"type": "array", "items": _TENSOR},
         "outputs": {"type": "array", "minItems": 1, "items": _TENSOR},
         "preprocess": PREPROCESS_SCHEMA,
         "postprocess": POSTPROCESS_SCHEMA,

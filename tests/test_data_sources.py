@@ -403,3 +403,15 @@ def test_non_finite_inputs_are_served_only_where_the_recipe_declares_them(tmp_pa
     else:
         with pytest.raises(BadRequest, match="NaN or infinite"):
             service.predict_tensors(feed, postprocess=False)
+
+
+def test_a_model_without_inputs_builds_and_the_agent_serves_it(tmp_path, keypair):
+    """onnxruntime runs input-less graphs (a Constant, a generator): so does Edgepack."""
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+    value = helper.make_tensor("v", TensorProto.FLOAT, [2], [1.5, -2.0])
+    _save(tmp_path / "m.onnx", [helper.make_node("Constant", [], ["y"], value=value)], [], [y])
+    result = _build(tmp_path, {"model": {"path": "m.onnx"}, "validate": {"data": "synthetic"}}, keypair)
+    loaded = _agent_loads(result.output, keypair, tmp_path)
+    assert loaded.manifest.inputs == [] and loaded.smoke.samples >= 1
+    answer = InferenceService(loaded).predict_tensors({}, postprocess=False)
+    assert answer.outputs["y"].tolist() == [1.5, -2.0]
