@@ -196,6 +196,14 @@ RECIPE_SCHEMA: dict[str, Any] = {
             },
         },
         "targets": {"type": "array", "minItems": 1, "items": {"enum": sorted(PROFILES)}},
+        "target_onnxruntime": {
+            "type": "object",
+            "additionalProperties": False,
+            "description": "the onnxruntime a target's devices really run, when not the profile's default "
+                           "(e.g. {rpi: 1.20.0} for Pis that pip-installed a newer wheel); the build refuses "
+                           "an artifact that needs more",
+            "properties": {name: {"type": "string", "pattern": r"^\d+\.\d+(\.\d+)?$"} for name in sorted(PROFILES)},
+        },
         "sign": {
             "type": "object",
             "additionalProperties": False,

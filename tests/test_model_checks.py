@@ -124,6 +124,28 @@ def test_opset_22_model_builds_and_a_target_with_an_older_runtime_is_refused(tmp
     assert not (tmp_path / "rpi.edgepkg").exists()
 
 
+@pytest.mark.parametrize(("declared", "builds"), [("1.21.0", True), ("1.21", True), ("1.20.9", False)])
+def test_a_recipe_that_names_its_devices_onnxruntime_moves_the_target_limit(tmp_path, keypair, declared, builds):
+    private, _ = keypair
+    model = _graph([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", TensorProto.FLOAT, [2, 3])],
+                   [_vi("y", TensorProto.FLOAT, [2, 3])], opsets=(("", 22),), ir=10)
+    path = _save(model, tmp_path, "opset22.onnx")
+    recipe = {"targets": ["rpi"], "target_onnxruntime": {"rpi": declared}}
+    if builds:
+        assert _build(tmp_path, private, path, **recipe).manifest.raw["model"]["min_onnxruntime"] == "1.21.0"
+    else:
+        with pytest.raises(BuildError, match=rf"target rpi runs onnxruntime {declared}, but opset 22"):
+            _build(tmp_path, private, path, **recipe)
+
+
+def test_target_onnxruntime_names_only_known_profiles(tmp_path):
+    from sdk.errors import SchemaError
+
+    with pytest.raises(SchemaError, match=r"target_onnxruntime\.pi"):
+        recipe_from_dict({"name": "a", "version": "1.0.0", "model": {"path": "m.onnx"},
+                          "validate": {"data": "synthetic"}, "target_onnxruntime": {"pi": "1.20.0"}}, tmp_path)
+
+
 def test_opset_newer_than_the_table_needs_the_build_hosts_runtime(tmp_path, keypair):
     private, public = keypair
     host = host_runtime_row()

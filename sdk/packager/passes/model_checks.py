@@ -526,7 +526,8 @@ class RuntimeCompatPass(Pass):
                                                 ort_format_version=ort_format_version(ort_bytes or b""))
         except RuntimeTooOld as err:
             raise ModelError(label, str(err)) from None
-        runtimes = {t: profile_onnxruntime(t, format_version(parse_version(ort.__version__)))
+        declared = ctx.recipe.data.get("target_onnxruntime") or {}
+        runtimes = {t: declared.get(t) or profile_onnxruntime(t, format_version(parse_version(ort.__version__)))
                     for t in ctx.recipe.targets}
         shortfalls = target_shortfalls(version, reason, runtimes)
         if shortfalls:
