@@ -1,6 +1,8 @@
-"""The declarative postprocessing spec: what ``predict`` reports as ``result`` next to the raw outputs.
+"""The declarative postprocessing spec: what ``predict`` reports as ``result``.
 
 Runs identically on the host (validation, ``inspect``) and on a device, with numpy only.
+Every decoder is a pure function of the output arrays (and, for detection, the geometry the
+preprocessor applied), so each is tested against hand-computed references.
 
 Kinds (one model output is read: ``output``, or the model's first output):
 
@@ -10,17 +12,48 @@ Kinds (one model output is read: ``output``, or the model's first output):
 - ``topk``: the ``k`` best classes as ``[{"index", "label", "score"}]`` for one sample (a
   list of such lists for several), best first, ties broken by the lower index. ``score`` is
   the softmax probability, or the raw output value when ``apply_softmax`` is false (for
-  models whose last layer already is a softmax). ``label`` comes from the labels file, one
-  label per line, line *i* naming class *i*; ``None`` when there is no label for the index.
+  models whose last layer already is a softmax: the packager resolves the default from the
+  graph). ``label`` comes from the labels file, one label per line, line *i* naming class
+  *i*; ``None`` when there is no label for the index.
+- ``detection``: boxes after class-wise non-maximum suppression, as
+  ``[{"box": [x1, y1, x2, y2], "score", "index", "label"}]`` best first (a list of such lists
+  for a batch of several). ``format`` says how the model reports them:
 
-The output tensor is read as rows of class scores: a 1-D output is one sample; otherwise
-the first axis is the batch and all other axes are flattened, so ``[1, 1000, 1, 1]``
-classifier heads work as they are. Softmax is computed in float64 after subtracting each
-row's maximum, so logits of any magnitude (1e4 and beyond) give finite probabilities.
+  - ``yolov8``: one output ``[batch, 4 + classes, anchors]``: cx, cy, w, h in input pixels,
+    then one (already sigmoid) score per class, no objectness;
+  - ``yolov5``: one output ``[batch, anchors, 5 + classes]``: cx, cy, w, h, objectness,
+    class scores; an anchor's score is objectness x class score;
+  - ``boxes_scores``: the model already decodes: ``outputs.boxes`` ``[N, 4]`` (x1, y1, x2, y2
+    in input pixels), ``outputs.scores`` ``[N]`` and optionally ``outputs.classes`` ``[N]``
+    (class 0 without it), each with an optional leading batch axis.
 
-``labels`` in a recipe is a path next to the recipe; in a manifest it is the artifact-relative
-path (``assets/labels.txt``). This module never opens it: the caller reads the text and
-passes :func:`load_labels` of it, so the same code serves files on disk and archive members.
+  Each anchor keeps its best class; candidates with ``score > score_threshold`` enter NMS,
+  which per class keeps the best box and drops every box of that class whose IoU with a
+  kept one is ``> iou_threshold``; the ``max_detections`` best survivors remain. With the
+  preprocessing geometry (``scale_x``, ``scale_y``, ``pad_x``, ``pad_y``, ``original_size``)
+  boxes are mapped back to the original image's pixels, ``x = (x_in - pad_x) / scale_x``,
+  and clipped to ``[0, width] x [0, height]``; without it (tensor inputs) they stay in the
+  model input's pixels.
+- ``ctc``: greedy CTC decoding of ``[batch, T, classes]`` (``layout: NTC``, or ``TNC``;
+  ``[T, classes]`` is one sample): per step the argmax class, repeats collapsed, the
+  ``blank`` dropped. The result is ``{"text", "score"}`` (a list for a batch of several);
+  ``score`` is the mean, over the kept steps, of each step's highest probability: of the
+  output itself when ``apply_softmax`` is false (the graph ends in Softmax), of its softmax
+  otherwise; 0.0 when nothing is kept (PaddleOCR's convention). The charset file has one
+  symbol per line; the blank takes no line: with ``blank`` *b*, class *i < b* is line *i*
+  and class *i > b* is line *i - 1*. PaddleOCR's recognizers (blank 0, ``ppocr_keys``
+  lines for classes 1..N) and CRNNs with the blank last both fit. ``append_space: true``
+  adds a space as the last symbol (PaddleOCR's ``use_space_char``).
+
+The output tensor of ``softmax``/``topk`` is read as rows of class scores: a 1-D output is
+one sample; otherwise the first axis is the batch and all other axes are flattened, so
+``[1, 1000, 1, 1]`` classifier heads work as they are. Softmax is computed in float64 after
+subtracting each row's maximum, so logits of any magnitude give finite probabilities.
+
+``labels`` and ``charset`` in a recipe are paths next to the recipe; in a manifest the
+artifact-relative paths (``assets/labels.txt``, ``assets/charset.txt``). This module never
+opens them: the caller reads the text and passes :func:`load_labels` /
+:func:`load_charset` of it, so the same code serves files on disk and archive members.
 """
 
 from __future__ import annotations
@@ -30,37 +63,72 @@ from typing import Any
 
 import numpy as np
 
-from edgepack_core.errors import PostprocessError
+from edgepack_core.errors import PostprocessError, SchemaError
 from edgepack_core.schema import validate_by_kind
 
 SPEC_VERSION = 1
 DEFAULT_K = 5
+DETECTION_FORMATS = ["yolov8", "yolov5", "boxes_scores"]
+DETECTION_DEFAULTS: dict[str, Any] = {"format": "yolov8", "score_threshold": 0.25, "iou_threshold": 0.45,
+                                      "max_detections": 100}
+MAX_DETECTIONS = 10_000
 
+_NAME = {"type": "string", "minLength": 1}
 _PROPERTIES: dict[str, Any] = {
-    "kind": {"enum": ["raw", "softmax", "topk"]},
+    "kind": {"enum": ["raw", "softmax", "topk", "detection", "ctc"]},
     "version": {"type": "integer", "const": SPEC_VERSION, "default": SPEC_VERSION},
-    "output": {"type": "string", "minLength": 1, "description": "the model output to read (default: first)"},
+    "output": {**_NAME, "description": "the model output to read (default: first)"},
     "k": {"type": "integer", "minimum": 1, "default": DEFAULT_K, "description": "topk: how many classes"},
     "labels": {"type": ["string", "null"], "minLength": 1,
-               "description": "topk: labels file, one per line (recipe: a path; manifest: assets/labels.txt)"},
-    "apply_softmax": {"type": "boolean", "default": True,
-                      "description": "topk: score with softmax probabilities (false: raw output values)"},
+               "description": "topk, detection: labels file, one per line (recipe: a path; manifest: "
+               "assets/labels.txt)"},
+    "apply_softmax": {"type": "boolean",
+                      "description": "topk, ctc: score with softmax probabilities (false: the output's own "
+                      "values); default false when the graph's output comes from a Softmax, else true"},
+    "format": {"enum": DETECTION_FORMATS, "default": DETECTION_DEFAULTS["format"],
+               "description": "detection: yolov8 [batch, 4+classes, anchors]; yolov5 [batch, anchors, "
+               "5+classes]; boxes_scores: decoded boxes, scores and classes outputs"},
+    "score_threshold": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.25,
+                        "description": "detection: keep boxes whose score is above this"},
+    "iou_threshold": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.45,
+                      "description": "detection: NMS drops a box whose IoU with a better box of its class is "
+                      "above this"},
+    "max_detections": {"type": "integer", "minimum": 1, "maximum": MAX_DETECTIONS, "default": 100,
+                       "description": "detection: at most this many boxes per image"},
+    "outputs": {"type": "object", "additionalProperties": False, "required": ["boxes", "scores"],
+                "description": "detection, format boxes_scores: the model outputs holding boxes [N, 4] "
+                "(x1, y1, x2, y2), scores [N] and, optionally, classes [N]",
+                "properties": {"boxes": _NAME, "scores": _NAME, "classes": _NAME}},
+    "blank": {"type": "integer", "minimum": 0, "default": 0, "description": "ctc: the blank class index"},
+    "charset": {"type": ["string", "null"], "minLength": 1,
+                "description": "ctc: charset file, one symbol per line, the blank excluded (recipe: a path; "
+                "manifest: assets/charset.txt)"},
+    "append_space": {"type": "boolean", "default": False,
+                     "description": "ctc: a space is the last symbol after the charset's lines (PaddleOCR "
+                     "use_space_char)"},
+    "layout": {"enum": ["NTC", "TNC"], "default": "NTC",
+               "description": "ctc: [batch, steps, classes] or [steps, batch, classes]"},
 }
-_PLAIN_KEYS = ["kind", "version", "output"]
+_KIND_KEYS: dict[str, list[str]] = {
+    "raw": ["kind", "version", "output"],
+    "softmax": ["kind", "version", "output"],
+    "topk": ["kind", "version", "output", "k", "labels", "apply_softmax"],
+    "detection": ["kind", "version", "output", "format", "score_threshold", "iou_threshold", "max_detections",
+                  "labels", "outputs"],
+    "ctc": ["kind", "version", "output", "blank", "charset", "append_space", "layout", "apply_softmax"],
+}
 
 POSTPROCESS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "title": "Edgepack postprocessing spec",
-    "description": "How the model's output becomes the 'result' of a prediction.",
+    "description": "How the model's outputs become the 'result' of a prediction.",
     "additionalProperties": False,
     "required": ["kind"],
     "properties": _PROPERTIES,
-    # k, labels and apply_softmax only mean something for topk; elsewhere they are mistakes.
+    # Each kind takes its own keys; k on a softmax spec, blank on a detection spec are mistakes.
     "oneOf": [
-        {"additionalProperties": False,
-         "properties": {"kind": {"enum": ["raw", "softmax"]}, **{key: {} for key in _PLAIN_KEYS[1:]}}},
-        {"additionalProperties": False,
-         "properties": {**{key: {} for key in _PROPERTIES}, "kind": {"const": "topk"}}},
+        {"additionalProperties": False, "properties": {**{key: {} for key in keys}, "kind": {"const": kind}}}
+        for kind, keys in _KIND_KEYS.items()
     ],
 }
 
@@ -72,7 +140,7 @@ _KIND_SCHEMAS: dict[str, dict[str, Any]] = {
         "additionalProperties": False,
         "properties": {**{key: _PROPERTIES[key] for key in keys}, "kind": {"const": kind}},
     }
-    for kind, keys in (("raw", _PLAIN_KEYS), ("softmax", _PLAIN_KEYS), ("topk", list(_PROPERTIES)))
+    for kind, keys in _KIND_KEYS.items()
 }
 
 
@@ -84,14 +152,41 @@ def normalize_postprocess(spec: Mapping[str, Any] | None, *, document: str = "",
     """
     raw = validate_by_kind({"kind": "raw"} if spec is None else spec, _KIND_SCHEMAS, POSTPROCESS_SCHEMA,
                            document=document, path=path)
-    out: dict[str, Any] = {"kind": raw["kind"], "version": raw.get("version", SPEC_VERSION)}
-    if raw["kind"] == "topk":
-        out["k"] = raw.get("k", DEFAULT_K)
-        out["apply_softmax"] = raw.get("apply_softmax", True)
+    kind = raw["kind"]
+    out: dict[str, Any] = {"kind": kind, "version": raw.get("version", SPEC_VERSION)}
+    if kind == "topk":
+        out.update(k=raw.get("k", DEFAULT_K), apply_softmax=raw.get("apply_softmax", True),
+                   labels=raw.get("labels"))
+    elif kind == "detection":
+        out.update({key: raw.get(key, value) for key, value in DETECTION_DEFAULTS.items()})
         out["labels"] = raw.get("labels")
+        _check_detection_outputs(raw, out["format"], document, path)
+        if "outputs" in raw:
+            out["outputs"] = dict(raw["outputs"])
+    elif kind == "ctc":
+        out.update(blank=raw.get("blank", 0), charset=raw.get("charset"),
+                   append_space=raw.get("append_space", False), layout=raw.get("layout", "NTC"),
+                   apply_softmax=raw.get("apply_softmax", True))
     if "output" in raw:
         out["output"] = raw["output"]
     return out
+
+
+def _check_detection_outputs(raw: Mapping[str, Any], fmt: str, document: str, path: str) -> None:
+    """boxes_scores reads three named outputs; the YOLO formats read one (``output``)."""
+    def where(key: str) -> str:
+        return f"{path}.{key}" if path else key
+
+    if fmt == "boxes_scores":
+        if "outputs" not in raw:
+            raise SchemaError(where("outputs"), "format boxes_scores needs outputs: {boxes: NAME, scores: NAME, "
+                              "classes: NAME}", document=document)
+        if "output" in raw:
+            raise SchemaError(where("output"), "format boxes_scores reads outputs.boxes/scores/classes, not "
+                              "output", document=document)
+    elif "outputs" in raw:
+        raise SchemaError(where("outputs"), f"only format boxes_scores takes outputs (format {fmt} reads one "
+                          "output)", document=document)
 
 
 def load_labels(text: str) -> list[str]:
@@ -103,6 +198,16 @@ def load_labels(text: str) -> list[str]:
     return lines
 
 
+def load_charset(text: str, *, append_space: bool = False) -> list[str]:
+    """One symbol per line, kept exactly (a symbol may be a space) but for the line end and a
+    BOM; a final empty line is the file's last newline, not a symbol."""
+    symbols = text.removeprefix("\ufeff").split("\n")
+    if symbols and symbols[-1] == "":
+        symbols.pop()
+    symbols = [s[:-1] if s.endswith("\r") else s for s in symbols]
+    return [*symbols, " "] if append_space else symbols
+
+
 def softmax(scores: np.ndarray, axis: int = -1) -> np.ndarray:
     """Numerically stable softmax in float64: subtracting the maximum keeps exp() finite."""
     values = np.asarray(scores, dtype=np.float64)
@@ -111,17 +216,146 @@ def softmax(scores: np.ndarray, axis: int = -1) -> np.ndarray:
     return exps / np.sum(exps, axis=axis, keepdims=True)
 
 
+# ----------------------------------------------------------------------------- detection
+
+
+def box_iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
+    """IoU of one x1y1x2y2 box with each of ``boxes``; 0 where the union is empty."""
+    width = np.clip(np.minimum(box[2], boxes[:, 2]) - np.maximum(box[0], boxes[:, 0]), 0, None)
+    height = np.clip(np.minimum(box[3], boxes[:, 3]) - np.maximum(box[1], boxes[:, 1]), 0, None)
+    inter = width * height
+    area = max(box[2] - box[0], 0) * max(box[3] - box[1], 0)
+    areas = np.clip(boxes[:, 2] - boxes[:, 0], 0, None) * np.clip(boxes[:, 3] - boxes[:, 1], 0, None)
+    union = area + areas - inter
+    return np.divide(inter, union, out=np.zeros_like(inter, dtype=np.float64), where=union > 0)
+
+
+def nms(boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray, iou_threshold: float,
+        max_detections: int) -> np.ndarray:
+    """Class-wise greedy NMS: indices of the kept boxes, best score first (ties: lower index).
+
+    A box is dropped when its IoU with an already kept box of the same class is above
+    ``iou_threshold``; boxes of different classes never suppress each other."""
+    boxes = np.asarray(boxes, dtype=np.float64)
+    order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
+    classes = np.asarray(classes)
+    kept: list[int] = []
+    while order.size and len(kept) < max_detections:
+        best, rest = int(order[0]), order[1:]
+        kept.append(best)
+        same = classes[rest] == classes[best]
+        overlap = box_iou(boxes[best], boxes[rest]) > iou_threshold
+        order = rest[~(same & overlap)]
+    return np.asarray(kept, dtype=np.int64)
+
+
+def _xywh_to_xyxy(xywh: np.ndarray) -> np.ndarray:
+    half = xywh[:, 2:4] / 2
+    return np.concatenate([xywh[:, 0:2] - half, xywh[:, 0:2] + half], axis=1)
+
+
+def decode_yolo(output: np.ndarray, fmt: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per image of the batch: (boxes x1y1x2y2 [A, 4], best score [A], best class [A])."""
+    output = np.asarray(output, dtype=np.float64)
+    if output.ndim == 2:
+        output = output[None]
+    minimum = 5 if fmt == "yolov8" else 6
+    if output.ndim != 3:
+        raise PostprocessError(f"a {fmt} output must be [batch, ...] of rank 3, got shape {list(output.shape)}")
+    rows = output.transpose(0, 2, 1) if fmt == "yolov8" else output
+    if rows.shape[2] < minimum:
+        layout = "[batch, 4 + classes, anchors]" if fmt == "yolov8" else "[batch, anchors, 5 + classes]"
+        raise PostprocessError(f"a {fmt} output is {layout}, got shape {list(output.shape)}")
+    decoded = []
+    for image in rows:
+        class_scores = image[:, 4:] if fmt == "yolov8" else image[:, 5:] * image[:, 4:5]
+        best = np.argmax(class_scores, axis=1)
+        decoded.append((_xywh_to_xyxy(image[:, :4]), class_scores[np.arange(len(best)), best], best))
+    return decoded
+
+
+def decode_boxes_scores(boxes: np.ndarray, scores: np.ndarray,
+                        classes: np.ndarray | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Already decoded outputs, with or without a leading batch axis, split per image."""
+    boxes, scores = np.asarray(boxes, dtype=np.float64), np.asarray(scores, dtype=np.float64)
+    if boxes.ndim == 2:
+        boxes, scores = boxes[None], scores.reshape(1, -1)
+        classes = None if classes is None else np.asarray(classes).reshape(1, -1)
+    if boxes.ndim != 3 or boxes.shape[2] != 4:
+        raise PostprocessError(f"boxes must be [N, 4] or [batch, N, 4], got shape {list(boxes.shape)}")
+    if scores.shape != boxes.shape[:2]:
+        raise PostprocessError(f"scores of shape {list(scores.shape)} do not match boxes {list(boxes.shape)}")
+    labels = np.zeros(scores.shape, dtype=np.int64) if classes is None else np.asarray(classes)
+    if labels.shape != scores.shape:
+        raise PostprocessError(f"classes of shape {list(labels.shape)} do not match scores {list(scores.shape)}")
+    return [(b, s, c.astype(np.int64)) for b, s, c in zip(boxes, scores, labels, strict=True)]
+
+
+def to_original(boxes: np.ndarray, geometry: Mapping[str, Any] | None) -> np.ndarray:
+    """Boxes in model-input pixels -> the original image's pixels, clipped to the image
+    (the inverse of the preprocessor's resize; see :func:`edgepack_core.preprocess.image_geometry`)."""
+    if geometry is None:
+        return boxes
+    height, width = geometry["original_size"]
+    mapped = np.empty_like(boxes, dtype=np.float64)
+    mapped[:, 0::2] = (boxes[:, 0::2] - geometry["pad_x"]) / geometry["scale_x"]
+    mapped[:, 1::2] = (boxes[:, 1::2] - geometry["pad_y"]) / geometry["scale_y"]
+    mapped[:, 0::2] = np.clip(mapped[:, 0::2], 0, width)
+    mapped[:, 1::2] = np.clip(mapped[:, 1::2], 0, height)
+    return mapped
+
+
+# ----------------------------------------------------------------------------- ctc
+
+
+def ctc_greedy(steps: np.ndarray, blank: int, symbols: Sequence[str] | None, *,
+               apply_softmax: bool) -> dict[str, Any]:
+    """Greedy CTC decoding of one sample ``[T, classes]`` (see module docs for the charset rule)."""
+    steps = np.asarray(steps, dtype=np.float64)
+    if steps.ndim != 2 or steps.shape[1] == 0:
+        raise PostprocessError(f"a ctc sample must be [steps, classes], got shape {list(steps.shape)}")
+    if blank >= steps.shape[1]:
+        raise PostprocessError(f"blank {blank} is not a class of an output with {steps.shape[1]} classes")
+    if symbols is not None and len(symbols) != steps.shape[1] - 1:
+        raise PostprocessError(f"the charset has {len(symbols)} symbols but the output has {steps.shape[1]} "
+                               f"classes (the charset plus the blank: {len(symbols) + 1})")
+    probabilities = softmax(steps, axis=1) if apply_softmax else steps
+    best = np.argmax(probabilities, axis=1)
+    keep = best != blank
+    keep[1:] &= best[1:] != best[:-1]
+    kept = best[keep]
+    text = "".join(_symbol(int(i), blank, symbols) for i in kept)
+    score = float(np.mean(probabilities[keep, kept])) if kept.size else 0.0
+    return {"text": text, "score": score}
+
+
+def _symbol(index: int, blank: int, symbols: Sequence[str] | None) -> str:
+    if symbols is None:  # no charset: the class index itself, so a result is never silently empty
+        return f"[{index}]"
+    return symbols[index if index < blank else index - 1]
+
+
+# ----------------------------------------------------------------------------- executor
+
+
 class Postprocessor:
     """Turns the model's outputs into the ``result`` of a prediction (see module docs)."""
 
-    def __init__(self, spec: Mapping[str, Any] | None, labels: Sequence[str] | None = None) -> None:
+    def __init__(self, spec: Mapping[str, Any] | None, labels: Sequence[str] | None = None,
+                 charset: Sequence[str] | None = None) -> None:
         self.spec = normalize_postprocess(spec)
         self.kind: str = self.spec["kind"]
         self.labels = list(labels) if labels is not None else None
+        self.charset = list(charset) if charset is not None else None
 
-    def __call__(self, outputs: Mapping[str, np.ndarray]) -> Any:
+    def __call__(self, outputs: Mapping[str, np.ndarray], geometry: Mapping[str, Any] | None = None) -> Any:
+        """``geometry``: what the image preprocessing did (detection maps boxes back through it)."""
         if self.kind == "raw":
             return None
+        if self.kind == "detection":
+            return self._detection(outputs, geometry)
+        if self.kind == "ctc":
+            return self._ctc(self._select(outputs))
         rows, single = self._rows(self._select(outputs))
         if self.kind == "softmax":
             probabilities = softmax(rows, axis=1).tolist()
@@ -130,10 +364,10 @@ class Postprocessor:
         results = [self._topk(row) for row in scores]
         return results[0] if single else results
 
-    def _select(self, outputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    def _select(self, outputs: Mapping[str, np.ndarray], name: str | None = None) -> np.ndarray:
         if not outputs:
             raise PostprocessError("the model returned no outputs")
-        name = self.spec.get("output")
+        name = name or self.spec.get("output")
         if name is None:
             return np.asarray(next(iter(outputs.values())))
         if name not in outputs:
@@ -149,10 +383,41 @@ class Postprocessor:
             raise PostprocessError(f"an output of shape {list(output.shape)} holds no class scores")
         return rows.astype(np.float64), rows.shape[0] == 1
 
+    def _label(self, index: int) -> str | None:
+        labels = self.labels or []
+        return labels[index] if 0 <= index < len(labels) else None
+
     def _topk(self, scores: np.ndarray) -> list[dict[str, Any]]:
         order = np.argsort(-scores, kind="stable")[: self.spec["k"]]
-        labels = self.labels or []
-        return [
-            {"index": int(i), "label": labels[i] if i < len(labels) else None, "score": float(scores[i])}
-            for i in order
-        ]
+        return [{"index": int(i), "label": self._label(int(i)), "score": float(scores[i])} for i in order]
+
+    def _detection(self, outputs: Mapping[str, np.ndarray], geometry: Mapping[str, Any] | None) -> Any:
+        spec = self.spec
+        if spec["format"] == "boxes_scores":
+            names = spec["outputs"]
+            classes = self._select(outputs, names["classes"]) if "classes" in names else None
+            images = decode_boxes_scores(self._select(outputs, names["boxes"]),
+                                         self._select(outputs, names["scores"]), classes)
+        else:
+            images = decode_yolo(self._select(outputs), spec["format"])
+        results = [self._detections(*image, geometry) for image in images]
+        return results[0] if len(results) == 1 else results
+
+    def _detections(self, boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray,
+                    geometry: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+        candidates = np.flatnonzero(scores > self.spec["score_threshold"])
+        kept = candidates[nms(boxes[candidates], scores[candidates], classes[candidates],
+                              self.spec["iou_threshold"], self.spec["max_detections"])]
+        mapped = to_original(boxes[kept], geometry)
+        return [{"box": [float(v) for v in box], "score": float(scores[i]), "index": int(classes[i]),
+                 "label": self._label(int(classes[i]))} for box, i in zip(mapped, kept, strict=True)]
+
+    def _ctc(self, output: np.ndarray) -> Any:
+        if output.ndim == 2:
+            output = output[None] if self.spec["layout"] == "NTC" else output[:, None]
+        if output.ndim != 3:
+            raise PostprocessError(f"a ctc output must be [batch, steps, classes], got shape {list(output.shape)}")
+        samples = output if self.spec["layout"] == "NTC" else output.transpose(1, 0, 2)
+        results = [ctc_greedy(sample, self.spec["blank"], self.charset, apply_softmax=self.spec["apply_softmax"])
+                   for sample in samples]
+        return results[0] if len(results) == 1 else results

@@ -23,7 +23,9 @@ fixed order:
 
    - ``stretch``: resize to exactly HxW, ignoring the aspect ratio;
    - ``letterbox``: scale by ``min(H/h, W/w)`` so the whole image fits inside HxW, then pad
-     to HxW with ``pad_value`` (0..255, every channel) around the centered image;
+     to HxW with ``pad_value`` (0..255, every channel) around the image, centered
+     (``pad: center``, the default) or at the top-left corner (``pad: top-left``, all the
+     padding right and below, as some YOLO exports were trained);
    - ``keep-aspect``: scale by ``max(H/h, W/w)`` so the image covers HxW, then center-crop
      HxW (nothing is padded, the overflow on the long side is cut);
    - ``center-crop``: scale by ``max(H/h, W/w) / crop_fraction`` and center-crop HxW; for a
@@ -91,6 +93,8 @@ _RESIZE_SCHEMA: dict[str, Any] = {
         "interpolation": {"enum": _INTERPOLATIONS, "default": "bilinear"},
         "pad_value": {"type": "integer", "minimum": 0, "maximum": 255, "default": 0,
                       "description": "letterbox only: the value of every channel of the padding"},
+        "pad": {"enum": ["center", "top-left"], "default": "center",
+                "description": "letterbox only: where the image sits in the padded canvas"},
         "crop_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": DEFAULT_CROP_FRACTION,
                           "description": "center-crop only: the fraction of the resized image that is kept"},
     },
@@ -100,7 +104,8 @@ _RESIZE_SCHEMA: dict[str, Any] = {
         {"additionalProperties": False,
          "properties": {"size": {}, "interpolation": {}, "mode": {"enum": ["stretch", "keep-aspect"]}}},
         {"additionalProperties": False, "required": ["mode"],
-         "properties": {"size": {}, "interpolation": {}, "mode": {"const": "letterbox"}, "pad_value": {}}},
+         "properties": {"size": {}, "interpolation": {}, "mode": {"const": "letterbox"}, "pad_value": {},
+                        "pad": {}}},
         {"additionalProperties": False, "required": ["mode"],
          "properties": {"size": {}, "interpolation": {}, "mode": {"const": "center-crop"}, "crop_fraction": {}}},
     ],
@@ -211,6 +216,7 @@ def _normalize_resize(resize: Mapping[str, Any]) -> dict[str, Any]:
     }
     if mode == "letterbox":
         out["pad_value"] = resize.get("pad_value", 0)
+        out["pad"] = resize.get("pad", "center")
     elif mode == "center-crop":
         out["crop_fraction"] = float(resize.get("crop_fraction", DEFAULT_CROP_FRACTION))
     return out
@@ -240,6 +246,8 @@ def resize_plan(
         factor = min(target_h / height, target_w / width)
         new_h = min(target_h, max(1, _round_half_up(height * factor)))
         new_w = min(target_w, max(1, _round_half_up(width * factor)))
+        if resize.get("pad", "center") == "top-left":
+            return (new_h, new_w), None, (0, 0)
         return (new_h, new_w), None, ((target_w - new_w) // 2, (target_h - new_h) // 2)
     fraction = resize.get("crop_fraction", 1.0) if mode == "center-crop" else 1.0
     factor = max(target_h / height, target_w / width) / fraction
@@ -247,6 +255,21 @@ def resize_plan(
     new_w = max(target_w, _round_half_up(width * factor))
     left, top = (new_w - target_w) // 2, (new_h - target_h) // 2
     return (new_h, new_w), (left, top, left + target_w, top + target_h), None
+
+
+def image_geometry(height: int, width: int, resize: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Where an ``height`` x ``width`` (upright) image lands in the model input, as the numbers
+    that map a model-input pixel back: ``x_original = (x_input - pad_x) / scale_x`` (the same
+    for y). ``pad`` is the paste offset of a letterbox, minus the crop offset of a crop mode;
+    ``scale`` is per axis because resized sizes are rounded. Pure; the detection
+    postprocessing (:func:`edgepack_core.postprocess.to_original`) inverts it."""
+    if resize is None:
+        return {"original_size": [height, width], "input_size": [height, width],
+                "scale_x": 1.0, "scale_y": 1.0, "pad_x": 0.0, "pad_y": 0.0}
+    (new_h, new_w), crop, paste = resize_plan(height, width, resize)
+    pad_x, pad_y = paste if paste is not None else (-crop[0], -crop[1]) if crop is not None else (0, 0)
+    return {"original_size": [height, width], "input_size": list(resize["size"]),
+            "scale_x": new_w / width, "scale_y": new_h / height, "pad_x": float(pad_x), "pad_y": float(pad_y)}
 
 
 def _matches(shape: tuple[int, ...], expected: list[Any]) -> bool:
@@ -309,6 +332,19 @@ class Preprocessor:
 
     def from_image_bytes(self, data: bytes) -> np.ndarray:
         """Decode an encoded image (PNG, JPEG, ...) and preprocess it."""
+        return self.from_image(self._decode(data))
+
+    def image_with_geometry(self, data: bytes | np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+        """Encoded image bytes, or an image array as :meth:`from_array` takes it -> the tensor
+        and the geometry applied (:func:`image_geometry` of the upright image), so the
+        detection postprocessing can map boxes back to the original's pixels."""
+        if isinstance(data, np.ndarray):
+            tensor = self.from_array(data)
+            return tensor, image_geometry(data.shape[0], data.shape[1], self.spec.get("resize"))
+        image = self._upright(self._decode(data))
+        return self._pipeline(image), image_geometry(image.height, image.width, self.spec.get("resize"))
+
+    def _decode(self, data: bytes) -> Image.Image:
         self._require_image()
         from PIL import Image
 
@@ -325,10 +361,13 @@ class Preprocessor:
             image.load()
         except Exception as err:
             raise PreprocessError(f"cannot decode image ({type(err).__name__}: {err})") from None
-        return self.from_image(image)
+        return image
 
     def from_image(self, image: Image.Image) -> np.ndarray:
         """Preprocess an already decoded Pillow image (EXIF orientation is still applied)."""
+        return self._pipeline(self._upright(image))
+
+    def _upright(self, image: Image.Image) -> Image.Image:
         self._require_image()
         from PIL import ImageOps
 
@@ -337,7 +376,7 @@ class Preprocessor:
             image = ImageOps.exif_transpose(image)
         except Exception as err:
             raise PreprocessError(f"cannot apply the EXIF orientation ({type(err).__name__}: {err})") from None
-        return self._pipeline(self._convert_color(image))
+        return self._convert_color(image)
 
     def from_array(self, array: np.ndarray) -> np.ndarray:
         """Image kind: an HxWx3 uint8 RGB array (or HxW / HxWx1 gray, HxWx4 RGBA), as if decoded.
