@@ -128,3 +128,89 @@ def test_compatible_contract_changes_pass():
     constant["inputs"].append({"name": "scale", "dtype": "float32", "shape": [1], "role": "constant"})
     assert contract_difference(raw(), constant) is None  # the agent feeds constants, not clients
     assert contract_difference(raw(), raw()) is None
+
+
+# ------------------------------------------------------------------ exact reasons and edges
+
+
+def test_announcement_mismatch_names_both():
+    assert admit(m(version="1.2.0"), m(), command("1.1.0"), POLICY) == \
+        "artifact is scale 1.2.0, the command announced scale 1.1.0"
+    assert admit(m("scale", "1.1.0"), m(), command("1.1.0", name="other"), POLICY) == \
+        "artifact is scale 1.1.0, the command announced other 1.1.0"
+
+
+def test_name_refusal_lists_the_allowed_names():
+    policy = DevicePolicy(profile="x86", allowed_names=policy_names(["scale-v2", "scale"]))
+    assert admit(m("othermodel", "9.0.0"), m(), command("9.0.0"), policy) == \
+        "model name 'othermodel' is not allowed on this device (allowed: scale, scale-v2)"
+
+
+def test_version_refusal_names_the_newest_known_version():
+    assert admit(m(version="1.0.0"), m(), command("1.0.0"), POLICY) == \
+        "scale 1.0.0 is not newer than scale 1.0.0 on this device (a signed command with force_downgrade overrides)"
+
+
+def test_the_newer_of_the_active_and_the_recorded_version_is_the_floor():
+    behind = DevicePolicy(profile="x86", known_versions={"scale": "0.5.0"})  # the active model is newer
+    reason = admit(m(version="0.9.0"), m(version="1.0.0"), command("0.9.0"), behind)
+    assert reason is not None and "not newer than scale 1.0.0 on this device" in reason
+    assert admit(m(version="1.0.1"), m(version="1.0.0"), command("1.0.1"), behind) is None
+    ahead = DevicePolicy(profile="x86", known_versions={"scale": "2.0.0"})  # a newer one was installed before
+    reason = admit(m(version="1.5.0"), m(version="1.0.0"), command("1.5.0"), ahead)
+    assert reason is not None and "not newer than scale 2.0.0 on this device" in reason
+
+
+def test_an_active_version_equal_to_the_recorded_one_keeps_the_recorded_text():
+    # build metadata does not order versions: the active 1.0.0+b is not newer than the recorded 1.0.0+a
+    policy = DevicePolicy(profile="x86", known_versions={"scale": "1.0.0+a"})
+    reason = admit(m(version="1.0.0+c"), m(version="1.0.0+b"), command("1.0.0+c"), policy)
+    assert reason is not None and "not newer than scale 1.0.0+a on this device" in reason
+
+
+def test_profile_refusal_lists_every_target():
+    targets = {"x86-avx512": {}, "jetson": {}}
+    assert admit(m(version="1.1.0", targets=targets), m(), command(), POLICY) == \
+        "built for jetson, x86-avx512, not for this device's profile x86"
+
+
+def test_contract_refusal_names_the_difference_and_the_override():
+    assert admit(m(version="1.1.0", postprocess={"kind": "softmax"}), m(), command(), POLICY) == \
+        "I/O contract changes: postprocessing kind is softmax, was none (a signed command with " \
+        "allow_contract_change overrides)"
+
+
+def _only(*keys: str) -> dict[str, Any]:
+    """A raw manifest with only these keys (absent lists read as empty)."""
+    return {key: value for key, value in raw().items() if key in keys}
+
+
+@pytest.mark.parametrize("active, new, expected", [
+    ({}, {}, None),
+    (_only("inputs", "preprocess"), raw(), "output 'y' is new (was: none)"),
+    (raw(), _only("inputs", "preprocess"), "output 'y' is gone (now: none)"),
+    (_only("outputs", "preprocess"), raw(), "input 'x' is new (was: none)"),
+    (raw(), _only("outputs", "preprocess"), "input 'x' is gone (now: none)"),
+    (raw(), raw(inputs=[{"name": "z", "dtype": "float32", "shape": [1]}, {"name": "v", "dtype": "float32",
+                                                                         "shape": [1]}]),
+     "input 'x' is gone (now: z, v)"),
+    (raw(inputs=[{"name": "x", "dtype": "float32", "shape": [1]}, {"name": "w", "dtype": "float32", "shape": [1]}]),
+     raw(inputs=[{"name": "x", "dtype": "float32", "shape": [1]}, {"name": "w", "dtype": "float32", "shape": [1]},
+                 {"name": "v", "dtype": "float32", "shape": [1]}]),
+     "input 'v' is new (was: x, w)"),
+    (raw(), raw(inputs=[{"name": "x", "dtype": "float32", "shape": ["N", "M"]}]), None),
+    (raw(inputs=[{"name": "x", "dtype": "float32", "shape": [1, 4]}]),
+     raw(inputs=[{"name": "x", "dtype": "float32", "shape": ["N", 4]}]), None),
+    (raw(), raw(outputs=[{"name": "y", "dtype": "float32", "shape": [1, 4]}]), "output 'y' dim 0 is fixed 1, was "
+                                                                             "symbolic 'N'"),
+    (raw(outputs=[{"name": "y", "dtype": "float32", "shape": [1, 4]}]), raw(), "output 'y' dim 0 is symbolic 'N', "
+                                                                             "was fixed 1"),
+    (raw(), raw(outputs=[{"name": "y", "dtype": "float32", "shape": ["N", 4, 2]}]),
+     "output 'y' has rank 3, was 2 (['N', 4, 2] vs ['N', 4])"),
+    (raw(postprocess={"kind": "softmax"}), raw(postprocess={"kind": "softmax"}), None),
+    (raw(postprocess={"kind": "softmax"}), raw(), "postprocessing kind is none, was softmax"),
+    (raw(preprocess={"kind": "image"}), raw(preprocess={"kind": "image"}), None),
+    (raw(), raw(preprocess=None), "preprocessing kind is none, was tensor"),
+])
+def test_contract_difference_exact(active, new, expected):
+    assert contract_difference(active, new) == expected

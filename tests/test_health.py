@@ -169,3 +169,75 @@ def test_contract_breaks_count_as_client_errors(live):
     assert _status(url, b'{"inputs": {"x": [[1, 2, 3, 4]]}}') == 200
     window = traffic_between(before, service.stats.snapshot())
     assert window.contract_errors == 2 and window.ok == 1 and window.model_errors == 0
+
+
+# ------------------------------------------------------------------ exact verdicts and reasons
+
+
+def test_silence_verdict_is_false_and_says_why():
+    verdict = judge(Traffic(ok=3), QUIET, Probes(), POLICY)
+    assert verdict.healthy is False
+    assert verdict.reason == "only 3 live requests and no golden samples to probe: no evidence the model works"
+
+
+def test_failed_probe_verdict_is_false_and_names_the_first_problem():
+    verdict = judge(Traffic(ok=2), QUIET, Probes(sent=5, failed=2, first_problem="output y differs"), POLICY)
+    assert verdict.healthy is False
+    assert verdict.reason == "2 of 5 golden-sample probes through the live service failed: output y differs"
+
+
+def test_model_error_verdict_counts_errors_and_non_finite_outputs_together():
+    # 4 errors + 2 non-finite = 6 of 98 requests (6.1%) is over 5%
+    verdict = judge(Traffic(ok=94, model_errors=4, non_finite=2), QUIET, Probes(), POLICY)
+    assert verdict.healthy is False
+    assert verdict.reason == "4 model errors and 2 non-finite outputs in 98 requests (limit 5%)"
+    # 5 of 100 is exactly the limit: allowed, whichever of the two kinds makes it up
+    assert judge(Traffic(ok=97, model_errors=3, non_finite=2), QUIET, Probes(), POLICY).healthy is True
+
+
+def test_contract_break_verdict_reports_both_rates():
+    verdict = judge(Traffic(ok=53, contract_errors=513), Traffic(ok=1000), Probes(), POLICY)
+    assert verdict.healthy is False
+    assert verdict.reason == ("client errors rose to 513 of 566 requests (91%, 0% before the swap): "
+                              "the I/O contract broke")
+
+
+def test_latency_verdict_reports_both_means_in_milliseconds():
+    before = Traffic(ok=100, latency_sum=1.0)  # 10 ms
+    verdict = judge(Traffic(ok=20, latency_sum=0.8), before, Probes(), POLICY)  # 40 ms
+    assert verdict.healthy is False
+    assert verdict.reason == "mean latency 40.00 ms is over 3.0x the previous model's 10.00 ms"
+
+
+def test_healthy_verdict_counts_requests_and_probes():
+    verdict = judge(Traffic(ok=20), QUIET, Probes(sent=3), POLICY)
+    assert verdict.healthy is True
+    assert verdict.reason == "20 live requests and 3 probes, no problem found"
+
+
+def test_window_is_the_difference_of_every_counter():
+    before = snapshot(ok=10, non_finite=2, latency_sum=1.5,
+                      errors={"runtime": 3, "shape": 4})
+    after = snapshot(ok=25, non_finite=7, latency_sum=4.0,
+                     errors={"runtime": 4, "internal": 2, "shape": 10})
+    assert traffic_between(before, after) == Traffic(ok=15, model_errors=3, contract_errors=6, non_finite=5,
+                                                     latency_sum=2.5)
+
+
+def test_snapshot_without_optional_counters_reads_as_zero():
+    traffic = traffic_of({"requests": {"ok": 4}})
+    assert traffic == Traffic(ok=4)
+    assert traffic.non_finite == 0 and traffic.latency_sum == 0.0 and isinstance(traffic.latency_sum, float)
+
+
+@pytest.mark.parametrize("value, message", [
+    (math.nan, "health_window_s nan is not a finite number"),
+    (True, "health_window_s True is not a finite number"),
+    ("30", "health_window_s '30' is not a finite number"),
+    (0.5, "health_window_s 0.5 is outside this device's range [1, 3600] s"),
+    (3600.5, "health_window_s 3600.5 is outside this device's range [1, 3600] s"),
+])
+def test_health_window_refusal_names_the_value_and_the_range(value, message):
+    with pytest.raises(ValueError) as caught:
+        check_window(value, low=1, high=3600)
+    assert str(caught.value) == message

@@ -200,7 +200,7 @@ def test_update_settings_defaults_and_plain_window(tmp_path):
 
 
 @pytest.mark.parametrize("updates, key", [
-    ({"health_window_s": float("nan")}, "updates.health_window_s.default"),
+    ({"health_window_s": float("nan")}, "updates.health_window_s: nan is not a finite number"),
     ({"health_window_s": {"max": float("inf")}}, "updates.health_window_s.max"),
     ({"health_window_s": {"default": 2, "min": 5}}, "updates.health_window_s"),
     ({"health_window_s": {"default": 50, "max": 40}}, "updates.health_window_s"),

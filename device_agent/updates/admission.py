@@ -116,7 +116,7 @@ def _kind(spec: Any) -> str:
 
 def _client_inputs(raw: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     """Inputs a client feeds (constant-role inputs are fed by the agent, not by clients)."""
-    return {t["name"]: t for t in raw.get("inputs", []) if t.get("role", "tensor") != "constant"}
+    return {t["name"]: t for t in raw.get("inputs", []) if t.get("role") != "constant"}
 
 
 def _dims_difference(where: str, old: Sequence[Any], new: Sequence[Any], *, relax_ok: bool) -> str | None:
@@ -124,7 +124,8 @@ def _dims_difference(where: str, old: Sequence[Any], new: Sequence[Any], *, rela
     symbolic (``relax_ok``: it accepts more); an output dim may not (clients read it)."""
     if len(old) != len(new):
         return f"{where} has rank {len(new)}, was {len(old)} ({list(new)} vs {list(old)})"
-    for axis, (was, now) in enumerate(zip(old, new, strict=True)):
+    for axis, was in enumerate(old):
+        now = new[axis]
         was_fixed, now_fixed = isinstance(was, int), isinstance(now, int)
         if was_fixed and now_fixed and was != now:
             return f"{where} dim {axis} is {now}, was {was}"
@@ -135,8 +136,9 @@ def _dims_difference(where: str, old: Sequence[Any], new: Sequence[Any], *, rela
     return None
 
 
-def _tensors_difference(kind: str, old: Mapping[str, Mapping[str, Any]], new: Mapping[str, Mapping[str, Any]],
-                        *, relax_ok: bool) -> str | None:
+def _tensors_difference(kind: str, old: Mapping[str, Mapping[str, Any]], new: Mapping[str, Mapping[str, Any]]) \
+        -> str | None:
+    """``kind`` is "input" or "output": only an input's fixed dim may become symbolic."""
     for name in old:
         if name not in new:
             return f"{kind} {name!r} is gone (now: {', '.join(new) or 'none'})"
@@ -146,7 +148,8 @@ def _tensors_difference(kind: str, old: Mapping[str, Mapping[str, Any]], new: Ma
     for name, spec in old.items():
         if new[name]["dtype"] != spec["dtype"]:
             return f"{kind} {name!r} dtype is {new[name]['dtype']}, was {spec['dtype']}"
-        difference = _dims_difference(f"{kind} {name!r}", spec["shape"], new[name]["shape"], relax_ok=relax_ok)
+        difference = _dims_difference(f"{kind} {name!r}", spec["shape"], new[name]["shape"],
+                                      relax_ok=kind == "input")
         if difference is not None:
             return difference
     return None
@@ -161,12 +164,12 @@ def contract_difference(active: Mapping[str, Any], new: Mapping[str, Any]) -> st
     old_pre, new_pre = _kind(active.get("preprocess")), _kind(new.get("preprocess"))
     if old_pre != new_pre:
         return f"preprocessing kind is {new_pre}, was {old_pre}"
-    difference = _tensors_difference("input", _client_inputs(active), _client_inputs(new), relax_ok=True)
+    difference = _tensors_difference("input", _client_inputs(active), _client_inputs(new))
     if difference is not None:
         return difference
     outputs_old = {t["name"]: t for t in active.get("outputs", [])}
     outputs_new = {t["name"]: t for t in new.get("outputs", [])}
-    difference = _tensors_difference("output", outputs_old, outputs_new, relax_ok=False)
+    difference = _tensors_difference("output", outputs_old, outputs_new)
     if difference is not None:
         return difference
     old_post, new_post = _kind(active.get("postprocess")), _kind(new.get("postprocess"))
