@@ -214,3 +214,16 @@ def _only(*keys: str) -> dict[str, Any]:
 ])
 def test_contract_difference_exact(active, new, expected):
     assert contract_difference(active, new) == expected
+
+
+def test_an_unreadable_recorded_version_gives_way_to_the_active_version():
+    garbled = DevicePolicy(profile="x86", known_versions={"scale": "not-a-version"})
+    assert admit(m(version="1.1.0"), m(version="1.0.0"), command("1.1.0"), garbled) is None
+    reason = admit(m(version="0.9.0"), m(version="1.0.0"), command("0.9.0"), garbled)
+    assert reason is not None and "not newer than scale 1.0.0 on this device" in reason
+
+
+def test_an_unreadable_recorded_version_with_no_active_model_is_a_reason_not_a_crash():
+    garbled = DevicePolicy(profile="x86", known_versions={"scale": "not-a-version"})
+    assert admit(m(version="9.0.0"), None, command("9.0.0"), garbled) == (
+        "the version recorded for scale on this device ('not-a-version') is unreadable: refusing to compare")

@@ -77,17 +77,30 @@ def _version(new: Manifest, active: Manifest | None, command: Mapping[str, Any],
     installed = known.get(new.name)
     if installed is None or command.get("force_downgrade") is True:
         return None
-    if Version(new.version) <= Version(installed):
+    try:
+        recorded = Version(installed)
+    except UsageError:  # a garbled record must not let any version through, nor crash the job
+        return f"the version recorded for {new.name} on this device ({installed!r}) is unreadable: refusing to compare"
+    if Version(new.version) <= recorded:
         return (f"{new.name} {new.version} is not newer than {new.name} {installed} on this device "
                 "(a signed command with force_downgrade overrides)")
     return None
 
 
 def _newer(a: str, b: str) -> bool:
+    """True when version ``a`` is newer than ``b``; a readable ``a`` beats an unreadable ``b``."""
     try:
         return Version(a) > Version(b)
     except UsageError:
+        return _readable(a) and not _readable(b)
+
+
+def _readable(version: str) -> bool:
+    try:
+        Version(version)
+    except UsageError:
         return False
+    return True
 
 
 def _profile(new: Manifest, _active: Manifest | None, _command: Mapping[str, Any], policy: DevicePolicy) \
