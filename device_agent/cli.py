@@ -57,7 +57,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
                            threads=args.threads)
         service = InferenceService(model)
         result = service.predict(data)
-        answer = result.to_json()
+        answer = result.to_json(outputs=args.outputs == "raw" or None)
     if args.json:
         # Strict JSON by the agent's one convention (docs/agent.md, "Encoding of outputs").
         print(wire_json.dumps(answer).decode())
@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     trust(predict)
     predict.add_argument("--input", required=True, help="an image, a .npy (one input) or a .npz (named inputs)")
     predict.add_argument("--json", action="store_true", help="print one JSON object")
+    predict.add_argument("--outputs", choices=["raw"],
+                         help="raw: add the raw output tensors to the answer (default: only without a task result)")
     runtime(predict)
     predict.set_defaults(func=cmd_predict)
 

@@ -74,6 +74,19 @@ def choose_answer_type(accept: str | None) -> str | None:
     return best
 
 
+def outputs_wanted(query: str) -> bool | None:
+    """The ``/predict`` query (pure): ``outputs=raw`` adds the raw output tensors to a JSON
+    answer, ``outputs=result`` leaves them out, no query keeps the default (raw outputs only
+    when the model has no task result). Anything else is a 400, never silently ignored."""
+    if not query:
+        return None
+    choices = {"outputs=raw": True, "outputs=result": False}
+    if query not in choices:
+        raise BadRequest("bad_query", f"unknown query {query[:100]!r}: /predict takes ?outputs=raw or "
+                         "?outputs=result")
+    return choices[query]
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
@@ -127,9 +140,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, document: Any) -> None:
         self._send(status, wire_json.dumps(document) + b"\n")
 
-    def _answer(self, result: PredictResult, answer_type: str) -> None:
+    def _answer(self, result: PredictResult, answer_type: str, raw_outputs: bool | None = None) -> None:
         """The 200 answer of /predict in the negotiated media type."""
-        answer = result.to_json()
+        answer = result.to_json(outputs=raw_outputs)
         if answer_type != wire_json.NPZ_MEDIA_TYPE:
             self._json(200, answer)
             return
@@ -155,8 +168,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "not_found", f"no such endpoint {self.path}")
 
     def do_POST(self) -> None:
-        if self.path != "/predict":
+        path, _, query = self.path.partition("?")
+        if path != "/predict":
             self._error(404, "not_found", f"no such endpoint {self.path}")
+            return
+        try:
+            raw_outputs = outputs_wanted(query)
+        except BadRequest as err:
+            self.close_connection = True  # the body is not read
+            self._error(err.http_status, err.kind, str(err))
             return
         service = self.server.service
         answer_type = choose_answer_type(self.headers.get("Accept"))
@@ -210,7 +230,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(500, "internal", f"{type(err).__name__}: {err}")
             return
         try:
-            self._answer(result, answer_type)
+            self._answer(result, answer_type, raw_outputs)
         except wire_json.WireEncodingError as err:
             service.stats.error("encoding", client=False)
             self._error(500, "encoding", str(err))

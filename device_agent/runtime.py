@@ -29,7 +29,7 @@ from device_agent.smoke import SmokeReport, run_smoke_test, shape_matches
 from edgepack_core.errors import PostprocessError, PreprocessError
 from edgepack_core.manifest import Manifest
 from edgepack_core.ort_compat import RuntimeTooOldError, runtime_refusal
-from edgepack_core.postprocess import Postprocessor, load_labels
+from edgepack_core.postprocess import Postprocessor, load_charset, load_labels
 from edgepack_core.preprocess import Preprocessor
 
 log = logging.getLogger("edgepack.agent.runtime")
@@ -109,9 +109,13 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
     post = dict(manifest.postprocess or {"kind": "raw"})
     if post.get("labels"):
         labels = load_labels((root / post["labels"]).read_text(encoding="utf-8"))
+    charset = None
+    if post.get("charset"):
+        charset = load_charset((root / post["charset"]).read_text(encoding="utf-8"),
+                               append_space=bool(post.get("append_space")))
     model = LoadedModel(
         root=root, manifest=manifest, session=result.session, provider=result.provider, fallbacks=result.fallbacks,
-        preprocessor=Preprocessor(manifest.preprocess), postprocessor=Postprocessor(post, labels),
+        preprocessor=Preprocessor(manifest.preprocess), postprocessor=Postprocessor(post, labels, charset),
         output_names=[o.name for o in result.session.get_outputs()],
         input_specs={t.name: (np.dtype(_DTYPES.get(t.dtype, np.float32)), tuple(t.shape)) for t in manifest.inputs
                      if t.name not in constants},
@@ -131,17 +135,28 @@ class PredictResult:
     result: Any
     model: LoadedModel
     latency_s: float
+    # What the image preprocessing did (edgepack_core.preprocess.image_geometry); None for tensors.
+    geometry: dict[str, Any] | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        """The ``predict --json`` object (docs/agent.md, "One-shot predict")."""
-        return {
+    def to_json(self, *, outputs: bool | None = None) -> dict[str, Any]:
+        """The ``predict --json`` object (docs/agent.md, "One-shot predict").
+
+        ``outputs``: include the raw output tensors. By default only when there is no task
+        result (``postprocess: raw``, or postprocessing skipped): a detector's raw head is about
+        1 MB of JSON per image that the result already says. Detection answers carry the
+        geometry that maps model-input pixels to the original image's."""
+        answer: dict[str, Any] = {
             "model": {"name": self.model.manifest.name, "version": self.model.manifest.version},
             "provider": self.model.provider,
             "provider_fallbacks": [{"provider": p, "reason": r} for p, r in self.model.fallbacks],
-            "outputs": {name: value.tolist() for name, value in self.outputs.items()},
-            "result": self.result,
-            "latency_ms": round(self.latency_s * 1000, 3),
         }
+        if self.result is None if outputs is None else outputs:
+            answer["outputs"] = {name: value.tolist() for name, value in self.outputs.items()}
+        answer["result"] = self.result
+        if self.geometry is not None and self.model.postprocessor.kind == "detection":
+            answer["geometry"] = self.geometry
+        answer["latency_ms"] = round(self.latency_s * 1000, 3)
+        return answer
 
 
 # Prometheus histogram bucket bounds (seconds) for inference latency.
@@ -254,14 +269,14 @@ class InferenceService:
         result = None
         if postprocess:
             try:
-                result = model.postprocessor(outputs)
+                result = model.postprocessor(outputs, getattr(feed, "geometry", None))
             except PostprocessError as err:
                 self._fail("postprocess", client=False)
                 raise BadRequest("postprocess", str(err), http_status=500) from None
         self.stats.ok(elapsed)
         for observer in self.observers:
             observer(elapsed, None)
-        return PredictResult(outputs, result, model, elapsed)
+        return PredictResult(outputs, result, model, elapsed, getattr(feed, "geometry", None))
 
     def _fail(self, kind: str, *, client: bool) -> None:
         self.stats.error(kind, client)
@@ -307,14 +322,14 @@ class InferenceService:
                 raise BadRequest("unsupported_media", "this model takes tensors: send .npy/.npz or JSON",
                                  http_status=415)
             try:
-                return {image_input: model.preprocessor.from_image_bytes(data)}
+                return _ImageFeed(image_input, *model.preprocessor.image_with_geometry(data))
             except PreprocessError as err:
                 raise BadRequest("bad_image", str(err)) from None
         if isinstance(data, np.ndarray):
             image_input = model.image_input
             if image_input is not None and data.dtype == np.uint8 and data.ndim in (2, 3):
                 try:
-                    return {image_input: model.preprocessor.from_array(data)}
+                    return _ImageFeed(image_input, *model.preprocessor.image_with_geometry(data))
                 except PreprocessError as err:
                     raise BadRequest("bad_image", str(err)) from None
             if len(model.input_specs) != 1:
@@ -323,6 +338,14 @@ class InferenceService:
             self._check_feed(model, feed)
             return feed
         raise BadRequest("bad_input", f"cannot predict on a {type(data).__name__}")
+
+
+class _ImageFeed(dict):
+    """The feed of one preprocessed image, with the geometry the detection result maps back through."""
+
+    def __init__(self, name: str, tensor: np.ndarray, geometry: dict[str, Any]) -> None:
+        super().__init__({name: tensor})
+        self.geometry = geometry
 
 
 def _decode_numpy(data: bytes) -> np.ndarray | dict[str, np.ndarray]:

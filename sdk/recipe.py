@@ -250,6 +250,7 @@ _PATH_KEYS: list[tuple[tuple[str, ...], bool]] = [
     (("model", "path"), True),
     (("model", "pytorch", "weights"), True),
     (("postprocess", "labels"), True),
+    (("postprocess", "charset"), True),
     *[((section, key, kind), True) for section, key in DATA_SOURCES
       for kind in ("images", "npz", "test_data", "labels")],
     (("sign", "key"), True),

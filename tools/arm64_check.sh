@@ -115,7 +115,7 @@ for name in mobilenet digits tabular; do
   run_logged "build $name" "$BIN/edgepack" build "$WORK/recipes/$name.yaml" --allow-external-paths \
     --key "$WORK/release.key" --output "$WORK/$name.edgepkg"
   run_logged "x86 predict $name" bash -c "'$BIN/edgepack-agent' predict --artifact '$WORK/$name.edgepkg' \
-    --trust '$WORK/release.pub' --input '$WORK/${INPUT[$name]}' --json --profile rpi > '$WORK/out/$name.x86.json'"
+    --trust '$WORK/release.pub' --input '$WORK/${INPUT[$name]}' --json --outputs raw --profile rpi > '$WORK/out/$name.x86.json'"
 done
 pass "x86 reference outputs for mobilenet, digits, tabular"
 
@@ -127,7 +127,7 @@ for name in mobilenet digits tabular; do
       --trust /work/release.pub --profile rpi > "$WORK/out/$name.install.json" 2>>"$LOG"; then
     pass "arm64 install $name (golden smoke test passed)"; else fail "arm64 install $name"; continue; fi
   if in_root edgepack-agent predict --artifact "/work/$name.edgepkg" --trust /work/release.pub \
-      --input "/work/${INPUT[$name]}" --json --profile rpi > "$WORK/out/$name.arm64.json" 2>>"$LOG"; then
+      --input "/work/${INPUT[$name]}" --json --outputs raw --profile rpi > "$WORK/out/$name.arm64.json" 2>>"$LOG"; then
     pass "arm64 predict $name"; else fail "arm64 predict $name"; continue; fi
   if "$PY" "$REPO/tools/arm64/compare.py" "$WORK/out/$name.x86.json" "$WORK/out/$name.arm64.json" --atol 1e-4; then
     :; else FAILED=1; fi

@@ -85,11 +85,11 @@ print(json.loads(t.extractfile('manifest.json').read())['model'].get('min_onnxru
     fail "onnxruntime $HAVE: install $name (min_onnxruntime $need)"; tail -n 3 "$LOG" | sed 's/^/    /'; continue
   fi
   if ! "$OLD/bin/edgepack-agent" predict --artifact "$artifact" --trust "$WORK/release.pub" --input "$input" \
-      --json > "$WORK/out/$name.old.json" 2>>"$LOG"; then
+      --json --outputs raw > "$WORK/out/$name.old.json" 2>>"$LOG"; then
     fail "onnxruntime $HAVE: predict $name"; tail -n 3 "$LOG" | sed 's/^/    /'; continue
   fi
   run_logged "predict $name on the main venv" bash -c "'$BIN/edgepack-agent' predict --artifact '$artifact' \
-    --trust '$WORK/release.pub' --input '$input' --json > '$WORK/out/$name.new.json'"
+    --trust '$WORK/release.pub' --input '$input' --json --outputs raw > '$WORK/out/$name.new.json'"
   if "$PY" - "$WORK/out/$name.new.json" "$WORK/out/$name.old.json" >>"$LOG" 2>&1 <<'EOF'
 import json, sys
 import numpy as np

@@ -28,7 +28,7 @@ from edgepack_core.ort_compat import (
     target_shortfalls,
     unsupported_domains,
 )
-from edgepack_core.postprocess import normalize_postprocess
+from edgepack_core.postprocess import load_charset, normalize_postprocess
 from edgepack_core.preprocess import normalize_preprocess
 from edgepack_core.targets import profile_onnxruntime
 from sdk.errors import BuildError, ModelError, RecipeError
@@ -425,6 +425,72 @@ class ShapeInferencePass(Pass):
         ctx.report[self.name] = {"value_infos": len(ctx.model.graph.value_info)}
 
 
+# Ops that only move or reshape values: an output behind them still holds a Softmax's probabilities.
+_SHAPE_ONLY_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"}
+
+
+def _softmax_producer(model: onnx.ModelProto, output: str) -> onnx.NodeProto | None:
+    """The Softmax node whose values ``output`` carries (through shape-only ops), or None."""
+    producers = {name: node for node in model.graph.node for name in node.output}
+    node = producers.get(output)
+    while node is not None and node.op_type in _SHAPE_ONLY_OPS and node.input:
+        node = producers.get(node.input[0])
+    return node if node is not None and node.op_type == "Softmax" else None
+
+
+def resolve_apply_softmax(model: onnx.ModelProto, post: dict[str, Any]) -> dict[str, Any] | None:
+    """topk/ctc: write the resolved ``apply_softmax`` into ``post`` and say why (for the report).
+
+    Why: a classifier that already ends in Softmax scored by a second softmax reports 0.45
+    where the model says 0.92; the recipe's explicit value always wins."""
+    if post.get("kind") not in ("topk", "ctc"):
+        return None
+    output = post.get("output") or model.graph.output[0].name
+    if "apply_softmax" in post:
+        return {"value": post["apply_softmax"], "output": output, "why": "set in the recipe"}
+    node = _softmax_producer(model, output)
+    post["apply_softmax"] = node is None
+    why = (f"output {output} comes from Softmax node {node.name or '(unnamed)'}: scores are its probabilities"
+           if node is not None else f"output {output} does not come from a Softmax: scores are its softmax")
+    return {"value": post["apply_softmax"], "output": output, "why": why}
+
+
+def _bundle_assets(ctx: BuildContext, post: dict[str, Any], recipe: str) -> dict[str, Any]:
+    """Labels and charset files travel in the artifact; the spec names them by member path."""
+    for key, member in (("labels", "assets/labels.txt"), ("charset", "assets/charset.txt")):
+        if not post.get(key):
+            continue
+        with open(post[key], "rb") as handle:
+            data = handle.read()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise RecipeError(f"postprocess.{key}", f"{post[key]} is not UTF-8 text ({err.reason} at byte "
+                              f"{err.start})", recipe=recipe) from None
+        ctx.files[member] = data
+        post[key] = member
+    return post
+
+
+def _check_postprocess_outputs(ctx: BuildContext, recipe: str) -> None:
+    """Named outputs exist; a ctc charset has one symbol per class but the blank."""
+    post, outputs = ctx.postprocess, {o.name: o for o in ctx.outputs}
+    for role, name in (post.get("outputs") or {}).items():
+        if name not in outputs:
+            raise RecipeError(f"postprocess.outputs.{role}", f"no model output named {name!r} (outputs: "
+                              f"{', '.join(outputs)})", recipe=recipe)
+    if post.get("kind") != "ctc" or not post.get("charset"):
+        return
+    symbols = load_charset(ctx.files["assets/charset.txt"].decode("utf-8"), append_space=post["append_space"])
+    output = outputs[post.get("output") or ctx.outputs[0].name]
+    classes = output.shape[-1] if output.shape else None
+    if isinstance(classes, int) and classes != len(symbols) + 1:
+        raise RecipeError("postprocess.charset", f"has {len(symbols)} symbols"
+                          f"{' with the appended space' if post['append_space'] else ''}, but output "
+                          f"{output.name} has {classes} classes: the charset plus the blank must be {classes}",
+                          recipe=recipe)
+
+
 @register
 class IoSpecPass(Pass):
     """Record inputs/outputs and the normalized pre/postprocessing specs; check they fit."""
@@ -435,11 +501,8 @@ class IoSpecPass(Pass):
         ctx.inputs, ctx.outputs = graph_io(ctx.require_model(), model_label(ctx))
         recipe = str(ctx.recipe.path)
         ctx.preprocess = normalize_preprocess(ctx.recipe.data.get("preprocess"))
-        post = dict(ctx.recipe.data.get("postprocess") or {"kind": "raw"})
-        if post.get("labels"):
-            with open(post["labels"], "rb") as labels:
-                ctx.files["assets/labels.txt"] = labels.read()
-            post["labels"] = "assets/labels.txt"
+        post = _bundle_assets(ctx, dict(ctx.recipe.data.get("postprocess") or {"kind": "raw"}), recipe)
+        softmax_note = resolve_apply_softmax(ctx.require_model(), post)
         ctx.postprocess = normalize_postprocess(post)
         names = [i.name for i in ctx.inputs]
         target = ctx.preprocess.get("input")
@@ -451,9 +514,11 @@ class IoSpecPass(Pass):
         output = ctx.postprocess.get("output")
         if output is not None and output not in [o.name for o in ctx.outputs]:
             raise RecipeError("postprocess.output", f"no model output named {output!r}", recipe=recipe)
+        _check_postprocess_outputs(ctx, recipe)
         ctx.report[self.name] = {
             "inputs": [i.to_json() for i in ctx.inputs],
             "outputs": [o.to_json() for o in ctx.outputs],
+            **({"apply_softmax": softmax_note} if softmax_note else {}),
         }
 
     @staticmethod
