@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from device_agent.errors import ConfigError
+from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
 from edgepack_core.yamlfile import read_yaml_file
@@ -50,6 +51,10 @@ CONFIG_SCHEMA: dict[str, Any] = {
                 "listen": {"type": "string", "pattern": r"^[^\s:]*:\d{1,5}$"},
                 "max_body_bytes": _POSITIVE,
                 "enabled": {"type": "boolean"},
+                "max_streams": {"type": "integer", "minimum": 1, "maximum": 100_000,
+                                "description": "stateful models: streams kept at once (least recently used dropped)"},
+                "stream_idle_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86_400,
+                                  "description": "stateful models: a stream unused this long is forgotten"},
             },
         },
         "limits": {
@@ -134,6 +139,8 @@ class AgentConfig:
     log_level: str = "info"
     listen: str | None = DEFAULT_LISTEN
     max_body_bytes: int = DEFAULT_MAX_BODY
+    max_streams: int = DEFAULT_MAX_STREAMS
+    stream_idle_s: float = DEFAULT_STREAM_IDLE_S
     limits: dict[str, int] = field(default_factory=dict)
     mqtt: dict[str, Any] | None = None
     updates: dict[str, Any] = field(default_factory=dict)
@@ -211,6 +218,8 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         log_level=document.get("log_level", "info"),
         listen=listen,
         max_body_bytes=int(api.get("max_body_bytes", DEFAULT_MAX_BODY)),
+        max_streams=int(api.get("max_streams", DEFAULT_MAX_STREAMS)),
+        stream_idle_s=float(api.get("stream_idle_s", DEFAULT_STREAM_IDLE_S)),
         limits=dict(document.get("limits") or {}),
         mqtt=mqtt,
         updates=updates,

@@ -39,7 +39,7 @@ class Daemon:
         # publish to the broker may order deploys, rollbacks and downgrades (warned at start).
         self.operator_trust = TrustStore.from_paths(config.operator_keys) if config.operator_keys else None
         self.store = ModelStore(config.store, self.trust, Limits(**limits_from(config)))
-        self.service = InferenceService()
+        self.service = InferenceService(max_streams=config.max_streams, stream_idle_s=config.stream_idle_s)
         self.api: ApiServer | None = None
         self.reporter: TelemetryReporter | None = None
         self.updates: UpdateService | None = None

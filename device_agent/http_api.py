@@ -8,6 +8,9 @@ POST /predict takes:
   - ``image/*`` (or ``application/octet-stream`` for an image model): raw image bytes
   - ``application/x-npy`` / ``application/x-npz``: one array / named arrays
   - ``application/json``: ``{"inputs": {name: nested list}}``
+  - ``audio/wav`` (or any RIFF/WAVE body) for an audio model: run frame by frame, outputs stacked
+With ``X-Edgepack-Stream: ID`` a stateful model continues that stream's state
+(``X-Edgepack-Stream-Reset: 1`` restarts it first; ``DELETE /streams/ID`` forgets it).
 and answers the ``predict --json`` object as strict JSON (``edgepack_core.wire_json``: a
 non-finite float is the string "NaN", "Infinity" or "-Infinity", integers, booleans and strings
 keep their type), or, when the request says ``Accept: application/x-npz``, the exact output
@@ -34,6 +37,9 @@ JSON_MEDIA_TYPE = "application/json"
 # What /predict can answer in, in the server's order of preference for a tie.
 ANSWER_TYPES = (JSON_MEDIA_TYPE, wire_json.NPZ_MEDIA_TYPE)
 MAX_ACCEPT_CHARS = 1024
+# Stateful models: the stream whose state a request continues, and a header to restart it.
+STREAM_HEADER = "X-Edgepack-Stream"
+STREAM_RESET_HEADER = "X-Edgepack-Stream-Reset"
 
 
 def _quality(parameters: list[str]) -> float:
@@ -167,6 +173,21 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._error(404, "not_found", f"no such endpoint {self.path}")
 
+    def do_DELETE(self) -> None:
+        """``DELETE /streams/ID``: forget a stream's state (204; 404 when it is not kept)."""
+        if not self.path.startswith("/streams/"):
+            self._error(404, "not_found", f"no such endpoint {self.path}")
+            return
+        try:
+            existed = self.server.service.reset_stream(self.path[len("/streams/"):])
+        except BadRequest as err:
+            self._error(err.http_status, err.kind, str(err))
+            return
+        if existed:
+            self._send(204, b"")
+        else:
+            self._error(404, "no_stream", "no such stream (never opened, expired or dropped)")
+
     def do_POST(self) -> None:
         path, _, query = self.path.partition("?")
         if path != "/predict":
@@ -197,7 +218,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         body = self.rfile.read(length)
         content_type = (self.headers.get("Content-Type") or "application/octet-stream").split(";")[0].strip().lower()
+        stream = self.headers.get(STREAM_HEADER)
         try:
+            if stream is not None and self.headers.get(STREAM_RESET_HEADER, "").strip().lower() in ("1", "true"):
+                service.reset_stream(stream)
             if content_type == "application/json":
                 try:
                     document = json.loads(body)
@@ -215,9 +239,9 @@ class _Handler(BaseHTTPRequestHandler):
                     # doing; values that do not convert are malformed input, never the model's
                     service.stats.error("unknown_input" if err.kind == "unknown_input" else "bad_input", client=True)
                     raise
-                result = service.predict(feed)
+                result = service.predict(feed, stream=stream)
             else:
-                result = service.predict(body, content_type=content_type)
+                result = service.predict(body, content_type=content_type, stream=stream)
         except BadRequest as err:
             self._error(err.http_status, err.kind, str(err))
             return

@@ -26,11 +26,13 @@ import numpy as np
 from device_agent.errors import BadRequest, NoModelError
 from device_agent.providers import ModelTraits, choose_providers, create_session
 from device_agent.smoke import SmokeReport, run_smoke_test, shape_matches
+from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S, StreamTable
 from edgepack_core.errors import PostprocessError, PreprocessError
 from edgepack_core.manifest import Manifest
 from edgepack_core.ort_compat import RuntimeTooOldError, runtime_refusal
 from edgepack_core.postprocess import Postprocessor, load_charset, load_labels
 from edgepack_core.preprocess import Preprocessor
+from edgepack_core.protocol.ids import InvalidNameError
 
 log = logging.getLogger("edgepack.agent.runtime")
 
@@ -57,6 +59,19 @@ class LoadedModel:
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     # Inputs the manifest declares ``allow_non_finite``: NaN/inf there is data, not a malformed request.
     non_finite_inputs: frozenset[str] = frozenset()
+    # Inputs the manifest declares ``role: state``: input name -> (the output carried into it,
+    # its init value). Fed by the agent (per stream), never asked of callers.
+    states: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
+
+    @property
+    def init_state(self) -> dict[str, np.ndarray]:
+        return {name: init for name, (_, init) in self.states.items()}
+
+    @property
+    def audio_input(self) -> str | None:
+        if self.preprocessor.kind != "audio":
+            return None
+        return (self.manifest.preprocess or {}).get("input") or next(iter(self.input_specs), None)
 
     @property
     def label(self) -> str:
@@ -69,6 +84,8 @@ class LoadedModel:
         return (self.manifest.preprocess or {}).get("input") or self.manifest.inputs[0].name
 
     def run(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.states:  # a golden sample may leave a state input out: it starts from init
+            feed = {**self.init_state, **feed}
         if self.constants:
             feed = {**feed, **self.constants}
         return dict(zip(self.output_names, self.session.run(self.output_names, feed), strict=True))
@@ -89,6 +106,17 @@ def constant_inputs(manifest: Manifest) -> dict[str, np.ndarray]:
     return constants
 
 
+def state_inputs(manifest: Manifest) -> dict[str, tuple[str, np.ndarray]]:
+    """The inputs the manifest declares ``role: state``: (carried output, init zeros with
+    symbolic dims 1, i.e. a batch of one)."""
+    states = {}
+    for spec in manifest.raw["inputs"]:
+        if spec.get("role") == "state":
+            shape = tuple(d if isinstance(d, int) else 1 for d in spec["shape"])
+            states[spec["name"]] = (spec["output"], np.zeros(shape, dtype=_DTYPES.get(spec["dtype"], np.float32)))
+    return states
+
+
 def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads: int = 0,
                smoke_test: bool = True) -> LoadedModel:
     """Create the session with the best provider, then run the golden smoke test."""
@@ -105,6 +133,7 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
                             cache_dir=root.parent.parent / "cache" / root.name)
     result = create_session(root / manifest.model_path, plan, threads=threads)
     constants = constant_inputs(manifest)
+    states = state_inputs(manifest)
     labels = None
     post = dict(manifest.postprocess or {"kind": "raw"})
     if post.get("labels"):
@@ -118,8 +147,8 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
         preprocessor=Preprocessor(manifest.preprocess), postprocessor=Postprocessor(post, labels, charset),
         output_names=[o.name for o in result.session.get_outputs()],
         input_specs={t.name: (np.dtype(_DTYPES.get(t.dtype, np.float32)), tuple(t.shape)) for t in manifest.inputs
-                     if t.name not in constants},
-        constants=constants,
+                     if t.name not in constants and t.name not in states},
+        constants=constants, states=states,
         non_finite_inputs=frozenset(s["name"] for s in manifest.raw["inputs"] if s.get("allow_non_finite")),
     )
     for name, reason in result.fallbacks:
@@ -205,8 +234,10 @@ Observer = Callable[[float | None, str | None], None]
 class InferenceService:
     """Thread-safe predict over the active model, with atomic hot-swap."""
 
-    def __init__(self, model: LoadedModel | None = None) -> None:
+    def __init__(self, model: LoadedModel | None = None, *, max_streams: int = DEFAULT_MAX_STREAMS,
+                 stream_idle_s: float = DEFAULT_STREAM_IDLE_S) -> None:
         self._model = model
+        self.streams = StreamTable(max_streams, stream_idle_s)
         self._swap_lock = threading.Lock()
         self.stats = RequestStats()
         self.observers: list[Observer] = []  # e.g. telemetry: called with (latency, None) or (None, error kind)
@@ -230,34 +261,89 @@ class InferenceService:
     # ---------------------------------------------------------------- requests
 
     def predict(self, data: bytes | np.ndarray | Mapping[str, np.ndarray], *, content_type: str | None = None,
-                postprocess: bool = True) -> PredictResult:
-        """Raw image bytes, an .npy/.npz body, one array, or named tensors -> outputs and result."""
+                postprocess: bool = True, stream: str | None = None) -> PredictResult:
+        """Raw image or WAV bytes, an .npy/.npz body, one array, or named tensors -> outputs and
+        result. A WAV body runs frame by frame (state carried from frame to frame) and every
+        output comes stacked with a leading frame axis. ``stream``: state inputs start from that
+        stream's last state and it keeps the new one; without it, from init."""
         model = self._model
         if model is None:
             raise NoModelError("no model is active")
         try:
-            feed = self._to_feed(model, data, content_type)
+            self._check_stream(stream)
+            feed: Mapping[str, np.ndarray] = self._audio_frames(model, data, content_type) or \
+                self._to_feed(model, data, content_type)
         except BadRequest as err:
             self._fail(err.kind, client=True)
             raise
-        return self._run(model, feed, postprocess)
+        return self._run(model, feed, postprocess, stream)
 
-    def predict_tensors(self, feed: Mapping[str, np.ndarray], *, postprocess: bool = True) -> PredictResult:
+    def predict_tensors(self, feed: Mapping[str, np.ndarray], *, postprocess: bool = True,
+                        stream: str | None = None) -> PredictResult:
         """Named model-ready tensors (no preprocessing): the hot path."""
         model = self._model
         if model is None:
             raise NoModelError("no model is active")
         try:
+            self._check_stream(stream)
             self._check_feed(model, feed)
         except BadRequest as err:
             self._fail(err.kind, client=True)
             raise
-        return self._run(model, feed, postprocess)
+        return self._run(model, feed, postprocess, stream)
 
-    def _run(self, model: LoadedModel, feed: Mapping[str, np.ndarray], postprocess: bool) -> PredictResult:
+    def reset_stream(self, stream: str) -> bool:
+        """Forget a stream's state (its next call starts from init); True when it existed."""
+        self._check_stream(stream)
+        return self.streams.reset(stream)
+
+    @staticmethod
+    def _check_stream(stream: str | None) -> None:
+        if stream is not None:
+            try:
+                StreamTable.check_id(stream)
+            except InvalidNameError as err:
+                raise BadRequest("bad_stream", str(err)) from None
+
+    @staticmethod
+    def _audio_frames(model: LoadedModel, data: Any, content_type: str | None) -> _Frames | None:
+        """A WAV body for an audio model -> its frames; None for anything else."""
+        name = model.audio_input
+        if name is None or not isinstance(data, (bytes, bytearray, memoryview)):
+            return None
+        kind = (content_type or "").split(";")[0].strip().lower()
+        if kind not in AUDIO_MEDIA_TYPES and bytes(data[:4]) != b"RIFF":
+            return None
+        try:
+            frames = model.preprocessor.from_audio_bytes(bytes(data))
+        except PreprocessError as err:
+            raise BadRequest("bad_audio", str(err)) from None
+        return _Frames(name, frames)
+
+    def _infer(self, model: LoadedModel, feed: Mapping[str, np.ndarray], stream: str | None) -> list[np.ndarray]:
+        """One session run, or one per frame of a ``_Frames`` feed (outputs stacked), with the
+        state inputs fed from ``stream`` (or init) and carried from run to run."""
+        names = model.output_names
+        if not model.states and not isinstance(feed, _Frames):
+            return model.session.run(names, {**feed, **model.constants} if model.constants else feed)
+        feeds = feed.feeds() if isinstance(feed, _Frames) else [feed]
+        runs = []
+        with self.streams.hold(stream, model.manifest.model_sha256, model.init_state) as state:
+            for one in feeds:
+                values = model.session.run(names, {**one, **state, **model.constants})
+                outputs = dict(zip(names, values, strict=True))
+                for input_name, (output_name, _) in model.states.items():
+                    state[input_name] = outputs[output_name]
+                runs.append(values)
+        if not isinstance(feed, _Frames):
+            return runs[0]
+        return [np.stack([values[i] for values in runs]) for i in range(len(names))]
+
+    def _run(self, model: LoadedModel, feed: Mapping[str, np.ndarray], postprocess: bool,
+             stream: str | None = None) -> PredictResult:
         started = time.perf_counter()
         try:
-            values = model.session.run(model.output_names, {**feed, **model.constants} if model.constants else feed)
+            values = self._infer(model, feed, stream)
         except Exception as err:
             self._fail("runtime", client=False)
             raise BadRequest("runtime", f"inference failed: {str(err).splitlines()[0][:200]}",
@@ -338,6 +424,20 @@ class InferenceService:
             self._check_feed(model, feed)
             return feed
         raise BadRequest("bad_input", f"cannot predict on a {type(data).__name__}")
+
+
+AUDIO_MEDIA_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave")
+
+
+class _Frames(dict):
+    """The frames of one audio body: ``{input: stack}``; the agent runs them one by one."""
+
+    def __init__(self, name: str, frames: np.ndarray) -> None:
+        super().__init__({name: frames})
+        self.name = name
+
+    def feeds(self) -> list[dict[str, np.ndarray]]:
+        return [{self.name: frame} for frame in self[self.name]]
 
 
 class _ImageFeed(dict):

@@ -43,8 +43,12 @@ _TENSOR = {
             "type": "array",
             "items": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string"}]},
         },
-        "role": {"enum": ["tensor", "constant"],
-                 "description": "constant: the agent feeds `value` on every call (inputs only)"},
+        "role": {"enum": ["tensor", "constant", "image", "audio", "state"],
+                 "description": "constant: the agent feeds `value` on every call; image/audio: fed through the "
+                 "preprocessing spec; state: fed the previous call's `output` of its stream (inputs only)"},
+        "output": {"type": "string", "minLength": 1,
+                   "description": "state inputs: the model output carried into this input on the next call"},
+        "init": {"enum": ["zeros"], "description": "state inputs: the value of a stream's first call"},
         "value": {"description": "the value of a constant input: a scalar or nested list of its shape"},
         "allow_non_finite": {"type": "boolean",
                              "description": "the input takes NaN/inf by design (IsNaN, missing values, -inf "

@@ -41,6 +41,13 @@ fixed order:
 7. cast to ``dtype``; ``uint8`` and ``int8`` round half to even and clip to their range;
 8. add a leading batch dimension of 1 when ``batch`` is true (the default).
 
+``kind: audio`` — decode a WAV file and cut it into model-ready frames
+(``edgepack_core/audio.py``): mix to mono, resample to ``sample_rate`` (linear
+interpolation), then frames of ``frame`` samples every ``hop`` samples, each with ``context``
+samples before it prepended; each frame is a float32 ``[1, context + frame]`` tensor
+(``[context + frame]`` with ``batch: false``). A file gives a stack of frames, which the
+agent runs one after the other, carrying any ``role: state`` inputs between them.
+
 ``kind: tensor`` — the input is already a tensor (an ``.npy`` file, a numpy array). The
 optional ``shape`` is checked (integers must match, strings and nulls are symbolic dims
 that match anything) and the array is cast to the declared ``dtype`` (refusing casts that
@@ -63,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgepack_core import audio
 from edgepack_core.errors import PreprocessError, SchemaError
 from edgepack_core.schema import validate_by_kind
 
@@ -113,7 +121,15 @@ _RESIZE_SCHEMA: dict[str, Any] = {
 
 _PER_CHANNEL = {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "number"}}
 _PROPERTIES: dict[str, Any] = {
-    "kind": {"enum": ["image", "tensor"], "description": "image: decode and transform; tensor: raw tensors"},
+    "kind": {"enum": ["image", "tensor", "audio"],
+             "description": "image: decode and transform; audio: WAV to frames; tensor: raw tensors"},
+    "sample_rate": {"type": "integer", "minimum": 1000, "maximum": 384000,
+                    "description": "audio: the rate the model expects; files are resampled to it"},
+    "frame": {"type": "integer", "minimum": 1, "maximum": 1_048_576, "description": "audio: samples per frame"},
+    "hop": {"type": "integer", "minimum": 1, "maximum": 1_048_576,
+            "description": "audio: samples from one frame's start to the next (default: frame)"},
+    "context": {"type": "integer", "minimum": 0, "maximum": 1_048_576,
+                "description": "audio: samples before each frame prepended to it (zeros before the first)"},
     "version": {"type": "integer", "const": SPEC_VERSION, "default": SPEC_VERSION},
     "color": {"enum": list(_CHANNELS), "default": "rgb"},
     "resize": _RESIZE_SCHEMA,
@@ -132,10 +148,12 @@ _PROPERTIES: dict[str, Any] = {
 _KIND_KEYS = {
     "image": ["kind", "version", "color", "resize", "scale", "mean", "std", "layout", "dtype", "batch", "input"],
     "tensor": ["kind", "version", "shape", "dtype", "batch", "input"],
+    "audio": ["kind", "version", "sample_rate", "frame", "hop", "context", "dtype", "batch", "input"],
 }
 _KIND_OVERRIDES: dict[str, dict[str, Any]] = {
     "image": {"kind": {"const": "image"}, "dtype": {"enum": IMAGE_DTYPES}},
     "tensor": {"kind": {"const": "tensor"}},
+    "audio": {"kind": {"const": "audio"}, "dtype": {"enum": ["float32"]}},
 }
 
 PREPROCESS_SCHEMA: dict[str, Any] = {
@@ -151,7 +169,7 @@ PREPROCESS_SCHEMA: dict[str, Any] = {
     "oneOf": [
         {"additionalProperties": False,
          "properties": {**{key: {} for key in _KIND_KEYS[kind]}, **_KIND_OVERRIDES[kind]}}
-        for kind in ("tensor", "image")
+        for kind in ("tensor", "image", "audio")
     ],
 }
 
@@ -179,6 +197,8 @@ def normalize_preprocess(spec: Mapping[str, Any] | None, *, document: str = "", 
     raw = validate_by_kind({"kind": "tensor"} if spec is None else spec, _KIND_SCHEMAS, PREPROCESS_SCHEMA,
                            document=document, path=path)
     out: dict[str, Any] = {"kind": raw["kind"], "version": raw.get("version", SPEC_VERSION)}
+    if raw["kind"] == "audio":
+        return _normalize_audio(raw, out, document, path)
     if raw["kind"] == "tensor":
         out["batch"] = raw.get("batch", False)
         for key in ("shape", "dtype", "input"):
@@ -202,6 +222,17 @@ def normalize_preprocess(spec: Mapping[str, Any] | None, *, document: str = "", 
     out["layout"] = raw.get("layout", "NCHW")
     out["dtype"] = raw.get("dtype", "float32")
     out["batch"] = raw.get("batch", True)
+    if "input" in raw:
+        out["input"] = raw["input"]
+    return out
+
+
+def _normalize_audio(raw: Mapping[str, Any], out: dict[str, Any], document: str, path: str) -> dict[str, Any]:
+    for key in ("sample_rate", "frame"):
+        if key not in raw:
+            raise SchemaError(f"{path}.{key}" if path else key, "an audio spec needs it", document=document)
+    out.update(sample_rate=raw["sample_rate"], frame=raw["frame"], hop=raw.get("hop", raw["frame"]),
+               context=raw.get("context", 0), dtype="float32", batch=raw.get("batch", True))
     if "input" in raw:
         out["input"] = raw["input"]
     return out
@@ -293,6 +324,7 @@ class Preprocessor:
         self.max_pixels = max_pixels
         self.kind: str = self.spec["kind"]
         self.input_name: str | None = self.spec.get("input")
+        self.max_audio_bytes = audio.DEFAULT_MAX_BYTES
         if self.kind == "image":
             channels = _CHANNELS[self.spec["color"]]
             self._mean = np.asarray(self.spec["mean"], dtype=np.float32).reshape(1, 1, channels)
@@ -301,7 +333,8 @@ class Preprocessor:
     # ---- entry points
 
     def from_path(self, path: str | PathLike[str]) -> np.ndarray:
-        """An encoded image file (image kind) or an ``.npy`` file (tensor kind)."""
+        """An encoded image file (image kind), a WAV file (audio kind: the stack of its frames,
+        ``[n_frames, ...one frame's shape]``) or an ``.npy`` file (tensor kind)."""
         if self.kind == "tensor":
             try:
                 array = np.load(path, allow_pickle=False)
@@ -315,7 +348,17 @@ class Preprocessor:
                 data = handle.read()
         except OSError as err:
             raise PreprocessError(f"{path}: cannot read ({err.strerror or err})") from None
-        return self.from_image_bytes(data)
+        return self.from_audio_bytes(data) if self.kind == "audio" else self.from_image_bytes(data)
+
+    def from_audio_bytes(self, data: bytes) -> np.ndarray:
+        """WAV bytes -> the stack of model-ready frames ``[n_frames, 1, context + frame]``
+        (``[n_frames, context + frame]`` with ``batch: false``)."""
+        if self.kind != "audio":
+            raise PreprocessError(f"this model takes {self.kind} input (preprocess kind: {self.kind}), not audio")
+        samples, rate = audio.decode_wav(data, max_bytes=self.max_audio_bytes)
+        mono = audio.resample(audio.to_mono(samples), rate, self.spec["sample_rate"])
+        frames = audio.cut_frames(mono, self.spec["frame"], self.spec["hop"], self.spec["context"])
+        return np.ascontiguousarray(frames[:, None, :] if self.spec["batch"] else frames)
 
     def batch_from_paths(self, paths: Iterable[str | PathLike[str]]) -> np.ndarray:
         """Several files as one tensor with the samples along the first axis (for calibration).

@@ -34,7 +34,8 @@ _SAMPLE_AXIS = {
 }
 _DATA_SOURCE = {
     "description": "Sample data: {npz: FILE} (arrays keyed by input name), {test_data: DIR} (ONNX test data "
-    "sets), {images: DIR} (run through the preprocessing spec), or the string 'synthetic' (consent to "
+    "sets), {images: DIR} (run through the preprocessing spec), {audio: DIR} (WAV files cut into frames by "
+    "the audio preprocessing spec), or the string 'synthetic' (consent to "
     "made-up inputs). docs/packager.md, 'Data', gives the layouts with examples.",
     "oneOf": [
         {"const": "synthetic"},
@@ -70,6 +71,16 @@ _DATA_SOURCE = {
                 "limit": _LIMIT,
             },
         },
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["audio"],
+            "properties": {
+                "audio": {**_PATH, "description": "a folder of .wav files, cut into frames by the audio "
+                          "preprocessing spec; each frame is one sample (state inputs start from init)"},
+                "limit": _LIMIT,
+            },
+        },
     ],
 }
 _INPUT = {
@@ -82,8 +93,14 @@ _INPUT = {
         "dtype": {"enum": DTYPES, "description": "must agree with the model's element type"},
         "range": {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "number"},
                   "description": "[low, high] of synthetic values (integers: low <= v < high)"},
-        "role": {"enum": ["tensor", "constant"], "default": "tensor",
-                 "description": "constant: the agent feeds `value` on every call; callers do not pass it"},
+        "role": {"enum": ["tensor", "constant", "image", "audio", "state"], "default": "tensor",
+                 "description": "constant: the agent feeds `value` on every call; callers do not pass it. "
+                 "image/audio: the input the preprocessing spec of that kind feeds. state: the agent feeds the "
+                 "previous call's `output` (per stream), `init` on a stream's first call"},
+        "output": {"type": "string", "minLength": 1,
+                   "description": "role state: the model output (same dtype and shape) carried into this input"},
+        "init": {"enum": ["zeros"], "default": "zeros",
+                 "description": "role state: the first value of a stream (zeros; symbolic dims become 1)"},
         "value": {"description": "the value of a constant input: a scalar or a nested list of its shape"},
         "allow_non_finite": {"type": "boolean", "default": False,
                              "description": "the model takes NaN/inf in this input by design (IsNaN, missing "
@@ -134,7 +151,8 @@ RECIPE_SCHEMA: dict[str, Any] = {
         },
         "inputs": {
             "type": "object",
-            "description": "Per input name: shape, dtype, synthetic range, role (tensor or constant).",
+            "description": "Per input name: shape, dtype, synthetic range, role (tensor, constant, image, "
+            "audio, state).",
             "additionalProperties": _INPUT,
         },
         "preprocess": PREPROCESS_SCHEMA,
@@ -252,7 +270,7 @@ _PATH_KEYS: list[tuple[tuple[str, ...], bool]] = [
     (("postprocess", "labels"), True),
     (("postprocess", "charset"), True),
     *[((section, key, kind), True) for section, key in DATA_SOURCES
-      for kind in ("images", "npz", "test_data", "labels")],
+      for kind in ("images", "npz", "test_data", "labels", "audio")],
     (("sign", "key"), True),
     (("output",), False),
 ]
@@ -285,6 +303,37 @@ def _resolve_paths(data: dict[str, Any], base: Path, recipe: str, root: Path | N
         node[keys[-1]] = str(resolved)
 
 
+def _check_roles(data: dict[str, Any], recipe: str) -> None:
+    """``role: image``/``audio`` names the input the preprocessing spec of that kind feeds (it
+    becomes the spec's ``input``); ``role: state`` needs the ``output`` it is carried from."""
+    inputs = data.get("inputs") or {}
+    fed = [name for name, spec in inputs.items() if spec.get("role") in ("image", "audio")]
+    if len(fed) > 1:
+        raise RecipeError(f"inputs.{fed[1]}.role", f"only one input is fed by the preprocessing spec ({fed[0]} is)",
+                          recipe=recipe)
+    for name, spec in inputs.items():
+        role = spec.get("role", "tensor")
+        for key in ("output", "init"):
+            if key in spec and role != "state":
+                raise RecipeError(f"inputs.{name}.{key}", "only an input with role: state takes it", recipe=recipe)
+        if role == "state" and "output" not in spec:
+            raise RecipeError(f"inputs.{name}.output", "an input with role state names the output carried into it",
+                              recipe=recipe)
+        if role == "state" and ("range" in spec or "sample_axis" in spec):
+            raise RecipeError(f"inputs.{name}.{'range' if 'range' in spec else 'sample_axis'}",
+                              "a state input takes no data settings (samples start from init)", recipe=recipe)
+    if not fed:
+        return
+    role = inputs[fed[0]]["role"]
+    pre = data.get("preprocess") or {}
+    if pre.get("kind") != role:
+        raise RecipeError(f"inputs.{fed[0]}.role", f"role {role} needs preprocess.kind: {role}", recipe=recipe)
+    if pre.get("input", fed[0]) != fed[0]:
+        raise RecipeError("preprocess.input", f"is {pre['input']}, but inputs.{fed[0]} has role {role}",
+                          recipe=recipe)
+    data["preprocess"] = {**pre, "input": fed[0]}
+
+
 def _check_inputs(inputs: Mapping[str, Any], recipe: str) -> None:
     """Cross-key rules of the ``inputs`` section that the schema cannot say."""
     for name, spec in inputs.items():
@@ -311,8 +360,8 @@ def _check_data_consent(data: Mapping[str, Any], recipe: str) -> None:
     sources = [(data.get(section) or {}).get(key) for section, key in DATA_SOURCES]
     if not any(sources):
         raise RecipeError("validate.data", "no data to validate and make golden samples with: give validate.data "
-                          "({npz: FILE}, {test_data: DIR} or {images: DIR}), or write validate: {data: synthetic} "
-                          "to consent to made-up inputs", recipe=recipe)
+                          "({npz: FILE}, {test_data: DIR}, {images: DIR} or {audio: DIR}), or write validate: "
+                          "{data: synthetic} to consent to made-up inputs", recipe=recipe)
 
 
 def check_recipe(document: Any, path: Path, *, allow_external_paths: bool = False) -> Recipe:
@@ -331,6 +380,7 @@ def check_recipe(document: Any, path: Path, *, allow_external_paths: bool = Fals
     root = None if allow_external_paths else base
     _resolve_paths(data, base, recipe, root)
     _check_inputs(data.get("inputs") or {}, recipe)
+    _check_roles(data, recipe)
     _check_data_consent(data, recipe)
     quantize = data.get("quantize") or {}
     if quantize.get("mode") == "static" and "calibration" not in quantize:

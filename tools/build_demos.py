@@ -11,6 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.demos import BUILDERS, build_all
+from tools.demos.vad import build_vad
 
 
 def main() -> int:
@@ -20,6 +21,8 @@ def main() -> int:
     args = parser.parse_args()
     started = time.perf_counter()
     models = build_all(args.out, args.only)
+    if not args.only:  # the stateful audio demo (tools/demos/vad.py): model and WAV clips
+        models["vad"] = build_vad(args.out / "vad")
     for name, path in models.items():
         metrics = path.parent / "metrics.json"
         extra = ""

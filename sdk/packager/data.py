@@ -9,10 +9,13 @@ Three layouts carry real inputs (docs/packager.md, "Data"):
   outputs that the build checks.
 - ``{images: DIR}``: images through the device's own preprocessing code, so the host measures
   exactly what a device computes.
+- ``{audio: DIR}``: WAV files through the audio preprocessing (the device's code too); every
+  frame of every file is one sample.
 
 Made-up inputs (``synthetic``) only where the recipe consents; they honour the recipe's
 declared shapes, dtypes, ranges and constants and keep index inputs in range. Inputs declared
-``role: constant`` are fed their value in every sample, whatever the source.
+``role: constant`` are fed their value in every sample, whatever the source; inputs declared
+``role: state`` are fed their init value (zeros), as a stream's first call is.
 """
 
 from __future__ import annotations
@@ -133,19 +136,52 @@ def constant_feeds(inputs: Sequence[TensorSpec], declared: Declared) -> Feed:
     return constants
 
 
+def state_feeds(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], declared: Declared) -> Feed:
+    """The init value (zeros; symbolic dims 1) of every input declared ``role: state``, after
+    checking that the output it is carried from exists with the same dtype and shape (fixed dims
+    equal, a symbolic dim matches anything). ``outputs`` empty: the check is left out."""
+    by_output = {spec.name: spec for spec in outputs}
+    states: Feed = {}
+    for spec in inputs:
+        decl = declared.get(spec.name) or {}
+        if decl.get("role") != "state":
+            continue
+        source = by_output.get(decl["output"])
+        if outputs and source is None:
+            raise RecipeError(f"inputs.{spec.name}.output", f"the model has no output {decl['output']!r} "
+                              f"(outputs: {', '.join(by_output)})")
+        if source is not None and (source.dtype != spec.dtype or len(source.shape) != len(spec.shape) or any(
+                isinstance(a, int) and isinstance(b, int) and a != b
+                for a, b in zip(source.shape, spec.shape, strict=True))):
+            raise RecipeError(f"inputs.{spec.name}.output", f"output {source.name} is {source.dtype} "
+                              f"{list(source.shape)}, the state input is {spec.dtype} {list(spec.shape)}")
+        states[spec.name] = np.zeros(_fixed_shape(spec), dtype=_numpy_dtype(spec.dtype))
+    return states
+
+
+def _role_fields(decl: Mapping[str, Any]) -> dict[str, Any]:
+    role = decl.get("role")
+    if role in ("image", "audio"):
+        return {"role": role}
+    if role == "state":
+        return {"role": "state", "output": decl["output"], "init": decl.get("init", "zeros")}
+    return {}
+
+
 def manifest_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[dict[str, Any]]:
     """The manifest's input specs: constants carry ``role: constant`` and their value (as the
-    input's dtype makes it), which the agent feeds on every call."""
+    input's dtype makes it), which the agent feeds on every call; image/audio/state roles are
+    recorded (a state input with its ``output`` and ``init``) for the agent to act on."""
     constants = constant_feeds(inputs, declared)
     non_finite = {name for name, decl in declared.items() if (decl or {}).get("allow_non_finite")}
     return [{**spec.to_json(), **({"role": "constant", "value": constants[spec.name].tolist()}
-                                  if spec.name in constants else {}),
+                                  if spec.name in constants else _role_fields(declared.get(spec.name) or {})),
              **({"allow_non_finite": True} if spec.name in non_finite else {})} for spec in inputs]
 
 
 def tensor_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[TensorSpec]:
-    """The inputs data must supply: all but the constants."""
-    return [s for s in inputs if (declared.get(s.name) or {}).get("role") != "constant"]
+    """The inputs data must supply: all but the constants and the state inputs."""
+    return [s for s in inputs if (declared.get(s.name) or {}).get("role") not in ("constant", "state")]
 
 
 # ---------------------------------------------------------------- the entry point
@@ -168,15 +204,18 @@ def load_samples(
     ``root`` the folder files must resolve inside (None: anywhere); ``graph`` the ONNX model,
     used by synthetic data to keep index inputs in range."""
     declared = declared or {}
+    states = state_feeds(inputs, outputs, declared)
     if source == "synthetic":
         return synthetic_samples(limit or 16, preprocess, inputs, declared=declared, graph=graph)
     assert isinstance(source, Mapping)
     limit = source.get("limit", limit)
-    constants = constant_feeds(inputs, declared)
+    constants = {**constant_feeds(inputs, declared), **states}
     if "npz" in source:
         samples = _load_npz(Path(source["npz"]), inputs, declared, dict(source.get("sample_axis") or {}), key, limit)
     elif "test_data" in source:
         samples = _load_test_data(Path(source["test_data"]), inputs, outputs, declared, key, limit, root)
+    elif "audio" in source:
+        samples = _load_audio(source, preprocess, inputs, declared, key, limit, root)
     else:
         samples = _load_images(source, preprocess, inputs, declared, key, limit, root)
     for feed in samples.feeds:
@@ -234,6 +273,36 @@ def _load_images(source: Mapping[str, Any], preprocess: Mapping[str, Any], input
                 raise RecipeError(f"{key}.labels", f"no label for {file.name}")
             labels.append(labels_map[file.name])
     return Samples(feeds, labels if labels_map is not None else None, names=[f.name for f in files])
+
+
+def _load_audio(source: Mapping[str, Any], preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec],
+                declared: Declared, key: str, limit: int | None, root: Path | None) -> Samples:
+    """Every frame of every .wav file (sorted by name) is one sample, until ``limit``."""
+    folder, where = Path(source["audio"]), f"{key}.audio"
+    if preprocess.get("kind") != "audio":
+        raise RecipeError(where, "audio data needs an audio preprocessing spec (preprocess.kind: audio)")
+    name = _target_input(preprocess, inputs)
+    others = [s.name for s in tensor_inputs(inputs, declared) if s.name != name]
+    if others:
+        raise RecipeError(where, f"audio feeds only input {name}; input(s) {', '.join(others)} need npz or "
+                          "test_data, or role: constant or state")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() == ".wav")
+    if not files:
+        raise RecipeError(where, f"{folder} holds no .wav files")
+    pre = Preprocessor(preprocess)
+    feeds: list[Feed] = []
+    names: list[str] = []
+    for file in files:
+        try:
+            frames = pre.from_path(_inside(file, root, where))
+        except PreprocessError as err:
+            raise RecipeError(where, f"{file.name}: {err}") from None
+        for index, frame in enumerate(frames):
+            if limit and len(feeds) >= limit:
+                break
+            feeds.append({name: frame})
+            names.append(f"{file.name} frame {index}")
+    return Samples(feeds, names=names)
 
 
 # ---------------------------------------------------------------- npz
@@ -498,7 +567,7 @@ def synthetic_samples(
     rng = np.random.default_rng(seed)
     image_input = _target_input(preprocess, inputs) if preprocess.get("kind") == "image" else None
     pre = Preprocessor(preprocess) if image_input else None
-    constants = constant_feeds(inputs, declared)
+    constants = {**constant_feeds(inputs, declared), **state_feeds(inputs, (), declared)}
     indices = index_ranges(graph, inputs)
     feeds: list[Feed] = []
     for _ in range(count):

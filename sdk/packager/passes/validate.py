@@ -31,7 +31,7 @@ VALIDATION_SOURCES = (("validate", "data"), ("quantize", "calibration"), ("golde
 def source_kind(source: Mapping[str, Any] | str) -> str:
     if isinstance(source, str):
         return source
-    return next(k for k in ("npz", "test_data", "images") if k in source)
+    return next(k for k in ("npz", "test_data", "images", "audio") if k in source)
 
 
 def expected_check(samples: Samples, outputs: Sequence[dict[str, np.ndarray]], options: Mapping[str, Any]
