@@ -23,6 +23,9 @@ record or export at the model's rate where that matters.
 Framing: frame ``i`` holds samples ``[i*hop, i*hop + frame)`` with ``context`` samples before
 ``i*hop`` prepended (zeros before the first sample), so each frame is ``context + frame`` long;
 the last partial frame is padded with zeros; a clip shorter than one frame gives one frame.
+
+Growth is bounded before allocation: at most ``MAX_SAMPLES`` samples after resampling and
+``MAX_FRAME_VALUES`` values in all frames of one file.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ MIN_RATE = 1000
 MAX_RATE = 384_000
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024  # ~5.8 min of 48 kHz stereo float32
 MAX_CHUNKS = 64  # RIFF chunks walked before giving up (a file of empty chunks is hostile)
+# After decoding, what a small body may grow into is bounded too: upsampling a 1 kHz file to
+# 384 kHz multiplies it by 384, and overlapping frames (hop < frame) by frame/hop.
+MAX_SAMPLES = 1 << 24  # resampled mono samples (17 min at 16 kHz; 64 MiB of float32)
+MAX_FRAME_VALUES = 1 << 25  # floats in all frames of one file together (128 MiB)
 
 _PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
 # The tail shared by the KSDATAFORMAT_SUBTYPE GUIDs; the first two bytes hold the format tag.
@@ -168,6 +175,9 @@ def resample(samples: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
     if rate_in == rate_out or samples.size == 0:
         return samples.astype(np.float32, copy=False)
     count = ((samples.size - 1) * rate_out) // rate_in + 1
+    if count > MAX_SAMPLES:
+        raise PreprocessError(f"{samples.size} samples at {rate_in} Hz resample to {count} at {rate_out} Hz, "
+                              f"over the limit of {MAX_SAMPLES}")
     positions = np.arange(count, dtype=np.float64) * (rate_in / rate_out)
     return np.interp(positions, np.arange(samples.size, dtype=np.float64), samples).astype(np.float32)
 
@@ -182,6 +192,9 @@ def frame_count(samples: int, frame: int, hop: int) -> int:
 def cut_frames(samples: np.ndarray, frame: int, hop: int, context: int) -> np.ndarray:
     """Mono samples -> [n_frames, context + frame] float32 (see the module docs)."""
     count = frame_count(samples.size, frame, hop)
+    if count * (context + frame) > MAX_FRAME_VALUES:
+        raise PreprocessError(f"{samples.size} samples cut into {count} frames of {context + frame} would hold "
+                              f"{count * (context + frame)} values, over the limit of {MAX_FRAME_VALUES}")
     total = context + (count - 1) * hop + frame
     padded = np.zeros(total, dtype=np.float32)
     padded[context:context + samples.size] = samples[:total - context]

@@ -100,6 +100,22 @@ def test_wav_fmt_chunk_size_lie_is_refused():
         audio.decode_wav(bytes(data))
 
 
+def test_upsampling_bomb_is_refused_before_allocating(monkeypatch):
+    """A small low-rate body resampled to a high model rate must not grow without bound."""
+    monkeypatch.setattr(audio, "MAX_SAMPLES", 1000)
+    assert audio.resample(np.zeros(100, np.float32), 1000, 10000).size == 991  # (100 - 1) * 10 + 1
+    with pytest.raises(PreprocessError, match="over the limit of 1000"):
+        audio.resample(np.zeros(101, np.float32), 1000, 10000)  # 1001 samples
+
+
+def test_overlapping_frames_bomb_is_refused_before_allocating(monkeypatch):
+    """hop 1 with frame 512 would copy every sample 512 times."""
+    monkeypatch.setattr(audio, "MAX_FRAME_VALUES", 10 * 8)
+    assert audio.cut_frames(np.zeros(13, np.float32), frame=4, hop=1, context=4).shape == (10, 8)
+    with pytest.raises(PreprocessError, match="over the limit of 80"):
+        audio.cut_frames(np.zeros(14, np.float32), frame=4, hop=1, context=4)
+
+
 @pytest.mark.parametrize("data", [b"", b"RIFF", b"RIFX" + b"\0" * 40, b"\x89PNG\r\n\x1a\n" + b"\0" * 40])
 def test_non_wav_bytes_are_one_clear_error(data):
     with pytest.raises(PreprocessError, match="not a WAV file"):
