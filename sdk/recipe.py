@@ -182,7 +182,9 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "reduce_range": {"type": "boolean"},
                 "preset": {"enum": ["arm64", "x86-avx2", "x86-vnni", "tensorrt"]},
                 "op_types": {"type": "array", "items": {"type": "string"}},
-                "exclude_nodes": {"type": "array", "items": {"type": "string"}},
+                "exclude_nodes": {"type": "array", "items": {"type": "string", "minLength": 1},
+                                  "description": "nodes kept in float: names or glob patterns (fnmatch); a "
+                                  "pattern that matches no node is refused"},
                 "search": {"type": "boolean"},
             },
         },
@@ -191,10 +193,24 @@ RECIPE_SCHEMA: dict[str, Any] = {
             "additionalProperties": False,
             "properties": {
                 "data": _DATA_SOURCE,
-                "metric": {"enum": ["top1", "agreement", "cosine", "max_abs"]},
+                "metric": {"enum": ["top1", "agreement", "cosine", "max_abs", "detection", "sequence"],
+                           "description": "what a quantized or fp16 build is judged by (default: the task's: "
+                           "detection, sequence for ctc, top1 for classifiers, cosine per output for raw)"},
+                "outputs": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
+                            "description": "the outputs the metric checks, each on its own (leave recurrent "
+                            "state out); default: the postprocess's output, every output for raw"},
                 "max_drop": {"type": "number", "minimum": 0},
                 "min_cosine": {"type": "number", "minimum": -1, "maximum": 1},
                 "max_abs": {"type": "number", "minimum": 0},
+                "min_recall": {"type": "number", "minimum": 0, "maximum": 1,
+                               "description": "detection: least recall against the fp32 model's detections at "
+                               "IoU 0.5 (default 0.95)"},
+                "min_precision": {"type": "number", "minimum": 0, "maximum": 1,
+                                  "description": "detection: least precision against the fp32 model's "
+                                  "detections at IoU 0.5 (default 0.95)"},
+                "min_agreement": {"type": "number", "minimum": 0, "maximum": 1,
+                                  "description": "sequence: least share of time steps whose argmax agrees with "
+                                  "the fp32 model (default 0.99)"},
                 "samples": {"type": "integer", "minimum": 1},
                 "allow_failure": {"type": "boolean"},
                 "rtol": {"type": "number", "minimum": 0,

@@ -59,8 +59,12 @@ def build(recipe: Path, keys: tuple[Path, ...], output: Path | None, quiet: bool
     show = sys.stderr.isatty() if progress is None else progress
     show = show and not quiet and not as_json
 
+    # A log (stderr not a terminal) still gets one line per quantization candidate: a search
+    # of minutes must not look like a hang in CI.
+    log_lines = progress is None and not quiet and not as_json
+
     def report_progress(message: str) -> None:
-        if show:
+        if show or (log_lines and message.startswith("quantize: candidate ")):
             click.echo(f"  {message}", err=True)
 
     result = run_build(parsed, key_paths=[str(k) for k in keys], output=output, progress=report_progress)

@@ -2,15 +2,16 @@
 
 ``check_fidelity`` is the check of every lossless build: each output on its own, floats
 within rtol/atol by dtype, integers, bools and strings exactly, naming the worst element.
-``compare`` takes the outputs of both models on the same samples (one dict per sample) and
-returns the summary metrics of lossy builds at once; ``Budget.check`` applies the recipe's
-budget to them.
+``evaluate`` judges a lossy (quantized, fp16) build by its task's metric on each checked
+output: detection recall/precision against the reference's detections, per-step sequence
+agreement (with CTC strings), classifier top-1, or each raw output's cosine / max abs diff.
+``compare`` gives summary figures of the first output for the report, never the judgement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -91,40 +92,6 @@ def compare(reference: Sequence[Mapping[str, np.ndarray]], candidate: Sequence[M
         accuracy_reference=ref_correct / n if labels is not None else None,
         accuracy_candidate=cand_correct / n if labels is not None else None,
     )
-
-
-@dataclass(frozen=True)
-class Budget:
-    """The recipe's accuracy budget: one metric and its limit."""
-
-    metric: str = "cosine"   # top1 | agreement | cosine | max_abs
-    max_drop: float | None = None
-    min_cosine: float | None = None
-    max_abs: float | None = None
-
-    @classmethod
-    def from_recipe(cls, section: Mapping[str, Any], has_labels: bool) -> Budget:
-        metric = section.get("metric") or ("top1" if has_labels else "cosine")
-        return cls(metric, section.get("max_drop"), section.get("min_cosine"), section.get("max_abs"))
-
-    def check(self, result: Comparison) -> tuple[bool, str]:
-        """(met, a one-line explanation)."""
-        if self.metric == "top1":
-            if result.accuracy_drop is None:
-                return False, "metric top1 needs labelled validation data"
-            limit = 0.01 if self.max_drop is None else self.max_drop
-            return result.accuracy_drop <= limit + 1e-12, (
-                f"top-1 accuracy {result.accuracy_candidate:.2%} vs {result.accuracy_reference:.2%} "
-                f"(drop {result.accuracy_drop:.2%}, allowed {limit:.2%})")
-        if self.metric == "agreement":
-            limit = 0.01 if self.max_drop is None else self.max_drop
-            return 1 - result.top1_agreement <= limit + 1e-12, (
-                f"top-1 agreement {result.top1_agreement:.2%} (allowed disagreement {limit:.2%})")
-        if self.metric == "max_abs":
-            limit = 1e-3 if self.max_abs is None else self.max_abs
-            return result.max_abs_diff <= limit, f"max abs diff {result.max_abs_diff:.3g} (allowed {limit:.3g})"
-        limit = self.min_cosine if self.min_cosine is not None else 1 - (self.max_drop if self.max_drop else 0.01)
-        return result.cosine >= limit, f"output cosine {result.cosine:.5f} (required >= {limit:.5f})"
 
 
 # Default tolerances of the lossless check, by output dtype: (rtol, atol). float32 follows the
@@ -299,3 +266,418 @@ def check_fidelity(reference: Sequence[Mapping[str, np.ndarray]], candidate: Seq
     names = list(reference[0])
     outputs = [_check_output(name, reference, candidate, rtol, atol) for name in names]
     return Fidelity(len(reference), outputs, list(sample_names) or [f"sample {n}" for n in range(len(reference))])
+
+
+# --- Task metrics: what a lossy (quantized or fp16) build is judged by -------------------------
+#
+# One number over a whole tensor can be fooled: a YOLO-style head concatenates box coordinates
+# in pixels with sigmoid scores, so its cosine stays above 0.998 while every score collapsed; a
+# CTC recognizer's argmax over the flattened [T, classes] output agrees on one element of 40
+# steps. Each task therefore gets its own metric, computed per output and per sample.
+
+TASK_METRICS = ("top1", "agreement", "cosine", "max_abs", "detection", "sequence")
+DEFAULT_MIN_RECALL = 0.95
+DEFAULT_MIN_PRECISION = 0.95
+DEFAULT_MIN_AGREEMENT = 0.99
+_IOU_EPSILON = 1e-9  # an IoU of exactly the threshold counts despite float rounding
+
+
+@dataclass(frozen=True)
+class Detections:
+    """One image's detections: boxes ``[n, 4]`` as x1, y1, x2, y2, scores ``[n]``, classes ``[n]``."""
+
+    boxes: np.ndarray
+    scores: np.ndarray
+    classes: np.ndarray
+
+    @classmethod
+    def of(cls, boxes: Any, scores: Any, classes: Any) -> Detections:
+        box = np.asarray(boxes, np.float64).reshape(-1, 4)
+        return cls(box, np.asarray(scores, np.float64).reshape(-1), np.asarray(classes, np.int64).reshape(-1))
+
+    def __len__(self) -> int:
+        return int(self.scores.shape[0])
+
+
+def iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Intersection over union of every box of ``a`` ``[n, 4]`` with every box of ``b`` ``[m, 4]``."""
+    a, b = np.asarray(a, np.float64).reshape(-1, 4), np.asarray(b, np.float64).reshape(-1, 4)
+    x1 = np.maximum(a[:, None, 0], b[None, :, 0])
+    y1 = np.maximum(a[:, None, 1], b[None, :, 1])
+    x2 = np.minimum(a[:, None, 2], b[None, :, 2])
+    y2 = np.minimum(a[:, None, 3], b[None, :, 3])
+    inter = np.clip(x2 - x1, 0, None) * np.clip(y2 - y1, 0, None)
+    area_a = np.clip(a[:, 2] - a[:, 0], 0, None) * np.clip(a[:, 3] - a[:, 1], 0, None)
+    area_b = np.clip(b[:, 2] - b[:, 0], 0, None) * np.clip(b[:, 3] - b[:, 1], 0, None)
+    union = area_a[:, None] + area_b[None, :] - inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(union > 0, inter / np.where(union > 0, union, 1.0), 0.0)
+
+
+def match_detections(ref: Detections, cand: Detections, iou: float = 0.5) -> list[tuple[int, int]]:
+    """Greedy one-to-one matching: pairs of the same class with IoU >= ``iou``, highest IoU
+    first (ties: lower reference index, then lower candidate index). A box of another class
+    never matches, however well it overlaps: a detector that renames what it sees has missed it."""
+    if not len(ref) or not len(cand):
+        return []
+    overlap = iou_matrix(ref.boxes, cand.boxes)
+    same = ref.classes[:, None] == cand.classes[None, :]
+    rows, cols = np.nonzero(same & (overlap >= iou - _IOU_EPSILON))
+    order = sorted(zip(rows.tolist(), cols.tolist(), strict=True), key=lambda rc: (-overlap[rc], rc[0], rc[1]))
+    used_ref: set[int] = set()
+    used_cand: set[int] = set()
+    pairs = []
+    for r, c in order:
+        if r not in used_ref and c not in used_cand:
+            used_ref.add(r)
+            used_cand.add(c)
+            pairs.append((r, c))
+    return pairs
+
+
+@dataclass(frozen=True)
+class DetectionAgreement:
+    """The candidate's detections against the reference model's, taken as ground truth."""
+
+    reference: int          # detections of the reference model, all images
+    candidate: int
+    matched: int
+    mean_score_diff: float | None   # mean |score_ref - score_cand| over matched pairs
+
+    @property
+    def recall(self) -> float:
+        return self.matched / self.reference if self.reference else 1.0
+
+    @property
+    def precision(self) -> float:
+        return self.matched / self.candidate if self.candidate else (1.0 if not self.reference else 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reference_detections": self.reference, "candidate_detections": self.candidate,
+                "matched": self.matched, "recall": round(self.recall, 6), "precision": round(self.precision, 6),
+                "mean_score_diff": None if self.mean_score_diff is None else round(self.mean_score_diff, 6)}
+
+
+def detection_agreement(ref: Sequence[Detections], cand: Sequence[Detections], iou: float = 0.5
+                        ) -> DetectionAgreement:
+    """Recall and precision of ``cand`` against ``ref`` (one :class:`Detections` per image) at
+    ``iou``, with the mean score difference of matched boxes. Pure. No reference detection at
+    all is recall 1; no candidate detection is precision 1 only when none were expected."""
+    if len(ref) != len(cand):
+        raise ValueError("need detections of the same images from both models")
+    matched, diffs = 0, []
+    for r, c in zip(ref, cand, strict=True):
+        for i, j in match_detections(r, c, iou):
+            matched += 1
+            diffs.append(abs(float(r.scores[i]) - float(c.scores[j])))
+    return DetectionAgreement(sum(len(r) for r in ref), sum(len(c) for c in cand), matched,
+                              float(np.mean(diffs)) if diffs else None)
+
+
+def nms(boxes: np.ndarray, scores: np.ndarray, iou: float) -> list[int]:
+    """Indices kept by greedy non-maximum suppression, best score first."""
+    order = np.argsort(-scores, kind="stable")
+    keep: list[int] = []
+    while order.size:
+        best = int(order[0])
+        keep.append(best)
+        rest = order[1:]
+        order = rest[iou_matrix(boxes[best:best + 1], boxes[rest])[0] <= iou]
+    return keep
+
+
+def decode_yolov8(output: np.ndarray, *, score_threshold: float = 0.25, iou_threshold: float = 0.45,
+                  max_detections: int = 300) -> list[Detections]:
+    """Detections of a YOLOv8-style head ``[batch, 4 + classes, anchors]`` (cx, cy, w, h then
+    per-class scores), class-wise NMS, in the model's input pixels. The validation metric's own
+    decoder for recipes whose postprocess is not ``kind: detection``; a recipe that declares
+    one is decoded by the shared postprocessor instead."""
+    array = np.asarray(output, np.float64)
+    if array.ndim == 2:
+        array = array[None]
+    if array.ndim != 3 or array.shape[1] < 5:
+        raise ValueError(f"a yolov8 head is [batch, 4 + classes, anchors], got {list(np.shape(output))}")
+    images = []
+    for row in array:
+        cx, cy, w, h = row[:4]
+        scores_all = row[4:]
+        classes = np.argmax(scores_all, axis=0)
+        scores = scores_all[classes, np.arange(scores_all.shape[1])]
+        keep = scores >= score_threshold
+        boxes = np.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], axis=1)[keep]
+        scores, classes = scores[keep], classes[keep]
+        kept: list[int] = []
+        for cls in np.unique(classes):
+            index = np.nonzero(classes == cls)[0]
+            kept.extend(int(index[k]) for k in nms(boxes[index], scores[index], iou_threshold))
+        kept = sorted(kept, key=lambda k: (-scores[k], k))[:max_detections]
+        images.append(Detections.of(boxes[kept], scores[kept], classes[kept]))
+    return images
+
+
+def ctc_greedy(steps: np.ndarray, blank: int) -> tuple[int, ...]:
+    """Greedy CTC decoding of one sequence of per-step class indices: repeats collapsed, blanks dropped."""
+    out: list[int] = []
+    previous = None
+    for index in steps.tolist():
+        if index != previous and index != blank:
+            out.append(int(index))
+        previous = index
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class SequenceAgreement:
+    steps: int                      # time steps compared, over all samples and batch rows
+    agreement: float                # share of steps whose argmax agrees
+    sequences: int | None = None    # decoded sequences compared (ctc)
+    string_match: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"steps": self.steps, "step_agreement": round(self.agreement, 6)}
+        if self.sequences is not None:
+            doc.update({"sequences": self.sequences, "string_match": round(self.string_match or 0.0, 6)})
+        return doc
+
+
+def _steps(value: np.ndarray) -> np.ndarray:
+    """Per-step argmax of a ``[..., T, classes]`` output as ``[rows, T]`` (a 1-D output is one step)."""
+    array = np.asarray(value)
+    if array.ndim == 0 or array.size == 0:
+        return np.zeros((1, 0), np.int64)
+    top = np.argmax(array, axis=-1)
+    return top.reshape(1, -1) if top.ndim <= 1 else top.reshape(-1, top.shape[-1])
+
+
+def sequence_agreement(ref: Sequence[np.ndarray], cand: Sequence[np.ndarray], *, blank: int | None = None
+                       ) -> SequenceAgreement:
+    """Per-step argmax agreement of ``[batch, T, classes]`` outputs (class axis last; every
+    other position is a step), one array per sample. With ``blank`` (a CTC model) the greedy
+    decoded sequences of each row are compared too. Pure."""
+    if len(ref) != len(cand) or not ref:
+        raise ValueError("need the same, non-zero number of samples from both models")
+    total = agree = rows = same_strings = 0
+    for a, b in zip(ref, cand, strict=True):
+        if np.shape(a) != np.shape(b):
+            raise ValueError(f"shape {list(np.shape(b))}, expected {list(np.shape(a))}")
+        ta, tb = _steps(a), _steps(b)
+        total += ta.size
+        agree += int(np.sum(ta == tb))
+        if blank is not None:
+            for ra, rb in zip(ta, tb, strict=True):
+                rows += 1
+                same_strings += ctc_greedy(ra, blank) == ctc_greedy(rb, blank)
+    return SequenceAgreement(total, agree / total if total else 1.0,
+                             rows if blank is not None else None,
+                             (same_strings / rows if rows else 1.0) if blank is not None else None)
+
+
+@dataclass(frozen=True)
+class OutputScore:
+    """One checked output under the task metric: the figure judged, its limit, met or not."""
+
+    output: str
+    metric: str
+    met: bool
+    value: float            # the judged figure (for detection, the worse of recall and precision)
+    limit: float
+    why: str                # one line: "output scores: detection recall 0.19 (required >= 0.95)"
+    shortfall: float = 0.0  # how far past the limit a miss is
+    figures: Mapping[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"output": self.output, "metric": self.metric, "met": self.met, "value": _finite_or_str(self.value),
+                "limit": self.limit, "shortfall": _finite_or_str(self.shortfall), "why": self.why,
+                **dict(self.figures or {})}
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Every checked output of a candidate against the reference: the build ships only when all met."""
+
+    metric: str
+    samples: int
+    scores: list[OutputScore]
+
+    @property
+    def met(self) -> bool:
+        return all(score.met for score in self.scores)
+
+    @property
+    def worst(self) -> OutputScore | None:
+        return max(self.scores, key=lambda s: (not s.met, s.shortfall), default=None)
+
+    def summary(self) -> str:
+        """One line: the output that missed most and by how much, else every output's figure."""
+        missed = [s for s in self.scores if not s.met]
+        if missed:
+            worst = self.worst
+            assert worst is not None
+            more = f" ({len(missed) - 1} more output(s) missed)" if len(missed) > 1 else ""
+            return f"{worst.why}, short by {worst.shortfall:.4g}{more}"
+        return "; ".join(s.why for s in self.scores) or "no outputs compared"
+
+    def to_json(self) -> dict[str, Any]:
+        worst = self.worst
+        return {"metric": self.metric, "samples": self.samples, "met": self.met,
+                "outputs": [s.to_json() for s in self.scores], "worst_output": worst.output if worst else None,
+                "summary": self.summary()}
+
+
+# One sample's outputs (by name) -> its detections, one entry per image of the batch.
+DetectionDecoder = Callable[[Mapping[str, np.ndarray]], list[Detections]]
+
+
+def _at_least(name: str, metric: str, label: str, value: float, limit: float, figures: Mapping[str, Any]
+              ) -> OutputScore:
+    met = value >= limit - 1e-12
+    return OutputScore(name, metric, met, value, limit, f"output {name}: {label} {value:.4g} (required >= {limit:.4g})",
+                       0.0 if met else limit - value, figures)
+
+
+def _at_most(name: str, metric: str, label: str, value: float, limit: float, figures: Mapping[str, Any]
+             ) -> OutputScore:
+    met = value <= limit + 1e-12
+    return OutputScore(name, metric, met, value, limit, f"output {name}: {label} {value:.4g} (allowed <= {limit:.4g})",
+                       0.0 if met else value - limit, figures)
+
+
+def _rows_top(value: np.ndarray) -> np.ndarray:
+    array = np.asarray(value)
+    return np.argmax(array.reshape(1, -1) if array.ndim <= 1 else array.reshape(array.shape[0], -1), axis=1)
+
+
+def _score_top1(name: str, ref: list[np.ndarray], cand: list[np.ndarray], budget: Mapping[str, Any],
+                labels: Sequence[int] | None) -> OutputScore:
+    limit = 0.01 if budget.get("max_drop") is None else float(budget["max_drop"])
+    if labels is not None:
+        ref_ok = sum(int(np.argmax(a.reshape(-1))) == labels[n] for n, a in enumerate(ref)) / len(ref)
+        cand_ok = sum(int(np.argmax(b.reshape(-1))) == labels[n] for n, b in enumerate(cand)) / len(cand)
+        drop = ref_ok - cand_ok
+        score = _at_most(name, "top1", f"top-1 accuracy {cand_ok:.2%} vs {ref_ok:.2%}, drop", drop, limit,
+                         {"accuracy_reference": ref_ok, "accuracy_candidate": cand_ok, "accuracy_drop": drop})
+        return score
+    rows = agree = 0
+    for a, b in zip(ref, cand, strict=True):
+        ta, tb = _rows_top(a), _rows_top(b)
+        rows += ta.size
+        agree += int(np.sum(ta == tb))
+    share = agree / rows if rows else 1.0
+    return _at_most(name, "top1", f"top-1 agreement {share:.2%}, disagreement", 1 - share, limit,
+                    {"top1_agreement": share, "rows": rows})
+
+
+def _finite_pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    both = np.isfinite(a64) & np.isfinite(b64)
+    return a64[both], b64[both]
+
+
+def _score_cosine(name: str, ref: list[np.ndarray], cand: list[np.ndarray], budget: Mapping[str, Any]
+                  ) -> OutputScore:
+    if budget.get("min_cosine") is not None:
+        limit = float(budget["min_cosine"])
+    else:
+        limit = 1 - (float(budget["max_drop"]) if budget.get("max_drop") else 0.01)
+    cosines = [_cosine(*_finite_pair(a, b)) for a, b in zip(ref, cand, strict=True)]
+    worst = float(min(cosines))
+    return _at_least(name, "cosine", "cosine", float(np.mean(cosines)), limit,
+                     {"cosine": float(np.mean(cosines)), "worst_sample_cosine": worst})
+
+
+def _score_max_abs(name: str, ref: list[np.ndarray], cand: list[np.ndarray], budget: Mapping[str, Any]
+                   ) -> OutputScore:
+    limit = 1e-3 if budget.get("max_abs") is None else float(budget["max_abs"])
+    diffs = [np.abs(x - y) for x, y in (_finite_pair(a, b) for a, b in zip(ref, cand, strict=True)) if x.size]
+    largest = max((float(d.max()) for d in diffs), default=0.0)
+    return _at_most(name, "max_abs", "max abs diff", largest, limit, {"max_abs_diff": largest})
+
+
+def _score_detection(name: str, ref: Sequence[Mapping[str, np.ndarray]], cand: Sequence[Mapping[str, np.ndarray]],
+                     budget: Mapping[str, Any], decode: DetectionDecoder) -> OutputScore:
+    found = detection_agreement([d for a in ref for d in decode(a)], [d for b in cand for d in decode(b)])
+    min_recall = float(budget.get("min_recall", DEFAULT_MIN_RECALL))
+    min_precision = float(budget.get("min_precision", DEFAULT_MIN_PRECISION))
+    recall = _at_least(name, "detection", "detection recall", found.recall, min_recall, found.to_json())
+    precision = _at_least(name, "detection", "detection precision", found.precision, min_precision, found.to_json())
+    if not recall.met or not precision.met:
+        return max((recall, precision), key=lambda s: s.shortfall)
+    score = recall if found.recall - min_recall <= found.precision - min_precision else precision
+    return replace(score, why=f"output {name}: detection recall {found.recall:.4g}, precision "
+                   f"{found.precision:.4g} (required >= {min_recall:.4g}, >= {min_precision:.4g})")
+
+
+def _score_sequence(name: str, ref: list[np.ndarray], cand: list[np.ndarray], budget: Mapping[str, Any],
+                    blank: int | None, layout: str) -> OutputScore:
+    if layout == "TNC":  # [T, batch, classes]: rows are the batch
+        ref, cand = [np.swapaxes(a, 0, 1) for a in ref], [np.swapaxes(b, 0, 1) for b in cand]
+    result = sequence_agreement(ref, cand, blank=blank)
+    limit = float(budget.get("min_agreement", DEFAULT_MIN_AGREEMENT))
+    score = _at_least(name, "sequence", "per-step agreement", result.agreement, limit, result.to_json())
+    if result.string_match is not None:
+        score = replace(score, why=f"{score.why}, decoded strings equal {result.string_match:.2%}")
+    return score
+
+
+def _score_exact(name: str, ref: list[np.ndarray], cand: list[np.ndarray]) -> OutputScore:
+    same = sum(bool(np.array_equal(a, b)) for a, b in zip(ref, cand, strict=True)) / len(ref)
+    return _at_least(name, "exact", "samples exactly equal", same, 1.0, {"equal_samples": same})
+
+
+def evaluate(reference: Sequence[Mapping[str, np.ndarray]], candidate: Sequence[Mapping[str, np.ndarray]], *,
+             metric: str, outputs: Sequence[str], budget: Mapping[str, Any] | None = None,
+             labels: Sequence[int] | None = None, decode: DetectionDecoder | None = None,
+             blank: int | None = None, layout: str = "NTC") -> Evaluation:
+    """Judge ``candidate`` against ``reference`` (one output dict per sample, same samples) by
+    ``metric`` on each of ``outputs`` separately, against the recipe's ``budget`` keys
+    (``max_drop``, ``min_cosine``, ``max_abs``, ``min_recall``, ``min_precision``,
+    ``min_agreement``). Outputs of non-float dtype must match exactly (their argmax or cosine
+    means nothing). ``decode`` turns one sample's outputs into detections (default
+    :func:`decode_yolov8` of the output); ``blank`` makes ``sequence`` compare CTC-decoded
+    strings too (``layout`` ``TNC`` for ``[T, batch, classes]`` outputs). Pure."""
+    if len(reference) != len(candidate) or not reference:
+        raise ValueError("need the same, non-zero number of samples from both models")
+    if metric not in TASK_METRICS:
+        raise ValueError(f"unknown metric {metric!r}")
+    budget = budget or {}
+    scores = []
+    for name in outputs:
+        ref = [np.asarray(sample[name]) for sample in reference]
+        cand = [np.asarray(sample[name]) if name in sample else None for sample in candidate]
+        problem = next((f"shape {list(b.shape)}, expected {list(a.shape)}" if b is not None else "missing"
+                        for a, b in zip(ref, cand, strict=True) if b is None or b.shape != a.shape), None)
+        if problem is not None:
+            scores.append(OutputScore(name, metric, False, float("nan"), 0.0, f"output {name}: {problem}",
+                                      float("inf")))
+            continue
+        got = [b for b in cand if b is not None]
+        if ref[0].dtype.kind not in "fc" or (metric == "top1" and labels is None and ref[0].size == 0):
+            scores.append(_score_exact(name, ref, got))
+        elif metric in ("top1", "agreement"):
+            scores.append(_score_top1(name, ref, got, budget, labels if metric == "top1" else None))
+        elif metric == "max_abs":
+            scores.append(_score_max_abs(name, ref, got, budget))
+        elif metric == "detection":
+            scores.append(_score_detection(name, reference, candidate, budget,
+                                           decode or (lambda sample, key=name: decode_yolov8(sample[key]))))
+        elif metric == "sequence":
+            scores.append(_score_sequence(name, ref, got, budget, blank, layout))
+        else:
+            scores.append(_score_cosine(name, ref, got, budget))
+    return Evaluation(metric, len(reference), scores)
+
+
+def task_metric(named: str | None, postprocess: Mapping[str, Any], has_labels: bool) -> str:
+    """The metric a lossy build is judged by: the recipe's, else the task's: ``detection`` for a
+    detection postprocess, ``sequence`` for ``ctc``, ``top1`` for classifiers (``topk``,
+    ``softmax``), ``cosine`` per output for ``raw`` (``top1`` whenever the data has labels)."""
+    if named:
+        return named
+    kind = postprocess.get("kind", "raw")
+    if kind == "detection":
+        return "detection"
+    if kind == "ctc":
+        return "sequence"
+    if kind in ("topk", "softmax") or has_labels:
+        return "top1"
+    return "cosine"

@@ -7,14 +7,20 @@ Pitfalls handled (measured on real models with onnxruntime 1.31 on x86):
 - per-channel QDQ on opset < 13 gives graphs that do not load: the opset is upgraded first.
 - ``quant_pre_process`` (shape inference, needs sympy) fails on some graphs: fall back to the
   model as it is rather than fail the build.
-- accuracy collapse: every candidate is measured on validation data; when the budget is
-  missed, other calibration methods, per-channel and excluding the most sensitive layers are
-  tried; if nothing meets it the build ships fp32 with a warning, never a broken model.
+- accuracy collapse: every candidate is judged on validation data by the task's metric (the
+  validate pass's :func:`judge`: detection recall/precision, per-step sequence agreement,
+  classifier top-1, each raw output on its own; one cosine over a YOLO head stays at 0.998
+  while every score collapsed); when the budget is missed, other calibration methods,
+  per-channel and excluding the most sensitive layers are tried; if nothing meets it the
+  build ships fp32 with a warning, never a broken model.
+- dynamic int8 that quantized nothing is still fp32: the manifest's precision counts the
+  quantized nodes of the graph instead of trusting the mode.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -25,14 +31,19 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from sdk.errors import BuildError
+from sdk.errors import BuildError, RecipeError
 from sdk.packager.data import Samples, context_options, load_samples, synthetic_samples
-from sdk.packager.metrics import Budget, compare
+from sdk.packager.metrics import Evaluation
 from sdk.packager.ort_host import OrtCrashError, call_in_worker, measure_latency, run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.model_checks import default_opset
+from sdk.packager.passes.validate import checked_outputs, judge
 
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
+# Nodes that hold integer arithmetic or quantized tensors: a graph with none of them is fp32,
+# whatever mode made it (dynamic quantization of a model without MatMul/Gemm changes nothing).
+QUANTIZED_OPS = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger")
+CANDIDATE_LATENCY_RUNS = 10
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,35 @@ def base_config(options: dict[str, Any]) -> QuantConfig:
     if "exclude_nodes" in options:
         overrides["exclude"] = tuple(options["exclude_nodes"])
     return replace(config, **overrides)
+
+
+def quantized_nodes(model: onnx.ModelProto) -> int:
+    """How many nodes of the graph (subgraphs included) compute or carry int8: QDQ pairs,
+    integer MatMul/Conv and every QLinear* op."""
+    count = 0
+    graphs = [model.graph]
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            count += node.op_type in QUANTIZED_OPS or node.op_type.startswith("QLinear")
+            for attr in node.attribute:
+                graphs.extend([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs)
+    return count
+
+
+def expand_exclusions(patterns: tuple[str, ...], names: list[str], *, recipe: str = "") -> tuple[str, ...]:
+    """Node names matched by ``exclude_nodes`` glob patterns (fnmatch: ``*``, ``?``, ``[..]``;
+    a plain name matches itself). A pattern matching no node is refused naming it: a misspelt
+    name used to be ignored, and the layer it meant to protect was quantized anyway."""
+    matched: list[str] = []
+    for pattern in patterns:
+        hits = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            raise RecipeError("quantize.exclude_nodes", f"{pattern!r} matches no node of the model "
+                              f"(edgepack inspect --nodes lists them; {len(names)} nodes, e.g. "
+                              f"{', '.join(names[:3]) or 'none'})", recipe=recipe)
+        matched.extend(hits)
+    return tuple(sorted(set(matched)))
 
 
 def weight_sensitivity(model: onnx.ModelProto) -> list[tuple[str, float]]:
@@ -207,58 +247,87 @@ class QuantizePass(Pass):
         config = base_config(options)
         model = ctx.require_model()
         _ensure_names(model)
+        validate_options = ctx.recipe.section("validate")
+        checked_outputs(ctx, validate_options)  # an unknown validate.outputs name fails before the search
         if config.mode == "dynamic":
             config = self._dynamic_op_types(ctx, model, config)
         folder = ctx.new_tempdir("quantize-")
         source = self._prepare(ctx, model, folder)
+        if config.exclude:
+            names = [node.name for node in onnx.load(source, load_external_data=False).graph.node]
+            config = replace(config, exclude=expand_exclusions(config.exclude, names, recipe=str(ctx.recipe.path)))
         calibration = self._samples(ctx, "quantize", "calibration", 200)
         calib_feeds = calibration.feeds if calibration else []
-        validation = self._samples(ctx, "validate", "data", ctx.recipe.section("validate").get("samples", 200)) \
+        validation = self._samples(ctx, "validate", "data", validate_options.get("samples", 200)) \
             or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs, **_synthetic_options(ctx))
-        budget = Budget.from_recipe(ctx.recipe.section("validate"), validation.labels is not None)
-        output = ctx.postprocess.get("output")
         reference = run_feeds(source.read_bytes(), validation.feeds, label="the fp32 model")
+        fp32_latency = median_latency(str(source), validation.feeds[0], runs=CANDIDATE_LATENCY_RUNS)
 
+        candidates = list(self._candidates(config, options, model))
         tried: list[dict[str, Any]] = []
         chosen: tuple[QuantConfig, Path, dict[str, Any]] | None = None
-        for index, candidate in enumerate(self._candidates(config, options, model)):
-            ctx.progress(f"quantize: candidate {index + 1} {candidate.describe()}")
+        for index, candidate in enumerate(candidates):
             out = folder / f"candidate-{index}.onnx"
-            try:
-                call_in_worker(f"{__name__}:quantize_in_folder", folder, source, out, candidate, calib_feeds,
-                               label=f"candidate {index + 1}", doing="quantization and calibration")
-                outputs = run_feeds(out.read_bytes(), validation.feeds, label=f"candidate {index + 1}")
-            except OrtCrashError:
-                raise  # a crash ends the build with one line naming it; never a skipped candidate
-            except BuildError as err:  # onnxruntime.quantization's own errors, reported by the worker
-                tried.append({**candidate.describe(), "error": err.problem[:300]})
-                continue
-            result = compare(reference, outputs, output=output, labels=validation.labels)
-            met, why = budget.check(result)
-            tried.append({**candidate.describe(), "metrics": result.to_json(), "budget_met": met, "why": why})
-            if met:
-                chosen = (candidate, out, tried[-1])
+            entry = self._try(ctx, candidate, (index, len(candidates)), folder, source, out, calib_feeds,
+                              validation, reference, fp32_latency)
+            tried.append(entry)
+            if entry.get("budget_met"):
+                chosen = (candidate, out, entry)
                 break
-        report: dict[str, Any] = {"requested": config.describe(), "budget": budget.__dict__, "candidates": tried,
-                                  "validation_samples": len(validation)}
+        report: dict[str, Any] = {"requested": config.describe(), "budget": dict(validate_options),
+                                  "candidates": tried, "validation_samples": len(validation),
+                                  "latency_fp32_ms": round(fp32_latency * 1000, 4),
+                                  "fp32_bytes": source.stat().st_size}
+        ctx.report[self.name] = report
         if chosen is None:
+            last = tried[-1] if tried else {}
             ctx.warn("quantization could not meet the accuracy budget "
-                     f"({tried[-1].get('why', tried[-1].get('error')) if tried else 'no candidate'}); "
-                     "shipping fp32")
+                     f"({last.get('why', last.get('error', 'no candidate'))}); shipping fp32")
             report["applied"] = False
-            ctx.report[self.name] = report
             return
-        candidate, path, _ = chosen
+        candidate, path, entry = chosen
         quantized = onnx.load(path)
-        speed = self._speed(ctx, source, path, validation.feeds[0])
-        report.update({"applied": True, "chosen": candidate.describe(), **speed,
-                       "fp32_bytes": source.stat().st_size, "quantized_bytes": path.stat().st_size})
+        if not entry["quantized_nodes"]:
+            ctx.warn("quantization changed no node of the graph (nothing it quantizes is there); shipping fp32")
+            report["applied"] = False
+            return
+        speed = {"latency_fp32_ms": round(fp32_latency * 1000, 4), "latency_int8_ms": entry["latency_ms"],
+                 "speedup": entry["speedup"]}
+        report.update({"applied": True, "chosen": candidate.describe(), **speed, "quantized_bytes": entry["bytes"]})
         if speed["speedup"] < 1.0:
             ctx.warn(f"the quantized model is slower than fp32 on this machine ({speed['speedup']:.2f}x); "
                      "check the target's int8 support before shipping it")
         ctx.model = quantized
         ctx.manifest_extra["precision"] = "int8"
-        ctx.report[self.name] = report
+
+    def _try(self, ctx: BuildContext, candidate: QuantConfig, position: tuple[int, int], folder: Path, source: Path,
+             out: Path, calib_feeds: list[dict[str, np.ndarray]], validation: Samples,
+             reference: list[dict[str, np.ndarray]], fp32_latency: float) -> dict[str, Any]:
+        """Quantize, judge and time one candidate; its report entry. One progress line each,
+        so a long search shows in a CI log as it goes."""
+        number = f"{position[0] + 1}/{position[1]}"
+        label = f"candidate {position[0] + 1}"
+        ctx.progress(f"quantize: candidate {number} {_brief(candidate)} ...")
+        try:
+            call_in_worker(f"{__name__}:quantize_in_folder", folder, source, out, candidate, calib_feeds,
+                           label=label, doing="quantization and calibration")
+            outputs = run_feeds(out.read_bytes(), validation.feeds, label=label)
+        except OrtCrashError:
+            raise  # a crash ends the build with one line naming it; never a skipped candidate
+        except BuildError as err:  # onnxruntime.quantization's own errors, reported by the worker
+            ctx.progress(f"quantize: candidate {number} failed: {err.problem[:200]}")
+            return {**candidate.describe(), "error": err.problem[:300]}
+        evaluation: Evaluation = judge(ctx, ctx.recipe.section("validate"), reference, outputs, validation.labels)
+        latency = median_latency(str(out), validation.feeds[0], runs=CANDIDATE_LATENCY_RUNS)
+        entry = {**candidate.describe(), "metric": evaluation.metric, "task": evaluation.to_json(),
+                 "budget_met": evaluation.met, "why": evaluation.summary(), "bytes": out.stat().st_size,
+                 "latency_ms": round(latency * 1000, 4),
+                 "speedup": round(fp32_latency / latency, 3) if latency else 0.0,
+                 "quantized_nodes": quantized_nodes(onnx.load(out, load_external_data=False))}
+        verdict = "meets the budget" if evaluation.met else "misses the budget"
+        ctx.progress(f"quantize: candidate {number} {verdict}: {evaluation.summary()}; {entry['bytes']:,d} bytes, "
+                     f"{entry['latency_ms']:.3g} ms ({entry['speedup']:.2f}x fp32)")
+        return entry
 
     def _dynamic_op_types(self, ctx: BuildContext, model: onnx.ModelProto, config: QuantConfig) -> QuantConfig:
         asked = set(config.op_types)
@@ -308,10 +377,13 @@ class QuantizePass(Pass):
                 seen.add(variant)
                 yield variant
 
-    @staticmethod
-    def _speed(ctx: BuildContext, fp32: Path, quantized: Path, feed: dict[str, np.ndarray]) -> dict[str, float]:
-        ctx.progress("quantize: measuring latency fp32 vs int8 on this machine")
-        reference = median_latency(str(fp32), feed)
-        candidate = median_latency(str(quantized), feed)
-        return {"latency_fp32_ms": round(reference * 1000, 4), "latency_int8_ms": round(candidate * 1000, 4),
-                "speedup": round(reference / candidate, 3) if candidate else 0.0}
+
+def _brief(config: QuantConfig) -> str:
+    """A candidate in a few words for the progress line."""
+    parts = [config.mode, config.method if config.mode == "static" else "",
+             "per-channel" if config.per_channel else "per-tensor"]
+    if config.exclude:
+        parts.append(f"{len(config.exclude)} node(s) kept float")
+    if config.op_types:
+        parts.append("/".join(config.op_types))
+    return " ".join(p for p in parts if p)

@@ -4,8 +4,11 @@ compatibility report.
 
 A lossless build (no quantization, no fp16) must reproduce the original output by output
 within rtol/atol by dtype (``metrics.check_fidelity``), whatever the data source: the check
-never weakens to a summary metric. A lossy build is judged by the recipe's budget. A miss
-fails the build unless the recipe says ``validate.allow_failure: true``.
+never weakens to a summary metric. A lossy build is judged by the task's metric
+(``metrics.evaluate``: detection recall/precision, per-step sequence agreement, classifier
+top-1, or each raw output on its own) on every checked output; the quantization search uses
+the same judgement (:func:`judge`), so what it picks is what this pass accepts. A miss fails
+the build unless the recipe says ``validate.allow_failure: true``.
 """
 
 from __future__ import annotations
@@ -15,16 +18,25 @@ from typing import Any
 
 import numpy as np
 
+from edgepack_core.postprocess import Postprocessor
 from edgepack_core.targets import PROFILES
 from sdk.errors import RecipeError, ValidationFailed
 from sdk.packager.data import Samples, context_options, load_samples
-from sdk.packager.metrics import Budget, check_fidelity, compare
+from sdk.packager.metrics import (
+    DetectionDecoder,
+    Detections,
+    Evaluation,
+    check_fidelity,
+    compare,
+    evaluate,
+    task_metric,
+)
 from sdk.packager.ort_host import run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
 
 DEFAULT_SAMPLES = 64
 SYNTHETIC_SAMPLES = 16
-_BUDGET_KEYS = ("metric", "max_drop", "min_cosine", "max_abs")
+_BUDGET_KEYS = ("metric", "max_drop", "min_cosine", "max_abs", "min_recall", "min_precision", "min_agreement")
 VALIDATION_SOURCES = (("validate", "data"), ("quantize", "calibration"), ("golden", "data"))
 
 
@@ -51,6 +63,52 @@ def expected_check(samples: Samples, outputs: Sequence[dict[str, np.ndarray]], o
     return fidelity.to_json()
 
 
+def checked_outputs(ctx: BuildContext, options: Mapping[str, Any]) -> list[str]:
+    """The outputs a lossy build is judged on: ``validate.outputs`` (a recurrent state output
+    left out), else the postprocess's output for a task (detection, ctc, classifier), else every
+    output of a raw model. A name the model does not have is refused naming the key."""
+    names = [spec.name for spec in ctx.outputs]
+    asked = options.get("outputs")
+    if asked:
+        for name in asked:
+            if name not in names:
+                raise RecipeError("validate.outputs", f"the model has no output named {name!r} (outputs: "
+                                  f"{', '.join(names) or 'none'})", recipe=str(ctx.recipe.path))
+        return list(dict.fromkeys(asked))
+    if ctx.postprocess.get("kind", "raw") == "raw" or not names:
+        return names
+    return [ctx.postprocess.get("output") or names[0]]
+
+
+def detection_decoder(postprocess: Mapping[str, Any]) -> DetectionDecoder | None:
+    """The shared postprocessor's decoder when the recipe declares ``kind: detection`` (its
+    format, thresholds and NMS, so validation sees what the device serves); None leaves the
+    metric's own YOLOv8 decoder for a recipe that names ``metric: detection`` on a raw model."""
+    if postprocess.get("kind") != "detection":
+        return None
+    processor = Postprocessor(postprocess)
+
+    def decode(sample: Mapping[str, np.ndarray]) -> list[Detections]:
+        result = processor(sample)
+        images = [result] if not result or isinstance(result[0], dict) else result
+        return [Detections.of([d["box"] for d in image] or np.zeros((0, 4)), [d["score"] for d in image],
+                              [d["index"] for d in image]) for image in images]
+
+    return decode
+
+
+def judge(ctx: BuildContext, options: Mapping[str, Any], reference: Sequence[Mapping[str, np.ndarray]],
+          candidate: Sequence[Mapping[str, np.ndarray]], labels: Sequence[int] | None) -> Evaluation:
+    """A candidate against the fp32 reference by the task metric on every checked output:
+    the one judgement of the validate pass and of the quantization search."""
+    post = ctx.postprocess
+    ctc = post.get("kind") == "ctc"
+    return evaluate(reference, candidate, metric=task_metric(options.get("metric"), post, labels is not None),
+                    outputs=checked_outputs(ctx, options), budget=options, labels=labels,
+                    decode=detection_decoder(post), blank=int(post.get("blank", 0)) if ctc else None,
+                    layout=str(post.get("layout", "NTC")))
+
+
 @register
 class ValidatePass(Pass):
     name = "validate"
@@ -73,6 +131,7 @@ class ValidatePass(Pass):
 
     def run(self, ctx: BuildContext) -> None:
         options = self.options(ctx)
+        checked_outputs(ctx, options)  # an unknown validate.outputs name is refused before any work
         samples, kind = self._samples(ctx, options)
         assert ctx.original is not None
         reference = run_feeds(ctx.original.SerializeToString(), samples.feeds)
@@ -94,15 +153,14 @@ class ValidatePass(Pass):
                 failures.append(("tolerance", worst.ratio if worst else 0.0, 1.0,
                                  f"the packaged model differs from the original: {fidelity.summary()}"))
         if not lossless or any(k in options for k in _BUDGET_KEYS):
-            budget = Budget.from_recipe(options, samples.labels is not None)
-            met, why = budget.check(result)
-            report["metric"] = budget.metric
-            summaries.append(why)
-            if not met:
-                value = {"top1": result.accuracy_drop, "agreement": 1 - result.top1_agreement,
-                         "max_abs": result.max_abs_diff}.get(budget.metric, result.cosine)
-                failures.append((budget.metric, float(value or 0.0), 0.0,
-                                 f"the packaged model misses the accuracy budget: {why}"))
+            evaluation = judge(ctx, options, reference, candidate, samples.labels)
+            report["metric"] = evaluation.metric
+            report["task"] = evaluation.to_json()
+            summaries.append(evaluation.summary())
+            worst = evaluation.worst
+            if worst is not None and not evaluation.met:
+                failures.append((evaluation.metric, float(worst.value), float(worst.limit),
+                                 f"the packaged model misses the accuracy budget: {evaluation.summary()}"))
         self._expected(ctx, samples, reference if not lossless else candidate, options, report, failures)
         report.update({"budget_met": not failures, "summary": "; ".join(summaries)})
         ctx.report[self.name] = report
