@@ -200,3 +200,12 @@ def test_a_search_in_a_non_tty_log_prints_one_line_per_candidate(tmp_path, keypa
     verdicts = [line for line in lines if "misses the budget" in line]
     assert len(verdicts) >= 4 and all("bytes" in line and "ms" in line for line in verdicts)
     assert verdicts[0].startswith("quantize: candidate 1/")
+
+
+def test_a_detection_metric_on_an_output_that_is_no_detection_head_is_one_error_naming_the_key(tmp_path, keypair):
+    _stateful(tmp_path / "s.onnx")  # outputs [1, 8]: no [batch, 4 + classes, anchors] head
+    doc = {"name": "s", "version": "1.0.0", "model": {"path": "s.onnx"}, "optimize": {"fp16": True},
+           "validate": {"data": "synthetic", "metric": "detection", "outputs": ["output"]}}
+    with pytest.raises(RecipeError, match=r"validate\.metric: metric detection cannot read output output: a yolov8 "
+                                          r"head is \[batch, 4 \+ classes, anchors\], got \[1, 8\]"):
+        _build(tmp_path, doc, keypair)

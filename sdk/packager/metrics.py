@@ -374,6 +374,10 @@ def detection_agreement(ref: Sequence[Detections], cand: Sequence[Detections], i
                               float(np.mean(diffs)) if diffs else None)
 
 
+class MetricInputError(ValueError):
+    """An output the metric cannot read (a detection metric on something that is no detection head)."""
+
+
 def nms(boxes: np.ndarray, scores: np.ndarray, iou: float) -> list[int]:
     """Indices kept by greedy non-maximum suppression, best score first."""
     order = np.argsort(-scores, kind="stable")
@@ -396,7 +400,7 @@ def decode_yolov8(output: np.ndarray, *, score_threshold: float = 0.25, iou_thre
     if array.ndim == 2:
         array = array[None]
     if array.ndim != 3 or array.shape[1] < 5:
-        raise ValueError(f"a yolov8 head is [batch, 4 + classes, anchors], got {list(np.shape(output))}")
+        raise MetricInputError(f"a yolov8 head is [batch, 4 + classes, anchors], got {list(np.shape(output))}")
     images = []
     for row in array:
         cx, cy, w, h = row[:4]

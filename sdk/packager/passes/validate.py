@@ -26,6 +26,7 @@ from sdk.packager.metrics import (
     DetectionDecoder,
     Detections,
     Evaluation,
+    MetricInputError,
     check_fidelity,
     compare,
     evaluate,
@@ -103,10 +104,16 @@ def judge(ctx: BuildContext, options: Mapping[str, Any], reference: Sequence[Map
     the one judgement of the validate pass and of the quantization search."""
     post = ctx.postprocess
     ctc = post.get("kind") == "ctc"
-    return evaluate(reference, candidate, metric=task_metric(options.get("metric"), post, labels is not None),
-                    outputs=checked_outputs(ctx, options), budget=options, labels=labels,
-                    decode=detection_decoder(post), blank=int(post.get("blank", 0)) if ctc else None,
-                    layout=str(post.get("layout", "NTC")))
+    metric = task_metric(options.get("metric"), post, labels is not None)
+    outputs = checked_outputs(ctx, options)
+    try:
+        return evaluate(reference, candidate, metric=metric, outputs=outputs, budget=options, labels=labels,
+                        decode=detection_decoder(post), blank=int(post.get("blank", 0)) if ctc else None,
+                        layout=str(post.get("layout", "NTC")))
+    except MetricInputError as err:  # e.g. metric: detection on an output that is no detection head
+        key = "validate.metric" if options.get("metric") else "postprocess.kind"
+        raise RecipeError(key, f"metric {metric} cannot read output {', '.join(outputs)}: {err}",
+                          recipe=str(ctx.recipe.path)) from err
 
 
 @register
