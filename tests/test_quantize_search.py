@@ -196,10 +196,11 @@ def test_a_search_in_a_non_tty_log_prints_one_line_per_candidate(tmp_path, keypa
     result = run_cli("edgepack", "build", str(tmp_path / "det.yaml"), "--key", str(keypair[0]),
                      "-o", str(tmp_path / "log.edgepkg"), timeout=300)
     assert result.returncode == 0, result.stderr
-    lines = [line.strip() for line in result.stderr.splitlines() if "quantize: candidate" in line]
-    verdicts = [line for line in lines if "misses the budget" in line]
-    assert len(verdicts) >= 4 and all("bytes" in line and "ms" in line for line in verdicts)
-    assert verdicts[0].startswith("quantize: candidate 1/")
+    lines = [line.strip() for line in result.stderr.splitlines() if "candidate" in line]
+    assert len(lines) >= 4 and all("misses the budget" in line and "bytes" in line and " ms (" in line
+                                   for line in lines), "one verdict line per candidate, nothing else"
+    assert lines[0].startswith(f"quantize: candidate 1/{len(lines)} (static minmax per-channel) misses")
+    assert "trying" not in result.stderr and "quantize ..." not in result.stderr
 
 
 def test_a_detection_metric_on_an_output_that_is_no_detection_head_is_one_error_naming_the_key(tmp_path, keypair):

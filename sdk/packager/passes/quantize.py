@@ -303,11 +303,12 @@ class QuantizePass(Pass):
     def _try(self, ctx: BuildContext, candidate: QuantConfig, position: tuple[int, int], folder: Path, source: Path,
              out: Path, calib_feeds: list[dict[str, np.ndarray]], validation: Samples,
              reference: list[dict[str, np.ndarray]], fp32_latency: float) -> dict[str, Any]:
-        """Quantize, judge and time one candidate; its report entry. One progress line each,
-        so a long search shows in a CI log as it goes."""
+        """Quantize, judge and time one candidate; its report entry. Its verdict line starts
+        ``quantize: candidate N/M``, which ``edgepack build`` prints even in a log, so a long
+        search shows in CI as it goes (the ``trying`` line only on a terminal)."""
         number = f"{position[0] + 1}/{position[1]}"
         label = f"candidate {position[0] + 1}"
-        ctx.progress(f"quantize: candidate {number} {_brief(candidate)} ...")
+        ctx.progress(f"quantize: trying candidate {number}: {_brief(candidate)} ...")
         try:
             call_in_worker(f"{__name__}:quantize_in_folder", folder, source, out, candidate, calib_feeds,
                            label=label, doing="quantization and calibration")
@@ -325,8 +326,8 @@ class QuantizePass(Pass):
                  "speedup": round(fp32_latency / latency, 3) if latency else 0.0,
                  "quantized_nodes": quantized_nodes(onnx.load(out, load_external_data=False))}
         verdict = "meets the budget" if evaluation.met else "misses the budget"
-        ctx.progress(f"quantize: candidate {number} {verdict}: {evaluation.summary()}; {entry['bytes']:,d} bytes, "
-                     f"{entry['latency_ms']:.3g} ms ({entry['speedup']:.2f}x fp32)")
+        ctx.progress(f"quantize: candidate {number} ({_brief(candidate)}) {verdict}: {evaluation.summary()}; "
+                     f"{entry['bytes']:,d} bytes, {entry['latency_ms']:.3g} ms ({entry['speedup']:.2f}x fp32)")
         return entry
 
     def _dynamic_op_types(self, ctx: BuildContext, model: onnx.ModelProto, config: QuantConfig) -> QuantConfig:
