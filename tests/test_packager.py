@@ -62,6 +62,9 @@ def test_digits_static_int8_loses_at_most_one_point_and_says_so(workspace, keypa
     assert validate["metric"] == "top1" and validate["samples"] == 450
     assert validate["accuracy_drop"] <= 0.01 and validate["accuracy_candidate"] >= 0.95
     assert validate["budget_met"] is True
+    chosen = quantize["candidates"][-1]  # the report lists every candidate with its metric, size and latency
+    assert chosen["metric"] == "top1" and chosen["budget_met"] is True and chosen["quantized_nodes"] > 0
+    assert chosen["bytes"] == quantize["quantized_bytes"] and chosen["latency_ms"] == quantize["latency_int8_ms"] > 0
 
 
 def test_mobilenet_int8_is_3_5x_smaller_with_cosine_over_0_99(workspace, keypair):

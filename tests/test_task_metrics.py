@@ -196,3 +196,16 @@ def test_integer_outputs_must_match_exactly_and_a_shape_change_is_a_miss():
 ])
 def test_the_metric_follows_the_task_unless_the_recipe_names_one(named, kind, labels, expected):
     assert task_metric(named, {"kind": kind}, labels) == expected
+
+
+def test_a_tnc_ctc_output_is_read_with_time_first():
+    # [T=3, batch=2, classes=3]: row 0 reads 1,1,2 -> "12"; row 1 reads 2,0,2 -> "22".
+    ref = np.zeros((3, 2, 3), np.float32)
+    for t, (a, b) in enumerate([(1, 2), (1, 0), (2, 2)]):
+        ref[t, 0, a] = ref[t, 1, b] = 1.0
+    cand = ref.copy()
+    cand[1, 1] = [0, 0, 1]  # row 1 now reads 2,2,2 -> "2": one step of six, one string of two
+    result = evaluate([{"y": ref}], [{"y": cand}], metric="sequence", outputs=["y"], blank=0, layout="TNC",
+                      budget={"min_agreement": 0.8})
+    figures = result.scores[0].figures
+    assert figures["step_agreement"] == pytest.approx(5 / 6) and figures["string_match"] == 0.5 and result.met
