@@ -66,6 +66,7 @@ input_for() {  # the demo input a recipe's model takes
     mobilenet*) echo "$WORK/demo/mobilenet/images/img_000.png" ;;
     digits*) echo "$WORK/demo/digits/val/digit_0000.png" ;;
     tabular*) echo "$WORK/demo/tabular/example.npy" ;;
+    vad*) echo "$WORK/demo/vad/audio/burst-16k-pcm16.wav" ;;
     *) echo "" ;;
   esac
 }
@@ -173,6 +174,16 @@ if OLD_OUT=$("$OLD/bin/python" -c "$RUN_ORT" "$WORK/ort/model/model.ort" "$WORK/
   pass "onnxruntime $HAVE loads and runs the .ort file written by the current onnxruntime (min_onnxruntime $ORT_NEED)"
 else
   fail "onnxruntime $HAVE cannot run the .ort file (min_onnxruntime $ORT_NEED)"; tail -n 3 "$LOG" | sed 's/^/    /'
+fi
+
+# 6. A slice of onnx's node tests (every 5th), packaged for the rpi target by the current
+#    onnxruntime, runs on the old one wherever bare onnxruntime of that version passes the test.
+if SLICE_LOG=$("$PY" -m tools.conformance.oldest_slice build "$WORK/slice" --every 5 2>>"$LOG") \
+    && SLICE_BUILT=${SLICE_LOG%%$'\n'*} && echo "$SLICE_LOG" >>"$LOG" \
+    && SLICE_RUN=$("$OLD/bin/python" -m tools.conformance.oldest_slice run "$WORK/slice" 2>>"$LOG"); then
+  pass "conformance slice: $SLICE_BUILT; $SLICE_RUN"
+else
+  fail "conformance slice on onnxruntime $HAVE: ${SLICE_BUILT:-not built}"; echo "${SLICE_RUN:-}" | sed 's/^/    /'
 fi
 
 ELAPSED=$(( $(date +%s) - START ))
