@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install Edgepack with the host and dev extras, editable.
+# Create .venv (if missing) and install Edgepack with the host and dev extras, editable: both
+# distributions of the checkout, the device one (distributions/edgepack-agent: edgepack_core,
+# device_agent, `edgepack-agent`) and the host one (.: sdk, `edgepack`, which depends on the
+# device one, so pip must be given both in one command).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -7,7 +10,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -e distributions/edgepack-agent -e ".[dev]"
 # Optional: PyTorch for the export workflow and its tests (CI sets EDGEPACK_WITH_TORCH=1).
 # Pinned: on these machines 2.13.0 is a CPU build on local disk; an unpinned torch pulls GBs of CUDA.
 if [ "${EDGEPACK_WITH_TORCH:-0}" = 1 ]; then
