@@ -193,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     trust(rollback)
     runtime(rollback)
     rollback.set_defaults(func=cmd_rollback)
+
+    from device_agent.system_files import add_commands  # files, install-unit: the shipped unit and schemas
+
+    add_commands(sub)
     return parser
 
 
