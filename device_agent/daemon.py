@@ -74,6 +74,7 @@ class Daemon:
                                                     model.manifest.model_sha256)
         return AgentStatus(model=info, provider=None if model is None else model.provider,
                            profile=self.config.profile, available_providers=list(ort.get_available_providers()),
+                           provider_fallbacks=[] if model is None else model.fallbacks_json(),
                            extra=self.store.health())
 
     # ---------------------------------------------------------------- lifecycle

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from edgepack_core.ort_compat import RuntimeTooOldError, runtime_refusal
 from edgepack_core.postprocess import Postprocessor, load_charset, load_labels
 from edgepack_core.preprocess import Preprocessor
 from edgepack_core.protocol.ids import InvalidNameError
+from edgepack_core.targets import CPU
 
 log = logging.getLogger("edgepack.agent.runtime")
 
@@ -62,6 +63,13 @@ class LoadedModel:
     # Inputs the manifest declares ``role: state``: input name -> (the output carried into it,
     # its init value). Fed by the agent (per stream), never asked of callers.
     states: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
+    # What onnxruntime registered in the session, in order; ``provider`` is the first.
+    session_providers: tuple[str, ...] = ()
+    # Seconds the warm-up took on this session (golden samples, or zeros on an accelerator
+    # without them): where TensorRT builds its engine, before the model is swapped in.
+    warmup_s: float | None = None
+    # Where the provider keeps its compiled engine/model (None: nothing to keep).
+    cache_dir: Path | None = None
 
     @property
     def init_state(self) -> dict[str, np.ndarray]:
@@ -91,9 +99,15 @@ class LoadedModel:
         return dict(zip(self.output_names, self.session.run(self.output_names, feed), strict=True))
 
     def describe(self) -> dict[str, Any]:
+        """The model and the provider really serving it, each fallback with its reason
+        (``/healthz``, the published state)."""
         return {"name": self.manifest.name, "version": self.manifest.version, "sha256": self.manifest.model_sha256,
-                "provider": self.provider,
-                "provider_fallbacks": [{"provider": p, "reason": r} for p, r in self.fallbacks]}
+                "provider": self.provider, "provider_fallbacks": self.fallbacks_json(),
+                "session_providers": list(self.session_providers),
+                "warmup_ms": None if self.warmup_s is None else round(self.warmup_s * 1000, 3)}
+
+    def fallbacks_json(self) -> list[dict[str, str]]:
+        return [{"provider": p, "reason": r} for p, r in self.fallbacks]
 
 
 def constant_inputs(manifest: Manifest) -> dict[str, np.ndarray]:
@@ -117,21 +131,75 @@ def state_inputs(manifest: Manifest) -> dict[str, tuple[str, np.ndarray]]:
     return states
 
 
+def model_traits(manifest: Manifest) -> ModelTraits:
+    """What of the manifest decides the providers and their options. Pure."""
+    return ModelTraits(precision=manifest.raw["model"].get("precision", "fp32"),
+                       static_shapes=all(isinstance(d, int) for t in manifest.inputs for d in t.shape),
+                       targets=tuple(manifest.targets),
+                       inputs=tuple((t.name, tuple(t.shape)) for t in manifest.inputs))
+
+
+def engine_cache_dir(root: Path, manifest: Manifest, ort_version: str) -> Path:
+    """Where TensorRT's engines and CoreML's compiled model for this model live:
+    ``<store>/cache/<model directory>/<model hash>-ort<version>-<device>/``, so an onnxruntime
+    upgrade or a moved SD card never loads a stale engine, and the store removes the whole
+    ``cache/<model directory>`` with the model (``ModelStore``). I/O: asks the device's name."""
+    from device_agent.providers import cache_key, this_device
+
+    return root.parent.parent / "cache" / root.name / cache_key(manifest.model_sha256, ort_version, this_device())
+
+
+def _zeros_feed(model: LoadedModel) -> dict[str, np.ndarray]:
+    """A warm-up feed for a model without golden samples: zeros of every input's declared
+    shape (symbolic dims 1)."""
+    feed = {}
+    for name, (dtype, shape) in model.input_specs.items():
+        dims = tuple(d if isinstance(d, int) else 1 for d in shape)
+        feed[name] = np.full(dims, "", dtype=object) if dtype.kind == "O" else np.zeros(dims, dtype=dtype)
+    return feed
+
+
+def warm_up(model: LoadedModel, *, smoke_test: bool = True) -> SmokeReport | None:
+    """Run the golden samples on the model's session (the smoke test; on TensorRT also the
+    engine build, so it happens before the swap, not on the first live request). Without
+    golden samples, an accelerator runs zeros once (a failure there is logged: the first
+    request then pays the build); the CPU provider has nothing to build and skips it."""
+    if smoke_test and model.manifest.golden.get("samples"):
+        return run_smoke_test(model.root, model.manifest, model.run)
+    if model.provider != CPU:
+        try:
+            model.run(_zeros_feed(model))
+        except Exception as err:  # zeros are not every model's valid input (indices, lengths)
+            log.warning("%s: warm-up with zeros on %s failed (%s); the first request pays the build",
+                        model.label, model.provider, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+    return None
+
+
 def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads: int = 0,
-               smoke_test: bool = True) -> LoadedModel:
-    """Create the session with the best provider, then run the golden smoke test."""
+               smoke_test: bool = True, factory: Callable[..., Any] | None = None) -> LoadedModel:
+    """Create the session with the best provider that works, warmed up on the golden samples.
+
+    Each provider choice gets a session and the golden smoke test on that same session (no
+    second session): a provider onnxruntime silently left out, or whose outputs miss the golden
+    samples, counts as failing and the next one is tried (``create_session``). The returned
+    model is ready: a TensorRT engine is built (and cached) before anyone swaps it in.
+    ``factory`` stands in for ``onnxruntime.InferenceSession`` in tests.
+    """
     import onnxruntime as ort
 
     refusal = runtime_refusal(f"{manifest.name} {manifest.version}",
                               str(manifest.raw["model"].get("min_onnxruntime", "0")), ort.__version__)
     if refusal is not None:  # before any session: an old runtime's load error names neither version
         raise RuntimeTooOldError(refusal)
-    precision = manifest.raw["model"].get("precision", "fp32")
-    static = all(isinstance(d, int) for t in manifest.inputs for d in t.shape)
-    traits = ModelTraits(precision=precision, static_shapes=static, targets=list(manifest.targets))
-    plan = choose_providers(profile, ort.get_available_providers(), traits, threads=threads,
-                            cache_dir=root.parent.parent / "cache" / root.name)
-    result = create_session(root / manifest.model_path, plan, threads=threads)
+    traits = model_traits(manifest)
+    available = ort.get_available_providers()
+    plan = choose_providers(profile, available, traits, threads=threads, ort_version=ort.__version__)
+    cache_dir = None
+    if plan.needs_cache:  # only then is the device's identity worth asking for (nvidia-smi)
+        cache_dir = engine_cache_dir(root, manifest, ort.__version__)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        plan = choose_providers(profile, available, traits, threads=threads, cache_dir=cache_dir,
+                                ort_version=ort.__version__)
     constants = constant_inputs(manifest)
     states = state_inputs(manifest)
     labels = None
@@ -142,19 +210,30 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
     if post.get("charset"):
         charset = load_charset((root / post["charset"]).read_text(encoding="utf-8"),
                                append_space=bool(post.get("append_space")))
-    model = LoadedModel(
-        root=root, manifest=manifest, session=result.session, provider=result.provider, fallbacks=result.fallbacks,
+    template = LoadedModel(
+        root=root, manifest=manifest, session=None, provider="", fallbacks=[],
         preprocessor=Preprocessor(manifest.preprocess), postprocessor=Postprocessor(post, labels, charset),
-        output_names=[o.name for o in result.session.get_outputs()],
         input_specs={t.name: (np.dtype(_DTYPES.get(t.dtype, np.float32)), tuple(t.shape)) for t in manifest.inputs
                      if t.name not in constants and t.name not in states},
         constants=constants, states=states,
         non_finite_inputs=frozenset(s["name"] for s in manifest.raw["inputs"] if s.get("allow_non_finite")),
+        cache_dir=cache_dir,
     )
+    ready: list[LoadedModel] = []
+
+    def check(session: Any, provider: str) -> None:
+        model = replace(template, session=session, provider=provider,
+                        output_names=[o.name for o in session.get_outputs()])
+        started = time.perf_counter()
+        model.smoke = warm_up(model, smoke_test=smoke_test)
+        model.warmup_s = time.perf_counter() - started
+        ready[:] = [model]
+
+    result = create_session(root / manifest.model_path, plan, threads=threads, factory=factory, check=check)
+    model = ready[0]
+    model.fallbacks, model.session_providers = result.fallbacks, result.session_providers
     for name, reason in result.fallbacks:
         log.info("%s: not using %s: %s", model.label, name, reason)
-    if smoke_test:
-        model.smoke = run_smoke_test(root, manifest, model.run)
     return model
 
 

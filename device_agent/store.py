@@ -4,6 +4,7 @@ active model, the previous version kept for rollback, and recovery after a crash
 Layout under the store root::
 
     models/<name>-<version>-<sha12>/   one verified, extracted artifact per directory
+    cache/<name>-<version>-<sha12>/    its TensorRT engines / CoreML model, removed with it
     models/.<dir>.partial-*/           an extraction in progress (removed by recover())
     state.json                         {"active": dir, "previous": dir | null}: the commit point
 
@@ -150,6 +151,7 @@ class ModelStore:
     def __init__(self, root: Path, trust: TrustStore, limits: Limits | None = None) -> None:
         self.root = Path(root)
         self.models = self.root / "models"
+        self.caches = self.root / "cache"  # cache/<model directory>/: provider engines, removed with the model
         self.trust = trust
         self.limits = limits or Limits()
         self.state_note: str | None = None
@@ -269,6 +271,7 @@ class ModelStore:
                     # than hold two copies.
                     return InstalledModel(target, read_extracted(target, self.trust))
                 shutil.rmtree(target)  # a leftover nobody refers to
+                self._remove_cache(key)
             os.rename(tmp / "x", target)
             simulate_power_cut_if_testing("after-extract")
             return InstalledModel(target, VerifiedArtifact(verified.path, verified.manifest, verified.manifest_bytes,
@@ -306,6 +309,7 @@ class ModelStore:
         state = self._read_state()
         if model.key not in (state["active"], state["previous"]):
             shutil.rmtree(model.directory, ignore_errors=True)
+            self._remove_cache(model.key)
 
     def rollback(self) -> InstalledModel:
         """Swap active and previous. Raises StoreError when there is no previous model."""
@@ -329,7 +333,17 @@ class ModelStore:
             if entry.name not in keep and entry.is_dir() and not entry.name.startswith("."):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
+        if self.caches.is_dir():  # engines of models that are gone, including ones a crash left
+            for entry in self.caches.iterdir():
+                if entry.name not in keep:
+                    self._remove_cache(entry.name)
         return removed
+
+    def _remove_cache(self, key: str) -> None:
+        """Remove ``cache/<key>``: the compiled engines of one model directory (TensorRT,
+        CoreML), which only that model can use (``device_agent.runtime.engine_cache_dir``)."""
+        if is_entry_name(key):
+            shutil.rmtree(self.caches / key, ignore_errors=True)
 
     # ---------------------------------------------------------------- crash recovery
 

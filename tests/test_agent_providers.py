@@ -72,7 +72,8 @@ def test_android_uses_nnapi_only_for_static_shapes():
 
 
 def test_apple_uses_coreml_mlprogram_with_cache(tmp_path):
-    plan = choose_providers("apple", [COREML, CPU], ModelTraits(static_shapes=True), cache_dir=tmp_path)
+    plan = choose_providers("apple", [COREML, CPU], ModelTraits(static_shapes=True), cache_dir=tmp_path,
+                            ort_version="1.21.1")
     assert _names(plan) == [COREML, CPU]
     assert plan.choices[0].options["ModelFormat"] == "MLProgram"
     assert plan.choices[0].options["ModelCacheDirectory"] == str(tmp_path / "coreml")

@@ -32,6 +32,8 @@ log = logging.getLogger("edgepack.agent.telemetry")
 STATE_SCHEMA = STATE_SCHEMA_ID
 JOB_SCHEMA = JOB_SCHEMA_ID
 SESSION_EXPIRY_S = 24 * 3600  # the broker keeps queued commands for a device offline up to a day
+MAX_FALLBACKS = 16  # the state schema's bounds on provider_fallbacks
+MAX_REASON_CHARS = 1000
 
 
 @dataclass
@@ -42,6 +44,8 @@ class AgentStatus:
     provider: str | None = None
     profile: str | None = None
     available_providers: list[str] = field(default_factory=list)
+    # Each provider of the profile not serving the model, with why (``LoadedModel.fallbacks_json``).
+    provider_fallbacks: list[dict[str, str]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -79,6 +83,8 @@ def state_document(device_id: str, online: bool, status: AgentStatus, groups: li
         doc["model"] = None if status.model is None else {
             "name": status.model.name, "version": status.model.version, "sha256": status.model.sha256}
         doc["provider"] = status.provider
+        doc["provider_fallbacks"] = [{"provider": f["provider"], "reason": f["reason"][:MAX_REASON_CHARS]}
+                                     for f in status.provider_fallbacks[:MAX_FALLBACKS]]
         doc.update(status.extra)
     else:
         doc["reason"] = reason
