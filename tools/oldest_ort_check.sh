@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Prove that artifacts run on the oldest onnxruntime the `agent` extra allows.
+# Prove that artifacts run on the oldest onnxruntime the device distribution allows.
 #
-# Creates (and keeps) a second venv, .venv-oldest, holding the project's `agent` extra with the
-# onnxruntime floor of pyproject.toml pinned (today 1.16.0; numpy < 2 with it, as onnxruntime
+# Creates (and keeps) a second venv, .venv-oldest, holding the device distribution
+# `edgepack-agent` (a wheel of distributions/edgepack-agent, as a device installs it) with the
+# onnxruntime floor of its pyproject.toml pinned (today 1.16.0; numpy < 2 with it, as onnxruntime
 # releases before 1.19 were built against numpy 1.x, which is what a device with such a release
-# has). Then, with the main .venv, builds the demo models (tools/build_demos.py) and every demo
+# has), and checks that this install stands alone (tools/device_install_check.py: no sdk, no
+# `edgepack` command, the systemd unit and schemas inside the package). Then, with the main
+# .venv, builds the demo models (tools/build_demos.py) and every demo
 # recipe (recipes/*.yaml), and in .venv-oldest for each artifact: `edgepack-agent install`
 # (verification and golden smoke test) and `edgepack-agent predict`, whose outputs must match
 # the same predict on the main venv's onnxruntime (max abs diff <= 1e-4). Finally it builds an
@@ -29,31 +32,33 @@ trap 'rm -rf "$WORK"' EXIT
 
 [ -x "$PY" ] || bash tools/setup_venv.sh
 
-# 1. The floor, read from pyproject.toml (the base dependencies the `agent` extra installs).
-FLOOR=$(grep -oE '"onnxruntime>=[0-9.]+' pyproject.toml | head -n 1 | cut -d= -f2)
-[ -n "$FLOOR" ] || { fail "pyproject.toml names no onnxruntime>= floor"; exit 1; }
+# 1. The floor, read from the device distribution's dependencies (the one list a device installs).
+DEVICE_PYPROJECT=distributions/edgepack-agent/pyproject.toml
+FLOOR=$(grep -oE '"onnxruntime>=[0-9.]+' "$DEVICE_PYPROJECT" | head -n 1 | cut -d= -f2)
+[ -n "$FLOOR" ] || { fail "$DEVICE_PYPROJECT names no onnxruntime>= floor"; exit 1; }
 case "$FLOOR" in *.*.*) ;; *) FLOOR=$FLOOR.0 ;; esac  # pip installs 1.16.0 for ==1.16
 PINS=("onnxruntime==$FLOOR")
 MINOR=$(echo "$FLOOR" | cut -d. -f2)
 if [ "$MINOR" -lt 19 ]; then PINS+=("numpy<2"); fi
 
-# 2. .venv-oldest with the project wheel's agent extra and the pins (rebuilt when either changes).
-run_logged "build the project wheel" "$PY" -m pip wheel -q --no-deps -w "$WORK/wheel" "$REPO"
-WHEEL=$(cd "$WORK/wheel" && ls edgepack-*.whl)
-DEPS_KEY=$( (unzip -p "$WORK/wheel/$WHEEL" '*.dist-info/METADATA' | grep '^Requires-Dist' | grep -v 'extra =='; \
-  echo "${PINS[*]}") | sha256sum | cut -c1-16)
+# 2. .venv-oldest with the device wheel and the pins (rebuilt when its dependencies or the pins change).
+run_logged "build the device wheel" "$PY" tools/build_wheels.py "$WORK/wheel" --dist agent --no-build-isolation
+WHEEL=$(cd "$WORK/wheel" && ls edgepack_agent-*.whl)
+DEPS_KEY=$( (echo edgepack-agent; unzip -p "$WORK/wheel/$WHEEL" '*.dist-info/METADATA' | grep '^Requires-Dist' \
+  | grep -v 'extra =='; echo "${PINS[*]}") | sha256sum | cut -c1-16)
 if [ "$(cat "$OLD/.deps-key" 2>/dev/null)" != "$DEPS_KEY" ]; then
   say "creating .venv-oldest (onnxruntime $FLOOR)"
   rm -rf "$OLD"
   run_logged "create .venv-oldest" python3 -m venv "$OLD"
-  run_logged "pip install the agent extra with ${PINS[*]}" "$OLD/bin/pip" install -q "${PINS[@]}" \
-    "edgepack[agent] @ file://$WORK/wheel/$WHEEL"
+  run_logged "pip install edgepack-agent with ${PINS[*]}" "$OLD/bin/pip" install -q "${PINS[@]}" \
+    "$WORK/wheel/$WHEEL"
   echo "$DEPS_KEY" > "$OLD/.deps-key"
 fi
-run_logged "install the project wheel" "$OLD/bin/pip" install -q --no-deps --force-reinstall "$WORK/wheel/$WHEEL"
+run_logged "install the device wheel" "$OLD/bin/pip" install -q --no-deps --force-reinstall "$WORK/wheel/$WHEEL"
 HAVE=$("$OLD/bin/python" -c 'import onnxruntime; print(onnxruntime.__version__)')
-[ "$HAVE" = "$FLOOR" ] && pass ".venv-oldest runs onnxruntime $HAVE (the agent extra's floor)" \
+[ "$HAVE" = "$FLOOR" ] && pass ".venv-oldest runs onnxruntime $HAVE (the device distribution's floor)" \
   || { fail ".venv-oldest has onnxruntime $HAVE, not the floor $FLOOR"; exit 1; }
+"$OLD/bin/python" tools/device_install_check.py || FAILED=1  # its own PASS/FAIL lines
 
 # 3. Demo artifacts, built with the main venv.
 run_logged "build demo models" "$PY" tools/build_demos.py --out "$WORK/demo"
