@@ -139,6 +139,9 @@ class MqttSettings:
     Session Expiry Interval with clean start off, or clean session off on 3.1.1; it needs a
     fixed ``client_id``. ``max_incoming_bytes`` drops larger incoming messages; on MQTT 5 it
     is also announced to the broker as Maximum Packet Size so they are not even sent.
+    ``manual_ack`` makes the handlers' owner acknowledge each QoS 1 message itself
+    (:meth:`MqttTransport.ack`), e.g. only once it is committed to a database: with a
+    persistent session the broker then redelivers whatever a crash left unacknowledged.
     """
 
     host: str
@@ -157,6 +160,7 @@ class MqttSettings:
     max_queued: int = 1000
     max_incoming_bytes: int = DEFAULT_MAX_INCOMING_BYTES
     session_expiry: int = 0
+    manual_ack: bool = False
     tcp_nodelay: bool = True
     connect_timeout: float = 5.0
 
@@ -193,12 +197,15 @@ class MqttSettings:
 
 @dataclass(frozen=True)
 class Incoming:
-    """One received message as handed to a subscription handler."""
+    """One received message as handed to a subscription handler. ``mid`` and ``generation``
+    (which connection delivered it) are what :meth:`MqttTransport.ack` needs."""
 
     topic: str
     payload: bytes
     qos: int
     retain: bool
+    mid: int = 0
+    generation: int = 0
 
 
 Handler = Callable[[Incoming], None]
@@ -280,6 +287,7 @@ class MqttTransport:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failures = 0
+        self._generation = 0  # counts successful connects; an ack from an older connection is void
         self.dropped_incoming = 0
         self.last_error: str | None = None
         self.refused: str | None = None  # the last CONNACK failure reason, until a connect succeeds
@@ -300,6 +308,7 @@ class MqttTransport:
         )
         # paho re-raises callback exceptions unless told not to, which would end our thread.
         client.suppress_exceptions = True
+        client.manual_ack_set(s.manual_ack)
         client.max_inflight_messages_set(s.max_inflight)
         client.max_queued_messages_set(s.max_queued)
         client.connect_timeout = s.connect_timeout
@@ -591,6 +600,7 @@ class MqttTransport:
         self.last_error = None
         self.refused = None
         with self._lock:
+            self._generation += 1
             self._connected.set()
             self._active.clear()
             if self._subscriptions:
@@ -652,29 +662,53 @@ class MqttTransport:
                 self.dropped_incoming += 1
                 log.warning("dropped %d-byte message on %s: over max_incoming_bytes (%d)",
                             size, topic, self.settings.max_incoming_bytes)
+                self._ack_dropped(message)
                 return
-            incoming = Incoming(topic, bytes(message.payload), message.qos, bool(message.retain))
-            identifiers = getattr(message.properties, "SubscriptionIdentifier", None) or []
             with self._lock:
                 subscriptions = list(self._subscriptions.values())
+                generation = self._generation
+            incoming = Incoming(topic, bytes(message.payload), message.qos, bool(message.retain), message.mid,
+                                generation)
+            identifiers = getattr(message.properties, "SubscriptionIdentifier", None) or []
             if identifiers:
                 handlers = [sub.handler for sub in subscriptions if sub.identifier in identifiers]
             else:
                 handlers = [sub.handler for sub in subscriptions if mqtt.topic_matches_sub(sub.match, topic)]
         except Exception:  # e.g. a topic that is not UTF-8
             log.exception("dropped an undecodable incoming message")
+            self._ack_dropped(message)
             return
+        if not handlers:
+            self._ack_dropped(message)
         for handler in handlers:
-            self._call_safely(handler, incoming)
+            if not self._call_safely(handler, incoming):
+                self.ack(incoming)  # a handler that raised will not ack: never leave the broker waiting
+
+    def ack(self, message: Incoming) -> None:
+        """Acknowledge ``message`` (with ``manual_ack``; a no-op otherwise, and for QoS 0). An ack
+        for a message of an earlier connection is dropped: the broker redelivers it anyway, under
+        a new packet id. Acks must follow the order the messages arrived in (MQTT 4.6)."""
+        if not self.settings.manual_ack or message.qos == 0:
+            return
+        with self._lock:
+            current = message.generation == self._generation and self._connected.is_set()
+        if current:
+            self._client.ack(message.mid, message.qos)
+
+    def _ack_dropped(self, message: mqtt.MQTTMessage) -> None:
+        if self.settings.manual_ack and message.qos > 0:
+            self._client.ack(message.mid, message.qos)
 
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
-    def _call_safely(function: Callable[..., None], *args: Any) -> None:
+    def _call_safely(function: Callable[..., None], *args: Any) -> bool:
         try:
             function(*args)
         except Exception:
             log.exception("MQTT handler %r failed", function)
+            return False
+        return True
 
     def _run_hooks(self, hooks: list[Callable[[], None]]) -> None:
         for hook in hooks:

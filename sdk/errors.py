@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from edgepack_core.errors import EdgepackError, SchemaError, UsageError
 
-__all__ = ["BuildError", "EdgepackError", "ModelError", "RecipeError", "SchemaError", "ValidationFailed"]
+__all__ = ["ApiError", "BuildError", "EdgepackError", "FleetServerError", "ModelError", "RecipeError", "SchemaError",
+           "ServerConfigError", "ValidationFailed"]
 
 
 class RecipeError(UsageError):
@@ -48,3 +49,24 @@ class ValidationFailed(BuildError):
         self.metric = metric
         self.value = value
         self.threshold = threshold
+
+
+class FleetServerError(EdgepackError):
+    """The fleet server (``edgepack fleet serve``) or a command talking to it failed."""
+
+
+class ServerConfigError(UsageError):
+    """A fleet server setting that cannot be used (a flag, a token file, a database URL)."""
+
+
+class ApiError(FleetServerError):
+    """A request the fleet server's REST API refuses, or a client's view of such a refusal.
+
+    ``status`` is the HTTP status, ``code`` a stable word for programs (``unauthorized``,
+    ``not_found``, ``too_large``, ``invalid``, ``conflict``, ...); the message is one line.
+    """
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code

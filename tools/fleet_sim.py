@@ -1,11 +1,24 @@
-"""Simulate a fleet: N devices, each with its own MQTT connection, birth/last will and telemetry.
+"""Simulate a fleet: N devices, each with its own MQTT connection, birth/last will and telemetry,
+answering commands with real job events.
 
 One thread drives every simulated device's paho client through a selector (paho's external
 event loop: ``loop_read``/``loop_write``/``loop_misc``), so 1,000 devices cost 1,000 sockets,
 not 1,000 threads. Each device publishes a retained "online" state, then telemetry at
-``--rate`` messages per second with a sequence number, QoS 1. A checker connection counts what
-arrives per device, so the run reports loss exactly; ``edgepack fleet status --json`` is then
-run against the same broker to show it sees every device.
+``--rate`` messages per second with a sequence number, QoS 1 (schema-valid
+``edgepack.telemetry/1``). A checker connection counts what arrives per device, so the run
+reports loss exactly; ``edgepack fleet status --json`` is then run against the same broker to
+show it sees every device.
+
+Each device also answers the commands on its ``cmd`` topic like an agent does, with job
+events on its ``job`` topic (``edgepack.job/1``): a ``deploy`` goes queued, downloading
+(with ``--fetch``: a real HTTP download of the artifact, checked against the command's sha256),
+verifying, staging, testing, active, then active and final after the health window, and the
+device's state and telemetry report the new version; a duplicate command id is answered with
+the job as it stands; ``rollback``, ``cancel``, ``ping`` and ``get-state`` end ``done``. Knobs
+for rollout tests: ``--rollback-version V`` (deploys of V fail their health window and end
+``rolled_back``) and ``--error-version V`` (once V runs, telemetry reports half of the
+inferences as errors). With ``--operator-pub`` a device refuses commands that are not signed
+by that operator key, as an agent with ``operator_keys`` does.
 
     python tools/fleet_sim.py --devices 1000 --rate 1 --duration 30 --start-broker
 """
@@ -13,6 +26,10 @@ run against the same broker to show it sees every device.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import hashlib
+import heapq
+import itertools
 import json
 import os
 import platform
@@ -24,6 +41,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +52,17 @@ import paho.mqtt.client as mqtt
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from device_agent.mqtt.topics import Topics  # noqa: E402
+from edgepack_core.command_auth import authorize_command  # noqa: E402
+from edgepack_core.errors import CommandSignatureError  # noqa: E402
+from edgepack_core.protocol.commands import Command, parse_command  # noqa: E402
+from edgepack_core.protocol.payloads import JOB_SCHEMA_ID, STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID  # noqa: E402
+from edgepack_core.protocol.topics import Topics  # noqa: E402
+from edgepack_core.signing import TrustStore  # noqa: E402
 
-STATE_SCHEMA = "edgepack.state/1"
-TELEMETRY_SCHEMA = "edgepack.telemetry/1"
+STATE_SCHEMA = STATE_SCHEMA_ID
+TELEMETRY_SCHEMA = TELEMETRY_SCHEMA_ID
+JOB_STEPS = ("downloading", "verifying", "staging", "testing")
+MAX_FETCH_BYTES = 512 * 1024 * 1024
 
 
 def _nodelay(_client: Any, _userdata: Any, sock: Any) -> None:
@@ -48,43 +75,250 @@ def raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(needed, soft), hard), hard))
 
 
+@dataclass
+class Behaviour:
+    """How simulated devices answer deploys (shared by every device of a run)."""
+
+    step_s: float = 0.05  # between two job states
+    health_window_s: float = 0.5  # when the command does not say
+    rollback_versions: frozenset[str] = frozenset()
+    error_versions: frozenset[str] = frozenset()
+    fetch: bool = False
+    operator_trust: TrustStore | None = None
+    groups: tuple[str, ...] = ("sim",)
+    model_name: str = "sim-model"
+    model_version: str = "1.0.0"
+
+
+@dataclass
+class SimJob:
+    id: str
+    type: str
+    state: str = "queued"
+    reason: str = ""
+    final: bool = False
+    version: str | None = None
+
+
+@dataclass
+class Scheduler:
+    """Timed callbacks run by the drive loop (no thread per job)."""
+
+    _heap: list[tuple[float, int, Callable[[], None]]] = field(default_factory=list)
+    _counter: itertools.count = field(default_factory=itertools.count)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        with self._lock:
+            heapq.heappush(self._heap, (when, next(self._counter), action))
+
+    def run_due(self, now: float) -> None:
+        while True:
+            with self._lock:
+                if not self._heap or self._heap[0][0] > now:
+                    return
+                _, _, action = heapq.heappop(self._heap)
+            action()
+
+
 class SimDevice:
-    def __init__(self, index: int, topics: Topics, host: str, port: int) -> None:
-        self.device = f"sim-{index:05d}"
+    def __init__(self, index: int, topics: Topics, host: str, port: int, *, prefix: str = "sim",
+                 behaviour: Behaviour | None = None, scheduler: Scheduler | None = None,
+                 fetcher: concurrent.futures.Executor | None = None) -> None:
+        self.device = f"{prefix}-{index:05d}"
         self.topics = topics
+        self.behaviour = behaviour or Behaviour()
+        self.scheduler = scheduler or Scheduler()
+        self.fetcher = fetcher
         self.seq = 0
         self.acked = 0
+        self.expected_acks = 0
+        self.version = self.behaviour.model_version
+        self.previous: str | None = None
+        self.jobs: dict[str, SimJob] = {}
+        self.commands_received = 0
+        self.subscribed = threading.Event()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=self.device, protocol=mqtt.MQTTv5)
         self.client.on_socket_open = _nodelay
         self.client.on_publish = self._on_publish
+        self.client.on_connect = self._on_connect
+        self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *_: self.subscribed.set()
         self.client.max_queued_messages_set(0)
         self.client.max_inflight_messages_set(100)
         self.client.will_set(topics.state(self.device), self._state("offline"), qos=1, retain=True)
         self.client.connect(host, port, keepalive=60)
 
+    # ---------------------------------------------------------------- publishing
+
     def _on_publish(self, *_args: Any) -> None:
         self.acked += 1
 
+    def _publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.expected_acks += 1
+        self.client.publish(topic, payload, qos=1, retain=retain)
+
+    def _model(self) -> dict[str, Any]:
+        return {"name": self.behaviour.model_name, "version": self.version,
+                "sha256": hashlib.sha256(f"{self.behaviour.model_name}-{self.version}".encode()).hexdigest()}
+
     def _state(self, status: str) -> bytes:
         doc = {"schema": STATE_SCHEMA, "device": self.device, "status": status, "ts": time.time(),
-               "groups": ["sim"], "capabilities": {"arch": platform.machine(), "profile": "x86", "simulated": True},
-               "model": {"name": "sim-model", "version": "1.0.0"}, "provider": "CPUExecutionProvider"}
+               "groups": list(self.behaviour.groups),
+               "capabilities": {"arch": platform.machine(), "profile": "x86", "simulated": True},
+               "model": self._model(), "provider": "CPUExecutionProvider"}
         if status == "offline":
             doc["reason"] = "last will"
         return json.dumps(doc).encode()
 
     def birth(self) -> None:
-        self.client.publish(self.topics.state(self.device), self._state("online"), qos=1, retain=True)
+        self._publish(self.topics.state(self.device), self._state("online"), retain=True)
 
     def telemetry(self) -> None:
         self.seq += 1
         latency = random.lognormvariate(1.0, 0.3)
+        inferences = 10
+        errors = inferences // 2 if self.version in self.behaviour.error_versions else 0
         doc = {"schema": TELEMETRY_SCHEMA, "device": self.device, "seq": self.seq, "ts": time.time(),
-               "model": {"name": "sim-model", "version": "1.0.0"}, "provider": "CPUExecutionProvider",
-               "inferences": {"interval": 10, "total": 10 * self.seq}, "errors": {},
-               "latency_ms": {"p50": round(latency, 3), "p90": round(latency * 1.4, 3), "p99": round(latency * 2, 3)},
-               "queue": {"depth": 0, "dropped": 0}}
-        self.client.publish(self.topics.telemetry(self.device), json.dumps(doc).encode(), qos=1)
+               "model": self._model(), "provider": "CPUExecutionProvider", "interval_s": 1.0,
+               "inferences": {"interval": inferences, "total": inferences * self.seq},
+               "errors": {"model": errors * self.seq} if errors else {},
+               "errors_interval": {"model": errors} if errors else {},
+               "latency_ms": {"p50": round(latency, 3), "p90": round(latency * 1.4, 3), "p99": round(latency * 2, 3),
+                              "max": round(latency * 3, 3), "mean": round(latency * 1.1, 3)},
+               "throughput_per_s": float(inferences), "cpu_percent": 12.5, "memory_rss_bytes": 50_000_000,
+               "temperature_c": None, "uptime_s": float(self.seq), "queue": {"depth": 0, "dropped": 0,
+                                                                            "produced": self.seq,
+                                                                            "delivered": self.seq}}
+        self._publish(self.topics.telemetry(self.device), json.dumps(doc).encode())
+
+    def _event(self, job: SimJob, *, duplicate: bool = False) -> None:
+        doc: dict[str, Any] = {"schema": JOB_SCHEMA_ID, "device": self.device, "ts": time.time(), "job": job.id,
+                               "type": job.type, "state": job.state, "reason": job.reason, "final": job.final}
+        if job.version:
+            doc["version"] = job.version
+        if duplicate:
+            doc["duplicate"] = True
+        self._publish(self.topics.job(self.device), json.dumps(doc).encode())
+
+    def _set(self, job: SimJob, state: str, reason: str, final: bool = False) -> None:
+        job.state, job.reason, job.final = state, reason, final
+        self._event(job)
+
+    # ---------------------------------------------------------------- commands
+
+    def _on_connect(self, client: mqtt.Client, *_args: Any) -> None:
+        filters = [self.topics.cmd(self.device), *(self.topics.group_cmd(g) for g in self.behaviour.groups)]
+        client.subscribe([(topic, 1) for topic in filters])  # one SUBACK: ``subscribed`` means all of them
+
+    def _on_message(self, _client: Any, _userdata: Any, message: Any) -> None:
+        self.commands_received += 1
+        parsed = parse_command(message.payload, time.time())
+        if not isinstance(parsed, Command):
+            self._set(SimJob(parsed.ref, "unknown"), "rejected", parsed.reason, final=True)
+            return
+        existing = self.jobs.get(parsed.id)
+        if existing is not None:
+            self._event(existing, duplicate=True)
+            return
+        try:
+            authorize_command(parsed.body, self.behaviour.operator_trust, device_id=self.device,
+                              groups=self.behaviour.groups, now=time.time())
+        except CommandSignatureError as err:
+            self._set(SimJob(parsed.id, parsed.type), "rejected", str(err), final=True)
+            return
+        job = self.jobs[parsed.id] = SimJob(parsed.id, parsed.type, version=parsed.body.get("version"))
+        handler = {"deploy": self._deploy, "rollback": self._rollback, "cancel": self._cancel}.get(parsed.type)
+        if handler is None:
+            self._set(job, "done", "pong" if parsed.type == "ping" else parsed.type, final=True)
+            return
+        handler(job, parsed.body)
+
+    def _deploy(self, job: SimJob, body: dict[str, Any]) -> None:
+        self._set(job, "queued", "queued")
+        now = time.time()
+        step = self.behaviour.step_s
+        self.scheduler.at(now + step, lambda: self._set(job, "downloading", "fetching the artifact"))
+        if self.behaviour.fetch and "url" in body.get("artifact", {}) and self.fetcher is not None:
+            future = self.fetcher.submit(_fetch, body["artifact"]["url"], body["sha256"], body["size"])
+            future.add_done_callback(
+                lambda done: self.scheduler.at(time.time(), lambda: self._after_fetch(job, body, done.result())))
+            return
+        self.scheduler.at(now + 2 * step, lambda: self._after_fetch(job, body, ""))
+
+    def _after_fetch(self, job: SimJob, body: dict[str, Any], problem: str) -> None:
+        if job.final:
+            return
+        if problem:
+            self._set(job, "failed", problem, final=True)
+            return
+        now, step = time.time(), self.behaviour.step_s
+        for number, state in enumerate(JOB_STEPS[1:], 1):
+            self.scheduler.at(now + number * step, lambda s=state: job.final or self._set(job, s, s))
+        self.scheduler.at(now + len(JOB_STEPS) * step, lambda: self._activate(job, body))
+
+    def _activate(self, job: SimJob, body: dict[str, Any]) -> None:
+        if job.final:
+            return
+        self.previous, self.version = self.version, str(body["version"])
+        self.birth()
+        window = float(body.get("health_window_s") or self.behaviour.health_window_s)
+        self._set(job, "active", f"hot-swapped; watching health for {window:g} s")
+        self.scheduler.at(time.time() + window, lambda: self._close_window(job))
+
+    def _close_window(self, job: SimJob) -> None:
+        if job.final:
+            return
+        if self.version in self.behaviour.rollback_versions:
+            bad = self.version
+            self.version, self.previous = self.previous or self.version, None
+            self.birth()
+            self._set(job, "rolled_back", f"unhealthy: simulated failure of {bad}; back on {self.version}",
+                      final=True)
+            return
+        self._set(job, "active", "health window passed", final=True)
+
+    def _rollback(self, job: SimJob, _body: dict[str, Any]) -> None:
+        if self.previous is None:
+            self._set(job, "failed", f"rollback failed: no previous model; serving {self.version}", final=True)
+            return
+        for other in self.jobs.values():
+            if other.type == "deploy" and not other.final:
+                self._set(other, "rolled_back", f"rolled back by command {job.id}", final=True)
+        self.version, self.previous = self.previous, None
+        self.birth()
+        self._set(job, "done", f"rolled back to {self.behaviour.model_name} {self.version}", final=True)
+
+    def _cancel(self, job: SimJob, body: dict[str, Any]) -> None:
+        target = self.jobs.get(str(body.get("job")))
+        if target is None or target.final:
+            self._set(job, "failed", f"no queued or running deploy {body.get('job')}", final=True)
+            return
+        if target.state == "active":
+            self.version, self.previous = self.previous or self.version, None
+            self.birth()
+            self._set(target, "rolled_back", f"cancelled by command {job.id}", final=True)
+        else:
+            self._set(target, "cancelled", f"cancelled by command {job.id}", final=True)
+        self._set(job, "done", f"stopped deploy {target.id}", final=True)
+
+
+def _fetch(url: str, sha256: str, size: int) -> str:
+    """Download ``url`` and check it; "" when it matches, else a fixed reason (like the agent)."""
+    digest = hashlib.sha256()
+    received = 0
+    try:
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            while block := answer.read(256 * 1024):
+                received += len(block)
+                if received > min(size, MAX_FETCH_BYTES):
+                    return "download larger than announced"
+                digest.update(block)
+    except OSError:
+        return "download failed"
+    if received != size or digest.hexdigest() != sha256:
+        return "download does not match the command's sha256"
+    return ""
 
 
 class Checker:
@@ -94,7 +328,7 @@ class Checker:
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()
         self.ready = threading.Event()
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="fleet-sim-checker",
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fleet-sim-checker-{os.getpid()}",
                                   protocol=mqtt.MQTTv5)
         self.client.on_socket_open = _nodelay
         self.client.on_connect = lambda c, *_: (c.subscribe(topics.all_of("telemetry"), qos=1), self.ready.set())
@@ -121,25 +355,31 @@ def _pump(devices: list[SimDevice], selector: selectors.BaseSelector, timeout: f
         key.data.client.loop_read()
 
 
-def drive(devices: list[SimDevice], rate: float, duration: float) -> dict[str, float]:
+def drive(devices: list[SimDevice], rate: float, duration: float, *, stop: threading.Event | None = None,
+          scheduler: Scheduler | None = None) -> dict[str, float]:
+    """Publish births and telemetry for ``duration`` seconds (or until ``stop``), answer commands,
+    then wait for every PUBACK."""
     selector = selectors.DefaultSelector()
     for dev in devices:
         selector.register(dev.client.socket(), selectors.EVENT_READ, dev)
     for dev in devices:
         dev.birth()
     started = time.monotonic()
-    period = 1.0 / rate
+    period = 1.0 / rate if rate > 0 else float("inf")
     # Spread devices evenly over one period so the broker sees a steady stream, not bursts.
-    next_due = [started + period * i / len(devices) for i in range(len(devices))]
+    next_due = [started + (period * i / len(devices) if rate > 0 else 0) for i in range(len(devices))]
     last_misc = started
     while True:
         now = time.monotonic()
-        if now - started >= duration:
+        if now - started >= duration or (stop is not None and stop.is_set()):
             break
-        for i, dev in enumerate(devices):
-            if now >= next_due[i]:
-                dev.telemetry()
-                next_due[i] += period
+        if rate > 0:
+            for i, dev in enumerate(devices):
+                if now >= next_due[i]:
+                    dev.telemetry()
+                    next_due[i] += period
+        if scheduler is not None:
+            scheduler.run_due(time.time())
         _pump(devices, selector, 0.002)
         if now - last_misc >= 1.0:
             for dev in devices:
@@ -147,10 +387,65 @@ def drive(devices: list[SimDevice], rate: float, duration: float) -> dict[str, f
             last_misc = now
     # Drain: wait for every QoS 1 PUBACK.
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(d.acked < d.seq + 1 for d in devices):
+    while time.monotonic() < deadline and any(d.acked < d.expected_acks for d in devices):
         _pump(devices, selector, 0.01)
     elapsed = time.monotonic() - started
     return {"elapsed_s": elapsed}
+
+
+class SimFleet:
+    """Simulated devices on a background thread, for tests and benchmarks:
+    ``with SimFleet(host, port, 20) as fleet: ...``."""
+
+    def __init__(self, host: str, port: int, count: int, *, rate: float = 1.0, prefix: str = "sim",
+                 behaviour: Behaviour | None = None, topic_root: str = "edgepack/v1") -> None:
+        raise_fd_limit(2 * count + 256)
+        self.behaviour = behaviour or Behaviour()
+        self.scheduler = Scheduler()
+        self.fetcher = concurrent.futures.ThreadPoolExecutor(max_workers=8) if self.behaviour.fetch else None
+        topics = Topics(topic_root)
+        self.devices = [SimDevice(i, topics, host, port, prefix=prefix, behaviour=self.behaviour,
+                                  scheduler=self.scheduler, fetcher=self.fetcher) for i in range(count)]
+        self.rate = rate
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fleet-sim", daemon=True)
+
+    def wait_ready(self, timeout: float = 30.0) -> bool:
+        """Every device connected and subscribed to its commands."""
+        deadline = time.monotonic() + timeout
+        return all(d.subscribed.wait(max(0.0, deadline - time.monotonic())) for d in self.devices)
+
+    def _run(self) -> None:
+        drive(self.devices, self.rate, float("inf"), stop=self._stop, scheduler=self.scheduler)
+
+    def __enter__(self) -> SimFleet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(40)
+        for dev in self.devices:
+            dev.client.disconnect()
+        if self.fetcher is not None:
+            self.fetcher.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def telemetry_sent(self) -> int:
+        return sum(d.seq for d in self.devices)
+
+    def versions(self) -> dict[str, str]:
+        return {d.device: d.version for d in self.devices}
+
+
+def _behaviour(args: argparse.Namespace) -> Behaviour:
+    trust = TrustStore.from_paths(args.operator_pub) if args.operator_pub else None
+    return Behaviour(health_window_s=args.health_window, rollback_versions=frozenset(args.rollback_version),
+                     error_versions=frozenset(args.error_version), fetch=args.fetch, operator_trust=trust,
+                     groups=tuple(args.group))
 
 
 def main() -> int:
@@ -161,8 +456,19 @@ def main() -> int:
     parser.add_argument("--broker", default=None, help="HOST:PORT of a running broker")
     parser.add_argument("--start-broker", action="store_true", help="start a local mosquitto for the run")
     parser.add_argument("--topic-root", default="edgepack/v1")
+    parser.add_argument("--prefix", default="sim", help="device ids are PREFIX-00000, PREFIX-00001, ...")
+    parser.add_argument("--group", action="append", default=None, help="group of every device (repeatable; sim)")
+    parser.add_argument("--health-window", type=float, default=0.5, help="seconds, when a deploy does not say")
+    parser.add_argument("--rollback-version", action="append", default=[],
+                        help="deploys of this version fail their health window (repeatable)")
+    parser.add_argument("--error-version", action="append", default=[],
+                        help="running this version, telemetry reports half the inferences as errors (repeatable)")
+    parser.add_argument("--fetch", action="store_true", help="really download deployed artifacts (checks sha256)")
+    parser.add_argument("--operator-pub", action="append", default=[],
+                        help="refuse commands not signed by this operator public key (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
+    args.group = args.group or ["sim"]
     if not args.broker and not args.start_broker:
         parser.error("give --broker HOST:PORT or --start-broker")
 
@@ -177,14 +483,18 @@ def main() -> int:
         host, _, port_text = args.broker.rpartition(":")
         port = int(port_text)
     topics = Topics(args.topic_root)
+    behaviour = _behaviour(args)
+    scheduler = Scheduler()
+    fetcher = concurrent.futures.ThreadPoolExecutor(max_workers=8) if behaviour.fetch else None
     try:
         checker = Checker(topics, host, port)
         checker.ready.wait(5)
         connect_started = time.monotonic()
-        devices = [SimDevice(i, topics, host, port) for i in range(args.devices)]
+        devices = [SimDevice(i, topics, host, port, prefix=args.prefix, behaviour=behaviour, scheduler=scheduler,
+                             fetcher=fetcher) for i in range(args.devices)]
         connect_s = time.monotonic() - connect_started
         cpu_before = os.times()
-        timing = drive(devices, args.rate, args.duration)
+        timing = drive(devices, args.rate, args.duration, scheduler=scheduler)
         cpu = os.times()
         deadline = time.monotonic() + 30
         sent = sum(d.seq for d in devices)
@@ -209,11 +519,14 @@ def main() -> int:
             "sim_cpu_s": round((cpu.user - cpu_before.user) + (cpu.system - cpu_before.system), 2),
             "fleet_status_devices": len(fleet.get("devices", [])),
             "fleet_status_online": fleet.get("online", 0),
+            "commands_received": sum(d.commands_received for d in devices),
         }
         for dev in devices:
             dev.client.disconnect()
         checker.client.loop_stop()
     finally:
+        if fetcher is not None:
+            fetcher.shutdown(wait=False, cancel_futures=True)
         if broker is not None:
             broker.stop()
     if args.json:

@@ -20,9 +20,8 @@ from sdk.broker import BrokerOptions
 PASSWORD_ENV = "EDGEPACK_MQTT_PASSWORD"
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 
+_BROKER_HELP = "MQTT broker as HOST:PORT (or EDGEPACK_MQTT_BROKER)."
 _OPTIONS = [
-    click.option("--broker", "broker_address", required=True, envvar="EDGEPACK_MQTT_BROKER",
-                 help="MQTT broker as HOST:PORT (or EDGEPACK_MQTT_BROKER)."),
     click.option("--username", envvar="EDGEPACK_MQTT_USERNAME", help="MQTT user (or EDGEPACK_MQTT_USERNAME)."),
     click.option("--password-file", type=_FILE, envvar="EDGEPACK_MQTT_PASSWORD_FILE",
                  help=f"File whose first line is the MQTT password (or EDGEPACK_MQTT_PASSWORD_FILE; {PASSWORD_ENV} "
@@ -40,13 +39,18 @@ _OPTIONS = [
 ]
 
 
-def broker_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Add the broker options to a click command; it receives them as ``broker: BrokerOptions``."""
+def broker_options(func: Callable[..., Any] | None = None, *, required: bool = True) -> Any:
+    """Add the broker options to a click command; it receives them as ``broker: BrokerOptions``
+    (None when ``required`` is False and no ``--broker`` was given, e.g. ``fleet status --server``)."""
+    if func is None:
+        return functools.partial(broker_options, required=required)
 
     @functools.wraps(func)
-    def wrapper(*args: Any, broker_address: str, username: str | None, password_file: Path | None, tls: bool,
+    def wrapper(*args: Any, broker_address: str | None, username: str | None, password_file: Path | None, tls: bool,
                 tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None, topic_root: str,
                 **kwargs: Any) -> Any:
+        if broker_address is None:
+            return func(*args, broker=None, **kwargs)
         if (tls_cert is None) != (tls_key is None):
             raise click.UsageError("--tls-cert and --tls-key go together")
         password = None if password_file is not None else os.environ.get(PASSWORD_ENV) or None
@@ -59,4 +63,5 @@ def broker_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
     for option in reversed(_OPTIONS):
         wrapper = option(wrapper)
-    return wrapper
+    return click.option("--broker", "broker_address", required=required, envvar="EDGEPACK_MQTT_BROKER",
+                        help=_BROKER_HELP)(wrapper)

@@ -1,16 +1,18 @@
-"""``edgepack fleet status`` and ``edgepack fleet watch``."""
+"""``edgepack fleet status`` and ``edgepack fleet watch`` (``edgepack fleet serve``: sdk/cli/fleet_server.py)."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
+from typing import Any
 
 import click
 
 from sdk.broker import BrokerOptions
 from sdk.cli import main
 from sdk.cli.broker_options import broker_options
-from sdk.fleet import FleetView, collect, format_table
+from sdk.fleet import DeviceRow, FleetView, collect, format_table
 
 _SILENCE = click.option("--silence", "silence_s", default=60.0, show_default=True,
                         help="Seconds without a message after which an online device counts as silent.")
@@ -22,14 +24,55 @@ def fleet() -> None:
     """See the devices of a fleet from their MQTT state and telemetry."""
 
 
+def server_rows(devices: list[dict[str, Any]]) -> list[DeviceRow]:
+    """The fleet server's device documents as rows of the same table ``--broker`` prints."""
+    rows = []
+    for doc in devices:
+        status = "online" if doc.get("online") else ("offline" if doc.get("status") == "offline" else "silent")
+        telemetry = {"latency_ms": doc.get("latency_ms") or {}, "errors": {"total": doc.get("errors_total") or 0}}
+        rows.append(DeviceRow(device=str(doc.get("id")), status=status, status_reason=doc.get("status_reason") or "",
+                              last_seen=doc.get("last_seen"), model=doc.get("model"), provider=doc.get("provider"),
+                              profile=doc.get("profile"), groups=list(doc.get("groups") or []), telemetry=telemetry))
+    return rows
+
+
+def _server_status(server: str, token_file: Path | None, group: str | None, as_json: bool) -> None:
+    from sdk.cli.rollout import client_for
+
+    answer = client_for(server, token_file).get("/api/devices", group=group, limit=10000)
+    if as_json:
+        click.echo(json.dumps(answer))
+        return
+    click.echo(format_table(server_rows(answer.get("devices", [])), time.time()))
+    if answer.get("total", 0) > len(answer.get("devices", [])):
+        click.echo(f"(first {len(answer['devices'])} of {answer['total']})")
+
+
 @fleet.command()
-@broker_options
+@broker_options(required=False)
+@click.option("--server", envvar="EDGEPACK_SERVER",
+              help="Read the fleet from this fleet server (edgepack fleet serve) instead of the broker "
+                   "(or EDGEPACK_SERVER).")
+@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              envvar="EDGEPACK_SERVER_TOKEN_FILE", help="With --server: the bearer token's file.")
+@click.option("--group", help="With --server: only this group.")
 @_SILENCE
 @_SHARE
 @click.option("--wait", "wait_s", default=3.0, show_default=True, help="Listen at most this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def status(broker: BrokerOptions, silence_s: float, share: str | None, wait_s: float, as_json: bool) -> None:
-    """Print every known device: online or not, model, provider, latency, errors, last seen."""
+def status(broker: BrokerOptions | None, server: str | None, token_file: Path | None, group: str | None,
+           silence_s: float, share: str | None, wait_s: float, as_json: bool) -> None:
+    """Print every known device: online or not, model, provider, latency, errors, last seen.
+
+    With --server, the fleet server's view (its JSON with --json: {devices, total, counts});
+    with --broker, the view rebuilt from the broker's retained state and live telemetry."""
+    if server is not None:
+        _server_status(server, token_file, group, as_json)
+        return
+    if broker is None:
+        raise click.UsageError("give --broker HOST:PORT (or --server URL for a fleet server)")
+    if group is not None:
+        raise click.UsageError("--group goes with --server")
     view = collect(broker, wait_s=wait_s, silence_s=silence_s, share=share)
     now = time.time()
     rows = view.rows(now)

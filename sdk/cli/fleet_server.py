@@ -1,0 +1,97 @@
+"""``edgepack fleet serve``: the persistent fleet server (needs the ``server`` extra)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import click
+
+from sdk.broker import BrokerOptions
+from sdk.cli.broker_options import broker_options
+from sdk.cli.fleet import fleet
+from sdk.errors import ServerConfigError
+
+_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+_SIZE = re.compile(r"([0-9]+)([KMG]?)B?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``512M``, ``1G``, ``1048576`` into bytes."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise click.BadParameter(f"{text!r} is not a size like 512M or 1G")
+    return int(match[1]) * {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}[match[2].upper()]
+
+
+def _duration(text: str) -> float:
+    from sdk.fleet_server.retention import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ServerConfigError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+@fleet.command()
+@broker_options
+@click.option("--db", "db_url", default="sqlite:///fleet.db", show_default=True, envvar="EDGEPACK_FLEET_DB",
+              help="Database URL: sqlite:///FILE (WAL; one server) or postgresql://USER@HOST/DB (several servers; "
+                   "or EDGEPACK_FLEET_DB).")
+@click.option("--listen", default="127.0.0.1:8760", show_default=True, help="HOST:PORT of the HTTP API.")
+@click.option("--artifacts", "artifacts_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("artifacts"), show_default=True, help="Folder of the artifact store.")
+@click.option("--trust", multiple=True, required=True, type=_FILE,
+              help="Release public key that uploads must be signed by (repeatable, for rotation).")
+@click.option("--token-file", required=True, type=_FILE, envvar="EDGEPACK_FLEET_TOKEN_FILE",
+              help="Bearer tokens, one NAME:TOKEN per line, mode 600 (or EDGEPACK_FLEET_TOKEN_FILE).")
+@click.option("--operator-key", required=True, type=_FILE, envvar="EDGEPACK_OPERATOR_KEY",
+              help="Operator private key that signs the commands the server sends (edgepack keygen --operator).")
+@click.option("--public-url", help="Devices fetch artifacts from this base URL (a CDN or object store holding "
+                                   "<sha256>.edgepkg) instead of this server.")
+@click.option("--retention-raw", default="1h", show_default=True,
+              help="How long raw telemetry samples are kept (90s, 15m, 1h, 2d).")
+@click.option("--retention-rollups", default="30d", show_default=True,
+              help="How long per-minute rollups are kept (job events too).")
+@click.option("--rollup-step", type=click.IntRange(1, 86400), default=60, show_default=True,
+              help="Seconds per rollup bucket.")
+@click.option("--prune-interval", default="60s", show_default=True, help="How often the retention job runs.")
+@click.option("--silence", default="60s", show_default=True,
+              help="A device not heard from for this long counts as offline.")
+@click.option("--server-id", help="This server's id (default: HOSTNAME-PORT); its MQTT session is kept under it.")
+@click.option("--share-group", default="edgepack-fleet", show_default=True,
+              help="MQTT 5 shared-subscription group: servers in one group split the telemetry.")
+@click.option("--max-upload", default="1G", show_default=True, help="Largest artifact upload (512M, 1G).")
+@click.option("--lease-ttl", default="5s", show_default=True,
+              help="The rollout lease's lifetime: another server takes over this long after the leader dies.")
+@click.option("--tick", default="0.5s", show_default=True, help="How often rollouts are advanced.")
+@click.option("--resend-after", default="10s", show_default=True,
+              help="A command the broker never acknowledged and the device never answered is sent again after this.")
+def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, trust: tuple[Path, ...],
+          token_file: Path, operator_key: Path, public_url: str | None, retention_raw: str, retention_rollups: str,
+          rollup_step: int, prune_interval: str, silence: str, server_id: str | None, share_group: str,
+          max_upload: str, lease_ttl: str, tick: str, resend_after: str) -> None:
+    """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
+
+    Devices, telemetry and job events are kept in the database; rollouts run on the server and
+    survive its restart; the API (docs/fleet-server.md) needs the bearer token."""
+    try:
+        from sdk.fleet_server.driver import DriverConfig
+        from sdk.fleet_server.retention import RetentionPolicy
+        from sdk.fleet_server.server import ServerConfig
+        from sdk.fleet_server.server import serve as run_server
+    except ImportError as err:
+        raise ServerConfigError(f"edgepack fleet serve needs the server extra (pip install 'edgepack[server]'): "
+                                f"{err}") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("edgepack.mqtt").setLevel(logging.WARNING)
+    retention = RetentionPolicy(raw_s=_duration(retention_raw), rollup_s=_duration(retention_rollups),
+                                step_s=rollup_step, interval_s=_duration(prune_interval))
+    driver = DriverConfig(tick_s=_duration(tick), lease_ttl_s=_duration(lease_ttl),
+                          resend_after_s=_duration(resend_after), silence_s=_duration(silence))
+    config = ServerConfig(broker=broker, trust=trust, token_file=token_file, operator_key=operator_key, db_url=db_url,
+                          listen=listen, artifacts_dir=artifacts_dir, public_url=public_url, retention=retention,
+                          server_id=server_id, share_group=share_group, silence_s=_duration(silence),
+                          max_upload=parse_size(max_upload), driver=driver)
+    run_server(config)

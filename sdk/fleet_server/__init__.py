@@ -1,0 +1,25 @@
+"""The fleet server (``edgepack fleet serve``): a persistent control plane for a fleet.
+
+One module per concern; the pure decisions are separate from the I/O around them:
+
+| module | job |
+| --- | --- |
+| :mod:`.db` | the tables (SQLAlchemy Core), engines for SQLite (WAL) and PostgreSQL, write transactions |
+| :mod:`.migrations` | Alembic environment and versions, run at start (:func:`.db.migrate`) |
+| :mod:`.records` | pure: what a state, telemetry or job message says, bounded and typed |
+| :mod:`.ingest` | the MQTT consumer: state and jobs on a persistent session acknowledged after commit, |
+| | telemetry through an MQTT 5 shared subscription; batched writes; counters |
+| :mod:`.retention` | pure bucketing and rollups; the pruning job (raw window, rollups beyond) |
+| :mod:`.rollouts` | pure: the rollout state machine (:func:`~.rollouts.transition`), the next step and its gates |
+| :mod:`.driver` | the loop that advances rollouts under a leader lease; commands recorded, then published |
+| :mod:`.artifacts` | the content-addressed store: bounded uploads verified before storing, Range downloads |
+| :mod:`.auth` | bearer tokens from a file, compared in constant time |
+| :mod:`.audit` | every write recorded: who, what, when, outcome |
+| :mod:`.api` | the REST API (Starlette), its one error shape, the ``/ui/`` mount |
+| :mod:`.openapi` | the OpenAPI 3.1 description of the API |
+| :mod:`.queries` | the API's reads and writes on the tables (devices, telemetry, rollouts, artifacts) |
+| :mod:`.server` | :class:`~.server.ServerConfig` and :func:`~.server.serve`: the wiring |
+| :mod:`.client` | the CLI's HTTP client (standard library only: ``rollout`` needs no server extra) |
+
+Importing this package imports nothing: the client must work without the ``server`` extra.
+"""

@@ -1,0 +1,430 @@
+"""The fleet server's REST API (Starlette): JSON in and out, one error shape, bearer tokens.
+
+Rules every route follows:
+
+- **Authentication.** Every route but ``/healthz``, ``/openapi.json``, ``/artifacts/...``
+  (devices fetch those; they verify the signature) and the static ``/ui/`` shell needs
+  ``Authorization: Bearer TOKEN``, compared in constant time (:mod:`.auth`); reads too,
+  because the fleet list tells an attacker what runs where. A failure is 401 with
+  ``WWW-Authenticate: Bearer``. Browser pages cannot be made to send the header by another
+  site, so there is no cookie and nothing for a cross-site request to ride on.
+- **Bounded input.** JSON bodies are read up to :data:`MAX_JSON_BYTES` (413 beyond; a
+  ``Content-Length`` over it is refused before a byte is read), must be one JSON object
+  without NaN or Infinity, and are validated against their schema naming the offending key;
+  uploads stop at ``--max-upload``; query parameters are typed and bounded, and unknown
+  ones are refused; path ids must match the protocol's id pattern.
+- **One error shape.** ``{"error": {"status": 404, "code": "not_found", "message": "..."}}``
+  for every error, the router's 404/405 and an unexpected exception (500, logged) included.
+- **Audit.** Every write, accepted or refused after authentication, is a row in the audit
+  table (:mod:`.audit`).
+
+Blocking work (database, verification) runs in Starlette's thread pool, never on the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from edgepack_core.errors import SchemaError
+from edgepack_core.protocol.ids import is_valid_id
+from edgepack_core.schema import Validator
+from sdk.errors import ApiError
+from sdk.fleet_server import audit, openapi, queries
+from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
+from sdk.fleet_server.auth import TokenCheck
+from sdk.fleet_server.db import Database
+from sdk.fleet_server.retention import RetentionPolicy
+
+log = logging.getLogger("edgepack.fleet_server.api")
+
+MAX_JSON_BYTES = 64 * 1024
+MAX_ROLLOUT_JSON_BYTES = 8 * 1024 * 1024  # a rollout may list up to 100,000 devices
+UI_DIR = Path(__file__).resolve().parent / "ui"
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"content-security-policy", b"default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+                                 b"connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"),
+]
+
+_ROLLOUT_VALIDATOR = Validator(queries.ROLLOUT_REQUEST_SCHEMA, document="rollout")
+_ACTION_VALIDATOR = Validator({"type": "object", "additionalProperties": False,
+                               "properties": {"reason": {"type": "string", "maxLength": 500}}}, document="request")
+
+
+@dataclass
+class ApiContext:
+    """What the routes need from the server."""
+
+    database: Database
+    tokens: TokenCheck
+    store: ArtifactStore
+    retention: RetentionPolicy
+    artifact_url: Callable[[str], str]
+    silence_s: float = 60.0
+    status: Callable[[], dict[str, Any]] = dict
+    metrics: Callable[[], str] = str
+    wake_driver: Callable[[], None] = lambda: None
+    auth_failures: int = 0
+    requests: int = 0
+    ui_dir: Path = UI_DIR
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": 'Bearer realm="edgepack"'} if status == 401 else None
+    return JSONResponse({"error": {"status": status, "code": code, "message": message}}, status_code=status,
+                        headers=headers)
+
+
+_HTTP_CODES = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
+               413: "too_large", 415: "unsupported_media_type"}
+
+
+async def _api_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status, exc.code, exc.message)
+
+
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
+    return error_response(exc.status_code, _HTTP_CODES.get(exc.status_code, "error"), message)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal", "internal error (see the server's log)")
+
+
+class SecurityHeaders:
+    """Adds the security headers to every response (the dashboard loads nothing from elsewhere)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+# --------------------------------------------------------------------------- input
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+async def read_json(request: Request, limit: int = MAX_JSON_BYTES, *, optional: bool = False) -> dict[str, Any]:
+    """The request's body as one JSON object, bounded before it is read and parsed."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes")
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes")
+    except ClientDisconnect:
+        raise ApiError(400, "invalid", "the client went away before the body was complete") from None
+    if not body and optional:
+        return {}
+    try:
+        document = json.loads(bytes(body), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise ApiError(400, "invalid", f"the body is not JSON: {str(err)[:200]}") from None
+    if not isinstance(document, dict):
+        raise ApiError(400, "invalid", "the body must be a JSON object")
+    return document
+
+
+def _validate(validator: Validator, document: dict[str, Any]) -> None:
+    try:
+        validator.validate(document)
+    except SchemaError as err:
+        raise ApiError(400, "invalid", str(err)) from None
+
+
+class Params:
+    """Typed, bounded query parameters; unknown ones are refused (a typo must not be ignored)."""
+
+    def __init__(self, request: Request, allowed: set[str]) -> None:
+        self.values = request.query_params
+        unknown = sorted(set(self.values.keys()) - allowed)
+        if unknown:
+            raise ApiError(400, "invalid", f"unknown query parameter {unknown[0]!r} (allowed: "
+                                           f"{', '.join(sorted(allowed)) or 'none'})")
+        for key in self.values:
+            if len(self.values.getlist(key)) > 1:
+                raise ApiError(400, "invalid", f"query parameter {key!r} given twice")
+
+    def text(self, name: str, *, id_like: bool = False, limit: int = 128) -> str | None:
+        value = self.values.get(name)
+        if value is None:
+            return None
+        if len(value) > limit or (id_like and not is_valid_id(value)):
+            raise ApiError(400, "invalid", f"{name}: {value[:64]!r} is not a valid value")
+        return value
+
+    def integer(self, name: str, default: int, low: int, high: int) -> int:
+        value = self.values.get(name)
+        if value is None:
+            return default
+        if not value.lstrip("-").isdigit() or len(value) > 18 or not low <= int(value) <= high:
+            raise ApiError(400, "invalid", f"{name}: must be a whole number in {low}..{high}")
+        return int(value)
+
+    def number(self, name: str, default: float) -> float:
+        value = self.values.get(name)
+        if value is None:
+            return default
+        try:
+            number = float(value) if len(value) <= 32 else math.nan
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            raise ApiError(400, "invalid", f"{name}: must be a non-negative number (unix seconds)")
+        return number
+
+    def boolean(self, name: str) -> bool | None:
+        value = self.values.get(name)
+        if value is None:
+            return None
+        if value not in ("true", "false"):
+            raise ApiError(400, "invalid", f"{name}: must be true or false")
+        return value == "true"
+
+
+def _path_id(request: Request, name: str) -> str:
+    value = request.path_params[name]
+    if not is_valid_id(value):
+        raise ApiError(404, "not_found", f"no such {name.removesuffix('_id')}")
+    return value
+
+
+def _remote(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else ""
+
+
+# --------------------------------------------------------------------------- routes
+
+Handler = Callable[[Request, str], Awaitable[Response]]
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class Routes:
+    """The route handlers. Those taking ``(request, actor)`` run behind :meth:`guard`."""
+
+    def __init__(self, context: ApiContext) -> None:
+        self.context = context
+        self.database = context.database
+
+    def guard(self, handler: Handler, write_action: str | None = None) -> Endpoint:
+        """Authenticate (401 without a valid token) and, for a write, audit a refusal."""
+        context = self.context
+
+        async def endpoint(request: Request) -> Response:
+            context.requests += 1
+            actor = context.tokens.identify(request.headers.get("authorization"))
+            if actor is None:
+                context.auth_failures += 1
+                raise ApiError(401, "unauthorized", "a valid token is needed: Authorization: Bearer TOKEN")
+            if write_action is None:
+                return await handler(request, actor)
+            try:
+                return await handler(request, actor)
+            except ApiError as err:
+                target = str(request.path_params.get("rollout_id") or request.path_params.get("sha256") or "")
+                await run_in_threadpool(audit.record_refusal, context.database, actor=actor, action=write_action,
+                                        target=target, reason=f"{err.status} {err.message}", remote=_remote(request))
+                raise
+        return endpoint
+
+    # ---------------------------------------------------------------- open routes
+
+    async def healthz(self, _request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def openapi_json(self, request: Request) -> Response:
+        return JSONResponse(openapi.describe(str(request.base_url).rstrip("/")))
+
+    async def root(self, _request: Request) -> Response:
+        return RedirectResponse("/ui/", status_code=302)
+
+    async def artifact_file(self, request: Request) -> Response:
+        status_code, headers, body = await run_in_threadpool(
+            self.context.store.open_range, request.path_params["file_name"], request.headers.get("range", ""))
+        if body is None:
+            return Response(status_code=status_code, headers=headers)
+        return StreamingResponse(body, status_code=status_code, headers=headers)
+
+    # ---------------------------------------------------------------- reads
+
+    async def metrics(self, _request: Request, _actor: str) -> Response:
+        text = await run_in_threadpool(self.context.metrics)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def status(self, _request: Request, _actor: str) -> Response:
+        return JSONResponse(await run_in_threadpool(self.context.status))
+
+    async def devices(self, request: Request, _actor: str) -> Response:
+        params = Params(request, {"group", "online", "version", "limit", "offset"})
+        where = queries.DeviceFilter(group=params.text("group", id_like=True), online=params.boolean("online"),
+                                     version=params.text("version"),
+                                     limit=params.integer("limit", 1000, 1, queries.MAX_DEVICES_PAGE),
+                                     offset=params.integer("offset", 0, 0, 10**9))
+        return JSONResponse(await run_in_threadpool(queries.list_devices, self.database, where, now=time.time(),
+                                                    silence_s=self.context.silence_s))
+
+    async def device(self, request: Request, _actor: str) -> Response:
+        Params(request, set())
+        return JSONResponse(await run_in_threadpool(queries.get_device, self.database,
+                                                    _path_id(request, "device_id"), now=time.time(),
+                                                    silence_s=self.context.silence_s))
+
+    async def device_telemetry(self, request: Request, _actor: str) -> Response:
+        params = Params(request, {"since", "until", "step"})
+        now = time.time()
+        doc = await run_in_threadpool(
+            queries.telemetry, self.database, _path_id(request, "device_id"),
+            since=params.number("since", now - 3600), until=params.number("until", now),
+            step=params.integer("step", 60, 1, 86400 * 30), policy=self.context.retention, now=now)
+        return JSONResponse(doc)
+
+    async def artifacts(self, request: Request, _actor: str) -> Response:
+        Params(request, set())
+        rows = await run_in_threadpool(queries.list_artifacts, self.database)
+        url = self.context.artifact_url
+        return JSONResponse({"artifacts": [queries.artifact_doc(row, url(row["sha256"])) for row in rows]})
+
+    async def artifact(self, request: Request, _actor: str) -> Response:
+        Params(request, set())
+        try:
+            sha = check_sha256(request.path_params["sha256"])
+        except ApiError:
+            raise ApiError(404, "not_found", "no such artifact") from None
+        row = await run_in_threadpool(queries.get_artifact, self.database, sha)
+        return JSONResponse(queries.artifact_doc(row, self.context.artifact_url(sha)))
+
+    async def rollouts(self, request: Request, _actor: str) -> Response:
+        params = Params(request, {"state", "limit"})
+        docs = await run_in_threadpool(queries.list_rollouts, self.database,
+                                       state=params.text("state", id_like=True),
+                                       limit=params.integer("limit", 100, 1, 1000))
+        return JSONResponse({"rollouts": docs})
+
+    async def rollout(self, request: Request, _actor: str) -> Response:
+        Params(request, set())
+        return JSONResponse(await run_in_threadpool(queries.get_rollout, self.database,
+                                                    _path_id(request, "rollout_id")))
+
+    async def audit_entries(self, request: Request, _actor: str) -> Response:
+        params = Params(request, {"limit", "before", "action"})
+        before = params.values.get("before")
+        entries = await run_in_threadpool(
+            audit.entries, self.database, limit=params.integer("limit", 100, 1, audit.MAX_PAGE),
+            before=None if before is None else params.integer("before", 0, 0, 2**62),
+            action=params.text("action", limit=64))
+        return JSONResponse({"entries": entries})
+
+    # ---------------------------------------------------------------- writes
+
+    async def upload(self, request: Request, actor: str) -> Response:
+        store = self.context.store
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > store.max_bytes):
+            raise ApiError(413, "too_large", f"the upload is over the limit of {store.max_bytes} bytes")
+        pending = await run_in_threadpool(store.begin_upload)
+        try:
+            async for chunk in request.stream():
+                pending.write(chunk)
+        except ClientDisconnect:
+            pending.discard()
+            raise ApiError(400, "invalid", "the client went away before the upload was complete") from None
+        except BaseException:
+            pending.discard()
+            raise
+        stored = await run_in_threadpool(pending.finish)
+        created = await run_in_threadpool(queries.save_artifact, self.database, stored, actor=actor,
+                                          remote=_remote(request))
+        row = await run_in_threadpool(queries.get_artifact, self.database, stored.sha256)
+        return JSONResponse(queries.artifact_doc(row, self.context.artifact_url(stored.sha256)),
+                            status_code=201 if created else 200)
+
+    async def create_rollout(self, request: Request, actor: str) -> Response:
+        Params(request, set())
+        body = await read_json(request, MAX_ROLLOUT_JSON_BYTES)
+        _validate(_ROLLOUT_VALIDATOR, body)
+        rollout_id = await run_in_threadpool(queries.create_rollout, self.database,
+                                             queries.RolloutRequest.from_json(body), actor=actor,
+                                             remote=_remote(request), silence_s=self.context.silence_s)
+        self.context.wake_driver()
+        return JSONResponse(await run_in_threadpool(queries.get_rollout, self.database, rollout_id), status_code=201)
+
+    def action(self, name: str) -> Handler:
+        async def act(request: Request, actor: str) -> Response:
+            Params(request, set())
+            body = await read_json(request, optional=True)
+            _validate(_ACTION_VALIDATOR, body)
+            rollout_id = _path_id(request, "rollout_id")
+            await run_in_threadpool(queries.rollout_action, self.database, rollout_id, name, actor=actor,
+                                    remote=_remote(request), reason=body.get("reason", ""))
+            self.context.wake_driver()
+            return JSONResponse(await run_in_threadpool(queries.get_rollout, self.database, rollout_id))
+        return act
+
+
+def build_app(context: ApiContext) -> Starlette:
+    """The ASGI application."""
+    r = Routes(context)
+    guard = r.guard
+    routes = [
+        Route("/", r.root, methods=["GET"], include_in_schema=False),
+        Route("/healthz", r.healthz, methods=["GET"]),
+        Route("/openapi.json", r.openapi_json, methods=["GET"]),
+        Route("/metrics", guard(r.metrics), methods=["GET"]),
+        Route("/api/status", guard(r.status), methods=["GET"]),
+        Route("/api/devices", guard(r.devices), methods=["GET"]),
+        Route("/api/devices/{device_id}", guard(r.device), methods=["GET"]),
+        Route("/api/devices/{device_id}/telemetry", guard(r.device_telemetry), methods=["GET"]),
+        Route("/api/artifacts", guard(r.artifacts), methods=["GET"]),
+        Route("/api/artifacts", guard(r.upload, "artifact.upload"), methods=["POST"]),
+        Route("/api/artifacts/{sha256}", guard(r.artifact), methods=["GET"]),
+        Route("/api/rollouts", guard(r.rollouts), methods=["GET"]),
+        Route("/api/rollouts", guard(r.create_rollout, "rollout.create"), methods=["POST"]),
+        Route("/api/rollouts/{rollout_id}", guard(r.rollout), methods=["GET"]),
+        *[Route(f"/api/rollouts/{{rollout_id}}/{name}", guard(r.action(name), f"rollout.{name}"), methods=["POST"])
+          for name in ("pause", "resume", "abort")],
+        Route("/api/audit", guard(r.audit_entries), methods=["GET"]),
+        Route("/artifacts/{file_name}", r.artifact_file, methods=["GET"]),
+        Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)],
+                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error})

@@ -1,0 +1,391 @@
+"""The fleet server's tables (SQLAlchemy Core), its engines and its write transactions.
+
+Why SQLAlchemy Core and not an ORM or hand-written SQL: one table definition serves SQLite
+(the default, one file beside the operator) and PostgreSQL (several servers), with each
+dialect's upsert (``INSERT ... ON CONFLICT``) and Alembic's autogenerate to prove that the
+migrations build exactly these tables. The server runs few, simple statements, many of them
+batched; an ORM's unit of work would add cost and hide the SQL.
+
+SQLite runs in WAL mode (readers never block the writer), ``synchronous=NORMAL`` (a process
+crash loses nothing committed), a busy timeout, and write transactions that start with
+``BEGIN IMMEDIATE``: a deferred transaction that reads first and writes later can fail at
+once with "database is locked" when another connection wrote in between, instead of waiting.
+
+Times are unix seconds (floats) from the server's clock; ids follow the protocol's pattern.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.pool import NullPool
+
+from sdk.errors import FleetServerError, ServerConfigError
+
+log = logging.getLogger("edgepack.fleet_server.db")
+
+ID = 64
+"""Length of every protocol id (device, group, command, rollout): ``ID_PATTERN`` allows 64."""
+
+metadata = MetaData(naming_convention={
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+})
+
+# An autoincrementing 64-bit key on PostgreSQL; SQLite only autoincrements INTEGER PRIMARY KEY.
+RowId = BigInteger().with_variant(Integer(), "sqlite")
+
+devices = Table(
+    "devices", metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("status", String(16), nullable=False),  # online | offline | unknown
+    Column("status_reason", String(300), nullable=False, default=""),
+    Column("model_name", String(ID)),
+    Column("model_version", String(128)),
+    Column("model_sha256", String(64)),
+    Column("provider", String(64)),
+    Column("profile", String(64)),
+    Column("capabilities", Text),  # JSON, bounded by records.py
+    Column("first_seen", Float, nullable=False),
+    Column("last_seen", Float, nullable=False),
+    Column("state_ts", Float),  # the device's ts of the newest state applied (older retained ones lose)
+    Column("telemetry_at", Float),
+    Column("telemetry_seq", BigInteger),
+    Column("latency_p50", Float),
+    Column("latency_p90", Float),
+    Column("latency_p99", Float),
+    Column("latency_mean", Float),
+    Column("throughput_per_s", Float),
+    Column("inferences_total", BigInteger),
+    Column("errors_total", BigInteger),
+    Column("inferences_interval", BigInteger),
+    Column("errors_interval", BigInteger),
+    Column("cpu_percent", Float),
+    Column("memory_rss_bytes", BigInteger),
+    Column("temperature_c", Float),
+    Index(None, "model_version"),
+)
+
+device_groups = Table(
+    "device_groups", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("group_name", String(ID), primary_key=True),
+    Index(None, "group_name"),
+)
+
+telemetry_raw = Table(
+    "telemetry_raw", metadata,
+    Column("id", RowId, primary_key=True, autoincrement=True),
+    Column("device", String(ID), nullable=False),
+    Column("ts", Float, nullable=False),  # when the server received it (device clocks drift)
+    Column("seq", BigInteger),
+    Column("latency_p50", Float),
+    Column("latency_p99", Float),
+    Column("latency_mean", Float),
+    Column("throughput_per_s", Float),
+    Column("inferences", BigInteger),  # in the device's interval
+    Column("errors", BigInteger),  # in the device's interval
+    Column("cpu_percent", Float),
+    Column("memory_rss_bytes", BigInteger),
+    Index(None, "device", "ts"),
+    Index(None, "ts"),
+)
+
+telemetry_rollup = Table(
+    "telemetry_rollup", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("bucket", BigInteger, primary_key=True),  # start of the bucket (unix seconds, a multiple of step)
+    Column("step", Integer, nullable=False),
+    Column("samples", Integer, nullable=False),
+    Column("latency_p50_sum", Float, nullable=False),
+    Column("latency_p50_samples", Integer, nullable=False),
+    Column("latency_p99_max", Float),
+    Column("throughput_sum", Float, nullable=False),
+    Column("inferences", BigInteger, nullable=False),
+    Column("errors", BigInteger, nullable=False),
+    Index(None, "bucket"),
+)
+
+job_events = Table(
+    "job_events", metadata,
+    Column("id", RowId, primary_key=True, autoincrement=True),
+    Column("device", String(ID), nullable=False),
+    Column("job", String(ID), nullable=False),
+    Column("type", String(32), nullable=False),
+    Column("state", String(32), nullable=False),
+    Column("final", Boolean, nullable=False),
+    Column("reason", String(500), nullable=False, default=""),
+    Column("ts", Float, nullable=False),  # the device's ts: with the rest, what makes a redelivery a duplicate
+    Column("received_at", Float, nullable=False),
+    UniqueConstraint("device", "job", "state", "final", "ts"),
+    Index(None, "job"),
+    Index(None, "received_at"),
+)
+
+artifacts = Table(
+    "artifacts", metadata,
+    Column("sha256", String(64), primary_key=True),
+    Column("name", String(ID), nullable=False),
+    Column("version", String(128), nullable=False),
+    Column("size", BigInteger, nullable=False),
+    Column("key_id", String(32), nullable=False),
+    Column("targets", Text, nullable=False),  # JSON list of target profiles
+    Column("created_at", Float, nullable=False),
+    Column("created_by", String(ID), nullable=False),
+)
+
+rollouts = Table(
+    "rollouts", metadata,
+    Column("id", String(ID), primary_key=True),
+    Column("artifact_sha256", String(64), ForeignKey("artifacts.sha256"), nullable=False),
+    Column("name", String(ID), nullable=False),
+    Column("version", String(128), nullable=False),
+    Column("target_group", String(ID)),  # None: an explicit device list
+    Column("state", String(16), nullable=False),
+    Column("wave", Integer, nullable=False),  # the current wave (0-based)
+    Column("waves", Text, nullable=False),  # JSON: the cumulative shares asked for
+    Column("wave_count", Integer, nullable=False),  # waves actually planned (a share may add nobody)
+    Column("min_success_share", Float, nullable=False),
+    Column("soak_s", Float, nullable=False),
+    Column("wave_timeout_s", Float, nullable=False),
+    Column("max_error_rate", Float),
+    Column("rollback_on_failure", Boolean, nullable=False),
+    Column("health_window_s", Float),
+    Column("force_downgrade", Boolean, nullable=False),
+    Column("allow_contract_change", Boolean, nullable=False),
+    Column("reason", Text, nullable=False, default=""),
+    Column("created_at", Float, nullable=False),
+    Column("created_by", String(ID), nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("started_at", Float),
+    Column("wave_started_at", Float),
+    Column("soak_started_at", Float),
+    Column("paused_at", Float),
+    Column("finished_at", Float),
+    Column("revision", Integer, nullable=False),  # optimistic concurrency: every change bumps it
+    Index(None, "state"),
+)
+
+rollout_devices = Table(
+    "rollout_devices", metadata,
+    Column("rollout_id", String(ID), ForeignKey("rollouts.id"), primary_key=True),
+    Column("device", String(ID), primary_key=True),
+    Column("wave", Integer, nullable=False),
+    Column("command_id", String(ID), nullable=False, unique=True),  # derived from (rollout, wave, device)
+    Column("state", String(32), nullable=False),  # not_sent | sent | the job's state
+    Column("final", Boolean, nullable=False),
+    Column("reason", String(500), nullable=False, default=""),
+    Column("sent_at", Float),
+    Column("job_ts", Float),  # the device's ts of the newest job event applied (a late redelivery loses)
+    Column("updated_at", Float),
+    Column("undo_command_id", String(ID), unique=True),  # a rollback or cancel after a failed wave
+    Column("undo_kind", String(16)),
+    Column("undo_state", String(32)),
+    Column("undo_reason", String(500)),
+)
+
+commands = Table(
+    "commands", metadata,
+    Column("id", String(ID), primary_key=True),  # the command id: recorded once, by one server
+    Column("rollout_id", String(ID), ForeignKey("rollouts.id"), nullable=False),
+    Column("device", String(ID), nullable=False),
+    Column("kind", String(16), nullable=False),  # deploy | rollback | cancel
+    Column("topic", String(300), nullable=False),
+    Column("payload", LargeBinary, nullable=False),  # the signed wire bytes, resent unchanged
+    Column("created_at", Float, nullable=False),
+    Column("created_by", String(128), nullable=False),  # the server that recorded it
+    Column("published_at", Float),  # the broker's PUBACK; None: maybe sent (a crash in between)
+    Column("attempts", Integer, nullable=False),
+    Index(None, "published_at"),
+    Index(None, "rollout_id"),
+)
+
+leases = Table(
+    "leases", metadata,
+    Column("name", String(ID), primary_key=True),
+    Column("holder", String(128), nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Column("acquired_at", Float, nullable=False),
+)
+
+audit_log = Table(
+    "audit_log", metadata,
+    Column("id", RowId, primary_key=True, autoincrement=True),
+    Column("ts", Float, nullable=False),
+    Column("actor", String(ID), nullable=False),  # the token's name, never the token
+    Column("action", String(64), nullable=False),
+    Column("target", String(128), nullable=False),
+    Column("outcome", String(16), nullable=False),  # ok | refused
+    Column("detail", Text, nullable=False),  # JSON, bounded
+    Column("remote", String(64), nullable=False),
+    Index(None, "ts"),
+)
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def normalise_url(url: str) -> str:
+    """The SQLAlchemy URL for what a user typed: ``postgresql://`` means psycopg 3 (SQLAlchemy
+    would pick psycopg2, which the ``server`` extra does not install); SQLite and PostgreSQL
+    only. :class:`ServerConfigError` for anything else."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise ServerConfigError(f"--db {url!r} is not a database URL (sqlite:///fleet.db, "
+                                "postgresql://user@host/db)") from None
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        if parsed.drivername in ("postgresql", "postgresql+psycopg"):
+            return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+        raise ServerConfigError(f"--db: PostgreSQL through {parsed.drivername!r} is not supported; use postgresql://")
+    if backend == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":
+            raise ServerConfigError("--db: an in-memory SQLite database would lose everything; give a file")
+        return url
+    raise ServerConfigError(f"--db: {backend!r} is not supported (sqlite:///FILE or postgresql://...)")
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None  # transactions are begun explicitly (see _sqlite_begin)
+    cursor = dbapi_connection.cursor()
+    for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=10000", "foreign_keys=ON"):
+        cursor.execute(f"PRAGMA {pragma}")
+    cursor.close()
+
+
+def _sqlite_begin(connection: Connection) -> None:
+    immediate = connection.get_execution_options().get("edgepack_write", False)
+    connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+class Database:
+    """An engine plus the two ways the server uses it: :meth:`read` and :meth:`write`."""
+
+    def __init__(self, url: str, *, pool_size: int = 8) -> None:
+        self.url = normalise_url(url)
+        parsed = make_url(self.url)
+        self.dialect = parsed.get_backend_name()
+        if self.dialect == "sqlite":
+            Path(parsed.database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+            self.engine: Engine = create_engine(self.url, connect_args={"check_same_thread": False, "timeout": 10},
+                                                pool_size=pool_size, max_overflow=8)
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+            event.listen(self.engine, "begin", _sqlite_begin)
+        else:
+            self.engine = create_engine(self.url, pool_size=pool_size, max_overflow=8, pool_pre_ping=True,
+                                        connect_args={"connect_timeout": 10})
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.dialect == "sqlite"
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A connection in a transaction for reads (a consistent snapshot on both backends)."""
+        with self.engine.connect() as connection, connection.begin():
+            yield connection
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A write transaction: committed when the block ends, rolled back if it raises. On
+        SQLite it takes the write lock at its start (``BEGIN IMMEDIATE``)."""
+        with self.engine.connect() as connection:
+            connection.execution_options(edgepack_write=True)
+            with connection.begin():
+                yield connection
+
+    def insert(self, table: Table) -> Any:
+        """The dialect's INSERT, which has ``on_conflict_do_nothing`` / ``on_conflict_do_update``."""
+        if self.is_sqlite:
+            from sqlalchemy.dialects.sqlite import insert
+        else:
+            from sqlalchemy.dialects.postgresql import insert
+        return insert(table)
+
+    def insert_new(self, connection: Connection, table: Table, values: dict[str, Any]) -> bool:
+        """Insert one row unless its key (or a unique constraint) exists; True if it was new.
+        (``rowcount`` of an ``ON CONFLICT DO NOTHING`` is not reliable on psycopg, so
+        PostgreSQL is asked to return the new row's key.)"""
+        statement = self.insert(table).on_conflict_do_nothing()
+        if self.is_sqlite:
+            return connection.execute(statement, values).rowcount == 1
+        key = next(iter(table.primary_key.columns))
+        return connection.execute(statement.returning(key), values).first() is not None
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def open_database(url: str, *, migrate_schema: bool = True) -> Database:
+    """Connect (one line naming the problem if that fails) and bring the schema to the newest
+    migration. :class:`FleetServerError` when the database cannot be reached or upgraded."""
+    database = Database(url)
+    try:
+        with database.engine.connect():
+            pass
+        if migrate_schema:
+            migrate(database)
+    except SQLAlchemyError as err:
+        database.dispose()
+        reason = str(getattr(err, "orig", None) or err).strip().splitlines()[0][:300]
+        raise FleetServerError(f"cannot use the database {make_url(database.url).render_as_string()}: "
+                               f"{reason}") from None
+    return database
+
+
+MIGRATION_LOCK = 0x6564_6765_7061_636B  # "edgepack": the PostgreSQL advisory lock held while migrating
+
+
+def migrate(database: Database) -> None:
+    """Upgrade the schema to the newest Alembic revision (programmatically, at start). Two
+    servers starting together on PostgreSQL take turns through an advisory lock."""
+    from alembic import command
+    from alembic.config import Config
+
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-plugin INFO lines are noise at start
+
+    config = Config()
+    config.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    with database.engine.connect() as connection:
+        if not database.is_sqlite:
+            connection.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK})")
+            connection.commit()
+        try:
+            config.attributes["connection"] = connection
+            command.upgrade(config, "head")
+            connection.commit()
+        finally:
+            if not database.is_sqlite:
+                connection.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK})")
+                connection.commit()
+
+
+def single_use_engine(url: str) -> Engine:
+    """An engine without a pool, for tools and tests that open, look and close."""
+    return create_engine(normalise_url(url), poolclass=NullPool)

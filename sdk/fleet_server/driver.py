@@ -1,0 +1,403 @@
+"""The rollout driver: the I/O loop around :mod:`.rollouts`, run by whichever server holds the lease.
+
+Every ``tick_s`` the server tries to take or renew the ``driver`` lease (a row in the
+database: holder and expiry; :class:`Lease`). Only the holder advances rollouts: it reads each
+pending or running rollout and its devices from the database, asks the pure
+:func:`~.rollouts.next_step` what to do, and does it. Nothing lives only in memory, so a
+server that restarts, or another server that takes the lease over when the holder dies
+(within ``lease_ttl_s`` plus one tick), continues from the database.
+
+**Sending a command exactly once.** A command's id is derived from (rollout, wave, device)
+when the rollout is planned. Before a command is published it is recorded in the ``commands``
+table (its signed bytes; the primary key is the id), in the same transaction that marks the
+device ``sent`` and bumps the rollout's revision (optimistic concurrency: a pause or another
+server's change in between makes the transaction a no-op). Only the server whose insert
+created the row publishes it; the broker's PUBACK sets ``published_at``. A command recorded
+but never acknowledged (the server died in between) is sent again, with the same id and
+bytes, only when the device has not answered it ``resend_after_s`` after this server began
+to lead: an answer proves delivery. Devices refuse a repeated id anyway (their replay
+ledger), so even that resend cannot run twice.
+
+The server signs every command with its operator key (:mod:`edgepack_core.command_auth`);
+it holds no release key, so it can only point devices to artifacts a release key signed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import and_, case, func, select, update
+from sqlalchemy.engine import Connection
+
+from edgepack_core.command_auth import sign_command
+from edgepack_core.mqtt_transport import MqttTransport
+from edgepack_core.protocol.commands import build_command, encode_command
+from edgepack_core.protocol.topics import Topics
+from edgepack_core.signing import SigningKey
+from sdk.fleet_server import db as tables
+from sdk.fleet_server.db import Database
+from sdk.fleet_server.rollouts import (
+    NOT_SENT,
+    RUNNING,
+    SENT,
+    DeviceStatus,
+    Gates,
+    Rollout,
+    Step,
+    command_id,
+    next_step,
+    transition,
+)
+
+log = logging.getLogger("edgepack.fleet_server.driver")
+
+LEASE_NAME = "driver"
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    tick_s: float = 0.5
+    lease_ttl_s: float = 5.0
+    resend_after_s: float = 10.0
+    command_ttl_s: float = 24 * 3600.0
+    publish_timeout_s: float = 2.0
+    silence_s: float = 60.0  # a device not heard from for this long is offline
+
+
+class Lease:
+    """A named lease in the database: one holder at a time, until ``expires_at``.
+
+    Taking it is one conditional UPDATE (``holder = me OR expires_at < now``), atomic on both
+    backends; the row is created on first use. Servers compare their own clocks with the
+    stored expiry, so their clocks must agree to well within the TTL (NTP)."""
+
+    def __init__(self, database: Database, holder: str, ttl_s: float, name: str = LEASE_NAME) -> None:
+        self.database, self.holder, self.ttl_s, self.name = database, holder, ttl_s, name
+
+    def hold(self, now: float) -> bool:
+        """Take or renew the lease; True while this holder has it."""
+        leases = tables.leases
+        with self.database.write() as connection:
+            connection.execute(self.database.insert(leases).on_conflict_do_nothing(),
+                               {"name": self.name, "holder": self.holder, "expires_at": now + self.ttl_s,
+                                "acquired_at": now})
+            result = connection.execute(
+                update(leases).where(leases.c.name == self.name,
+                                     (leases.c.holder == self.holder) | (leases.c.expires_at < now))
+                .values(holder=self.holder, expires_at=now + self.ttl_s,
+                        acquired_at=case((leases.c.holder == self.holder, leases.c.acquired_at), else_=now)))
+        return bool(result.rowcount)
+
+    def release(self) -> None:
+        """Give the lease up now (a clean stop), so another server need not wait for the expiry."""
+        leases = tables.leases
+        with self.database.write() as connection:
+            connection.execute(update(leases).where(leases.c.name == self.name, leases.c.holder == self.holder)
+                               .values(expires_at=0.0))
+
+    def current(self) -> dict[str, Any] | None:
+        with self.database.read() as connection:
+            row = connection.execute(select(tables.leases).where(tables.leases.c.name == self.name)).mappings().first()
+        return None if row is None else dict(row)
+
+
+def rollout_of(row: Any) -> Rollout:
+    """The pure view of a ``rollouts`` row."""
+    return Rollout(
+        id=row["id"], state=row["state"], wave=row["wave"], wave_count=row["wave_count"],
+        gates=Gates(min_success_share=row["min_success_share"], soak_s=row["soak_s"],
+                    wave_timeout_s=row["wave_timeout_s"], max_error_rate=row["max_error_rate"],
+                    rollback_on_failure=row["rollback_on_failure"]),
+        reason=row["reason"], started_at=row["started_at"], wave_started_at=row["wave_started_at"],
+        soak_started_at=row["soak_started_at"], paused_at=row["paused_at"], finished_at=row["finished_at"])
+
+
+def rollout_changes(before: Rollout, after: Rollout, now: float) -> dict[str, Any]:
+    """The columns of ``after`` that a transition may change."""
+    return {"state": after.state, "wave": after.wave, "reason": after.reason, "started_at": after.started_at,
+            "wave_started_at": after.wave_started_at, "soak_started_at": after.soak_started_at,
+            "paused_at": after.paused_at, "finished_at": after.finished_at, "updated_at": now}
+
+
+def save_rollout(connection: Connection, row: Any, after: Rollout, now: float) -> bool:
+    """Write ``after`` if the row is still at the revision it was read at; False if another
+    writer (an API call, another server) changed it first."""
+    result = connection.execute(
+        update(tables.rollouts).where(tables.rollouts.c.id == row["id"], tables.rollouts.c.revision == row["revision"])
+        .values(**rollout_changes(rollout_of(row), after, now), revision=row["revision"] + 1))
+    return bool(result.rowcount)
+
+
+class Driver:
+    """Advances rollouts while this server holds the lease; see the module docstring."""
+
+    def __init__(self, database: Database, transport: MqttTransport, topics: Topics, operator_key: SigningKey,
+                 artifact_url: Callable[[str], str], server_id: str, config: DriverConfig | None = None,
+                 on_lead: Callable[[float], None] | None = None) -> None:
+        self.database = database
+        self.transport = transport
+        self.topics = topics
+        self.operator_key = operator_key
+        self.artifact_url = artifact_url
+        self.server_id = server_id
+        self.config = config or DriverConfig()
+        self.lease = Lease(database, server_id, self.config.lease_ttl_s)
+        self.leader = False
+        self.leader_since: float | None = None
+        self.on_lead = on_lead
+        self.sent = 0
+        self.resent = 0
+        self.refused_by_broker = 0
+        self.ticks = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+
+    # ---------------------------------------------------------------- loop
+
+    def wake(self) -> None:
+        """Tick now (after an API write), not at the next interval."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            self.step(time.time())
+            self._wake.wait(self.config.tick_s)
+        if self.leader:
+            try:
+                self.lease.release()
+            except Exception:
+                log.exception("could not release the driver lease")
+
+    def step(self, now: float) -> None:
+        """One round: hold the lease, then (as leader) advance every rollout and resend."""
+        try:
+            holding = self.lease.hold(now)
+        except Exception:
+            log.exception("the driver lease could not be taken or renewed")
+            holding = False
+        if holding and not self.leader:
+            self.leader_since = now
+            log.info("server %s leads the rollouts", self.server_id)
+        if not holding and self.leader:
+            log.warning("server %s lost the driver lease", self.server_id)
+        self.leader = holding
+        if not holding:
+            self.leader_since = None
+            return
+        try:
+            self.tick(now)
+            if self.on_lead is not None:
+                self.on_lead(now)
+        except Exception:  # the next tick starts from the database again
+            log.exception("driving the rollouts failed")
+
+    def tick(self, now: float) -> None:
+        self.ticks += 1
+        with self.database.read() as connection:
+            rows = connection.execute(select(tables.rollouts).where(
+                tables.rollouts.c.state.in_(("pending", "running"))).order_by(tables.rollouts.c.created_at)) \
+                .mappings().all()
+        for row in rows:
+            self._advance(row, now)
+        self._resend_uncertain(now)
+
+    # ---------------------------------------------------------------- one rollout
+
+    def device_statuses(self, row: Any, now: float) -> list[DeviceStatus]:
+        """The rollout's devices with their job states, whether they are online, and, for the
+        wave soaking now, their inferences and errors since the soak began."""
+        rd, devices = tables.rollout_devices, tables.devices
+        with self.database.read() as connection:
+            found = connection.execute(
+                select(rd.c.device, rd.c.wave, rd.c.state, rd.c.final, rd.c.reason, devices.c.status,
+                       devices.c.last_seen)
+                .select_from(rd.outerjoin(devices, devices.c.id == rd.c.device))
+                .where(rd.c.rollout_id == row["id"])).all()
+            health = self._soak_figures(connection, row, [f.device for f in found if f.wave == row["wave"]])
+        statuses = []
+        for item in found:
+            online = item.status == "online" and item.last_seen is not None and \
+                now - item.last_seen <= self.config.silence_s
+            inferences, errors = health.get(item.device, (0, 0))
+            statuses.append(DeviceStatus(item.device, item.wave, item.state, bool(item.final), item.reason or "",
+                                         online, inferences, errors))
+        return statuses
+
+    @staticmethod
+    def _soak_figures(connection: Connection, row: Any, wave: Sequence[str]) -> dict[str, tuple[int, int]]:
+        if row["soak_started_at"] is None or row["max_error_rate"] is None or not wave:
+            return {}
+        raw = tables.telemetry_raw
+        figures: dict[str, tuple[int, int]] = {}
+        for start in range(0, len(wave), 500):
+            part = list(wave[start:start + 500])
+            query = select(raw.c.device, func.coalesce(func.sum(raw.c.inferences), 0),
+                           func.coalesce(func.sum(raw.c.errors), 0)) \
+                .where(raw.c.device.in_(part), raw.c.ts >= row["soak_started_at"]).group_by(raw.c.device)
+            figures.update({device: (int(inf), int(err)) for device, inf, err in connection.execute(query)})
+        return figures
+
+    def _advance(self, row: Any, now: float) -> None:
+        rollout = rollout_of(row)
+        step = next_step(rollout, self.device_statuses(row, now), now)
+        if step.kind == "wait":
+            return
+        if step.kind == "send":
+            self._send_wave(row, step, now)
+            return
+        after = transition(rollout, step.kind, now, step.reason)  # type: ignore[arg-type]  # the step names the event
+        published: list[dict[str, Any]] = []
+        with self.database.write() as connection:
+            if not save_rollout(connection, row, after, now):
+                return
+            if step.kind == "fail" and (step.rollback or step.cancel):
+                published = self._record_undo(connection, row, step, now)
+        log.info("rollout %s: %s%s", row["id"], step.kind, f" ({step.reason})" if step.reason else "")
+        self._publish(published, now)
+        if step.kind in ("start", "advance"):
+            self.wake()  # the new wave's commands go out on the next round, without waiting a tick
+
+    def _command_fields(self, row: Any, artifact: Any) -> dict[str, Any]:
+        return {"name": row["name"], "version": row["version"], "size": artifact.size, "sha256": artifact.sha256,
+                "artifact": {"url": self.artifact_url(artifact.sha256)}, "health_window_s": row["health_window_s"],
+                "force_downgrade": True if row["force_downgrade"] else None,
+                "allow_contract_change": True if row["allow_contract_change"] else None}
+
+    def _record(self, connection: Connection, rollout_id: str, device: str, kind: str, command: dict[str, Any],
+                now: float) -> dict[str, Any] | None:
+        """Record one signed command; the row (to publish) if this call created it, else None."""
+        signed = sign_command(command, self.operator_key)
+        topic = self.topics.cmd(device)
+        values = {"id": command["id"], "rollout_id": rollout_id, "device": device, "kind": kind, "topic": topic,
+                  "payload": encode_command(signed), "created_at": now, "created_by": self.server_id,
+                  "published_at": None, "attempts": 1}
+        return values if self.database.insert_new(connection, tables.commands, values) else None
+
+    def _send_wave(self, row: Any, step: Step, now: float) -> None:
+        rd = tables.rollout_devices
+        to_publish: list[dict[str, Any]] = []
+        with self.database.write() as connection:
+            bumped = connection.execute(
+                update(tables.rollouts).where(tables.rollouts.c.id == row["id"],
+                                              tables.rollouts.c.revision == row["revision"],
+                                              tables.rollouts.c.state == RUNNING)
+                .values(revision=row["revision"] + 1, updated_at=now))
+            if not bumped.rowcount:
+                return
+            artifact = connection.execute(select(tables.artifacts).where(
+                tables.artifacts.c.sha256 == row["artifact_sha256"])).first()
+            ids = dict(connection.execute(select(rd.c.device, rd.c.command_id).where(
+                rd.c.rollout_id == row["id"], rd.c.device.in_(step.devices), rd.c.state == NOT_SENT)).all())
+            fields = self._command_fields(row, artifact)
+            for device in step.devices:
+                if device not in ids:
+                    continue
+                command = build_command("deploy", device=device, command_id=ids[device],
+                                        ttl_s=self.config.command_ttl_s, now=now, **fields)
+                recorded = self._record(connection, row["id"], device, "deploy", command, now)
+                connection.execute(update(rd).where(rd.c.rollout_id == row["id"], rd.c.device == device,
+                                                    rd.c.state == NOT_SENT).values(state=SENT, sent_at=now,
+                                                                                   updated_at=now))
+                if recorded is not None:
+                    to_publish.append(recorded)
+        log.info("rollout %s: wave %d sent to %d device(s)", row["id"], row["wave"] + 1, len(to_publish))
+        self._publish(to_publish, now)
+
+    def _record_undo(self, connection: Connection, row: Any, step: Step, now: float) -> list[dict[str, Any]]:
+        rd = tables.rollout_devices
+        recorded: list[dict[str, Any]] = []
+        deploy_ids = dict(connection.execute(select(rd.c.device, rd.c.command_id).where(
+            rd.c.rollout_id == row["id"])).all())
+        for kind, devices in (("rollback", step.rollback), ("cancel", step.cancel)):
+            for device in devices:
+                undo_id = command_id(row["id"], kind, row["wave"], device)
+                extra = {"job": deploy_ids[device]} if kind == "cancel" else {}
+                command = build_command(kind, device=device, command_id=undo_id, ttl_s=self.config.command_ttl_s,
+                                        now=now, **extra)
+                created = self._record(connection, row["id"], device, kind, command, now)
+                connection.execute(update(rd).where(rd.c.rollout_id == row["id"], rd.c.device == device,
+                                                    rd.c.undo_command_id.is_(None))
+                                   .values(undo_command_id=undo_id, undo_kind=kind, undo_state=SENT))
+                if created is not None:
+                    recorded.append(created)
+        return recorded
+
+    # ---------------------------------------------------------------- publishing
+
+    def _publish(self, commands: Sequence[dict[str, Any]], now: float) -> None:
+        """Publish at QoS 1 and record each PUBACK; what the broker did not acknowledge in
+        time stays unpublished (and is looked at again by :meth:`_resend_uncertain`)."""
+        if not commands:
+            return
+        acked: list[str] = []
+        refused: list[str] = []
+        done = threading.Semaphore(0)
+        lock = threading.Lock()
+
+        def on_done(command_id: str) -> Callable[[bool], None]:
+            def callback(accepted: bool) -> None:
+                with lock:
+                    (acked if accepted else refused).append(command_id)
+                done.release()
+            return callback
+
+        queued = 0
+        for command in commands:
+            if self.transport.publish(command["topic"], command["payload"], qos=1, on_done=on_done(command["id"])):
+                queued += 1
+        deadline = time.monotonic() + self.config.publish_timeout_s
+        for _ in range(queued):
+            if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                break
+        with lock:
+            acked_now, refused_now = list(acked), list(refused)
+        if refused_now:
+            self.refused_by_broker += len(refused_now)
+            log.error("the broker refused %d command(s) (is the server's MQTT user allowed to publish commands?)",
+                      len(refused_now))
+        if acked_now:
+            self.sent += len(acked_now)
+            with self.database.write() as connection:
+                connection.execute(update(tables.commands).where(tables.commands.c.id.in_(acked_now),
+                                                                 tables.commands.c.published_at.is_(None))
+                                   .values(published_at=time.time()))
+
+    def _resend_uncertain(self, now: float) -> None:
+        """Commands recorded but never acknowledged by the broker: answered ones are marked
+        delivered; the others, once the grace has passed, are published again (same bytes)."""
+        grace = self.config.resend_after_s
+        if self.leader_since is None or now - self.leader_since < grace:
+            return
+        commands, events = tables.commands, tables.job_events
+        with self.database.read() as connection:
+            uncertain = connection.execute(select(commands).where(
+                commands.c.published_at.is_(None), commands.c.created_at <= now - grace)
+                .order_by(commands.c.created_at).limit(1000)).mappings().all()
+            if not uncertain:
+                return
+            answered = {job for (job,) in connection.execute(select(events.c.job).where(
+                events.c.job.in_([c["id"] for c in uncertain])).distinct())}
+        with self.database.write() as connection:
+            if answered:
+                connection.execute(update(commands).where(commands.c.id.in_(sorted(answered)),
+                                                          commands.c.published_at.is_(None))
+                                   .values(published_at=now))
+            again = [dict(c) for c in uncertain if c["id"] not in answered]
+            if again:
+                connection.execute(update(commands).where(and_(commands.c.id.in_([c["id"] for c in again]),
+                                                               commands.c.published_at.is_(None)))
+                                   .values(attempts=commands.c.attempts + 1, created_at=now))
+        if again:
+            log.warning("publishing %d command(s) again that the broker never acknowledged", len(again))
+            self.resent += len(again)
+            self._publish(again, now)

@@ -1,0 +1,267 @@
+"""The OpenAPI 3.1 description of the fleet server's REST API, served at ``/openapi.json``.
+
+Written as data next to the request schemas the API validates with (the rollout request is
+the same dict), and checked by a test against the routes the application really has, in
+both directions, so the description cannot drift from the server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edgepack_core.protocol.ids import ID_PATTERN
+from sdk.fleet_server.queries import ROLLOUT_REQUEST_SCHEMA, SHA256_PATTERN
+
+API_VERSION = "1"
+
+_NUMBER_OR_NULL = {"type": ["number", "null"]}
+_STRING_OR_NULL = {"type": ["string", "null"]}
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {"type": "object", "required": ["status", "code", "message"], "properties": {
+            "status": {"type": "integer"},
+            "code": {"type": "string", "description": "unauthorized, forbidden, not_found, invalid, too_large, "
+                                                      "refused, conflict, method_not_allowed, internal"},
+            "message": {"type": "string", "description": "one line for a human"}}}},
+    },
+    "Device": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": ID_PATTERN},
+            "online": {"type": "boolean", "description": "last state online and heard from within the silence "
+                                                         "window (--silence)"},
+            "status": {"type": "string", "enum": ["online", "offline", "unknown"]},
+            "status_reason": {"type": "string"},
+            "model": {"type": ["object", "null"], "properties": {"name": _STRING_OR_NULL, "version": _STRING_OR_NULL,
+                                                                  "sha256": _STRING_OR_NULL}},
+            "version": _STRING_OR_NULL, "provider": _STRING_OR_NULL, "profile": _STRING_OR_NULL,
+            "groups": {"type": "array", "items": {"type": "string"}},
+            "last_seen": {"type": "number", "description": "unix seconds (server clock)"},
+            "first_seen": {"type": "number"},
+            "latency_ms": {"type": "object", "properties": {"p50": _NUMBER_OR_NULL, "p90": _NUMBER_OR_NULL,
+                                                            "p99": _NUMBER_OR_NULL, "mean": _NUMBER_OR_NULL}},
+            "throughput_per_s": _NUMBER_OR_NULL,
+            "inferences_total": {"type": ["integer", "null"]},
+            "errors_total": {"type": ["integer", "null"]},
+            "error_rate": {"type": ["number", "null"], "description": "errors / inferences of the last telemetry "
+                                                                      "interval"},
+            "cpu_percent": _NUMBER_OR_NULL, "memory_rss_bytes": {"type": ["integer", "null"]},
+            "temperature_c": _NUMBER_OR_NULL, "telemetry_at": _NUMBER_OR_NULL,
+            "capabilities": {"type": "object", "description": "only on GET /api/devices/{device_id}"},
+        },
+    },
+    "DeviceList": {
+        "type": "object",
+        "properties": {
+            "devices": {"type": "array", "items": {"$ref": "#/components/schemas/Device"}},
+            "total": {"type": "integer", "description": "devices matching the filters (all pages)"},
+            "limit": {"type": "integer"}, "offset": {"type": "integer"},
+            "counts": {"type": "object", "properties": {
+                "online": {"type": "integer"}, "offline": {"type": "integer"},
+                "by_version": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "by_provider": {"type": "object", "additionalProperties": {"type": "integer"}}}},
+        },
+    },
+    "Telemetry": {
+        "type": "object",
+        "properties": {
+            "device": {"type": "string"}, "since": {"type": "number"}, "until": {"type": "number"},
+            "step": {"type": "integer", "description": "seconds per point (raised to a multiple of the rollup step "
+                                                       "when the range reaches past the raw window)"},
+            "points": {"type": "array", "items": {"type": "object", "properties": {
+                "ts": {"type": "integer", "description": "start of the point's bucket, unix seconds"},
+                "samples": {"type": "integer"},
+                "latency_p50_ms": {"type": ["number", "null"], "description": "mean of the samples' p50"},
+                "latency_p99_ms": {"type": ["number", "null"], "description": "largest p99 of the samples"},
+                "throughput_per_s": _NUMBER_OR_NULL, "inferences": {"type": "integer"},
+                "errors": {"type": "integer"}, "error_rate": _NUMBER_OR_NULL}}},
+        },
+    },
+    "Artifact": {
+        "type": "object",
+        "properties": {
+            "sha256": {"type": "string", "pattern": SHA256_PATTERN}, "name": {"type": "string"},
+            "version": {"type": "string"}, "size": {"type": "integer"},
+            "key_id": {"type": "string", "description": "the release key that signed it"},
+            "targets": {"type": "array", "items": {"type": "string"}}, "created_at": {"type": "number"},
+            "created_by": {"type": "string"},
+            "url": {"type": "string", "description": "where devices fetch it"},
+        },
+    },
+    "RolloutRequest": ROLLOUT_REQUEST_SCHEMA,
+    "RolloutSummary": {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string"},
+            "state": {"type": "string", "enum": ["pending", "running", "paused", "succeeded", "failed", "aborted"]},
+            "wave": {"type": "integer", "description": "the current wave, 0-based"},
+            "wave_count": {"type": "integer"},
+            "artifact": {"type": "object", "properties": {"sha256": {"type": "string"}, "name": {"type": "string"},
+                                                          "version": {"type": "string"}}},
+            "target": {"type": "object", "description": "{group} or {devices: [...] (null in lists)}"},
+            "reason": {"type": "string"}, "created_at": {"type": "number"}, "created_by": {"type": "string"},
+            "updated_at": {"type": "number"}, "started_at": _NUMBER_OR_NULL, "finished_at": _NUMBER_OR_NULL,
+        },
+    },
+    "Rollout": {
+        "allOf": [{"$ref": "#/components/schemas/RolloutSummary"}],
+        "type": "object",
+        "properties": {
+            "waves": {"type": "array", "items": {"type": "object", "properties": {
+                "index": {"type": "integer"}, "percent": {"type": "number"}, "devices": {"type": "integer"},
+                "active": {"type": "integer"}, "failed": {"type": "integer"}, "in_progress": {"type": "integer"},
+                "not_sent": {"type": "integer"},
+                "state": {"type": "string", "enum": ["waiting", "running", "soaking", "passed", "failed", "aborted",
+                                                     "paused", "pending"]}}}},
+            "gates": {"type": "object"}, "options": {"type": "object"},
+            "wave_started_at": _NUMBER_OR_NULL, "soak_started_at": _NUMBER_OR_NULL, "paused_at": _NUMBER_OR_NULL,
+            "counts": {"type": "object", "properties": {k: {"type": "integer"} for k in
+                                                        ("devices", "active", "failed", "in_progress", "not_sent")}},
+            "devices": {"type": "array", "items": {"type": "object", "properties": {
+                "device": {"type": "string"}, "wave": {"type": "integer"}, "command_id": {"type": "string"},
+                "state": {"type": "string", "description": "not_sent, sent, or the job's state (queued, "
+                                                           "downloading, ..., active, failed, rejected, rolled_back)"},
+                "final": {"type": "boolean"}, "reason": {"type": "string"},
+                "sent_at": _NUMBER_OR_NULL, "updated_at": _NUMBER_OR_NULL,
+                "undo": {"type": ["object", "null"], "description": "the rollback or cancel a failed wave sent",
+                         "properties": {"kind": {"type": "string", "enum": ["rollback", "cancel"]},
+                                        "command_id": {"type": "string"}, "state": _STRING_OR_NULL,
+                                        "reason": _STRING_OR_NULL}}}}},
+        },
+    },
+    "AuditEntry": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "ts": {"type": "number"},
+                       "actor": {"type": "string", "description": "the token's name"},
+                       "action": {"type": "string", "description": "artifact.upload, rollout.create, rollout.pause, "
+                                                                   "rollout.resume, rollout.abort"},
+                       "target": {"type": "string"}, "outcome": {"type": "string", "enum": ["ok", "refused"]},
+                       "detail": {"type": "object"}, "remote": {"type": "string"}},
+    },
+}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+def _path(name: str, pattern: str, description: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string", "pattern": pattern},
+            "description": description}
+
+
+_DEVICE = _path("device_id", ID_PATTERN, "device id")
+_ROLLOUT = _path("rollout_id", ID_PATTERN, "rollout id")
+_ERRORS = {"default": _json("an error (one shape for every error)", _ref("Error"))}
+_LIMIT = _query("limit", {"type": "integer", "minimum": 1}, "page size")
+
+OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
+    ("get", "/healthz", {"summary": "Liveness (no token needed)", "security": [],
+                         "responses": {"200": _json("the server runs", {"type": "object"})}}),
+    ("get", "/openapi.json", {"summary": "This description (no token needed)", "security": [],
+                              "responses": {"200": _json("OpenAPI 3.1", {"type": "object"})}}),
+    ("get", "/metrics", {"summary": "Prometheus metrics: devices online by version and provider, rollouts by "
+                                    "state, ingest counters, rate and lag",
+                         "responses": {"200": {"description": "text exposition format 0.0.4",
+                                               "content": {"text/plain": {"schema": {"type": "string"}}}}}}),
+    ("get", "/api/status", {"summary": "This server: id, whether it leads the rollouts, ingest and driver counters",
+                            "responses": {"200": _json("status", {"type": "object"})}}),
+    ("get", "/api/devices", {
+        "summary": "The fleet, one row per device, with counts",
+        "parameters": [_query("group", {"type": "string", "pattern": ID_PATTERN}, "only members of this group"),
+                       _query("online", {"type": "boolean"}, "true or false"),
+                       _query("version", {"type": "string"}, "only devices running this model version"),
+                       _query("limit", {"type": "integer", "minimum": 1, "maximum": 10000, "default": 1000},
+                              "page size"),
+                       _query("offset", {"type": "integer", "minimum": 0, "default": 0}, "rows to skip")],
+        "responses": {"200": _json("devices", _ref("DeviceList"))}}),
+    ("get", "/api/devices/{device_id}", {"summary": "One device, with its capabilities", "parameters": [_DEVICE],
+                                         "responses": {"200": _json("the device", _ref("Device"))}}),
+    ("get", "/api/devices/{device_id}/telemetry", {
+        "summary": "A device's telemetry over time (raw inside the raw window, rollups before)",
+        "parameters": [_DEVICE,
+                       _query("since", {"type": "number"}, "unix seconds (default: one hour ago)"),
+                       _query("until", {"type": "number"}, "unix seconds (default: now)"),
+                       _query("step", {"type": "integer", "minimum": 1, "default": 60}, "seconds per point")],
+        "responses": {"200": _json("points", _ref("Telemetry"))}}),
+    ("get", "/api/artifacts", {"summary": "Uploaded artifacts, newest first",
+                               "responses": {"200": _json("artifacts", {"type": "object", "properties": {
+                                   "artifacts": {"type": "array", "items": _ref("Artifact")}}})}}),
+    ("post", "/api/artifacts", {
+        "summary": "Upload a .edgepkg (the body is the file); verified with the release trust store before it is "
+                   "stored",
+        "requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
+            "type": "string", "format": "binary"}}}},
+        "responses": {"201": _json("stored", _ref("Artifact")), "200": _json("already stored", _ref("Artifact")),
+                      "413": _json("over --max-upload", _ref("Error")),
+                      "422": _json("refused by verification (signature, hashes, limits)", _ref("Error"))}}),
+    ("get", "/api/artifacts/{sha256}", {
+        "summary": "One artifact", "parameters": [_path("sha256", SHA256_PATTERN, "the artifact's sha256")],
+        "responses": {"200": _json("the artifact", _ref("Artifact"))}}),
+    ("get", "/api/rollouts", {
+        "summary": "Rollouts, newest first",
+        "parameters": [_query("state", {"type": "string"}, "only rollouts in this state"), _LIMIT],
+        "responses": {"200": _json("rollouts", {"type": "object", "properties": {
+            "rollouts": {"type": "array", "items": _ref("RolloutSummary")}}})}}),
+    ("post", "/api/rollouts", {
+        "summary": "Create a rollout (pending; the server starts it)",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("RolloutRequest")}}},
+        "responses": {"201": _json("created", _ref("Rollout"))}}),
+    ("get", "/api/rollouts/{rollout_id}", {"summary": "A rollout with its waves and every device's job",
+                                           "parameters": [_ROLLOUT],
+                                           "responses": {"200": _json("the rollout", _ref("Rollout"))}}),
+    *[("post", f"/api/rollouts/{{rollout_id}}/{action}", {
+        "summary": f"{action.capitalize()} a rollout ({what})", "parameters": [_ROLLOUT],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": {
+            "type": "object", "additionalProperties": False,
+            "properties": {"reason": {"type": "string", "maxLength": 500}}}}}},
+        "responses": {"200": _json("the rollout", _ref("Rollout")),
+                      "409": _json("the rollout's state does not allow it", _ref("Error"))}})
+      for action, what in (("pause", "no new commands; jobs already sent go on"),
+                           ("resume", "the wave's clocks skip the paused time"),
+                           ("abort", "final; no new commands"))],
+    ("get", "/api/audit", {
+        "summary": "Every write, newest first",
+        "parameters": [_LIMIT, _query("before", {"type": "integer"}, "entries with a smaller id (paging)"),
+                       _query("action", {"type": "string"}, "only this action")],
+        "responses": {"200": _json("entries", {"type": "object", "properties": {
+            "entries": {"type": "array", "items": _ref("AuditEntry")}}})}}),
+    ("get", "/artifacts/{file_name}", {
+        "summary": "An artifact's bytes, with HTTP Range (no token: devices fetch it; they verify the signature)",
+        "security": [],
+        "parameters": [_path("file_name", f"{SHA256_PATTERN[:-1]}\\.edgepkg$", "<sha256>.edgepkg")],
+        "responses": {"200": {"description": "the file"}, "206": {"description": "the requested range"},
+                      "404": _json("no such artifact", _ref("Error")), "416": {"description": "range past the end"}}}),
+]
+
+
+def describe(server_url: str | None = None) -> dict[str, Any]:
+    """The whole document."""
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path, operation in OPERATIONS:
+        paths.setdefault(path, {})[method] = {**operation,
+                                              "responses": {**operation["responses"], **_ERRORS}}
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "Edgepack fleet server", "version": API_VERSION,
+                 "description": "Devices, telemetry, artifacts, rollouts and the audit log of a fleet. Every "
+                                "route but /healthz, /openapi.json and /artifacts/ needs Authorization: Bearer "
+                                "TOKEN. Errors are {\"error\": {\"status\", \"code\", \"message\"}}."},
+        "components": {"schemas": SCHEMAS,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": paths,
+    }
+    if server_url:
+        document["servers"] = [{"url": server_url}]
+    return document

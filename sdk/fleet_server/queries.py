@@ -1,0 +1,448 @@
+"""The API's reads and writes on the tables: devices, telemetry, artifacts, rollouts.
+
+Each function takes plain values (already bounded by :mod:`.api`) and returns the JSON
+documents the API sends, so their shapes are defined in one place (and described in
+:mod:`.openapi`). Writes record their audit row in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Connection
+
+from edgepack_core.protocol.ids import ID_PATTERN
+from sdk.deploy.policy import RolloutError, plan_wave_shares
+from sdk.errors import ApiError
+from sdk.fleet_server import audit
+from sdk.fleet_server import db as tables
+from sdk.fleet_server.artifacts import StoredArtifact
+from sdk.fleet_server.db import Database
+from sdk.fleet_server.driver import rollout_of, save_rollout
+from sdk.fleet_server.retention import Bucket, RetentionPolicy, check_step, effective_step, fold, rebucket
+from sdk.fleet_server.rollouts import (
+    NOT_SENT,
+    PENDING,
+    Gates,
+    check_gates,
+    command_id,
+    new_rollout_id,
+    transition,
+)
+
+MAX_DEVICES_PAGE = 10_000
+MAX_ROLLOUT_DEVICES = 100_000
+SHA256_PATTERN = "^[0-9a-f]{64}$"
+
+ROLLOUT_REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["artifact", "waves"],
+    "properties": {
+        "artifact": {"type": "string", "pattern": SHA256_PATTERN, "description": "sha256 of an uploaded artifact"},
+        "group": {"type": "string", "pattern": ID_PATTERN, "maxLength": 64,
+                  "description": "every device of this group that is online now (or give devices)"},
+        "devices": {"type": "array", "minItems": 1, "maxItems": MAX_ROLLOUT_DEVICES,
+                    "items": {"type": "string", "pattern": ID_PATTERN, "maxLength": 64}},
+        "waves": {"type": "array", "minItems": 1, "maxItems": 20, "items": {"type": "number"},
+                  "description": "cumulative percentages of the targets, the last 100 (e.g. [5, 25, 100])"},
+        "soak_s": {"type": "number", "minimum": 0, "description": "seconds a passed wave is watched before the next"},
+        "min_success_share": {"type": "number", "minimum": 0, "maximum": 1,
+                              "description": "share of a wave that must end active (default 1)"},
+        "wave_timeout_s": {"type": "number", "minimum": 1,
+                           "description": "a device without a final answer after this long counts as failed"},
+        "max_error_rate": {"type": ["number", "null"], "minimum": 0, "maximum": 1,
+                           "description": "during the soak, the largest error share of a device's inferences"},
+        "rollback_on_failure": {"type": "boolean",
+                                "description": "a failed wave rolls back (or cancels) what the rollout updated"},
+        "health_window_s": {"type": ["number", "null"], "exclusiveMinimum": 0,
+                            "description": "the devices' health window (signed into the command)"},
+        "force_downgrade": {"type": "boolean"},
+        "allow_contract_change": {"type": "boolean"},
+    },
+}
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def is_online(status: str | None, last_seen: float | None, now: float, silence_s: float) -> bool:
+    """Online: the device's last state said so and it was heard from within ``silence_s``."""
+    return status == "online" and last_seen is not None and now - last_seen <= silence_s
+
+
+def _error_rate(row: Any) -> float | None:
+    inferences, errors = row["inferences_interval"], row["errors_interval"]
+    if not inferences or errors is None:
+        return None
+    return round(errors / inferences, 6)
+
+
+def device_doc(row: Any, groups: Sequence[str], now: float, silence_s: float) -> dict[str, Any]:
+    model = None
+    if row["model_name"] is not None or row["model_version"] is not None:
+        model = {"name": row["model_name"], "version": row["model_version"], "sha256": row["model_sha256"]}
+    return {
+        "id": row["id"],
+        "online": is_online(row["status"], row["last_seen"], now, silence_s),
+        "status": row["status"],
+        "status_reason": row["status_reason"],
+        "model": model,
+        "version": row["model_version"],
+        "provider": row["provider"],
+        "profile": row["profile"],
+        "groups": list(groups),
+        "last_seen": row["last_seen"],
+        "first_seen": row["first_seen"],
+        "latency_ms": {"p50": row["latency_p50"], "p90": row["latency_p90"], "p99": row["latency_p99"],
+                       "mean": row["latency_mean"]},
+        "throughput_per_s": row["throughput_per_s"],
+        "inferences_total": row["inferences_total"],
+        "errors_total": row["errors_total"],
+        "error_rate": _error_rate(row),
+        "cpu_percent": row["cpu_percent"],
+        "memory_rss_bytes": row["memory_rss_bytes"],
+        "temperature_c": row["temperature_c"],
+        "telemetry_at": row["telemetry_at"],
+    }
+
+
+def _groups_of(connection: Connection, ids: Sequence[str]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    table = tables.device_groups
+    query = select(table.c.device, table.c.group_name).order_by(table.c.device, table.c.group_name)
+    if len(ids) <= 500:
+        query = query.where(table.c.device.in_(list(ids)))
+    for device, group in connection.execute(query):
+        groups.setdefault(device, []).append(group)
+    return groups
+
+
+@dataclass(frozen=True)
+class DeviceFilter:
+    group: str | None = None
+    online: bool | None = None
+    version: str | None = None
+    limit: int = 1000
+    offset: int = 0
+
+
+def list_devices(database: Database, where: DeviceFilter, *, now: float, silence_s: float) -> dict[str, Any]:
+    """``GET /api/devices``: the page of devices, the total matching, counts over all matches."""
+    devices = tables.devices
+    query = select(devices)
+    if where.group is not None:
+        query = query.where(devices.c.id.in_(select(tables.device_groups.c.device)
+                                             .where(tables.device_groups.c.group_name == where.group)))
+    if where.version is not None:
+        query = query.where(devices.c.model_version == where.version)
+    if where.online is True:
+        query = query.where(devices.c.status == "online", devices.c.last_seen >= now - silence_s)
+    elif where.online is False:
+        query = query.where((devices.c.status != "online") | (devices.c.last_seen < now - silence_s))
+    with database.read() as connection:
+        matching = query.subquery()
+        summary = connection.execute(select(matching.c.model_version, matching.c.status, matching.c.last_seen,
+                                            matching.c.provider)).all()
+        rows = connection.execute(query.order_by(devices.c.id).limit(where.limit).offset(where.offset)) \
+            .mappings().all()
+        groups = _groups_of(connection, [row["id"] for row in rows])
+    by_version: Counter[str] = Counter()
+    by_provider: Counter[str] = Counter()
+    online = 0
+    for version, status, last_seen, provider in summary:
+        by_version[version or "none"] += 1
+        by_provider[provider or "none"] += 1
+        online += is_online(status, last_seen, now, silence_s)
+    return {"devices": [device_doc(row, groups.get(row["id"], []), now, silence_s) for row in rows],
+            "total": len(summary), "limit": where.limit, "offset": where.offset,
+            "counts": {"online": online, "offline": len(summary) - online, "by_version": dict(by_version),
+                       "by_provider": dict(by_provider)}}
+
+
+def get_device(database: Database, device: str, *, now: float, silence_s: float) -> dict[str, Any]:
+    with database.read() as connection:
+        row = connection.execute(select(tables.devices).where(tables.devices.c.id == device)).mappings().first()
+        if row is None:
+            raise ApiError(404, "not_found", f"no device {device}")
+        groups = _groups_of(connection, [device]).get(device, [])
+        capabilities = json.loads(row["capabilities"]) if row["capabilities"] else {}
+    return {**device_doc(row, groups, now, silence_s), "capabilities": capabilities}
+
+
+def telemetry(database: Database, device: str, *, since: float, until: float, step: int,
+              policy: RetentionPolicy, now: float) -> dict[str, Any]:
+    """``GET /api/devices/{id}/telemetry``: points of ``step`` seconds from ``since`` to ``until``,
+    from raw samples inside the raw window and from rollups before it."""
+    try:
+        check_step(since, until, step)
+    except ValueError as err:
+        raise ApiError(400, "invalid", str(err)) from None
+    raw_cutoff = now - policy.raw_s
+    step = effective_step(step, since, raw_cutoff, policy.step_s)
+    raw, rollup = tables.telemetry_raw, tables.telemetry_rollup
+    with database.read() as connection:
+        if connection.execute(select(tables.devices.c.id).where(tables.devices.c.id == device)).first() is None:
+            raise ApiError(404, "not_found", f"no device {device}")
+        samples = connection.execute(
+            select(raw.c.device, raw.c.ts, raw.c.latency_p50, raw.c.latency_p99, raw.c.throughput_per_s,
+                   raw.c.inferences, raw.c.errors)
+            .where(raw.c.device == device, raw.c.ts >= since, raw.c.ts < until).order_by(raw.c.ts)).all()
+        rolled = connection.execute(select(rollup).where(
+            rollup.c.device == device, rollup.c.bucket >= since - policy.step_s, rollup.c.bucket < until)
+        ).mappings().all()
+    buckets = fold((tuple(sample) for sample in samples), step)
+    older = [Bucket(**dict(row)) for row in rolled]
+    merged = rebucket([*older, *buckets], step) if older and step % policy.step_s == 0 else buckets
+    return {"device": device, "since": since, "until": until, "step": step,
+            "points": [bucket.point() for bucket in merged if since - step < bucket.bucket < until]}
+
+
+# --------------------------------------------------------------------------- artifacts
+
+
+def artifact_doc(row: Any, url: str) -> dict[str, Any]:
+    return {"sha256": row["sha256"], "name": row["name"], "version": row["version"], "size": row["size"],
+            "key_id": row["key_id"], "targets": json.loads(row["targets"]), "created_at": row["created_at"],
+            "created_by": row["created_by"], "url": url}
+
+
+def save_artifact(database: Database, stored: StoredArtifact, *, actor: str, remote: str) -> bool:
+    """Record an uploaded artifact (and the upload in the audit table); False if it was known."""
+    with database.write() as connection:
+        created = database.insert_new(connection, tables.artifacts, stored.to_row(actor=actor, now=time.time()))
+        audit.record(connection, actor=actor, action="artifact.upload", target=stored.sha256, remote=remote,
+                     detail={"name": stored.name, "version": stored.version, "size": stored.size,
+                             "new": created})
+    return created
+
+
+def list_artifacts(database: Database) -> list[Any]:
+    with database.read() as connection:
+        return list(connection.execute(select(tables.artifacts).order_by(tables.artifacts.c.created_at.desc()))
+                    .mappings().all())
+
+
+def get_artifact(database: Database, sha256: str) -> Any:
+    with database.read() as connection:
+        row = connection.execute(select(tables.artifacts).where(tables.artifacts.c.sha256 == sha256)) \
+            .mappings().first()
+    if row is None:
+        raise ApiError(404, "not_found", f"no artifact {sha256}")
+    return row
+
+
+# --------------------------------------------------------------------------- rollouts
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    artifact: str
+    waves: list[float]
+    group: str | None
+    devices: list[str] | None
+    gates: Gates
+    health_window_s: float | None
+    force_downgrade: bool
+    allow_contract_change: bool
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> RolloutRequest:
+        """After schema validation: one of group/devices, gates bounded."""
+        if ("group" in body) == ("devices" in body):
+            raise ApiError(400, "invalid", "give exactly one of group or devices")
+        gates = check_gates(Gates(
+            min_success_share=float(body.get("min_success_share", 1.0)), soak_s=float(body.get("soak_s", 0.0)),
+            wave_timeout_s=float(body.get("wave_timeout_s", 1800.0)),
+            max_error_rate=None if body.get("max_error_rate") is None else float(body["max_error_rate"]),
+            rollback_on_failure=bool(body.get("rollback_on_failure", False))))
+        window = body.get("health_window_s")
+        return cls(artifact=body["artifact"], waves=[float(w) for w in body["waves"]], group=body.get("group"),
+                   devices=list(dict.fromkeys(body["devices"])) if "devices" in body else None, gates=gates,
+                   health_window_s=None if window is None else float(window),
+                   force_downgrade=bool(body.get("force_downgrade", False)),
+                   allow_contract_change=bool(body.get("allow_contract_change", False)))
+
+
+def _targets(connection: Connection, request: RolloutRequest, now: float, silence_s: float) -> list[str]:
+    devices = tables.devices
+    if request.group is not None:
+        rows = connection.execute(
+            select(devices.c.id, devices.c.status, devices.c.last_seen)
+            .where(devices.c.id.in_(select(tables.device_groups.c.device)
+                                    .where(tables.device_groups.c.group_name == request.group)))
+            .order_by(devices.c.id)).all()
+        targets = [r.id for r in rows if is_online(r.status, r.last_seen, now, silence_s)]
+        if not targets:
+            raise ApiError(400, "invalid", f"group {request.group}: no online device")
+        return targets
+    wanted = request.devices or []
+    known: set[str] = set()
+    for start in range(0, len(wanted), 500):
+        known.update(connection.execute(select(devices.c.id).where(devices.c.id.in_(wanted[start:start + 500])))
+                     .scalars())
+    unknown = [d for d in wanted if d not in known]
+    if unknown:
+        raise ApiError(400, "invalid", f"unknown device(s): {', '.join(unknown[:5])}"
+                                       f"{f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''}")
+    return wanted
+
+
+def create_rollout(database: Database, request: RolloutRequest, *, actor: str, remote: str, silence_s: float,
+                   now: float | None = None) -> str:
+    """Plan and store a rollout (``pending``: the driver starts it); returns its id."""
+    now = time.time() if now is None else now
+    rollout_id = new_rollout_id(os.urandom(8))
+    with database.write() as connection:
+        artifact = connection.execute(select(tables.artifacts).where(
+            tables.artifacts.c.sha256 == request.artifact)).mappings().first()
+        if artifact is None:
+            raise ApiError(404, "not_found", f"no artifact {request.artifact} (upload it first)")
+        try:
+            waves = plan_wave_shares(_targets(connection, request, now, silence_s), request.waves)
+        except RolloutError as err:
+            raise ApiError(400, "invalid", str(err)) from None
+        gates = request.gates
+        connection.execute(tables.rollouts.insert().values(
+            id=rollout_id, artifact_sha256=request.artifact, name=artifact["name"], version=artifact["version"],
+            target_group=request.group, state=PENDING, wave=0, waves=json.dumps(request.waves),
+            wave_count=len(waves), min_success_share=gates.min_success_share, soak_s=gates.soak_s,
+            wave_timeout_s=gates.wave_timeout_s, max_error_rate=gates.max_error_rate,
+            rollback_on_failure=gates.rollback_on_failure, health_window_s=request.health_window_s,
+            force_downgrade=request.force_downgrade, allow_contract_change=request.allow_contract_change,
+            reason="", created_at=now, created_by=actor, updated_at=now, revision=0))
+        connection.execute(tables.rollout_devices.insert(), [
+            {"rollout_id": rollout_id, "device": device, "wave": index, "state": NOT_SENT, "final": False,
+             "reason": "", "command_id": command_id(rollout_id, "deploy", index, device)}
+            for index, wave in enumerate(waves) for device in wave])
+        audit.record(connection, actor=actor, action="rollout.create", target=rollout_id, remote=remote, now=now,
+                     detail={"artifact": request.artifact, "name": artifact["name"], "version": artifact["version"],
+                             "group": request.group, "devices": sum(len(w) for w in waves),
+                             "waves": request.waves, "gates": gates.__dict__})
+    return rollout_id
+
+
+ACTIONS = {"pause": "pause", "resume": "resume", "abort": "abort"}
+
+
+def rollout_action(database: Database, rollout_id: str, action: str, *, actor: str, remote: str,
+                   reason: str = "") -> None:
+    """Pause, resume or abort through the state machine (409 for a transition it refuses).
+    A driver that changed the rollout in between makes the write retry on the new revision."""
+    if action not in ACTIONS:
+        raise ApiError(404, "not_found", f"no rollout action {action!r} (pause, resume, abort)")
+    for _ in range(20):
+        now = time.time()
+        with database.write() as connection:
+            row = connection.execute(select(tables.rollouts).where(tables.rollouts.c.id == rollout_id)) \
+                .mappings().first()
+            if row is None:
+                raise ApiError(404, "not_found", f"no rollout {rollout_id}")
+            why = reason or f"{action}d by {actor}"
+            after = transition(rollout_of(row), ACTIONS[action], now, why)  # type: ignore[arg-type]
+            if save_rollout(connection, row, after, now):
+                audit.record(connection, actor=actor, action=f"rollout.{action}", target=rollout_id, remote=remote,
+                             now=now, detail={"from": row["state"], "to": after.state, "wave": row["wave"]})
+                return
+    raise ApiError(409, "conflict", f"rollout {rollout_id} kept changing; try again")
+
+
+def _wave_docs(row: Any, devices: Sequence[Any]) -> list[dict[str, Any]]:
+    shares = json.loads(row["waves"])
+    docs = []
+    for index in range(row["wave_count"]):
+        members = [d for d in devices if d["wave"] == index]
+        states = Counter("active" if d["state"] == "active" and d["final"] else
+                         "failed" if d["final"] else "not_sent" if d["state"] == NOT_SENT else "in_progress"
+                         for d in members)
+        if index < row["wave"] or (index == row["wave"] and row["state"] == "succeeded"):
+            phase = "passed"
+        elif index > row["wave"]:
+            phase = "waiting"
+        elif row["state"] in ("failed", "aborted", "paused", "pending"):
+            phase = row["state"]
+        else:
+            phase = "soaking" if row["soak_started_at"] is not None else "running"
+        docs.append({"index": index, "percent": shares[index] if index < len(shares) else None,
+                     "devices": len(members), "active": states["active"], "failed": states["failed"],
+                     "in_progress": states["in_progress"], "not_sent": states["not_sent"], "state": phase})
+    return docs
+
+
+def _device_docs(devices: Sequence[Any]) -> list[dict[str, Any]]:
+    return [{"device": d["device"], "wave": d["wave"], "command_id": d["command_id"], "state": d["state"],
+             "final": d["final"], "reason": d["reason"], "sent_at": d["sent_at"], "updated_at": d["updated_at"],
+             "undo": None if d["undo_command_id"] is None else {
+                 "kind": d["undo_kind"], "command_id": d["undo_command_id"], "state": d["undo_state"],
+                 "reason": d["undo_reason"]}}
+            for d in devices]
+
+
+def rollout_summary(row: Any) -> dict[str, Any]:
+    return {"id": row["id"], "state": row["state"], "wave": row["wave"], "wave_count": row["wave_count"],
+            "artifact": {"sha256": row["artifact_sha256"], "name": row["name"], "version": row["version"]},
+            "target": {"group": row["target_group"]} if row["target_group"] else {"devices": None},
+            "reason": row["reason"], "created_at": row["created_at"], "created_by": row["created_by"],
+            "updated_at": row["updated_at"], "started_at": row["started_at"], "finished_at": row["finished_at"]}
+
+
+def get_rollout(database: Database, rollout_id: str) -> dict[str, Any]:
+    """``GET /api/rollouts/{id}``: the rollout, its waves and every device's job."""
+    rd = tables.rollout_devices
+    with database.read() as connection:
+        row = connection.execute(select(tables.rollouts).where(tables.rollouts.c.id == rollout_id)) \
+            .mappings().first()
+        if row is None:
+            raise ApiError(404, "not_found", f"no rollout {rollout_id}")
+        devices = connection.execute(select(rd).where(rd.c.rollout_id == rollout_id).order_by(rd.c.wave, rd.c.device)) \
+            .mappings().all()
+    summary = rollout_summary(row)
+    if not row["target_group"]:
+        summary["target"] = {"devices": [d["device"] for d in devices]}
+    counts = Counter("active" if d["state"] == "active" and d["final"] else
+                     "failed" if d["final"] else "not_sent" if d["state"] == NOT_SENT else "in_progress"
+                     for d in devices)
+    return {**summary,
+            "waves": _wave_docs(row, devices),
+            "gates": {"min_success_share": row["min_success_share"], "soak_s": row["soak_s"],
+                      "wave_timeout_s": row["wave_timeout_s"], "max_error_rate": row["max_error_rate"],
+                      "rollback_on_failure": row["rollback_on_failure"]},
+            "options": {"health_window_s": row["health_window_s"], "force_downgrade": row["force_downgrade"],
+                        "allow_contract_change": row["allow_contract_change"]},
+            "wave_started_at": row["wave_started_at"], "soak_started_at": row["soak_started_at"],
+            "paused_at": row["paused_at"],
+            "counts": {"devices": len(devices), "active": counts["active"], "failed": counts["failed"],
+                       "in_progress": counts["in_progress"], "not_sent": counts["not_sent"]},
+            "devices": _device_docs(devices)}
+
+
+def list_rollouts(database: Database, *, state: str | None, limit: int) -> list[dict[str, Any]]:
+    query = select(tables.rollouts).order_by(tables.rollouts.c.created_at.desc()).limit(limit)
+    if state is not None:
+        query = query.where(tables.rollouts.c.state == state)
+    with database.read() as connection:
+        return [rollout_summary(row) for row in connection.execute(query).mappings()]
+
+
+def rollout_state_counts(database: Database) -> dict[str, int]:
+    with database.read() as connection:
+        return dict(connection.execute(select(tables.rollouts.c.state, func.count()).group_by(
+            tables.rollouts.c.state)).all())
+
+
+def devices_online_by(database: Database, *, now: float, silence_s: float) -> list[tuple[str, str, int]]:
+    """(version, provider, count) of online devices, for ``/metrics``."""
+    devices = tables.devices
+    with database.read() as connection:
+        rows = connection.execute(
+            select(devices.c.model_version, devices.c.provider, func.count())
+            .where(devices.c.status == "online", devices.c.last_seen >= now - silence_s)
+            .group_by(devices.c.model_version, devices.c.provider)).all()
+    return [(version or "none", provider or "none", count) for version, provider, count in rows]

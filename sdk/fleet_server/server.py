@@ -1,0 +1,279 @@
+"""``edgepack fleet serve``: the wiring of the fleet server, and :func:`serve`.
+
+Start-up checks everything it can before it listens, so a mistake is one line at start and
+not a failure hours later: the listen address can be bound, the token file, trust keys and
+operator key load (and are not readable by others), the database answers and its schema is
+migrated, the broker accepts the login. Then it runs the MQTT ingest, the rollout driver
+(which only acts while this server holds the lease), the retention job (only on the lease
+holder, so two servers never fold the same samples) and the HTTP server, until SIGTERM or
+SIGINT, when it stops them in reverse order and gives the lease back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgepack_core.errors import EdgepackError
+from edgepack_core.protocol.ids import is_valid_id
+from edgepack_core.signing import SigningKey, TrustStore
+from sdk.broker import BrokerOptions
+from sdk.errors import ServerConfigError
+from sdk.fleet_server import queries
+from sdk.fleet_server.api import ApiContext, build_app
+from sdk.fleet_server.artifacts import DEFAULT_MAX_UPLOAD, ArtifactStore
+from sdk.fleet_server.auth import TokenCheck, read_token_file
+from sdk.fleet_server.db import Database, open_database
+from sdk.fleet_server.driver import Driver, DriverConfig
+from sdk.fleet_server.ingest import Ingest
+from sdk.fleet_server.retention import Pruner, RetentionPolicy
+from sdk.keys import load_operator_key
+
+log = logging.getLogger("edgepack.fleet_server")
+
+DEFAULT_LISTEN = "127.0.0.1:8760"
+DEFAULT_DB = "sqlite:///fleet.db"
+_WILDCARDS = {"", "0.0.0.0", "::", "[::]"}
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) into its parts; :class:`ServerConfigError` otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ServerConfigError(f"--listen must be HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def check_public_url(url: str) -> str:
+    """An http(s) base URL without query or fragment, its trailing slash removed."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ServerConfigError(f"--public-url must be an http(s) URL like https://cdn.example/models, got {url!r}")
+    return url.rstrip("/")
+
+
+def default_server_id(listen: str) -> str:
+    """``<host name>-<port>``, made to fit the id pattern: stable across restarts (the MQTT
+    session of a server is kept under it), different for two servers on one machine."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "host"
+    candidate = f"{host[:50]}-{parse_listen(listen)[1]}".lstrip(".-_") or "fleet"
+    return candidate if is_valid_id(candidate) else f"fleet-{parse_listen(listen)[1]}"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``edgepack fleet serve`` takes (docs/fleet-server.md lists each flag)."""
+
+    broker: BrokerOptions
+    trust: tuple[Path, ...]
+    token_file: Path
+    operator_key: Path
+    db_url: str = DEFAULT_DB
+    listen: str = DEFAULT_LISTEN
+    artifacts_dir: Path = Path("artifacts")
+    public_url: str | None = None
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    server_id: str | None = None
+    share_group: str = "edgepack-fleet"
+    silence_s: float = 60.0
+    max_upload: int = DEFAULT_MAX_UPLOAD
+    driver: DriverConfig = field(default_factory=DriverConfig)
+
+    def resolved_id(self) -> str:
+        server_id = self.server_id or default_server_id(self.listen)
+        if not is_valid_id(server_id):
+            raise ServerConfigError(f"--server-id {server_id!r} must be 1 to 64 letters, digits, '.', '_' or '-'")
+        return server_id
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class FleetServer:
+    """The parts, started and stopped together."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.server_id = config.resolved_id()
+        self.host, self.port = parse_listen(config.listen)
+        self.public_url = check_public_url(config.public_url) if config.public_url else None
+        if self.public_url is None and self.host in _WILDCARDS:
+            raise ServerConfigError(f"--listen {config.listen} is not an address devices can fetch from: give "
+                                    "--public-url (e.g. http://fleet.example:8760/artifacts)")
+        if not config.trust:
+            raise ServerConfigError("give at least one --trust release public key (uploads are verified with it)")
+        self.tokens = TokenCheck(read_token_file(config.token_file))
+        self.trust = TrustStore.from_paths(config.trust)
+        self.operator_key: SigningKey = load_operator_key(config.operator_key)
+        if not 0 < config.max_upload <= 16 * 1024**3:
+            raise ServerConfigError(f"--max-upload {config.max_upload} must be 1 byte to 16 GiB")
+        self.started_at = time.time()
+        self.database: Database | None = None
+        self.ingest: Ingest | None = None
+        self.driver: Driver | None = None
+        self.pruner: Pruner | None = None
+        self._threads: list[threading.Thread] = []
+        self.store = ArtifactStore(config.artifacts_dir, self.trust, max_bytes=config.max_upload)
+
+    def artifact_url(self, sha256: str) -> str:
+        if self.public_url is not None:
+            return f"{self.public_url}/{sha256}.edgepkg"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/artifacts/{sha256}.edgepkg"
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Open the database (migrating it), connect to the broker, start the loops."""
+        self.database = open_database(self.config.db_url)
+        self.pruner = Pruner(self.database, self.config.retention)
+        self.ingest = Ingest(self.database, self.config.broker, server_id=self.server_id,
+                             share_group=self.config.share_group)
+        try:
+            self.ingest.start()
+        except EdgepackError:
+            self.ingest.stop()
+            raise
+        assert self.ingest.control is not None
+        self.driver = Driver(self.database, self.ingest.control, self.ingest.topics, self.operator_key,
+                             self.artifact_url, self.server_id, self.config.driver, on_lead=self._on_lead)
+        self._next_prune = time.time() + self.config.retention.interval_s
+        thread = threading.Thread(target=self.driver.run, name="fleet-driver", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        log.info("fleet server %s: database %s, broker %s, artifacts %s", self.server_id, self.database.dialect,
+                 self.config.broker.address, self.config.artifacts_dir)
+
+    def _on_lead(self, now: float) -> None:
+        """Called by the driver on each round it leads: the retention job runs there, on one server."""
+        if now >= self._next_prune and self.pruner is not None:
+            self._next_prune = now + self.config.retention.interval_s
+            self.pruner.run_once(now)
+
+    def stop(self) -> None:
+        if self.driver is not None:
+            self.driver.stop()
+        for thread in self._threads:
+            thread.join(15)
+        if self.ingest is not None:
+            self.ingest.stop()
+        if self.database is not None:
+            self.database.dispose()
+
+    # ---------------------------------------------------------------- views
+
+    def status(self) -> dict[str, Any]:
+        assert self.ingest is not None and self.driver is not None
+        lease = self.driver.lease.current()
+        return {
+            "server_id": self.server_id,
+            "started_at": self.started_at,
+            "database": self.database.dialect if self.database else None,
+            "broker": self.config.broker.address,
+            "leader": self.driver.leader,
+            "lease": lease,
+            "ingest": {**self.ingest.counters.to_json(), "queue_depth": self.ingest.queue_depth,
+                       "rate_per_s": round(self.ingest.rate(time.time()), 3),
+                       "control_connected": bool(self.ingest.control and self.ingest.control.connected),
+                       "telemetry_connected": bool(self.ingest.telemetry and self.ingest.telemetry.connected)},
+            "driver": {"ticks": self.driver.ticks, "sent": self.driver.sent, "resent": self.driver.resent,
+                       "refused_by_broker": self.driver.refused_by_broker},
+            "retention": {"raw_s": self.config.retention.raw_s, "rollup_s": self.config.retention.rollup_s,
+                          "step_s": self.config.retention.step_s,
+                          "runs": self.pruner.runs if self.pruner else 0,
+                          "folded": self.pruner.folded if self.pruner else 0},
+            "artifact_base_url": self.artifact_url("0" * 64).rsplit("/", 1)[0],
+        }
+
+    def metrics(self) -> str:
+        """Prometheus text exposition (format 0.0.4)."""
+        assert self.database is not None and self.ingest is not None and self.driver is not None
+        now = time.time()
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[dict[str, str], float]]) -> None:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                label_text = ",".join(f'{key}="{_escape(str(val))}"' for key, val in labels.items())
+                lines.append(f"{name}{{{label_text}}} {value:g}" if label_text else f"{name} {value:g}")
+
+        online = queries.devices_online_by(self.database, now=now, silence_s=self.config.silence_s)
+        metric("edgepack_fleet_devices_online", "gauge", "Devices online, by model version and provider.",
+               [({"version": v, "provider": p}, n) for v, p, n in online] or [({}, 0)])
+        states = queries.rollout_state_counts(self.database)
+        metric("edgepack_fleet_rollouts", "gauge", "Rollouts by state.",
+               [({"state": s}, states.get(s, 0)) for s in ("pending", "running", "paused", "succeeded", "failed",
+                                                           "aborted")])
+        counters = self.ingest.counters
+        metric("edgepack_fleet_ingest_received_total", "counter", "MQTT messages received by this server, by kind.",
+               [({"kind": k}, counters.received[k]) for k in ("state", "telemetry", "job")])
+        metric("edgepack_fleet_ingest_stored_total", "counter", "Messages stored by this server, by kind.",
+               [({"kind": k}, counters.stored[k]) for k in ("state", "telemetry", "job")])
+        metric("edgepack_fleet_ingest_dropped_total", "counter", "Messages dropped, by reason.",
+               [({"reason": r}, n) for r, n in sorted(counters.dropped.items())] or [({"reason": "none"}, 0)])
+        metric("edgepack_fleet_ingest_rate", "gauge", "Telemetry messages stored per second (last 10 s).",
+               [({}, round(self.ingest.rate(now), 3))])
+        metric("edgepack_fleet_ingest_lag_seconds", "gauge", "Receipt to commit, the last batch.",
+               [({}, round(counters.last_lag_s, 4))])
+        metric("edgepack_fleet_ingest_lag_max_seconds", "gauge", "Receipt to commit, the largest since start.",
+               [({}, round(counters.max_lag_s, 4))])
+        metric("edgepack_fleet_ingest_queue_depth", "gauge", "Messages received, not yet stored.",
+               [({}, self.ingest.queue_depth)])
+        metric("edgepack_fleet_leader", "gauge", "1 while this server holds the rollout lease.",
+               [({"server": self.server_id}, 1 if self.driver.leader else 0)])
+        metric("edgepack_fleet_commands_sent_total", "counter", "Commands the broker acknowledged.",
+               [({}, self.driver.sent)])
+        metric("edgepack_fleet_commands_resent_total", "counter", "Commands published again after a crash.",
+               [({}, self.driver.resent)])
+        return "\n".join(lines) + "\n"
+
+    def api_context(self) -> ApiContext:
+        assert self.database is not None
+        return ApiContext(database=self.database, tokens=self.tokens, store=self.store,
+                          retention=self.config.retention, artifact_url=self.artifact_url,
+                          silence_s=self.config.silence_s, status=self.status, metrics=self.metrics,
+                          wake_driver=self.driver.wake if self.driver else (lambda: None))
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now so a busy port is one line at start."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host or "0.0.0.0", port))
+    except OSError as err:
+        sock.close()
+        raise ServerConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(config: ServerConfig) -> None:
+    """Run the fleet server until SIGTERM or SIGINT."""
+    import uvicorn
+
+    server = FleetServer(config)
+    sock = bind(server.host, server.port)
+    try:
+        server.start()
+        context = server.api_context()
+        app = build_app(context)
+        uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=5, server_header=False))
+        log.info("listening on http://%s:%d (pid %d)", server.host, server.port, os.getpid())
+        uv.run(sockets=[sock])
+    finally:
+        server.stop()
+        sock.close()
