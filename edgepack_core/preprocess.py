@@ -41,6 +41,30 @@ fixed order:
 7. cast to ``dtype``; ``uint8`` and ``int8`` round half to even and clip to their range;
 8. add a leading batch dimension of 1 when ``batch`` is true (the default).
 
+That order defines the numbers; the executor computes them by a shorter road (the *fast
+path*), within a bound that tests/test_image_fast_path.py pins against the literal order
+above (``Preprocessor(spec, reference=True)``, kept for that test and the benchmarks):
+
+- a JPEG is decoded at a reduced scale (libjpeg's DCT scaling, Pillow's ``draft``: 1/2, 1/4
+  or 1/8) when the decoded image stays at least ``REDUCING_GAP`` (1.4) times the resize
+  target, so the spec's filter still shrinks what is left by 1.4 or more. The pixel cap is
+  still checked on the header's size before anything is decoded, the EXIF orientation still
+  applies (the request is made in the stored orientation). This is the one step whose
+  numbers differ beyond rounding (docs/packager.md, "Image preprocessing");
+- only the source region the crop keeps is resampled (Pillow's ``resize(box=...)``: the same
+  filter taps as resizing everything and cropping after, to one 8-bit level);
+- a raw uint8 array is never copied whole into Pillow: only the window the filter reads is;
+  without resampling (no ``resize``, or a resize that is a pure crop) no Pillow at all;
+- steps 5-8 are one multiply-add in float32, ``x * (scale / std) + (-mean / std)``, written
+  straight into the output tensor in its layout (letterbox padding included): no float64,
+  no intermediate images or arrays.
+
+``in_graph: true`` (image kind, float dtypes): the packager has lowered steps 5-7 (scale,
+mean/std, layout, cast) into the model (sdk/packager/passes/preprocess_graph.py), so the
+executor stops after step 4 (and the channel reversal of ``bgr``): it emits the resized
+pixels as uint8 NHWC (``[1, H, W, C]``, or ``[H, W, C]`` with ``batch: false``). The spec's
+``scale``, ``mean``, ``std``, ``layout`` and ``dtype`` then say what the graph does.
+
 ``kind: audio`` — decode a WAV file and cut it into model-ready frames
 (``edgepack_core/audio.py``): mix to mono, resample to ``sample_rate`` (linear
 interpolation), then frames of ``frame`` samples every ``hop`` samples, each with ``context``
@@ -80,6 +104,16 @@ if TYPE_CHECKING:
 SPEC_VERSION = 1
 DEFAULT_MAX_PIXELS = 50_000_000
 DEFAULT_CROP_FRACTION = 0.875
+# A JPEG is decoded at 1/s (s in 1, 2, 4, 8; libjpeg's DCT scaling) with s at most
+# floor(ratio / REDUCING_GAP), ratio being full size over target size: the spec's filter then still
+# shrinks by REDUCING_GAP or more. Measured (docs/packager.md, "Image preprocessing"): 1.0, i.e.
+# decoding straight to the target, changed the digits demo's answer on 4% of 64x64 JPEGs (1/8 is
+# a block mean); 1.4 on 1.1%, 2.0 on 1.1%; 1.4 still decodes a 1280x720 frame at 1/2 for 224x224.
+REDUCING_GAP = 1.4
+# Pillow's filter supports (in source pixels at scale 1): the window of an array copied into
+# Pillow must hold every tap the filter reads.
+_FILTER_SUPPORT = {"nearest": 1.0, "bilinear": 1.0, "bicubic": 2.0, "area": 0.5}
+_EXIF_ORIENTATION = 0x0112
 
 IMAGE_DTYPES = ["float32", "float16", "uint8", "int8"]
 TENSOR_DTYPES = ["float32", "float16", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64", "bool"]
@@ -144,9 +178,13 @@ _PROPERTIES: dict[str, Any] = {
     "input": {"type": "string", "minLength": 1, "description": "the model input this feeds (default: first)"},
     "shape": {"type": "array", "items": {"type": ["integer", "string", "null"], "minimum": 0},
               "description": "tensor: the expected shape; strings and nulls are symbolic dims"},
+    "in_graph": {"type": "boolean", "default": False,
+                 "description": "image: the packager lowers scale, mean/std, layout and the cast into the model, "
+                 "whose input becomes the resized pixels as uint8 NHWC; the agent only decodes and resizes"},
 }
 _KIND_KEYS = {
-    "image": ["kind", "version", "color", "resize", "scale", "mean", "std", "layout", "dtype", "batch", "input"],
+    "image": ["kind", "version", "color", "resize", "scale", "mean", "std", "layout", "dtype", "batch", "input",
+              "in_graph"],
     "tensor": ["kind", "version", "shape", "dtype", "batch", "input"],
     "audio": ["kind", "version", "sample_rate", "frame", "hop", "context", "dtype", "batch", "input"],
 }
@@ -224,6 +262,13 @@ def normalize_preprocess(spec: Mapping[str, Any] | None, *, document: str = "", 
     out["batch"] = raw.get("batch", True)
     if "input" in raw:
         out["input"] = raw["input"]
+    if raw.get("in_graph"):
+        # Written only when true: a manifest without the key stays readable by older agents.
+        if out["dtype"] not in ("float32", "float16"):
+            where = f"{path}.in_graph" if path else "in_graph"
+            raise SchemaError(where, f"lowers the float arithmetic into the model; dtype {out['dtype']} has none "
+                              "(use in_graph with float32 or float16)", document=document)
+        out["in_graph"] = True
     return out
 
 
@@ -303,10 +348,58 @@ def image_geometry(height: int, width: int, resize: Mapping[str, Any] | None) ->
             "scale_x": new_w / width, "scale_y": new_h / height, "pad_x": float(pad_x), "pad_y": float(pad_y)}
 
 
+def source_region(
+    height: int, width: int, resize: Mapping[str, Any]
+) -> tuple[tuple[float, float, float, float], tuple[int, int], tuple[int, int] | None]:
+    """The part of an ``height`` x ``width`` image the resize keeps, as Pillow's ``resize(box=)``
+    takes it: ``(box (left, top, right, bottom) in source pixels, the size (h, w) it is resampled
+    to, the paste offset (left, top) of a letterbox or None)``. Resampling the box straight to
+    that size reads the same filter taps as :func:`resize_plan`'s resize-then-crop. Pure."""
+    (new_h, new_w), crop, paste = resize_plan(height, width, resize)
+    if crop is None:
+        return (0.0, 0.0, float(width), float(height)), (new_h, new_w), paste
+    sx, sy = width / new_w, height / new_h
+    left, top, right, bottom = crop
+    return (left * sx, top * sy, right * sx, bottom * sy), (bottom - top, right - left), None
+
+
+def reduction_factor(box_size: float, out_size: int) -> int:
+    """The largest JPEG reduction the fast path may ask for when ``box_size`` source pixels
+    become ``out_size``: ``floor(ratio / REDUCING_GAP)``, at least 1 (libjpeg then takes the
+    largest of 1, 2, 4, 8 not above it). Pure."""
+    return max(1, int(box_size / out_size / REDUCING_GAP))
+
+
+def fused_scale_bias(spec: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """``(gain, bias)``, float32 per output channel, with ``x * gain + bias`` equal to the spec's
+    ``(x * scale - mean) / std`` up to float32 rounding: one multiply-add instead of three
+    passes. Computed in float64 and rounded once; the in-graph lowering uses the same constants,
+    so Python and the graph compute the same tensor."""
+    std = np.asarray(spec["std"], dtype=np.float64)
+    gain = float(spec["scale"]) / std
+    bias = -np.asarray(spec["mean"], dtype=np.float64) / std
+    return gain.astype(np.float32), bias.astype(np.float32)
+
+
 def _matches(shape: tuple[int, ...], expected: list[Any]) -> bool:
     if len(shape) != len(expected):
         return False
     return all(not isinstance(want, int) or got == want for got, want in zip(shape, expected, strict=True))
+
+
+def _pillow_filter(name: str) -> Any:
+    from PIL import Image
+
+    return {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
+            "bicubic": Image.Resampling.BICUBIC, "area": Image.Resampling.BOX}[name]
+
+
+def _orientation(image: Image.Image) -> int:
+    try:
+        value = image.getexif().get(_EXIF_ORIENTATION, 1)
+    except Exception as err:  # a damaged EXIF block: the reference path refuses it the same way
+        raise PreprocessError(f"cannot apply the EXIF orientation ({type(err).__name__}: {err})") from None
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
 # ----------------------------------------------------------------------------- executor
@@ -316,12 +409,16 @@ class Preprocessor:
     """Turns one raw input into one model input tensor, following a spec (see module docs).
 
     The spec is normalized on construction, so a manifest written before a default existed
-    still runs, and ``self.spec`` is the complete spec actually executed.
+    still runs, and ``self.spec`` is the complete spec actually executed. ``reference=True``
+    runs images through the literal steps of the module docs (full decode, resize then crop,
+    float32 step by step) instead of the fast path: the yardstick of the parity test.
     """
 
-    def __init__(self, spec: Mapping[str, Any] | None, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    def __init__(self, spec: Mapping[str, Any] | None, *, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 reference: bool = False) -> None:
         self.spec = normalize_preprocess(spec)
         self.max_pixels = max_pixels
+        self.reference = reference
         self.kind: str = self.spec["kind"]
         self.input_name: str | None = self.spec.get("input")
         self.max_audio_bytes = audio.DEFAULT_MAX_BYTES
@@ -329,6 +426,11 @@ class Preprocessor:
             channels = _CHANNELS[self.spec["color"]]
             self._mean = np.asarray(self.spec["mean"], dtype=np.float32).reshape(1, 1, channels)
             self._std = np.asarray(self.spec["std"], dtype=np.float32).reshape(1, 1, channels)
+            self._gain, self._bias = fused_scale_bias(self.spec)
+            self.in_graph = bool(self.spec.get("in_graph"))
+            # uint8 out and nothing to compute: the pixels are copied, never converted.
+            self._copy_only = self.in_graph or (self.spec["dtype"] == "uint8" and bool(np.all(self._gain == 1))
+                                                and bool(np.all(self._bias == 0)))
 
     # ---- entry points
 
@@ -375,19 +477,41 @@ class Preprocessor:
 
     def from_image_bytes(self, data: bytes) -> np.ndarray:
         """Decode an encoded image (PNG, JPEG, ...) and preprocess it."""
-        return self.from_image(self._decode(data))
+        return self.image_with_geometry(data)[0]
 
-    def image_with_geometry(self, data: bytes | np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+    def image_with_geometry(self, data: bytes | np.ndarray, *, out: np.ndarray | None = None
+                            ) -> tuple[np.ndarray, dict[str, Any]]:
         """Encoded image bytes, or an image array as :meth:`from_array` takes it -> the tensor
         and the geometry applied (:func:`image_geometry` of the upright image), so the
-        detection postprocessing can map boxes back to the original's pixels."""
-        if isinstance(data, np.ndarray):
-            tensor = self.from_array(data)
-            return tensor, image_geometry(data.shape[0], data.shape[1], self.spec.get("resize"))
-        image = self._upright(self._decode(data))
-        return self._pipeline(image), image_geometry(image.height, image.width, self.spec.get("resize"))
+        detection postprocessing can map boxes back to the original's pixels.
 
-    def _decode(self, data: bytes) -> Image.Image:
+        ``out``: a preallocated tensor of :meth:`tensor_shape` and the output dtype (e.g. one
+        row of a batch) that the fast path writes into and returns."""
+        if isinstance(data, np.ndarray):
+            tensor = self.from_array(data, out=out)
+            return tensor, image_geometry(data.shape[0], data.shape[1], self.spec.get("resize"))
+        if self.reference:
+            image = self._upright(self._decode(data))
+            return _into(self._pipeline(image), out), image_geometry(image.height, image.width,
+                                                                     self.spec.get("resize"))
+        image, factor, (height, width) = self._decode_reduced(data)
+        return self._fast_image(image, factor, height, width, out), image_geometry(height, width,
+                                                                                  self.spec.get("resize"))
+
+    def tensor_shape(self) -> tuple[int, ...] | None:
+        """The shape of every image tensor this spec gives, or None when it depends on the
+        image (no ``resize``)."""
+        if self.kind != "image" or "resize" not in self.spec:
+            return None
+        return self._shape(*self.spec["resize"]["size"])
+
+    @property
+    def out_dtype(self) -> np.dtype:
+        """The dtype of the image tensors (uint8 when the arithmetic is in the graph)."""
+        return np.dtype("uint8" if self.spec.get("in_graph") else self.spec.get("dtype", "float32"))
+
+    def _open(self, data: bytes) -> Image.Image:
+        """The image with only its header read; the pixel cap is checked here, before decoding."""
         self._require_image()
         from PIL import Image
 
@@ -400,15 +524,69 @@ class Preprocessor:
             # ValueError, ...) for hostile or damaged bytes; to the caller they all mean one thing.
             raise PreprocessError(f"cannot decode image ({type(err).__name__}: {err})") from None
         self._check_pixels(image.width, image.height)
+        return image
+
+    @staticmethod
+    def _load(image: Image.Image) -> None:
         try:
             image.load()
         except Exception as err:
             raise PreprocessError(f"cannot decode image ({type(err).__name__}: {err})") from None
+
+    def _decode(self, data: bytes) -> Image.Image:
+        image = self._open(data)
+        self._load(image)
         return image
+
+    def _decode_reduced(self, data: bytes) -> tuple[Image.Image, int, tuple[int, int]]:
+        """Decode, at a reduced scale where the format allows it (JPEG) and the target is small
+        enough: ``(upright image in the spec's color, reduction factor, upright (h, w) of the
+        full-size image)``."""
+        image = self._open(data)
+        stored_w, stored_h = image.size
+        factor = 1
+        if image.format in ("JPEG", "MPO") and self.spec.get("resize") is not None:
+            factor = self._draft(image, _orientation(image) >= 5)  # a JPEG's EXIF is in its header
+        self._load(image)
+        orientation = _orientation(image)
+        height, width = (stored_w, stored_h) if orientation >= 5 else (stored_h, stored_w)
+        image = self._transpose(image, orientation)
+        return self._convert_color(image, keep_gray=True), factor, (height, width)
+
+    def _draft(self, image: Image.Image, transposed: bool) -> int:
+        """Ask libjpeg for the largest DCT scale (1/2, 1/4, 1/8) that keeps the decoded image at
+        least 1/``reduction_factor`` of full size; returns the scale's denominator."""
+        stored_w, stored_h = image.size
+        height, width = (stored_w, stored_h) if transposed else (stored_h, stored_w)  # 5..8 swap the axes
+        box, (out_h, out_w), _ = source_region(height, width, self.spec["resize"])
+        wanted = min(reduction_factor(box[2] - box[0], out_w), reduction_factor(box[3] - box[1], out_h))
+        if wanted == 1:
+            return 1
+        request = (width // wanted, height // wanted)
+        drafted = image.draft(None, request[::-1] if transposed else request)  # in the stored orientation
+        return 1 if drafted is None else max(1, round(stored_w / drafted[1][2]))
+
+    @staticmethod
+    def _transpose(image: Image.Image, orientation: int) -> Image.Image:
+        """The EXIF orientation applied (a new image only when there is one to apply)."""
+        if orientation == 1:
+            return image
+        from PIL import Image
+
+        method = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180,
+                  4: Image.Transpose.FLIP_TOP_BOTTOM, 5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270,
+                  7: Image.Transpose.TRANSVERSE, 8: Image.Transpose.ROTATE_90}[orientation]
+        return image.transpose(method)
 
     def from_image(self, image: Image.Image) -> np.ndarray:
         """Preprocess an already decoded Pillow image (EXIF orientation is still applied)."""
-        return self._pipeline(self._upright(image))
+        if self.reference:
+            return self._pipeline(self._upright(image))
+        self._require_image()
+        self._check_pixels(image.width, image.height)
+        self._load(image)
+        image = self._convert_color(self._transpose(image, _orientation(image)), keep_gray=True)
+        return self._fast_image(image, 1, image.height, image.width, None)
 
     def _upright(self, image: Image.Image) -> Image.Image:
         self._require_image()
@@ -421,28 +599,132 @@ class Preprocessor:
             raise PreprocessError(f"cannot apply the EXIF orientation ({type(err).__name__}: {err})") from None
         return self._convert_color(image)
 
-    def from_array(self, array: np.ndarray) -> np.ndarray:
+    def from_array(self, array: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
         """Image kind: an HxWx3 uint8 RGB array (or HxW / HxWx1 gray, HxWx4 RGBA), as if decoded.
-        Tensor kind: the tensor itself, checked against the spec's shape and cast to its dtype."""
+        A BGR camera frame goes in as ``frame[:, :, ::-1]``: a view, and the fast path copies
+        only the window it resamples. Tensor kind: the tensor itself, checked against the
+        spec's shape and cast to its dtype."""
         array = np.asarray(array)
         if self.kind == "tensor":
             return self._tensor(array)
-        from PIL import Image
-
+        self._require_image()
         if array.dtype != np.uint8:
             raise PreprocessError(f"an image array must be uint8, got {array.dtype}")
         if array.ndim == 3 and array.shape[2] == 1:
             array = array[:, :, 0]
-        modes = {3: "RGB", 4: "RGBA"}
-        if array.ndim == 2:
-            mode = "L"
-        elif array.ndim == 3 and array.shape[2] in modes:
-            mode = modes[array.shape[2]]
-        else:
+        if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
             raise PreprocessError(f"an image array must be HxW, HxWx1, HxWx3 or HxWx4, got shape {list(array.shape)}")
         self._check_pixels(array.shape[1], array.shape[0])
-        image = Image.fromarray(np.ascontiguousarray(array), mode=mode)
-        return self._pipeline(self._convert_color(image))
+        if self.reference:
+            from PIL import Image
+
+            mode = "L" if array.ndim == 2 else {3: "RGB", 4: "RGBA"}[array.shape[2]]
+            image = Image.fromarray(np.ascontiguousarray(array), mode=mode)
+            return _into(self._pipeline(self._convert_color(image)), out)
+        if array.ndim == 3 and array.shape[2] == 4:
+            array = array[:, :, :3]  # alpha dropped, as Pillow's RGBA -> RGB does
+        return self._fast_array(array, out)
+
+    # ---- fast path
+
+    def _fast_image(self, image: Image.Image, factor: int, height: int, width: int,
+                    out: np.ndarray | None) -> np.ndarray:
+        """An upright image in the spec's color, decoded at 1/``factor`` of ``height`` x ``width``
+        -> the tensor: the kept region resampled (after an integer reduction when it pays)."""
+        resize = self.spec.get("resize")
+        if resize is None:
+            return self._emit(np.asarray(image), None, out)
+        box, (out_h, out_w), paste = source_region(height, width, resize)
+        scaled = (box[0] / factor, box[1] / factor, box[2] / factor, box[3] / factor)
+        return self._emit(self._resample(image, scaled, out_h, out_w), paste, out)
+
+    def _resample(self, image: Image.Image, box: tuple[float, float, float, float], out_h: int,
+                  out_w: int) -> np.ndarray:
+        interpolation = self.spec["resize"]["interpolation"]
+        if (out_w, out_h) == image.size and box == (0.0, 0.0, float(image.width), float(image.height)):
+            return np.asarray(image)
+        return np.asarray(image.resize((out_w, out_h), resample=_pillow_filter(interpolation), box=box))
+
+    def _fast_array(self, array: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """An HxW or HxWx3 uint8 view -> the tensor, copying into Pillow only the window the
+        filter reads, and nothing at all when no resampling is needed."""
+        height, width = array.shape[:2]
+        gray_to_luma = array.ndim == 3 and self.spec["color"] == "gray"
+        resize = self.spec.get("resize")
+        if resize is None:
+            box, (out_h, out_w), paste = (0.0, 0.0, float(width), float(height)), (height, width), None
+        else:
+            box, (out_h, out_w), paste = source_region(height, width, resize)
+        whole = [round(v) for v in box]
+        if not gray_to_luma and whole == list(box) and (whole[3] - whole[1], whole[2] - whole[0]) == (out_h, out_w):
+            # A pure crop (or nothing): numpy views only, straight into the output.
+            return self._emit(array[whole[1]:whole[3], whole[0]:whole[2]], paste, out)
+        from PIL import Image
+
+        support = _FILTER_SUPPORT[resize["interpolation"]] if resize else 0.0
+        margin_x = math.ceil(support * max(1.0, (box[2] - box[0]) / out_w)) + 1
+        margin_y = math.ceil(support * max(1.0, (box[3] - box[1]) / out_h)) + 1
+        x0, y0 = max(0, math.floor(box[0]) - margin_x), max(0, math.floor(box[1]) - margin_y)
+        x1, y1 = min(width, math.ceil(box[2]) + margin_x), min(height, math.ceil(box[3]) + margin_y)
+        window = np.ascontiguousarray(array[y0:y1, x0:x1])
+        image = self._convert_color(Image.fromarray(window, mode="L" if window.ndim == 2 else "RGB"), keep_gray=True)
+        shifted = (box[0] - x0, box[1] - y0, box[2] - x0, box[3] - y0)
+        if resize is None:
+            return self._emit(np.asarray(image), None, out)
+        return self._emit(self._resample(image, shifted, out_h, out_w), paste, out)
+
+    def _shape(self, height: int, width: int) -> tuple[int, ...]:
+        channels = _CHANNELS[self.spec["color"]]
+        layout = "NHWC" if self.in_graph else self.spec["layout"]
+        shape = (channels, height, width) if layout == "NCHW" else (height, width, channels)
+        return (1, *shape) if self.spec["batch"] else shape
+
+    def _emit(self, pixels: np.ndarray, paste: tuple[int, int] | None, out: np.ndarray | None) -> np.ndarray:
+        """Resized uint8 pixels (HxW or HxWxC, in RGB or gray) -> the tensor, in one pass: the
+        fused scale-and-bias written straight into the output's layout (or a plain copy when
+        the graph does the arithmetic), letterbox padding around it."""
+        if pixels.ndim == 2:
+            pixels = pixels[:, :, None]  # gray: broadcast to 3 channels for an rgb spec
+        if self.spec["color"] == "bgr":
+            pixels = pixels[:, :, ::-1]
+        height, width = self.spec["resize"]["size"] if paste is not None else pixels.shape[:2]
+        shape, dtype = self._shape(height, width), self.out_dtype
+        if out is None:
+            out = np.empty(shape, dtype=dtype)
+        elif out.shape != shape or out.dtype != dtype:
+            raise ValueError(f"out must be {dtype} {list(shape)}, got {out.dtype} {list(out.shape)}")
+        nchw = not self.in_graph and self.spec["layout"] == "NCHW"
+        planes = out[0] if self.spec["batch"] else out  # CHW or HWC
+        left, top = paste if paste is not None else (0, 0)
+        rows, cols = slice(top, top + pixels.shape[0]), slice(left, left + pixels.shape[1])
+        target = planes[:, rows, cols] if nchw else planes[rows, cols]
+        source = pixels.transpose(2, 0, 1) if nchw else pixels
+        gain, bias = (self._gain[:, None, None], self._bias[:, None, None]) if nchw else (self._gain, self._bias)
+        if self._copy_only:
+            np.copyto(target, source)
+        elif dtype == np.float32:
+            np.multiply(source, gain, out=target)
+            np.add(target, bias, out=target)
+        else:
+            target[...] = _cast(source * gain + bias, dtype.name)
+        if paste is not None:
+            self._pad(planes, nchw, rows, cols)
+        return out
+
+    def _pad(self, planes: np.ndarray, nchw: bool, rows: slice, cols: slice) -> None:
+        """Fill the letterbox border (the four strips around the pasted image) with the pad
+        value as the pixels became: the same fused arithmetic and cast."""
+        value = np.float32(self.spec["resize"]["pad_value"])
+        fill = np.full(self._gain.shape, value, np.uint8) if self._copy_only else \
+            _cast(value * self._gain + self._bias, planes.dtype.name)
+        fill = fill[:, None, None] if nchw else fill
+        strips = ((slice(0, rows.start), slice(None)), (slice(rows.stop, None), slice(None)),
+                  (rows, slice(0, cols.start)), (rows, slice(cols.stop, None)))
+        for strip_rows, strip_cols in strips:
+            if nchw:
+                planes[:, strip_rows, strip_cols] = fill
+            else:
+                planes[strip_rows, strip_cols] = fill
 
     # ---- steps
 
@@ -455,9 +737,12 @@ class Preprocessor:
             raise PreprocessError(f"image is {width}x{height} = {width * height} pixels, "
                                   f"over the limit of {self.max_pixels}")
 
-    def _convert_color(self, image: Image.Image) -> Image.Image:
+    def _convert_color(self, image: Image.Image, *, keep_gray: bool = False) -> Image.Image:
+        """RGB, or L for a gray spec (through RGB from any other mode). ``keep_gray``: an L image
+        stays L for an rgb spec (the output broadcasts it to three equal channels, as L -> RGB
+        would)."""
         wanted = "L" if self.spec["color"] == "gray" else "RGB"
-        if image.mode == wanted:
+        if image.mode == wanted or (keep_gray and image.mode == "L"):
             return image
         try:
             if image.mode not in ("RGB", "L"):
@@ -468,16 +753,16 @@ class Preprocessor:
         except ValueError as err:
             raise PreprocessError(f"cannot convert a {image.mode} image to {wanted} ({err})") from None
 
+    # ---- the reference path: the literal steps of the module docs
+
     def _resize(self, image: Image.Image) -> Image.Image:
         from PIL import Image
 
         resize = self.spec.get("resize")
         if resize is None:
             return image
-        filters = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
-                   "bicubic": Image.Resampling.BICUBIC, "area": Image.Resampling.BOX}
         (new_h, new_w), crop, paste = resize_plan(image.height, image.width, resize)
-        out = image.resize((new_w, new_h), resample=filters[resize["interpolation"]])
+        out = image.resize((new_w, new_h), resample=_pillow_filter(resize["interpolation"]))
         if crop is not None:
             out = out.crop(crop)
         if paste is not None:
@@ -489,6 +774,11 @@ class Preprocessor:
         return out
 
     def _pipeline(self, image: Image.Image) -> np.ndarray:
+        if self.in_graph:
+            pixels = np.asarray(self._resize(image))
+            pixels = pixels[:, :, None] if pixels.ndim == 2 else pixels
+            pixels = pixels[:, :, ::-1] if self.spec["color"] == "bgr" else pixels
+            return np.ascontiguousarray(pixels[None] if self.spec["batch"] else pixels)
         pixels = np.asarray(self._resize(image), dtype=np.float32)
         if pixels.ndim == 2:
             pixels = pixels[:, :, None]
@@ -517,6 +807,16 @@ class Preprocessor:
         if self.spec["batch"]:
             array = array[None]
         return np.ascontiguousarray(array)
+
+
+def _into(tensor: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """The reference path honours ``out`` too (copied in, same checks as the fast path)."""
+    if out is None:
+        return tensor
+    if out.shape != tensor.shape or out.dtype != tensor.dtype:
+        raise ValueError(f"out must be {tensor.dtype} {list(tensor.shape)}, got {out.dtype} {list(out.shape)}")
+    out[...] = tensor
+    return out
 
 
 def _cast(pixels: np.ndarray, dtype: str) -> np.ndarray:
