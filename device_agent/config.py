@@ -55,6 +55,22 @@ CONFIG_SCHEMA: dict[str, Any] = {
                                 "description": "stateful models: streams kept at once (least recently used dropped)"},
                 "stream_idle_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86_400,
                                   "description": "stateful models: a stream unused this long is forgotten"},
+                "read_timeout_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600,
+                                   "description": "a request's head, and then its body, must arrive within this (408)"},
+                "keep_alive_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600,
+                                 "description": "an idle kept-alive connection is closed after this"},
+                "max_connections": {"type": "integer", "minimum": 1, "maximum": 65_536,
+                                    "description": "open connections at once; one more is answered 503 and closed"},
+                "workers": {"type": "integer", "minimum": 1, "maximum": 256,
+                            "description": "threads decoding bodies and running inference at once"},
+                "max_queue": {"type": "integer", "minimum": 0, "maximum": 65_536,
+                              "description": "inference requests waiting for a worker; one more is answered 503"},
+                "max_buffered_bytes": _POSITIVE,
+                "max_json_bytes": _POSITIVE,
+                "max_decoded_bytes": _POSITIVE,
+                "max_image_pixels": _POSITIVE,
+                "max_image_decodes": {"type": "integer", "minimum": 1, "maximum": 256,
+                                      "description": "image bodies decoded at once"},
             },
         },
         "limits": {
@@ -125,6 +141,38 @@ DEFAULT_MAX_BODY = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
+class ApiSettings:
+    """The HTTP API's bounds (agent.yaml ``api:``; docs/agent.md, "HTTP API"). Memory held by
+    request bodies is at most ``max_buffered_bytes`` plus, per worker, ``max_decoded_bytes`` of
+    tensors or one image of ``max_image_pixels`` (``max_image_decodes`` of them at once)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    read_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 64
+    workers: int = 4
+    max_queue: int = 64
+    max_buffered_bytes: int = 4 * DEFAULT_MAX_BODY
+    max_json_bytes: int = 4 * 1024 * 1024
+    max_decoded_bytes: int = 64 * 1024 * 1024
+    max_image_pixels: int | None = None  # None: sized for this device's memory when the API starts
+    max_image_decodes: int = 2
+
+
+def _api_settings(api: dict[str, Any], name: str) -> ApiSettings:
+    """The ``api:`` bounds with defaults; a body limit larger than the buffer it must fit in is
+    refused (no body could ever be taken whole)."""
+    settings = ApiSettings(**{key: api[key] for key in ApiSettings.__dataclass_fields__ if key in api})
+    for key in ("read_timeout_s", "keep_alive_s"):
+        if not math.isfinite(getattr(settings, key)):
+            raise ConfigError(f"api.{key}", f"{getattr(settings, key)} is not a finite number", config=name)
+    if settings.max_buffered_bytes < settings.max_body_bytes:
+        raise ConfigError("api.max_buffered_bytes", f"{settings.max_buffered_bytes} is under api.max_body_bytes "
+                          f"({settings.max_body_bytes}): no body of the allowed size could be taken", config=name)
+    return settings
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """A validated agent.yaml with absolute paths and defaults filled in."""
 
@@ -141,6 +189,7 @@ class AgentConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY
     max_streams: int = DEFAULT_MAX_STREAMS
     stream_idle_s: float = DEFAULT_STREAM_IDLE_S
+    api: ApiSettings = field(default_factory=ApiSettings)
     limits: dict[str, int] = field(default_factory=dict)
     mqtt: dict[str, Any] | None = None
     updates: dict[str, Any] = field(default_factory=dict)
@@ -220,6 +269,7 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         max_body_bytes=int(api.get("max_body_bytes", DEFAULT_MAX_BODY)),
         max_streams=int(api.get("max_streams", DEFAULT_MAX_STREAMS)),
         stream_idle_s=float(api.get("stream_idle_s", DEFAULT_STREAM_IDLE_S)),
+        api=_api_settings(api, name),
         limits=dict(document.get("limits") or {}),
         mqtt=mqtt,
         updates=updates,

@@ -99,8 +99,7 @@ class Daemon:
             self._start_updates()
         address = self.config.listen_host_port
         if address is not None:
-            self.api = ApiServer(address, self.service, max_body_bytes=self.config.max_body_bytes,
-                                 health=self.store.health).start()
+            self.api = ApiServer(address, self.service, settings=self.config.api, health=self.store.health).start()
             log.info("HTTP API on http://%s:%d", address[0], self.api.port)
         return self
 

@@ -1,8 +1,23 @@
-"""The local HTTP API: ``POST /predict``, ``GET /healthz``, ``GET /metrics`` (Prometheus).
+"""The local HTTP API: ``POST /predict``, ``GET /healthz``, ``GET /metrics`` (Prometheus),
+``DELETE /streams/ID`` and the Open Inference Protocol (KServe v2 REST, ``device_agent/oip.py``).
 
-Standard library only (a device should not need a web framework). Each request runs on its
-own thread; a bad request gets a 4xx JSON answer and never affects the server. Bodies are
-bounded (``max_body_bytes``, 413 beyond it) and read with the declared length only.
+Served by uvicorn (its pure-Python h11 protocol: no compiled extras on a device) with a
+starlette app, the stack the fleet server uses too. What the library does not bound, this
+module does, so the API can face a network (docs/agent.md, "HTTP API"):
+
+- read timeouts: a request's head must arrive within ``read_timeout_s`` of the connection (or of
+  the previous answer), and its body within ``read_timeout_s`` of its head, or the client gets
+  ``408`` and the connection closes; idle kept-alive connections close after ``keep_alive_s``;
+- at most ``max_connections`` connections (one more is answered ``503`` and closed), at most
+  ``workers`` requests decoding and inferring at once in a thread pool (never on the event
+  loop), ``max_queue`` more waiting, and ``max_buffered_bytes`` of bodies held; beyond, ``503``;
+- a body is either consumed or the connection closed with ``Connection: close`` (a body
+  left unread is never parsed as the next request), and a closing connection lingers to
+  discard what the client still sends, so it reads the answer rather than a reset;
+- every body is bounded before it is decoded (``device_agent/bodies.py``);
+- every error is ``{"error": {"kind", "message"}}`` (the v2 endpoints answer the protocol's
+  ``{"error": message}``) with its status, also for protocol errors h11 refuses, and every
+  answer is counted by status class in ``/metrics``.
 
 POST /predict takes:
   - ``image/*`` (or ``application/octet-stream`` for an image model): raw image bytes
@@ -10,28 +25,39 @@ POST /predict takes:
   - ``application/json``: ``{"inputs": {name: nested list}}``
   - ``audio/wav`` (or any RIFF/WAVE body) for an audio model: run frame by frame, outputs stacked
 With ``X-Edgepack-Stream: ID`` a stateful model continues that stream's state
-(``X-Edgepack-Stream-Reset: 1`` restarts it first; ``DELETE /streams/ID`` forgets it).
-and answers the ``predict --json`` object as strict JSON (``edgepack_core.wire_json``: a
-non-finite float is the string "NaN", "Infinity" or "-Infinity", integers, booleans and strings
-keep their type), or, when the request says ``Accept: application/x-npz``, the exact output
-tensors as ``np.savez`` bytes with the model, provider and latency in ``X-Edgepack-*`` headers.
+(``X-Edgepack-Stream-Reset: 1`` restarts it first; ``DELETE /streams/ID`` forgets it),
+and answers the ``predict --json`` object as strict JSON (``edgepack_core.wire_json``), or, when
+the request says ``Accept: application/x-npz``, the exact output tensors as ``np.savez`` bytes
+with the model, provider and latency in ``X-Edgepack-*`` headers.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import contextlib
 import logging
+import re
+import socket
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from http import HTTPStatus
 from typing import Any
 
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from device_agent import bodies, oip
+from device_agent.config import ApiSettings
 from device_agent.errors import BadRequest, NoModelError
-from device_agent.runtime import LATENCY_BUCKETS, InferenceService, PredictResult, json_to_feed
-from edgepack_core import wire_json
+from device_agent.runtime import AUDIO_MEDIA_TYPES, LATENCY_BUCKETS, InferenceService, PredictResult
+from edgepack_core import __version__, wire_json
 
 log = logging.getLogger("edgepack.agent.http")
-
 
 JSON_MEDIA_TYPE = "application/json"
 # What /predict can answer in, in the server's order of preference for a tie.
@@ -40,6 +66,17 @@ MAX_ACCEPT_CHARS = 1024
 # Stateful models: the stream whose state a request continues, and a header to restart it.
 STREAM_HEADER = "X-Edgepack-Stream"
 STREAM_RESET_HEADER = "X-Edgepack-Stream-Reset"
+# A body this small left unread is drained by the server (h11 frames it, nothing of it is ever
+# parsed as a request) and the connection kept; a larger one closes the connection.
+DRAIN_LIMIT = 64 * 1024
+# How long a closing connection keeps reading (and discarding) what its client still sends.
+LINGER_S = 2.0
+MAX_HEAD_BYTES = 16 * 1024
+# Answers after which the connection closes: the body was refused unread, or never came.
+CLOSING_STATUSES = (408, 413, 503)
+MAX_MESSAGE_CHARS = 500
+_REPR = re.compile(r"<[^<>]{0,200}? at 0x[0-9a-fA-F]+>")
+NUMPY_TYPES = ("application/x-npy", "application/x-npz")
 
 
 def _quality(parameters: list[str]) -> float:
@@ -93,19 +130,74 @@ def outputs_wanted(query: str) -> bool | None:
     return choices[query]
 
 
+def body_kind(content_type: str, head: bytes, *, image_model: bool, audio_model: bool) -> str:
+    """How /predict decodes a body (pure): ``json``, ``numpy``, ``audio`` or ``image``, by its
+    media type, or for ``application/octet-stream`` (or none) by its first bytes. A type the
+    model cannot take is a 415 ``unsupported_media``."""
+    if content_type == JSON_MEDIA_TYPE:
+        return "json"
+    if content_type in NUMPY_TYPES:
+        return "numpy"
+    if content_type in ("", "application/octet-stream"):
+        if head[:6] == bodies.NPY_MAGIC or head[:2] == bodies.ZIP_MAGIC:
+            return "numpy"
+        if audio_model and head[:4] == b"RIFF":
+            return "audio"
+        if image_model:
+            return "image"
+    elif content_type.startswith("image/") and image_model:
+        return "image"
+    elif content_type in AUDIO_MEDIA_TYPES and audio_model:
+        return "audio"
+    takes = ["application/json", *NUMPY_TYPES, *(["image/*"] if image_model else []),
+             *(["audio/wav"] if audio_model else [])]
+    raise BadRequest("unsupported_media", f"this model does not take {content_type or 'a body without a type'}: "
+                     f"send {', '.join(takes)}", http_status=415)
+
+
+def clean_message(message: str) -> str:
+    """An error message for the wire: one line, bounded, no Python object reprs (pure)."""
+    return _REPR.sub("<object>", " ".join(str(message).split()))[:MAX_MESSAGE_CHARS]
+
+
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def prometheus_text(service: InferenceService) -> str:
+class HttpStats:
+    """Every HTTP answer, counted by status class (``2xx`` ... ``5xx``), whichever layer gave it."""
+
+    CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.answers = dict.fromkeys(self.CLASSES, 0)
+
+    def count(self, status: int) -> None:
+        key = f"{min(max(status // 100, 1), 5)}xx"
+        with self._lock:
+            self.answers[key] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.answers)
+
+
+def prometheus_text(service: InferenceService, http: HttpStats | None = None) -> str:
     """Metrics in the Prometheus text exposition format (version 0.0.4)."""
     snap = service.stats.snapshot()
-    lines = ["# HELP edgepack_requests_total Predict requests by outcome.", "# TYPE edgepack_requests_total counter"]
+    lines = ["# HELP edgepack_requests_total Inference requests (/predict, v2 infer) by outcome.",
+             "# TYPE edgepack_requests_total counter"]
     for status, count in sorted(snap["requests"].items()):
         lines.append(f'edgepack_requests_total{{status="{status}"}} {count}')
     lines += ["# HELP edgepack_errors_total Failed requests by kind.", "# TYPE edgepack_errors_total counter"]
     for kind, count in sorted(snap["errors"].items()):
         lines.append(f'edgepack_errors_total{{kind="{_escape(kind)}"}} {count}')
+    if http is not None:
+        lines += ["# HELP edgepack_http_responses_total Every HTTP answer, by status class.",
+                  "# TYPE edgepack_http_responses_total counter"]
+        for status_class, count in http.snapshot().items():
+            lines.append(f'edgepack_http_responses_total{{class="{status_class}"}} {count}')
     lines += ["# HELP edgepack_inference_latency_seconds Model run time per request.",
               "# TYPE edgepack_inference_latency_seconds histogram"]
     cumulative = 0
@@ -126,163 +218,552 @@ def prometheus_text(service: InferenceService) -> str:
     return "\n".join(lines) + "\n"
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: ApiServer
-    protocol_version = "HTTP/1.1"
+# ---------------------------------------------------------------------------------------- answers
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
 
-    def _send(self, status: int, body: bytes, content_type: str = JSON_MEDIA_TYPE,
-              headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(body)
+def json_response(status: int, document: Any, headers: dict[str, str] | None = None) -> Response:
+    return Response(wire_json.dumps(document) + b"\n", status, headers, JSON_MEDIA_TYPE)
 
-    def _json(self, status: int, document: Any) -> None:
-        self._send(status, wire_json.dumps(document) + b"\n")
 
-    def _answer(self, result: PredictResult, answer_type: str, raw_outputs: bool | None = None) -> None:
-        """The 200 answer of /predict in the negotiated media type."""
-        answer = result.to_json(outputs=raw_outputs)
-        if answer_type != wire_json.NPZ_MEDIA_TYPE:
-            self._json(200, answer)
-            return
-        headers = {"X-Edgepack-Model": f"{answer['model']['name']} {answer['model']['version']}",
-                   "X-Edgepack-Provider": answer["provider"], "X-Edgepack-Latency-Ms": str(answer["latency_ms"])}
-        self._send(200, wire_json.npz_bytes(result.outputs), wire_json.NPZ_MEDIA_TYPE, headers)
+def error_response(status: int, kind: str, message: str, *, v2: bool = False,
+                   headers: dict[str, str] | None = None) -> Response:
+    """The documented error shape: ``{"error": {"kind", "message"}}``; on the v2 endpoints the
+    protocol's ``{"error": message}``."""
+    text = clean_message(message)
+    return json_response(status, {"error": text} if v2 else {"error": {"kind": kind, "message": text}}, headers)
 
-    def _error(self, status: int, kind: str, message: str) -> None:
-        self._json(status, {"error": {"kind": kind, "message": message}})
 
-    def do_GET(self) -> None:
-        service = self.server.service
-        if self.path == "/healthz":
-            model = service.model
-            extra = self.server.health() if self.server.health is not None else {}
-            if model is None:
-                self._json(503, {"status": "no model", **extra})
-            else:
-                self._json(200, {"status": "ok", "model": model.describe(), **extra})
-        elif self.path == "/metrics":
-            self._send(200, prometheus_text(service).encode(), "text/plain; version=0.0.4; charset=utf-8")
-        else:
-            self._error(404, "not_found", f"no such endpoint {self.path}")
+def _error_bytes(status: int, kind: str, message: str) -> bytes:
+    """A whole HTTP/1.1 error answer that closes the connection, for the protocol layer."""
+    body = wire_json.dumps({"error": {"kind": kind, "message": message}}) + b"\n"
+    phrase = HTTPStatus(status).phrase
+    return (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: {JSON_MEDIA_TYPE}\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n").encode() + body
 
-    def do_DELETE(self) -> None:
+
+@dataclass
+class _Exchange:
+    """One inference request between the event loop and a worker."""
+
+    body: bytes
+    content_type: str
+    stream: str | None
+    reset_stream: bool
+    answer_type: str = JSON_MEDIA_TYPE
+    raw_outputs: bool | None = None
+    header_length: str | None = None  # v2: Inference-Header-Content-Length
+
+
+# ---------------------------------------------------------------------------------------- the app
+
+
+class AgentApp:
+    """The starlette app over one ``InferenceService``: routes, admission, bounded body reads;
+    decoding and inference in a bounded thread pool."""
+
+    def __init__(self, service: InferenceService, settings: ApiSettings,
+                 health: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.service = service
+        self.settings = settings
+        self.health = health  # extra /healthz fields (the store's condition: read-only, recovered)
+        pixels = settings.max_image_pixels or bodies.default_max_image_pixels()
+        self.limits = bodies.BodyLimits(max_body_bytes=settings.max_body_bytes,
+                                        max_json_bytes=settings.max_json_bytes,
+                                        max_decoded_bytes=settings.max_decoded_bytes, max_image_pixels=pixels)
+        self.images = bodies.ImageGate(pixels, settings.max_image_decodes)
+        self.http_stats = HttpStats()
+        self.pool = ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="http-worker")
+        self.started = threading.Event()
+        self._admitted = 0  # requests holding a slot (event loop only: no lock)
+        self._buffered = 0  # body bytes reserved by them
+        routes = [
+            Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/predict", self.predict, methods=["POST"]),
+            Route("/streams/{stream}", self.delete_stream, methods=["DELETE"]),
+            Route("/v2", self.v2_server, methods=["GET"]),
+            Route("/v2/health/live", self.v2_live, methods=["GET"]),
+            Route("/v2/health/ready", self.v2_ready, methods=["GET"]),
+        ]
+        for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
+            routes += [Route(prefix, self.v2_metadata, methods=["GET"]),
+                       Route(prefix + "/ready", self.v2_model_ready, methods=["GET"]),
+                       Route(prefix + "/infer", self.v2_infer, methods=["POST"])]
+        self.starlette = Starlette(routes=routes, lifespan=self._lifespan,
+                                   exception_handlers={HTTPException: self._http_error, Exception: self._crash})
+        self.asgi = _Guard(self.starlette, self.http_stats)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app: Any) -> Any:
+        self.started.set()
+        yield
+
+    # ------------------------------------------------------------ errors
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        v2 = request.url.path.startswith("/v2")
+        if exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            return error_response(405, "method_not_allowed", f"{request.method} is not allowed on "
+                                  f"{request.url.path[:200]}; allowed: {allowed}", v2=v2, headers={"Allow": allowed})
+        if exc.status_code == 404:
+            return error_response(404, "not_found", f"no such endpoint {request.url.path[:200]}", v2=v2)
+        return error_response(exc.status_code, "http", str(exc.detail), v2=v2)
+
+    async def _crash(self, request: Request, exc: Exception) -> Response:
+        log.error("request to %s failed", request.url.path, exc_info=exc)
+        return error_response(500, "internal", f"{type(exc).__name__}: {exc}", v2=request.url.path.startswith("/v2"))
+
+    def _refuse(self, err: BadRequest | NoModelError, *, v2: bool = False, counted: bool = False,
+                metric_kind: str | None = None) -> Response:
+        """An inference request's error answer; counted in the request metrics (as
+        ``metric_kind`` when given) unless the runtime already counted it."""
+        status = getattr(err, "http_status", 503)
+        kind = err.kind if isinstance(err, BadRequest) else "no_model"
+        if not counted:
+            self.service.stats.error(metric_kind or kind, client=status < 500)
+        headers = {"Retry-After": "1"} if kind == "busy" else {}
+        if status in CLOSING_STATUSES:  # the body is not (or no longer) read: nothing more to frame
+            headers["Connection"] = "close"
+        return error_response(status, kind, str(err), v2=v2, headers=headers)
+
+    # ------------------------------------------------------------ plain endpoints
+
+    async def healthz(self, request: Request) -> Response:
+        model = self.service.model
+        extra = self.health() if self.health is not None else {}
+        if model is None:
+            return json_response(503, {"status": "no model", **extra})
+        return json_response(200, {"status": "ok", "model": model.describe(), **extra})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(prometheus_text(self.service, self.http_stats).encode(), 200,
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def delete_stream(self, request: Request) -> Response:
         """``DELETE /streams/ID``: forget a stream's state (204; 404 when it is not kept)."""
-        if not self.path.startswith("/streams/"):
-            self._error(404, "not_found", f"no such endpoint {self.path}")
-            return
         try:
-            existed = self.server.service.reset_stream(self.path[len("/streams/"):])
+            existed = self.service.reset_stream(request.path_params["stream"])
         except BadRequest as err:
-            self._error(err.http_status, err.kind, str(err))
-            return
+            return error_response(err.http_status, err.kind, str(err))
         if existed:
-            self._send(204, b"")
-        else:
-            self._error(404, "no_stream", "no such stream (never opened, expired or dropped)")
+            return Response(status_code=204)
+        return error_response(404, "no_stream", "no such stream (never opened, expired or dropped)")
 
-    def do_POST(self) -> None:
-        path, _, query = self.path.partition("?")
-        if path != "/predict":
-            self._error(404, "not_found", f"no such endpoint {self.path}")
-            return
+    # ------------------------------------------------------------ /predict
+
+    async def predict(self, request: Request) -> Response:
+        model = self.service.model
         try:
-            raw_outputs = outputs_wanted(query)
-        except BadRequest as err:
-            self.close_connection = True  # the body is not read
-            self._error(err.http_status, err.kind, str(err))
-            return
-        service = self.server.service
-        answer_type = choose_answer_type(self.headers.get("Accept"))
-        if answer_type is None:
-            self.close_connection = True
-            self._error(406, "not_acceptable", f"answers come as {' or '.join(ANSWER_TYPES)}")
-            return
-        length_text = self.headers.get("Content-Length")
-        if length_text is None or not length_text.isdigit():
-            self.close_connection = True
-            self._error(411, "length_required", "send a Content-Length header")
-            return
-        length = int(length_text)
-        if length > self.server.max_body_bytes:
-            self.close_connection = True  # do not read the oversized body
-            service.stats.error("too_large", client=True)
-            self._error(413, "too_large", f"body of {length} bytes is over the limit of {self.server.max_body_bytes}")
-            return
-        body = self.rfile.read(length)
-        content_type = (self.headers.get("Content-Type") or "application/octet-stream").split(";")[0].strip().lower()
-        stream = self.headers.get(STREAM_HEADER)
+            raw_outputs = outputs_wanted(request.url.query)
+            answer_type = choose_answer_type(request.headers.get("accept"))
+            if answer_type is None:
+                raise BadRequest("not_acceptable", f"answers come as {' or '.join(ANSWER_TYPES)}", http_status=406)
+            if model is None:
+                raise NoModelError("no model is active")
+            content_type = _media_type(request)
+            if content_type not in ("", "application/octet-stream"):  # known before a byte of the body
+                body_kind(content_type, b"", image_model=model.image_input is not None,
+                          audio_model=model.audio_input is not None)
+        except (BadRequest, NoModelError) as err:
+            return self._refuse(err)
+        exchange = _exchange(request, content_type, answer_type=answer_type, raw_outputs=raw_outputs)
+        return await self._serve(request, exchange, self._predict_work)
+
+    def _predict_work(self, exchange: _Exchange) -> Response:
+        """Decode, infer and encode one /predict request (a worker thread)."""
+        service = self.service
         try:
-            if stream is not None and self.headers.get(STREAM_RESET_HEADER, "").strip().lower() in ("1", "true"):
-                service.reset_stream(stream)
-            if content_type == "application/json":
-                try:
-                    document = json.loads(body)
-                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-                    # nested too deeply is malformed input (400), never a server error of the model
-                    raise BadRequest("bad_json", f"body is not JSON: {str(err)[:200]}") from None
-                model = service.model
-                if model is None:
-                    raise NoModelError("no model is active")
-                inputs = document.get("inputs") if isinstance(document, dict) else None
-                try:
-                    feed = json_to_feed(model, inputs)
-                except BadRequest as err:
-                    # counted for the health window: an unknown input name is the contract's
-                    # doing; values that do not convert are malformed input, never the model's
-                    service.stats.error("unknown_input" if err.kind == "unknown_input" else "bad_input", client=True)
-                    raise
-                result = service.predict(feed, stream=stream)
+            model = self._model_for(exchange)
+            kind = body_kind(exchange.content_type, exchange.body[:8], image_model=model.image_input is not None,
+                             audio_model=model.audio_input is not None)
+            data = self._decode(kind, exchange.body, model)
+        except _JsonInputError as err:
+            # counted for the health window: an unknown input name is the contract's doing;
+            # values that do not convert are malformed input, never the model's
+            return self._refuse(err.error, metric_kind="unknown_input" if err.error.kind == "unknown_input"
+                                else "bad_input")
+        except (BadRequest, NoModelError) as err:
+            return self._refuse(err)
+        try:
+            if kind == "image":
+                with self.images.slot():  # at most max_image_decodes decoded images in memory
+                    result = service.predict(data, content_type=exchange.content_type, stream=exchange.stream)
             else:
-                result = service.predict(body, content_type=content_type, stream=stream)
-        except BadRequest as err:
-            self._error(err.http_status, err.kind, str(err))
-            return
+                result = service.predict(data, content_type=exchange.content_type, stream=exchange.stream)
+        except BadRequest as err:  # the runtime counted its own
+            return self._refuse(err, counted=True)
         except NoModelError as err:
-            self._error(503, "no_model", str(err))
-            return
+            return self._refuse(err)
         except Exception as err:  # the server must survive anything a request triggers
             log.exception("predict failed")
-            service.stats.error("internal", client=False)
-            self._error(500, "internal", f"{type(err).__name__}: {err}")
-            return
+            self.service.stats.error("internal", client=False)
+            return error_response(500, "internal", f"{type(err).__name__}: {err}")
+        return self._answer(result, exchange)
+
+    def _model_for(self, exchange: _Exchange) -> Any:
+        """The active model a worker serves ``exchange`` on, its stream restarted first when asked."""
+        model = self.service.model
+        if model is None:
+            raise NoModelError("no model is active")
+        if exchange.stream is not None and exchange.reset_stream:
+            self.service.reset_stream(exchange.stream)
+        return model
+
+    def _decode(self, kind: str, body: bytes, model: Any) -> Any:
+        """The body as ``service.predict`` takes it: arrays for JSON and numpy bodies (bounded,
+        checked against the model's inputs), the bytes themselves for images and audio."""
+        if kind == "json":
+            document = bodies.parse_json(body, self.limits)
+            inputs = document.get("inputs") if isinstance(document, dict) else None
+            try:
+                return bodies.json_to_feed(model.input_specs, inputs)
+            except BadRequest as err:
+                raise _JsonInputError(err) from None
+        if kind == "numpy":
+            return bodies.decode_numpy(body, model.input_specs, self.limits, image_input=model.image_input)
+        if kind == "image":
+            self.images.check(body)  # the header only: format and pixel count
+        return body
+
+    def _answer(self, result: PredictResult, exchange: _Exchange) -> Response:
+        """The 200 answer of /predict in the negotiated media type."""
         try:
-            self._answer(result, answer_type, raw_outputs)
+            answer = result.to_json(outputs=exchange.raw_outputs)
+            if exchange.answer_type != wire_json.NPZ_MEDIA_TYPE:
+                return json_response(200, answer)
+            headers = {"X-Edgepack-Model": f"{answer['model']['name']} {answer['model']['version']}",
+                       "X-Edgepack-Provider": answer["provider"], "X-Edgepack-Latency-Ms": str(answer["latency_ms"])}
+            return Response(wire_json.npz_bytes(result.outputs), 200, headers, wire_json.NPZ_MEDIA_TYPE)
         except wire_json.WireEncodingError as err:
-            service.stats.error("encoding", client=False)
-            self._error(500, "encoding", str(err))
+            self.service.stats.error("encoding", client=False)
+            return error_response(500, "encoding", str(err))
+
+    # ------------------------------------------------------------ admission and bodies
+
+    async def _serve(self, request: Request, exchange: _Exchange, work: Callable[[_Exchange], Response], *,
+                     v2: bool = False) -> Response:
+        """Admit the request (503 beyond the queue or the buffer), read its body within the
+        limits and the read timeout, then run ``work`` on a worker thread."""
+        settings = self.settings
+        declared = request.headers.get("content-length")
+        size = int(declared) if declared is not None and declared.isdigit() else None
+        if size is not None and size > settings.max_body_bytes:
+            return self._refuse(bodies.too_large("body", size, settings.max_body_bytes), v2=v2)
+        reserve = size if size is not None else settings.max_body_bytes
+        if self._admitted >= settings.workers + settings.max_queue or \
+                self._buffered + reserve > settings.max_buffered_bytes:
+            return self._refuse(BadRequest("busy", "the agent is busy (api.workers and api.max_queue are taken): "
+                                           "retry later", http_status=503), v2=v2)
+        self._admitted += 1
+        self._buffered += reserve
+        try:
+            exchange.body = await self._read_body(request)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, work, exchange)
+        except BadRequest as err:
+            return self._refuse(err, v2=v2)
+        finally:
+            self._admitted -= 1
+            self._buffered -= reserve
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The whole body, at most ``max_body_bytes`` (413), within ``read_timeout_s`` (408)."""
+        limit, timeout = self.settings.max_body_bytes, self.settings.read_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(request.receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                raise BadRequest("timeout", f"the body did not arrive within {timeout:g} s (api.read_timeout_s)",
+                                 http_status=408) from None
+            if message["type"] == "http.disconnect":
+                raise BadRequest("disconnected", "the client went away before its body arrived")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise bodies.too_large("body", size, limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    # ------------------------------------------------------------ Open Inference Protocol (v2)
+
+    async def v2_server(self, request: Request) -> Response:
+        return json_response(200, oip.server_metadata(__version__))
+
+    async def v2_live(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def v2_ready(self, request: Request) -> Response:
+        return Response(status_code=200 if self.service.model is not None else 400)
+
+    def _v2_model(self, request: Request) -> Any:
+        """The active model if the URL names it (and its version, when given)."""
+        model = self.service.model
+        name, version = request.path_params["name"], request.path_params.get("version")
+        if model is None or model.manifest.name != name or version not in (None, model.manifest.version):
+            serving = f"{model.manifest.name} {model.manifest.version}" if model is not None else "no model"
+            wanted = name + (f" version {version}" if version else "")
+            raise BadRequest("unknown_model", f"unknown model {wanted[:200]} (this agent serves {serving})",
+                             http_status=404)
+        return model
+
+    async def v2_metadata(self, request: Request) -> Response:
+        try:
+            return json_response(200, oip.model_metadata(self._v2_model(request)))
+        except BadRequest as err:
+            return error_response(err.http_status, err.kind, str(err), v2=True)
+
+    async def v2_model_ready(self, request: Request) -> Response:
+        try:
+            self._v2_model(request)
+        except BadRequest:
+            return Response(status_code=400)
+        return Response(status_code=200)
+
+    async def v2_infer(self, request: Request) -> Response:
+        try:
+            self._v2_model(request)
+        except BadRequest as err:
+            return self._refuse(err, v2=True)
+        exchange = _exchange(request, _media_type(request), header_length=request.headers.get(oip.HEADER_LENGTH_HEADER))
+        return await self._serve(request, exchange, self._v2_work, v2=True)
+
+    def _v2_work(self, exchange: _Exchange) -> Response:
+        """Parse, infer and encode one v2 infer request (a worker thread)."""
+        service = self.service
+        try:
+            model = self._model_for(exchange)
+            parsed = oip.parse_infer_request(exchange.body, exchange.header_length, model.input_specs,
+                                             model.output_names, self.limits)
+        except (BadRequest, NoModelError) as err:
+            return self._refuse(err, v2=True)
+        try:
+            result = service.predict_tensors(parsed.inputs, postprocess=False, stream=exchange.stream)
+        except BadRequest as err:
+            return self._refuse(err, v2=True, counted=True)
+        except NoModelError as err:
+            return self._refuse(err, v2=True)
+        except Exception as err:  # the server must survive anything a request triggers
+            log.exception("v2 infer failed")
+            self.service.stats.error("internal", client=False)
+            return error_response(500, "internal", f"{type(err).__name__}: {err}", v2=True)
+        body, headers = oip.encode_infer_response(result.model.manifest.name, result.model.manifest.version,
+                                                  parsed, result.outputs)
+        media = "application/octet-stream" if oip.HEADER_LENGTH_HEADER in headers else JSON_MEDIA_TYPE
+        return Response(body, 200, headers, media)
 
 
-class ApiServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+class _JsonInputError(Exception):
+    """A JSON body's inputs that do not fit the model (counted apart from other client errors)."""
 
-    def __init__(self, address: tuple[str, int], service: InferenceService, *, max_body_bytes: int,
-                 health: Callable[[], dict[str, Any]] | None = None) -> None:
-        super().__init__(address, _Handler)
+    def __init__(self, error: BadRequest) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _exchange(request: Request, content_type: str, **fields: Any) -> _Exchange:
+    """An inference request's exchange, with its stream headers (the body comes later)."""
+    reset = request.headers.get(STREAM_RESET_HEADER, "").strip().lower() in ("1", "true")
+    return _Exchange(b"", content_type, request.headers.get(STREAM_HEADER), reset, **fields)
+
+
+def _media_type(request: Request) -> str:
+    return (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+
+
+class _Guard:
+    """ASGI wrapper around the app: counts every answer by status class, and closes the
+    connection (``Connection: close``) when an answer leaves more than ``DRAIN_LIMIT`` of the
+    request's body unread; a smaller rest is read and dropped by the server (h11 frames it)."""
+
+    def __init__(self, app: Any, stats: HttpStats) -> None:
+        self.app = app
+        self.stats = stats
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
+        unread = {"large": b"transfer-encoding" in headers or not length.isdigit() or int(length) > DRAIN_LIMIT,
+                  "done": False}
+
+        async def tracked_receive() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                unread["done"] = True
+            return message
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.stats.count(message["status"])
+                if unread["large"] and not unread["done"]:
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, tracked_receive, guarded_send)
+
+
+# ---------------------------------------------------------------------------------------- the server
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: ``close()`` first sends what is queued and
+    a FIN, then keeps reading (and dropping) what the client still sends for ``LINGER_S``, so a
+    client that is still sending a refused body reads the answer rather than a reset."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: Any) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.linger()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _AgentProtocolMixin:
+    """What uvicorn's h11 protocol lacks for an exposed device: a connection cap, a deadline for
+    the request head, JSON answers for protocol errors, lingering close. Mixed into
+    ``H11Protocol`` by :func:`protocol_class` (uvicorn is imported only when a server starts)."""
+
+    settings: ApiSettings
+    count: Callable[[int], None]
+    lingering = False
+    _head_timer: asyncio.TimerHandle | None = None
+    _raw: asyncio.Transport | None = None
+    # set by H11Protocol
+    connections: set[Any]
+    transport: Any
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
+    conn: Any
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._raw = transport
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[misc]
+        if len(self.connections) > self.settings.max_connections:
+            self._answer_and_close(503, "busy", f"over api.max_connections ({self.settings.max_connections}) "
+                                   "open connections: retry later")
+            return
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.lingering:  # a closing connection drops what still arrives
+            super().data_received(data)  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        if not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def shutdown(self) -> None:
+        super().shutdown()  # type: ignore[misc]
+        if self.lingering and self._raw is not None:  # the server is stopping: no lingering
+            self._raw.close()
+
+    def send_400_response(self, msg: str) -> None:
+        self._answer_and_close(400, "bad_http", "malformed HTTP request (request line, headers or framing)")
+
+    def linger(self) -> None:
+        if self.lingering or self._raw is None or self._raw.is_closing():
+            return
+        self.lingering = True
+        self._cancel_head_timer()
+        if self._raw.can_write_eof():
+            self._raw.write_eof()
+        self.loop.call_later(LINGER_S, self._raw.close)
+
+    def _answer_and_close(self, status: int, kind: str, message: str) -> None:
+        self.count(status)
+        self.transport.write(_error_bytes(status, kind, message))
+        self.transport.close()
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.settings.read_timeout_s, self._head_timeout)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        import h11
+
+        self._head_timer = None
+        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+            return  # closed, or a request is being served (its body has its own deadline)
+        if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
+            self.transport.close()  # nothing of a request arrived: an idle connection
+            return
+        self._answer_and_close(408, "timeout", f"the request head did not arrive within "
+                               f"{self.settings.read_timeout_s:g} s (api.read_timeout_s)")
+
+
+def protocol_class(settings: ApiSettings, count: Callable[[int], None]) -> type:
+    """uvicorn's h11 protocol with :class:`_AgentProtocolMixin`, bound to these settings."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return type("AgentProtocol", (_AgentProtocolMixin, H11Protocol),
+                {"settings": settings, "count": staticmethod(count)})
+
+
+class ApiServer:
+    """The agent's HTTP API on ``address``: uvicorn on its own thread and event loop, inference
+    on a bounded pool. The socket is bound in the constructor (an address in use fails there)."""
+
+    def __init__(self, address: tuple[str, int], service: InferenceService, *, max_body_bytes: int | None = None,
+                 health: Callable[[], dict[str, Any]] | None = None, settings: ApiSettings | None = None) -> None:
+        settings = settings or ApiSettings()
+        if max_body_bytes is not None:
+            settings = replace(settings, max_body_bytes=max_body_bytes,
+                               max_buffered_bytes=max(settings.max_buffered_bytes, max_body_bytes))
+        self.settings = settings
         self.service = service
-        self.health = health  # extra /healthz fields (the store's condition: read-only, recovered)
-        self.max_body_bytes = max_body_bytes
+        self.app = AgentApp(service, settings, health)
+        self._socket = socket.create_server(address, backlog=min(settings.max_connections, 1024))
+        # uvicorn is imported here, not at the top: ``import uvicorn`` loads its command line,
+        # and with it click, which the device side's modules must not pull in on import.
+        import uvicorn
+
+        config = uvicorn.Config(
+            self.app.asgi, http=protocol_class(settings, self.app.http_stats.count), loop="asyncio",
+            lifespan="on", log_config=None, access_log=False, server_header=False, ws="none",
+            timeout_keep_alive=settings.keep_alive_s, h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+            timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
-        return int(self.server_address[1])
+        return int(self._socket.getsockname()[1])
 
     def start(self) -> ApiServer:
-        self._thread = threading.Thread(target=self.serve_forever, name="http-api", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="http-api", daemon=True)
         self._thread.start()
+        while not self.app.started.wait(0.05):
+            if not self._thread.is_alive():
+                raise OSError(f"the HTTP API did not start on port {self.port}")
         return self
 
     def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
+        self._server.should_exit = True
         if self._thread is not None:
-            self._thread.join(5)
+            self._thread.join(10)
+        self.app.pool.shutdown(wait=False, cancel_futures=True)
+        self._socket.close()

@@ -12,7 +12,6 @@ none failing. The old session is freed when its last request drops its reference
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from device_agent.bodies import decode_numpy
 from device_agent.errors import BadRequest, NoModelError
 from device_agent.providers import ModelTraits, choose_providers, create_session
 from device_agent.smoke import SmokeReport, run_smoke_test, shape_matches
@@ -481,7 +481,8 @@ class InferenceService:
             data = bytes(data)
             kind = (content_type or "").split(";")[0].strip().lower()
             if kind in ("application/x-npy", "application/x-npz") or data[:6] == b"\x93NUMPY" or data[:2] == b"PK":
-                return self._to_feed(model, _decode_numpy(data), None)
+                return self._to_feed(model, decode_numpy(data, model.input_specs, image_input=model.image_input),
+                                     None)
             image_input = model.image_input
             if image_input is None:
                 raise BadRequest("unsupported_media", "this model takes tensors: send .npy/.npz or JSON",
@@ -525,30 +526,3 @@ class _ImageFeed(dict):
     def __init__(self, name: str, tensor: np.ndarray, geometry: dict[str, Any]) -> None:
         super().__init__({name: tensor})
         self.geometry = geometry
-
-
-def _decode_numpy(data: bytes) -> np.ndarray | dict[str, np.ndarray]:
-    try:
-        loaded = np.load(io.BytesIO(data), allow_pickle=False)
-    except (OSError, ValueError, EOFError) as err:
-        raise BadRequest("bad_input", f"not a readable .npy/.npz body: {err}") from None
-    if isinstance(loaded, np.ndarray):
-        return loaded
-    with loaded:
-        return {name: loaded[name] for name in loaded.files}
-
-
-def json_to_feed(model: LoadedModel, inputs: Any) -> dict[str, np.ndarray]:
-    """Nested lists from a JSON body -> arrays of each input's declared dtype."""
-    if not isinstance(inputs, dict):
-        raise BadRequest("bad_input", 'JSON body must be {"inputs": {name: nested list}}')
-    feed = {}
-    for name, value in inputs.items():
-        spec = model.input_specs.get(name)
-        if spec is None:
-            raise BadRequest("unknown_input", f"unknown input {name!r} (inputs: {', '.join(model.input_specs)})")
-        try:
-            feed[name] = np.asarray(value, dtype=spec[0])
-        except (ValueError, TypeError, OverflowError) as err:
-            raise BadRequest("dtype", f"input {name}: cannot convert to {spec[0].name}: {err}") from None
-    return feed

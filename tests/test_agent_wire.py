@@ -8,6 +8,7 @@ import io
 import json
 import urllib.error
 import urllib.request
+from email.message import Message
 from pathlib import Path
 
 import numpy as np
@@ -82,15 +83,16 @@ def strict_loads(data: bytes) -> dict:
     return json.loads(data, parse_constant=refuse)
 
 
-def post(url: str, accept: str | None = None) -> tuple[int, dict[str, str], bytes]:
+def post(url: str, accept: str | None = None) -> tuple[int, Message, bytes]:
+    """Status, headers (names case-insensitive, as HTTP has them) and body."""
     headers = {"Content-Type": "application/json", **({"Accept": accept} if accept else {})}
     body = json.dumps({"inputs": {"x": X, "k": K}}).encode()
     request = urllib.request.Request(url, data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, dict(response.headers), response.read()
+            return response.status, response.headers, response.read()
     except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), err.read()
+        return err.code, err.headers, err.read()
 
 
 def reference(model: Path) -> dict[str, np.ndarray]:

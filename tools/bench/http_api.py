@@ -1,0 +1,178 @@
+"""HTTP round trip and throughput of the agent's API: the uvicorn/starlette server against the
+hand-written ``http.server`` one it replaced, side by side in one run.
+
+Each server runs in its own child process over the same model (the tiny model, so the figure is
+the server's own cost; ``--model mobilenet`` for the MobileNet-style demo) and answers
+``POST /predict`` with a JSON body and with an ``.npy`` body. The old server is
+``device_agent/http_api.py`` as of ``--old-rev`` (read with ``git show``, loaded beside today's
+runtime). The clients are asyncio streams in this process, one kept-alive connection each:
+
+- round trip: one client, requests one after another; the median;
+- throughput: 32 clients at once; requests per second and the median and p99 latency.
+
+Rounds alternate old and new so drift on a noisy machine hits both alike; medians over rounds.
+
+    python tools/bench/http_api.py [--rounds 5] [--requests 400] [--clients 32] [--old-rev cf5af44]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from sdk.keys import write_keypair  # noqa: E402
+from sdk.packager.pipeline import build  # noqa: E402
+from sdk.recipe import load_recipe  # noqa: E402
+from tools.demos import build_all  # noqa: E402
+
+OLD_REV = "cf5af44"  # the last commit with the http.server API
+# The child: load the model, serve it with the old or the new server, print the port, wait.
+SERVE = r"""
+import importlib.util, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import device_agent.runtime as runtime
+from device_agent import bodies
+from device_agent.runtime import InferenceService, load_model
+from edgepack_core.artifact import extract_artifact
+from edgepack_core.signing import TrustStore, load_public_key
+which, artifact, pub, folder = sys.argv[2:6]
+verified = extract_artifact(Path(artifact), Path(folder), TrustStore([load_public_key(Path(pub))]))
+service = InferenceService(load_model(verified.root, verified.manifest))
+if which == "old":
+    # the old module imported json_to_feed(model, inputs) from the runtime; it lives in bodies now
+    runtime.json_to_feed = lambda model, inputs: bodies.json_to_feed(model.input_specs, inputs)
+    spec = importlib.util.spec_from_file_location("old_http_api", sys.argv[6])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    server = module.ApiServer(("127.0.0.1", 0), service, max_body_bytes=16 << 20).start()
+else:
+    from device_agent.http_api import ApiServer
+    server = ApiServer(("127.0.0.1", 0), service, max_body_bytes=16 << 20).start()
+print(server.port, flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+def package(folder: Path, model: str, key: Path) -> Path:
+    demo = {"tiny": "demo/tiny/model.onnx", "mobilenet": "demo/mobilenet/model.onnx"}[model]
+    recipe = folder / f"{model}.yaml"
+    recipe.write_text(f"name: {model}\nversion: 1.0.0\nmodel: {{path: {demo}}}\npostprocess: {{kind: raw}}\n"
+                      "targets: [x86]\nvalidate: {data: synthetic}\n")
+    return build(load_recipe(recipe), key_paths=[str(key)], output=folder / f"{model}.edgepkg").output
+
+
+def requests_for(shape: list[int]) -> dict[str, bytes]:
+    """Whole HTTP requests for one input of ``shape``: JSON and .npy bodies."""
+    x = np.random.default_rng(0).random(shape, dtype=np.float32)
+    buffer = io.BytesIO()
+    np.save(buffer, x)
+    bodies = {"json": ("application/json", json.dumps({"inputs": {"x": x.tolist()}}).encode()),
+              "npy": ("application/x-npy", buffer.getvalue())}
+    return {kind: (f"POST /predict HTTP/1.1\r\nHost: bench\r\nContent-Type: {media}\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body for kind, (media, body) in bodies.items()}
+
+
+async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> float:
+    started = time.perf_counter()
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"not a 200: {head[:200]!r}")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    await reader.readexactly(length)
+    return time.perf_counter() - started
+
+
+async def run_clients(port: int, request: bytes, clients: int, total: int) -> tuple[float, list[float]]:
+    """``total`` requests from ``clients`` kept-alive connections: (seconds, latencies)."""
+    connections = [await asyncio.open_connection("127.0.0.1", port) for _ in range(clients)]
+    for reader, writer in connections:  # warm each connection
+        await exchange(reader, writer, request)
+    latencies: list[float] = []
+    left = [total]
+
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            latencies.append(await exchange(reader, writer, request))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client(r, w) for r, w in connections))
+    elapsed = time.perf_counter() - started
+    for _, writer in connections:
+        writer.close()
+    return elapsed, latencies
+
+
+def serve(which: str, artifact: Path, pub: Path, folder: Path, old_module: Path) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(ROOT), which, str(artifact), str(pub), str(folder),
+                             str(old_module)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
+def measure(port: int, requests: dict[str, bytes], count: int, clients: int) -> dict[str, float]:
+    figures = {}
+    for kind, request in requests.items():
+        _, single = asyncio.run(run_clients(port, request, 1, count))
+        elapsed, loaded = asyncio.run(run_clients(port, request, clients, count))
+        loaded.sort()
+        figures[f"{kind}_rtt_ms"] = statistics.median(single) * 1000
+        figures[f"{kind}_rps"] = count / elapsed
+        figures[f"{kind}_loaded_p50_ms"] = loaded[len(loaded) // 2] * 1000
+        figures[f"{kind}_loaded_p99_ms"] = loaded[int(len(loaded) * 0.99)] * 1000
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--model", choices=["tiny", "mobilenet"], default="tiny")
+    parser.add_argument("--old-rev", default=OLD_REV)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        key, pub = folder / "k.key", folder / "k.pub"
+        write_keypair(key, pub)
+        build_all(folder / "demo", only=[args.model])
+        artifact = package(folder, args.model, key)
+        old_module = folder / "old_http_api.py"
+        old_source = ["git", "-C", str(ROOT), "show", f"{args.old_rev}:device_agent/http_api.py"]
+        old_module.write_bytes(subprocess.run(old_source, capture_output=True, check=True).stdout)
+        shape = [1, 4] if args.model == "tiny" else [1, 3, 224, 224]
+        requests = requests_for(shape)
+        results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+        for round_number in range(args.rounds):
+            for which in ("old", "new"):
+                proc, port = serve(which, artifact, pub, folder / f"{which}-{round_number}", old_module)
+                try:
+                    results[which].append(measure(port, requests, args.requests, args.clients))
+                finally:
+                    proc.communicate("", timeout=30)
+        keys = list(results["new"][0])
+        summary = {which: {k: round(statistics.median(r[k] for r in rounds), 3) for k in keys}
+                   for which, rounds in results.items()}
+        summary["new/old"] = {k: round(summary["new"][k] / summary["old"][k], 3) for k in keys}
+        print(json.dumps({"model": args.model, "clients": args.clients, "requests": args.requests,
+                          "rounds": args.rounds, "old_rev": args.old_rev, **summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
