@@ -30,7 +30,7 @@ from sdk.packager.passes.base import BuildContext, Progress
 from sdk.recipe import Recipe
 
 # Importing the pass modules registers them.
-from sdk.packager.passes import golden, model_checks, optimize, quantize, validate  # noqa: F401  isort: skip
+from sdk.packager.passes import golden, model_checks, optimize, preprocess_graph, quantize, validate  # noqa: F401  isort: skip
 
 MODEL_MEMBER = "model/model.onnx"
 
@@ -44,6 +44,7 @@ PIPELINE: list[str] = [
     "opset",
     "shape_inference",
     "io_spec",
+    "preprocess_graph_plan",
     "fix_shapes",
     "eliminate_identity",
     "fold_batchnorm",
@@ -51,6 +52,7 @@ PIPELINE: list[str] = [
     "fp16",
     "quantize",
     "validate",
+    "preprocess_graph",
     "target_report",
     "golden",
     "ort_format",
