@@ -11,7 +11,8 @@ import json
 import logging
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,59 @@ def _read_input(path: Path) -> bytes | np.ndarray | dict[str, np.ndarray]:
     return path.read_bytes()
 
 
-def cmd_predict(args: argparse.Namespace) -> int:
-    from device_agent.runtime import InferenceService, load_model
+def _extract_for_predict(artifact: str, dest: Path, trust: Sequence[str]) -> Any:
     from edgepack_core.artifact import extract_artifact
 
-    data = _read_input(Path(args.input))
+    # Fully verified (signature, every header, every hash, once, while extracting); no fsync:
+    # the copy lives only as long as this command.
+    return extract_artifact(artifact, dest, _trust(trust), durable=False)
+
+
+class _Background:
+    """One call on its own thread; ``result()`` joins it and returns its value or raises its
+    error. Verification spends most of its time in zlib and sha256, which release the GIL, so
+    it overlaps the imports the main thread does meanwhile (onnxruntime, the runtime)."""
+
+    def __init__(self, call: Callable[..., Any], *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(call, args), name="verify", daemon=True)
+        self._thread.start()
+
+    def _run(self, call: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            self._value = call(*args)
+        except BaseException as err:  # handed to the caller by result()
+            self._error = err
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Verify, load (the smoke test is the warm-up, on the one session), predict, answer.
+
+    Cold start is most of this command's time: verification runs on a thread while the main
+    thread imports onnxruntime and the runtime and reads the input; nothing is verified or
+    hashed twice, nothing is fsynced, and no module the answer does not need is imported
+    (no MQTT, telemetry, HTTP or store; ``tests/test_cold_start.py``)."""
     with tempfile.TemporaryDirectory(prefix="edgepack-predict-") as tmp:
-        verified = extract_artifact(args.artifact, Path(tmp) / "model", _trust(args.trust))
+        verifying = _Background(_extract_for_predict, args.artifact, Path(tmp) / "model", args.trust)
+        try:
+            data = _read_input(Path(args.input))
+            import onnxruntime  # noqa: F401 - imported here, while the artifact is verified
+
+            from device_agent.runtime import InferenceService, load_model
+        except BaseException:
+            verifying.wait()  # the input's error is the one to report; the thread still writes in tmp
+            raise
+        verified = verifying.result()
         model = load_model(verified.root, verified.manifest, profile=args.profile,
                            threads=args.threads)
         service = InferenceService(model)

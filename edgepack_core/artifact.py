@@ -389,7 +389,7 @@ def _file_pieces(stream: IO[bytes], size: int) -> Iterator[bytes]:
 
 
 def _walk_members(reader: _TarReader, manifest: Manifest, limits: Limits, staging: Path | None,
-                  total: int) -> None:
+                  total: int, durable: bool = True) -> None:
     seen: set[str] = set()
     while (member := reader.next()) is not None:
         check_member_header(member, manifest, seen, limits)
@@ -403,8 +403,9 @@ def _walk_members(reader: _TarReader, manifest: Manifest, limits: Limits, stagin
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(target, "xb") as sink:
                 digest = _copy_hashed(reader.data(member.size), sink)
-                sink.flush()
-                os.fsync(sink.fileno())
+                if durable:
+                    sink.flush()
+                    os.fsync(sink.fileno())
         if digest != manifest.files[member.name]["sha256"]:
             raise IntegrityError(member.name, "sha256 differs from the signed manifest")
     missing = sorted(set(manifest.files) - seen)
@@ -412,7 +413,8 @@ def _walk_members(reader: _TarReader, manifest: Manifest, limits: Limits, stagin
         raise IntegrityError(missing[0], "listed in the manifest but missing from the archive")
 
 
-def _walk(path: Path, trust: TrustStore, limits: Limits, staging: Path | None) -> VerifiedArtifact:
+def _walk(path: Path, trust: TrustStore, limits: Limits, staging: Path | None,
+          durable: bool = True) -> VerifiedArtifact:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -429,7 +431,7 @@ def _walk(path: Path, trust: TrustStore, limits: Limits, staging: Path | None) -
             signature = _read_small(reader, reader.next(), SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
             key = trust.verify(manifest_bytes, signature)
             manifest = parse_manifest(manifest_bytes)
-            _walk_members(reader, manifest, limits, staging, len(manifest_bytes) + len(signature))
+            _walk_members(reader, manifest, limits, staging, len(manifest_bytes) + len(signature), durable)
             if staging is not None:
                 (staging / MANIFEST_NAME).write_bytes(manifest_bytes)
                 (staging / SIGNATURE_NAME).write_bytes(signature)
@@ -459,12 +461,16 @@ def _fsync_dir(path: Path) -> None:
 
 
 def extract_artifact(
-    path: str | os.PathLike[str], dest: str | os.PathLike[str], trust: TrustStore, limits: Limits | None = None
+    path: str | os.PathLike[str], dest: str | os.PathLike[str], trust: TrustStore, limits: Limits | None = None,
+    *, durable: bool = True,
 ) -> VerifiedArtifact:
     """Verify and extract into ``dest`` (which must not exist) atomically.
 
     All members are written into a staging directory beside ``dest``, fsynced, and the
-    directory is renamed to ``dest`` only after every check passed.
+    directory is renamed to ``dest`` only after every check passed. ``durable=False`` skips
+    the fsyncs (not the checks), for a throwaway copy such as ``edgepack-agent predict``'s
+    temporary directory: surviving a power cut means nothing there, and on an SD card the
+    fsyncs cost more than the rest of the extraction.
     """
     path, dest = Path(path), Path(dest)
     if dest.exists():
@@ -472,11 +478,13 @@ def extract_artifact(
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     try:
-        verified = _walk(path, trust, limits or Limits(), staging)
-        for directory in sorted({p for p in staging.rglob("*") if p.is_dir()} | {staging}, reverse=True):
-            _fsync_dir(directory)
+        verified = _walk(path, trust, limits or Limits(), staging, durable)
+        if durable:
+            for directory in sorted({p for p in staging.rglob("*") if p.is_dir()} | {staging}, reverse=True):
+                _fsync_dir(directory)
         os.rename(staging, dest)
-        _fsync_dir(dest.parent)
+        if durable:
+            _fsync_dir(dest.parent)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(err, ArtifactError):

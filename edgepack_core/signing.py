@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from edgepack_core.errors import (
@@ -42,7 +41,7 @@ MAX_SIGNATURE_BYTES = 64 * 1024
 
 def key_id(public_key: Ed25519PublicKey) -> str:
     """Stable short id of a public key: 16 hex digits of sha256 over the raw 32 key bytes."""
-    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    raw = public_key.public_bytes_raw()
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
@@ -154,12 +153,16 @@ def generate_private_key() -> SigningKey:
 
 
 def private_key_pem(key: SigningKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return key.private.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
 
 
 def public_key_pem(key: SigningKey | Ed25519PublicKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     public = key.private.public_key() if isinstance(key, SigningKey) else key
     return public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
@@ -177,6 +180,8 @@ def _read_key_file(path: Path) -> bytes:
 
 
 def load_private_key(path: str | os.PathLike[str], password: bytes | None = None) -> SigningKey:
+    from cryptography.hazmat.primitives import serialization
+
     path = Path(path)
     data = _read_key_file(path)
     try:
@@ -190,9 +195,37 @@ def load_private_key(path: str | os.PathLike[str], password: bytes | None = None
     return SigningKey(key)
 
 
+# DER of an Ed25519 SubjectPublicKeyInfo up to the 32 key bytes (RFC 8410): SEQUENCE { SEQUENCE
+# { OID 1.3.101.112 }, BIT STRING (0 unused bits) }.
+_ED25519_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
+
+
+def _plain_ed25519_pem(data: bytes) -> Ed25519PublicKey | None:
+    """The key of a PEM file that holds exactly one Ed25519 SubjectPublicKeyInfo (what
+    ``edgepack keygen`` writes), read without cryptography's serialization package, whose
+    import is about a tenth of ``edgepack-agent predict``'s cold start; None for anything else,
+    which then goes through cryptography's full PEM reader."""
+    lines = data.strip().splitlines()
+    if len(lines) < 3 or lines[0].strip() != b"-----BEGIN PUBLIC KEY-----" \
+            or lines[-1].strip() != b"-----END PUBLIC KEY-----":
+        return None
+    try:
+        der = base64.b64decode(b"".join(line.strip() for line in lines[1:-1]), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if len(der) != len(_ED25519_SPKI_PREFIX) + 32 or not der.startswith(_ED25519_SPKI_PREFIX):
+        return None
+    return Ed25519PublicKey.from_public_bytes(der[len(_ED25519_SPKI_PREFIX):])
+
+
 def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
     path = Path(path)
     data = _read_key_file(path)
+    plain = _plain_ed25519_pem(data)
+    if plain is not None:
+        return plain
+    from cryptography.hazmat.primitives import serialization
+
     try:
         key = serialization.load_pem_public_key(data)
     except ValueError:
