@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -310,6 +310,12 @@ class RequestStats:
 Observer = Callable[[float | None, str | None], None]
 
 
+# The default of ``InferenceService.max_batch`` (docs/agent.md, "Batches"): past 8 images the
+# MobileNet-style demo gains under 5% images/s on a CPU (BENCHMARKS.md), while the input and
+# activations grow with every image (a 640x640 detector: 4.9 MB of input per image).
+DEFAULT_MAX_BATCH = 8
+
+
 class InferenceService:
     """Thread-safe predict over the active model, with atomic hot-swap."""
 
@@ -339,15 +345,58 @@ class InferenceService:
 
     # ---------------------------------------------------------------- requests
 
+    # The most images one batched session call takes (``predict`` on a list); a longer list runs
+    # in chunks of this size, so the tensors and activations of one call stay bounded.
+    max_batch: int = DEFAULT_MAX_BATCH
+
+    @overload
+    def predict(self, data: list[bytes | np.ndarray] | tuple[bytes | np.ndarray, ...], *,
+                content_type: str | None = None, postprocess: bool = True,
+                stream: str | None = None) -> list[PredictResult]: ...
+
+    @overload
     def predict(self, data: bytes | np.ndarray | Mapping[str, np.ndarray], *, content_type: str | None = None,
-                postprocess: bool = True, stream: str | None = None) -> PredictResult:
+                postprocess: bool = True, stream: str | None = None) -> PredictResult: ...
+
+    def predict(self, data: Any, *, content_type: str | None = None, postprocess: bool = True,
+                stream: str | None = None) -> PredictResult | list[PredictResult]:
         """Raw image or WAV bytes, an .npy/.npz body, one array, or named tensors -> outputs and
         result. A WAV body runs frame by frame (state carried from frame to frame) and every
         output comes stacked with a leading frame axis. ``stream``: state inputs start from that
-        stream's last state and it keeps the new one; without it, from init."""
+        stream's last state and it keeps the new one; without it, from init. A list (or tuple)
+        of images gives a list of results: :meth:`predict_batch`."""
+        if isinstance(data, (list, tuple)):
+            return self.predict_batch(data, content_type=content_type, postprocess=postprocess, stream=stream)
         model = self._model
         if model is None:
             raise NoModelError("no model is active")
+        return self._predict_on(model, data, content_type, postprocess, stream)
+
+    def predict_batch(self, items: Sequence[bytes | np.ndarray], *, content_type: str | None = None,
+                      postprocess: bool = True, stream: str | None = None) -> list[PredictResult]:
+        """Several images (encoded bytes or uint8 arrays, in any mix) -> one result per image, in
+        order, each with its own geometry. When the model's image input has a dynamic batch dim
+        that its outputs follow (:func:`batch_refusal`), the images are preprocessed into one
+        tensor (no stacking copy) and run in one session call per ``max_batch`` images;
+        otherwise one by one, as ``predict`` would. Every image counts as one request, its
+        latency the share of its session call. A bad image refuses the whole list (naming its
+        index) before anything runs."""
+        model = self._model
+        if model is None:
+            raise NoModelError("no model is active")
+        items = list(items)
+        refusal = batch_refusal(model) if len(items) > 1 else "a single item"
+        if refusal is not None:
+            log.debug("%s: %d item(s) one by one: %s", model.label, len(items), refusal)
+            return [self._predict_on(model, item, content_type, postprocess, stream) for item in items]
+        size = max(1, int(self.max_batch))
+        results: list[PredictResult] = []
+        for start in range(0, len(items), size):
+            results += self._run_batch(model, items[start:start + size], content_type, postprocess, stream)
+        return results
+
+    def _predict_on(self, model: LoadedModel, data: Any, content_type: str | None, postprocess: bool,
+                    stream: str | None) -> PredictResult:
         try:
             self._check_stream(stream)
             feed: Mapping[str, np.ndarray] = self._audio_frames(model, data, content_type) or \
@@ -421,27 +470,58 @@ class InferenceService:
     def _run(self, model: LoadedModel, feed: Mapping[str, np.ndarray], postprocess: bool,
              stream: str | None = None) -> PredictResult:
         started = time.perf_counter()
+        values = self._session_call(model, lambda: self._infer(model, feed, stream))
+        elapsed = time.perf_counter() - started
+        return self._finish(model, dict(zip(model.output_names, values, strict=True)),
+                            getattr(feed, "geometry", None), elapsed, postprocess)
+
+    def _session_call(self, model: LoadedModel, call: Callable[[], list[np.ndarray]]) -> list[np.ndarray]:
         try:
-            values = self._infer(model, feed, stream)
+            return call()
         except Exception as err:
             self._fail("runtime", client=False)
             raise BadRequest("runtime", f"inference failed: {str(err).splitlines()[0][:200]}",
                              http_status=500) from None
-        elapsed = time.perf_counter() - started
-        outputs = dict(zip(model.output_names, values, strict=True))
-        if self.check_finite and any(v.dtype.kind == "f" and not np.isfinite(v).all() for v in values):
+
+    def _finish(self, model: LoadedModel, outputs: dict[str, np.ndarray], geometry: dict[str, Any] | None,
+                elapsed: float, postprocess: bool) -> PredictResult:
+        """One request's outputs -> its result: finiteness watch, postprocessing, counters."""
+        if self.check_finite and any(v.dtype.kind == "f" and not np.isfinite(v).all() for v in outputs.values()):
             self.stats.count_non_finite()
         result = None
         if postprocess:
             try:
-                result = model.postprocessor(outputs, getattr(feed, "geometry", None))
+                result = model.postprocessor(outputs, geometry)
             except PostprocessError as err:
                 self._fail("postprocess", client=False)
                 raise BadRequest("postprocess", str(err), http_status=500) from None
         self.stats.ok(elapsed)
         for observer in self.observers:
             observer(elapsed, None)
-        return PredictResult(outputs, result, model, elapsed, getattr(feed, "geometry", None))
+        return PredictResult(outputs, result, model, elapsed, geometry)
+
+    def _run_batch(self, model: LoadedModel, items: list[Any], content_type: str | None, postprocess: bool,
+                   stream: str | None) -> list[PredictResult]:
+        """One session call for ``items`` (at most ``max_batch``), its outputs split per image."""
+        try:
+            self._check_stream(stream)
+            feed = _batch_feed(model, items, content_type)
+        except BadRequest as err:
+            self._fail(err.kind, client=True)
+            raise
+        started = time.perf_counter()
+        call = {**feed, **model.constants} if model.constants else dict(feed)
+        values = self._session_call(model, lambda: model.session.run(model.output_names, call))
+        elapsed = time.perf_counter() - started
+        count = len(items)
+        if any(np.ndim(v) == 0 or v.shape[0] != count for v in values):
+            # The outputs did not follow the batch after all (a symbolic dim that means something
+            # else): the answers of one by one are the right ones.
+            log.debug("%s: outputs do not follow a batch of %d; one by one", model.label, count)
+            return [self._predict_on(model, item, content_type, postprocess, stream) for item in items]
+        return [self._finish(model, {name: value[i:i + 1] for name, value in zip(model.output_names, values,
+                                                                                 strict=True)},
+                             feed.geometries[i], elapsed / count, postprocess) for i in range(count)]
 
     def _fail(self, kind: str, *, client: bool) -> None:
         self.stats.error(kind, client)
@@ -526,3 +606,63 @@ class _ImageFeed(dict):
     def __init__(self, name: str, tensor: np.ndarray, geometry: dict[str, Any]) -> None:
         super().__init__({name: tensor})
         self.geometry = geometry
+
+
+class _BatchFeed(dict):
+    """The feed of several preprocessed images, one row each, with the geometry of each row."""
+
+    def __init__(self, name: str, tensor: np.ndarray, geometries: list[dict[str, Any]]) -> None:
+        super().__init__({name: tensor})
+        self.geometries = geometries
+
+
+def batch_refusal(model: LoadedModel) -> str | None:
+    """Why a list of images cannot run as one session call on ``model`` (None: it can). Pure.
+
+    A batch needs an image model whose preprocessing gives every image the same shape with a
+    leading batch dim of 1, whose image input is its only caller-fed input, with a symbolic
+    first dim that every output's first dim repeats (the sign that outputs run along the batch),
+    and no state carried from call to call."""
+    name = model.image_input
+    if name is None:
+        return "the model takes no images"
+    if model.states:
+        return "the model carries state from call to call"
+    pre = model.preprocessor
+    if pre.tensor_shape() is None or not pre.spec.get("batch"):
+        return "its preprocessing gives no fixed-size tensor with a batch dimension"
+    if list(model.input_specs) != [name]:
+        return "the model takes other inputs besides the image"
+    shape = model.input_specs[name][1]
+    leading = shape[0] if shape else None
+    if leading is None or isinstance(leading, int):
+        return f"input {name} has no dynamic batch dimension (shape {list(shape)})"
+    for output in model.manifest.outputs:
+        if not output.shape or output.shape[0] != leading:
+            return f"output {output.name} does not follow the batch dimension {leading!r} (shape {list(output.shape)})"
+    return None
+
+
+def _batch_feed(model: LoadedModel, items: list[Any], content_type: str | None) -> _BatchFeed:
+    """Each image preprocessed straight into its row of one preallocated batch tensor."""
+    pre = model.preprocessor
+    shape = pre.tensor_shape()
+    assert shape is not None and model.image_input is not None  # batch_refusal said so
+    tensor = np.empty((len(items), *shape[1:]), dtype=pre.out_dtype)
+    kind = (content_type or "").split(";")[0].strip().lower()
+    geometries = []
+    for index, item in enumerate(items):
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            item = bytes(item)
+            if kind in ("application/x-npy", "application/x-npz") or item[:6] == b"\x93NUMPY" or item[:2] == b"PK":
+                raise BadRequest("bad_input", f"item {index}: a batch takes images, not .npy/.npz bodies")
+        elif not (isinstance(item, np.ndarray) and item.dtype == np.uint8 and item.ndim in (2, 3)):
+            what = f"{item.dtype} array of shape {list(item.shape)}" if isinstance(item, np.ndarray) else \
+                type(item).__name__
+            raise BadRequest("bad_input", f"item {index}: a batch takes images (encoded bytes or HxW[xC] uint8 "
+                             f"arrays), got a {what}")
+        try:
+            geometries.append(pre.image_with_geometry(item, out=tensor[index:index + 1])[1])
+        except PreprocessError as err:
+            raise BadRequest("bad_image", f"item {index}: {err}") from None
+    return _BatchFeed(model.image_input, tensor, geometries)
