@@ -1,0 +1,86 @@
+// The device page: what the device reported last, and latency, throughput and errors over
+// time from GET /api/devices/{id}/telemetry?since=&step=.
+
+import { api, pathId, query } from "./api.js";
+import { lineChart } from "./chart.js";
+import { badge, bytes, h, ms, number, percent, replace, time, when } from "./dom.js";
+
+// Range -> bucket step: about 180 points a chart (the API allows 5,000).
+export const RANGES = [
+  { id: "15m", label: "15 minutes", seconds: 900, step: 5 },
+  { id: "1h", label: "1 hour", seconds: 3600, step: 20 },
+  { id: "6h", label: "6 hours", seconds: 6 * 3600, step: 120 },
+  { id: "24h", label: "24 hours", seconds: 86400, step: 480 },
+  { id: "7d", label: "7 days", seconds: 7 * 86400, step: 3600 },
+];
+
+function facts(device) {
+  const rows = [
+    ["State", device.online ? badge("online", "ok") : badge(device.status || "unknown", "off")],
+    ["Reason", device.status_reason || "–"],
+    ["Model", device.model ? device.model.name || "–" : "–"],
+    ["Version", device.version || "–"],
+    ["Model sha256", device.model && device.model.sha256 ? h("code", {}, device.model.sha256) : "–"],
+    ["Provider", device.provider || "–"],
+    ["Profile", device.profile || "–"],
+    ["Groups", device.groups.join(", ") || "–"],
+    ["Last seen", when(device.last_seen)],
+    ["First seen", time(device.first_seen)],
+    ["Latency p50 / p90 / p99", `${ms(device.latency_ms.p50)} / ${ms(device.latency_ms.p90)} / ` +
+      `${ms(device.latency_ms.p99)}`],
+    ["Throughput", device.throughput_per_s === null ? "–" : `${number(device.throughput_per_s, 2)} /s`],
+    ["Inferences / errors", `${number(device.inferences_total)} / ${number(device.errors_total)}`],
+    ["Error rate (last interval)", percent(device.error_rate)],
+    ["CPU / memory", `${device.cpu_percent === null ? "–" : `${number(device.cpu_percent, 1)} %`} / ` +
+      `${bytes(device.memory_rss_bytes)}`],
+    ["Temperature", device.temperature_c === null ? "–" : `${number(device.temperature_c, 1)} °C`],
+  ];
+  const capabilities = Object.entries(device.capabilities || {}).map(([key, value]) =>
+    [`capabilities.${key}`, typeof value === "string" ? value : JSON.stringify(value)]);
+  return h("dl", { class: "facts", id: "device-facts" },
+    [...rows, ...capabilities].map(([name, value]) => [h("dt", {}, name), h("dd", {}, value)]));
+}
+
+export function mount(root, route) {
+  const id = route.parts[1];
+  const chosen = RANGES.find((r) => r.id === route.params.get("range")) || RANGES[0];
+  const select = h("select", { id: "range" }, RANGES.map((r) =>
+    h("option", { value: r.id, selected: r === chosen }, r.label)));
+  select.addEventListener("change", () => {
+    location.hash = `#/devices/${pathId(id)}${query({ range: select.value })}`;
+  });
+  const header = h("div");
+  const charts = h("div", { class: "charts", id: "charts" });
+  replace(root,
+    h("p", { class: "crumbs" }, h("a", { href: "#/fleet" }, "Fleet"), " / ", id),
+    h("h1", { id: "device-id" }, id), header,
+    h("div", { class: "row" }, h("h2", {}, "Over time"), h("label", {}, "Range ", select)),
+    charts);
+
+  async function refresh() {
+    const now = Math.floor(Date.now() / 1000);
+    const since = now - chosen.seconds;
+    const [device, series] = await Promise.all([
+      api(`/api/devices/${pathId(id)}`),
+      api(`/api/devices/${pathId(id)}/telemetry${query({ since, until: now + 1, step: chosen.step })}`),
+    ]);
+    replace(header, facts(device));
+    const pick = (key) => series.points.map((p) => [p.ts, p[key]]);
+    // The x axis starts where the device's history does (a device first seen a minute ago gets a
+    // minute-wide chart, not a line squeezed against the right edge of a 15-minute one).
+    const first = Number.isFinite(device.first_seen) ? Math.floor(device.first_seen / series.step) * series.step : 0;
+    const frame = { since: Math.max(series.since, first), until: series.until, step: series.step };
+    replace(charts,
+      lineChart({ ...frame, title: "Latency (ms)", format: (v) => ms(v),
+                  series: [{ name: "p50", points: pick("latency_p50_ms") },
+                           { name: "p99", points: pick("latency_p99_ms") }] }),
+      lineChart({ ...frame, title: "Throughput (inferences/s)", format: (v) => number(v, 1),
+                  series: [{ name: "throughput", points: pick("throughput_per_s") }] }),
+      lineChart({ ...frame, title: `Errors (per ${series.step} s)`, format: (v) => number(v, 1),
+                  series: [{ name: "errors", points: pick("errors") }] }),
+      h("p", { class: "muted", id: "telemetry-meta" },
+        `${series.points.length} points of ${series.step} s since ${time(frame.since)}`));
+  }
+
+  return { title: id, refresh };
+}

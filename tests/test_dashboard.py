@@ -1,0 +1,458 @@
+"""The fleet server's web dashboard in a real headless Chromium (Debian's ``chromium`` and
+``chromium-driver``, driven by selenium) against a real ``edgepack fleet serve`` on SQLite, a
+real mosquitto and simulated devices (tools/fleet_sim.py) that answer deploys.
+
+What it proves: the pages load and show what the server holds (device counts, versions,
+charts of a device's telemetry, a rollout's waves and jobs, the audit log); a rollout is
+uploaded, created and carried to the end from the page; a running rollout is paused, resumed
+and aborted from the page (checked through the REST API); markup sent by a device stays text;
+the pages run under the strict Content-Security-Policy without one violation or script error.
+A screenshot of each page is written; with EDGEPACK_DASHBOARD_SCREENSHOTS=DIR (what
+tools/dashboard_screenshots.py sets) they are copied to DIR (docs/img/ in the repository).
+
+Chromium missing: the tests skip on a developer machine and fail under CI (CI installs it).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+from PIL import Image
+from selenium import webdriver  # the dev extra
+from selenium.common.exceptions import TimeoutException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.select import Select
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.artifacts import build_artifact
+from tests.broker import free_port, start_mosquitto
+from tests.fleet_server_process import FleetServerProcess, make_keys, wait_for
+from tools.fleet_sim import Behaviour, SimFleet
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+SIM_DEVICES = 20
+TOPIC_ROOT = "edgepack/v1"
+HOSTILE = '<img src=x onerror="document.title=\'pwned\'">'
+HOSTILE_SCRIPT = "<script>document.title='pwned'</script>"
+SCREENSHOT_NAMES = ("overview", "device", "rollouts", "rollout", "audit")
+
+
+
+def _require_browser() -> None:
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
+    if not missing:
+        return
+    message = f"{', '.join(missing)} missing (apt-get install chromium chromium-driver)"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must run the dashboard tests: {message}")
+    pytest.skip(message)
+
+
+# ------------------------------------------------------------------ the real parts
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, keypair):
+    """mosquitto and `edgepack fleet serve` on SQLite (release key: the session's keypair)."""
+    folder = tmp_path_factory.mktemp("stack")
+    broker = start_mosquitto(workdir=folder / "mosquitto")
+    process = FleetServerProcess(folder / "server", broker=broker.address,
+                                 keys=make_keys(folder / "keys", release=keypair))
+    try:
+        yield broker, process.start()
+    finally:
+        process.stop()
+        broker.kill()
+
+
+@pytest.fixture(scope="module")
+def broker(stack):
+    return stack[0]
+
+
+@pytest.fixture(scope="module")
+def server(stack):
+    return stack[1]
+
+
+def _publish_hostile_devices(broker) -> None:
+    """A device whose version, provider and offline reason are markup, and one whose id is markup
+    (the server must drop that one: ids follow the protocol's pattern)."""
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"hostile-{free_port()}", protocol=mqtt.MQTTv5)
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    try:
+        for device in ("evil-1", HOSTILE.replace("/", "")):
+            state = {"schema": "edgepack.state/1", "device": device, "status": "offline", "ts": time.time(),
+                     "reason": HOSTILE_SCRIPT, "groups": ["evil"], "provider": HOSTILE,
+                     "capabilities": {"profile": HOSTILE, "note": HOSTILE_SCRIPT},
+                     "model": {"name": "scale", "version": HOSTILE, "sha256": "0" * 64}}
+            info = client.publish(f"{TOPIC_ROOT}/dev/{device}/state", json.dumps(state), qos=1, retain=True)
+            info.wait_for_publish(10)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+
+
+@pytest.fixture(scope="module")
+def fleet(broker, server):
+    """20 simulated devices in group 'sim' that answer deploys, telemetry at 2 Hz, plus the hostile device."""
+    behaviour = Behaviour(groups=("sim",), model_name="scale", health_window_s=0.3, step_s=0.05)
+    sim = SimFleet(broker.host, broker.port, SIM_DEVICES, rate=2, prefix="sim", behaviour=behaviour)
+    with sim:
+        assert sim.wait_ready(30)
+        _publish_hostile_devices(broker)
+        assert wait_for(lambda: server.get("/api/devices?group=sim&online=true")["total"] == SIM_DEVICES, 30)
+        assert wait_for(lambda: server.get("/api/devices?group=evil")["total"] == 1, 30)
+        assert wait_for(lambda: all(d["latency_ms"]["p50"] is not None
+                                    for d in server.get("/api/devices?group=sim")["devices"]), 30)
+        yield sim
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, keypair):
+    folder = tmp_path_factory.mktemp("arts")
+    return {version: build_artifact(folder, keypair[0], version=version) for version in ("1.1.0", "1.2.0")}
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory, request):
+    """Screenshots: written under tmp, copied to EDGEPACK_DASHBOARD_SCREENSHOTS at the end if
+    every test passed (a failed run leaves the committed pictures alone)."""
+    folder = tmp_path_factory.mktemp("screenshots")
+    yield folder
+    target = os.environ.get("EDGEPACK_DASHBOARD_SCREENSHOTS")
+    if target and request.session.testsfailed == 0:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        for shot in sorted(folder.glob("fleet-*.png")):
+            # 256 colours are plenty for a flat UI and make the committed files about a third the size
+            with Image.open(shot) as image:
+                image.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT).save(
+                    Path(target) / shot.name, optimize=True)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    _require_browser()
+    # selenium-manager is not run at all when the Service names the driver; SE_OFFLINE keeps it
+    # from downloading anything should a future selenium run it anyway.
+    os.environ["SE_OFFLINE"] = "true"
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1360,900",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    service = Service(executable_path=str(CHROMEDRIVER), log_output=str(tmp_path_factory.mktemp("driver") / "log"))
+    driver = webdriver.Chrome(service=service, options=options)
+    driver.set_page_load_timeout(30)
+    driver.console = []  # every console entry of the session, kept across get_log() calls
+    yield driver
+    driver.quit()
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _wait(driver, condition, timeout: float = 30.0, message: str = ""):
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: condition(d))
+    except TimeoutException:
+        raise AssertionError(f"timed out: {message}\n{_console(driver)}") from None
+
+
+def _console(driver) -> list[dict]:
+    driver.console.extend(driver.get_log("browser"))
+    return driver.console
+
+
+def _signed_in(driver, server) -> None:
+    if driver.current_url.startswith(server.url) and driver.execute_script(
+            "return sessionStorage.getItem('edgepack.fleet.token') !== null"):
+        return
+    driver.get(f"{server.url}/ui/")
+    _wait(driver, lambda d: d.find_element(By.ID, "login").is_displayed(), message="the sign-in form")
+    field = driver.find_element(By.ID, "token")
+    field.clear()
+    field.send_keys(server.keys.token)
+    driver.find_element(By.CSS_SELECTOR, "#login-form button[type=submit]").click()
+    _wait(driver, lambda d: d.find_element(By.ID, "nav").is_displayed(), message="signed in")
+
+
+def _open(driver, server, hash_path: str, ready_css: str) -> None:
+    _signed_in(driver, server)
+    driver.get(f"{server.url}/ui/#{hash_path}")
+    _wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, ready_css), message=f"{hash_path}: {ready_css}")
+
+
+def _text(driver, css: str) -> str:
+    return driver.find_element(By.CSS_SELECTOR, css).text
+
+
+def _shot(driver, folder: Path, name: str) -> Path:
+    """A screenshot of the whole page (through the DevTools protocol: beyond the window), at most
+    2,000 pixels high."""
+    assert name in SCREENSHOT_NAMES
+    size = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
+    clip = {"x": 0, "y": 0, "width": size["width"], "height": min(size["height"], 2000), "scale": 1}
+    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
+                                                             "clip": clip})
+    path = folder / f"fleet-{name}.png"
+    path.write_bytes(base64.b64decode(shot["data"]))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    return path
+
+
+def _rollout_state(server, rollout_id: str) -> str:
+    return server.get(f"/api/rollouts/{rollout_id}")["state"]
+
+
+# ------------------------------------------------------------------ the shell
+
+
+def test_the_ui_is_served_under_a_strict_content_security_policy(server):
+    for path, kind in (("/ui/", "text/html"), ("/ui/js/main.js", "javascript"), ("/ui/app.css", "text/css")):
+        with urllib.request.urlopen(server.url + path, timeout=10) as answer:
+            policy = answer.headers["Content-Security-Policy"]
+            assert kind in answer.headers["Content-Type"], (path, answer.headers["Content-Type"])
+            assert answer.headers["X-Content-Type-Options"] == "nosniff"
+            assert answer.headers["X-Frame-Options"] == "DENY"
+        directives = dict(d.strip().split(" ", 1) for d in policy.split(";"))
+        assert directives["default-src"] == "'self'"
+        assert directives["script-src"] == "'self'" and directives["style-src"] == "'self'"
+        assert "unsafe" not in policy and "*" not in policy and "http" not in policy
+
+
+def test_the_ui_files_load_nothing_from_elsewhere_and_never_write_html():
+    ui = Path(__file__).resolve().parent.parent / "sdk" / "fleet_server" / "ui"
+    files = sorted(p for p in ui.rglob("*") if p.is_file())
+    assert {p.suffix for p in files} == {".html", ".css", ".js"}, files
+    for path in files:
+        # the SVG namespace is a name, not a request; comments may name what the code never does
+        text = path.read_text().replace('"http://www.w3.org/2000/svg"', "")
+        text = re.sub(r"(^|\s)//.*$", "", text, flags=re.MULTILINE) if path.suffix == ".js" else text
+        assert not re.search(r"https?://|//[a-z0-9-]+\.[a-z]|@import|url\(", text, re.IGNORECASE), path
+        assert not re.search(r"\.innerHTML|outerHTML|insertAdjacentHTML|document\.write|\beval\(|new Function",
+                             text), path
+        assert not re.search(r"<script>|\son[a-z]+=|style=\"", text), path  # inline script, handlers, styles
+
+
+def test_a_wrong_token_is_refused_and_the_right_one_is_kept_in_the_tab_only(browser, server, fleet):
+    browser.get(f"{server.url}/ui/")
+    _wait(browser, lambda d: d.find_element(By.ID, "login").is_displayed(), message="the sign-in form")
+    assert not browser.find_element(By.ID, "nav").is_displayed()
+    field = browser.find_element(By.ID, "token")
+    field.send_keys("0" * 48)
+    browser.find_element(By.CSS_SELECTOR, "#login-form button[type=submit]").click()
+    _wait(browser, lambda d: "does not know this token" in _text(d, "#login-error"), message="refusal")
+    assert browser.execute_script("return sessionStorage.length") == 0
+    field.clear()
+    field.send_keys(server.keys.token)
+    browser.find_element(By.CSS_SELECTOR, "#login-form button[type=submit]").click()
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#devices tbody tr[data-device]"), message="fleet")
+    assert browser.execute_script("return sessionStorage.getItem('edgepack.fleet.token')") == server.keys.token
+    assert browser.execute_script("return document.cookie") == ""
+    assert browser.get_cookies() == []
+    assert server.keys.token not in browser.current_url
+
+
+# ------------------------------------------------------------------ pages
+
+
+def test_the_fleet_page_shows_every_simulated_device_and_filters_by_group(browser, server, fleet, shots):
+    _open(browser, server, "/fleet", "#devices tbody tr[data-device]")
+    api = server.get("/api/devices")
+    _wait(browser, lambda d: _text(d, "#count-total") == str(api["total"]), message="device count")
+    assert api["total"] == SIM_DEVICES + 1  # the device with a markup id was dropped by the server
+    assert _text(browser, "#count-online") == str(SIM_DEVICES)
+    assert _text(browser, "#count-offline") == "1"
+    rows = {row.get_attribute("data-device"): row for row in
+            browser.find_elements(By.CSS_SELECTOR, "#devices tbody tr[data-device]")}
+    assert set(rows) == {d["id"] for d in api["devices"]}
+    cells = [cell.text for cell in rows["sim-00003"].find_elements(By.TAG_NAME, "td")]
+    expected = next(d for d in api["devices"] if d["id"] == "sim-00003")
+    assert cells[:5] == ["sim-00003", "online", "scale", expected["version"], "CPUExecutionProvider"]
+    assert cells[5].endswith("ms") and cells[6].endswith("ms") and cells[7] == "0.00 %" and "ago" in cells[8]
+    assert cells[9] == "sim"
+    versions = {li.find_element(By.CLASS_NAME, "bar-label").text: li.find_element(By.CLASS_NAME, "bar-count").text
+                for li in browser.find_elements(By.CSS_SELECTOR, "#by-version li")}
+    assert versions == {v if v != "none" else "none": str(n) for v, n in api["counts"]["by_version"].items()}
+    _shot(browser, shots, "overview")
+
+    Select(browser.find_element(By.ID, "filter-group")).select_by_value("evil")
+    _wait(browser, lambda d: _text(d, "#count-total") == "1", message="filtered by group evil")
+    assert [r.get_attribute("data-device") for r in
+            browser.find_elements(By.CSS_SELECTOR, "#devices tbody tr[data-device]")] == ["evil-1"]
+    assert "group=evil" in browser.current_url
+    Select(browser.find_element(By.ID, "filter-group")).select_by_value("sim")
+    _wait(browser, lambda d: _text(d, "#count-total") == str(SIM_DEVICES), message="filtered by group sim")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#devices tbody tr[data-device]")) == SIM_DEVICES
+
+
+def test_markup_from_a_device_is_shown_as_text_and_never_runs(browser, server, fleet):
+    _open(browser, server, "/fleet?group=evil", "#devices tbody tr[data-device='evil-1']")
+    row = browser.find_element(By.CSS_SELECTOR, "#devices tbody tr[data-device='evil-1']")
+    cells = [cell.text for cell in row.find_elements(By.TAG_NAME, "td")]
+    assert cells[3] == HOSTILE and cells[4] == HOSTILE[:64]  # the version, the provider (64 characters kept)
+    _open(browser, server, "/devices/evil-1", "#device-facts")
+    facts = _text(browser, "#device-facts")
+    assert HOSTILE_SCRIPT in facts and HOSTILE in facts
+    # Had any of it been parsed as HTML, the elements would exist (even with their handlers blocked).
+    assert browser.execute_script("return document.querySelectorAll('main img, main script, [onerror]').length") == 0
+    assert browser.title != "pwned"
+    assert "evil-1" in browser.title
+
+
+def test_the_device_page_charts_the_telemetry_the_server_stored(browser, server, fleet, shots):
+    device = "sim-00000"
+    _open(browser, server, f"/devices/{device}", "#charts svg.chart")
+    doc = server.get(f"/api/devices/{device}")
+    facts = _text(browser, "#device-facts")
+    for value in (doc["version"], doc["provider"], "online", "sim", "capabilities.simulated"):
+        assert value in facts, (value, facts)
+    _wait(browser, lambda d: int(d.find_element(By.CSS_SELECTOR, "#charts svg.chart").get_attribute("data-count"))
+          >= 4, message="latency points")
+    charts = browser.find_elements(By.CSS_SELECTOR, "#charts figure")
+    assert [c.find_element(By.TAG_NAME, "figcaption").text for c in charts] == [
+        "Latency (ms)", "Throughput (inferences/s)", "Errors (per 5 s)"]
+    assert browser.find_elements(By.CSS_SELECTOR, "#charts svg.chart path.line.s1")  # the p99 line
+    now = time.time()
+    points = server.get(f"/api/devices/{device}/telemetry?since={int(now - 900)}&until={int(now + 1)}&step=5")["points"]
+    # the sim reports 20 inferences per second (10 per message at 2 Hz): the throughput chart's last figure
+    assert {p["throughput_per_s"] for p in points} == {10.0}
+    legend = charts[1].find_element(By.CLASS_NAME, "legend").text
+    assert legend == "throughput: 10"
+    _shot(browser, shots, "device")
+
+
+def test_a_three_wave_rollout_uploaded_and_started_from_the_page_completes(browser, server, fleet, artifacts,
+                                                                           shots):
+    _open(browser, server, "/rollouts", "#rollouts")
+    browser.find_element(By.CSS_SELECTOR, "#new-rollout-box summary").click()
+    browser.find_element(By.ID, "upload-file").send_keys(str(artifacts["1.1.0"]))
+    browser.find_element(By.ID, "upload").click()
+    _wait(browser, lambda d: "scale 1.1.0" in _text(d, "#new-artifact"), message="uploaded artifact listed")
+    browser.find_element(By.ID, "new-group").send_keys("sim")
+    waves = browser.find_element(By.ID, "new-waves")
+    waves.clear()
+    waves.send_keys("10,50,100")
+    soak = browser.find_element(By.ID, "new-soak")
+    soak.clear()
+    soak.send_keys("0")
+    browser.find_element(By.ID, "new-submit").click()
+    _wait(browser, lambda d: re.search(r"#/rollouts/[^/?]+$", d.current_url), message="the new rollout's page")
+    rollout_id = browser.find_element(By.ID, "rollout-id").text
+    assert wait_for(lambda: _rollout_state(server, rollout_id) in ("succeeded", "failed", "aborted"), 90)
+    doc = server.get(f"/api/rollouts/{rollout_id}")
+    assert doc["state"] == "succeeded", doc
+    assert [w["devices"] for w in doc["waves"]] == [2, 8, 10] and doc["counts"]["active"] == SIM_DEVICES
+    assert set(fleet.versions().values()) == {"1.1.0"}
+    _wait(browser, lambda d: d.find_element(By.ID, "rollout-state").get_attribute("data-state") == "succeeded",
+          message="the page shows the rollout succeeded")
+    _wait(browser, lambda d: [r.find_elements(By.TAG_NAME, "td")[2].text for r in
+                              d.find_elements(By.CSS_SELECTOR, "#waves tbody tr")] == ["passed"] * 3,
+          message="three passed waves")
+    assert all(not browser.find_element(By.ID, f"rollout-{a}").is_enabled() for a in ("pause", "resume", "abort"))
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#rollout-devices tbody tr[data-device]")) == SIM_DEVICES
+    audit = server.get("/api/audit?action=rollout.create")["entries"]
+    assert audit[0]["target"] == rollout_id and audit[0]["actor"] == "admin"
+
+
+def test_a_running_rollout_is_paused_resumed_and_aborted_from_the_page(browser, server, fleet, artifacts, shots):
+    status, stored = server.call("POST", "/api/artifacts", data=artifacts["1.2.0"].read_bytes(),
+                                 headers={"Content-Type": "application/octet-stream"})
+    assert status in (200, 201), stored
+    status, created = server.call("POST", "/api/rollouts", {"artifact": stored["sha256"], "group": "sim",
+                                                            "waves": [10, 50, 100], "soak_s": 3600})
+    assert status == 201, created
+    rollout_id = created["id"]
+    assert wait_for(lambda: _rollout_state(server, rollout_id) == "running", 30)
+    _open(browser, server, "/rollouts", f"#rollouts tr[data-rollout='{rollout_id}']")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#rollouts tbody tr[data-rollout]")
+    assert [r.find_elements(By.TAG_NAME, "td")[1].text for r in rows] == ["running", "succeeded"]
+    assert rows[0].find_elements(By.TAG_NAME, "td")[2].text == "scale 1.2.0"
+    browser.find_element(By.CSS_SELECTOR, "#new-rollout-box summary").click()
+    _shot(browser, shots, "rollouts")
+    rows[0].find_element(By.TAG_NAME, "a").click()
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#waves tbody tr"), message="the rollout's page")
+    _wait(browser, lambda d: d.find_element(By.ID, "rollout-pause").is_enabled(), message="pause enabled")
+    assert not browser.find_element(By.ID, "rollout-resume").is_enabled()
+
+    browser.find_element(By.ID, "action-reason").send_keys("hold on: checking the canaries")
+    browser.find_element(By.ID, "rollout-pause").click()
+    assert wait_for(lambda: _rollout_state(server, rollout_id) == "paused", 15), "pausing from the page"
+    _wait(browser, lambda d: d.find_element(By.ID, "rollout-state").get_attribute("data-state") == "paused",
+          message="the page shows paused")
+    _wait(browser, lambda d: d.find_element(By.ID, "rollout-resume").is_enabled(), message="resume enabled")
+    assert not browser.find_element(By.ID, "rollout-pause").is_enabled()
+    assert server.get(f"/api/rollouts/{rollout_id}")["reason"] == "hold on: checking the canaries"
+    _shot(browser, shots, "rollout")
+
+    browser.find_element(By.ID, "rollout-resume").click()
+    assert wait_for(lambda: _rollout_state(server, rollout_id) == "running", 15), "resuming from the page"
+    _wait(browser, lambda d: d.find_element(By.ID, "rollout-abort").is_enabled()
+          and d.find_element(By.ID, "rollout-state").get_attribute("data-state") == "running", message="running")
+    browser.find_element(By.ID, "rollout-abort").click()
+    alert = WebDriverWait(browser, 10).until(lambda d: d.switch_to.alert)
+    assert rollout_id in alert.text
+    alert.dismiss()  # the operator thinks again: nothing happens
+    assert _rollout_state(server, rollout_id) == "running"
+    browser.find_element(By.ID, "rollout-abort").click()
+    WebDriverWait(browser, 10).until(lambda d: d.switch_to.alert).accept()
+    assert wait_for(lambda: _rollout_state(server, rollout_id) == "aborted", 15), "aborting from the page"
+    _wait(browser, lambda d: d.find_element(By.ID, "rollout-state").get_attribute("data-state") == "aborted",
+          message="the page shows aborted")
+
+
+def test_the_audit_page_shows_who_did_what_and_when(browser, server, fleet, shots):
+    entries = server.get("/api/audit?limit=100")["entries"]
+    pauses = [e for e in entries if e["action"] == "rollout.pause"]
+    assert pauses, entries
+    _open(browser, server, "/audit", "#audit tbody tr[data-entry]")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#audit tbody tr[data-entry]")
+    assert [r.get_attribute("data-entry") for r in rows] == [str(e["id"]) for e in entries]
+    pause_row = browser.find_element(By.CSS_SELECTOR, f"#audit tr[data-entry='{pauses[0]['id']}']")
+    cells = [c.text for c in pause_row.find_elements(By.TAG_NAME, "td")]
+    assert cells[1:5] == ["admin", "rollout.pause", pauses[0]["target"], "ok"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", cells[0])
+    assert "from=running" in cells[5] and "to=paused" in cells[5]
+    actions = [r.find_elements(By.TAG_NAME, "td")[2].text for r in rows]
+    assert {"artifact.upload", "rollout.create", "rollout.pause", "rollout.resume", "rollout.abort"} <= set(actions)
+    _shot(browser, shots, "audit")
+    Select(browser.find_element(By.ID, "audit-action")).select_by_value("rollout.abort")
+    _wait(browser, lambda d: {r.find_elements(By.TAG_NAME, "td")[2].text for r in
+                              d.find_elements(By.CSS_SELECTOR, "#audit tbody tr[data-entry]")} == {"rollout.abort"},
+          message="filtered by action")
+
+
+def test_no_page_broke_the_content_security_policy_or_threw(browser, server):
+    _signed_in(browser, server)
+    problems = [entry for entry in _console(browser)
+                if entry["level"] in ("SEVERE", "WARNING") and "favicon" not in entry["message"]]
+    # A refused token is a 401 the browser logs as a failed resource load; nothing else is allowed.
+    unexpected = [p for p in problems if "401 (Unauthorized)" not in p["message"]]
+    assert unexpected == [], unexpected
+    assert not [e for e in browser.console if "Content Security Policy" in e["message"]]
+    assert browser.execute_script("return document.title") != "pwned"
+
+
+def test_signing_out_forgets_the_token(browser, server):
+    _signed_in(browser, server)
+    browser.find_element(By.ID, "logout").click()
+    _wait(browser, lambda d: d.find_element(By.ID, "login").is_displayed(), message="sign-in form after sign-out")
+    assert browser.execute_script("return sessionStorage.getItem('edgepack.fleet.token')") is None
+    browser.get(f"{server.url}/ui/#/fleet")
+    _wait(browser, lambda d: d.find_element(By.ID, "login").is_displayed(), message="still signed out")
+    assert browser.find_elements(By.CSS_SELECTOR, "#devices") == []
