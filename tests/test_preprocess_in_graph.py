@@ -155,7 +155,7 @@ def test_mobilenet_in_graph_takes_uint8_nhwc_and_proves_the_rewrite(mobilenet_bo
     assert manifest["inputs"] == [{"name": "input", "dtype": "uint8", "shape": ["batch", 224, 224, 3]}]
     assert manifest["preprocess"]["in_graph"] is True and manifest["preprocess"]["layout"] == "NCHW"
     lowered = report["passes"]["preprocess_graph"]
-    assert lowered["nodes"] == ["Constant", "Constant", "Cast", "Mul", "Add", "Transpose"]
+    assert lowered["nodes"] == ["Constant", "Constant", "Transpose", "Cast", "Mul", "Add"]
     assert lowered["check"]["ok"] is True and lowered["check"]["samples"] == 8
     assert lowered["check"]["outputs"][0]["max_abs_diff"] == 0.0  # the same tensor to the bit
     assert golden.dtype == np.uint8 and golden.shape == (1, 224, 224, 3)  # the smoke test runs the served path
@@ -202,7 +202,7 @@ def test_a_static_qdq_model_keeps_the_lowered_arithmetic_float_in_front_of_its_f
     assert [n.op_type for n in model.graph.node if "image" in n.input] == ["QuantizeLinear"]
     lower_preprocessing(model, "image", spec)
     lowered = [n for n in model.graph.node if n.name.startswith("edgepack_pre/")]
-    assert [n.op_type for n in lowered] == ["Constant", "Constant", "Cast", "Mul", "Add", "Transpose"]
+    assert [n.op_type for n in lowered] == ["Constant", "Constant", "Transpose", "Cast", "Mul", "Add"]
     assert [n.op_type for n in model.graph.node if lowered[-1].output[0] in n.input] == ["QuantizeLinear"]
     before = ort.InferenceSession(str(qdq), providers=["CPUExecutionProvider"])
     after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
