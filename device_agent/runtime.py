@@ -141,12 +141,16 @@ def model_traits(manifest: Manifest) -> ModelTraits:
 
 def engine_cache_dir(root: Path, manifest: Manifest, ort_version: str) -> Path:
     """Where TensorRT's engines and CoreML's compiled model for this model live:
-    ``<store>/cache/<model directory>/<model hash>-ort<version>-<device>/``, so an onnxruntime
-    upgrade or a moved SD card never loads a stale engine, and the store removes the whole
-    ``cache/<model directory>`` with the model (``ModelStore``). I/O: asks the device's name."""
+    ``<store>/cache/<model directory>/<model hash>-ort<version>-<device>/`` for a model in a
+    store (``<store>/models/<model directory>``), so an onnxruntime upgrade or a moved SD card
+    never loads a stale engine, and the store removes the whole ``cache/<model directory>``
+    with the model (``ModelStore``). Any other extracted directory (``predict``'s temporary
+    one) keeps its cache beside it, ``<parent>/cache/<directory>/...``, and loses it with its
+    parent. I/O: asks the device's name."""
     from device_agent.providers import cache_key, this_device
 
-    return root.parent.parent / "cache" / root.name / cache_key(manifest.model_sha256, ort_version, this_device())
+    caches = root.parent.parent / "cache" if root.parent.name == "models" else root.parent / "cache"
+    return caches / root.name / cache_key(manifest.model_sha256, ort_version, this_device())
 
 
 def _zeros_feed(model: LoadedModel) -> dict[str, np.ndarray]:

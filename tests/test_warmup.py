@@ -108,6 +108,9 @@ def test_the_issues_cuda_only_box_runs_on_cuda_not_cpu(artifacts, tmp_path, trus
     model = load_model(verified.root, verified.manifest, profile="jetson", factory=FakeGpuOrt(missing={TENSORRT}))
     assert model.provider == CUDA
     assert "libnvinfer.so.10: cannot open shared object file" in dict(model.fallbacks)[TENSORRT]
+    # Outside a store (predict's temporary directory) the cache stays beside the model, inside
+    # the folder that is removed with it, never in the folder above.
+    assert model.cache_dir.parent == tmp_path / "cache" / verified.root.name
 
 
 def test_without_golden_samples_an_accelerator_warms_up_on_zeros_and_the_cpu_does_not(artifacts, tmp_path, trust,
