@@ -96,6 +96,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
             import onnxruntime  # noqa: F401 - imported here, while the artifact is verified
 
             from device_agent.runtime import InferenceService, load_model
+
+            if isinstance(data, bytes) and Path(args.input).suffix.lower() in IMAGE_SUFFIXES:
+                from PIL import Image  # and its common format plugins: the verification is still running
+
+                Image.preinit()
         except BaseException:
             verifying.wait()  # the input's error is the one to report; the thread still writes in tmp
             raise
