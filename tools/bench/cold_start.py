@@ -15,7 +15,11 @@ Both run with bytecode caching on (``PYTHONPYCACHEPREFIX`` in a temp folder, war
 first), as on a device where pip compiled the installed packages. The answer's top-1 class of
 both is compared, so they do the same work.
 
-    python tools/bench/cold_start.py [--rounds 21] [--warmup 2]
+    python tools/bench/cold_start.py [--rounds 21] [--warmup 2] [--before DIR]
+
+``--before DIR`` adds a third side in the same rotation: the agent from another tree, e.g.
+``git archive REV device_agent edgepack_core | tar -x -C DIR`` (run with ``python -c``, as is
+the current agent's console script).
 """
 
 from __future__ import annotations
@@ -90,23 +94,35 @@ def timed(command: list[str], env: dict[str, str]) -> tuple[float, float, str]:
     return elapsed, cpu, done.stdout
 
 
-def side_by_side(agent: list[str], bare: list[str], env: dict[str, str], rounds: int,
-                 warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]], str, str]:
-    """Alternating fresh processes; the first ``warmup`` rounds are dropped. Returns the wall
-    and CPU times of each side and the last stdout of each."""
-    agent_times: dict[str, list[float]] = {"wall": [], "cpu": []}
-    bare_times: dict[str, list[float]] = {"wall": [], "cpu": []}
-    outputs = {"agent": "", "bare": ""}
+def side_by_side(commands: dict[str, list[str]], env: dict[str, str], rounds: int,
+                 warmup: int) -> tuple[dict[str, dict[str, list[float]]], dict[str, str]]:
+    """Fresh processes, each round in a rotated order; the first ``warmup`` rounds are dropped.
+    Returns the wall and CPU times of each side and the last stdout of each."""
+    times: dict[str, dict[str, list[float]]] = {side: {"wall": [], "cpu": []} for side in commands}
+    outputs = dict.fromkeys(commands, "")
+    sides = list(commands)
     for index in range(warmup + rounds):
-        order = [("agent", agent, agent_times), ("bare", bare, bare_times)]
-        if index % 2:
-            order.reverse()
-        for side, command, times in order:
-            wall, cpu, outputs[side] = timed(command, env)
+        shift = index % len(sides)
+        for side in sides[shift:] + sides[:shift]:
+            wall, cpu, outputs[side] = timed(commands[side], env)
             if index >= warmup:
-                times["wall"].append(wall)
-                times["cpu"].append(cpu)
-    return agent_times, bare_times, outputs["agent"], outputs["bare"]
+                times[side]["wall"].append(wall)
+                times[side]["cpu"].append(cpu)
+    return times, outputs
+
+
+def agent_from(tree: Path) -> list[str]:
+    """``edgepack-agent`` run from another checkout's device_agent/ and edgepack_core/ (e.g.
+    ``git archive REV device_agent edgepack_core | tar -x -C DIR``): the before side."""
+    return [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); from device_agent.cli import main; "
+            "sys.exit(main(sys.argv[1:]))", str(tree)]
+
+
+def same_answer(name: str, first: str, second: str) -> bool:
+    a, b = json.loads(first), json.loads(second)
+    if name == "mobilenet":
+        return a["result"][0]["index"] == b["result"][0]["index"]
+    return a["outputs"] == b["outputs"]
 
 
 def camera_jpeg(source: Path, out: Path) -> Path:
@@ -121,6 +137,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--before", type=Path, help="also run the agent from this tree (device_agent/, edgepack_core/)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="edgepack-cold-"))
     build_all(folder / "demo", ["mobilenet", "tiny"])
@@ -137,31 +154,32 @@ def main() -> int:
         "tiny (1x4), .npy": ("tiny", demo / "tiny" / "example.npy"),
     }
     results = {}
-    print(f"{'case':<26} {'agent wall':>11} {'bare wall':>10} {'ratio':>6}   {'agent CPU':>10} {'bare CPU':>9} "
-          f"{'ratio':>6}  same answer")
+    header = f"{'case':<26} {'side':<7} {'wall':>8} {'ratio':>6}   {'CPU':>7} {'ratio':>6}  same answer as bare"
+    print(header)
     for label, (name, example) in cases.items():
         artifact = package(folder, name, folder / "k.key")
         model = demo / name / "model.onnx"
-        agent = [agent_cli, "predict", "--artifact", str(artifact), "--trust", str(folder / "k.pub"),
-                 "--input", str(example), "--json"]
+        predict = ["predict", "--artifact", str(artifact), "--trust", str(folder / "k.pub"), "--input", str(example),
+                   "--json"]
+        commands = {"agent": [agent_cli, *predict]}
+        if args.before is not None:
+            commands["before"] = [*agent_from(args.before), *predict]
         if name == "mobilenet":
-            bare = [sys.executable, str(folder / "bare_image.py"), str(model), str(example),
-                    str(demo / name / "labels.txt")]
+            commands["bare"] = [sys.executable, str(folder / "bare_image.py"), str(model), str(example),
+                                str(demo / name / "labels.txt")]
         else:
-            bare = [sys.executable, str(folder / "bare_tensor.py"), str(model), str(example)]
-        agent_times, bare_times, agent_out, bare_out = side_by_side(agent, bare, env, args.rounds, args.warmup)
-        agent_answer, bare_answer = json.loads(agent_out), json.loads(bare_out)
-        if name == "mobilenet":
-            agrees = agent_answer["result"][0]["index"] == bare_answer["result"][0]["index"]
-        else:
-            agrees = agent_answer["outputs"] == bare_answer["outputs"]
-        agent_s, bare_s = statistics.median(agent_times["wall"]), statistics.median(bare_times["wall"])
-        agent_cpu, bare_cpu = statistics.median(agent_times["cpu"]), statistics.median(bare_times["cpu"])
-        results[label] = {"agent_s": round(agent_s, 4), "bare_s": round(bare_s, 4), "ratio": round(agent_s / bare_s, 3),
-                          "agent_cpu_s": round(agent_cpu, 4), "bare_cpu_s": round(bare_cpu, 4),
-                          "cpu_ratio": round(agent_cpu / bare_cpu, 3), "same_answer": agrees, "rounds": args.rounds}
-        print(f"{label:<26} {agent_s * 1000:>8.0f} ms {bare_s * 1000:>7.0f} ms {agent_s / bare_s:>6.2f}   "
-              f"{agent_cpu * 1000:>7.0f} ms {bare_cpu * 1000:>6.0f} ms {agent_cpu / bare_cpu:>6.2f}  {agrees}")
+            commands["bare"] = [sys.executable, str(folder / "bare_tensor.py"), str(model), str(example)]
+        times, outputs = side_by_side(commands, env, args.rounds, args.warmup)
+        medians = {side: {kind: statistics.median(values) for kind, values in t.items()} for side, t in times.items()}
+        bare = medians["bare"]
+        results[label] = {"rounds": args.rounds}
+        for side, median in medians.items():
+            agrees = same_answer(name, outputs[side], outputs["bare"])
+            results[label][side] = {"wall_s": round(median["wall"], 4), "cpu_s": round(median["cpu"], 4),
+                                    "ratio": round(median["wall"] / bare["wall"], 3),
+                                    "cpu_ratio": round(median["cpu"] / bare["cpu"], 3), "same_answer": agrees}
+            print(f"{label:<26} {side:<7} {median['wall'] * 1000:>5.0f} ms {median['wall'] / bare['wall']:>6.2f}   "
+                  f"{median['cpu'] * 1000:>4.0f} ms {median['cpu'] / bare['cpu']:>6.2f}  {agrees}")
     print(json.dumps({"cold_start": results}))
     return 0
 
