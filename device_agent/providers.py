@@ -19,6 +19,7 @@ the artifact's tolerances, an engine that fails to build on the first run) fails
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import logging
@@ -250,7 +251,9 @@ def capture_provider_log(enabled: bool = True) -> Iterator[io.StringIO]:
     both logged at WARNING instead, and its native log lines on file descriptor 2, which are
     teed: they still reach stderr as they are written, and a copy (the last 64 KiB) is kept.
 
-    One capture at a time per process (descriptor 2 is process-wide)."""
+    One capture at a time per process (descriptor 2, stdout and the warnings filters are
+    process-wide): accelerator sessions are created one after the other, and what other
+    threads print or warn meanwhile is logged with onnxruntime's lines, not lost."""
     captured = io.StringIO()
     if not enabled:
         yield captured
@@ -461,8 +464,10 @@ def nvidia_gpu() -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=1)
 def this_device() -> str:
-    """:func:`device_label` of this machine (I/O: nvidia-smi, the device tree, /etc)."""
+    """:func:`device_label` of this machine (I/O: nvidia-smi, the device tree, /etc), asked once
+    per process."""
     import platform
 
     release = _read_text("/etc/nv_tegra_release").splitlines()

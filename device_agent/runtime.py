@@ -201,7 +201,12 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
     cache_dir = None
     if plan.needs_cache:  # only then is the device's identity worth asking for (nvidia-smi)
         cache_dir = engine_cache_dir(root, manifest, ort.__version__)
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:  # a store gone read-only still serves: the engine is built, not kept
+            log.warning("%s %s: no engine cache (%s cannot be created: %s)", manifest.name, manifest.version,
+                        cache_dir, err.strerror or err)
+            cache_dir = None
         plan = choose_providers(profile, available, traits, threads=threads, cache_dir=cache_dir,
                                 ort_version=ort.__version__)
     constants = constant_inputs(manifest)

@@ -196,3 +196,16 @@ def test_healthz_and_the_published_state_name_the_provider_and_each_fallback(art
         validate_payload("state", bounded)
         assert len(bounded["provider_fallbacks"]) == 16 and len(bounded["provider_fallbacks"][-1]["reason"]) == 1000
     assert json.loads(json.dumps(doc)) == doc
+
+
+def test_a_cache_that_cannot_be_created_does_not_stop_the_model(artifacts, tmp_path, trust, jetson_build, caplog):
+    """A store whose medium refuses writes still serves (docs/agent.md): the engine is built,
+    not kept. (Root ignores permission bits, so a file stands where the cache folder goes.)"""
+    store = ModelStore(tmp_path / "store", trust)
+    installed = store.install(artifacts["1.0.0"])
+    (store.root / "cache").write_bytes(b"not a folder")
+    fake = FakeGpuOrt()
+    with caplog.at_level("WARNING"):
+        model = load_model(installed.directory, installed.verified.manifest, profile="jetson", factory=fake)
+    assert model.provider == TENSORRT and model.cache_dir is None
+    assert "trt_engine_cache_path" not in fake.calls[0][0][1] and "no engine cache" in caplog.text
