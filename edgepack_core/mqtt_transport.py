@@ -684,16 +684,18 @@ class MqttTransport:
             if not self._call_safely(handler, incoming):
                 self.ack(incoming)  # a handler that raised will not ack: never leave the broker waiting
 
-    def ack(self, message: Incoming) -> None:
-        """Acknowledge ``message`` (with ``manual_ack``; a no-op otherwise, and for QoS 0). An ack
-        for a message of an earlier connection is dropped: the broker redelivers it anyway, under
-        a new packet id. Acks must follow the order the messages arrived in (MQTT 4.6)."""
+    def ack(self, message: Incoming) -> bool:
+        """Acknowledge ``message`` (with ``manual_ack``; a no-op otherwise, and for QoS 0); True if
+        an acknowledgement was sent. An ack for a message of an earlier connection is dropped: the
+        broker redelivers it anyway, under a new packet id that the old one must not hit. Acks must
+        follow the order the messages arrived in (MQTT 4.6)."""
         if not self.settings.manual_ack or message.qos == 0:
-            return
+            return False
         with self._lock:
             current = message.generation == self._generation and self._connected.is_set()
         if current:
             self._client.ack(message.mid, message.qos)
+        return current
 
     def _ack_dropped(self, message: mqtt.MQTTMessage) -> None:
         if self.settings.manual_ack and message.qos > 0:

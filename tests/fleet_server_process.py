@@ -56,17 +56,19 @@ class FleetServerProcess:
     """One `edgepack fleet serve`; ``kill()`` is kill -9, ``start()`` again reuses everything."""
 
     def __init__(self, folder: Path, *, broker: str, keys: ServerKeys, db_url: str | None = None,
-                 server_id: str | None = None, extra: tuple[str, ...] = (), port: int | None = None) -> None:
+                 server_id: str | None = None, extra: tuple[str, ...] = (), port: int | None = None,
+                 artifacts: Path | None = None) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.keys = keys
         self.db_url = db_url or f"sqlite:///{folder / 'fleet.db'}"
         self.args = [cli("edgepack"), "fleet", "serve", "--broker", broker, "--db", self.db_url,
-                     "--listen", f"127.0.0.1:{self.port}", "--artifacts", str(folder / "artifacts"),
+                     "--listen", f"127.0.0.1:{self.port}", "--artifacts", str(artifacts or folder / "artifacts"),
                      "--trust", str(keys.release_pub), "--token-file", str(keys.token_file),
                      "--operator-key", str(keys.operator_key), "--tick", "0.1", "--silence", "20s",
                      *(("--server-id", server_id) if server_id else ()), *extra]
+        self.artifacts = artifacts or folder / "artifacts"
         self.log = folder / "server.log"
         self.proc: subprocess.Popen | None = None
 
@@ -74,10 +76,10 @@ class FleetServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> FleetServerProcess:
+    def start(self, timeout: float = 30.0, env: dict[str, str] | None = None) -> FleetServerProcess:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                                         env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -115,6 +117,13 @@ class FleetServerProcess:
     def get(self, path: str) -> Any:
         status, doc = self.call("GET", path)
         assert status == 200, (status, doc)
+        return doc
+
+    def finished(self, rollout_id: str, timeout: float = 120.0) -> dict:
+        """The rollout once it has ended (succeeded, failed, aborted); fails the test after ``timeout``."""
+        doc = wait_for(lambda: (lambda d: d if d["state"] in ("succeeded", "failed", "aborted") else None)(
+            self.get(f"/api/rollouts/{rollout_id}")), timeout)
+        assert doc is not None, f"rollout {rollout_id} did not end within {timeout:g} s"
         return doc
 
     def kill(self) -> None:
@@ -178,3 +187,10 @@ class CommandCounter:
     def close(self) -> None:
         self.client.loop_stop()
         self.client.disconnect()
+
+
+def edgepack(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run the `edgepack` CLI with no EDGEPACK_* variable from the outside, plus ``env``."""
+    clean = {key: value for key, value in os.environ.items() if not key.startswith("EDGEPACK_")}
+    return subprocess.run([cli("edgepack"), *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, env={**clean, "PYTHONWARNINGS": "ignore", **(env or {})})

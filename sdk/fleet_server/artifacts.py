@@ -130,10 +130,10 @@ class ArtifactStore:
         self.max_bytes = max_bytes
         self.limits = dataclasses.replace(Limits(), max_archive_bytes=max_bytes,
                                           max_member_bytes=min(Limits().max_member_bytes, max_bytes))
-        self._clean_incoming()
+        self._clean_incoming(older_than_s=3600.0)  # another server may share the folder and be uploading
 
-    def _clean_incoming(self, older_than_s: float = 0.0) -> None:
-        """Remove uploads a crash left half-written (they were never verified)."""
+    def _clean_incoming(self, older_than_s: float) -> None:
+        """Remove uploads a crash left half-written (they were never verified and never will be)."""
         now = time.time()
         for leftover in self.incoming.glob("upload-*"):
             with contextlib.suppress(OSError):

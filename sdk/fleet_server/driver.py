@@ -25,6 +25,8 @@ it holds no release key, so it can only point devices to artifacts a release key
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +52,7 @@ from sdk.fleet_server.rollouts import (
     Rollout,
     Step,
     command_id,
+    failure,
     next_step,
     transition,
 )
@@ -57,6 +60,14 @@ from sdk.fleet_server.rollouts import (
 log = logging.getLogger("edgepack.fleet_server.driver")
 
 LEASE_NAME = "driver"
+TEST_CRASH_ENV = "EDGEPACK_TEST_CRASH_AT"
+
+
+def crash_point(name: str) -> None:
+    """TEST ONLY: if EDGEPACK_TEST_CRASH_AT names this point, die at once with SIGKILL (what the
+    crash-safety tests use to kill the server between two exact steps)."""
+    if os.environ.get(TEST_CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -138,12 +149,14 @@ class Driver:
 
     def __init__(self, database: Database, transport: MqttTransport, topics: Topics, operator_key: SigningKey,
                  artifact_url: Callable[[str], str], server_id: str, config: DriverConfig | None = None,
-                 on_lead: Callable[[float], None] | None = None) -> None:
+                 on_lead: Callable[[float], None] | None = None,
+                 artifact_available: Callable[[str], bool] = lambda _sha: True) -> None:
         self.database = database
         self.transport = transport
         self.topics = topics
         self.operator_key = operator_key
         self.artifact_url = artifact_url
+        self.artifact_available = artifact_available
         self.server_id = server_id
         self.config = config or DriverConfig()
         self.lease = Lease(database, server_id, self.config.lease_ttl_s)
@@ -249,7 +262,12 @@ class Driver:
 
     def _advance(self, row: Any, now: float) -> None:
         rollout = rollout_of(row)
-        step = next_step(rollout, self.device_statuses(row, now), now)
+        devices = self.device_statuses(row, now)
+        step = next_step(rollout, devices, now)
+        if step.kind == "send" and not self.artifact_available(row["artifact_sha256"]):
+            step = failure(rollout, devices, f"artifact {row['artifact_sha256'][:12]} is not in the artifact store of "
+                                             f"server {self.server_id} (servers sharing a database must share "
+                                             "--artifacts, or serve it from --public-url)")
         if step.kind == "wait":
             return
         if step.kind == "send":
@@ -310,8 +328,9 @@ class Driver:
                                                                                    updated_at=now))
                 if recorded is not None:
                     to_publish.append(recorded)
-        log.info("rollout %s: wave %d sent to %d device(s)", row["id"], row["wave"] + 1, len(to_publish))
+        crash_point(f"fleet-recorded-wave-{row['wave'] + 1}")
         self._publish(to_publish, now)
+        log.info("rollout %s: wave %d sent to %d device(s)", row["id"], row["wave"] + 1, len(to_publish))
 
     def _record_undo(self, connection: Connection, row: Any, step: Step, now: float) -> list[dict[str, Any]]:
         rd = tables.rollout_devices

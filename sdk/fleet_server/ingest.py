@@ -29,7 +29,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from sqlalchemy import delete, func, select, update
@@ -71,8 +71,9 @@ class IngestCounters:
     last_commit_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        return {key: dict(value) if isinstance(value, Counter) else value for key, value in data.items()}
+        # not dataclasses.asdict: it rebuilds a Counter from (key, value) pairs, counting the pairs
+        return {name: dict(value) if isinstance(value, Counter) else value
+                for name, value in ((f.name, getattr(self, f.name)) for f in fields(self))}
 
 
 @dataclass(frozen=True)

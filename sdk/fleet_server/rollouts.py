@@ -190,7 +190,8 @@ def undo_targets(devices: Sequence[DeviceStatus]) -> tuple[tuple[str, ...], tupl
     return tuple(rollback), tuple(cancel)
 
 
-def _failed(rollout: Rollout, devices: Sequence[DeviceStatus], reason: str) -> Step:
+def failure(rollout: Rollout, devices: Sequence[DeviceStatus], reason: str) -> Step:
+    """The ``fail`` step, with the devices to undo when the rollout asks for it."""
     if not rollout.gates.rollback_on_failure:
         return Step("fail", reason=reason)
     rollback, cancel = undo_targets(devices)
@@ -232,7 +233,7 @@ def next_step(rollout: Rollout, devices: Sequence[DeviceStatus], now: float) -> 
         return Step("wait")
     wave = [d for d in devices if d.wave == rollout.wave]
     if not wave:
-        return _failed(rollout, devices, f"wave {rollout.wave + 1} has no device (the plan is damaged)")
+        return failure(rollout, devices, f"wave {rollout.wave + 1} has no device (the plan is damaged)")
     unsent = tuple(sorted(d.device for d in wave if d.state == NOT_SENT))
     if unsent:
         return Step("send", devices=unsent)
@@ -243,14 +244,14 @@ def next_step(rollout: Rollout, devices: Sequence[DeviceStatus], now: float) -> 
     label = f"wave {rollout.wave + 1} of {rollout.wave_count}"
     if verdict.outcome == "failed":
         why = f"timed out after {rollout.gates.wave_timeout_s:g} s: " if verdict.timed_out else ""
-        return _failed(rollout, devices, f"{label} failed: {why}{verdict.reason}")
+        return failure(rollout, devices, f"{label} failed: {why}{verdict.reason}")
     if verdict.outcome == "pending":
         return Step("wait")
     if rollout.soak_started_at is None:
         return Step("soak")
     unhealthy = soak_verdict(wave, rollout.gates)
     if unhealthy:
-        return _failed(rollout, devices, f"{label} failed its {unhealthy}")
+        return failure(rollout, devices, f"{label} failed its {unhealthy}")
     if now - rollout.soak_started_at < rollout.gates.soak_s:
         return Step("wait")
     if rollout.wave + 1 >= rollout.wave_count:

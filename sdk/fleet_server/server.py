@@ -145,7 +145,8 @@ class FleetServer:
             raise
         assert self.ingest.control is not None
         self.driver = Driver(self.database, self.ingest.control, self.ingest.topics, self.operator_key,
-                             self.artifact_url, self.server_id, self.config.driver, on_lead=self._on_lead)
+                             self.artifact_url, self.server_id, self.config.driver, on_lead=self._on_lead,
+                             artifact_available=lambda sha: self.public_url is not None or self.store.has(sha))
         self._next_prune = time.time() + self.config.retention.interval_s
         thread = threading.Thread(target=self.driver.run, name="fleet-driver", daemon=True)
         thread.start()

@@ -1,0 +1,256 @@
+"""Server-side rollouts end to end: a real `edgepack fleet serve`, a real mosquitto, simulated devices
+that answer with real job events (tools/fleet_sim.py) and real agents. Every command the broker
+delivers is counted per device, so "no device gets a command twice" is measured, not assumed."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from edgepack_core.signing import TrustStore
+from tests.artifacts import build_artifact
+from tests.fleet_server_process import CommandCounter, FleetServerProcess, edgepack, make_keys, wait_for
+from tools.fleet_sim import Behaviour, SimFleet
+
+
+@pytest.fixture
+def broker(mosquitto_broker):
+    return mosquitto_broker
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory, keypair):
+    return make_keys(tmp_path_factory.mktemp("keys"), release=keypair)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, keypair) -> Path:
+    return build_artifact(tmp_path_factory.mktemp("arts"), keypair[0], version="1.1.0")
+
+
+@pytest.fixture
+def counter(broker):
+    counting = CommandCounter(broker.port)
+    yield counting
+    counting.close()
+
+
+@pytest.fixture
+def server(tmp_path: Path, broker, keys):
+    process = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys,
+                                 extra=("--resend-after", "3s"))
+    process.start()
+    yield process
+    process.stop()
+
+
+def _signed_behaviour(keys, **changes) -> Behaviour:
+    """Devices that refuse commands not signed by the server's operator key, and fetch for real."""
+    return Behaviour(operator_trust=TrustStore.from_paths([keys.operator_pub]), fetch=True, **changes)
+
+
+def _env(server: FleetServerProcess) -> dict[str, str]:
+    return {"EDGEPACK_SERVER": server.url, "EDGEPACK_SERVER_TOKEN_FILE": str(server.keys.token_file)}
+
+
+def _rollout(server: FleetServerProcess, rollout_id: str) -> dict:
+    return server.get(f"/api/rollouts/{rollout_id}")
+
+
+def _job_events(server: FleetServerProcess) -> dict[str, int]:
+    """Job events stored per device, read from the server's SQLite file."""
+    with sqlite3.connect(f"file:{server.folder / 'fleet.db'}?mode=ro", uri=True) as connection:
+        return dict(connection.execute("SELECT device, count(*) FROM job_events GROUP BY device").fetchall())
+
+
+def test_three_wave_rollout_to_twenty_devices_completes_from_the_cli(server, broker, keys, artifact, counter):
+    with SimFleet(broker.host, broker.port, 20, rate=1, behaviour=_signed_behaviour(keys)) as fleet:
+        assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 20)
+        result = edgepack("rollout", "create", str(artifact), "--group", "sim", "--waves", "5,25,100", "--soak", "0.5",
+                          "--wait", "--timeout", "120", env=_env(server))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "uploaded scale 1.1.0" in result.stderr
+        assert "succeeded" in result.stdout and "wave 3 (100%): passed   15/15 active" in result.stdout
+        assert set(fleet.versions().values()) == {"1.1.0"}
+        assert wait_for(lambda: server.get("/api/devices?version=1.1.0")["total"] == 20, 10)
+    assert sorted(counter.by_device.values()) == [1] * 20  # one command per device, none twice
+    assert set(counter.types.values()) == {"deploy"}
+    rollouts = server.get("/api/rollouts")["rollouts"]
+    assert len(rollouts) == 1 and rollouts[0]["state"] == "succeeded"
+    doc = _rollout(server, rollouts[0]["id"])
+    assert [(w["devices"], w["state"]) for w in doc["waves"]] == [(1, "passed"), (4, "passed"), (15, "passed")]
+    assert all(d["state"] == "active" and d["final"] for d in doc["devices"])
+    assert {e["action"] for e in server.get("/api/audit")["entries"]} == {"artifact.upload", "rollout.create"}
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_server_mid_wave_resumes_where_it_was_without_sending_twice(server, broker, keys, artifact,
+                                                                                  counter):
+    """The server dies (kill -9) while wave 2 runs; devices keep publishing job events while it is
+    down; a restart picks the rollout up from the database, sends each device its command once, and
+    stores every event published during the outage (persistent session, acknowledged after commit)."""
+    behaviour = _signed_behaviour(keys, health_window_s=2.0)
+    with SimFleet(broker.host, broker.port, 20, rate=1, behaviour=behaviour) as fleet:
+        assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 20)
+        created = edgepack("rollout", "create", str(artifact), "--group", "sim", "--waves", "5,25,100",
+                           env=_env(server))
+        assert created.returncode == 0, created.stderr
+        rollout_id = created.stdout.split()[1].rstrip(":")
+
+        def devices_working_on_wave_two() -> bool:
+            doc = _rollout(server, rollout_id)
+            return doc["wave"] == 1 and any(d["wave"] == 1 and d["state"] not in ("not_sent", "sent")
+                                            and not d["final"] for d in doc["devices"])
+
+        assert wait_for(devices_working_on_wave_two, 60, interval=0.02)
+        server.kill()
+        killed_at = time.monotonic()
+        # While the server is down, wave 2's devices finish their jobs (their events queue on the broker).
+        assert wait_for(lambda: sum(v == "1.1.0" for v in fleet.versions().values()) == 5, 20)
+        time.sleep(max(0.0, 2.5 - (time.monotonic() - killed_at)))  # their health windows close while it is down
+        server.start()
+        final = server.finished(rollout_id)
+        assert final["state"] == "succeeded", final
+        assert set(fleet.versions().values()) == {"1.1.0"}
+    assert sorted(counter.by_device.values()) == [1] * 20, counter.by_device
+    assert sorted(counter.by_id.values()) == [1] * 20
+    # queued, downloading, verifying, staging, testing, active, active (final): 7 events per device, all stored
+    assert _job_events(server) == {f"sim-{i:05d}": 7 for i in range(20)}
+    assert server.get("/api/status")["driver"]["resent"] == 0
+
+
+@pytest.mark.slow
+def test_a_crash_between_recording_and_publishing_a_wave_sends_it_once_after_restart(tmp_path, broker, keys,
+                                                                                      artifact, counter):
+    """The server dies (SIGKILL at an exact point) after wave 2's commands are recorded and before
+    they reach the broker. After the restart it finds them unacknowledged and unanswered, and
+    publishes them (the same bytes) once the grace has passed: every device gets one command."""
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys, extra=("--resend-after", "2s"))
+    server.start(env={"EDGEPACK_TEST_CRASH_AT": "fleet-recorded-wave-2"})
+    try:
+        with SimFleet(broker.host, broker.port, 20, rate=1, behaviour=_signed_behaviour(keys)) as fleet:
+            assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 20)
+            created = edgepack("rollout", "create", str(artifact), "--group", "sim", "--waves", "5,25,100",
+                               env=_env(server))
+            rollout_id = created.stdout.split()[1].rstrip(":")
+            assert server.proc.wait(60) == -9  # died at the crash point
+            assert sum(counter.by_device.values()) == 1  # wave 1 only: wave 2 never reached the broker
+            server.start()
+            final = server.finished(rollout_id)
+            assert final["state"] == "succeeded", final
+            assert set(fleet.versions().values()) == {"1.1.0"}
+        assert sorted(counter.by_device.values()) == [1] * 20, counter.by_device
+        assert server.get("/api/status")["driver"]["resent"] == 4
+    finally:
+        server.stop()
+
+
+def test_a_failing_wave_stops_the_rollout_and_rolls_back_what_it_updated(server, broker, keys, artifact, counter):
+    healthy = _signed_behaviour(keys, groups=("mix",))
+    failing = _signed_behaviour(keys, groups=("mix",), rollback_versions=frozenset({"1.1.0"}))
+    with SimFleet(broker.host, broker.port, 2, rate=1, prefix="a", behaviour=healthy) as good, \
+            SimFleet(broker.host, broker.port, 4, rate=1, prefix="b", behaviour=failing) as bad:
+        assert good.wait_ready() and bad.wait_ready()
+        assert wait_for(lambda: server.get("/api/devices?group=mix&online=true")["total"] == 6)
+        result = edgepack("rollout", "create", str(artifact), "--group", "mix", "--waves", "33,100",
+                          "--rollback-on-failure", "--wait", "--timeout", "120", env=_env(server))
+        assert result.returncode == 1
+        assert "ended failed: not every device is active: wave 2 of 2 failed: b-0000" in result.stderr
+        assert result.stderr.count("edgepack: error") == 1 and "Traceback" not in result.stderr
+        rollout_id = server.get("/api/rollouts")["rollouts"][0]["id"]
+        undone = wait_for(lambda: (lambda d: d if all(x["undo"] is None or x["undo"]["state"] == "done"
+                                                      for x in d["devices"]) else None)(_rollout(server, rollout_id)))
+        assert undone is not None
+        first_wave = [d for d in undone["devices"] if d["wave"] == 0]
+        assert [d["device"] for d in first_wave] == ["a-00000", "a-00001"]
+        assert all(d["undo"]["kind"] == "rollback" and d["undo"]["state"] == "done" for d in first_wave)
+        assert all(d["state"] == "rolled_back" for d in undone["devices"] if d["wave"] == 1)
+        assert set(good.versions().values()) == {"1.0.0"} and set(bad.versions().values()) == {"1.0.0"}
+    kinds = sorted((counter.types[i], n) for i, n in counter.by_id.items())
+    assert kinds == [("deploy", 1)] * 6 + [("rollback", 1)] * 2
+
+
+def test_pause_resume_and_abort_from_the_cli(server, broker, keys, artifact, counter):
+    behaviour = _signed_behaviour(keys, health_window_s=1.0)
+    env = _env(server)
+    with SimFleet(broker.host, broker.port, 10, rate=1, behaviour=behaviour) as fleet:
+        assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 10)
+        created = edgepack("rollout", "create", str(artifact), "--group", "sim", "--waves", "10,50,100", env=env)
+        rollout_id = created.stdout.split()[1].rstrip(":")
+        paused = edgepack("rollout", "pause", rollout_id, "--reason", "lunch", env=env)
+        assert paused.returncode == 0 and " paused " in paused.stdout and "lunch" in paused.stdout
+        time.sleep(3.0)  # a paused rollout sends nothing: what was sent before the pause finishes alone
+        sent_while_paused = sum(counter.by_device.values())
+        assert sent_while_paused <= 1 and _rollout(server, rollout_id)["state"] == "paused"
+        resumed = edgepack("rollout", "resume", rollout_id, env=env)
+        assert resumed.returncode == 0 and " running " in resumed.stdout
+        assert wait_for(lambda: _rollout(server, rollout_id)["wave"] == 1, 30)
+        aborted = edgepack("rollout", "abort", rollout_id, env=env)
+        assert aborted.returncode == 0 and " aborted " in aborted.stdout
+        time.sleep(1.5)
+        doc = _rollout(server, rollout_id)
+        assert doc["state"] == "aborted" and doc["waves"][2]["not_sent"] == 5
+        again = edgepack("rollout", "resume", rollout_id, env=env)
+        assert again.returncode == 1 and again.stderr.count("\n") == 1
+        assert "409 conflict" in again.stderr and "cannot resume a rollout that is aborted" in again.stderr
+        status = edgepack("rollout", "status", rollout_id, "--json", env=env)
+        assert status.returncode == 0 and '"state": "aborted"' in status.stdout
+    assert sum(counter.by_device.values()) == 5  # waves 1 and 2 only
+    actions = [(e["action"], e["actor"]) for e in server.get("/api/audit")["entries"] if e["outcome"] == "ok"]
+    assert actions[:4] == [("rollout.abort", "admin"), ("rollout.resume", "admin"), ("rollout.pause", "admin"),
+                           ("rollout.create", "admin")]
+
+
+def test_soak_error_rate_gate_fails_a_wave_whose_devices_report_errors(server, broker, keys, artifact):
+    behaviour = _signed_behaviour(keys, error_versions=frozenset({"1.1.0"}))
+    with SimFleet(broker.host, broker.port, 4, rate=5, behaviour=behaviour) as fleet:
+        assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 4)
+        result = edgepack("rollout", "create", str(artifact), "--group", "sim", "--waves", "25,100", "--soak", "3",
+                          "--max-error-rate", "0.2", "--wait", "--timeout", "60", env=_env(server))
+        assert result.returncode == 1
+        assert "wave 1 of 2 failed its soak: sim-00000 error rate 0.500" in result.stderr
+        rollout = server.get("/api/rollouts")["rollouts"][0]
+        assert _rollout(server, rollout["id"])["waves"][1]["not_sent"] == 3
+
+
+def test_a_rollout_whose_artifact_left_the_store_fails_naming_why(server, broker, keys, artifact):
+    with SimFleet(broker.host, broker.port, 2, rate=1, behaviour=_signed_behaviour(keys)) as fleet:
+        assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 2)
+        status, stored = server.call("POST", "/api/artifacts", data=artifact.read_bytes())
+        assert status == 201
+        (server.artifacts / f"{stored['sha256']}.edgepkg").unlink()  # e.g. a second server with its own folder
+        result = edgepack("rollout", "create", str(artifact), "--group", "sim", "--wait", "--timeout", "30",
+                          env=_env(server))
+        assert result.returncode == 1
+        assert f"artifact {stored['sha256'][:12]} is not in the artifact store of server" in result.stderr
+        assert set(fleet.versions().values()) == {"1.0.0"}
+
+
+@pytest.mark.slow
+def test_rollout_to_real_agents_signed_by_the_server_and_fetched_from_it(tmp_path, broker, keys, keypair, artifact):
+    """Two real agents with the server's operator key and its origin allowed: the signed command is
+    accepted, the artifact fetched over HTTP from the server, verified with the release key."""
+    from tests.agent_process import AgentProcess
+
+    v1 = build_artifact(tmp_path / "v1", keypair[0], version="1.0.0")
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys)
+    server.start()
+    agents = [AgentProcess(tmp_path, device=f"pi-{i}", broker_port=broker.port, trust=keypair[1], artifact=v1,
+                           groups=["field"], operator_keys=[keys.operator_pub],
+                           updates={"allowed_origins": [server.url]}) for i in range(2)]
+    try:
+        for agent in agents:
+            agent.start()
+        assert wait_for(lambda: server.get("/api/devices?group=field&online=true")["total"] == 2, 30)
+        result = edgepack("rollout", "create", str(artifact), "--group", "field", "--waves", "50,100",
+                          "--health-window", "1", "--wait", "--timeout", "120", env=_env(server))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert [agent.version() for agent in agents] == ["1.1.0", "1.1.0"]
+        assert agents[0].predict([1.0, 2.0, 3.0, 4.0])[0] == 200
+    finally:
+        for agent in agents:
+            agent.stop()
+        server.stop()
