@@ -198,6 +198,7 @@ def test_recipe_templates_validate_and_jetson_gets_fp16_smoke_tolerances(tmp_pat
     templates = REPO / "recipes" / "templates"
     _big_weight_model(tmp_path / "model.onnx", 0.5)
     (tmp_path / "labels.txt").write_text("a\nb\nc\nd\n")
+    (tmp_path / "charset.txt").write_text("0\n1\n")  # the ctc template's charset
     for folder in ("calib", "val"):
         (tmp_path / folder).mkdir()
     (tmp_path / "val" / "labels.csv").write_text("file,label\n")

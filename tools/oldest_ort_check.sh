@@ -72,6 +72,11 @@ input_for() {  # the demo input a recipe's model takes
     digits*) echo "$WORK/demo/digits/val/digit_0000.png" ;;
     tabular*) echo "$WORK/demo/tabular/example.npy" ;;
     vad*) echo "$WORK/demo/vad/audio/burst-16k-pcm16.wav" ;;
+    yolo*) echo "$WORK/demo/yolo/val/val_000.png" ;;          # the torch demos (built when torch imports)
+    ocr*) echo "$WORK/demo/ocr/val/val_000.png" ;;
+    lstm-vad*) echo "$WORK/demo/lstm_vad/audio/talk-16k-pcm16.wav" ;;
+    points*) echo "$WORK/demo/points/example.npy" ;;
+    orientation*) echo "$WORK/demo/orientation/val/val_000.png" ;;
     *) echo "" ;;
   esac
 }
@@ -80,6 +85,7 @@ for recipe in "$WORK"/recipes/*.yaml; do
   name=$(basename "$recipe" .yaml)
   input=$(input_for "$name")
   if [ -z "$input" ]; then fail "$name: no demo input known to this script"; continue; fi
+  if [ ! -e "$input" ]; then say "skip $name: its demo was not built (the torch demos need torch)"; continue; fi
   artifact=$WORK/$name.edgepkg
   if ! "$BIN/edgepack" build "$recipe" "${EXTERNAL[@]}" --key "$WORK/release.key" --output "$artifact" >>"$LOG" 2>&1; then
     fail "build $name (see the log below)"; tail -n 5 "$LOG" | sed 's/^/    /'; continue
