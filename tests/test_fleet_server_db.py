@@ -238,3 +238,39 @@ def test_pruning_folds_old_samples_into_rollups_and_forgets_old_rollups(database
     assert sorted(kept) == [(1560, 4)] * 3
     pruner.run_once(now=5000.0)
     assert _counts(database) == (0, 0)
+
+
+# ------------------------------------------------------------------ the device documents
+
+
+def test_device_documents_are_built_alike_on_both_backends(database: Database):
+    """The list's documents come from SQL (json_object / json_build_object): the same keys, types
+    and values on SQLite and PostgreSQL, and the same document as GET of one device."""
+    from sdk.fleet_server.queries import DeviceFilter, get_device, list_devices
+
+    now = time.time()
+    _write_states(database, ("b", _state("b", 1.0, groups=["z", "a"])), ("a", _state("a", 1.0, status="offline")),
+                  ("c", _state("c", 1.0, version=None)))
+    with database.write() as connection:
+        Writer(database).telemetry(connection, [(parse_telemetry("b", _telemetry("b", 4, inferences=8, errors=2)),
+                                                 now)])
+    listed = list_devices(database, DeviceFilter(), now=now, silence_s=60)
+    assert [d["id"] for d in listed["devices"]] == ["a", "b", "c"]
+    assert listed["total"] == 3 and listed["counts"] == {"online": 2, "offline": 1,
+                                                         "by_version": {"1.0.0": 2, "none": 1},
+                                                         "by_provider": {"CPU": 3}}
+    b = listed["devices"][1]
+    assert b["online"] is True and b["groups"] == ["a", "z"] and b["error_rate"] == 0.25
+    assert b["latency_ms"] == {"p50": 2.0, "p90": None, "p99": 4.0, "mean": None}
+    assert b["model"] == {"name": "m", "version": "1.0.0", "sha256": None} and b["inferences_total"] is None
+    assert listed["devices"][0]["online"] is False and listed["devices"][2]["model"] is None
+    assert listed["devices"][0]["error_rate"] is None and listed["devices"][0]["groups"] == ["g1"]
+    single = get_device(database, "b", now=now, silence_s=60)
+    assert {k: v for k, v in single.items() if k != "capabilities"} == b
+    assert list_devices(database, DeviceFilter(group="z"), now=now, silence_s=60)["total"] == 1
+    assert list_devices(database, DeviceFilter(online=False), now=now, silence_s=60)["devices"][0]["id"] == "a"
+    assert list_devices(database, DeviceFilter(online=True, limit=1, offset=1), now=now,
+                        silence_s=60)["devices"][0]["id"] == "c"
+    assert list_devices(database, DeviceFilter(version="9"), now=now, silence_s=60) == {
+        "devices": [], "total": 0, "limit": 1000, "offset": 0,
+        "counts": {"online": 0, "offline": 0, "by_version": {}, "by_provider": {}}}

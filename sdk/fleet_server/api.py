@@ -303,8 +303,9 @@ class Routes:
                                      version=params.text("version"),
                                      limit=params.integer("limit", 1000, 1, queries.MAX_DEVICES_PAGE),
                                      offset=params.integer("offset", 0, 0, 10**9))
-        return JSONResponse(await run_in_threadpool(queries.list_devices, self.database, where, now=time.time(),
-                                                    silence_s=self.context.silence_s))
+        body = await run_in_threadpool(queries.list_devices_json, self.database, where, now=time.time(),
+                                       silence_s=self.context.silence_s)
+        return Response(body, media_type="application/json")
 
     async def device(self, request: Request, _actor: str) -> Response:
         Params(request, set())
