@@ -13,6 +13,7 @@ import pytest
 
 from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from tests.fleet_server_process import FleetServerProcess, make_keys, wait_for
+from tests.test_host_credentials import secured  # noqa: F401  (fixture: the shipped broker config with TLS)
 from tools.fleet_sim import SimFleet
 
 
@@ -153,3 +154,30 @@ def test_under_constant_telemetry_the_database_stops_growing(tmp_path, broker, k
     assert min(s[2] for s in settled) >= 20 * 3  # and rollups are really being kept
     # The file: freed pages are reused, so the last seconds need no more pages than the middle ones.
     assert max(s[3] for s in samples if s[0] >= 13) <= max(s[3] for s in growing) * 1.1 + 8, samples
+
+
+def test_the_server_logs_in_as_the_shipped_acls_operator_over_tls(tmp_path, secured, keys):  # noqa: F811
+    """Against mosquitto with the shipped config, password file and ACL (TLS listener on): the
+    operator account may join the telemetry share group, read states and jobs, and its server
+    stores what a device (logged in under its own name) publishes."""
+    server = FleetServerProcess(tmp_path / "server", broker=secured.tls_args()[1], keys=keys,
+                                extra=tuple(secured.tls_args()[2:])).start()
+    try:
+        device = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="pi-07", protocol=mqtt.MQTTv5)
+        device.username_pw_set("pi-07", "pw-07")
+        device.connect("127.0.0.1", secured.broker.port)
+        device.loop_start()
+        state = {"schema": "edgepack.state/1", "device": "pi-07", "status": "online", "ts": time.time(),
+                 "groups": ["kitchen"], "model": {"name": "scale", "version": "1.0.0"}}
+        telemetry = {"schema": "edgepack.telemetry/1", "device": "pi-07", "seq": 1, "latency_ms": {"p50": 3.0},
+                     "inferences": {"interval": 5, "total": 5}}
+        device.publish("edgepack/v1/dev/pi-07/state", json.dumps(state), qos=1, retain=True).wait_for_publish(5)
+        device.publish("edgepack/v1/dev/pi-07/telemetry", json.dumps(telemetry), qos=1).wait_for_publish(5)
+        stored = wait_for(lambda: (lambda d: d if d["total"] == 1 and d["devices"][0]["latency_ms"]["p50"] == 3.0
+                                   else None)(server.get("/api/devices")), 15)
+        assert stored is not None and stored["devices"][0]["groups"] == ["kitchen"]
+        assert server.get("/api/status")["ingest"]["stored"]["telemetry"] == 1
+        device.loop_stop()
+        device.disconnect()
+    finally:
+        server.stop()
