@@ -354,6 +354,18 @@ def test_metrics_in_prometheus_format(server, fleet):
         assert line.startswith("#") or " " in line, line
 
 
+def test_refused_tokens_are_counted_in_the_metrics(server):
+    def failures() -> float:
+        text = server.call("GET", "/metrics")[1].decode()
+        return float(next(line for line in text.splitlines()
+                          if line.startswith("edgepack_fleet_api_auth_failures_total")).split()[-1])
+
+    before = failures()
+    for token in (None, "wrong-token-wrong-token"):
+        assert server.call("GET", "/api/devices", token=token)[0] == 401
+    assert failures() == before + 2
+
+
 def test_status_reports_leadership_and_ingest(server, fleet):
     status = server.get("/api/status")
     assert status["leader"] is True and status["lease"]["holder"] == status["server_id"]

@@ -112,9 +112,9 @@ def _state(device: str, ts: float, status: str = "online", groups: list[str] | N
                        "provider": "CPU"}).encode()
 
 
-def _write_states(database: Database, *payloads: tuple[str, bytes]) -> None:
+def _write_states(database: Database, *payloads: tuple[str, bytes], heard: float | None = None) -> None:
     with database.write() as connection:
-        Writer(database).states(connection, [parse_state(d, p) for d, p in payloads], time.time())
+        Writer(database).states(connection, [(parse_state(d, p), heard or time.time()) for d, p in payloads])
 
 
 def _device(database: Database, device: str):
@@ -133,6 +133,17 @@ def test_an_older_retained_state_never_overwrites_a_newer_one(database: Database
     _write_states(database, ("d1", _state("d1", 30.0, status="offline", version=None)))
     row, groups = _device(database, "d1")
     assert (row["status"], row["model_version"]) == ("offline", "1.0.0")  # a will without a model keeps it
+
+
+def test_last_seen_never_moves_back(database: Database):
+    """A retained state the broker replays at every subscribe says when the device was heard:
+    no later than its own ts, never at the replay."""
+    _write_states(database, ("d1", _state("d1", 500.0)), heard=1000.0)
+    _write_states(database, ("d1", _state("d1", 500.0)), heard=500.0)  # the same state, replayed as retained
+    row, _ = _device(database, "d1")
+    assert (row["last_seen"], row["first_seen"]) == (1000.0, 1000.0)
+    _write_states(database, ("d1", _state("d1", 600.0)), heard=2000.0)
+    assert _device(database, "d1")[0]["last_seen"] == 2000.0
 
 
 def test_an_empty_retained_state_removes_the_device(database: Database):

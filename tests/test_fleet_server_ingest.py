@@ -181,3 +181,24 @@ def test_the_server_logs_in_as_the_shipped_acls_operator_over_tls(tmp_path, secu
         device.disconnect()
     finally:
         server.stop()
+
+
+def test_a_stale_retained_state_does_not_make_a_device_look_online(tmp_path, broker, keys):
+    """The broker replays retained states to every new subscriber: a device whose last word was an
+    "online" birth an hour ago (and nothing since) is not online just because the server started."""
+    hour_ago = time.time() - 3600
+    state = {"schema": "edgepack.state/1", "device": "old-1", "status": "online", "ts": hour_ago}
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="old-1", protocol=mqtt.MQTTv5)
+    client.connect("127.0.0.1", broker.port)
+    client.loop_start()
+    client.publish("edgepack/v1/dev/old-1/state", json.dumps(state), qos=1, retain=True).wait_for_publish(5)
+    client.loop_stop()
+    client.disconnect()
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    try:
+        device = wait_for(lambda: (lambda d: d["devices"][0] if d["total"] == 1 else None)(
+            server.get("/api/devices")), 10)
+        assert device["status"] == "online" and device["online"] is False
+        assert abs(device["last_seen"] - hour_ago) < 1
+    finally:
+        server.stop()

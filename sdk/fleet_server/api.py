@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +89,6 @@ class ApiContext:
     auth_failures: int = 0
     requests: int = 0
     ui_dir: Path = UI_DIR
-    counters: dict[str, int] = field(default_factory=dict)
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import case, delete, func, select, update
 
 from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.ids import validate_id
@@ -85,9 +85,9 @@ class _Item:
     message: Incoming | None  # control messages, acknowledged after commit
 
 
-def _device_values(record: StateRecord, now: float) -> dict[str, Any]:
-    return {"id": record.device, "status": record.status, "status_reason": record.reason, "first_seen": now,
-              "last_seen": now, "state_ts": record.ts, "provider": record.provider, "profile": record.profile,
+def _device_values(record: StateRecord, heard: float) -> dict[str, Any]:
+    return {"id": record.device, "status": record.status, "status_reason": record.reason, "first_seen": heard,
+              "last_seen": heard, "state_ts": record.ts, "provider": record.provider, "profile": record.profile,
               "capabilities": record.capabilities, "model_name": record.model_name,
               "model_version": record.model_version, "model_sha256": record.model_sha256}
 
@@ -104,13 +104,16 @@ class Writer:
     def __init__(self, database: Database) -> None:
         self.database = database
 
-    def states(self, connection: Any, records: list[StateRecord | Decommissioned], now: float) -> None:
-        gone = [r.device for r in records if isinstance(r, Decommissioned)]
-        latest: dict[str, StateRecord] = {}
-        for record in records:
+    def states(self, connection: Any, records: list[tuple[StateRecord | Decommissioned, float]]) -> None:
+        """Apply states, each with when the device was last heard by it (``heard``: the receipt for
+        a live message; for a retained one, replayed by the broker at every subscribe, no later than
+        the device's own ts). ``last_seen`` only ever moves forward."""
+        gone = [r.device for r, _ in records if isinstance(r, Decommissioned)]
+        latest: dict[str, tuple[StateRecord, float]] = {}
+        for record, heard in records:
             if isinstance(record, StateRecord):
-                if record.device not in latest or record.ts >= latest[record.device].ts:
-                    latest[record.device] = record
+                if record.device not in latest or record.ts >= latest[record.device][0].ts:
+                    latest[record.device] = (record, heard)
             else:
                 latest.pop(record.device, None)
         if gone:
@@ -120,17 +123,20 @@ class Writer:
             return
         stored = dict(connection.execute(select(tables.devices.c.id, tables.devices.c.state_ts)
                                          .where(tables.devices.c.id.in_(list(latest)))).all())
-        newer = [r for r in latest.values() if stored.get(r.device) is None or r.ts >= stored[r.device]]
-        if not newer:
+        fresh = [(r, heard) for r, heard in latest.values() if stored.get(r.device) is None or r.ts >= stored[r.device]]
+        if not fresh:
             return
         devices = tables.devices
         stmt = self.database.insert(devices)
         keep = ("model_name", "model_version", "model_sha256", "provider", "profile", "capabilities")
-        updates = {name: stmt.excluded[name] for name in ("status", "status_reason", "last_seen", "state_ts")}
+        updates = {name: stmt.excluded[name] for name in ("status", "status_reason", "state_ts")}
+        updates["last_seen"] = case((stmt.excluded.last_seen > devices.c.last_seen, stmt.excluded.last_seen),
+                                    else_=devices.c.last_seen)
         for name in keep:  # an offline will without a model does not erase what the device ran
             updates[name] = _coalesce(stmt.excluded[name], devices.c[name])
         connection.execute(stmt.on_conflict_do_update(index_elements=["id"], set_=updates),
-                           [_device_values(r, now) for r in newer])
+                           [_device_values(r, heard) for r, heard in fresh])
+        newer = [r for r, _ in fresh]
         grouped = [r for r in newer if r.groups is not None]
         if grouped:
             connection.execute(delete(tables.device_groups).where(
@@ -309,7 +315,7 @@ class Ingest:
     def flush(self, batch: Iterable[_Item]) -> None:
         """Parse, store in one transaction, then acknowledge the control messages in order."""
         items = list(batch)
-        states: list[StateRecord | Decommissioned] = []
+        states: list[tuple[StateRecord | Decommissioned, float]] = []
         telemetry: list[tuple[TelemetryRecord, float]] = []
         jobs: list[tuple[JobRecord, float]] = []
         dropped: Counter[str] = Counter()
@@ -318,7 +324,8 @@ class Ingest:
             if item.kind == "state":
                 record = parse_state(item.device, item.payload)
                 target: list[Any] = states
-                value: Any = record
+                retained = item.message is not None and item.message.retain and isinstance(record, StateRecord)
+                value: Any = (record, min(item.received_at, record.ts) if retained else item.received_at)
             elif item.kind == "job":
                 record = parse_job(item.device, item.payload)
                 target, value = jobs, (record, item.received_at)
@@ -329,9 +336,8 @@ class Ingest:
                 dropped[record] += 1
             else:
                 target.append(value)
-        now = time.time()
         with self.database.write() as connection:
-            self.writer.states(connection, states, now)
+            self.writer.states(connection, states)
             self.writer.telemetry(connection, telemetry)
             repeats = self.writer.jobs(connection, jobs)
         committed = time.time()

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -207,7 +206,9 @@ def _rollup_rows(connection: Any, keys: set[tuple[str, int]]) -> dict[tuple[str,
 
 @dataclass
 class Pruner:
-    """Folds aged raw telemetry into rollups and deletes what is past every window."""
+    """Folds aged raw telemetry into rollups and deletes what is past every window. The server
+    calls :meth:`run_once` every ``interval_s`` from the rollout driver's loop, on the lease
+    holder only, so two servers never fold the same samples."""
 
     database: Database
     policy: RetentionPolicy
@@ -215,7 +216,6 @@ class Pruner:
     deleted_rollups: int = 0
     deleted_events: int = 0
     runs: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
 
     def run_once(self, now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -259,14 +259,3 @@ class Pruner:
             connection.execute(delete(raw).where(raw.c.id <= rows[-1][0], raw.c.ts < cutoff))
         self.folded += len(rows)
         return len(rows) == PRUNE_BATCH
-
-    def run(self) -> None:
-        """The job's thread: run every ``interval_s`` until :meth:`stop`."""
-        while not self._stop.wait(self.policy.interval_s):
-            try:
-                self.run_once()
-            except Exception:  # a failed run is retried at the next interval, never fatal
-                log.exception("telemetry pruning failed")
-
-    def stop(self) -> None:
-        self._stop.set()

@@ -122,6 +122,7 @@ class FleetServer:
         self.driver: Driver | None = None
         self.pruner: Pruner | None = None
         self._threads: list[threading.Thread] = []
+        self._api: ApiContext | None = None
         self.store = ArtifactStore(config.artifacts_dir, self.trust, max_bytes=config.max_upload)
 
     def artifact_url(self, sha256: str) -> str:
@@ -158,7 +159,10 @@ class FleetServer:
         """Called by the driver on each round it leads: the retention job runs there, on one server."""
         if now >= self._next_prune and self.pruner is not None:
             self._next_prune = now + self.config.retention.interval_s
-            self.pruner.run_once(now)
+            try:
+                self.pruner.run_once(now)
+            except Exception:  # retried at the next interval; never stops the rollouts
+                log.exception("telemetry pruning failed")
 
     def stop(self) -> None:
         if self.driver is not None:
@@ -236,14 +240,20 @@ class FleetServer:
                [({}, self.driver.sent)])
         metric("edgepack_fleet_commands_resent_total", "counter", "Commands published again after a crash.",
                [({}, self.driver.resent)])
+        api = self._api
+        metric("edgepack_fleet_api_requests_total", "counter", "Authenticated API requests.",
+               [({}, api.requests if api else 0)])
+        metric("edgepack_fleet_api_auth_failures_total", "counter", "API requests refused for a missing or "
+               "wrong token.", [({}, api.auth_failures if api else 0)])
         return "\n".join(lines) + "\n"
 
     def api_context(self) -> ApiContext:
         assert self.database is not None
-        return ApiContext(database=self.database, tokens=self.tokens, store=self.store,
+        self._api = ApiContext(database=self.database, tokens=self.tokens, store=self.store,
                           retention=self.config.retention, artifact_url=self.artifact_url,
                           silence_s=self.config.silence_s, status=self.status, metrics=self.metrics,
                           wake_driver=self.driver.wake if self.driver else (lambda: None))
+        return self._api
 
 
 def bind(host: str, port: int) -> socket.socket:
