@@ -319,10 +319,11 @@ class RequestStats:
 Observer = Callable[[float | None, str | None], None]
 
 
-# The default of ``InferenceService.max_batch`` (docs/agent.md, "Batches"): past 8 images the
-# MobileNet-style demo gains under 5% images/s on a CPU (BENCHMARKS.md), while the input and
-# activations grow with every image (a 640x640 detector: 4.9 MB of input per image).
-DEFAULT_MAX_BATCH = 8
+# The default of ``InferenceService.max_batch`` (docs/agent.md, "Batches"): on the 2-core
+# development machine batches of 4 gave the MobileNet-style demo 1.12-1.18x the images/s of one
+# by one in three runs, 8 and 16 no steady gain (0.99-1.21x; BENCHMARKS.md, "Image path"), while
+# the input and activations grow with every image (a 640x640 detector: 4.9 MB of input each).
+DEFAULT_MAX_BATCH = 4
 
 
 class InferenceService:

@@ -134,11 +134,12 @@ def _same(batched: list, single: list) -> None:
 
 def test_a_list_runs_as_one_session_call_in_order_each_with_its_geometry(workspace, dynamic) -> None:
     service = InferenceService(dynamic)
+    service.max_batch = 6
     items = _items(workspace)
     single = [service.predict(item) for item in items]
     dynamic.session.batches.clear()
     batched = service.predict(items)
-    assert dynamic.session.batches == [len(items)]
+    assert dynamic.session.batches == [6] == [len(items)]
     _same(batched, single)
     assert [r.geometry["original_size"] for r in batched] == [[8, 8], [8, 8], [24, 40], [50, 30], [8, 8], [50, 30]]
     assert len({r.result[0]["index"] for r in batched}) > 1  # not one answer repeated
@@ -156,7 +157,7 @@ def test_max_batch_bounds_every_session_call(workspace, dynamic, size: int, coun
     batched = service.predict_batch(items)
     assert dynamic.session.batches == calls
     _same(batched, single)
-    assert InferenceService().max_batch == DEFAULT_MAX_BATCH == 8
+    assert InferenceService().max_batch == DEFAULT_MAX_BATCH == 4
 
 
 def test_a_fixed_batch_model_runs_one_by_one_with_the_same_answers(workspace, keypair, dynamic) -> None:
@@ -199,7 +200,7 @@ def test_an_in_graph_model_batches_its_uint8_rows(workspace, keypair, dynamic) -
     lowered = _digits(workspace, keypair, "in-graph", preprocess={"in_graph": True})
     items = _items(workspace)
     batched = InferenceService(lowered).predict(items)
-    assert lowered.session.batches == [len(items)]
+    assert lowered.session.batches == [4, 2]  # max_batch's default, then the rest
     _same(batched, [InferenceService(dynamic).predict(item) for item in items])
 
 
