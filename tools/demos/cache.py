@@ -13,11 +13,14 @@ build killed half-way never leaves a folder that looks complete.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
+import multiprocessing
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -57,14 +60,12 @@ def library_versions() -> list[str]:
     return versions
 
 
-def cached_build(name: str, build: Callable[[Path], Path], out: Path, sources: Sequence[Path]) -> Path:
-    """Build ``name`` with ``build(folder) -> model path`` into ``out``, through the cache.
-
-    Returns the model path under ``out`` (the same relative path ``build`` returned)."""
-    out = Path(out)
+def ensure_entry(name: str, build: Callable[[Path], Path], sources: Sequence[Path]) -> Path | None:
+    """The cache folder holding ``name`` built from ``sources``, built now if missing; None when
+    caching is off."""
     root = cache_root()
     if root is None:
-        return build(out)
+        return None
     entry = root / f"{name}-{source_key(sources, library_versions())}"
     if not (entry / MARKER).exists():
         root.mkdir(parents=True, exist_ok=True)
@@ -79,7 +80,51 @@ def cached_build(name: str, build: Callable[[Path], Path], out: Path, sources: S
                     raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+    return entry
+
+
+def cached_build(name: str, build: Callable[[Path], Path], out: Path, sources: Sequence[Path]) -> Path:
+    """Build ``name`` with ``build(folder) -> model path`` into ``out``, through the cache.
+
+    Returns the model path under ``out`` (the same relative path ``build`` returned)."""
+    out = Path(out)
+    entry = ensure_entry(name, build, sources)
+    if entry is None:
+        return build(out)
     relative = (entry / MARKER).read_text().strip()
     out.mkdir(parents=True, exist_ok=True)
     shutil.copytree(entry, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MARKER))
     return out / relative
+
+
+@dataclass(frozen=True)
+class CachedDemo:
+    """A demo builder bound to its name and source files: call it with an output folder."""
+
+    name: str
+    build: Callable[[Path], Path]
+    sources: tuple[Path, ...]
+
+    def __call__(self, out: Path) -> Path:
+        return cached_build(self.name, self.build, out, self.sources)
+
+    def cached(self) -> bool:
+        root = cache_root()
+        key = source_key(self.sources, library_versions())
+        return root is not None and (root / f"{self.name}-{key}" / MARKER).exists()
+
+    def fill(self) -> None:
+        """Build into the cache only (what a worker process does)."""
+        ensure_entry(self.name, self.build, self.sources)
+
+
+def fill_in_parallel(demos: Sequence[CachedDemo], workers: int) -> None:
+    """Build the demos the cache lacks, ``workers`` at a time in fresh processes (each trains
+    single-threaded, so two cores train two demos at once and the weights stay the same)."""
+    missing = [demo for demo in demos if not demo.cached()]
+    if cache_root() is None or len(missing) < 2 or workers < 2:
+        return
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding torch/onnxruntime threads
+    with concurrent.futures.ProcessPoolExecutor(min(workers, len(missing)), mp_context=context) as pool:
+        for future in [pool.submit(demo.fill) for demo in missing]:  # in order: the long ones are listed first
+            future.result()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.demos.cache import cached_build
+from tools.demos.cache import CachedDemo
 
 SEED = 0
 CLASSES = ("sphere", "cube", "plane")
@@ -119,7 +119,6 @@ def _build(out: Path) -> Path:
     return path
 
 
-def build_dynamic_dims(out: Path) -> Path:
-    """The -1-dims point classifier and its data under ``out`` (through the demo cache)."""
-    here = Path(__file__).resolve().parent
-    return cached_build("dynamic_dims", _build, Path(out), [here / "dynamic_dims.py", here / "torch_util.py"])
+_HERE = Path(__file__).resolve().parent
+# The -1-dims point classifier and its data, trained once per checkout (keyed by these files' source).
+build_dynamic_dims = CachedDemo("dynamic_dims", _build, (_HERE / "dynamic_dims.py", _HERE / "torch_util.py"))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.demos.cache import cached_build
+from tools.demos.cache import CachedDemo
 from tools.demos.vad import write_wav
 
 SEED = 0
@@ -165,7 +165,6 @@ def _build(out: Path) -> Path:
     return path
 
 
-def build_lstm_vad(out: Path) -> Path:
-    """The trained LSTM VAD and its clips under ``out`` (through the demo cache)."""
-    here = Path(__file__).resolve().parent
-    return cached_build("lstm_vad", _build, Path(out), [here / "lstm_vad.py", here / "torch_util.py", here / "vad.py"])
+_HERE = Path(__file__).resolve().parent
+# The trained LSTM VAD and its clips under ``out``, trained once per checkout (the cache key is these files' source).
+build_lstm_vad = CachedDemo("lstm_vad", _build, (_HERE / "lstm_vad.py", _HERE / "torch_util.py", _HERE / "vad.py"))

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from tools.demos.cache import cached_build
+from tools.demos.cache import CachedDemo
 
 SEED = 0
 HEIGHT, WIDTH = 32, 128
@@ -156,7 +156,6 @@ def _build(out: Path) -> Path:
     return path
 
 
-def build_ocr(out: Path) -> Path:
-    """The trained recognizer and its data under ``out`` (through the demo cache)."""
-    here = Path(__file__).resolve().parent
-    return cached_build("ocr", _build, Path(out), [here / "ocr_ctc.py", here / "torch_util.py"])
+_HERE = Path(__file__).resolve().parent
+# The trained recognizer and its data under ``out``, trained once per checkout (the cache key is these files' source).
+build_ocr = CachedDemo("ocr", _build, (_HERE / "ocr_ctc.py", _HERE / "torch_util.py"))

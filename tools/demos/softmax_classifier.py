@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from tools.demos.cache import cached_build
+from tools.demos.cache import CachedDemo
 
 SEED = 0
 SIZE = 48
@@ -122,7 +122,6 @@ def _build(out: Path) -> Path:
     return path
 
 
-def build_softmax_classifier(out: Path) -> Path:
-    """The orientation classifier and its pages under ``out`` (through the demo cache)."""
-    here = Path(__file__).resolve().parent
-    return cached_build("orientation", _build, Path(out), [here / "softmax_classifier.py", here / "torch_util.py"])
+_HERE = Path(__file__).resolve().parent
+# The orientation classifier and its pages, trained once per checkout (keyed by these files' source).
+build_softmax_classifier = CachedDemo("orientation", _build, (_HERE / "softmax_classifier.py", _HERE / "torch_util.py"))

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from tools.demos.cache import cached_build
+from tools.demos.cache import CachedDemo
 
 SEED = 0
 SIZE = 96
@@ -344,7 +344,6 @@ def _build(out: Path) -> Path:
     return path
 
 
-def build_yolo(out: Path) -> Path:
-    """The trained detector and its data under ``out`` (through the demo cache)."""
-    here = Path(__file__).resolve().parent
-    return cached_build("yolo", _build, Path(out), [here / "yolo.py", here / "torch_util.py"])
+_HERE = Path(__file__).resolve().parent
+# The trained detector and its data under ``out``, trained once per checkout (the cache key is these files' source).
+build_yolo = CachedDemo("yolo", _build, (_HERE / "yolo.py", _HERE / "torch_util.py"))
