@@ -468,17 +468,36 @@ class AgentApp:
             self._buffered -= reserve
 
     async def _read_body(self, request: Request) -> bytes:
-        """The whole body, at most ``max_body_bytes`` (413), within ``read_timeout_s`` (408)."""
-        limit, timeout = self.settings.max_body_bytes, self.settings.read_timeout_s
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        """The whole body, at most ``max_body_bytes`` (413), within ``read_timeout_s`` (408).
+        The deadline is one timer that cancels this task (``asyncio.wait_for`` would start a
+        task per read; ``asyncio.timeout`` needs Python 3.11)."""
+        timeout = self.settings.read_timeout_s
+        task = asyncio.current_task()
+        assert task is not None
+        expired: list[bool] = []
+
+        def expire() -> None:
+            expired.append(True)
+            task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(timeout, expire)
+        try:
+            return await self._receive_all(request)
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation was ours, and is handled
+                task.uncancel()
+            raise BadRequest("timeout", f"the body did not arrive within {timeout:g} s (api.read_timeout_s)",
+                             http_status=408) from None
+        finally:
+            timer.cancel()
+
+    async def _receive_all(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
         chunks, size = [], 0
         while True:
-            try:
-                message = await asyncio.wait_for(request.receive(), max(deadline - loop.time(), 0.0))
-            except asyncio.TimeoutError:
-                raise BadRequest("timeout", f"the body did not arrive within {timeout:g} s (api.read_timeout_s)",
-                                 http_status=408) from None
+            message = await request.receive()
             if message["type"] == "http.disconnect":
                 raise BadRequest("disconnected", "the client went away before its body arrived")
             chunk = message.get("body", b"")
@@ -620,8 +639,25 @@ class _LingeringTransport:
     def __init__(self, transport: asyncio.Transport, protocol: Any) -> None:
         self._transport = transport
         self._protocol = protocol
+        self._pending: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        """Writes of one loop iteration go out as one send: uvicorn writes an answer's head and
+        body apart, and each write is a system call when the socket's buffer is empty."""
+        if self._pending is None:
+            self._pending = [data]
+            self._protocol.loop.call_soon(self.flush)
+        else:
+            self._pending.append(data)
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            data, self._pending = b"".join(self._pending), None
+            if not self._transport.is_closing():
+                self._transport.write(data)
 
     def close(self) -> None:
+        self.flush()
         self._protocol.linger()
 
     def is_closing(self) -> bool:
@@ -722,6 +758,23 @@ def protocol_class(settings: ApiSettings, count: Callable[[int], None]) -> type:
                 {"settings": settings, "count": staticmethod(count)})
 
 
+def listening_socket(address: tuple[str, int], backlog: int) -> socket.socket:
+    """A TCP socket listening on ``address``, created with ``IPPROTO_TCP`` as its protocol: asyncio
+    sets ``TCP_NODELAY`` on accepted connections only then, and without it every answer (head and
+    body written apart) waits about 40 ms for the client's delayed ACK."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address[0] or None, address[1], type=socket.SOCK_STREAM,
+                                                          proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class ApiServer:
     """The agent's HTTP API on ``address``: uvicorn on its own thread and event loop, inference
     on a bounded pool. The socket is bound in the constructor (an address in use fails there)."""
@@ -735,7 +788,7 @@ class ApiServer:
         self.settings = settings
         self.service = service
         self.app = AgentApp(service, settings, health)
-        self._socket = socket.create_server(address, backlog=min(settings.max_connections, 1024))
+        self._socket = listening_socket(address, backlog=min(settings.max_connections, 1024))
         # uvicorn is imported here, not at the top: ``import uvicorn`` loads its command line,
         # and with it click, which the device side's modules must not pull in on import.
         import uvicorn
@@ -751,6 +804,14 @@ class ApiServer:
     @property
     def port(self) -> int:
         return int(self._socket.getsockname()[1])
+
+    @property
+    def listening(self) -> socket.socket:
+        return self._socket
+
+    def connections(self) -> list[Any]:
+        """The open connections' protocols (for inspection: read them on the server's loop only)."""
+        return list(self._server.server_state.connections)
 
     def start(self) -> ApiServer:
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 
 from device_agent.config import load_config
+from device_agent.errors import ConfigError
 from device_agent.http_api import ApiServer
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
@@ -210,3 +213,40 @@ def test_run_with_a_bad_config_is_one_line_exit_2(tmp_path):
     result = run_cli("edgepack-agent", "run", "--config", str(config))
     assert result.returncode == 2
     assert "profil: unknown key" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_api_bounds_in_agent_yaml_are_validated_up_front(tmp_path):
+    config = tmp_path / "agent.yaml"
+    base = "device_id: pi-07\nstore: s\ntrust: [k.pub]\n"
+    config.write_text(base)
+    defaults = load_config(config).api
+    assert (defaults.read_timeout_s, defaults.max_connections, defaults.workers, defaults.max_queue) == (30, 64, 4, 64)
+    assert defaults.max_image_pixels is None  # sized for the device when the API starts
+    config.write_text(base + "api: {read_timeout_s: 2.5, max_connections: 8, workers: 1, max_queue: 0, "
+                             "max_body_bytes: 1024, max_buffered_bytes: 1024, max_image_pixels: 640000}\n")
+    api = load_config(config).api
+    assert (api.read_timeout_s, api.max_connections, api.workers, api.max_queue) == (2.5, 8, 1, 0)
+    assert (api.max_body_bytes, api.max_buffered_bytes, api.max_image_pixels) == (1024, 1024, 640000)
+    for bad, needle in [("api: {read_timout_s: 5}", "api.read_timout_s: unknown key"),
+                        ("api: {workers: 0}", "api.workers"), ("api: {read_timeout_s: 0}", "api.read_timeout_s"),
+                        ("api: {max_body_bytes: 1025, max_buffered_bytes: 1024}", "api.max_buffered_bytes"),
+                        ("api: {keep_alive_s: .nan}", "api.keep_alive_s")]:
+        config.write_text(base + bad + "\n")
+        with pytest.raises((SchemaError, ConfigError), match=re.escape(needle)):
+            load_config(config)
+
+
+def test_accepted_connections_send_without_waiting_for_acks(artifact, keypair, tmp_path):
+    """TCP_NODELAY on the agent's side: an answer's head and body go out at once, never held
+    about 40 ms for the client's delayed ACK (asyncio sets it only on an IPPROTO_TCP socket)."""
+    verified = extract_artifact(artifact, tmp_path / "m", TrustStore([load_public_key(keypair[1])]))
+    api = ApiServer(("127.0.0.1", 0), InferenceService(load_model(verified.root, verified.manifest))).start()
+    connection = http.client.HTTPConnection("127.0.0.1", api.port, timeout=10)
+    try:
+        connection.request("GET", "/healthz")
+        assert connection.getresponse().read() and api.listening.proto == socket.IPPROTO_TCP
+        sockets = [c.transport.get_extra_info("socket") for c in api.connections()]
+        assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+    finally:
+        connection.close()
+        api.stop()

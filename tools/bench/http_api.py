@@ -5,10 +5,13 @@ Each server runs in its own child process over the same model (the tiny model, s
 the server's own cost; ``--model mobilenet`` for the MobileNet-style demo) and answers
 ``POST /predict`` with a JSON body and with an ``.npy`` body. The old server is
 ``device_agent/http_api.py`` as of ``--old-rev`` (read with ``git show``, loaded beside today's
-runtime). The clients are asyncio streams in this process, one kept-alive connection each:
+runtime, whose npy/npz decoding is put back to the old revision's ``np.load`` of the whole
+body). The clients are asyncio streams in this process, one kept-alive connection each:
 
 - round trip: one client, requests one after another; the median;
-- throughput: 32 clients at once; requests per second and the median and p99 latency.
+- throughput: 32 clients at once; requests per second and the median and p99 latency;
+- server CPU: the server process's CPU time (user + system) per request under that load, the
+  figure least disturbed by other work on the machine.
 
 Rounds alternate old and new so drift on a noisy machine hits both alike; medians over rounds.
 
@@ -21,6 +24,7 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,6 +59,18 @@ service = InferenceService(load_model(verified.root, verified.manifest))
 if which == "old":
     # the old module imported json_to_feed(model, inputs) from the runtime; it lives in bodies now
     runtime.json_to_feed = lambda model, inputs: bodies.json_to_feed(model.input_specs, inputs)
+    # and the runtime decoded npy/npz bodies whole (runtime._decode_numpy of the old revision)
+    def old_decode(data, specs, limits=None, *, image_input=None):
+        import io, numpy as np
+        try:
+            loaded = np.load(io.BytesIO(data), allow_pickle=False)
+        except (OSError, ValueError, EOFError) as err:
+            raise runtime.BadRequest("bad_input", f"not a readable .npy/.npz body: {err}") from None
+        if isinstance(loaded, np.ndarray):
+            return loaded
+        with loaded:
+            return {name: loaded[name] for name in loaded.files}
+    runtime.decode_numpy = old_decode
     spec = importlib.util.spec_from_file_location("old_http_api", sys.argv[6])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -126,11 +142,18 @@ def serve(which: str, artifact: Path, pub: Path, folder: Path, old_module: Path)
     return proc, int(proc.stdout.readline())
 
 
-def measure(port: int, requests: dict[str, bytes], count: int, clients: int) -> dict[str, float]:
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def measure(pid: int, port: int, requests: dict[str, bytes], count: int, clients: int) -> dict[str, float]:
     figures = {}
     for kind, request in requests.items():
         _, single = asyncio.run(run_clients(port, request, 1, count))
+        cpu = cpu_seconds(pid)
         elapsed, loaded = asyncio.run(run_clients(port, request, clients, count))
+        figures[f"{kind}_server_cpu_ms"] = (cpu_seconds(pid) - cpu) / (count + clients) * 1000
         loaded.sort()
         figures[f"{kind}_rtt_ms"] = statistics.median(single) * 1000
         figures[f"{kind}_rps"] = count / elapsed
@@ -163,7 +186,7 @@ def main() -> None:
             for which in ("old", "new"):
                 proc, port = serve(which, artifact, pub, folder / f"{which}-{round_number}", old_module)
                 try:
-                    results[which].append(measure(port, requests, args.requests, args.clients))
+                    results[which].append(measure(proc.pid, port, requests, args.requests, args.clients))
                 finally:
                     proc.communicate("", timeout=30)
         keys = list(results["new"][0])
