@@ -173,8 +173,11 @@ def test_a_failing_wave_stops_the_rollout_and_rolls_back_what_it_updated(server,
     assert kinds == [("deploy", 1)] * 6 + [("rollback", 1)] * 2
 
 
+@pytest.mark.slow
 def test_pause_resume_and_abort_from_the_cli(server, broker, keys, artifact, counter):
-    behaviour = _signed_behaviour(keys, health_window_s=1.0)
+    # Each wave takes at least the devices' 8 s health window: longer than a CLI call takes to
+    # start on a loaded machine, so pause and abort land inside the wave they are meant for.
+    behaviour = _signed_behaviour(keys, health_window_s=8.0)
     env = _env(server)
     with SimFleet(broker.host, broker.port, 10, rate=1, behaviour=behaviour) as fleet:
         assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 10)
@@ -182,15 +185,15 @@ def test_pause_resume_and_abort_from_the_cli(server, broker, keys, artifact, cou
         rollout_id = created.stdout.split()[1].rstrip(":")
         paused = edgepack("rollout", "pause", rollout_id, "--reason", "lunch", env=env)
         assert paused.returncode == 0 and " paused " in paused.stdout and "lunch" in paused.stdout
-        time.sleep(3.0)  # a paused rollout sends nothing: what was sent before the pause finishes alone
+        time.sleep(3.0)  # nothing to wait for: 30 driver ticks (0.1 s) in which a paused rollout must send nothing
         sent_while_paused = sum(counter.by_device.values())
         assert sent_while_paused <= 1 and _rollout(server, rollout_id)["state"] == "paused"
         resumed = edgepack("rollout", "resume", rollout_id, env=env)
         assert resumed.returncode == 0 and " running " in resumed.stdout
-        assert wait_for(lambda: _rollout(server, rollout_id)["wave"] == 1, 30)
+        assert wait_for(lambda: _rollout(server, rollout_id)["wave"] == 1, 60)
         aborted = edgepack("rollout", "abort", rollout_id, env=env)
         assert aborted.returncode == 0 and " aborted " in aborted.stdout
-        time.sleep(1.5)
+        time.sleep(1.5)  # 15 ticks in which an aborted rollout must not send wave 3
         doc = _rollout(server, rollout_id)
         assert doc["state"] == "aborted" and doc["waves"][2]["not_sent"] == 5
         again = edgepack("rollout", "resume", rollout_id, env=env)
