@@ -16,6 +16,7 @@ from sdk.deploy.policy import (
     RolloutError,
     check_wave_shares,
     plan_wave_shares,
+    planned_shares,
     required_successes,
     wave_verdict,
 )
@@ -263,7 +264,10 @@ def test_plan_wave_shares_gives_cumulative_waves():
 
 def test_plan_wave_shares_drops_a_share_that_adds_nobody_and_duplicates():
     assert plan_wave_shares(["a", "b", "a", "c", "d", "e"], [10, 11, 100]) == [["a"], ["b", "c", "d", "e"]]
+    assert planned_shares(5, [10, 11, 100]) == [11.0, 100.0]  # the share each planned wave completes
     assert plan_wave_shares(["only"], [5, 25, 100]) == [["only"]]
+    assert planned_shares(1, [5, 25, 100]) == [100.0]
+    assert planned_shares(20, [5, 25, 100]) == [5.0, 25.0, 100.0]
 
 
 @pytest.mark.parametrize("shares", [[], list(range(1, 22)), [50, 50, 100], [60, 40, 100], [5, 25], [0, 100],

@@ -85,18 +85,35 @@ def plan_wave_shares(targets: Sequence[str], percents: Sequence[float]) -> list[
     ``ceil(len * percents[i] / 100)`` (so 5, 25, 100 over 20 devices gives 1, 4, 15). A share
     that adds no device (it rounds to the previous count) gives no wave. Duplicates are
     removed, order kept."""
-    shares = check_wave_shares(percents)
     unique = list(dict.fromkeys(targets))
     if not unique:
         raise RolloutError("no target device to deploy to")
     waves: list[list[str]] = []
     reached = 0
-    for share in shares:
-        count = max(1, math.ceil(len(unique) * share / 100))
-        if count > reached:
-            waves.append(unique[reached:count])
-            reached = count
+    for count in _reach(len(unique), percents):
+        waves.append(unique[reached:count])
+        reached = count
     return waves
+
+
+def planned_shares(size: int, percents: Sequence[float]) -> list[float]:
+    """The share each wave of :func:`plan_wave_shares` over ``size`` targets completes, in order:
+    the largest share asked for that reaches the same number of targets (5, 25, 100 over one
+    device is one wave, and it completes 100)."""
+    shares = check_wave_shares(percents)
+    wanted = [max(1, math.ceil(size * share / 100)) for share in shares]
+    return [max(share for share, count in zip(shares, wanted, strict=True) if count == reached)
+            for reached in _reach(size, shares)]
+
+
+def _reach(size: int, percents: Sequence[float]) -> list[int]:
+    """How many targets each wave reaches, cumulatively; a share that adds nobody is skipped."""
+    reached: list[int] = []
+    for share in check_wave_shares(percents):
+        count = max(1, math.ceil(size * share / 100))
+        if count > (reached[-1] if reached else 0):
+            reached.append(count)
+    return reached
 
 
 class JobBoard:

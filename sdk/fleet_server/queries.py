@@ -19,7 +19,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.engine import Connection
 
 from edgepack_core.protocol.ids import ID_PATTERN
-from sdk.deploy.policy import RolloutError, plan_wave_shares
+from sdk.deploy.policy import RolloutError, plan_wave_shares, planned_shares
 from sdk.errors import ApiError
 from sdk.fleet_server import audit
 from sdk.fleet_server import db as tables
@@ -331,7 +331,8 @@ def create_rollout(database: Database, request: RolloutRequest, *, actor: str, r
         gates = request.gates
         connection.execute(tables.rollouts.insert().values(
             id=rollout_id, artifact_sha256=request.artifact, name=artifact["name"], version=artifact["version"],
-            target_group=request.group, state=PENDING, wave=0, waves=json.dumps(request.waves),
+            target_group=request.group, state=PENDING, wave=0,
+            waves=json.dumps(planned_shares(sum(len(w) for w in waves), request.waves)),
             wave_count=len(waves), min_success_share=gates.min_success_share, soak_s=gates.soak_s,
             wave_timeout_s=gates.wave_timeout_s, max_error_rate=gates.max_error_rate,
             rollback_on_failure=gates.rollback_on_failure, health_window_s=request.health_window_s,
