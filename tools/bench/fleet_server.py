@@ -18,9 +18,11 @@ state, then telemetry at ``--rate`` messages per second, QoS 1. While they run, 
   in ``telemetry_raw`` for the simulated devices (and distinct (device, seq) pairs), against
   the messages the simulator sent: ``lost = sent - distinct rows``.
 
-The simulator runs at nice 10 (``--sim-nice``): it stands for devices that are not on the
-server's machine, so it gets the CPU the server and the broker leave; whether it still kept
-its rate is checked (the rate it really sent is printed, and a shortfall fails the step).
+The simulator runs in one child process per 1,000 messages a second (one interpreter keeps
+that rate on one core), on the same CPUs as the server and the broker and at the same
+priority (``--sim-nice`` 0): a conservative setup, since real devices are elsewhere. Whether
+it kept its rate is checked: the rate it really sent is printed, and a shortfall of more than
+5 % fails the step, naming the simulator rather than the server.
 
 A step *holds* when nothing is lost, the fleet-list p95 is under 200 ms and the ingest lag's
 p95 under 2 s. ``--find-max`` then steps the fleet up (``--step`` devices at a time) until a
@@ -47,6 +49,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -60,6 +63,7 @@ from tools.fleet_sim import Behaviour, Scheduler, SimDevice, drive, raise_fd_lim
 TOPIC_ROOT = "edgepack/v1"
 PROBE = "bench-probe"
 PROBE_HZ = 5.0
+SIM_MSGS_PER_PROCESS = 1000  # telemetry messages a second one simulator process is asked for
 POLL_S = 0.1  # the probe's API poll: the lag's resolution, and 10 requests a second of load
 API_TARGET_P95_S = 0.200
 LAG_TARGET_S = 2.0
@@ -85,7 +89,7 @@ def sim_child(spec: str) -> int:
     scheduler = Scheduler()
     devices = [SimDevice(i, topics, args["host"], args["port"], prefix=args["prefix"],
                          behaviour=Behaviour(groups=("bench",)), scheduler=scheduler)
-               for i in range(args["devices"])]
+               for i in range(args["first"], args["first"] + args["devices"])]
     print(json.dumps({"event": "connected"}), flush=True)
     cpu = os.times()
     timing = drive(devices, args["rate"], args["duration"], scheduler=scheduler)
@@ -97,6 +101,47 @@ def sim_child(spec: str) -> int:
     for device in devices:
         device.client.disconnect()
     return 0
+
+
+class Simulators:
+    """The simulated fleet split over ``processes`` children (one interpreter drives about
+    1,000 devices at 1 Hz on one core; more need more processes)."""
+
+    def __init__(self, devices: int, processes: int, *, rate: float, duration: float, host: str, port: int,
+                 nice: int) -> None:
+        share = -(-devices // processes)
+        self.children: list[subprocess.Popen] = []
+        for first in range(0, devices, share):
+            spec = json.dumps({"first": first, "devices": min(share, devices - first), "rate": rate,
+                               "duration": duration, "host": host, "port": port, "prefix": "sim"})
+            self.children.append(subprocess.Popen(
+                [sys.executable, __file__, "--sim-child", spec], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                preexec_fn=(lambda: os.nice(nice)) if nice else None))
+
+    def _line(self, child: subprocess.Popen) -> dict[str, Any]:
+        assert child.stdout is not None
+        return json.loads(child.stdout.readline() or "{}")
+
+    def wait_connected(self) -> None:
+        if any(self._line(child).get("event") != "connected" for child in self.children):
+            raise SystemExit("a simulator did not connect")
+
+    def wait_done(self) -> dict[str, float]:
+        """Every child's count, summed (elapsed: the longest)."""
+        done = [self._line(child) for child in self.children]
+        if any(d.get("event") != "done" for d in done):
+            raise SystemExit("a simulator did not finish")
+        for child in self.children:
+            child.wait(60)
+        return {"sent": sum(d["sent"] for d in done), "acked": sum(d["acked"] for d in done),
+                "expected": sum(d["expected"] for d in done), "cpu_s": sum(d["cpu_s"] for d in done),
+                "elapsed_s": max(d["elapsed_s"] for d in done)}
+
+    def kill(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
 
 
 # --------------------------------------------------------------------------- measuring clients
@@ -289,7 +334,7 @@ def _check_tree(folder: Path) -> None:
 
 
 def run_step(devices: int, rate: float, duration: float, api_interval: float, workdir: Path,
-             profile: Path | None = None, sim_nice: int = 10, tree: tuple[str, Path] | None = None) -> StepResult:
+             profile: Path | None = None, sim_nice: int = 0, tree: tuple[str, Path] | None = None) -> StepResult:
     """One measured run; ``tree`` = (name, folder): the server imports its code from that
     folder (PYTHONPATH) instead of this checkout, for side-by-side comparisons."""
     result = StepResult(devices, rate, duration, tree=tree[0] if tree else "working tree")
@@ -301,18 +346,14 @@ def run_step(devices: int, rate: float, duration: float, api_interval: float, wo
     # the defaults of `edgepack fleet serve` (the test helper's quicker tick and silence are overridden)
     server = FleetServerProcess(workdir / "server", broker=broker.address, keys=make_keys(workdir / "keys"),
                                 extra=("--tick", "0.5s", "--silence", "60s"))
-    sim: subprocess.Popen | None = None
+    sim: Simulators | None = None
     probe: Probe | None = None
     poller: ListPoller | None = None
     try:
         server.start(60, env={"PYTHONPATH": str(tree[1])} if tree else None)
-        spec = json.dumps({"devices": devices, "rate": rate, "duration": duration, "host": broker.host,
-                           "port": broker.port, "prefix": prefix})
-        sim = subprocess.Popen([sys.executable, __file__, "--sim-child", spec], stdout=subprocess.PIPE, text=True,
-                               cwd=ROOT, preexec_fn=(lambda: os.nice(sim_nice)) if sim_nice else None)
-        assert sim.stdout is not None
-        if json.loads(sim.stdout.readline() or "{}").get("event") != "connected":
-            raise SystemExit("the simulator did not connect")
+        sim = Simulators(devices, max(1, -(-int(devices * rate) // SIM_MSGS_PER_PROCESS)), rate=rate,
+                         duration=duration, host=broker.host, port=broker.port, nice=sim_nice)
+        sim.wait_connected()
         started = time.monotonic()
         probe = Probe(broker.host, broker.port, server).start()
         poller = ListPoller(server, api_interval)
@@ -328,7 +369,7 @@ def run_step(devices: int, rate: float, duration: float, api_interval: float, wo
         spy = _py_spy(server.proc.pid, max(5.0, duration - result.online_after_s - 5), profile) if profile else None
         probe.measuring.set()
         poller.measuring.set()
-        done = json.loads(sim.stdout.readline() or "{}")
+        done = sim.wait_done()
         probe.measuring.clear()
         poller.measuring.clear()
         measured_s = time.monotonic() - measured_from
@@ -336,11 +377,8 @@ def run_step(devices: int, rate: float, duration: float, api_interval: float, wo
         result.server_cpu_us_per_msg = round(1e6 * result.server_cpu_s / max(1.0, devices * rate * measured_s), 1)
         result.broker_cpu_s = round(_cpu_seconds(broker.process.pid) - cpu_broker, 1)
         result.load_average = tuple(round(x, 2) for x in os.getloadavg())  # type: ignore[assignment]
-        sim.wait(60)
         if spy is not None:
             spy.wait(120)
-        if done.get("event") != "done":
-            raise SystemExit("the simulator did not finish")
         result.sent, result.acked, result.publishes = done["sent"], done["acked"], done["expected"]
         result.sim_send_rate = round(done["sent"] / done["elapsed_s"], 1)
         result.sim_cpu_s = round(done["cpu_s"], 1)
@@ -368,7 +406,7 @@ def run_step(devices: int, rate: float, duration: float, api_interval: float, wo
         for closer in (probe.close if probe else None, poller.stop.set if poller else None):
             if closer:
                 closer()
-        if sim is not None and sim.poll() is None:
+        if sim is not None:
             sim.kill()
         server.stop()
         broker.kill()
@@ -432,9 +470,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--step", type=int, default=1000, help="devices added per step of --find-max")
     parser.add_argument("--max-devices", type=int, default=10000)
     parser.add_argument("--step-duration", type=float, default=30.0, help="seconds per --find-max step")
-    parser.add_argument("--sim-nice", type=int, default=10,
-                        help="niceness of the simulator process (it stands for devices that are not on the "
-                             "server's machine; 0 to compete with the server on equal terms)")
+    parser.add_argument("--sim-nice", type=int, default=0,
+                        help="niceness of the simulator processes (default 0: they compete with the server for "
+                             "this machine's CPUs on equal terms, the conservative choice)")
     parser.add_argument("--tree", type=_tree, action="append", default=[],
                         help="NAME=FOLDER: also run the server from a copy of the code in FOLDER (its sdk/ and "
                              "edgepack_core/), alternating with this checkout, and compare medians (repeatable)")
