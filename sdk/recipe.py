@@ -180,12 +180,23 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "symmetric_activations": {"type": "boolean"},
                 "symmetric_weights": {"type": "boolean"},
                 "reduce_range": {"type": "boolean"},
-                "preset": {"enum": ["arm64", "x86-avx2", "x86-vnni", "tensorrt"]},
+                "preset": {"enum": ["arm64", "x86-avx2", "x86-vnni", "tensorrt"],
+                           "description": "activation/weight types for the target's runtime; default: "
+                           "derived from targets (rpi/android/apple arm64, jetson tensorrt, x86 x86-vnni "
+                           "when the build host has VNNI, else x86-avx2)"},
                 "op_types": {"type": "array", "items": {"type": "string"}},
                 "exclude_nodes": {"type": "array", "items": {"type": "string", "minLength": 1},
                                   "description": "nodes kept in float: names or glob patterns (fnmatch); a "
                                   "pattern that matches no node is refused"},
-                "search": {"type": "boolean"},
+                "search": {"type": "boolean", "default": True,
+                           "description": "false: try the requested settings only, no search"},
+                "min_speedup": {"type": "number", "minimum": 0, "default": 1.0,
+                                "description": "an int8 candidate ships only when fp32 latency / its latency "
+                                "(host CPU provider, one thread) is above this; 0 ships any speed"},
+                "max_candidates": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10,
+                                   "description": "the most candidates the search builds and judges"},
+                "max_search_s": {"type": "number", "exclusiveMinimum": 0, "default": 900,
+                                 "description": "no new candidate starts after this many seconds of search"},
             },
         },
         "validate": {

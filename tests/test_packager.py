@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from sdk.errors import ValidationFailed
@@ -35,8 +36,6 @@ def workspace(tmp_path_factory):
 def _build(workspace: Path, recipe: str, key: Path, **edits) -> tuple[dict, dict, Path]:
     path = workspace / "recipes" / recipe
     if edits:
-        import yaml
-
         doc = yaml.safe_load(path.read_text())
         for section, value in edits.items():
             doc[section] = value
@@ -58,7 +57,7 @@ def test_digits_static_int8_loses_at_most_one_point_and_says_so(workspace, keypa
     manifest, report, _ = _build(workspace, "digits-int8.yaml", keypair[0])
     assert manifest["model"]["precision"] == "int8"
     quantize, validate = report["passes"]["quantize"], report["passes"]["validate"]
-    assert quantize["applied"] is True
+    assert quantize["applied"] is True and quantize["min_speedup"] == 0, "the recipe ships int8 for its size"
     assert validate["metric"] == "top1" and validate["samples"] == 450
     assert validate["accuracy_drop"] <= 0.01 and validate["accuracy_candidate"] >= 0.95
     assert validate["budget_met"] is True
@@ -68,7 +67,11 @@ def test_digits_static_int8_loses_at_most_one_point_and_says_so(workspace, keypa
 
 
 def test_mobilenet_int8_is_3_5x_smaller_with_cosine_over_0_99(workspace, keypair):
-    _, report, artifact = _build(workspace, "mobilenet-int8.yaml", keypair[0])
+    # Size and cosine here: min_speedup 0 takes this machine's timing out of the outcome (the
+    # speed rule is pinned with injected latencies in tests/test_quantize_search.py).
+    recipe = yaml.safe_load((workspace / "recipes" / "mobilenet-int8.yaml").read_text())
+    _, report, artifact = _build(workspace, "mobilenet-int8.yaml", keypair[0],
+                                 quantize={**recipe["quantize"], "min_speedup": 0})
     fp32 = (workspace / "demo" / "mobilenet" / "model.onnx").stat().st_size
     int8 = len(_model_bytes(artifact))
     assert fp32 / int8 >= 3.5

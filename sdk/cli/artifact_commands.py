@@ -27,6 +27,7 @@ from sdk.inspect import (
 )
 from sdk.recipe import RECIPE_SCHEMA, load_recipe
 
+CLEAR_LINE = "\r\033[K"  # carriage return, erase to the end of the line: a bar redrawn in place
 _TRUST = click.option("--trust", "trust", multiple=True, type=click.Path(path_type=Path),
                       help="Trusted public key (repeat for rotation) or a folder of *.pub files.")
 
@@ -63,9 +64,18 @@ def build(recipe: Path, keys: tuple[Path, ...], output: Path | None, quiet: bool
     # of minutes must not look like a hang in CI.
     log_lines = progress is None and not quiet and not as_json
 
+    bar_open = False
+
     def report_progress(message: str) -> None:
-        if show or (log_lines and message.startswith("quantize: candidate ")):
-            click.echo(f"  {message}", err=True)
+        # On a terminal, the quantization search's "trying candidate N/M [###---]" lines redraw
+        # one bar per candidate in place; the next line replaces it.
+        nonlocal bar_open
+        if show and message.startswith("quantize: trying "):
+            click.echo(f"{CLEAR_LINE}  {message}", err=True, nl=False)
+            bar_open = True
+        elif show or (log_lines and message.startswith("quantize: candidate ")):
+            click.echo(f"{CLEAR_LINE if bar_open else ''}  {message}", err=True)
+            bar_open = False
 
     result = run_build(parsed, key_paths=[str(k) for k in keys], output=output, progress=report_progress)
     size = result.output.stat().st_size

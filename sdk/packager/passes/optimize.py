@@ -175,7 +175,11 @@ class OrtOptimizePass(Pass):
             ctx.warn(f"optimize.level {requested} is not portable across targets {', '.join(ctx.recipe.targets)}; "
                      "using basic")
             return "basic"
-        return requested or ("extended" if portable else "basic")
+        # A build that quantizes stays at basic unless asked: extended fusions make com.microsoft
+        # ops (FusedConv) that onnxruntime.quantization leaves float, and the device's onnxruntime
+        # applies them (and the QDQ fusions) when it loads the model anyway.
+        quantizes = ctx.recipe.section("quantize").get("mode", "none") != "none"
+        return requested or ("extended" if portable and not quantizes else "basic")
 
     def run(self, ctx: BuildContext) -> None:
         level = self.level(ctx)

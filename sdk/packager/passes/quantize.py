@@ -1,20 +1,27 @@
-"""Accuracy-gated quantization: a model is quantized only if it meets the recipe's budget, and
-the packager says whether the result is faster here.
+"""Accuracy-gated quantization that finds a working model: candidates cheapest first (the plan
+is :mod:`sdk.packager.quant_search`), each judged on validation data by the task's metric and
+timed against fp32 side by side; the first that keeps the budget and is faster ships, else the
+build ships fp32 and says why in one line.
 
-Pitfalls handled (measured on real models with onnxruntime 1.31 on x86):
+Pitfalls handled (measured on real models with onnxruntime 1.31-1.32 on x86):
 - ``quantize_dynamic`` with defaults turns every Conv into ConvInteger, 1.5-5x *slower* on
   CPU: dynamic mode quantizes MatMul/Gemm only, unless the recipe names Conv explicitly.
 - per-channel QDQ on opset < 13 gives graphs that do not load: the opset is upgraded first.
 - ``quant_pre_process`` (shape inference, needs sympy) fails on some graphs: fall back to the
   model as it is rather than fail the build.
-- accuracy collapse: every candidate is judged on validation data by the task's metric (the
-  validate pass's :func:`judge`: detection recall/precision, per-step sequence agreement,
-  classifier top-1, each raw output on its own; one cosine over a YOLO head stays at 0.998
-  while every score collapsed); when the budget is missed, other calibration methods,
-  per-channel and excluding the most sensitive layers are tried; if nothing meets it the
-  build ships fp32 with a warning, never a broken model.
+- accuracy collapse: a detector's boxes (pixels) and scores ([0, 1]) joined by one Concat share
+  one uint8 scale, and every score rounds to 0 or one step while the whole-tensor cosine stays
+  at 0.998. Candidates are judged by the validate pass's :func:`judge` (detection recall and
+  precision, per-step sequence agreement, top-1, each raw output on its own), and the search
+  keeps the head, wide-range Concats and the tensors that lose most signal
+  (:mod:`sdk.packager.quant_sensitivity`, measured in the worker on calibration data) float.
+- int8 slower than fp32 (small models, x86 without VNNI): not shipped unless the recipe lowers
+  ``quantize.min_speedup``; latency is the host CPU provider's, the proxy for the target's.
 - dynamic int8 that quantized nothing is still fp32: the manifest's precision counts the
   quantized nodes of the graph instead of trusting the mode.
+
+Every onnxruntime session (pre-processing, calibration, activation capture, validation runs,
+timing) runs in the onnxruntime worker (:mod:`sdk.packager.ort_host`).
 """
 
 from __future__ import annotations
@@ -22,72 +29,60 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
+from edgepack_core.targets import CPU, PROFILES
 from sdk.errors import BuildError, RecipeError
+from sdk.packager import quant_search as plan
+from sdk.packager import quant_sensitivity as sensitivity
 from sdk.packager.data import Samples, context_options, load_samples, synthetic_samples
-from sdk.packager.metrics import Evaluation
 from sdk.packager.ort_host import OrtCrashError, call_in_worker, measure_latency, run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.model_checks import default_opset
+from sdk.packager.passes.optimize import FP16_MAX, _to_fp16_graph  # the fp16 pass's own conversion
 from sdk.packager.passes.validate import checked_outputs, judge
+from sdk.packager.quant_search import Candidate, QuantConfig
 
-QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 # Nodes that hold integer arithmetic or quantized tensors: a graph with none of them is fp32,
 # whatever mode made it (dynamic quantization of a model without MatMul/Gemm changes nothing).
 QUANTIZED_OPS = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger")
-CANDIDATE_LATENCY_RUNS = 10
+QUANTIZABLE = ("Conv", "Gemm", "MatMul")
+# Side-by-side timing of each candidate against fp32: alternating blocks of about 30 ms (3 to
+# 200 runs), 5 rounds.
+LATENCY_ROUNDS, LATENCY_BLOCK_S, LATENCY_MIN_RUNS, LATENCY_MAX_RUNS = 5, 0.03, 3, 200
+LATENCY_THREADS = 1
+# Calibration samples the activation capture runs (both models keep every intermediate tensor
+# of one sample in memory at a time).
+PROFILE_SAMPLES = 16
+CPUINFO = Path("/proc/cpuinfo")
+MAX_CPUINFO_BYTES = 1 << 20
 
 
-@dataclass(frozen=True)
-class QuantConfig:
-    mode: str                      # dynamic | static
-    method: str = "minmax"         # minmax | entropy | percentile
-    per_channel: bool = True
-    activation_type: str = "uint8"
-    weight_type: str = "int8"
-    reduce_range: bool = False
-    symmetric_activations: bool = False
-    symmetric_weights: bool = True
-    op_types: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-
-    def describe(self) -> dict[str, Any]:
-        return {"mode": self.mode, "method": self.method, "per_channel": self.per_channel,
-                "activation_type": self.activation_type, "weight_type": self.weight_type,
-                "reduce_range": self.reduce_range, "excluded_nodes": list(self.exclude)}
+def read_cpu_flags(path: Path = CPUINFO) -> frozenset[str]:
+    """The build host's CPU flags (empty where /proc/cpuinfo does not exist: no VNNI assumed)."""
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read(MAX_CPUINFO_BYTES).decode("ascii", "replace")
+    except OSError:
+        return frozenset()
+    return plan.parse_cpu_flags(text)
 
 
-# Presets: the types and range each runtime handles best.
-PRESETS: dict[str, dict[str, Any]] = {
-    # ARM NEON int8 kernels take u8 activations with s8 weights at full range.
-    "arm64": {"activation_type": "uint8", "weight_type": "int8", "reduce_range": False},
-    # AVX2 without VNNI: u8*s8 products can saturate 16-bit accumulators; 7-bit weights avoid it.
-    "x86-avx2": {"activation_type": "uint8", "weight_type": "int8", "reduce_range": True},
-    # VNNI accumulates in 32 bits: full range.
-    "x86-vnni": {"activation_type": "uint8", "weight_type": "int8", "reduce_range": False},
-    # TensorRT wants symmetric s8 QDQ for activations and weights.
-    "tensorrt": {"activation_type": "int8", "weight_type": "int8", "reduce_range": False,
-                 "symmetric_activations": True, "symmetric_weights": True, "per_channel": True},
-}
-
-
-def base_config(options: dict[str, Any]) -> QuantConfig:
-    preset = PRESETS.get(options.get("preset", "x86-avx2"), {})
-    config = QuantConfig(mode=options["mode"], **{k: v for k, v in preset.items() if k in QuantConfig.__annotations__})
-    overrides: dict[str, Any] = {}
-    for key, field_name in (("method", "method"), ("per_channel", "per_channel"), ("reduce_range", "reduce_range"),
-                            ("symmetric_activations", "symmetric_activations"),
-                            ("symmetric_weights", "symmetric_weights")):
-        if key in options:
-            overrides[field_name] = options[key]
+def base_config(options: Mapping[str, Any], preset: str) -> QuantConfig:
+    """The requested settings: the preset's types, then the recipe's own keys over them."""
+    fields = QuantConfig.__annotations__
+    config = QuantConfig(mode=options["mode"], **{k: v for k, v in plan.PRESETS[preset].items() if k in fields})
+    overrides: dict[str, Any] = {key: options[key] for key in ("method", "per_channel", "reduce_range",
+                                                             "symmetric_activations", "symmetric_weights")
+                                 if key in options}
     if "op_types" in options:
         overrides["op_types"] = tuple(options["op_types"])
     if "exclude_nodes" in options:
@@ -124,22 +119,6 @@ def expand_exclusions(patterns: tuple[str, ...], names: list[str], *, recipe: st
     return tuple(sorted(set(matched)))
 
 
-def weight_sensitivity(model: onnx.ModelProto) -> list[tuple[str, float]]:
-    """Nodes ranked by the relative error int8 per-tensor rounding puts on their weights:
-    a cheap proxy for which layers suffer most from quantization (the first conv on raw
-    pixels and wide-range classifier layers usually top it)."""
-    inits = {i.name: i for i in model.graph.initializer}
-    scores = []
-    for node in model.graph.node:
-        if node.op_type not in QUANTIZABLE or len(node.input) < 2 or node.input[1] not in inits:
-            continue
-        weight = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64)
-        scale = np.abs(weight).max() / 127 or 1.0
-        error = np.linalg.norm(weight - np.round(weight / scale) * scale) / (np.linalg.norm(weight) or 1.0)
-        scores.append((node.name, float(error)))
-    return sorted(scores, key=lambda item: -item[1])
-
-
 class _Reader:
     """onnxruntime CalibrationDataReader over model-ready feeds."""
 
@@ -162,10 +141,14 @@ def _working_directory(folder: Path) -> Iterator[None]:
         os.chdir(previous)
 
 
-def _ensure_names(model: onnx.ModelProto) -> None:
+def _ensure_names(model: onnx.ModelProto) -> bool:
+    """Name every unnamed node (exclusions name nodes); whether any was renamed."""
+    renamed = False
     for index, node in enumerate(model.graph.node):
         if not node.name:
             node.name = f"{node.op_type}_{index}"
+            renamed = True
+    return renamed
 
 
 def quantize_once(model_path: Path, out_path: Path, config: QuantConfig, calibration: list[dict[str, np.ndarray]]
@@ -219,12 +202,77 @@ def pre_process_in_folder(folder: Path, raw: Path, prepared: Path) -> str | None
     return None
 
 
-def median_latency(model: bytes | str, feed: dict[str, np.ndarray], runs: int = 30) -> float:
-    return float(np.median(measure_latency(model, feed, runs=runs, warmup=3)))
+def profile_activations(fp32_path: Path, qdq_path: Path | None, feeds: list[dict[str, np.ndarray]]
+                        ) -> dict[str, Any]:
+    """Runs in the worker: every float intermediate tensor's range in the fp32 model and, given
+    a QDQ model, each quantized activation's own rounding error (its fp32 value against the same
+    value through that tensor's scale and zero point), sample by sample so only one sample's
+    tensors are held at a time. ``{"ranges": {tensor: (low, high)}, "errors": {tensor: ErrorTally}}``."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
+    options.log_severity_level = 4
+    fp32 = onnx.load(fp32_path)
+    session = ort.InferenceSession(sensitivity.with_outputs(fp32, sensitivity.float_tensors(fp32.graph))
+                                   .SerializeToString(), options, providers=[CPU])
+    params = sensitivity.activation_quantization(onnx.load(qdq_path).graph) if qdq_path is not None else {}
+    names = [o.name for o in session.get_outputs()]
+    ranges: dict[str, tuple[float, float]] = {}
+    errors: dict[str, sensitivity.ErrorTally] = {}
+    for feed in feeds:
+        values = dict(zip(names, session.run(names, feed), strict=True))
+        values.update(feed)  # graph inputs are quantized too
+        for name, value in values.items():
+            if not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.size):
+                continue
+            low, high = float(np.nanmin(value)), float(np.nanmax(value))
+            known = ranges.get(name, (low, high))
+            ranges[name] = (min(known[0], low), max(known[1], high))
+            if name in params:
+                errors.setdefault(name, sensitivity.ErrorTally()).add(value, params[name].round_trip(value))
+    return {"ranges": ranges, "errors": errors}
+
+
+def time_side_by_side(fp32: Path, candidate: Path, feed: dict[str, np.ndarray]) -> tuple[float, float]:
+    """Seconds per run of the fp32 model and a candidate on the host's CPU provider, one thread
+    (a ratio that a busy shared machine's thread scheduling does not swing), measured in the
+    worker in alternating blocks of about ``LATENCY_BLOCK_S`` each, ``LATENCY_ROUNDS`` rounds;
+    each model's figure is its fastest block median (a load spike on a shared machine only ever
+    adds time, and hits both). The seam the tests use to play a target where int8 is slower or
+    faster."""
+
+    def block(model: Path, runs: int, warmup: int = 0) -> float:
+        return float(np.median(measure_latency(str(model), feed, runs=runs, warmup=warmup, threads=LATENCY_THREADS)))
+
+    estimate = block(fp32, 3, warmup=1)
+    runs = int(min(LATENCY_MAX_RUNS, max(LATENCY_MIN_RUNS, LATENCY_BLOCK_S / max(estimate, 1e-6))))
+    block(candidate, 1, warmup=1)
+    fp32_blocks, candidate_blocks = [], []
+    for _ in range(LATENCY_ROUNDS):
+        fp32_blocks.append(block(fp32, runs))
+        candidate_blocks.append(block(candidate, runs))
+    return min(fp32_blocks), min(candidate_blocks)
 
 
 def _synthetic_options(ctx: BuildContext) -> dict[str, Any]:
     return {k: v for k, v in context_options(ctx).items() if k in ("declared", "graph")}
+
+
+def _bar(fraction: float, width: int = 20) -> str:
+    filled = round(fraction * width)
+    return "[" + "#" * filled + "-" * (width - filled) + f"] {fraction:4.0%}"
+
+
+@dataclass
+class _Data:
+    """What every candidate is judged on: fp32 model, calibration feeds, validation samples and
+    the fp32 outputs on them."""
+
+    source: Path
+    calibration: list[dict[str, np.ndarray]]
+    validation: Samples
+    reference: list[dict[str, np.ndarray]]
 
 
 @register
@@ -242,9 +290,15 @@ class QuantizePass(Pass):
         return load_samples(source, ctx.preprocess, ctx.inputs, key=f"{section}.{key}", limit=limit,
                             **context_options(ctx))
 
+    def _preset(self, ctx: BuildContext, options: Mapping[str, Any]) -> tuple[str, str]:
+        if "preset" in options:
+            return options["preset"], "quantize.preset"
+        return plan.preset_for_targets(ctx.recipe.targets, read_cpu_flags())
+
     def run(self, ctx: BuildContext) -> None:
         options = dict(self.options(ctx))
-        config = base_config(options)
+        preset, preset_why = self._preset(ctx, options)
+        config = base_config(options, preset)
         model = ctx.require_model()
         _ensure_names(model)
         validate_options = ctx.recipe.section("validate")
@@ -253,82 +307,42 @@ class QuantizePass(Pass):
             config = self._dynamic_op_types(ctx, model, config)
         folder = ctx.new_tempdir("quantize-")
         source = self._prepare(ctx, model, folder)
+        graph = onnx.load(source, load_external_data=False).graph
         if config.exclude:
-            names = [node.name for node in onnx.load(source, load_external_data=False).graph.node]
+            names = [node.name for node in graph.node]
             config = replace(config, exclude=expand_exclusions(config.exclude, names, recipe=str(ctx.recipe.path)))
         calibration = self._samples(ctx, "quantize", "calibration", 200)
-        calib_feeds = calibration.feeds if calibration else []
         validation = self._samples(ctx, "validate", "data", validate_options.get("samples", 200)) \
             or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs, **_synthetic_options(ctx))
         reference = run_feeds(source.read_bytes(), validation.feeds, label="the fp32 model")
-        fp32_latency = median_latency(str(source), validation.feeds[0], runs=CANDIDATE_LATENCY_RUNS)
-
-        candidates = list(self._candidates(config, options, model))
-        tried: list[dict[str, Any]] = []
-        chosen: tuple[QuantConfig, Path, dict[str, Any]] | None = None
-        for index, candidate in enumerate(candidates):
-            out = folder / f"candidate-{index}.onnx"
-            entry = self._try(ctx, candidate, (index, len(candidates)), folder, source, out, calib_feeds,
-                              validation, reference, fp32_latency)
-            tried.append(entry)
-            if entry.get("budget_met"):
-                chosen = (candidate, out, entry)
-                break
-        report: dict[str, Any] = {"requested": config.describe(), "budget": dict(validate_options),
-                                  "candidates": tried, "validation_samples": len(validation),
-                                  "latency_fp32_ms": round(fp32_latency * 1000, 4),
-                                  "fp32_bytes": source.stat().st_size}
+        data = _Data(source, calibration.feeds if calibration else [], validation, reference)
+        search = _Search(ctx, folder, data, options)
+        first = Candidate("int8", "requested", config, (("recipe", config.exclude),) if config.exclude else ())
+        report: dict[str, Any] = {
+            "requested": config.describe(), "preset": preset, "preset_from": preset_why,
+            "budget": dict(validate_options), "validation_samples": len(validation),
+            "fp32_bytes": source.stat().st_size, "min_speedup": search.min_speedup,
+            "latency_on": f"{CPU} on the build host, the proxy for the targets' providers ("
+                          + "; ".join(f"{t}: {', '.join(PROFILES[t])}" for t in ctx.recipe.targets) + ")",
+            "candidates": search.tried}
         ctx.report[self.name] = report
+        chosen = search.run(first, graph, options.get("search", True) is not False)
+        report.update(search.summary())
         if chosen is None:
-            last = tried[-1] if tried else {}
-            ctx.warn("quantization could not meet the accuracy budget "
-                     f"({last.get('why', last.get('error', 'no candidate'))}); shipping fp32")
+            ctx.warn(plan.fallback_reason(search.tried, search.min_speedup, search.stopped))
             report["applied"] = False
             return
         candidate, path, entry = chosen
-        quantized = onnx.load(path)
-        if not entry["quantized_nodes"]:
-            ctx.warn("quantization changed no node of the graph (nothing it quantizes is there); shipping fp32")
-            report["applied"] = False
-            return
-        speed = {"latency_fp32_ms": round(fp32_latency * 1000, 4), "latency_int8_ms": entry["latency_ms"],
-                 "speedup": entry["speedup"]}
-        report.update({"applied": True, "chosen": candidate.describe(), **speed, "quantized_bytes": entry["bytes"]})
-        if speed["speedup"] < 1.0:
-            ctx.warn(f"the quantized model is slower than fp32 on this machine ({speed['speedup']:.2f}x); "
-                     "check the target's int8 support before shipping it")
-        ctx.model = quantized
-        ctx.manifest_extra["precision"] = "int8"
-
-    def _try(self, ctx: BuildContext, candidate: QuantConfig, position: tuple[int, int], folder: Path, source: Path,
-             out: Path, calib_feeds: list[dict[str, np.ndarray]], validation: Samples,
-             reference: list[dict[str, np.ndarray]], fp32_latency: float) -> dict[str, Any]:
-        """Quantize, judge and time one candidate; its report entry. Its verdict line starts
-        ``quantize: candidate N/M``, which ``edgepack build`` prints even in a log, so a long
-        search shows in CI as it goes (the ``trying`` line only on a terminal)."""
-        number = f"{position[0] + 1}/{position[1]}"
-        label = f"candidate {position[0] + 1}"
-        ctx.progress(f"quantize: trying candidate {number}: {_brief(candidate)} ...")
-        try:
-            call_in_worker(f"{__name__}:quantize_in_folder", folder, source, out, candidate, calib_feeds,
-                           label=label, doing="quantization and calibration")
-            outputs = run_feeds(out.read_bytes(), validation.feeds, label=label)
-        except OrtCrashError:
-            raise  # a crash ends the build with one line naming it; never a skipped candidate
-        except BuildError as err:  # onnxruntime.quantization's own errors, reported by the worker
-            ctx.progress(f"quantize: candidate {number} failed: {err.problem[:200]}")
-            return {**candidate.describe(), "error": err.problem[:300]}
-        evaluation: Evaluation = judge(ctx, ctx.recipe.section("validate"), reference, outputs, validation.labels)
-        latency = median_latency(str(out), validation.feeds[0], runs=CANDIDATE_LATENCY_RUNS)
-        entry = {**candidate.describe(), "metric": evaluation.metric, "task": evaluation.to_json(),
-                 "budget_met": evaluation.met, "why": evaluation.summary(), "bytes": out.stat().st_size,
-                 "latency_ms": round(latency * 1000, 4),
-                 "speedup": round(fp32_latency / latency, 3) if latency else 0.0,
-                 "quantized_nodes": quantized_nodes(onnx.load(out, load_external_data=False))}
-        verdict = "meets the budget" if evaluation.met else "misses the budget"
-        ctx.progress(f"quantize: candidate {number} ({_brief(candidate)}) {verdict}: {evaluation.summary()}; "
-                     f"{entry['bytes']:,d} bytes, {entry['latency_ms']:.3g} ms ({entry['speedup']:.2f}x fp32)")
-        return entry
+        report.update({"applied": True, "chosen": candidate.describe(), "latency_fp32_ms": entry["latency_fp32_ms"],
+                       f"latency_{candidate.kind}_ms": entry["latency_ms"], "speedup": entry["speedup"],
+                       "quantized_bytes": entry["bytes"]})
+        if entry["speedup"] < 1.0:
+            ctx.warn(f"the {candidate.kind} model is slower than fp32 on this machine ({entry['speedup']:.2f}x); "
+                     f"shipped because quantize.min_speedup is {search.min_speedup:g}" if candidate.kind == "int8"
+                     else f"the fp16 model runs at {entry['speedup']:.2f}x fp32 on this host's CPU, which runs "
+                     "fp16 through casts; targets " + ", ".join(ctx.recipe.targets) + " run it natively")
+        ctx.model = onnx.load(path)
+        ctx.manifest_extra["precision"] = candidate.kind
 
     def _dynamic_op_types(self, ctx: BuildContext, model: onnx.ModelProto, config: QuantConfig) -> QuantConfig:
         asked = set(config.op_types)
@@ -340,10 +354,11 @@ class QuantizePass(Pass):
         if has_conv:
             ctx.warn("dynamic quantization leaves Conv layers in fp32 (ConvInteger is slow on CPU); "
                      "use quantize.mode: static for a convolutional model")
-        return replace(config, op_types=tuple(asked - {"Conv"}) or ("MatMul", "Gemm"))
+        return replace(config, op_types=tuple(sorted(asked - {"Conv"})) or ("MatMul", "Gemm"))
 
     def _prepare(self, ctx: BuildContext, model: onnx.ModelProto, folder: Path) -> Path:
-        """Upgrade to opset 13+ (per-channel QDQ needs it), then onnxruntime's pre-processing."""
+        """Upgrade to opset 13+ (per-channel QDQ needs it), then onnxruntime's pre-processing;
+        nodes it leaves unnamed are named (exclusions name nodes)."""
         if default_opset(model) < 13:
             from onnx import version_converter
 
@@ -353,38 +368,151 @@ class QuantizePass(Pass):
         prepared = folder / "prepared.onnx"
         skipped = call_in_worker(f"{__name__}:pre_process_in_folder", folder, raw, prepared,
                                  doing="quantization pre-processing")
-        if skipped is None:
-            return prepared
-        ctx.report.setdefault("quantize_notes", []).append(f"quant_pre_process skipped: {skipped}")
-        return raw
+        if skipped is not None:
+            ctx.report.setdefault("quantize_notes", []).append(f"quant_pre_process skipped: {skipped}")
+            return raw
+        loaded = onnx.load(prepared)
+        if _ensure_names(loaded):
+            onnx.save(loaded, prepared)
+        return prepared
 
-    @staticmethod
-    def _candidates(config: QuantConfig, options: dict[str, Any], model: onnx.ModelProto) -> Iterator[QuantConfig]:
-        yield config
-        if options.get("search", True) is False:
+
+class _Search:
+    """One build's search: tries candidates in plan order within the budget, records each in
+    ``tried`` (the report's ``candidates``), and returns the first that may ship. The first
+    candidate's model is built before anything else, the later stages planned from it, and only
+    then is it judged: every progress line knows how many candidates there are."""
+
+    def __init__(self, ctx: BuildContext, folder: Path, data: _Data, options: Mapping[str, Any]) -> None:
+        self.ctx, self.folder, self.data = ctx, folder, data
+        self.min_speedup = float(options.get("min_speedup", plan.DEFAULT_MIN_SPEEDUP))
+        self.max_candidates = int(options.get("max_candidates", plan.DEFAULT_MAX_CANDIDATES))
+        self.max_search_s = float(options.get("max_search_s", plan.DEFAULT_MAX_SEARCH_S))
+        self.fp16 = plan.fp16_wanted(ctx.recipe.targets, bool(ctx.recipe.section("optimize").get("fp16")))
+        self.tried: list[dict[str, Any]] = []
+        self.stopped: str | None = None
+        self.facts: dict[str, Any] = {}
+        self.started = time.monotonic()
+        self.ranges: dict[str, tuple[float, float]] = {}
+
+    def summary(self) -> dict[str, Any]:
+        return {"search_s": round(time.monotonic() - self.started, 3), "stopped": self.stopped,
+                "max_candidates": self.max_candidates, "max_search_s": self.max_search_s,
+                "sensitivity": self.facts}
+
+    def run(self, first: Candidate, graph: onnx.GraphProto, search: bool
+            ) -> tuple[Candidate, Path, dict[str, Any]] | None:
+        out, entry = self._make(first)
+        queue = plan.later_candidates(first, self._facts(graph, out, entry)) if search else []
+        total = min(1 + len(queue), self.max_candidates)
+        while True:
+            if "error" not in entry:
+                self._judge(first, out, entry, f"{len(self.tried)}/{total}")
+            if entry.get("ships"):
+                return first, out, entry
+            if not queue:
+                return None
+            stop = plan.search_stop(len(self.tried), time.monotonic() - self.started, self.max_candidates,
+                                    self.max_search_s)
+            if stop:
+                self.stopped = stop
+                return None
+            first = queue.pop(0)
+            out, entry = self._make(first, total)
+
+    def _facts(self, graph: onnx.GraphProto, first_out: Path, first: Mapping[str, Any]) -> plan.GraphFacts:
+        """Measure what the later stages are planned from, on the first candidate's model. When
+        it quantized nothing, later int8 candidates (subsets of it) would not either."""
+        quantized = "error" not in first and bool(first.get("quantized_nodes"))
+        if not quantized and not self.fp16:
+            return plan.GraphFacts()
+        errors = quantized and first.get("mode") == "static"
+        feeds = (self.data.calibration or self.data.validation.feeds)[:PROFILE_SAMPLES]
+        self.ctx.progress(f"quantize: measuring activation ranges{' and errors' if errors else ''} on "
+                          f"{len(feeds)} sample(s) ...")
+        profile = call_in_worker(f"{__name__}:profile_activations", self.data.source, first_out if errors else None,
+                                 feeds, doing="activation capture")
+        if not quantized:  # ranges for the fp16 overflow check only
+            self.ranges = profile["ranges"]
+            return plan.GraphFacts(fp16=True)
+        self.ranges = profile["ranges"]
+        wide = sensitivity.wide_range_concats(graph, self.ranges)
+        ranked = sensitivity.rank_tensors(profile["errors"])[:max(plan.ACTIVATION_ERROR_STEPS)]
+        head = sensitivity.head_nodes(graph)
+        self.facts = {"head": list(head), "wide_range_concats": [{"tensor": t, "ratio": round(r, 1)} for t, r in wide],
+                      "activation_error": [{"tensor": t, "sqnr_db": round(s, 2)} for t, s in ranked]}
+        keep = {t: sensitivity.keep_float_nodes(graph, t) for t in [*(t for t, _ in ranked), *(t for t, _ in wide)]}
+        return plan.GraphFacts(head=head, wide_concats=tuple(t for t, _ in wide), ranked=tuple(t for t, _ in ranked),
+                               float_nodes=keep, op_types=frozenset(n.op_type for n in graph.node) & set(QUANTIZABLE),
+                               fp16=self.fp16, heavy={n.name: n.op_type for n in graph.node
+                                                      if n.op_type in QUANTIZABLE})
+
+    def _step(self, number: str, candidate: Candidate, fraction: float, doing: str) -> None:
+        self.ctx.progress(f"quantize: trying candidate {number} {_bar(fraction)} {doing}: {candidate.brief()}")
+
+    def _make(self, candidate: Candidate, total: int | None = None) -> tuple[Path, dict[str, Any]]:
+        """Build one candidate's model; its report entry (appended to ``tried``), with an
+        ``error`` when it could not be built."""
+        index = len(self.tried) + 1
+        number = f"{index}/{total}" if total else f"{index}"
+        out = self.folder / f"candidate-{index}.onnx"
+        entry: dict[str, Any] = {**candidate.describe(), "started": time.monotonic()}
+        self.tried.append(entry)
+        self._step(number, candidate, 0.0, "quantizing" if candidate.kind == "int8" else "converting")
+        try:
+            refused = self._build(candidate, out, index)
+        except OrtCrashError:
+            raise  # a crash ends the build with one line naming it; never a skipped candidate
+        except BuildError as err:  # onnxruntime.quantization's own errors, reported by the worker
+            refused = err.problem[:300]
+        if refused:
+            entry.update(error=refused, seconds=round(time.monotonic() - entry.pop("started"), 3))
+            self.ctx.progress(f"quantize: candidate {number} ({candidate.brief()}) failed: {refused[:200]}")
+            return out, entry
+        entry["quantized_nodes"] = quantized_nodes(onnx.load(out, load_external_data=False))
+        return out, entry
+
+    def _judge(self, candidate: Candidate, out: Path, entry: dict[str, Any], number: str) -> None:
+        """Judge and time a built candidate; its verdict line starts ``quantize: candidate N/M``,
+        which ``edgepack build`` prints even in a log, so a long search shows in CI as it goes
+        (the bar only on a terminal)."""
+        self._step(number, candidate, 0.4, "judging")
+        try:
+            outputs = run_feeds(out.read_bytes(), self.data.validation.feeds, label=f"candidate {number}")
+        except OrtCrashError:
+            raise
+        except BuildError as err:  # a quantized graph onnxruntime cannot run
+            entry.update(error=err.problem[:300], seconds=round(time.monotonic() - entry.pop("started"), 3))
+            self.ctx.progress(f"quantize: candidate {number} ({candidate.brief()}) failed: {err.problem[:200]}")
             return
-        seen = {config}
-        variants: list[QuantConfig] = []
-        if config.mode == "static":
-            for method in ("minmax", "percentile", "entropy"):
-                variants.append(replace(config, method=method))
-        variants.append(replace(config, per_channel=not config.per_channel))
-        ranked = [name for name, _ in weight_sensitivity(model)]
-        for count in (1, 2, 4, 8):
-            if 0 < count < len(ranked):  # always leave some layers quantized
-                variants.append(replace(config, exclude=tuple(sorted(set(config.exclude) | set(ranked[:count])))))
-        for variant in variants:
-            if variant not in seen:
-                seen.add(variant)
-                yield variant
+        evaluation = judge(self.ctx, self.ctx.recipe.section("validate"), self.data.reference, outputs,
+                           self.data.validation.labels)
+        self._step(number, candidate, 0.7, "timing")
+        fp32_s, latency = time_side_by_side(self.data.source, out, self.data.validation.feeds[0])
+        speedup = round(fp32_s / latency, 3) if latency else 0.0
+        decision = plan.verdict(candidate.kind, evaluation.met, speedup, self.min_speedup)
+        if candidate.kind == "int8" and not entry["quantized_nodes"]:
+            decision = plan.Verdict(False, evaluation.met, "changed no node of the graph")
+        entry.update({"metric": evaluation.metric, "task": evaluation.to_json(), "budget_met": evaluation.met,
+                      "why": evaluation.summary(), "bytes": out.stat().st_size,
+                      "latency_ms": round(latency * 1000, 4), "latency_fp32_ms": round(fp32_s * 1000, 4),
+                      "speedup": speedup, "ships": decision.ships, "verdict": decision.word,
+                      "seconds": round(time.monotonic() - entry.pop("started"), 3)})
+        self.ctx.progress(f"quantize: candidate {number} ({candidate.brief()}) {decision.word}: "
+                          f"{evaluation.summary()}; {entry['bytes']:,d} bytes, {entry['latency_ms']:.3g} ms "
+                          f"({speedup:.2f}x fp32)")
 
-
-def _brief(config: QuantConfig) -> str:
-    """A candidate in a few words for the progress line."""
-    parts = [config.mode, config.method if config.mode == "static" else "",
-             "per-channel" if config.per_channel else "per-tensor"]
-    if config.exclude:
-        parts.append(f"{len(config.exclude)} node(s) kept float")
-    if config.op_types:
-        parts.append("/".join(config.op_types))
-    return " ".join(p for p in parts if p)
+    def _build(self, candidate: Candidate, out: Path, index: int) -> str | None:
+        """Write the candidate's model to ``out``; why it was refused, or None."""
+        if candidate.config is not None:
+            call_in_worker(f"{__name__}:quantize_in_folder", self.folder, self.data.source, out, candidate.config,
+                           self.data.calibration, label=f"candidate {index}", doing="quantization and calibration")
+            return None
+        model = onnx.load(self.data.source)
+        weights = max((float(np.abs(numpy_helper.to_array(i)).max()) for i in model.graph.initializer
+                       if i.data_type == TensorProto.FLOAT and i.dims and np.prod(i.dims)), default=0.0)
+        activations = max((max(abs(low), abs(high)) for low, high in self.ranges.values()), default=0.0)
+        if max(weights, activations) >= FP16_MAX:
+            return f"values up to {max(weights, activations):.3g} overflow fp16 (max {FP16_MAX:g})"
+        onnx.save(_to_fp16_graph(model), out)
+        return None
