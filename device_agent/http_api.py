@@ -721,6 +721,10 @@ class _AgentProtocolMixin:
         self._cancel_head_timer()
         if self._raw.can_write_eof():
             self._raw.write_eof()
+        # uvicorn pauses reading while a large body waits for the app, and resumes it only for a
+        # connection that stays open: without this the client's FIN is never read, and the
+        # connection lingers its whole LINGER_S
+        self._raw.resume_reading()
         self.loop.call_later(LINGER_S, self._raw.close)
 
     def _answer_and_close(self, status: int, kind: str, message: str) -> None:

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 import urllib.request
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from device_agent import http_api
 from device_agent.bodies import MAX_JSON_DEPTH, ImageGate
 from device_agent.config import ApiSettings
 from device_agent.http_api import ApiServer
@@ -75,6 +77,7 @@ def serve(keypair, tmp_path) -> Iterator[Callable[..., tuple[int, InferenceServi
         servers.append(server)
         return server.port, service
 
+    start.servers = servers  # type: ignore[attr-defined]
     yield start
     for server in servers:
         server.stop()
@@ -89,9 +92,13 @@ def request_bytes(method: str, path: str, body: bytes = b"", content_type: str =
             f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
 
 
+_UNREAD: weakref.WeakKeyDictionary[socket.socket, bytes] = weakref.WeakKeyDictionary()
+
+
 def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP/1.1 response from the socket: status, headers (lower-case names), body."""
-    data = b""
+    """One HTTP/1.1 response from the socket: status, headers (lower-case names), body. Bytes
+    past it (a pipelined next response) are kept for the next call."""
+    data = _UNREAD.pop(sock, b"")
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
         if not chunk:
@@ -109,6 +116,7 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
         if not chunk:
             raise ConnectionError("closed inside a response body")
         body += chunk
+    _UNREAD[sock] = body[length:]
     return int(lines[0].split()[1]), headers, body[:length]
 
 
@@ -438,6 +446,23 @@ def test_large_unread_body_is_answered_with_connection_close_and_the_connection_
         sock.sendall(request_bytes("POST", "/nope", b"x" * 100_000, "text/plain"))
         status, headers, body = read_response(sock)
         assert status == 404 and headers["connection"] == "close" and closed_by_server(sock)
+
+
+def test_many_closing_clients_with_large_bodies_never_exhaust_the_connections(serve, scale_artifact, monkeypatch):
+    """A closing connection lingers to drop what its client still sends, but leaves as soon as
+    the client closes: even after a body large enough for uvicorn to pause reading."""
+    monkeypatch.setattr(http_api, "LINGER_S", 60.0)  # only the client's FIN can free them in time
+    port, _ = serve(scale_artifact, max_connections=3)
+    body = deep_json(100_000)  # 200 kB: over uvicorn's 64 kB read pause
+    for _ in range(3):
+        status, headers, _ = exchange(port, request_bytes("POST", "/predict", body, extra="Connection: close\r\n"))
+        assert status == 400 and headers["connection"] == "close"
+    server = next(iter(serve.servers))
+    deadline = time.monotonic() + 10
+    while server.connections() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.connections() == []
+    assert exchange(port, request_bytes("POST", "/predict", OK_JSON))[0] == 200
 
 
 def test_chunked_body_over_the_limit_is_413_and_closes(serve, scale_artifact):
