@@ -3,6 +3,7 @@ latency, task metric), how many candidates it tried and how long it searched, an
 candidate that kept the accuracy budget (what the speed rule turned down, if it did).
 
     python tools/bench/quant_search.py [--runs 200] [--only detector,recognizer]
+    python tools/bench/quant_search.py --variants   # the calibration variants, first candidate only
 
 Models: the torch-exported ones of tests/quant_models.py (a YOLOv8-style detector, the same with
 an outlier channel, a CTC recognizer for x86 and for a Jetson) and the digits and MobileNet-style
@@ -122,13 +123,39 @@ def _case(label: str, recipe: Any, folder: Path, key: Path, runs: int) -> dict[s
     }
 
 
+VARIANTS = (("minmax", True), ("minmax", False), ("percentile", True), ("entropy", True))
+
+
+def _variants(cases: list[tuple[str, Any]], folder: Path, key: Path) -> list[dict[str, Any]]:
+    """Each torch case's requested candidate alone under each calibration method / per-channel
+    setting (search off, speed rule off): whether a variant keeps a budget that MinMax misses."""
+    rows = []
+    for label, recipe in cases:
+        for method, per_channel in VARIANTS:
+            data = json.loads(json.dumps(recipe.data))
+            data["quantize"].update(search=False, min_speedup=0, method=method, per_channel=per_channel)
+            data["validate"]["allow_failure"] = True
+            variant = recipe_from_dict(data, folder)
+            result = build(variant, key_paths=[str(key)], output=folder / "out" / "variant.edgepkg")
+            entry = result.report["passes"]["quantize"]["candidates"][0]
+            rows.append({"model": label, "method": method, "per_channel": per_channel,
+                         "budget_met": entry.get("budget_met"), "metric": _metric(entry)})
+            print(f"{label:<28} {method:<10} {'per-channel' if per_channel else 'per-tensor':<11} {_metric(entry)}")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=200, help="timed runs per model per setting (in 5 blocks)")
     parser.add_argument("--only", default="", help="comma-separated substrings of the model labels to run")
+    parser.add_argument("--variants", action="store_true",
+                        help="instead: the calibration-method and per-channel variants on the torch models")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="edgepack-quant-search-bench-"))
     write_keypair(folder / "k.key", folder / "k.pub")
+    if args.variants:
+        print(json.dumps(_variants(_torch_cases(folder), folder, folder / "k.key")))
+        return 0
     cases = _torch_cases(folder) + _demo_cases(folder)
     wanted = [w for w in args.only.split(",") if w]
     rows = []
