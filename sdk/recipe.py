@@ -219,6 +219,10 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "min_precision": {"type": "number", "minimum": 0, "maximum": 1,
                                   "description": "detection: least precision against the fp32 model's "
                                   "detections at IoU 0.5 (default 0.95)"},
+                "max_score_diff": {"type": "number", "minimum": 0, "maximum": 1,
+                                   "description": "detection: largest mean score shift of the detections that "
+                                   "match the fp32 model's (default 0.05; a collapsed score channel keeps "
+                                   "recall and precision but moves every score)"},
                 "min_agreement": {"type": "number", "minimum": 0, "maximum": 1,
                                   "description": "sequence: least share of time steps whose argmax agrees with "
                                   "the fp32 model (default 0.99)"},

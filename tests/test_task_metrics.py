@@ -153,6 +153,34 @@ def test_detection_budget_keys_move_the_boundary():
     assert not missed.met and missed.scores[0].shortfall == pytest.approx(0.01)
 
 
+def test_scores_collapsed_onto_one_quantization_step_fail_though_every_box_still_matches():
+    """The int8 case seen on a YOLOv8-style head: one Concat scale for pixel boxes and sigmoid
+    scores puts every score on one step (1.213); every box keeps its place and class."""
+    ref = _yolo_head([(10, 10, 4, 4, [0.9]), (40, 40, 4, 4, [0.8]), (80, 80, 4, 4, [0.95]), (120, 120, 4, 4, [0.7])])
+    collapsed = ref.copy()
+    collapsed[0, 4:] = np.where(ref[0, 4:] > 0.25, 1.213, 0.0)
+    result = evaluate([{"y": ref}], [{"y": collapsed}], metric="detection", outputs=["y"])
+    figures = result.scores[0].figures
+    assert (figures["recall"], figures["precision"]) == (1.0, 1.0)
+    assert not result.met
+    expected = np.mean([1.213 - s for s in (0.9, 0.8, 0.95, 0.7)])  # 0.3755
+    assert result.summary().startswith(
+        f"output y: mean score shift of matched detections {expected:.4g} (allowed <= 0.05)")
+
+
+def test_the_score_shift_budget_boundary_is_max_score_diff():
+    ref = _yolo_head([(10, 10, 4, 4, [0.75]), (40, 40, 4, 4, [0.5])])
+    shifted = ref.copy()
+    shifted[0, 4:] = np.where(ref[0, 4:] > 0.25, ref[0, 4:] + 0.0625, 0.0)  # exact in binary: mean shift 0.0625
+    sample = ([{"y": ref}], [{"y": shifted}])
+    assert not evaluate(*sample, metric="detection", outputs=["y"]).met          # default 0.05
+    assert evaluate(*sample, metric="detection", outputs=["y"], budget={"max_score_diff": 0.0625}).met
+    missed = evaluate(*sample, metric="detection", outputs=["y"], budget={"max_score_diff": 0.0624})
+    assert not missed.met and missed.scores[0].shortfall == pytest.approx(0.0001)
+    met = evaluate(*sample, metric="detection", outputs=["y"], budget={"max_score_diff": 0.07})
+    assert "mean score shift 0.0625 (allowed <= 0.07)" in met.summary()
+
+
 def test_raw_outputs_are_judged_one_by_one_and_the_summary_names_the_one_that_missed():
     rng = np.random.default_rng(1)
     big = rng.normal(0, 100, (1, 1000)).astype(np.float32)

@@ -278,6 +278,10 @@ def check_fidelity(reference: Sequence[Mapping[str, np.ndarray]], candidate: Seq
 TASK_METRICS = ("top1", "agreement", "cosine", "max_abs", "detection", "sequence")
 DEFAULT_MIN_RECALL = 0.95
 DEFAULT_MIN_PRECISION = 0.95
+# Matched boxes may keep their place while every score collapses onto one quantization step
+# (a Concat of pixel boxes and sigmoid scores given one int8 scale: every score read 1.213 with
+# recall and precision still 1.0). The mean shift of matched scores is judged too.
+DEFAULT_MAX_SCORE_DIFF = 0.05
 DEFAULT_MIN_AGREEMENT = 0.99
 _IOU_EPSILON = 1e-9  # an IoU of exactly the threshold counts despite float rounding
 
@@ -602,13 +606,22 @@ def _score_detection(name: str, ref: Sequence[Mapping[str, np.ndarray]], cand: S
     found = detection_agreement([d for a in ref for d in decode(a)], [d for b in cand for d in decode(b)])
     min_recall = float(budget.get("min_recall", DEFAULT_MIN_RECALL))
     min_precision = float(budget.get("min_precision", DEFAULT_MIN_PRECISION))
-    recall = _at_least(name, "detection", "detection recall", found.recall, min_recall, found.to_json())
-    precision = _at_least(name, "detection", "detection precision", found.precision, min_precision, found.to_json())
-    if not recall.met or not precision.met:
-        return max((recall, precision), key=lambda s: s.shortfall)
+    max_score_diff = float(budget.get("max_score_diff", DEFAULT_MAX_SCORE_DIFF))
+    figures = found.to_json()
+    recall = _at_least(name, "detection", "detection recall", found.recall, min_recall, figures)
+    precision = _at_least(name, "detection", "detection precision", found.precision, min_precision, figures)
+    checks = [recall, precision]
+    if found.mean_score_diff is not None:  # no matched pair: recall/precision already say it
+        checks.append(_at_most(name, "detection", "mean score shift of matched detections",
+                               found.mean_score_diff, max_score_diff, figures))
+    missed = [check for check in checks if not check.met]
+    if missed:
+        return max(missed, key=lambda s: s.shortfall)
     score = recall if found.recall - min_recall <= found.precision - min_precision else precision
+    shift = "" if found.mean_score_diff is None else \
+        f", mean score shift {found.mean_score_diff:.3g} (allowed <= {max_score_diff:.3g})"
     return replace(score, why=f"output {name}: detection recall {found.recall:.4g}, precision "
-                   f"{found.precision:.4g} (required >= {min_recall:.4g}, >= {min_precision:.4g})")
+                   f"{found.precision:.4g} (required >= {min_recall:.4g}, >= {min_precision:.4g}){shift}")
 
 
 def _score_sequence(name: str, ref: list[np.ndarray], cand: list[np.ndarray], budget: Mapping[str, Any],
@@ -635,7 +648,7 @@ def evaluate(reference: Sequence[Mapping[str, np.ndarray]], candidate: Sequence[
     """Judge ``candidate`` against ``reference`` (one output dict per sample, same samples) by
     ``metric`` on each of ``outputs`` separately, against the recipe's ``budget`` keys
     (``max_drop``, ``min_cosine``, ``max_abs``, ``min_recall``, ``min_precision``,
-    ``min_agreement``). Outputs of non-float dtype must match exactly (their argmax or cosine
+    ``max_score_diff``, ``min_agreement``). Outputs of non-float dtype must match exactly (their argmax or cosine
     means nothing). ``decode`` turns one sample's outputs into detections (default
     :func:`decode_yolov8` of the output); ``blank`` makes ``sequence`` compare CTC-decoded
     strings too (``layout`` ``TNC`` for ``[T, batch, classes]`` outputs). Pure."""
