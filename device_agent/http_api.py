@@ -621,8 +621,9 @@ class _Guard:
         async def guarded_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 self.stats.count(message["status"])
-                if unread["large"] and not unread["done"]:
-                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+                headers = list(message.get("headers", []))
+                if unread["large"] and not unread["done"] and (b"connection", b"close") not in headers:
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
             await send(message)
 
         await self.app(scope, tracked_receive, guarded_send)

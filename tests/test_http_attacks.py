@@ -109,6 +109,7 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     headers = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
+        assert name.strip().lower() not in headers, f"header {name} twice in {head!r}"
         headers[name.strip().lower()] = value.strip()
     length = int(headers.get("content-length", "0"))
     while len(body) < length:

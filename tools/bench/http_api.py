@@ -15,7 +15,8 @@ body). The clients are asyncio streams in this process, one kept-alive connectio
 
 Rounds alternate old and new so drift on a noisy machine hits both alike; medians over rounds.
 
-    python tools/bench/http_api.py [--rounds 5] [--requests 400] [--clients 32] [--old-rev cf5af44]
+    python tools/bench/http_api.py [--rounds 5] [--requests 400] [--clients 32] [--model tiny|mobilenet]
+                                   [--workers N] [--old-rev cf5af44]
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ if which == "old":
     spec.loader.exec_module(module)
     server = module.ApiServer(("127.0.0.1", 0), service, max_body_bytes=16 << 20).start()
 else:
+    from device_agent.config import ApiSettings
     from device_agent.http_api import ApiServer
-    server = ApiServer(("127.0.0.1", 0), service, max_body_bytes=16 << 20).start()
+    settings = ApiSettings(workers=int(sys.argv[7])) if len(sys.argv) > 7 else None
+    server = ApiServer(("127.0.0.1", 0), service, max_body_bytes=16 << 20, settings=settings).start()
 print(server.port, flush=True)
 sys.stdin.read()
 server.stop()
@@ -92,12 +95,12 @@ def package(folder: Path, model: str, key: Path) -> Path:
     return build(load_recipe(recipe), key_paths=[str(key)], output=folder / f"{model}.edgepkg").output
 
 
-def requests_for(shape: list[int]) -> dict[str, bytes]:
-    """Whole HTTP requests for one input of ``shape``: JSON and .npy bodies."""
+def requests_for(name: str, shape: list[int]) -> dict[str, bytes]:
+    """Whole HTTP requests for one input ``name`` of ``shape``: JSON and .npy bodies."""
     x = np.random.default_rng(0).random(shape, dtype=np.float32)
     buffer = io.BytesIO()
     np.save(buffer, x)
-    bodies = {"json": ("application/json", json.dumps({"inputs": {"x": x.tolist()}}).encode()),
+    bodies = {"json": ("application/json", json.dumps({"inputs": {name: x.tolist()}}).encode()),
               "npy": ("application/x-npy", buffer.getvalue())}
     return {kind: (f"POST /predict HTTP/1.1\r\nHost: bench\r\nContent-Type: {media}\r\n"
                    f"Content-Length: {len(body)}\r\n\r\n").encode() + body for kind, (media, body) in bodies.items()}
@@ -136,9 +139,11 @@ async def run_clients(port: int, request: bytes, clients: int, total: int) -> tu
     return elapsed, latencies
 
 
-def serve(which: str, artifact: Path, pub: Path, folder: Path, old_module: Path) -> tuple[subprocess.Popen, int]:
+def serve(which: str, artifact: Path, pub: Path, folder: Path, old_module: Path,
+          workers: int | None = None) -> tuple[subprocess.Popen, int]:
+    extra = [str(workers)] if workers else []
     proc = subprocess.Popen([sys.executable, "-c", SERVE, str(ROOT), which, str(artifact), str(pub), str(folder),
-                             str(old_module)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             str(old_module), *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return proc, int(proc.stdout.readline())
 
 
@@ -169,6 +174,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--model", choices=["tiny", "mobilenet"], default="tiny")
     parser.add_argument("--old-rev", default=OLD_REV)
+    parser.add_argument("--workers", type=int, help="api.workers of the new server (default: its default, 4)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -179,12 +185,14 @@ def main() -> None:
         old_module = folder / "old_http_api.py"
         old_source = ["git", "-C", str(ROOT), "show", f"{args.old_rev}:device_agent/http_api.py"]
         old_module.write_bytes(subprocess.run(old_source, capture_output=True, check=True).stdout)
-        shape = [1, 4] if args.model == "tiny" else [1, 3, 224, 224]
-        requests = requests_for(shape)
+        if args.model == "tiny":
+            requests = requests_for("x", [1, 4])
+        else:  # 32 JSON bodies of 3.2 MB are over the default api.max_buffered_bytes (64 MiB): 503 busy
+            requests = {"npy": requests_for("input", [1, 3, 224, 224])["npy"]}
         results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
         for round_number in range(args.rounds):
             for which in ("old", "new"):
-                proc, port = serve(which, artifact, pub, folder / f"{which}-{round_number}", old_module)
+                proc, port = serve(which, artifact, pub, folder / f"{which}-{round_number}", old_module, args.workers)
                 try:
                     results[which].append(measure(proc.pid, port, requests, args.requests, args.clients))
                 finally:
