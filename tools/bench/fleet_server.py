@@ -334,7 +334,8 @@ def _check_tree(folder: Path) -> None:
 
 
 def run_step(devices: int, rate: float, duration: float, api_interval: float, workdir: Path,
-             profile: Path | None = None, sim_nice: int = 0, tree: tuple[str, Path] | None = None) -> StepResult:
+             profile: Path | None = None, sim_nice: int = 0, tree: tuple[str, Path] | None = None,
+             broker_extra: str = "") -> StepResult:
     """One measured run; ``tree`` = (name, folder): the server imports its code from that
     folder (PYTHONPATH) instead of this checkout, for side-by-side comparisons."""
     result = StepResult(devices, rate, duration, tree=tree[0] if tree else "working tree")
@@ -342,7 +343,7 @@ def run_step(devices: int, rate: float, duration: float, api_interval: float, wo
         _check_tree(tree[1])
     prefix = "sim"
     raise_fd_limit(3 * devices + 512)
-    broker = start_mosquitto(workdir=workdir / "mosquitto")
+    broker = start_mosquitto(broker_extra, workdir=workdir / "mosquitto")
     # the defaults of `edgepack fleet serve` (the test helper's quicker tick and silence are overridden)
     server = FleetServerProcess(workdir / "server", broker=broker.address, keys=make_keys(workdir / "keys"),
                                 extra=("--tick", "0.5s", "--silence", "60s"))
@@ -477,10 +478,17 @@ def _parser() -> argparse.ArgumentParser:
                         help="NAME=FOLDER: also run the server from a copy of the code in FOLDER (its sdk/ and "
                              "edgepack_core/), alternating with this checkout, and compare medians (repeatable)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of the first step per tree (with --tree)")
+    parser.add_argument("--broker-inflight", type=int,
+                        help="max_inflight_messages of the broker (default: mosquitto's 20, as in "
+                             "deploy/mosquitto/mosquitto.conf)")
     parser.add_argument("--json", type=Path, help="also write every step's figures to this file")
     parser.add_argument("--py-spy", type=Path, help="profile the server of the first step with py-spy into this "
                                                      "file (collapsed stacks; needs py-spy in the venv)")
     return parser
+
+
+def _broker_extra(args: argparse.Namespace) -> str:
+    return "" if args.broker_inflight is None else f"max_inflight_messages {args.broker_inflight}\n"
 
 
 def _compare(results: list[StepResult]) -> str:
@@ -504,7 +512,7 @@ def _find_max(args: argparse.Namespace, folder: Path, first: StepResult, results
     while last.holds() and size + args.step <= args.max_devices:
         size += args.step
         last = run_step(size, args.rate, args.step_duration, args.api_interval, folder / f"s{size}",
-                        sim_nice=args.sim_nice)
+                        sim_nice=args.sim_nice, broker_extra=_broker_extra(args))
         results.append(last)
         print(report(last), flush=True)
         if last.holds():
@@ -527,7 +535,8 @@ def main() -> int:
             for tree in trees:
                 result = run_step(args.devices, args.rate, args.duration, args.api_interval,
                                   folder / f"main-{run}-{tree[0] if tree else 'checkout'}",
-                                  profile=args.py_spy if not results else None, sim_nice=args.sim_nice, tree=tree)
+                                  profile=args.py_spy if not results else None, sim_nice=args.sim_nice, tree=tree,
+                                  broker_extra=_broker_extra(args))
                 results.append(result)
                 print(report(result), flush=True)
         if args.tree:
