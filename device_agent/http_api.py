@@ -1,9 +1,10 @@
 """The local HTTP API: ``POST /predict``, ``GET /healthz``, ``GET /metrics`` (Prometheus),
 ``DELETE /streams/ID`` and the Open Inference Protocol (KServe v2 REST, ``device_agent/oip.py``).
 
-Served by uvicorn (its pure-Python h11 protocol: no compiled extras on a device) with a
-starlette app, the stack the fleet server uses too. What the library does not bound, this
-module does, so the API can face a network (docs/agent.md, "HTTP API"):
+A starlette app (the fleet server's framework too) served by Hypercorn's HTTP/1.1 protocol
+(pure Python on h11, no click on a device: ``device_agent/http_server.py``, which adds the
+connection cap, the head deadline, JSON protocol errors and lingering close). What the
+libraries do not bound, these modules do, so the API can face a network (docs/agent.md, "HTTP API"):
 
 - read timeouts: a request's head must arrive within ``read_timeout_s`` of the connection (or of
   the previous answer), and its body within ``read_timeout_s`` of its head, or the client gets
@@ -34,7 +35,6 @@ with the model, provider and latency in ``X-Edgepack-*`` headers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import socket
@@ -42,7 +42,6 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from http import HTTPStatus
 from typing import Any
 
 from starlette.applications import Starlette
@@ -54,6 +53,7 @@ from starlette.routing import Route
 from device_agent import bodies, oip
 from device_agent.config import ApiSettings
 from device_agent.errors import BadRequest, NoModelError
+from device_agent.http_server import HttpServer, listening_socket
 from device_agent.runtime import AUDIO_MEDIA_TYPES, LATENCY_BUCKETS, InferenceService, PredictResult
 from edgepack_core import __version__, wire_json
 
@@ -66,12 +66,10 @@ MAX_ACCEPT_CHARS = 1024
 # Stateful models: the stream whose state a request continues, and a header to restart it.
 STREAM_HEADER = "X-Edgepack-Stream"
 STREAM_RESET_HEADER = "X-Edgepack-Stream-Reset"
-# A body this small left unread is drained by the server (h11 frames it, nothing of it is ever
-# parsed as a request) and the connection kept; a larger one closes the connection.
+# A body this small left unread by an early answer is read and dropped before the answer goes
+# out (h11 frames it, nothing of it is ever parsed as a request) and the connection kept; a
+# larger one closes the connection.
 DRAIN_LIMIT = 64 * 1024
-# How long a closing connection keeps reading (and discarding) what its client still sends.
-LINGER_S = 2.0
-MAX_HEAD_BYTES = 16 * 1024
 # Answers after which the connection closes: the body was refused unread, or never came.
 CLOSING_STATUSES = (408, 413, 503)
 MAX_MESSAGE_CHARS = 500
@@ -233,14 +231,6 @@ def error_response(status: int, kind: str, message: str, *, v2: bool = False,
     return json_response(status, {"error": text} if v2 else {"error": {"kind": kind, "message": text}}, headers)
 
 
-def _error_bytes(status: int, kind: str, message: str) -> bytes:
-    """A whole HTTP/1.1 error answer that closes the connection, for the protocol layer."""
-    body = wire_json.dumps({"error": {"kind": kind, "message": message}}) + b"\n"
-    phrase = HTTPStatus(status).phrase
-    return (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: {JSON_MEDIA_TYPE}\r\ncontent-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n").encode() + body
-
-
 @dataclass
 class _Exchange:
     """One inference request between the event loop and a worker."""
@@ -273,7 +263,6 @@ class AgentApp:
         self.images = bodies.ImageGate(pixels, settings.max_image_decodes)
         self.http_stats = HttpStats()
         self.pool = ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="http-worker")
-        self.started = threading.Event()
         self._admitted = 0  # requests holding a slot (event loop only: no lock)
         self._buffered = 0  # body bytes reserved by them
         routes = [
@@ -289,14 +278,9 @@ class AgentApp:
             routes += [Route(prefix, self.v2_metadata, methods=["GET"]),
                        Route(prefix + "/ready", self.v2_model_ready, methods=["GET"]),
                        Route(prefix + "/infer", self.v2_infer, methods=["POST"])]
-        self.starlette = Starlette(routes=routes, lifespan=self._lifespan,
+        self.starlette = Starlette(routes=routes,
                                    exception_handlers={HTTPException: self._http_error, Exception: self._crash})
-        self.asgi = _Guard(self.starlette, self.http_stats)
-
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, _app: Any) -> Any:
-        self.started.set()
-        yield
+        self.asgi = _Guard(self.starlette, self.http_stats, settings.read_timeout_s)
 
     # ------------------------------------------------------------ errors
 
@@ -594,195 +578,90 @@ def _media_type(request: Request) -> str:
     return (request.headers.get("content-type") or "").split(";")[0].strip().lower()
 
 
-class _Guard:
-    """ASGI wrapper around the app: counts every answer by status class, and closes the
-    connection (``Connection: close``) when an answer leaves more than ``DRAIN_LIMIT`` of the
-    request's body unread; a smaller rest is read and dropped by the server (h11 frames it)."""
+@dataclass
+class _Body:
+    """How much of a request's body the app has received."""
 
-    def __init__(self, app: Any, stats: HttpStats) -> None:
+    done: bool  # all of it (or the client went away)
+    small: bool  # declared with a Content-Length of at most DRAIN_LIMIT
+
+
+async def _drop_body(receive: Callable[[], Any]) -> None:
+    """Receive the rest of a request's body and drop it."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
+class _Guard:
+    """ASGI wrapper around the app: counts every answer by status class, and never leaves part of
+    a body to be parsed as the next request. When the app answers before it read the whole body,
+    a body declared at most ``DRAIN_LIMIT`` is read and dropped first (within ``read_timeout_s``)
+    and the connection stays open; any other gets ``Connection: close``, and what of it the server
+    still queues for the app is dropped while the answer goes out: Hypercorn waits for room in
+    that queue to tell the app its request ended, which a queue full of unread chunks never gives
+    (the connection would hang)."""
+
+    def __init__(self, app: Any, stats: HttpStats, read_timeout_s: float) -> None:
         self.app = app
         self.stats = stats
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        length = headers.get(b"content-length", b"0")
-        unread = {"large": b"transfer-encoding" in headers or not length.isdigit() or int(length) > DRAIN_LIMIT,
-                  "done": False}
+        length = headers.get(b"content-length")
+        chunked = b"transfer-encoding" in headers
+        body = _Body(done=not chunked and length in (None, b"0"),
+                     small=not chunked and length is not None and length.isdigit() and int(length) <= DRAIN_LIMIT)
 
         async def tracked_receive() -> dict[str, Any]:
             message = await receive()
             if message["type"] != "http.request" or not message.get("more_body", False):
-                unread["done"] = True
+                body.done = True
             return message
 
         async def guarded_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 self.stats.count(message["status"])
-                headers = list(message.get("headers", []))
-                if unread["large"] and not unread["done"] and (b"connection", b"close") not in headers:
-                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
+                if not body.done:
+                    message = await self._settle_body(message, body, tracked_receive)
+            elif message["type"] == "http.response.body" and not message.get("more_body", False) and not body.done:
+                dropping = asyncio.ensure_future(_drop_body(tracked_receive))
+                try:
+                    await send(message)
+                finally:
+                    await asyncio.wait([dropping], timeout=self.read_timeout_s)
+                    dropping.cancel()
+                return
             await send(message)
 
         await self.app(scope, tracked_receive, guarded_send)
+
+    async def _settle_body(self, start: dict[str, Any], body: _Body, receive: Callable[[], Any]) -> dict[str, Any]:
+        """The answer's start once the body left unread is dropped (small), or with ``Connection: close``."""
+        headers = list(start.get("headers", []))
+        if (b"connection", b"close") in headers:
+            return start
+        if body.small:
+            try:
+                await asyncio.wait_for(_drop_body(receive), self.read_timeout_s)
+                return start
+            except asyncio.TimeoutError:
+                pass
+        return {**start, "headers": [*headers, (b"connection", b"close")]}
 
 
 # ---------------------------------------------------------------------------------------- the server
 
 
-class _LingeringTransport:
-    """The connection's transport as uvicorn sees it: ``close()`` first sends what is queued and
-    a FIN, then keeps reading (and dropping) what the client still sends for ``LINGER_S``, so a
-    client that is still sending a refused body reads the answer rather than a reset."""
-
-    def __init__(self, transport: asyncio.Transport, protocol: Any) -> None:
-        self._transport = transport
-        self._protocol = protocol
-        self._pending: list[bytes] | None = None
-
-    def write(self, data: bytes) -> None:
-        """Writes of one loop iteration go out as one send: uvicorn writes an answer's head and
-        body apart, and each write is a system call when the socket's buffer is empty."""
-        if self._pending is None:
-            self._pending = [data]
-            self._protocol.loop.call_soon(self.flush)
-        else:
-            self._pending.append(data)
-
-    def flush(self) -> None:
-        if self._pending is not None:
-            data, self._pending = b"".join(self._pending), None
-            if not self._transport.is_closing():
-                self._transport.write(data)
-
-    def close(self) -> None:
-        self.flush()
-        self._protocol.linger()
-
-    def is_closing(self) -> bool:
-        return self._protocol.lingering or self._transport.is_closing()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class _AgentProtocolMixin:
-    """What uvicorn's h11 protocol lacks for an exposed device: a connection cap, a deadline for
-    the request head, JSON answers for protocol errors, lingering close. Mixed into
-    ``H11Protocol`` by :func:`protocol_class` (uvicorn is imported only when a server starts)."""
-
-    settings: ApiSettings
-    count: Callable[[int], None]
-    lingering = False
-    _head_timer: asyncio.TimerHandle | None = None
-    _raw: asyncio.Transport | None = None
-    # set by H11Protocol
-    connections: set[Any]
-    transport: Any
-    loop: asyncio.AbstractEventLoop
-    cycle: Any
-    conn: Any
-
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self._raw = transport
-        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[misc]
-        if len(self.connections) > self.settings.max_connections:
-            self._answer_and_close(503, "busy", f"over api.max_connections ({self.settings.max_connections}) "
-                                   "open connections: retry later")
-            return
-        self._arm_head_timer()
-
-    def data_received(self, data: bytes) -> None:
-        if not self.lingering:  # a closing connection drops what still arrives
-            super().data_received(data)  # type: ignore[misc]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        super().connection_lost(exc)  # type: ignore[misc]
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()  # type: ignore[misc]
-        if not self.transport.is_closing():
-            self._arm_head_timer()
-
-    def shutdown(self) -> None:
-        super().shutdown()  # type: ignore[misc]
-        if self.lingering and self._raw is not None:  # the server is stopping: no lingering
-            self._raw.close()
-
-    def send_400_response(self, msg: str) -> None:
-        self._answer_and_close(400, "bad_http", "malformed HTTP request (request line, headers or framing)")
-
-    def linger(self) -> None:
-        if self.lingering or self._raw is None or self._raw.is_closing():
-            return
-        self.lingering = True
-        self._cancel_head_timer()
-        if self._raw.can_write_eof():
-            self._raw.write_eof()
-        # uvicorn pauses reading while a large body waits for the app, and resumes it only for a
-        # connection that stays open: without this the client's FIN is never read, and the
-        # connection lingers its whole LINGER_S
-        self._raw.resume_reading()
-        self.loop.call_later(LINGER_S, self._raw.close)
-
-    def _answer_and_close(self, status: int, kind: str, message: str) -> None:
-        self.count(status)
-        self.transport.write(_error_bytes(status, kind, message))
-        self.transport.close()
-
-    def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
-        self._head_timer = self.loop.call_later(self.settings.read_timeout_s, self._head_timeout)
-
-    def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timeout(self) -> None:
-        import h11
-
-        self._head_timer = None
-        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
-            return  # closed, or a request is being served (its body has its own deadline)
-        if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
-            self.transport.close()  # nothing of a request arrived: an idle connection
-            return
-        self._answer_and_close(408, "timeout", f"the request head did not arrive within "
-                               f"{self.settings.read_timeout_s:g} s (api.read_timeout_s)")
-
-
-def protocol_class(settings: ApiSettings, count: Callable[[int], None]) -> type:
-    """uvicorn's h11 protocol with :class:`_AgentProtocolMixin`, bound to these settings."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    return type("AgentProtocol", (_AgentProtocolMixin, H11Protocol),
-                {"settings": settings, "count": staticmethod(count)})
-
-
-def listening_socket(address: tuple[str, int], backlog: int) -> socket.socket:
-    """A TCP socket listening on ``address``, created with ``IPPROTO_TCP`` as its protocol: asyncio
-    sets ``TCP_NODELAY`` on accepted connections only then, and without it every answer (head and
-    body written apart) waits about 40 ms for the client's delayed ACK."""
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(address[0] or None, address[1], type=socket.SOCK_STREAM,
-                                                          proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(backlog)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 class ApiServer:
-    """The agent's HTTP API on ``address``: uvicorn on its own thread and event loop, inference
-    on a bounded pool. The socket is bound in the constructor (an address in use fails there)."""
+    """The agent's HTTP API on ``address``: the app on Hypercorn's HTTP/1.1 protocol
+    (``device_agent/http_server.py``) on its own thread and event loop, inference on a bounded
+    pool. The socket is bound in the constructor (an address in use fails there)."""
 
     def __init__(self, address: tuple[str, int], service: InferenceService, *, max_body_bytes: int | None = None,
                  health: Callable[[], dict[str, Any]] | None = None, settings: ApiSettings | None = None) -> None:
@@ -794,16 +673,7 @@ class ApiServer:
         self.service = service
         self.app = AgentApp(service, settings, health)
         self._socket = listening_socket(address, backlog=min(settings.max_connections, 1024))
-        # uvicorn is imported here, not at the top: ``import uvicorn`` loads its command line,
-        # and with it click, which the device side's modules must not pull in on import.
-        import uvicorn
-
-        config = uvicorn.Config(
-            self.app.asgi, http=protocol_class(settings, self.app.http_stats.count), loop="asyncio",
-            lifespan="on", log_config=None, access_log=False, server_header=False, ws="none",
-            timeout_keep_alive=settings.keep_alive_s, h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-            timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
+        self._server = HttpServer(self.app.asgi, self._socket, settings, self.app.http_stats.count)
         self._thread: threading.Thread | None = None
 
     @property
@@ -815,20 +685,19 @@ class ApiServer:
         return self._socket
 
     def connections(self) -> list[Any]:
-        """The open connections' protocols (for inspection: read them on the server's loop only)."""
-        return list(self._server.server_state.connections)
+        """The open connections (``http_server.AgentConnection``; read them on the server's loop only)."""
+        return list(self._server.connections)
 
     def start(self) -> ApiServer:
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
-                                        name="http-api", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve, name="http-api", daemon=True)
         self._thread.start()
-        while not self.app.started.wait(0.05):
+        while not self._server.ready.wait(0.05):
             if not self._thread.is_alive():
                 raise OSError(f"the HTTP API did not start on port {self.port}")
         return self
 
     def stop(self) -> None:
-        self._server.should_exit = True
+        self._server.stop()
         if self._thread is not None:
             self._thread.join(10)
         self.app.pool.shutdown(wait=False, cancel_futures=True)

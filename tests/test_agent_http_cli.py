@@ -245,7 +245,7 @@ def test_accepted_connections_send_without_waiting_for_acks(artifact, keypair, t
     try:
         connection.request("GET", "/healthz")
         assert connection.getresponse().read() and api.listening.proto == socket.IPPROTO_TCP
-        sockets = [c.transport.get_extra_info("socket") for c in api.connections()]
+        sockets = [c.writer.get_extra_info("socket") for c in api.connections()]
         assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
     finally:
         connection.close()

@@ -5,6 +5,7 @@ after its attack; raw sockets where a client library would refuse to send the at
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import socket
@@ -20,7 +21,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from device_agent import http_api
+from device_agent import http_api, http_server
 from device_agent.bodies import MAX_JSON_DEPTH, ImageGate
 from device_agent.config import ApiSettings
 from device_agent.http_api import ApiServer
@@ -451,10 +452,10 @@ def test_large_unread_body_is_answered_with_connection_close_and_the_connection_
 
 def test_many_closing_clients_with_large_bodies_never_exhaust_the_connections(serve, scale_artifact, monkeypatch):
     """A closing connection lingers to drop what its client still sends, but leaves as soon as
-    the client closes: even after a body large enough for uvicorn to pause reading."""
-    monkeypatch.setattr(http_api, "LINGER_S", 60.0)  # only the client's FIN can free them in time
+    the client closes: even after a body larger than the server reads at once (64 kB)."""
+    monkeypatch.setattr(http_server, "LINGER_S", 60.0)  # only the client's FIN can free them in time
     port, _ = serve(scale_artifact, max_connections=3)
-    body = deep_json(100_000)  # 200 kB: over uvicorn's 64 kB read pause
+    body = deep_json(100_000)  # 200 kB: over the 64 kB the server reads at once
     for _ in range(3):
         status, headers, _ = exchange(port, request_bytes("POST", "/predict", body, extra="Connection: close\r\n"))
         assert status == 400 and headers["connection"] == "close"
@@ -526,3 +527,199 @@ def test_every_rejection_is_counted_in_metrics_by_status_class(serve, scale_arti
     # every answer by class: the eight refusals; the 200, and the first /metrics read, as 2xx
     assert rose('edgepack_http_responses_total{class="4xx"}') == 8
     assert rose('edgepack_http_responses_total{class="2xx"}') == 2
+
+
+# ------------------------------------------------------------------------------------ the server layer
+# What Hypercorn lacks and device_agent/http_server.py adds: HTTP/1.1 only, the head deadline on
+# kept-alive connections, JSON answers for oversized heads, no hang on an unread body, a prompt stop.
+
+
+def test_h2c_upgrade_is_answered_in_http_1_1_without_switching(serve, scale_artifact):
+    port, _ = serve(scale_artifact)
+    with connect(port) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: agent\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                     b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+        status, _, body = read_response(sock)  # no 101 first: read_response would return it
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        sock.sendall(request_bytes("GET", "/healthz"))  # still HTTP/1.1 on the same connection
+        assert read_response(sock)[0] == 200
+
+
+def test_http2_prior_knowledge_preface_never_switches_the_connection_to_http2(serve, scale_artifact):
+    port, _ = serve(scale_artifact)
+    with connect(port) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000"))  # preface + SETTINGS
+        sock.settimeout(5)
+        answer = sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 4"), answer[:100]  # an HTTP/1.1 refusal, never an HTTP/2 SETTINGS frame
+
+
+def test_websocket_handshake_is_answered_as_a_plain_get(serve, scale_artifact):
+    port, _ = serve(scale_artifact)
+    with connect(port) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: agent\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                     b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        status, headers, body = read_response(sock)
+        assert status == 200 and "sec-websocket-accept" not in headers and json.loads(body)["status"] == "ok"
+        sock.sendall(request_bytes("GET", "/healthz"))
+        assert read_response(sock)[0] == 200
+
+
+def test_answers_carry_their_reason_phrase(serve, scale_artifact):
+    port, _ = serve(scale_artifact)
+    with connect(port) as sock:
+        sock.sendall(request_bytes("GET", "/nope"))
+        sock.settimeout(5)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 404 Not Found\r\n")
+
+
+@contextlib.contextmanager
+def kept_alive(port: int) -> Iterator[socket.socket]:
+    """A connection that has had one answer and stays open."""
+    with connect(port) as sock:
+        sock.sendall(request_bytes("GET", "/healthz"))
+        assert read_response(sock)[0] == 200
+        yield sock
+
+
+def test_kept_alive_connection_idle_past_keep_alive_s_is_closed_without_an_answer(serve, scale_artifact):
+    port, _ = serve(scale_artifact, read_timeout_s=30, keep_alive_s=0.5)
+    with kept_alive(port) as sock:
+        started = time.monotonic()
+        assert closed_by_server(sock, within=10)  # EOF, no bytes: long before read_timeout_s
+        assert 0.4 <= time.monotonic() - started < 10
+
+
+def test_kept_alive_connection_trickling_its_next_head_gets_408_at_read_timeout_s(serve, scale_artifact):
+    port, _ = serve(scale_artifact, read_timeout_s=1.5, keep_alive_s=0.3)
+    with kept_alive(port) as sock:
+        answered = time.monotonic()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: ")  # begun before keep_alive_s, never finished
+        assert not closed_by_server(sock, within=0.6)  # past keep_alive_s: a head has begun, it may finish
+        sock.settimeout(10)
+        status, headers, body = read_response(sock)
+        assert (status, error_of(body)["kind"]) == (408, "timeout") and headers["connection"] == "close"
+        assert 1.4 <= time.monotonic() - answered < 10
+        assert closed_by_server(sock)
+
+
+def test_unterminated_head_over_16_kib_is_a_400_at_once_and_a_whole_15_kib_head_is_served(serve, scale_artifact):
+    port, _ = serve(scale_artifact, read_timeout_s=30)
+    status, _, _ = exchange(port, request_bytes("GET", "/healthz", extra=f"X-Pad: {'a' * 15_000}\r\n"))
+    assert status == 200
+    with connect(port) as sock:
+        started = time.monotonic()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: agent\r\nX-Pad: " + b"a" * 17_000)  # no end of head
+        status, headers, body = read_response(sock)
+        assert (status, error_of(body)["kind"]) == (400, "bad_http") and headers["connection"] == "close"
+        assert time.monotonic() - started < 10  # not the 30 s read timeout
+        assert closed_by_server(sock)
+
+
+def test_small_body_sent_late_to_an_unknown_path_is_dropped_before_the_answer_and_the_connection_kept(
+        serve, scale_artifact):
+    port, _ = serve(scale_artifact)
+    with connect(port) as sock:
+        body = b"x" * http_api.DRAIN_LIMIT  # at the limit: still read and dropped
+        sock.sendall(request_bytes("POST", "/nope", b"", "text/plain").replace(b"Content-Length: 0",
+                                                                               f"Content-Length: {len(body)}".encode()))
+        sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):  # no answer while the body is on its way
+            sock.recv(1)
+        sock.sendall(body + request_bytes("GET", "/healthz"))
+        status, headers, _ = read_response(sock)
+        assert status == 404 and "connection" not in headers
+        status, _, answer = read_response(sock)  # the next request's answer: nothing of the body was parsed
+        assert status == 200 and json.loads(answer)["status"] == "ok"
+
+
+def test_small_body_never_sent_to_an_unknown_path_gets_the_answer_with_close_at_read_timeout_s(serve, scale_artifact):
+    port, _ = serve(scale_artifact, read_timeout_s=0.5)
+    with connect(port) as sock:
+        started = time.monotonic()
+        sock.sendall(b"POST /nope HTTP/1.1\r\nHost: agent\r\nContent-Length: 10\r\n\r\n")
+        status, headers, _ = read_response(sock)
+        assert status == 404 and headers["connection"] == "close" and 0.5 <= time.monotonic() - started < 10
+        assert closed_by_server(sock)
+    # one byte over DRAIN_LIMIT is not waited for: the answer comes at once, with close
+    with connect(port) as sock:
+        started = time.monotonic()
+        sock.sendall(f"POST /nope HTTP/1.1\r\nHost: agent\r\nContent-Length: {http_api.DRAIN_LIMIT + 1}\r\n\r\n"
+                     .encode())
+        status, headers, _ = read_response(sock)
+        assert status == 404 and headers["connection"] == "close" and time.monotonic() - started < 0.5
+
+
+def test_app_answering_late_without_reading_a_large_body_never_hangs_the_connection():
+    """Hypercorn tells the app its request ended through the request's queue, which a body the
+    app never reads fills (ten chunks): without the guard's dropping, the connection hangs."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def late(request):  # answers after the body filled the queue, never reading it
+        await asyncio.sleep(0.5)
+        return JSONResponse({"error": {"kind": "late", "message": "late"}}, 409)
+
+    settings = ApiSettings(read_timeout_s=10)
+    stats = http_api.HttpStats()
+    app = http_api._Guard(Starlette(routes=[Route("/late", late, methods=["POST"])]), stats, settings.read_timeout_s)
+    sock = http_server.listening_socket(("127.0.0.1", 0), 8)
+    server = http_server.HttpServer(app, sock, settings, stats.count)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    assert server.ready.wait(10)
+    try:
+        with connect(sock.getsockname()[1]) as client:
+            body = b"x" * 4_000_000
+            client.sendall(b"POST /late HTTP/1.1\r\nHost: agent\r\nContent-Length: %d\r\n\r\n" % len(body))
+            def send_body() -> None:
+                with contextlib.suppress(OSError):  # the server closes before the whole body is in
+                    client.sendall(body)
+
+            sender = threading.Thread(target=send_body, daemon=True)
+            sender.start()
+            status, headers, _ = read_response(client)
+            assert status == 409 and headers["connection"] == "close"
+            assert closed_by_server(client)
+        deadline = time.monotonic() + 10
+        while server.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server.connections and stats.snapshot()["4xx"] == 1
+    finally:
+        server.stop()
+        thread.join(10)
+        sock.close()
+
+
+def test_stopping_the_server_ends_a_lingering_connection_at_once(serve, scale_artifact, monkeypatch):
+    monkeypatch.setattr(http_server, "LINGER_S", 60.0)
+    port, _ = serve(scale_artifact, max_body_bytes=4096)
+    server = serve.servers[0]
+    with connect(port) as sock:  # refused unread; the client keeps its side open: the server lingers
+        sock.sendall(request_bytes("POST", "/predict", b"x" * 5000, "application/octet-stream"))
+        assert read_response(sock)[0] == 413
+        deadline = time.monotonic() + 10
+        while not any(c.closing for c in server.connections()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 3 and closed_by_server(sock, within=1)
+
+
+def test_hypercorn_still_has_every_method_the_server_overrides():
+    """http_server.py overrides private methods of Hypercorn: a release that renamed one would
+    drop its bound (the head deadline, lingering close, JSON protocol errors) without an error."""
+    from hypercorn.asyncio.tcp_server import TCPServer
+    from hypercorn.protocol.h11 import H11Protocol
+
+    overridden = {TCPServer: {"run", "_read_data", "_close", "_idle_timeout"},
+                  H11Protocol: {"_check_protocol", "_create_stream", "_send_h11_event", "_send_error_response"}}
+    called = {TCPServer: {"_initiate_server_close", "protocol_send"}, H11Protocol: {"handle"}}
+    for base in (TCPServer, H11Protocol):
+        missing = sorted(name for name in overridden[base] | called[base] if not callable(vars(base).get(name)))
+        assert missing == [], f"{base.__name__} lacks {missing}"
+    for subclass, base in ((http_server.AgentConnection, TCPServer), (http_server.AgentH11Protocol, H11Protocol)):
+        assert {name for name in vars(subclass) if name in vars(base) and not name.startswith("__")} == overridden[base]

@@ -1,0 +1,312 @@
+"""The agent's HTTP/1.1 server: Hypercorn's h11 protocol and connection driver on one listening
+socket, on its own thread and event loop, with what an exposed device needs and Hypercorn lacks.
+
+Hypercorn (pure Python, no click: the device stays light) parses with h11, frames bodies,
+recycles kept-alive connections, applies back pressure to a body the app reads slowly (at most
+``max_app_queue_size`` chunks wait) and bounds a request head (``h11_max_incomplete_size``).
+Added here, each as narrowly as its classes allow:
+
+- HTTP/1.1 only: no HTTP/2 (neither ``h2c`` upgrade nor prior knowledge) and no websockets;
+  an ``Upgrade`` header is ignored and the request answered in HTTP/1.1;
+- at most ``max_connections`` connections: one more is answered ``503`` and closed;
+- a deadline for the request head: it must arrive within ``read_timeout_s`` of the connection
+  or of the previous answer, else ``408`` (nothing at all: the connection just closes; an idle
+  kept-alive one after ``keep_alive_s``). The body's deadline is the app's (``http_api``);
+- protocol errors h11 refuses (a ``Content-Length`` of 5,000 digits, a head over 16 KiB, bad
+  framing) answered in the documented JSON shape, ``400 bad_http``, instead of an empty body;
+- lingering close: a closing connection sends its answer and a FIN, then keeps reading (and
+  dropping) what its client still sends for ``LINGER_S``, so a client still sending a refused
+  body reads the answer rather than a reset;
+- one write per answer (the head waits for the body's first bytes) and ``TCP_NODELAY`` on
+  accepted sockets (the listening socket is created with ``IPPROTO_TCP``), so no answer waits
+  about 40 ms for the client's delayed ACK;
+- every answer given here counted by status class (``count``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
+
+import h11
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.asyncio.task_group import TaskGroup
+from hypercorn.asyncio.tcp_server import MAX_RECV, TCPServer
+from hypercorn.asyncio.worker_context import WorkerContext
+from hypercorn.config import Config
+from hypercorn.events import Closed, RawData
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import parse_socket_addr
+
+from device_agent.config import ApiSettings
+from edgepack_core import wire_json
+
+log = logging.getLogger("edgepack.agent.http")
+_PHRASES = {status.value: status.phrase.encode() for status in HTTPStatus}
+
+MAX_HEAD_BYTES = 16 * 1024
+# How long a closing connection keeps reading (and discarding) what its client still sends.
+LINGER_S = 2.0
+# How long a stopping server waits for the answers in flight before it cancels them.
+GRACEFUL_S = 5.0
+
+
+def error_body(kind: str, message: str) -> bytes:
+    """An error in the documented shape, ``{"error": {"kind", "message"}}``."""
+    return wire_json.dumps({"error": {"kind": kind, "message": message}}) + b"\n"
+
+
+def error_bytes(status: int, kind: str, message: str) -> bytes:
+    """A whole HTTP/1.1 error answer that closes the connection, for answers the server gives
+    outside h11 (503 over the connection cap, 408 for a head that did not arrive)."""
+    body = error_body(kind, message)
+    return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+def listening_socket(address: tuple[str, int], backlog: int) -> socket.socket:
+    """A TCP socket listening on ``address``, created with ``IPPROTO_TCP`` as its protocol: asyncio
+    sets ``TCP_NODELAY`` on accepted connections only then, and without it every answer whose head
+    and body leave apart waits about 40 ms for the client's delayed ACK."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address[0] or None, address[1], type=socket.SOCK_STREAM,
+                                                          proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class AgentH11Protocol(H11Protocol):
+    """Hypercorn's HTTP/1.1 protocol, HTTP/1.1 only, with JSON protocol errors and one write per answer."""
+
+    count: Callable[[int], None] = staticmethod(lambda status: None)
+    _held_head = b""
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        """No switch to HTTP/2: an ``Upgrade: h2c`` request (or ``PRI *``) is answered in HTTP/1.1."""
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        """Every request is plain HTTP: without its ``Upgrade`` header a websocket handshake is
+        a GET like any other (h11 knows the upgrade was declined when the answer is no 101)."""
+        if any(name == b"upgrade" for name, _ in request.headers):
+            request = h11.Request(method=request.method, target=request.target, http_version=request.http_version,
+                                  headers=[(name, value) for name, value in request.headers if name != b"upgrade"])
+        await super()._create_stream(request)
+
+    async def _send_h11_event(self, event: Any) -> None:
+        if type(event) is h11.Response:  # Hypercorn sends no reason phrase ("HTTP/1.1 404 ")
+            event = dataclasses.replace(event, reason=_PHRASES.get(event.status_code, b""))
+        try:
+            data = self.connection.send(event)
+        except h11.LocalProtocolError:
+            if self.connection.their_state != h11.ERROR:
+                raise
+            return
+        if type(event) is h11.Response:  # held: it leaves with the body's first bytes, in one send
+            self._held_head = data or b""
+            return
+        if self._held_head:
+            data, self._held_head = self._held_head + (data or b""), b""
+        if data:
+            await self.send(RawData(data=data))
+
+    async def _send_error_response(self, status_code: int) -> None:
+        """What h11 refuses to parse, answered in the documented shape (``400 bad_http``)."""
+        self.count(400)
+        body = error_body("bad_http", "malformed HTTP request (request line, headers or framing)")
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close"), *self.config.response_headers("h11")]
+        await self._send_h11_event(h11.Response(status_code=400, headers=headers, reason=b"Bad Request"))
+        await self._send_h11_event(h11.Data(data=body))
+        await self._send_h11_event(h11.EndOfMessage())
+
+
+class AgentConnection(TCPServer):
+    """One accepted connection: Hypercorn's connection driver with :class:`AgentH11Protocol`, the
+    head deadline and lingering close."""
+
+    def __init__(self, server: HttpServer, context: WorkerContext, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        super().__init__(server.app, asyncio.get_running_loop(), server.config, context, {}, reader, writer)
+        self.settings = server.settings
+        self.count = server.count
+        self.protocol: AgentH11Protocol | None = None  # type: ignore[assignment]
+        self.closing = False  # what still arrives is dropped, never parsed
+        self._linger: asyncio.TimerHandle | None = None
+
+    async def run(self) -> None:
+        """Hypercorn's ``TCPServer.run`` with :class:`AgentH11Protocol` itself rather than the
+        wrapper that switches a connection to HTTP/2; the socket closes at once when it ends."""
+        sock = self.writer.get_extra_info("socket")
+        try:
+            client = parse_socket_addr(sock.family, sock.getpeername())
+            server = parse_socket_addr(sock.family, sock.getsockname())
+            async with TaskGroup(self.loop) as task_group:
+                self._task_group = task_group
+                self.protocol = AgentH11Protocol(self.app, self.config, self.context, task_group,
+                                                 ConnectionState({}), False, client, server, self.protocol_send)
+                self.protocol.count = self.count
+                await self.idle_task.restart(task_group, self._idle_timeout)
+                await self._read_data()
+        except OSError:
+            pass
+        finally:
+            await self._close_now()
+
+    async def refuse(self, status: int, kind: str, message: str) -> None:
+        """Answer at once, read no request, close (lingering): a connection over the cap."""
+        try:
+            await self._answer_and_close(status, kind, message)
+            await self._read_data()
+        except OSError:
+            pass
+        finally:
+            await self._close_now()
+
+    async def _read_data(self) -> None:
+        """Hypercorn's read loop, except that a closing connection drops what still arrives (never
+        parsed, never buffered), and the idle timer stops with it so the connection ends at once."""
+        while not self.reader.at_eof():
+            try:
+                data = await self.reader.read(MAX_RECV)
+            except (ConnectionError, OSError):
+                break
+            if not self.closing and self.protocol is not None:
+                await self.protocol.handle(RawData(data))
+        if self.protocol is not None:
+            await self.protocol.handle(Closed())
+        await self.idle_task.stop()
+
+    async def _close(self) -> None:
+        """Lingering close, where Hypercorn closes at once: send what is queued and a FIN, then let
+        the read loop drop what the client still sends until it closes too, or ``LINGER_S`` ends it."""
+        if self._linger is None and not self.writer.is_closing() and not self.reader.at_eof() \
+                and not self.context.terminated.is_set():
+            self.closing = True
+            with contextlib.suppress(NotImplementedError, OSError, RuntimeError):
+                self.writer.write_eof()
+            self._linger = self.loop.call_later(LINGER_S, self.stop_lingering)
+            return
+        await self._close_now()
+
+    async def _close_now(self) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+        await super()._close()
+
+    def stop_lingering(self) -> None:
+        """End a lingering close now (its time is up, or the server stops): nothing more is sent."""
+        if self._linger is not None:
+            self.writer.transport.abort()
+
+    async def _idle_timeout(self) -> None:
+        """The head deadline, in place of Hypercorn's idle timeout (which closes in silence after
+        ``keep_alive_timeout`` even when part of a head arrived): a connection where nothing
+        arrives closes after ``read_timeout_s`` (after an answer: ``keep_alive_s``, if shorter);
+        one whose head began and did not end within ``read_timeout_s`` is answered 408."""
+        assert self.protocol is not None
+        deadline = self.settings.read_timeout_s
+        quiet = min(self.settings.keep_alive_s, deadline) if self.protocol.keep_alive_requests else deadline
+        if await self._stopping_within(quiet) or not self.protocol.connection.trailing_data[0] or \
+                await self._stopping_within(deadline - quiet):
+            await asyncio.shield(self._initiate_server_close())
+            return
+        await self._answer_and_close(408, "timeout", f"the request head did not arrive within {deadline:g} s "
+                                     "(api.read_timeout_s)")
+
+    async def _stopping_within(self, seconds: float) -> bool:
+        """Wait ``seconds``; True at once if the server stops meanwhile."""
+        if seconds <= 0:
+            return self.context.terminated.is_set()
+        try:
+            await asyncio.wait_for(self.context.terminated.wait(), seconds)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def _answer_and_close(self, status: int, kind: str, message: str) -> None:
+        """Answer outside h11 (no request was parsed, or none will be) and close, lingering."""
+        self.closing = True  # nothing more of this connection is parsed
+        self.count(status)
+        self.writer.write(error_bytes(status, kind, message))
+        await self._close()
+
+
+class HttpServer:
+    """Hypercorn's HTTP/1.1 protocol serving an ASGI ``app`` on a listening socket, on its own event
+    loop (:meth:`serve` is its thread's target; :meth:`stop` may be called from any thread).
+    Stopping closes idle and lingering connections at once and gives answers in flight
+    ``GRACEFUL_S`` to finish."""
+
+    def __init__(self, app: Any, sock: socket.socket, settings: ApiSettings, count: Callable[[int], None]) -> None:
+        config = Config()
+        config.h11_max_incomplete_size = MAX_HEAD_BYTES
+        config.read_timeout = None  # per read: it would cut a connection whose request is being inferred
+        config.include_server_header = False
+        config.accesslog = None
+        config.errorlog = log
+        self.config = config
+        self.app = ASGIWrapper(app)
+        self.socket = sock
+        self.settings = settings
+        self.count = count
+        self.connections: set[AgentConnection] = set()  # open ones, lingering and refused ones included
+        self.ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+
+    def serve(self) -> None:
+        asyncio.run(self._serve())
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is already closed
+                self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def _serve(self) -> None:
+        context = WorkerContext(None)
+        handlers: set[asyncio.Task] = set()
+        limit = self.settings.max_connections
+
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            handlers.add(task)
+            connection = AgentConnection(self, context, reader, writer)
+            self.connections.add(connection)
+            try:
+                if len(self.connections) > limit:
+                    await connection.refuse(503, "busy", f"over api.max_connections ({limit}) open connections: "
+                                            "retry later")
+                else:
+                    await connection.run()
+            finally:
+                self.connections.discard(connection)
+                handlers.discard(task)
+
+        self._stop = asyncio.Event()
+        server = await asyncio.start_server(accept, sock=self.socket, backlog=min(limit, 1024))
+        self._loop = asyncio.get_running_loop()
+        self.ready.set()
+        try:
+            await self._stop.wait()
+        finally:
+            server.close()
+            await context.terminated.set()  # idle connections close, answers in flight close after them
+            for connection in list(self.connections):
+                connection.stop_lingering()
+            if handlers:
+                await asyncio.wait(set(handlers), timeout=GRACEFUL_S)
