@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import socket
 import threading
@@ -38,10 +37,10 @@ from typing import Any
 import h11
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.asyncio.task_group import TaskGroup
-from hypercorn.asyncio.tcp_server import MAX_RECV, TCPServer
+from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.config import Config
-from hypercorn.events import Closed, RawData
+from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
@@ -57,6 +56,12 @@ MAX_HEAD_BYTES = 16 * 1024
 LINGER_S = 2.0
 # How long a stopping server waits for the answers in flight before it cancels them.
 GRACEFUL_S = 5.0
+# What one read takes from a connection, and how many such chunks of a body wait for the app
+# before reading pauses: at most 768 KiB per request (Hypercorn: 64 KiB reads, 10 chunks, 640 KiB).
+# Reads of 256 KiB are about as many as asyncio's transport makes; with 64 KiB a 600 kB body took
+# 1.6x uvicorn's Python calls on the event loop, with 256 KiB 1.15x (tools/bench/http_api.py).
+READ_BYTES = 256 * 1024
+APP_QUEUE_CHUNKS = 3
 
 
 def error_body(kind: str, message: str) -> bytes:
@@ -70,6 +75,13 @@ def error_bytes(status: int, kind: str, message: str) -> bytes:
     body = error_body(kind, message)
     return (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+def head_bytes(request: h11.Request) -> int:
+    """The length of a request's head as a client that writes no optional whitespace sends it
+    (request line, header lines, the empty line)."""
+    line = len(request.method) + len(request.target) + len(request.http_version) + 9  # " ", " HTTP/", CRLF
+    return line + sum(len(name) + len(value) + 4 for name, value in request.headers) + 2
 
 
 def listening_socket(address: tuple[str, int], backlog: int) -> socket.socket:
@@ -100,15 +112,19 @@ class AgentH11Protocol(H11Protocol):
 
     async def _create_stream(self, request: h11.Request) -> None:
         """Every request is plain HTTP: without its ``Upgrade`` header a websocket handshake is
-        a GET like any other (h11 knows the upgrade was declined when the answer is no 101)."""
+        a GET like any other (h11 knows the upgrade was declined when the answer is no 101). A
+        head over ``MAX_HEAD_BYTES`` is refused like an unfinished one (h11 bounds only those:
+        a whole head that came in one read would pass)."""
+        if head_bytes(request) > MAX_HEAD_BYTES:
+            await self._send_error_response(431)
+            await self.send(Closed())
+            return
         if any(name == b"upgrade" for name, _ in request.headers):
             request = h11.Request(method=request.method, target=request.target, http_version=request.http_version,
                                   headers=[(name, value) for name, value in request.headers if name != b"upgrade"])
         await super()._create_stream(request)
 
     async def _send_h11_event(self, event: Any) -> None:
-        if type(event) is h11.Response:  # Hypercorn sends no reason phrase ("HTTP/1.1 404 ")
-            event = dataclasses.replace(event, reason=_PHRASES.get(event.status_code, b""))
         try:
             data = self.connection.send(event)
         except h11.LocalProtocolError:
@@ -116,6 +132,8 @@ class AgentH11Protocol(H11Protocol):
                 raise
             return
         if type(event) is h11.Response:  # held: it leaves with the body's first bytes, in one send
+            if not event.reason:  # Hypercorn gives none: h11 wrote "HTTP/1.1 404 \r\n"
+                data = (data or b"").replace(b" \r\n", b" " + _PHRASES.get(event.status_code, b"") + b"\r\n", 1)
             self._held_head = data or b""
             return
         if self._held_head:
@@ -145,11 +163,13 @@ class AgentConnection(TCPServer):
         self.count = server.count
         self.protocol: AgentH11Protocol | None = None  # type: ignore[assignment]
         self.closing = False  # what still arrives is dropped, never parsed
+        self._head_timer: asyncio.TimerHandle | None = None  # armed while waiting for a request head
         self._linger: asyncio.TimerHandle | None = None
 
     async def run(self) -> None:
         """Hypercorn's ``TCPServer.run`` with :class:`AgentH11Protocol` itself rather than the
-        wrapper that switches a connection to HTTP/2; the socket closes at once when it ends."""
+        wrapper that switches a connection to HTTP/2, and the head deadline's timer in place of
+        Hypercorn's idle task; the socket closes at once when it ends."""
         sock = self.writer.get_extra_info("socket")
         try:
             client = parse_socket_addr(sock.family, sock.getpeername())
@@ -159,7 +179,7 @@ class AgentConnection(TCPServer):
                 self.protocol = AgentH11Protocol(self.app, self.config, self.context, task_group,
                                                  ConnectionState({}), False, client, server, self.protocol_send)
                 self.protocol.count = self.count
-                await self.idle_task.restart(task_group, self._idle_timeout)
+                self._wait_for_head()
                 await self._read_data()
         except OSError:
             pass
@@ -169,80 +189,107 @@ class AgentConnection(TCPServer):
     async def refuse(self, status: int, kind: str, message: str) -> None:
         """Answer at once, read no request, close (lingering): a connection over the cap."""
         try:
-            await self._answer_and_close(status, kind, message)
+            self._answer_and_close(status, kind, message)
             await self._read_data()
         except OSError:
             pass
         finally:
             await self._close_now()
 
+    def shutdown(self) -> None:
+        """The server stops: a connection waiting for a request closes, a lingering one ends; one
+        being answered finishes its answer (Hypercorn closes it then)."""
+        if self._head_timer is not None:
+            self._stop_waiting()
+            self.writer.close()
+        self.stop_lingering()
+
+    async def protocol_send(self, event: Any) -> None:
+        """Hypercorn's, except that its idle and busy updates (a connection waits for a request,
+        or has one) drive the head deadline's timer rather than its idle task."""
+        if isinstance(event, Updated):
+            self._stop_waiting()
+            if event.idle:
+                self._wait_for_head()
+            return
+        await super().protocol_send(event)
+
     async def _read_data(self) -> None:
         """Hypercorn's read loop, except that a closing connection drops what still arrives (never
-        parsed, never buffered), and the idle timer stops with it so the connection ends at once."""
+        parsed, never buffered)."""
         while not self.reader.at_eof():
             try:
-                data = await self.reader.read(MAX_RECV)
+                data = await self.reader.read(READ_BYTES)
             except (ConnectionError, OSError):
                 break
             if not self.closing and self.protocol is not None:
                 await self.protocol.handle(RawData(data))
+        self._stop_waiting()
         if self.protocol is not None:
             await self.protocol.handle(Closed())
-        await self.idle_task.stop()
 
     async def _close(self) -> None:
-        """Lingering close, where Hypercorn closes at once: send what is queued and a FIN, then let
-        the read loop drop what the client still sends until it closes too, or ``LINGER_S`` ends it."""
-        if self._linger is None and not self.writer.is_closing() and not self.reader.at_eof() \
-                and not self.context.terminated.is_set():
-            self.closing = True
-            with contextlib.suppress(NotImplementedError, OSError, RuntimeError):
-                self.writer.write_eof()
-            self._linger = self.loop.call_later(LINGER_S, self.stop_lingering)
-            return
-        await self._close_now()
+        """Lingering close, where Hypercorn closes at once (see :meth:`_start_lingering`)."""
+        if self._linger is None and not self._start_lingering():
+            await self._close_now()
 
     async def _close_now(self) -> None:
+        self._stop_waiting()
         if self._linger is not None:
             self._linger.cancel()
         await super()._close()
+
+    def _start_lingering(self) -> bool:
+        """Send what is queued and a FIN, then let the read loop drop what the client still sends
+        until it closes too, or ``LINGER_S`` ends it. False when there is nothing to linger for:
+        the client closed, or the server stops."""
+        if self.writer.is_closing() or self.reader.at_eof() or self.context.terminated.is_set():
+            return False
+        self.closing = True
+        self._stop_waiting()
+        with contextlib.suppress(NotImplementedError, OSError, RuntimeError):
+            self.writer.write_eof()
+        self._linger = self.loop.call_later(LINGER_S, self.stop_lingering)
+        return True
 
     def stop_lingering(self) -> None:
         """End a lingering close now (its time is up, or the server stops): nothing more is sent."""
         if self._linger is not None:
             self.writer.transport.abort()
 
-    async def _idle_timeout(self) -> None:
-        """The head deadline, in place of Hypercorn's idle timeout (which closes in silence after
+    def _wait_for_head(self) -> None:
+        """Arm the head deadline (Hypercorn's idle timeout closes in silence after
         ``keep_alive_timeout`` even when part of a head arrived): a connection where nothing
         arrives closes after ``read_timeout_s`` (after an answer: ``keep_alive_s``, if shorter);
         one whose head began and did not end within ``read_timeout_s`` is answered 408."""
         assert self.protocol is not None
         deadline = self.settings.read_timeout_s
         quiet = min(self.settings.keep_alive_s, deadline) if self.protocol.keep_alive_requests else deadline
-        if await self._stopping_within(quiet) or not self.protocol.connection.trailing_data[0] or \
-                await self._stopping_within(deadline - quiet):
-            await asyncio.shield(self._initiate_server_close())
-            return
-        await self._answer_and_close(408, "timeout", f"the request head did not arrive within {deadline:g} s "
-                                     "(api.read_timeout_s)")
+        self._head_timer = self.loop.call_later(quiet, self._head_late, deadline - quiet)
 
-    async def _stopping_within(self, seconds: float) -> bool:
-        """Wait ``seconds``; True at once if the server stops meanwhile."""
-        if seconds <= 0:
-            return self.context.terminated.is_set()
-        try:
-            await asyncio.wait_for(self.context.terminated.wait(), seconds)
-        except asyncio.TimeoutError:
-            return False
-        return True
+    def _head_late(self, rest: float) -> None:
+        assert self.protocol is not None
+        self._head_timer = None
+        if not self.protocol.connection.trailing_data[0]:  # nothing of a request: close in silence
+            self.writer.close()
+        elif rest > 0:  # a head began after an answer: it has until read_timeout_s
+            self._head_timer = self.loop.call_later(rest, self._head_late, 0.0)
+        else:
+            self._answer_and_close(408, "timeout", f"the request head did not arrive within "
+                                   f"{self.settings.read_timeout_s:g} s (api.read_timeout_s)")
 
-    async def _answer_and_close(self, status: int, kind: str, message: str) -> None:
+    def _stop_waiting(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _answer_and_close(self, status: int, kind: str, message: str) -> None:
         """Answer outside h11 (no request was parsed, or none will be) and close, lingering."""
         self.closing = True  # nothing more of this connection is parsed
         self.count(status)
         self.writer.write(error_bytes(status, kind, message))
-        await self._close()
+        if not self._start_lingering():
+            self.writer.close()
 
 
 class HttpServer:
@@ -255,6 +302,7 @@ class HttpServer:
         config = Config()
         config.h11_max_incomplete_size = MAX_HEAD_BYTES
         config.read_timeout = None  # per read: it would cut a connection whose request is being inferred
+        config.max_app_queue_size = APP_QUEUE_CHUNKS
         config.include_server_header = False
         config.accesslog = None
         config.errorlog = log
@@ -305,8 +353,8 @@ class HttpServer:
             await self._stop.wait()
         finally:
             server.close()
-            await context.terminated.set()  # idle connections close, answers in flight close after them
+            await context.terminated.set()  # answers in flight close their connections
             for connection in list(self.connections):
-                connection.stop_lingering()
+                connection.shutdown()
             if handlers:
                 await asyncio.wait(set(handlers), timeout=GRACEFUL_S)

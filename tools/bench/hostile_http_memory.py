@@ -1,6 +1,6 @@
 """Peak memory of an agent process under the hostile HTTP bodies of issue 13, against its idle
-figure; the new server (uvicorn, bounded bodies) and the old one (``http.server`` as of
-``--old-rev``) side by side in one run.
+figure; today's server (Hypercorn, bounded bodies), the uvicorn one it replaced (as of
+``--uvicorn-rev``) and the old one (``http.server`` as of ``--old-rev``) side by side in one run.
 
 Each attack gets a fresh agent process serving the MobileNet-style demo (an image model with a
 dynamic batch dim, so every attack reaches the checks it targets): warmed up with a real
@@ -16,7 +16,8 @@ server's peak under 2x idle for every attack. One more row is no attack of the i
 PNGs of 4096x4096 at once, just within the default pixel cap of a machine with 2 GiB or more,
 what a client may legitimately make the agent decode (two at a time, ``max_image_decodes``).
 
-    python tools/bench/hostile_http_memory.py [--runs 1] [--old-rev cf5af44] [--new-only] [--old-zip-bomb]
+    python tools/bench/hostile_http_memory.py [--runs 1] [--servers old,uvicorn,new] [--old-rev cf5af44]
+                                              [--uvicorn-rev d4b251e] [--old-zip-bomb]
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from sdk.keys import write_keypair  # noqa: E402
 from sdk.packager.pipeline import build  # noqa: E402
 from sdk.recipe import load_recipe  # noqa: E402
 from tests.hostile_bodies import deep_json, npy_declaring, npz_zip_bomb, png_pixel_bomb  # noqa: E402
-from tools.bench.http_api import OLD_REV, SERVE  # noqa: E402
+from tools.bench.http_api import OLD_REV, SERVE, SERVERS, UVICORN_REV, earlier_modules  # noqa: E402
 from tools.demos import build_all  # noqa: E402
 
 MIB = 1 << 20
@@ -137,7 +138,7 @@ def attacks(bomb: bytes, png_bomb: bytes, floats: bytes, cap_png: bytes) -> dict
 
 def one(which: str, attack: Callable[[int], list[int]], paths: dict[str, Path], folder: Path) -> dict[str, object]:
     proc = subprocess.Popen([sys.executable, "-c", SERVE, str(ROOT), which, str(paths["artifact"]), str(paths["pub"]),
-                             str(folder), str(paths["old"])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             str(folder), str(paths[which])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(proc.stdout.readline())
         warm = [post(port, paths["png"].read_bytes(), "image/png") for _ in range(3)]
@@ -163,26 +164,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--old-rev", default=OLD_REV)
-    parser.add_argument("--new-only", action="store_true")
+    parser.add_argument("--uvicorn-rev", default=UVICORN_REV)
+    parser.add_argument("--servers", default=",".join(SERVERS), help="which servers (new is always measured)")
     parser.add_argument("--old-zip-bomb", action="store_true",
                         help="also send the zip bomb to the old server: it inflates 1.79 GB and runs the model on "
                              "2976 images (15.5 GB peak here); off by default on a shared machine")
     args = parser.parse_args()
+    servers = [which for which in SERVERS if which in args.servers.split(",") or which == "new"]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         key, pub = folder / "k.key", folder / "k.pub"
         write_keypair(key, pub)
         build_all(folder / "demo", only=["mobilenet"])
-        paths = {"artifact": package(folder, key), "pub": pub, "old": folder / "old_http_api.py",
-                 "png": folder / "640x480.png"}
+        paths = {"artifact": package(folder, key), "pub": pub, "png": folder / "640x480.png",
+                 **earlier_modules(folder, args.old_rev, args.uvicorn_rev)}
         paths["png"].write_bytes(png_640x480())
-        paths["old"].write_bytes(subprocess.run(["git", "-C", str(ROOT), "show",
-                                                 f"{args.old_rev}:device_agent/http_api.py"],
-                                                capture_output=True, check=True).stdout)
         per_sample = 3 * 224 * 224 * 4
         table = attacks(npz_zip_bomb((1_792_000_000 // per_sample, 3, 224, 224), name="input"), png_pixel_bomb(),
                         json_floats(4 * MIB), png_pixel_bomb(4096, 4096))
-        servers = ["new"] if args.new_only else ["old", "new"]
         results: dict[str, dict[str, object]] = {}
         for name, attack in table.items():
             for which in servers:
@@ -194,8 +193,8 @@ def main() -> None:
                                   for k in ("idle_mib", "peak_mib", "ratio")}}
                 print(name, which, json.dumps(results[name][which]), file=sys.stderr, flush=True)
         worst = max(r["new"]["ratio"] for r in results.values())
-        print(json.dumps({"old_rev": args.old_rev, "runs": args.runs, "attacks": results,
-                          "new_worst_ratio": worst, "new_under_2x_idle": worst < 2}, indent=2))
+        print(json.dumps({"old_rev": args.old_rev, "uvicorn_rev": args.uvicorn_rev, "runs": args.runs,
+                          "attacks": results, "new_worst_ratio": worst, "new_under_2x_idle": worst < 2}, indent=2))
 
 
 if __name__ == "__main__":

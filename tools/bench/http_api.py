@@ -1,22 +1,31 @@
-"""HTTP round trip and throughput of the agent's API: the uvicorn/starlette server against the
-hand-written ``http.server`` one it replaced, side by side in one run.
+"""HTTP round trip and throughput of the agent's API: today's server (Hypercorn + starlette)
+against the uvicorn + starlette one it replaced and the hand-written ``http.server`` one before
+that, side by side in one run.
 
 Each server runs in its own child process over the same model (the tiny model, so the figure is
 the server's own cost; ``--model mobilenet`` for the MobileNet-style demo) and answers
-``POST /predict`` with a JSON body and with an ``.npy`` body. The old server is
-``device_agent/http_api.py`` as of ``--old-rev`` (read with ``git show``, loaded beside today's
-runtime, whose npy/npz decoding is put back to the old revision's ``np.load`` of the whole
-body). The clients are asyncio streams in this process, one kept-alive connection each:
+``POST /predict`` with a JSON body and with an ``.npy`` body. The earlier servers are
+``device_agent/http_api.py`` as of ``--old-rev`` and ``--uvicorn-rev`` (read with ``git show``,
+loaded beside today's runtime; for the old one the npy/npz decoding is put back to its
+revision's ``np.load`` of the whole body; the uvicorn one needs uvicorn installed, as the host's
+``server`` extra has it). The clients are asyncio streams in this process, one kept-alive
+connection each:
 
 - round trip: one client, requests one after another; the median;
 - throughput: 32 clients at once; requests per second and the median and p99 latency;
 - server CPU: the server process's CPU time (user + system) per request under that load, the
   figure least disturbed by other work on the machine.
 
-Rounds alternate old and new so drift on a noisy machine hits both alike; medians over rounds.
+Rounds alternate the servers so drift on a noisy machine hits all alike; medians over rounds.
+
+With ``--calls`` nothing is timed: each server (uvicorn and new: the old one answers on a thread
+per connection) runs its event-loop thread under cProfile, one process per body kind, and the
+figure is the Python function calls that thread makes per request, a count the machine's load
+does not disturb.
 
     python tools/bench/http_api.py [--rounds 5] [--requests 400] [--clients 32] [--model tiny|mobilenet]
-                                   [--workers N] [--old-rev cf5af44]
+                                   [--workers N] [--servers old,uvicorn,new] [--old-rev cf5af44]
+                                   [--uvicorn-rev d4b251e] [--calls]
 """
 
 from __future__ import annotations
@@ -44,11 +53,26 @@ from sdk.recipe import load_recipe  # noqa: E402
 from tools.demos import build_all  # noqa: E402
 
 OLD_REV = "cf5af44"  # the last commit with the http.server API
-# The child: load the model, serve it with the old or the new server, print the port, wait.
+UVICORN_REV = "d4b251e"  # the last commit with the uvicorn API
+SERVERS = ("old", "uvicorn", "new")
+# The child: load the model, serve it with the old, the uvicorn or today's server, print the
+# port, wait; with calls=1, its event-loop thread runs under cProfile and the child prints the
+# calls that thread made when it stops. argv: root, which, artifact, public key, folder, module
+# file (old, uvicorn), workers, calls.
 SERVE = r"""
-import importlib.util, sys
+import importlib.util, sys, threading
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
+if sys.argv[8] == "1":
+    import cProfile
+    profile = cProfile.Profile()
+    plain_run = threading.Thread.run
+    def run(thread):
+        if thread.name == "http-api":  # the servers' event-loop thread
+            profile.runcall(plain_run, thread)
+        else:
+            plain_run(thread)
+    threading.Thread.run = run
 import device_agent.runtime as runtime
 from device_agent import bodies
 from device_agent.runtime import InferenceService, load_model
@@ -78,12 +102,22 @@ if which == "old":
     server = module.ApiServer(("127.0.0.1", 0), service, max_body_bytes=16 << 20).start()
 else:
     from device_agent.config import ApiSettings
-    from device_agent.http_api import ApiServer
-    settings = ApiSettings(workers=int(sys.argv[7])) if len(sys.argv) > 7 else None
+    if which == "uvicorn":
+        spec = importlib.util.spec_from_file_location("uvicorn_http_api", sys.argv[6])
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+        spec.loader.exec_module(module)
+        ApiServer = module.ApiServer
+    else:
+        from device_agent.http_api import ApiServer
+    workers = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "0" else None
+    settings = ApiSettings(workers=workers) if workers else None
     server = ApiServer(("127.0.0.1", 0), service, max_body_bytes=16 << 20, settings=settings).start()
 print(server.port, flush=True)
 sys.stdin.read()
 server.stop()
+if sys.argv[8] == "1":
+    import pstats
+    print(pstats.Stats(profile).total_calls, flush=True)
 """
 
 
@@ -139,11 +173,22 @@ async def run_clients(port: int, request: bytes, clients: int, total: int) -> tu
     return elapsed, latencies
 
 
-def serve(which: str, artifact: Path, pub: Path, folder: Path, old_module: Path,
-          workers: int | None = None) -> tuple[subprocess.Popen, int]:
-    extra = [str(workers)] if workers else []
+def earlier_modules(folder: Path, old_rev: str, uvicorn_rev: str) -> dict[str, Path]:
+    """``device_agent/http_api.py`` of the earlier servers' revisions, as files for the child."""
+    modules = {}
+    for which, rev in (("old", old_rev), ("uvicorn", uvicorn_rev)):
+        modules[which] = folder / f"{which}_http_api.py"
+        source = ["git", "-C", str(ROOT), "show", f"{rev}:device_agent/http_api.py"]
+        modules[which].write_bytes(subprocess.run(source, capture_output=True, check=True).stdout)
+    modules["new"] = ROOT / "device_agent" / "http_api.py"
+    return modules
+
+
+def serve(which: str, artifact: Path, pub: Path, folder: Path, module: Path,
+          workers: int | None = None, calls: bool = False) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-c", SERVE, str(ROOT), which, str(artifact), str(pub), str(folder),
-                             str(old_module), *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             str(module), str(workers or 0), "1" if calls else "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return proc, int(proc.stdout.readline())
 
 
@@ -167,6 +212,21 @@ def measure(pid: int, port: int, requests: dict[str, bytes], count: int, clients
     return figures
 
 
+def calls_per_request(which: str, artifact: Path, pub: Path, folder: Path, module: Path,
+                      requests: dict[str, bytes], count: int, clients: int) -> dict[str, float]:
+    """Python calls on the server's event-loop thread per request, one server process per body kind."""
+    figures = {}
+    for kind, request in requests.items():
+        proc, port = serve(which, artifact, pub, folder / kind, module, calls=True)
+        try:
+            measure(proc.pid, port, {kind: request}, count, clients)
+        finally:
+            out, _ = proc.communicate("", timeout=60)
+        sent = (count + 1) + (count + clients)  # measure: one client (one warm-up), then all of them
+        figures[f"{kind}_loop_calls_per_request"] = int(out.split()[-1]) / sent
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -174,35 +234,48 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--model", choices=["tiny", "mobilenet"], default="tiny")
     parser.add_argument("--old-rev", default=OLD_REV)
-    parser.add_argument("--workers", type=int, help="api.workers of the new server (default: its default, 4)")
+    parser.add_argument("--uvicorn-rev", default=UVICORN_REV)
+    parser.add_argument("--servers", default=",".join(SERVERS), help="which servers, in the order each round runs them")
+    parser.add_argument("--workers", type=int, help="api.workers of the uvicorn and new servers (default: 4)")
+    parser.add_argument("--calls", action="store_true", help="count the event loop's Python calls per request "
+                        "instead of timing (uvicorn and new)")
     args = parser.parse_args()
+    servers = args.servers.split(",")
+    if not servers or set(servers) - set(SERVERS) or (args.calls and "old" in servers):
+        parser.error(f"--servers takes a comma-separated list of {', '.join(SERVERS)} (not old with --calls)")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         key, pub = folder / "k.key", folder / "k.pub"
         write_keypair(key, pub)
         build_all(folder / "demo", only=[args.model])
         artifact = package(folder, args.model, key)
-        old_module = folder / "old_http_api.py"
-        old_source = ["git", "-C", str(ROOT), "show", f"{args.old_rev}:device_agent/http_api.py"]
-        old_module.write_bytes(subprocess.run(old_source, capture_output=True, check=True).stdout)
+        modules = earlier_modules(folder, args.old_rev, args.uvicorn_rev)
         if args.model == "tiny":
             requests = requests_for("x", [1, 4])
         else:  # 32 JSON bodies of 3.2 MB are over the default api.max_buffered_bytes (64 MiB): 503 busy
             requests = {"npy": requests_for("input", [1, 3, 224, 224])["npy"]}
-        results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+        results: dict[str, list[dict[str, float]]] = {which: [] for which in servers}
         for round_number in range(args.rounds):
-            for which in ("old", "new"):
-                proc, port = serve(which, artifact, pub, folder / f"{which}-{round_number}", old_module, args.workers)
+            for which in servers:
+                place = folder / f"{which}-{round_number}"
+                if args.calls:
+                    results[which].append(calls_per_request(which, artifact, pub, place, modules[which], requests,
+                                                            args.requests, args.clients))
+                    continue
+                proc, port = serve(which, artifact, pub, place, modules[which], args.workers)
                 try:
                     results[which].append(measure(proc.pid, port, requests, args.requests, args.clients))
                 finally:
                     proc.communicate("", timeout=30)
-        keys = list(results["new"][0])
+        keys = list(results[servers[0]][0])
         summary = {which: {k: round(statistics.median(r[k] for r in rounds), 3) for k in keys}
                    for which, rounds in results.items()}
-        summary["new/old"] = {k: round(summary["new"][k] / summary["old"][k], 3) for k in keys}
+        for base in ("old", "uvicorn"):
+            if "new" in summary and base in summary:
+                summary[f"new/{base}"] = {k: round(summary["new"][k] / summary[base][k], 3) for k in keys}
         print(json.dumps({"model": args.model, "clients": args.clients, "requests": args.requests,
-                          "rounds": args.rounds, "old_rev": args.old_rev, **summary}, indent=2))
+                          "rounds": args.rounds, "old_rev": args.old_rev, "uvicorn_rev": args.uvicorn_rev,
+                          "workers": args.workers, **summary}, indent=2))
 
 
 if __name__ == "__main__":
