@@ -131,9 +131,10 @@ class AgentH11Protocol(H11Protocol):
             if self.connection.their_state != h11.ERROR:
                 raise
             return
+        if isinstance(event, (h11.Response, h11.InformationalResponse)) and not event.reason and data:
+            # Hypercorn gives no reason phrase: h11 wrote "HTTP/1.1 404 \r\n"
+            data = data.replace(b" \r\n", b" " + _PHRASES.get(event.status_code, b"") + b"\r\n", 1)
         if type(event) is h11.Response:  # held: it leaves with the body's first bytes, in one send
-            if not event.reason:  # Hypercorn gives none: h11 wrote "HTTP/1.1 404 \r\n"
-                data = (data or b"").replace(b" \r\n", b" " + _PHRASES.get(event.status_code, b"") + b"\r\n", 1)
             self._held_head = data or b""
             return
         if self._held_head:

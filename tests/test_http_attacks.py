@@ -571,6 +571,9 @@ def test_answers_carry_their_reason_phrase(serve, scale_artifact):
         sock.sendall(request_bytes("GET", "/nope"))
         sock.settimeout(5)
         assert sock.recv(65536).startswith(b"HTTP/1.1 404 Not Found\r\n")
+        sock.sendall(request_bytes("POST", "/predict", extra="Expect: 100-continue\r\n").replace(
+            b"Content-Length: 0", f"Content-Length: {len(OK_JSON)}".encode()))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100 Continue\r\n")
 
 
 @contextlib.contextmanager
@@ -580,6 +583,23 @@ def kept_alive(port: int) -> Iterator[socket.socket]:
         sock.sendall(request_bytes("GET", "/healthz"))
         assert read_response(sock)[0] == 200
         yield sock
+
+
+def test_expect_100_continue_gets_100_at_once_then_the_refusal_of_a_declared_length_over_the_limit(
+        serve, scale_artifact):
+    port, _ = serve(scale_artifact, max_body_bytes=len(OK_JSON))
+    head = b"POST /predict HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+    with connect(port) as sock:  # one byte over: 100 (Hypercorn's way: as soon as the head is read), then 413
+        sock.sendall(head + b"Content-Length: %d\r\n\r\n" % (len(OK_JSON) + 1))
+        assert read_response(sock)[0] == 100
+        status, headers, body = read_response(sock)
+        assert (status, error_of(body)["kind"]) == (413, "too_large") and headers["connection"] == "close"
+    with connect(port) as sock:  # at the limit: 100, then the body is read and answered
+        sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(OK_JSON))
+        assert read_response(sock)[0] == 100
+        sock.sendall(OK_JSON)
+        status, _, body = read_response(sock)
+        assert status == 200 and json.loads(body)["outputs"]["y"] == [[2.0, 4.0, 6.0, 8.0]]
 
 
 def test_kept_alive_connection_idle_past_keep_alive_s_is_closed_without_an_answer(serve, scale_artifact):
