@@ -1,10 +1,12 @@
 """The fast image path against the literal one (``Preprocessor(spec, reference=True)``).
 
 The fast path resamples only the kept region, writes one fused float32 multiply-add straight
-into the output layout, copies only a window of a raw frame into Pillow, and decodes a JPEG at a
-reduced DCT scale when the target is small enough. These tests bound what that changes, on the
-demo models' real sessions: one 8-bit level (and the same top-1) for everything but the reduced
-JPEG decode, whose bound is documented in docs/packager.md ("Image preprocessing").
+into the output layout, copies only a window of a raw frame into Pillow (stripe by stripe, the
+resize split over the cores: tests/test_resample.py), decodes a JPEG at a reduced DCT scale and
+reduces a raw frame by an integer factor when the target is small enough. These tests bound what
+that changes, on the demo models' real sessions: one 8-bit level (and the same top-1) for
+everything but the two reductions, whose bounds are documented in docs/packager.md ("Image
+preprocessing").
 """
 
 from __future__ import annotations
@@ -193,14 +195,20 @@ def test_the_pixel_cap_holds_on_the_jpeg_header_before_any_decoding() -> None:
 # ----------------------------------------------------------------------------- raw frames
 
 
+def _frame(image: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(Image.fromarray(image).resize((1280, 720), Image.Resampling.BICUBIC)))
+
+
 def test_a_raw_1280x720_frame_copies_only_its_window_and_a_bgr_view_is_free(demos, mobilenet) -> None:
-    """A camera frame: within one level of the literal path, same top-1; a BGR frame passed as
-    ``frame[:, :, ::-1]`` (a view) gives the very same tensor; the traced allocations stay under
-    the size of the frame (the 630x630 window and the output, not a Pillow copy of it all)."""
-    image = _demo_images(demos)[5]
-    frame = np.ascontiguousarray(np.asarray(Image.fromarray(image).resize((1280, 720), Image.Resampling.BICUBIC)))
+    """A camera frame through the 224 center crop with the area filter (never reduced; the
+    resize split in stripes): within one level of the literal path, same top-1; a BGR frame
+    passed as ``frame[:, :, ::-1]`` (a view) gives the very same tensor; the traced allocations
+    stay under the size of the frame (the window's rows, stripe by stripe, and the output, not
+    a copy of it all)."""
+    frame = _frame(_demo_images(demos)[5])
     bgr = np.ascontiguousarray(frame[:, :, ::-1])
-    fast = Preprocessor(MOBILENET)
+    spec = {**MOBILENET, "resize": {**MOBILENET["resize"], "interpolation": "area"}}
+    fast = Preprocessor(spec)
     tracemalloc.start()
     try:
         got = fast.from_array(frame)
@@ -208,10 +216,126 @@ def test_a_raw_1280x720_frame_copies_only_its_window_and_a_bgr_view_is_free(demo
     finally:
         tracemalloc.stop()
     assert peak < frame.nbytes
-    want = Preprocessor(MOBILENET, reference=True).from_array(frame)
+    want = Preprocessor(spec, reference=True).from_array(frame)
     assert np.abs(got - want).max() <= ONE_LEVEL + 1e-6
     assert mobilenet(got).argmax() == mobilenet(want).argmax()
     np.testing.assert_array_equal(fast.from_array(bgr[:, :, ::-1]), got)
+
+
+# The documented bound of a raw 1280x720 frame reduced by 2 for the MobileNet-style demo
+# (docs/packager.md), measured over the 16 demo images: tensor max 0.174, largest mean 0.0103,
+# logits 0.036; each under the JPEG decoded at 1/2's bound above.
+ARRAY_TENSOR_MAX, ARRAY_TENSOR_MEAN, ARRAY_LOGIT_MAX = 0.2, 0.012, 0.04
+
+
+def test_raw_1280x720_frames_reduced_by_2_stay_within_the_documented_bound(demos, mobilenet) -> None:
+    """The demo images as raw 1280x720 frames for the 224 center crop: the 630x630 region is
+    reduced by 2 (ratio 2.81 over REDUCING_GAP 1.4), which changes pixels beyond rounding;
+    bounded, the same top-1 on every demo image, and the same from a BGR view."""
+    fast, reference = Preprocessor(MOBILENET), Preprocessor(MOBILENET, reference=True)
+    for image in _demo_images(demos):
+        frame = _frame(image)
+        got, want = fast.from_array(frame), reference.from_array(frame)
+        assert 0 < np.abs(got - want).mean() <= ARRAY_TENSOR_MEAN  # reduced: not the reference's pixels
+        assert np.abs(got - want).max() <= ARRAY_TENSOR_MAX
+        got_logits, want_logits = mobilenet(got), mobilenet(want)
+        assert np.abs(got_logits - want_logits).max() <= ARRAY_LOGIT_MAX
+        assert got_logits.argmax() == want_logits.argmax()
+    np.testing.assert_array_equal(fast.from_array(np.ascontiguousarray(frame[:, :, ::-1])[:, :, ::-1]), got)
+
+
+def test_the_trained_digits_model_keeps_its_answers_on_reduced_arrays(demos) -> None:
+    """The validation digits as 32x32 arrays for the 8x8 target: reduced by 2, then bilinear 2x.
+    The literal path and the fast one agree on at least 98.5% of the answers, the JPEG decode's
+    bound (measured: 446 of 450)."""
+    session = ort.InferenceSession(str(demos / "digits" / "model.onnx"), providers=["CPUExecutionProvider"])
+    spec = {"kind": "image", "color": "gray", "resize": {"size": [8, 8]}, "scale": 1 / 255}
+    fast, reference = Preprocessor(spec), Preprocessor(spec, reference=True)
+    files = sorted((demos / "digits" / "val").glob("*.png"))
+    agree = 0
+    for file in files:
+        image = np.asarray(Image.open(file).convert("RGB").resize((32, 32), Image.Resampling.BICUBIC))
+        answers = [session.run(None, {"image": pre.from_array(image)})[0].argmax() for pre in (fast, reference)]
+        agree += answers[0] == answers[1]
+    assert agree >= 0.985 * len(files)
+
+
+def test_array_reduction_boundary() -> None:
+    gap = preprocess.REDUCING_GAP
+    box = (0.0, 0.0, 100 * 3 * gap, 100 * 2 * gap)
+    assert preprocess.array_reduction(box, 100, 100, "bilinear") == 2  # the smaller of 3 and 2
+    assert preprocess.array_reduction(box, 100, 100, "bicubic") == 2
+    assert preprocess.array_reduction((0.0, 0.0, 279.0, 279.0), 100, 100, "bilinear") == 1
+    assert preprocess.array_reduction((0.0, 0.0, 1280.0, 720.0), 54, 96, "bilinear") == 9
+    assert preprocess.array_reduction(box, 100, 100, "area") == 1
+    assert preprocess.array_reduction(box, 100, 100, "nearest") == 1
+
+
+PIXELS = {"kind": "image", "layout": "NHWC", "batch": False}  # float32 copies of the resized pixels
+
+
+def test_an_array_just_large_enough_is_reduced_and_one_pixel_less_is_not() -> None:
+    """At the boundary the fast path's tensor is exactly Pillow's reduce(2) of the whole frame
+    resampled; one pixel below, exactly the plain resample."""
+    rng = np.random.default_rng(3)
+    spec = {**PIXELS, "resize": {"size": [100, 100]}}
+    edge = int(np.ceil(100 * 2 * preprocess.REDUCING_GAP))  # 280
+    for size, reduced in ((edge, True), (edge - 1, False)):
+        frame = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+        image = Image.fromarray(frame)
+        if reduced:
+            image = image.reduce(2)
+        expected = image.resize((100, 100), Image.Resampling.BILINEAR, box=(0, 0, size / (1 + reduced),
+                                                                             size / (1 + reduced)))
+        np.testing.assert_array_equal(Preprocessor(spec).from_array(frame), np.asarray(expected, np.float32))
+
+
+@pytest.mark.parametrize(("mode", "size", "factor"), [("letterbox", [96, 96], 9), ("stretch", [60, 100], 8),
+                                                      ("center-crop", [224, 224], 2)])
+def test_a_reduced_frame_is_the_whole_frame_reduced_then_resampled(mode: str, size: list[int], factor: int) -> None:
+    """The definition: Pillow's reduce of the whole frame (blocks from its top-left corner, the
+    partial blocks of a 1283x721 frame's edges included), then the spec's filter on the box
+    divided by the factor. The fast path reduces only its window, stripe by stripe: to the bit
+    where the box is the whole frame; a crop's box, moved into the window, is rounded again by
+    Pillow's float32 coordinates (one level on a few values, as for any window)."""
+    frame = np.random.default_rng(8).integers(0, 256, (721, 1283, 3), dtype=np.uint8)
+    resize = {"size": size, "mode": mode, "interpolation": "bicubic"}
+    box, (out_h, out_w), _ = preprocess.source_region(721, 1283, preprocess.normalize_preprocess(
+        {"kind": "image", "resize": resize})["resize"])
+    assert preprocess.array_reduction(box, out_h, out_w, "bicubic") == factor
+    expected = np.asarray(Image.fromarray(frame).reduce(factor).resize(
+        (out_w, out_h), Image.Resampling.BICUBIC, box=tuple(v / factor for v in box))).astype(int)
+    got = Preprocessor({**PIXELS, "resize": resize, "in_graph": True}).from_array(frame).astype(int)
+    if mode == "letterbox":
+        top, left = (size[0] - out_h) // 2, (size[1] - out_w) // 2
+        got = got[top:top + out_h, left:left + out_w]
+    if mode == "center-crop":
+        assert np.abs(got - expected).max() <= 1 and (got != expected).mean() < 0.001
+    else:
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("interpolation", ["area", "nearest"])
+def test_area_and_nearest_frames_are_not_reduced(interpolation: str) -> None:
+    frame = np.random.default_rng(9).integers(0, 256, (300, 400, 3), dtype=np.uint8)
+    spec = {**PIXELS, "resize": {"size": [30, 40], "interpolation": interpolation}}
+    filters = {"area": Image.Resampling.BOX, "nearest": Image.Resampling.NEAREST}
+    exact = Image.fromarray(frame).resize((40, 30), filters[interpolation])
+    np.testing.assert_array_equal(Preprocessor(spec).from_array(frame), np.asarray(exact, np.float32))
+
+
+def test_pillow_view_reads_windows_and_bgr_views_without_a_copy_first() -> None:
+    """Every kind of view gives the array's own pixels; rows made of whole pixels (windows, BGR
+    views) are read in place, anything else through one contiguous copy."""
+    rng = np.random.default_rng(0)
+    frame = rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    gray = np.ascontiguousarray(frame[:, :, 0])
+    views = [frame, frame[5:40, 3:60], frame[:, :, ::-1], frame[5:40, 3:60, ::-1], gray, gray[5:40, 3:60],
+             frame[:, ::2], frame[::-1], frame[:, :, [1, 2, 0]], np.asfortranarray(frame), frame[3:4], gray[:, ::-1]]
+    for view in views:
+        image = preprocess.pillow_view(view)
+        assert image.mode == ("L" if view.ndim == 2 else "RGB")
+        np.testing.assert_array_equal(np.asarray(image), view)
 
 
 def test_a_frame_already_at_the_target_takes_no_pillow_at_all() -> None:
