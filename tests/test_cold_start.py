@@ -162,3 +162,51 @@ def test_public_keys_read_without_the_serialization_package_are_the_same_keys(tm
     assert _plain_ed25519_pem(forged) is None
     with pytest.raises(KeyFileError):
         load_public_key(tmp_path / "forged.pub")
+
+
+def test_predict_pauses_the_collector_and_restores_it_in_process(artifact, keypair, example, monkeypatch, capsys):
+    """The collector is off while predict imports and runs (asked from inside the session
+    factory), and on again when main returns, after a success and after a refusal alike."""
+    import gc
+
+    seen = []
+    real_session = ort.InferenceSession
+
+    def recording_session(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return real_session(*args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", recording_session)
+    assert gc.isenabled()
+    assert cli.main(["predict", "--artifact", str(artifact), "--trust", str(keypair[1]), "--input", str(example),
+                     "--json"]) == 0
+    assert seen == [False] and gc.isenabled()
+    assert cli.main(["predict", "--artifact", str(artifact), "--trust", str(keypair[1]), "--input",
+                     str(example.with_name("absent.npy"))]) == 2
+    assert gc.isenabled()
+    capsys.readouterr()
+
+
+def test_predict_as_the_program_answers_in_full_and_skips_the_teardown(artifact, keypair, example):
+    """Run as the program (main without argv), predict ends with os._exit once its output is
+    flushed: the whole answer and the exit code arrive through pipes, and an atexit handler
+    (which a normal interpreter exit would run) does not. A refusal exits the same way, with
+    its one line and its code."""
+    program = ("import atexit, sys\n"
+               "atexit.register(lambda: print('teardown ran', file=sys.stderr))\n"
+               "from device_agent.cli import main\n"
+               "sys.exit(main())\n")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", program, "predict", "--artifact", str(artifact), "--trust",
+                               str(keypair[1]), *args], capture_output=True, text=True, timeout=120, check=False)
+
+    done = run("--input", str(example), "--json")
+    assert done.returncode == 0 and done.stderr == ""
+    assert json.loads(done.stdout)["outputs"]["y"] == [[0.0, 2.0, 4.0, 6.0]]
+    done = run("--input", str(example.with_name("absent.npy")))
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"edgepack-agent: error: {example.with_name('absent.npy')}: no such input file\n"
+    other = subprocess.run([sys.executable, "-c", program, "verify", "--artifact", str(artifact), "--trust",
+                            str(keypair[1])], capture_output=True, text=True, timeout=120, check=False)
+    assert other.returncode == 0 and "teardown ran" in other.stderr  # only predict skips it
