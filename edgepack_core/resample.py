@@ -29,12 +29,13 @@ import math
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     from PIL import Image
 
 Box = tuple[float, float, float, float]
@@ -111,6 +112,8 @@ class _Pool:
 
     @classmethod
     def executor(cls) -> ThreadPoolExecutor:
+        from concurrent.futures import ThreadPoolExecutor  # here: a process without images never needs it
+
         with cls._lock:
             if cls._executor is None:
                 cls._executor = ThreadPoolExecutor(max_workers=cls.threads() - 1,
