@@ -11,9 +11,14 @@ Each round starts two fresh processes, in alternating order, and times each from
   resized bilinear and center-cropped to 224, float32 scale/mean/std, NCHW), runs it with
   onnxruntime and prints a JSON top-5. No verification, no smoke test.
 
+- bare, fast exit: the same script ending with ``os._exit`` once its answer is flushed, as the
+  agent's predict does (no interpreter teardown): shows how much of the agent's lead is that.
+
 Both run with bytecode caching on (``PYTHONPYCACHEPREFIX`` in a temp folder, warm-up rounds
 first), as on a device where pip compiled the installed packages. The answer's top-1 class of
-both is compared, so they do the same work.
+both is compared, so they do the same work. A third case runs the MobileNet-style artifact
+as a plain tar (the same signed members, not gzip-compressed; the reader takes both) against
+the same bare script: what the artifact's compression costs a cold start.
 
     python tools/bench/cold_start.py [--rounds 21] [--warmup 2] [--before DIR]
 
@@ -25,6 +30,7 @@ the current agent's console script).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import resource
@@ -34,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -79,6 +86,11 @@ session = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 outputs = session.run(None, {session.get_inputs()[0].name: np.load(sys.argv[2])})
 print(json.dumps({"outputs": {o.name: v.tolist() for o, v in zip(session.get_outputs(), outputs)}}))
 '''
+
+
+# The bare script run to its end, then os._exit once its answer is flushed (no teardown).
+FAST_EXIT = ("import os, runpy, sys\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+             "sys.stdout.flush()\nos._exit(0)\n")
 
 
 def timed(command: list[str], env: dict[str, str]) -> tuple[float, float, str]:
@@ -148,27 +160,32 @@ def main() -> int:
     (folder / "bare_image.py").write_text(BARE_IMAGE)
     (folder / "bare_tensor.py").write_text(BARE_TENSOR)
     demo = folder / "demo"
+    camera = camera_jpeg(next((demo / "mobilenet" / "images").iterdir()), folder / "camera.jpg")
     cases = {
-        "mobilenet, 640x480 JPEG": ("mobilenet", camera_jpeg(next((demo / "mobilenet" / "images").iterdir()),
-                                                            folder / "camera.jpg")),
-        "tiny (1x4), .npy": ("tiny", demo / "tiny" / "example.npy"),
+        "mobilenet, 640x480 JPEG": ("mobilenet", camera, False),
+        "mobilenet, plain tar": ("mobilenet", camera, True),
+        "tiny (1x4), .npy": ("tiny", demo / "tiny" / "example.npy", False),
     }
-    results = {}
-    header = f"{'case':<26} {'side':<7} {'wall':>8} {'ratio':>6}   {'CPU':>7} {'ratio':>6}  same answer as bare"
+    artifacts = {name: package(folder, name, folder / "k.key") for name in ("mobilenet", "tiny")}
+    plain = folder / "mobilenet-plain.edgepkg"
+    plain.write_bytes(gzip.decompress(artifacts["mobilenet"].read_bytes()))
+    sizes = {"gzip": artifacts["mobilenet"].stat().st_size, "plain": plain.stat().st_size}
+    print(f"mobilenet artifact: {sizes['gzip']} bytes gzip, {sizes['plain']} bytes plain tar")
+    results: dict[str, Any] = {"mobilenet_artifact_bytes": sizes}
+    header = f"{'case':<26} {'side':<9} {'wall':>8} {'ratio':>6}   {'CPU':>7} {'ratio':>6}  same answer as bare"
     print(header)
-    for label, (name, example) in cases.items():
-        artifact = package(folder, name, folder / "k.key")
+    for label, (name, example, uncompressed) in cases.items():
+        artifact = plain if uncompressed else artifacts[name]
         model = demo / name / "model.onnx"
         predict = ["predict", "--artifact", str(artifact), "--trust", str(folder / "k.pub"), "--input", str(example),
                    "--json"]
         commands = {"agent": [agent_cli, *predict]}
         if args.before is not None:
             commands["before"] = [*agent_from(args.before), *predict]
-        if name == "mobilenet":
-            commands["bare"] = [sys.executable, str(folder / "bare_image.py"), str(model), str(example),
-                                str(demo / name / "labels.txt")]
-        else:
-            commands["bare"] = [sys.executable, str(folder / "bare_tensor.py"), str(model), str(example)]
+        script = [str(folder / "bare_image.py"), str(model), str(example), str(demo / name / "labels.txt")] \
+            if name == "mobilenet" else [str(folder / "bare_tensor.py"), str(model), str(example)]
+        commands["bare"] = [sys.executable, *script]
+        commands["bare+exit"] = [sys.executable, "-c", FAST_EXIT, *script]
         times, outputs = side_by_side(commands, env, args.rounds, args.warmup)
         medians = {side: {kind: statistics.median(values) for kind, values in t.items()} for side, t in times.items()}
         bare = medians["bare"]
@@ -178,7 +195,7 @@ def main() -> int:
             results[label][side] = {"wall_s": round(median["wall"], 4), "cpu_s": round(median["cpu"], 4),
                                     "ratio": round(median["wall"] / bare["wall"], 3),
                                     "cpu_ratio": round(median["cpu"] / bare["cpu"], 3), "same_answer": agrees}
-            print(f"{label:<26} {side:<7} {median['wall'] * 1000:>5.0f} ms {median['wall'] / bare['wall']:>6.2f}   "
+            print(f"{label:<26} {side:<9} {median['wall'] * 1000:>5.0f} ms {median['wall'] / bare['wall']:>6.2f}   "
                   f"{median['cpu'] * 1000:>4.0f} ms {median['cpu'] / bare['cpu']:>6.2f}  {agrees}")
     print(json.dumps({"cold_start": results}))
     return 0

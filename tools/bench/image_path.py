@@ -10,7 +10,10 @@ demo when both are there, else a YOLO-style 640x640 ONNX built here), through
   resize then crop, float32 step by step) in the same run; preprocessing alone beside them;
 - the MobileNet-style demo packaged with ``preprocess.in_graph`` against the Python path;
 - batches: images/s of ``predict`` on a list of JPEGs (mobilenet-dynamic) one by one
-  (``max_batch`` 1) against batches of 2, 4, 8 and 16.
+  (``max_batch`` 1) against batches of 2, 4, 8 and 16;
+- where the time goes on the MobileNet-style demo's 1280x720 inputs: the raw frame with and
+  without the split resize and the integer reduction, the JPEG's decode alone at 1/2, in YCbCr,
+  at 1/8 (the floor: libjpeg entropy-decodes every coefficient whatever the scale) and in full.
 
 Every figure is a median over rounds in which all candidates of a table run one after the
 other (this machine is shared and noisy: drift hits them alike). The frames are procedural
@@ -41,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from device_agent.runtime import InferenceService, LoadedModel, load_model  # noqa: E402
+from edgepack_core import preprocess, resample  # noqa: E402
 from edgepack_core.artifact import extract_artifact  # noqa: E402
 from edgepack_core.preprocess import Preprocessor  # noqa: E402
 from edgepack_core.signing import TrustStore, load_public_key  # noqa: E402
@@ -199,6 +203,70 @@ def image_vs_tensor(label: str, model: LoadedModel, inputs: dict[str, Any], roun
     return {"tensors_ms": round(base * 1000, 3), "inputs": rows}
 
 
+def variant(call: Callable[[], Any], *, split: bool = True, reduced: bool = True) -> Callable[[], Any]:
+    """``call`` with the raw-frame path's resize split over one thread only and/or without the
+    integer reduction (module settings swapped for the call, then restored)."""
+    def run() -> Any:
+        threads, reduction = resample._Pool.__dict__["threads"], preprocess.array_reduction
+        if not split:
+            resample._Pool.threads = classmethod(lambda cls: 1)  # type: ignore[method-assign]
+        if not reduced:
+            preprocess.array_reduction = lambda *args: 1
+        try:
+            return call()
+        finally:
+            resample._Pool.threads, preprocess.array_reduction = threads, reduction  # type: ignore[method-assign]
+    return run
+
+
+def decode(data: bytes, scale: int, mode: str = "RGB") -> Callable[[], Any]:
+    """Pillow's JPEG decode at 1/``scale`` (libjpeg's DCT scaling) into ``mode``, nothing else."""
+    def run() -> Any:
+        image = Image.open(io.BytesIO(data))
+        if scale > 1:
+            image.draft(mode, (image.width // scale, image.height // scale))
+        image.load()
+        return image
+    return run
+
+
+def where_the_time_goes(model: LoadedModel, inputs: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """The MobileNet-style demo's 1280x720 inputs step by step, against tensors -> result: the
+    raw frame with and without the split resize and the reduction (both off: the previous fast
+    path); the JPEG's decode alone at 1/2 (what the fast path asks for), in YCbCr (no colour
+    conversion at the decoded size), at 1/8 (the least work libjpeg can do: every coefficient is
+    still entropy-decoded) and in full."""
+    service = InferenceService(model)
+    pre = service.model.preprocessor  # type: ignore[union-attr]
+    frame, data = inputs["raw 1280x720"], inputs["JPEG 1280x720"]
+    tensor = {"input": pre.from_array(frame)}
+    candidates: dict[str, Callable[[], Any]] = {
+        "tensors -> result": lambda: service.predict_tensors(tensor),
+        "raw -> result": lambda: service.predict(frame),
+        "raw -> result, one thread": variant(lambda: service.predict(frame), split=False),
+        "raw -> result, not reduced": variant(lambda: service.predict(frame), reduced=False),
+        "raw -> result, neither": variant(lambda: service.predict(frame), split=False, reduced=False),
+        "raw preprocessing": lambda: pre.from_array(frame),
+        "raw preprocessing, one thread": variant(lambda: pre.from_array(frame), split=False),
+        "raw preprocessing, not reduced": variant(lambda: pre.from_array(frame), reduced=False),
+        "raw preprocessing, neither": variant(lambda: pre.from_array(frame), split=False, reduced=False),
+        "JPEG -> result": lambda: service.predict(data),
+        "JPEG preprocessing": lambda: pre.image_with_geometry(data),
+        "JPEG decode at 1/2": decode(data, 2),
+        "JPEG decode at 1/2 in YCbCr": decode(data, 2, "YCbCr"),
+        "JPEG decode at 1/8": decode(data, 8),
+        "JPEG decode, full size": decode(data, 1),
+    }
+    result = medians(candidates, rounds)
+    base = result["tensors -> result"]
+    print(f"\nwhere the time goes, mobilenet 1280x720 (median of {rounds}; x tensors -> result)")
+    rows = {}
+    for name, seconds in result.items():
+        rows[name] = {"ms": round(seconds * 1000, 3), "x_tensors": round(seconds / base, 3)}
+        print(f"  {name:<32} {seconds * 1000:7.2f} ms  {seconds / base:5.2f}x")
+    return rows
+
+
 def in_graph_vs_python(python: LoadedModel, lowered: LoadedModel, inputs: dict[str, Any],
                        rounds: int) -> dict[str, Any]:
     a, b = InferenceService(python), InferenceService(lowered)
@@ -270,6 +338,7 @@ def main() -> int:
         results: dict[str, Any] = {"inputs_bytes": sizes}
         results["mobilenet"] = image_vs_tensor("mobilenet (224x224 center-crop)", models["mobilenet"], inputs,
                                                args.rounds)
+        results["where_the_time_goes"] = where_the_time_goes(models["mobilenet"], inputs, args.rounds)
         results[detector_name] = image_vs_tensor(f"{detector_name} (letterbox)", models[detector_name], inputs,
                                                  max(20, args.rounds // 4))
         results["in_graph"] = in_graph_vs_python(models["mobilenet"], models["mobilenet-in-graph"], inputs,
