@@ -45,7 +45,7 @@ from sdk.keys import write_keypair  # noqa: E402
 from sdk.packager.pipeline import build  # noqa: E402
 from sdk.recipe import load_recipe  # noqa: E402
 from tests.hostile_bodies import deep_json, npy_declaring, npz_zip_bomb, png_pixel_bomb  # noqa: E402
-from tools.bench.http_api import OLD_REV, SERVE, SERVERS, UVICORN_REV, earlier_modules  # noqa: E402
+from tools.bench.http_api import OLD_REV, SERVERS, UVICORN_REV, earlier_modules, serve  # noqa: E402
 from tools.demos import build_all  # noqa: E402
 
 MIB = 1 << 20
@@ -137,10 +137,8 @@ def attacks(bomb: bytes, png_bomb: bytes, floats: bytes, cap_png: bytes) -> dict
 
 
 def one(which: str, attack: Callable[[int], list[int]], paths: dict[str, Path], folder: Path) -> dict[str, object]:
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(ROOT), which, str(paths["artifact"]), str(paths["pub"]),
-                             str(folder), str(paths[which])], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc, port = serve(which, paths["artifact"], paths["pub"], folder, paths[which])
     try:
-        port = int(proc.stdout.readline())
         warm = [post(port, paths["png"].read_bytes(), "image/png") for _ in range(3)]
         assert warm == [200] * 3, warm
         time.sleep(0.5)

@@ -25,7 +25,8 @@ does not disturb.
 
     python tools/bench/http_api.py [--rounds 5] [--requests 400] [--clients 32] [--model tiny|mobilenet]
                                    [--workers N] [--servers old,uvicorn,new] [--old-rev cf5af44]
-                                   [--uvicorn-rev d4b251e] [--calls]
+                                   [--uvicorn-rev d4b251e] [--calls] [--hypercorn-reads]
+                                   [--server-cpus 2,3 --client-cpus 0,1]
 """
 
 from __future__ import annotations
@@ -58,12 +59,12 @@ SERVERS = ("old", "uvicorn", "new")
 # The child: load the model, serve it with the old, the uvicorn or today's server, print the
 # port, wait; with calls=1, its event-loop thread runs under cProfile and the child prints the
 # calls that thread made when it stops. argv: root, which, artifact, public key, folder, module
-# file (old, uvicorn), workers, calls.
+# file (old, uvicorn), workers, calls, and hypercorn_reads=1 for Hypercorn's own read size.
 SERVE = r"""
 import importlib.util, sys, threading
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-if sys.argv[8] == "1":
+if len(sys.argv) > 8 and sys.argv[8] == "1":
     import cProfile
     profile = cProfile.Profile()
     plain_run = threading.Thread.run
@@ -109,13 +110,16 @@ else:
         ApiServer = module.ApiServer
     else:
         from device_agent.http_api import ApiServer
+        if len(sys.argv) > 9 and sys.argv[9] == "1":  # Hypercorn's own: 64 KiB reads, 10 chunks queued
+            import device_agent.http_server as http_server
+            http_server.READ_BYTES, http_server.APP_QUEUE_CHUNKS = 64 * 1024, 10
     workers = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "0" else None
     settings = ApiSettings(workers=workers) if workers else None
     server = ApiServer(("127.0.0.1", 0), service, max_body_bytes=16 << 20, settings=settings).start()
 print(server.port, flush=True)
 sys.stdin.read()
 server.stop()
-if sys.argv[8] == "1":
+if len(sys.argv) > 8 and sys.argv[8] == "1":
     import pstats
     print(pstats.Stats(profile).total_calls, flush=True)
 """
@@ -184,11 +188,15 @@ def earlier_modules(folder: Path, old_rev: str, uvicorn_rev: str) -> dict[str, P
     return modules
 
 
-def serve(which: str, artifact: Path, pub: Path, folder: Path, module: Path,
-          workers: int | None = None, calls: bool = False) -> tuple[subprocess.Popen, int]:
+SERVER_CPUS: set[int] | None = None  # --server-cpus: the cores the server processes run on
+
+
+def serve(which: str, artifact: Path, pub: Path, folder: Path, module: Path, workers: int | None = None,
+          calls: bool = False, hypercorn_reads: bool = False) -> tuple[subprocess.Popen, int]:
+    pin = (lambda: os.sched_setaffinity(0, SERVER_CPUS)) if SERVER_CPUS else None
     proc = subprocess.Popen([sys.executable, "-c", SERVE, str(ROOT), which, str(artifact), str(pub), str(folder),
-                             str(module), str(workers or 0), "1" if calls else "0"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                             str(module), str(workers or 0), "1" if calls else "0", "1" if hypercorn_reads else "0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=pin)
     return proc, int(proc.stdout.readline())
 
 
@@ -213,11 +221,12 @@ def measure(pid: int, port: int, requests: dict[str, bytes], count: int, clients
 
 
 def calls_per_request(which: str, artifact: Path, pub: Path, folder: Path, module: Path,
-                      requests: dict[str, bytes], count: int, clients: int) -> dict[str, float]:
+                      requests: dict[str, bytes], count: int, clients: int,
+                      hypercorn_reads: bool = False) -> dict[str, float]:
     """Python calls on the server's event-loop thread per request, one server process per body kind."""
     figures = {}
     for kind, request in requests.items():
-        proc, port = serve(which, artifact, pub, folder / kind, module, calls=True)
+        proc, port = serve(which, artifact, pub, folder / kind, module, calls=True, hypercorn_reads=hypercorn_reads)
         try:
             measure(proc.pid, port, {kind: request}, count, clients)
         finally:
@@ -239,10 +248,19 @@ def main() -> None:
     parser.add_argument("--workers", type=int, help="api.workers of the uvicorn and new servers (default: 4)")
     parser.add_argument("--calls", action="store_true", help="count the event loop's Python calls per request "
                         "instead of timing (uvicorn and new)")
+    parser.add_argument("--server-cpus", help="comma-separated cores for the servers (a 2-core device on a larger "
+                        "machine); with --client-cpus for the clients, so neither takes the other's")
+    parser.add_argument("--client-cpus", help="comma-separated cores for this process, the clients")
+    parser.add_argument("--hypercorn-reads", action="store_true", help="the new server with Hypercorn's own read "
+                        "size and queue (64 KiB reads, 10 chunks) instead of its 256 KiB and 3")
     args = parser.parse_args()
     servers = args.servers.split(",")
     if not servers or set(servers) - set(SERVERS) or (args.calls and "old" in servers):
         parser.error(f"--servers takes a comma-separated list of {', '.join(SERVERS)} (not old with --calls)")
+    global SERVER_CPUS
+    SERVER_CPUS = {int(cpu) for cpu in args.server_cpus.split(",")} if args.server_cpus else None
+    if args.client_cpus:
+        os.sched_setaffinity(0, {int(cpu) for cpu in args.client_cpus.split(",")})
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         key, pub = folder / "k.key", folder / "k.pub"
@@ -260,9 +278,10 @@ def main() -> None:
                 place = folder / f"{which}-{round_number}"
                 if args.calls:
                     results[which].append(calls_per_request(which, artifact, pub, place, modules[which], requests,
-                                                            args.requests, args.clients))
+                                                            args.requests, args.clients, args.hypercorn_reads))
                     continue
-                proc, port = serve(which, artifact, pub, place, modules[which], args.workers)
+                proc, port = serve(which, artifact, pub, place, modules[which], args.workers,
+                                   hypercorn_reads=args.hypercorn_reads)
                 try:
                     results[which].append(measure(proc.pid, port, requests, args.requests, args.clients))
                 finally:
@@ -275,7 +294,8 @@ def main() -> None:
                 summary[f"new/{base}"] = {k: round(summary["new"][k] / summary[base][k], 3) for k in keys}
         print(json.dumps({"model": args.model, "clients": args.clients, "requests": args.requests,
                           "rounds": args.rounds, "old_rev": args.old_rev, "uvicorn_rev": args.uvicorn_rev,
-                          "workers": args.workers, **summary}, indent=2))
+                          "workers": args.workers, "hypercorn_reads": args.hypercorn_reads,
+                          "server_cpus": args.server_cpus, "client_cpus": args.client_cpus, **summary}, indent=2))
 
 
 if __name__ == "__main__":
