@@ -1,25 +1,30 @@
-"""Pillow's antialiased resize of a box, split in stripes over the cores, to the bit.
+"""Pillow's antialiased resize of a box, its first pass split in stripes over the cores, to the bit.
 
 Pillow resamples in two separable passes (``src/libImaging/Resample.c``): a horizontal pass
 over the source rows the output needs, rounded to 8 bits, then a vertical pass over that (or,
-from Pillow 13, the vertical pass first when the height shrinks by more than twice what the width
-does). Each output pixel of a pass depends only on its own row (horizontal) or column
-(vertical) and on filter weights computed from the pass's box and sizes alone. So a pass run on
-a stripe of rows (horizontal) or of columns (vertical) of the same image, with the same box
-and sizes along its own axis, computes the very same bytes; :func:`resample` runs the two
-passes in Pillow's order, each split in stripes over a small thread pool (Pillow releases the
-GIL inside a pass), and the result equals one ``image.resize(size, filter, box=box)`` to the bit
-(tests/test_resample.py, over every filter, color mode, pass order and stripe count).
+from Pillow 13, the vertical pass first when the height shrinks by more than twice what the
+width does). Each output pixel of a pass depends only on its own row (horizontal) or column
+(vertical) and on filter weights computed from the pass's box and sizes alone. So the first
+pass run on stripes of rows (horizontal) or columns (vertical) of the same source, with the
+same box and sizes along its axis, computes the very same bytes; :func:`resample` runs it so
+on a small thread pool (Pillow releases the GIL inside a pass), puts the stripes together and
+runs the second pass on the caller's thread: the result equals one ``image.resize(size,
+filter, box=box)`` to the bit (tests/test_resample.py: every filter, L and RGB, both pass
+orders, 2 to 4 stripes).
 
 What does *not* give the same bytes, and is not done: resizing stripes of the output with
 sub-boxes of the box. Pillow takes the box as float32 and derives each pass's scale from it,
 so a sub-box moves the filter centres by a rounding error, and a stripe's own pass order can
-differ from the whole image's (measured: 55% of random bilinear geometries differ, by one level).
+differ from the whole image's (measured: 55% of random bilinear geometries differ, by one
+level). Measured and not kept: splitting the second pass as well (the column crops and a second
+pool round trip cost what it saved) and splitting the resize of an image Pillow already holds
+(a decoded JPEG: Pillow has no views, so each stripe needs a copy of its rows, 1.41 ms against
+1.26 ms in one call).
 
 The source is given as a function of a rectangle, so a caller holding a numpy frame builds
-Pillow images of only the rows (or columns) each stripe reads, on the stripe's thread: the
-copy into Pillow is split too. Nearest-neighbour, which Pillow does by an affine transform,
-and resizes too small to pay for the hand-off run in one call on the caller's thread.
+Pillow images of only the rows (or columns) each stripe reads, on the stripe's thread: the copy
+into Pillow is split too. Nearest-neighbour (an affine transform in Pillow, not two passes)
+and first passes too small to pay for the hand-off run in one call on the caller's thread.
 """
 
 from __future__ import annotations
