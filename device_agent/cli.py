@@ -16,8 +16,7 @@ import logging
 import os
 import sys
 import tempfile
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,42 +62,25 @@ def _extract_for_predict(artifact: str, dest: Path, trust: Sequence[str]) -> Any
     return extract_artifact(artifact, dest, _trust(trust), durable=False)
 
 
-class _Background:
-    """One call on its own thread; ``result()`` joins it and returns its value or raises its
-    error. Verification spends most of its time in zlib and sha256, which release the GIL, so
-    it overlaps the imports the main thread does meanwhile (onnxruntime, the runtime)."""
-
-    def __init__(self, call: Callable[..., Any], *args: Any) -> None:
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(call, args), name="verify", daemon=True)
-        self._thread.start()
-
-    def _run(self, call: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        try:
-            self._value = call(*args)
-        except BaseException as err:  # handed to the caller by result()
-            self._error = err
-
-    def wait(self) -> None:
-        self._thread.join()
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 def cmd_predict(args: argparse.Namespace) -> int:
     """Verify, load (the smoke test is the warm-up, on the one session), predict, answer.
 
-    Cold start is most of this command's time: verification runs on a thread while the main
-    thread imports onnxruntime and the runtime and reads the input; nothing is verified or
-    hashed twice, nothing is fsynced, and no module the answer does not need is imported
-    (no MQTT, telemetry, HTTP or store; ``tests/test_cold_start.py``)."""
+    Cold start is most of this command's time: verification runs beside the imports of
+    onnxruntime and the runtime and the reading of the input, in a forked process when predict
+    is the program (another core, no GIL shared: :mod:`device_agent.background`), on a thread
+    when called in-process; nothing is verified or hashed twice, nothing is fsynced, and no
+    module the answer does not need is imported (no MQTT, telemetry, HTTP or store;
+    ``tests/test_cold_start.py``)."""
     with tempfile.TemporaryDirectory(prefix="edgepack-predict-") as tmp:
-        verifying = _Background(_extract_for_predict, args.artifact, Path(tmp) / "model", args.trust)
+        # The verifier's modules load before the fork (numpy with them, which the answer needs
+        # anyway; its OpenBLAS pool is shut down across fork by OpenBLAS's own atfork handler),
+        # so the child only imports Ed25519 and walks the archive. Nothing of onnxruntime exists
+        # yet: it is imported, and its thread pools made, after the fork.
+        import edgepack_core.artifact  # noqa: F401
+        from device_agent.background import Forked, OnThread
+
+        beside = Forked if getattr(args, "fork", False) else OnThread
+        verifying = beside(_extract_for_predict, args.artifact, Path(tmp) / "model", args.trust)
         try:
             data = _read_input(Path(args.input))
             import onnxruntime  # noqa: F401 - imported here, while the artifact is verified
@@ -110,7 +92,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
                 Image.preinit()
         except BaseException:
-            verifying.wait()  # the input's error is the one to report; the thread still writes in tmp
+            verifying.wait()  # the input's error is the one to report; the verifier still writes in tmp
             raise
         verified = verifying.result()
         model = load_model(verified.root, verified.manifest, profile=args.profile,
@@ -283,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         logging.getLogger().setLevel(logging.INFO)
     one_shot = args.command == "predict" and gc.isenabled()
+    # Fork the verification only as the program: no thread exists yet (tests and embedders
+    # may have some), and the os._exit below ends this process the same way either side.
+    args.fork = one_shot and argv is None and hasattr(os, "fork")
     if one_shot:
         gc.disable()
     try:
