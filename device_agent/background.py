@@ -72,7 +72,12 @@ class Forked:
 
     def __init__(self, call: Callable[..., Any], *args: Any) -> None:
         read_end, write_end = os.pipe()
-        self._pid = os.fork()
+        try:
+            self._pid = os.fork()
+        except OSError:
+            os.close(read_end)
+            os.close(write_end)
+            raise
         if self._pid == 0:  # the child: never returns
             os.close(read_end)
             _child(write_end, call, args)
@@ -98,6 +103,17 @@ class Forked:
         if not ok:
             raise value
         return value
+
+
+def beside(call: Callable[..., Any], *args: Any, fork: bool) -> Forked | OnThread:
+    """``call(*args)`` in a forked child when ``fork`` (and the system can fork now), else on a
+    thread: a fork refused for want of memory or processes (EAGAIN, ENOMEM) still verifies."""
+    if fork:
+        try:
+            return Forked(call, *args)
+        except OSError:
+            pass
+    return OnThread(call, *args)
 
 
 def _child(write_end: int, call: Callable[..., Any], args: tuple[Any, ...]) -> None:

@@ -77,10 +77,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
         # so the child only imports Ed25519 and walks the archive. Nothing of onnxruntime exists
         # yet: it is imported, and its thread pools made, after the fork.
         import edgepack_core.artifact  # noqa: F401
-        from device_agent.background import Forked, OnThread
+        from device_agent.background import beside
 
-        beside = Forked if getattr(args, "fork", False) else OnThread
-        verifying = beside(_extract_for_predict, args.artifact, Path(tmp) / "model", args.trust)
+        verifying = beside(_extract_for_predict, args.artifact, Path(tmp) / "model", args.trust,
+                           fork=getattr(args, "fork", False))
         try:
             data = _read_input(Path(args.input))
             import onnxruntime  # noqa: F401 - imported here, while the artifact is verified

@@ -139,6 +139,22 @@ def test_an_error_answer_that_is_no_error_is_garbled(sent):
     assert ok is False and type(error) is BackgroundError and "garbled" in str(error)
 
 
+def test_a_refused_fork_verifies_on_a_thread_and_leaks_no_descriptor(monkeypatch):
+    def no_fork() -> int:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    before = set(os.listdir("/proc/self/fd"))
+    runner = background.beside(lambda a: a * 2, 21, fork=True)
+    assert isinstance(runner, OnThread) and runner.result() == 42
+    assert set(os.listdir("/proc/self/fd")) == before
+
+
+def test_without_fork_the_call_runs_on_a_thread_of_this_process():
+    runner = background.beside(os.getpid, fork=False)
+    assert isinstance(runner, OnThread) and runner.result() == os.getpid()
+
+
 def test_on_thread_hands_back_the_value_or_the_error():
     assert OnThread(lambda a, b: a + b, 2, 3).result() == 5
     with pytest.raises(ArtifactError, match="bad"):
