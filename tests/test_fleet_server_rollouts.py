@@ -4,6 +4,7 @@ delivers is counted per device, so "no device gets a command twice" is measured,
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from pathlib import Path
@@ -205,6 +206,38 @@ def test_pause_resume_and_abort_from_the_cli(server, broker, keys, artifact, cou
     actions = [(e["action"], e["actor"]) for e in server.get("/api/audit")["entries"] if e["outcome"] == "ok"]
     assert actions[:4] == [("rollout.abort", "admin"), ("rollout.resume", "admin"), ("rollout.pause", "admin"),
                            ("rollout.create", "admin")]
+
+
+def test_a_rollout_to_named_devices_reaches_only_them_and_status_watch_follows_it(server, broker, keys, artifact,
+                                                                                 counter):
+    """--device names the targets: the other devices of the group get no command and keep their
+    version; `rollout status --watch` prints each change and returns once the rollout ends, with
+    its final table; `rollout list` shows it, and filters by state."""
+    env = _env(server)
+    with SimFleet(broker.host, broker.port, 6, rate=1, behaviour=_signed_behaviour(keys)) as fleet:
+        assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 6)
+        named = sorted(fleet.versions())[1:4]
+        created = edgepack("rollout", "create", str(artifact), *[a for d in named for a in ("--device", d)],
+                           "--waves", "50,100", env=env)
+        assert created.returncode == 0, created.stderr
+        assert created.stdout.endswith(": 3 device(s) in 2 wave(s)\n")
+        rollout_id = created.stdout.split()[1].rstrip(":")
+        watched = edgepack("rollout", "status", rollout_id, "--watch", "--interval", "0.2", env=env, timeout=120)
+        assert watched.returncode == 0, watched.stderr
+        lines = watched.stdout.splitlines()
+        progress = [line for line in lines if line.startswith(rollout_id)]
+        assert len(progress) >= 2 and progress[-1].split()[1] == "succeeded"  # each change, then the end
+        assert progress[-1] == lines[-(len(named) + 4)]  # the final table: its line, 2 waves, header, devices
+        table = lines[-len(named):]
+        assert [row.split()[0] for row in table] == named and all(row.split()[2] == "active" for row in table)
+        versions = fleet.versions()
+        assert {d: versions[d] for d in named} == dict.fromkeys(named, "1.1.0")
+        assert all(version != "1.1.0" for device, version in versions.items() if device not in named)
+    assert sorted(counter.by_device) == named and set(counter.by_device.values()) == {1}
+    listed = edgepack("rollout", "list", "--json", env=env)
+    assert listed.returncode == 0 and [d["id"] for d in json.loads(listed.stdout)] == [rollout_id]
+    running = edgepack("rollout", "list", "--state", "running", "--json", env=env)
+    assert running.returncode == 0 and json.loads(running.stdout) == []
 
 
 def test_soak_error_rate_gate_fails_a_wave_whose_devices_report_errors(server, broker, keys, artifact):

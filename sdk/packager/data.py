@@ -15,7 +15,10 @@ Three layouts carry real inputs (docs/packager.md, "Data"):
 Made-up inputs (``synthetic``) only where the recipe consents; they honour the recipe's
 declared shapes, dtypes, ranges and constants and keep index inputs in range. Inputs declared
 ``role: constant`` are fed their value in every sample, whatever the source; inputs declared
-``role: state`` are fed their init value (zeros), as a stream's first call is.
+``role: state`` are fed their init value (zeros), as a stream's first call is. Audio samples are
+also sequences (a file's frames, in order): :attr:`Samples.sequences` records them, so that
+validation can carry a state from frame to frame as the agent does and calibration can see the
+state values the model really meets (:mod:`sdk.packager.sequences`); other sources have none.
 """
 
 from __future__ import annotations
@@ -44,15 +47,39 @@ Declared = Mapping[str, Mapping[str, Any]]
 class Samples:
     """Model-ready feeds (every input, constants included), optional integer labels and
     optional expected outputs (from test data), one per feed; ``names`` says where each
-    sample came from, for messages."""
+    sample came from, for messages.
+
+    ``sequences``: ``(first, stop)`` index ranges of feeds that are consecutive frames of one
+    stream (an audio file), in order and covering every feed; None where samples stand alone
+    (npz, test data, images, synthetic). ``carry``: each ``role: state`` input and the output
+    carried into it. Both together make the samples *sequential*: the agent would run each
+    range as one stream, its state carried from frame to frame, and so must the checks."""
 
     feeds: list[Feed]
     labels: list[int] | None = None
     expected: list[dict[str, np.ndarray]] | None = None
     names: list[str] = field(default_factory=list)
+    sequences: list[tuple[int, int]] | None = None
+    carry: dict[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.feeds)
+
+    @property
+    def sequential(self) -> bool:
+        """Whether state must be carried across samples: a stateful model on stream data."""
+        return bool(self.carry) and self.sequences is not None
+
+    def starts(self) -> list[bool]:
+        """Per feed, whether it starts from its own (init) state: the first frame of each
+        sequence, or every feed when the samples are not sequential."""
+        if not self.sequential:
+            return [True] * len(self.feeds)
+        flags = [False] * len(self.feeds)
+        for first, stop in self.sequences or ():
+            if first < stop:
+                flags[first] = True
+        return flags
 
     def name(self, index: int) -> str:
         return self.names[index] if index < len(self.names) else f"sample {index}"
@@ -159,6 +186,30 @@ def state_feeds(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], dec
     return states
 
 
+def carried_outputs(inputs: Sequence[TensorSpec], declared: Declared) -> dict[str, str]:
+    """Each input declared ``role: state`` -> the output the agent carries into it."""
+    return {spec.name: str((declared.get(spec.name) or {})["output"]) for spec in inputs
+            if (declared.get(spec.name) or {}).get("role") == "state"}
+
+
+def carried_feeds(samples: Samples, outputs: Sequence[Mapping[str, np.ndarray]]) -> list[Feed]:
+    """``samples``' feeds with every state input set to what a stream would hold there: the
+    carried output of the frame before in ``outputs`` (one per feed, from a run that carried
+    its own state), init for the first frame of a sequence. Calibration needs this: fed init
+    zeros only, a state input's range is 0 and int8 cannot represent any real state. Pure;
+    the feeds as they are when the samples are not sequential."""
+    if not samples.sequential:
+        return list(samples.feeds)
+    feeds: list[Feed] = []
+    for index, (feed, start) in enumerate(zip(samples.feeds, samples.starts(), strict=True)):
+        if start or index == 0:
+            feeds.append(feed)
+            continue
+        previous = outputs[index - 1]
+        feeds.append({**feed, **{name: np.asarray(previous[output]) for name, output in samples.carry.items()}})
+    return feeds
+
+
 def _role_fields(decl: Mapping[str, Any]) -> dict[str, Any]:
     role = decl.get("role")
     if role in ("image", "audio"):
@@ -220,6 +271,7 @@ def load_samples(
         samples = _load_images(source, preprocess, inputs, declared, key, limit, root)
     for feed in samples.feeds:
         feed.update(constants)
+    samples.carry = carried_outputs(inputs, declared) if states else {}
     return samples
 
 
@@ -277,7 +329,8 @@ def _load_images(source: Mapping[str, Any], preprocess: Mapping[str, Any], input
 
 def _load_audio(source: Mapping[str, Any], preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec],
                 declared: Declared, key: str, limit: int | None, root: Path | None) -> Samples:
-    """Every frame of every .wav file (sorted by name) is one sample, until ``limit``."""
+    """Every frame of every .wav file (sorted by name) is one sample, until ``limit``; each
+    file's frames are one sequence (a stream, as the agent runs a file)."""
     folder, where = Path(source["audio"]), f"{key}.audio"
     if preprocess.get("kind") != "audio":
         raise RecipeError(where, "audio data needs an audio preprocessing spec (preprocess.kind: audio)")
@@ -292,17 +345,21 @@ def _load_audio(source: Mapping[str, Any], preprocess: Mapping[str, Any], inputs
     pre = Preprocessor(preprocess)
     feeds: list[Feed] = []
     names: list[str] = []
+    sequences: list[tuple[int, int]] = []
     for file in files:
         try:
             frames = pre.from_path(_inside(file, root, where))
         except PreprocessError as err:
             raise RecipeError(where, f"{file.name}: {err}") from None
+        first = len(feeds)
         for index, frame in enumerate(frames):
             if limit and len(feeds) >= limit:
                 break
             feeds.append({name: frame})
             names.append(f"{file.name} frame {index}")
-    return Samples(feeds, names=names)
+        if len(feeds) > first:
+            sequences.append((first, len(feeds)))
+    return Samples(feeds, names=names, sequences=sequences)
 
 
 # ---------------------------------------------------------------- npz

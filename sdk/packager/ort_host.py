@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -337,15 +337,29 @@ def describe(model: bytes | str, *, label: str | None = None, key: str | None = 
     return ModelIO(info["inputs"], info["outputs"])
 
 
-def run_feeds(model: bytes | str, feeds: Sequence[dict[str, np.ndarray]], *, label: str | None = None
+def run_feeds(model: bytes | str, feeds: Sequence[dict[str, np.ndarray]], *, label: str | None = None,
+              carry: Mapping[str, str] | None = None, resets: Sequence[bool] | None = None
               ) -> list[dict[str, np.ndarray]]:
-    """Run each feed through the model in the worker; output dicts by name, in feed order."""
+    """Run each feed through the model in the worker; output dicts by name, in feed order.
+
+    ``carry`` (state input -> output) with ``resets`` (per feed: True where a stream starts,
+    from the feed's own state values) runs the feeds as streams, as the agent does: every other
+    feed's state inputs are the carried outputs of the feed before it, the model's own, so a
+    lossy model's error accumulates through its state as it would on a device. The worker
+    carries the state within a request; across requests (large data is split) it is carried
+    here."""
     host, key = worker(), model_key(model)
     names = [o["name"] for o in describe(model, label=label, key=key).outputs]
-    results = []
+    carry = dict(carry or {})
+    flags = list(resets) if resets is not None else [True] * len(feeds)
+    results: list[dict[str, np.ndarray]] = []
     for first, chunk in _chunks(feeds):
-        batch = host.session_call(model, {"op": "run_many", "feeds": chunk, "first": first}, label=label,
-                                  doing=f"sample {first}", progress="sample {}", key=key)
+        message: dict[str, Any] = {"op": "run_many", "feeds": chunk, "first": first}
+        if carry:
+            message.update(carry=carry, resets=flags[first:first + len(chunk)])
+            if results and not flags[first]:  # a stream that goes on from the request before
+                chunk[0] = {**chunk[0], **{name: results[-1][output] for name, output in carry.items()}}
+        batch = host.session_call(model, message, label=label, doing=f"sample {first}", progress="sample {}", key=key)
         results.extend(dict(zip(names, values, strict=True)) for values in batch)
     return results
 

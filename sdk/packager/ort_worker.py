@@ -162,14 +162,27 @@ class Worker:
     def op_run_many(self, request: dict[str, Any]) -> tuple[Any, ...]:
         """Several samples in one request. Before each, a ``("progress", index)`` message tells
         the parent which sample is running (a crash is named by it) without waiting for the
-        parent: the samples run back to back, whatever the parent's scheduling."""
+        parent: the samples run back to back, whatever the parent's scheduling.
+
+        With ``carry`` (state input -> output) and ``resets`` (one flag per feed), a feed whose
+        flag is false gets the carried outputs of the feed before it in place of its own state
+        inputs, as the agent runs a stream's frames: the state crosses no pipe per frame."""
         session = self._session(request["key"])
         names = [o.name for o in session.get_outputs()]
-        results = []
-        for index, feed in enumerate(request["feeds"], start=int(request.get("first", 0))):
+        first = int(request.get("first", 0))
+        carry = request.get("carry") or {}
+        missing = sorted(output for output in carry.values() if output not in names)
+        if missing:
+            return ("error", "ort", f"the model has no output {', '.join(missing)} to carry into its state", first)
+        slots = {name: names.index(output) for name, output in carry.items()}
+        resets = request.get("resets") or [True] * len(request["feeds"])
+        results: list[Any] = []
+        for index, (feed, reset) in enumerate(zip(request["feeds"], resets, strict=True), start=first):
             if self.answers is not None:
                 write_message(self.answers, ("progress", index))
             simulate_crash_if_testing()
+            if slots and results and not reset:
+                feed = {**feed, **{name: results[-1][slot] for name, slot in slots.items()}}
             try:
                 results.append(session.run(names, feed))
             except Exception as err:

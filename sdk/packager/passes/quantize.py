@@ -22,6 +22,10 @@ Pitfalls handled (measured on real models with onnxruntime 1.31-1.32 on x86):
 
 Every onnxruntime session (pre-processing, calibration, activation capture, validation runs,
 timing) runs in the onnxruntime worker (:mod:`sdk.packager.ort_host`).
+
+A stateful model on stream data (``role: state`` inputs, audio files) is calibrated on the state
+the fp32 model carries over each file's frames, and every candidate is judged free-running,
+carrying its own state as the agent does (:mod:`sdk.packager.sequences`).
 """
 
 from __future__ import annotations
@@ -44,12 +48,13 @@ from sdk.errors import BuildError, RecipeError
 from sdk.packager import quant_search as plan
 from sdk.packager import quant_sensitivity as sensitivity
 from sdk.packager.data import Samples, context_options, load_samples, synthetic_samples
-from sdk.packager.ort_host import OrtCrashError, call_in_worker, measure_latency, run_feeds
+from sdk.packager.ort_host import OrtCrashError, call_in_worker, measure_latency
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.model_checks import default_opset
 from sdk.packager.passes.optimize import FP16_MAX, _to_fp16_graph  # the fp16 pass's own conversion
-from sdk.packager.passes.validate import checked_outputs, judge
+from sdk.packager.passes.validate import checked_outputs, judge, state_report
 from sdk.packager.quant_search import Candidate, QuantConfig
+from sdk.packager.sequences import calibration_feeds, run_samples
 
 # Nodes that hold integer arithmetic or quantized tensors: a graph with none of them is fp32,
 # whatever mode made it (dynamic quantization of a model without MatMul/Gemm changes nothing).
@@ -259,6 +264,17 @@ def _synthetic_options(ctx: BuildContext) -> dict[str, Any]:
     return {k: v for k, v in context_options(ctx).items() if k in ("declared", "graph")}
 
 
+def _state_entries(calibration: Samples | None, validation: Samples) -> dict[str, Any]:
+    """The report's ``calibration_state`` and ``validation_state``: how a stateful model's state
+    inputs were fed (carried over each file's frames, or init); nothing for a stateless one."""
+    entries: dict[str, Any] = {}
+    for name, samples in (("calibration", calibration), ("validation", validation)):
+        fed = state_report(samples) if samples is not None else {}
+        if "state" in fed:
+            entries[f"{name}_state"] = fed["state"]
+    return entries
+
+
 def _bar(fraction: float, width: int = 20) -> str:
     filled = round(fraction * width)
     return "[" + "#" * filled + "-" * (width - filled) + f"] {fraction:4.0%}"
@@ -290,6 +306,14 @@ class QuantizePass(Pass):
         return load_samples(source, ctx.preprocess, ctx.inputs, key=f"{section}.{key}", limit=limit,
                             **context_options(ctx))
 
+    @staticmethod
+    def _calibration(source: Path, samples: Samples | None) -> list[dict[str, np.ndarray]]:
+        """The calibration feeds; on stream data, each state input holds the state the fp32
+        model carries into that frame (zeros would give the state a range of 0)."""
+        if samples is None:
+            return []
+        return calibration_feeds(source.read_bytes(), samples, label="the fp32 model (calibration state)")
+
     def _preset(self, ctx: BuildContext, options: Mapping[str, Any]) -> tuple[str, str]:
         if "preset" in options:
             return options["preset"], "quantize.preset"
@@ -314,13 +338,14 @@ class QuantizePass(Pass):
         calibration = self._samples(ctx, "quantize", "calibration", 200)
         validation = self._samples(ctx, "validate", "data", validate_options.get("samples", 200)) \
             or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs, **_synthetic_options(ctx))
-        reference = run_feeds(source.read_bytes(), validation.feeds, label="the fp32 model")
-        data = _Data(source, calibration.feeds if calibration else [], validation, reference)
+        reference = run_samples(source.read_bytes(), validation, label="the fp32 model")
+        data = _Data(source, self._calibration(source, calibration), validation, reference)
         search = _Search(ctx, folder, data, options)
         first = Candidate("int8", "requested", config, (("recipe", config.exclude),) if config.exclude else ())
         report: dict[str, Any] = {
             "requested": config.describe(), "preset": preset, "preset_from": preset_why,
             "budget": dict(validate_options), "validation_samples": len(validation),
+            **_state_entries(calibration, validation),
             "fp32_bytes": source.stat().st_size, "min_speedup": search.min_speedup,
             "latency_on": f"{CPU} on the build host, the proxy for the targets' providers ("
                           + "; ".join(f"{t}: {', '.join(PROFILES[t])}" for t in ctx.recipe.targets) + ")",
@@ -478,7 +503,7 @@ class _Search:
         (the bar only on a terminal)."""
         self._step(number, candidate, 0.4, "judging")
         try:
-            outputs = run_feeds(out.read_bytes(), self.data.validation.feeds, label=f"candidate {number}")
+            outputs = run_samples(out.read_bytes(), self.data.validation, label=f"candidate {number}")
         except OrtCrashError:
             raise
         except BuildError as err:  # a quantized graph onnxruntime cannot run

@@ -9,6 +9,11 @@ never weakens to a summary metric. A lossy build is judged by the task's metric
 top-1, or each raw output on its own) on every checked output; the quantization search uses
 the same judgement (:func:`judge`), so what it picks is what this pass accepts. A miss fails
 the build unless the recipe says ``validate.allow_failure: true``.
+
+A stateful model (``role: state`` inputs) on stream data (audio: a file's frames) runs
+free-running, both models carrying their own state across each file's frames as the agent does
+(:mod:`sdk.packager.sequences`): an error that accumulates through the state is judged as a
+device would meet it, not hidden by restarting every frame from zeros.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from sdk.packager.metrics import (
     evaluate,
     task_metric,
 )
-from sdk.packager.ort_host import run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
+from sdk.packager.sequences import run_samples
 
 DEFAULT_SAMPLES = 64
 SYNTHETIC_SAMPLES = 16
@@ -62,6 +67,17 @@ def expected_check(samples: Samples, outputs: Sequence[dict[str, np.ndarray]], o
                               rtol=options.get("rtol"), atol=options.get("atol"),
                               sample_names=[samples.name(n) for n, _, _ in pairs])
     return fidelity.to_json()
+
+
+def state_report(samples: Samples) -> dict[str, Any]:
+    """How a stateful model's state was fed, for the report: ``carried`` over the frames of
+    each of ``sequences`` files, or ``init`` in every sample (data that is not a stream); empty
+    for a model without state inputs."""
+    if not samples.carry:
+        return {}
+    if samples.sequential:
+        return {"state": {"fed": "carried", "sequences": len(samples.sequences or ())}}
+    return {"state": {"fed": "init"}}
 
 
 def checked_outputs(ctx: BuildContext, options: Mapping[str, Any]) -> list[str]:
@@ -141,12 +157,12 @@ class ValidatePass(Pass):
         checked_outputs(ctx, options)  # an unknown validate.outputs name is refused before any work
         samples, kind = self._samples(ctx, options)
         assert ctx.original is not None
-        reference = run_feeds(ctx.original.SerializeToString(), samples.feeds)
-        candidate = run_feeds(ctx.model_bytes(), samples.feeds)
+        reference = run_samples(ctx.original.SerializeToString(), samples)
+        candidate = run_samples(ctx.model_bytes(), samples)
         precision = ctx.manifest_extra.get("precision", "fp32")
         lossless = precision == "fp32"
         result = compare(reference, candidate, output=ctx.postprocess.get("output"), labels=samples.labels)
-        report: dict[str, Any] = {**result.to_json(), "precision": precision, "source": kind}
+        report: dict[str, Any] = {**result.to_json(), "precision": precision, "source": kind, **state_report(samples)}
         failures: list[tuple[str, float, float, str]] = []
         summaries: list[str] = []
         if lossless:
@@ -167,7 +183,8 @@ class ValidatePass(Pass):
             worst = evaluation.worst
             if worst is not None and not evaluation.met:
                 failures.append((evaluation.metric, float(worst.value), float(worst.limit),
-                                 f"the packaged model misses the accuracy budget: {evaluation.summary()}"))
+                                 f"the packaged model misses the accuracy budget: {evaluation.summary()}"
+                                 + (" (state carried over each file's frames)" if samples.sequential else "")))
         self._expected(ctx, samples, reference if not lossless else candidate, options, report, failures)
         report.update({"budget_met": not failures, "summary": "; ".join(summaries)})
         ctx.report[self.name] = report
