@@ -226,6 +226,9 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "min_agreement": {"type": "number", "minimum": 0, "maximum": 1,
                                   "description": "sequence: least share of time steps whose argmax agrees with "
                                   "the fp32 model (default 0.99)"},
+                "min_string_match": {"type": "number", "minimum": 0, "maximum": 1,
+                                     "description": "sequence with a ctc postprocess: least share of decoded "
+                                     "strings equal to the fp32 model's (default: unset, reported only)"},
                 "samples": {"type": "integer", "minimum": 1},
                 "allow_failure": {"type": "boolean"},
                 "rtol": {"type": "number", "minimum": 0,

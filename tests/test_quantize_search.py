@@ -153,6 +153,26 @@ def test_a_sequence_model_is_judged_per_step_and_the_cli_names_the_output_and_th
     assert (task["steps"], task["sequences"], task["string_match"]) == (10, 1, 0.0)
 
 
+def test_min_string_match_fails_a_build_whose_steps_keep_the_budget_and_needs_ctc_strings(tmp_path, keypair):
+    """validate.min_string_match gates the decoded strings in the validate pass too (an fp16
+    build is judged there), and a build whose metric has no strings refuses the key."""
+    _sequence_model(tmp_path / "seq.onnx")
+    x = np.zeros((1, 10, 4), np.float32)
+    x[0, :3, 1] = 1.0
+    x[0, 3:, 0] = 1.0
+    np.savez(tmp_path / "d.npz", x=x)
+    doc = {"name": "seq", "version": "1.0.0", "model": {"path": "seq.onnx"}, "optimize": {"fp16": True},
+           "postprocess": {"kind": "ctc", "blank": 0},
+           "validate": {"data": {"npz": "d.npz"}, "min_agreement": 0.3, "min_string_match": 0.5}}
+    with pytest.raises(ValidationFailed, match=r"output logits: string match 0 \(required >= 0\.5\), short by 0\.5$"):
+        _build(tmp_path, doc, keypair)
+    doc["postprocess"] = {"kind": "raw"}
+    doc["validate"]["metric"] = "sequence"
+    with pytest.raises(RecipeError, match=r"validate\.min_string_match.*ctc postprocess.*judged by sequence "
+                                          r"with postprocess raw"):
+        _build(tmp_path, doc, keypair)
+
+
 def _stateful(path: Path) -> Path:
     """output = 2x (exact in fp16); stateN = 1.0001x (fp16 rounds the factor to 1)."""
     return _save(path, [helper.make_node("Mul", ["x", "two"], ["output"]),

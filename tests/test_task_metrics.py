@@ -125,6 +125,49 @@ def test_sequence_budget_boundary_at_min_agreement():
     assert not past.met and "output y: per-step agreement 0.99" in past.summary()
 
 
+def _twenty_strings_one_changed() -> tuple[np.ndarray, np.ndarray]:
+    """[20, 5, 4] rows reading "123" (steps 1,0,2,0,3; blank 0); the candidate's row 0 reads
+    "323": one step of 100 (agreement 0.99), one string of 20 (string match 0.95)."""
+    ref = np.zeros((20, 5, 4), np.float32)
+    ref[:, np.arange(5), [1, 0, 2, 0, 3]] = 1.0
+    cand = ref.copy()
+    cand[0, 0] = [0, 0, 0, 1]
+    return ref, cand
+
+
+def test_min_string_match_gates_the_decoded_strings_at_exactly_the_limit():
+    ref, cand = _twenty_strings_one_changed()
+
+    def judged(**budget: float):
+        return evaluate([{"y": ref}], [{"y": cand}], metric="sequence", outputs=["y"], blank=0,
+                        budget={"min_agreement": 0.99, **budget})
+
+    reported = judged()  # unset: reported, never gated
+    figures = reported.scores[0].figures
+    assert reported.met and figures["string_match"] == pytest.approx(0.95) and figures["step_agreement"] == 0.99
+    assert "decoded strings equal 95.00%" in reported.summary()
+    at = judged(min_string_match=0.95)
+    assert at.met and "string match 0.95 (required >= 0.95)" in at.summary()
+    past = judged(min_string_match=0.951)
+    assert not past.met and past.scores[0].value == pytest.approx(0.95) and past.scores[0].limit == 0.951
+    assert past.summary() == "output y: string match 0.95 (required >= 0.951), short by 0.001"
+
+
+def test_the_worse_of_step_agreement_and_string_match_is_the_line_a_miss_prints():
+    ref, cand = _twenty_strings_one_changed()
+    both = evaluate([{"y": ref}], [{"y": cand}], metric="sequence", outputs=["y"], blank=0,
+                    budget={"min_agreement": 0.995, "min_string_match": 1.0})
+    assert not both.met and both.summary() == "output y: string match 0.95 (required >= 1), short by 0.05"
+    steps = evaluate([{"y": ref}], [{"y": cand}], metric="sequence", outputs=["y"], blank=0,
+                     budget={"min_agreement": 1.0, "min_string_match": 0.955})
+    assert steps.summary().startswith("output y: per-step agreement 0.99 (required >= 1), decoded strings equal 95.00%")
+    # Without a ctc blank there are no strings to gate: the key has nothing to judge here (the
+    # build refuses it naming validate.min_string_match, tests/test_quantize_search.py).
+    plain = evaluate([{"y": ref}], [{"y": cand}], metric="sequence", outputs=["y"],
+                     budget={"min_agreement": 0.99, "min_string_match": 1.0})
+    assert plain.met and "string_match" not in plain.scores[0].figures
+
+
 def test_a_collapsed_score_channel_fails_detection_though_the_whole_tensor_cosine_passes():
     """The YOLOv8 case: boxes in pixels dominate the cosine of the concatenated head."""
     rng = np.random.default_rng(0)

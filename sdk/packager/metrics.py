@@ -630,10 +630,21 @@ def _score_sequence(name: str, ref: list[np.ndarray], cand: list[np.ndarray], bu
         ref, cand = [np.swapaxes(a, 0, 1) for a in ref], [np.swapaxes(b, 0, 1) for b in cand]
     result = sequence_agreement(ref, cand, blank=blank)
     limit = float(budget.get("min_agreement", DEFAULT_MIN_AGREEMENT))
-    score = _at_least(name, "sequence", "per-step agreement", result.agreement, limit, result.to_json())
-    if result.string_match is not None:
-        score = replace(score, why=f"{score.why}, decoded strings equal {result.string_match:.2%}")
-    return score
+    figures = result.to_json()
+    score = _at_least(name, "sequence", "per-step agreement", result.agreement, limit, figures)
+    if result.string_match is None:
+        return score
+    strings = f"decoded strings equal {result.string_match:.2%}"
+    if budget.get("min_string_match") is None:  # reported only
+        return replace(score, why=f"{score.why}, {strings}")
+    matched = _at_least(name, "sequence", "string match", result.string_match, float(budget["min_string_match"]),
+                        figures)
+    missed = [check for check in (score, matched) if not check.met]
+    if missed:
+        worst = max(missed, key=lambda s: s.shortfall)
+        return worst if worst is matched else replace(worst, why=f"{worst.why}, {strings}")
+    return replace(score, why=f"{score.why}, string match {result.string_match:.4g} "
+                   f"(required >= {matched.limit:.4g})")
 
 
 def _score_exact(name: str, ref: list[np.ndarray], cand: list[np.ndarray]) -> OutputScore:
@@ -648,10 +659,11 @@ def evaluate(reference: Sequence[Mapping[str, np.ndarray]], candidate: Sequence[
     """Judge ``candidate`` against ``reference`` (one output dict per sample, same samples) by
     ``metric`` on each of ``outputs`` separately, against the recipe's ``budget`` keys
     (``max_drop``, ``min_cosine``, ``max_abs``, ``min_recall``, ``min_precision``,
-    ``max_score_diff``, ``min_agreement``). Outputs of non-float dtype must match exactly (their argmax or cosine
-    means nothing). ``decode`` turns one sample's outputs into detections (default
-    :func:`decode_yolov8` of the output); ``blank`` makes ``sequence`` compare CTC-decoded
-    strings too (``layout`` ``TNC`` for ``[T, batch, classes]`` outputs). Pure."""
+    ``max_score_diff``, ``min_agreement``, ``min_string_match``). Outputs of non-float dtype
+    must match exactly (their argmax or cosine means nothing). ``decode`` turns one sample's
+    outputs into detections (default :func:`decode_yolov8` of the output); ``blank`` makes
+    ``sequence`` compare CTC-decoded strings too, reported, and gated by ``min_string_match``
+    when the budget sets it (``layout`` ``TNC`` for ``[T, batch, classes]`` outputs). Pure."""
     if len(reference) != len(candidate) or not reference:
         raise ValueError("need the same, non-zero number of samples from both models")
     if metric not in TASK_METRICS:

@@ -42,7 +42,8 @@ from sdk.packager.sequences import run_samples
 
 DEFAULT_SAMPLES = 64
 SYNTHETIC_SAMPLES = 16
-_BUDGET_KEYS = ("metric", "max_drop", "min_cosine", "max_abs", "min_recall", "min_precision", "min_agreement")
+_BUDGET_KEYS = ("metric", "max_drop", "min_cosine", "max_abs", "min_recall", "min_precision", "max_score_diff",
+                "min_agreement", "min_string_match")
 VALIDATION_SOURCES = (("validate", "data"), ("quantize", "calibration"), ("golden", "data"))
 
 
@@ -122,6 +123,10 @@ def judge(ctx: BuildContext, options: Mapping[str, Any], reference: Sequence[Map
     ctc = post.get("kind") == "ctc"
     metric = task_metric(options.get("metric"), post, labels is not None)
     outputs = checked_outputs(ctx, options)
+    if options.get("min_string_match") is not None and not (ctc and metric == "sequence"):
+        raise RecipeError("validate.min_string_match", f"gates the decoded strings of metric sequence with a ctc "
+                          f"postprocess; this build is judged by {metric} with postprocess "
+                          f"{post.get('kind', 'raw')}", recipe=str(ctx.recipe.path))
     try:
         return evaluate(reference, candidate, metric=metric, outputs=outputs, budget=options, labels=labels,
                         decode=detection_decoder(post), blank=int(post.get("blank", 0)) if ctc else None,
