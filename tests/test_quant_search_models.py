@@ -138,7 +138,12 @@ def test_a_recognizer_whose_int8_is_slower_ships_fp32_and_says_why(models, tmp_p
 
 
 def test_the_same_recognizer_for_a_jetson_ships_fp16(models, tmp_path, keypair, int8_twice_as_fast):
-    result = _build(models, tmp_path, "recognizer", "line", {"kind": "ctc", "blank": 0}, keypair, targets=["jetson"])
+    """Every int8 form misses a budget fp16 keeps, so a target that runs fp16 ends the search
+    there. The budget is exact per-step agreement: at the default 0.99 whether a Conv-only int8
+    candidate keeps it depends on the CPU's int8 kernels (0.990 on one development machine, under
+    0.99 on another), while the best int8 form misses a step of 1,024 everywhere it was run."""
+    result = _build(models, tmp_path, "recognizer", "line", {"kind": "ctc", "blank": 0}, keypair, targets=["jetson"],
+                    validate={"data": {"npz": "line-val.npz"}, "min_agreement": 1.0})
     report = result.report["passes"]["quantize"]
     assert report["preset"] == "tensorrt" and report["requested"]["activation_type"] == "int8"
     last = report["candidates"][-1]
@@ -147,4 +152,4 @@ def test_the_same_recognizer_for_a_jetson_ships_fp16(models, tmp_path, keypair, 
     assert [e["stage"] for e in report["candidates"]].count("op types") == 3
     assert result.manifest.raw["model"]["precision"] == "fp16" and report["chosen"]["kind"] == "fp16"
     validate = result.report["passes"]["validate"]
-    assert validate["precision"] == "fp16" and validate["task"]["outputs"][0]["step_agreement"] >= 0.99
+    assert validate["precision"] == "fp16" and validate["task"]["outputs"][0]["step_agreement"] == 1.0
