@@ -281,34 +281,94 @@ def check_optimized(original: onnx.ModelProto, optimized: onnx.ModelProto, input
     return None
 
 
-def _to_fp16_graph(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Every float32 tensor becomes float16; Casts at the graph edges keep io types float32."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    graph = out.graph
+def _fresh_name(taken: set[str], base: str) -> str:
+    """A tensor name not yet in the graph for the fp16 twin of ``base`` (a model may already
+    hold a tensor called ``base.fp16``); the name is reserved in ``taken``."""
+    name, suffix = f"{base}.fp16", 1
+    while name in taken:
+        name, suffix = f"{base}.fp16.{suffix}", suffix + 1
+    taken.add(name)
+    return name
+
+
+def _tensor_names(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name the top-level graph uses, so new names cannot collide with one."""
+    names = {v.name for v in [*graph.input, *graph.output, *graph.value_info]}
+    names |= {i.name for i in graph.initializer}
+    names |= {name for node in graph.node for name in [*node.input, *node.output]}
+    return names
+
+
+def _is_float(value: onnx.ValueInfoProto) -> bool:
+    return value.type.tensor_type.elem_type == TensorProto.FLOAT
+
+
+def _float_constants_to_fp16(graph: onnx.GraphProto) -> None:
+    """Float32 initializers, Constant/attribute tensors and Cast-to-float become float16. An
+    initializer that is also a graph input is that input's default and keeps the input's float32
+    type (the input's Cast converts whatever value it ends up with)."""
+    inputs = {i.name for i in graph.input}
     for init in graph.initializer:
-        if init.data_type == TensorProto.FLOAT:
+        if init.data_type == TensorProto.FLOAT and init.name not in inputs:
             init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float16), init.name))
     for node in graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT:
                 attr.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(attr.t).astype(np.float16)))
-        if node.op_type == "Cast":
-            for attr in node.attribute:
-                if attr.name == "to" and attr.i == TensorProto.FLOAT:
-                    attr.i = TensorProto.FLOAT16
-    del graph.value_info[:]
-    casts_in, casts_out = [], []
+            if node.op_type == "Cast" and attr.name == "to" and attr.i == TensorProto.FLOAT:
+                attr.i = TensorProto.FLOAT16
+
+
+def _cast_inputs(graph: onnx.GraphProto, taken: set[str]) -> list[onnx.NodeProto]:
+    """One Cast to float16 per float32 graph input that nodes read, shared by all its readers.
+    An input nothing reads (one passed straight through as an output) needs none."""
+    read = {name for node in graph.node for name in node.input}
+    casts = []
     for graph_input in graph.input:
-        if graph_input.type.tensor_type.elem_type == TensorProto.FLOAT:
-            internal = f"{graph_input.name}.fp16"
+        if _is_float(graph_input) and graph_input.name in read:
+            internal = _fresh_name(taken, graph_input.name)
             _rename(graph, graph_input.name, internal, "input")
-            casts_in.append(helper.make_node("Cast", [graph_input.name], [internal], to=TensorProto.FLOAT16))
+            casts.append(helper.make_node("Cast", [graph_input.name], [internal], to=TensorProto.FLOAT16))
+    return casts
+
+
+def _cast_outputs(graph: onnx.GraphProto, taken: set[str]) -> list[onnx.NodeProto]:
+    """One Cast to float32 per float32 graph output name. The fp16 tensor is renamed everywhere
+    it appears inside the graph (its producer, the nodes that also read it, an initializer that
+    is the output), so internal readers keep reading float16 and the output keeps its name.
+    An output that is a graph input is that input itself, already float32: no Cast."""
+    inputs = {i.name for i in graph.input}
+    initializers = {i.name: i for i in graph.initializer}
+    casts, done = [], set()
     for graph_output in graph.output:
-        if graph_output.type.tensor_type.elem_type == TensorProto.FLOAT:
-            internal = f"{graph_output.name}.fp16"
-            _rename(graph, graph_output.name, internal, "output")
-            casts_out.append(helper.make_node("Cast", [internal], [graph_output.name], to=TensorProto.FLOAT))
+        name = graph_output.name
+        if not _is_float(graph_output) or name in inputs or name in done:
+            continue
+        done.add(name)
+        internal = _fresh_name(taken, name)
+        _rename(graph, name, internal, "output")
+        _rename(graph, name, internal, "input")
+        if name in initializers:
+            initializers[name].name = internal
+        casts.append(helper.make_node("Cast", [internal], [name], to=TensorProto.FLOAT))
+    return casts
+
+
+def _to_fp16_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every float32 tensor becomes float16; Casts at the graph edges keep io types float32.
+
+    Readers inside the graph always see the float16 tensor, also when it is a graph output
+    (a recurrent state, a head's logits feeding its Softmax) or comes from a graph input or an
+    initializer: only the graph's edges are float32, so no node mixes float and float16, and
+    the Casts at the start and the end keep the node list in topological order."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    graph = out.graph
+    taken = _tensor_names(graph)
+    _float_constants_to_fp16(graph)
+    del graph.value_info[:]
+    casts_in = _cast_inputs(graph, taken)
+    casts_out = _cast_outputs(graph, taken)
     nodes = [*casts_in, *graph.node, *casts_out]
     del graph.node[:]
     graph.node.extend(nodes)
