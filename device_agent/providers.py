@@ -364,9 +364,14 @@ def _first_line(err: BaseException) -> str:
 
 def create_session(model_path: Path, plan: ProviderPlan, *, threads: int = 0,
                    factory: Callable[..., Any] | None = None,
-                   check: Callable[[Any, str], None] | None = None) -> SessionResult:
+                   check: Callable[[Any, str], None] | None = None,
+                   disabled_optimizers: Sequence[str] = ()) -> SessionResult:
     """Create one session, walking down the plan; report the provider really used and why
     every earlier choice was not.
+
+    ``disabled_optimizers`` (``edgepack_core.ort_workarounds.disabled_optimizers`` for the
+    model and this machine) go to every choice's session alike: onnxruntime registers the CPU
+    provider behind every accelerator, and the optimizers it names rewrite the CPU's nodes.
 
     ``factory`` defaults to ``onnxruntime.InferenceSession``; tests pass one that behaves as a
     Jetson's onnxruntime does (which cannot exist here). ``check(session, provider)`` runs on
@@ -381,13 +386,15 @@ def create_session(model_path: Path, plan: ProviderPlan, *, threads: int = 0,
     fallbacks = list(plan.skipped)
     attempts: list[tuple[str, str]] = []
     options = None
+    # Only when there is something to turn off, so a stand-in factory need not know the keyword.
+    workarounds = {"disabled_optimizers": list(disabled_optimizers)} if disabled_optimizers else {}
     for index, choice in enumerate(plan.choices):
         last = index == len(plan.choices) - 1
         options = options or session_options(threads)
         accelerator = choice.name != CPU
         with capture_provider_log(accelerator) as said:
             try:
-                session = factory(str(model_path), options, providers=plan.chain(index))
+                session = factory(str(model_path), options, providers=plan.chain(index), **workarounds)
             except Exception as err:  # onnxruntime raises untyped errors for provider failures
                 session, reason = None, _first_line(err)
         if session is not None:

@@ -13,6 +13,7 @@ none failing. The old session is freed when its last request drops its reference
 from __future__ import annotations
 
 import logging
+import platform
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,7 @@ from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S, Str
 from edgepack_core.errors import PostprocessError, PreprocessError
 from edgepack_core.manifest import Manifest
 from edgepack_core.ort_compat import RuntimeTooOldError, runtime_refusal
+from edgepack_core.ort_workarounds import disabled_optimizers
 from edgepack_core.postprocess import Postprocessor, load_charset, load_labels
 from edgepack_core.preprocess import Preprocessor
 from edgepack_core.protocol.ids import InvalidNameError
@@ -238,7 +240,12 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
         model.warmup_s = time.perf_counter() - started
         ready[:] = [model]
 
-    result = create_session(root / manifest.model_path, plan, threads=threads, factory=factory, check=check)
+    disabled = disabled_optimizers(float16=traits.precision == "fp16", machine=platform.machine())
+    if disabled:
+        log.debug("%s: onnxruntime optimizers off for this fp16 model on %s: %s (microsoft/onnxruntime#28392)",
+                  template.label, platform.machine(), ", ".join(disabled))
+    result = create_session(root / manifest.model_path, plan, threads=threads, factory=factory, check=check,
+                            disabled_optimizers=disabled)
     model = ready[0]
     model.fallbacks, model.session_providers = result.fallbacks, result.session_providers
     for name, reason in result.fallbacks:

@@ -94,12 +94,14 @@ class FakeGpuOrt:
         self.raising = dict(raising or {})
         self.distort = dict(distort or {})
         self.calls: list[list[tuple[str, dict[str, str]]]] = []
+        self.keywords: list[dict[str, Any]] = []  # each call's other keywords (disabled_optimizers)
         self.sessions: list[FakeSession] = []
         self.events: list[tuple[str, int]] = []
 
-    def __call__(self, path: str, options: Any, providers: list[Any]) -> FakeSession:
+    def __call__(self, path: str, options: Any, providers: list[Any], **keywords: Any) -> FakeSession:
         chain = [(p, {}) if isinstance(p, str) else (p[0], dict(p[1])) for p in providers]
         self.calls.append(chain)
+        self.keywords.append(keywords)
         names = [name for name, _ in chain]
         failing = next((name for name in names if name in self.raising and name not in self.missing), None)
         if failing is not None:
@@ -115,7 +117,7 @@ class FakeGpuOrt:
                 os.write(2, MISSING_LIBRARY_LOG[name].encode())
                 continue
             registered.append(name)
-        real = ort.InferenceSession(path, options, providers=[CPU])
+        real = ort.InferenceSession(path, options, providers=[CPU], **keywords)
         session = FakeSession(real, registered, self)
         self.sessions.append(session)
         self.events.append(("session", id(session)))

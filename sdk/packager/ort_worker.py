@@ -17,6 +17,15 @@ stray print from a library can never corrupt the protocol stream.
 Sessions are cached by the key the parent computes (sha256 of the model bytes, or path, size
 and mtime, plus thread count), least recently used first out, bounded in count and in model
 bytes, so thousands of builds in one process stay within memory.
+
+Every session is created with the graph optimizers :mod:`edgepack_core.ort_workarounds` turns
+off for the model: on x86-64 a model that holds float16 compute runs without
+``NchwcTransformer`` (microsoft/onnxruntime issue 28392, a SIGSEGV while the session is
+created). Whether it holds float16 is read from the model itself (:func:`holds_float16`), once
+per session and only on x86-64: the build's precision does not describe every model a build
+loads (the fp32 reference next to its fp16 conversion, search candidates, a source model that
+was float16 already), while the graph does, and the check costs one protobuf parse next to
+onnxruntime's own.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import platform
 import signal
 import struct
 import sys
@@ -34,6 +44,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import IO, Any
 
+from edgepack_core.ort_workarounds import disabled_optimizers
+
 HEADER = struct.Struct(">Q")
 MAX_SESSIONS = 8
 MAX_CACHED_BYTES = 1 << 30
@@ -43,6 +55,61 @@ CALLABLE_PREFIX = "sdk."
 # real signal on its next inference run. Named loudly so nobody sets it by accident.
 SIMULATE_CRASH_ENV = "EDGEPACK_SIMULATE_CRASH_IF_TESTING"
 LEVELS = ("disable", "basic", "extended", "all")
+FLOAT16 = 10  # onnx.TensorProto.FLOAT16
+
+
+def holds_float16(model: Any) -> bool:
+    """Whether an ``onnx.ModelProto`` computes anything in float16: a float16 initializer, graph
+    input, output or value_info, a Cast or CastLike to float16, a node attribute that is a float16
+    tensor (Constant, ConstantOfShape) or a ``dtype`` of float16, in the main graph, any subgraph
+    (If, Loop, Scan) or a model-local function."""
+    graphs = [model.graph]
+    nodes: list[Any] = [node for function in model.functions for node in function.node]
+    while graphs:
+        graph = graphs.pop()
+        if any(t.data_type == FLOAT16 for t in graph.initializer) or any(
+                t.values.data_type == FLOAT16 for t in graph.sparse_initializer):
+            return True
+        if any(_type_is_float16(v.type) for v in (*graph.input, *graph.output, *graph.value_info)):
+            return True
+        nodes.extend(graph.node)
+        while nodes:
+            node = nodes.pop()
+            for attribute in node.attribute:
+                if (attribute.name in ("to", "dtype") and attribute.i == FLOAT16) or attribute.t.data_type == FLOAT16:
+                    return True
+                graphs.extend([attribute.g] if attribute.HasField("g") else attribute.graphs)
+    return False
+
+
+def _type_is_float16(value_type: Any) -> bool:
+    """A TypeProto of float16 elements: a tensor, or a sequence, optional or map value of them."""
+    kind = value_type.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        return bool(getattr(value_type, kind).elem_type == FLOAT16)
+    if kind in ("sequence_type", "optional_type"):
+        return _type_is_float16(getattr(value_type, kind).elem_type)
+    if kind == "map_type":
+        return _type_is_float16(value_type.map_type.value_type)
+    return False
+
+
+def session_workarounds(model: bytes | str) -> dict[str, Any]:
+    """The keyword arguments of ``InferenceSession`` that work around onnxruntime's bugs for this
+    model on this host (``{}`` or ``{"disabled_optimizers": [...]}``). The model is parsed only
+    where the answer can depend on it (x86-64); a path's external data is not read."""
+    machine = platform.machine()
+    if not disabled_optimizers(float16=True, machine=machine):
+        return {}
+    import onnx
+
+    try:
+        proto = (onnx.load_model_from_string(model) if isinstance(model, bytes)
+                 else onnx.load_model(model, load_external_data=False))
+    except Exception:  # not readable as ONNX here: onnxruntime's own error says why
+        return {}
+    names = disabled_optimizers(float16=holds_float16(proto), machine=machine)
+    return {"disabled_optimizers": list(names)} if names else {}
 
 
 def read_message(stream: IO[bytes]) -> Any:
@@ -137,7 +204,8 @@ class Worker:
     def op_load(self, request: dict[str, Any]) -> tuple[Any, ...]:
         key, model, threads = request["key"], request["model"], int(request.get("threads", 0))
         try:
-            session = self.ort.InferenceSession(model, self._options(threads), providers=["CPUExecutionProvider"])
+            session = self.ort.InferenceSession(model, self._options(threads), providers=["CPUExecutionProvider"],
+                                                **session_workarounds(model))
         except Exception as err:  # onnxruntime raises its own untyped exceptions
             return ("error", "ort", f"cannot create a session: {ort_message(err)}")
         size = len(model) if isinstance(model, bytes) else _file_size(model)
@@ -229,7 +297,8 @@ class Worker:
             target = Path(folder) / "optimized.onnx"
             options.optimized_model_filepath = str(target)
             try:
-                ort.InferenceSession(request["model"], options, providers=["CPUExecutionProvider"])
+                ort.InferenceSession(request["model"], options, providers=["CPUExecutionProvider"],
+                                     **session_workarounds(request["model"]))
             except Exception as err:
                 return ("error", "ort", ort_message(err))
             return ("ok", target.read_bytes())

@@ -20,6 +20,7 @@ from edgepack_core.manifest import TensorSpec
 from edgepack_core.targets import STATIC_SHAPE_TARGETS
 from sdk.errors import BuildError
 from sdk.packager import ort_host
+from sdk.packager.ort_worker import session_workarounds
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.model_checks import graph_io, lower_ir_version, model_label, prune_opset_imports
 
@@ -386,7 +387,9 @@ def activation_ranges(model: onnx.ModelProto, feeds: list[dict[str, np.ndarray]]
         for name in node.output:
             if name and name not in known:
                 probe.graph.output.append(helper.make_empty_tensor_value_info(name))
-    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    serialized = probe.SerializeToString()
+    # In this process, not the worker: the same workaround keeps a float16 source model's probe alive.
+    session = ort.InferenceSession(serialized, providers=["CPUExecutionProvider"], **session_workarounds(serialized))
     largest = 0.0
     for feed in feeds:
         for value in session.run(None, feed):
