@@ -254,3 +254,44 @@ def test_every_choice_of_an_accelerator_chain_gets_the_same_workaround(labelled,
     assert model.provider == CPU and [chain[0][0] for chain in fake.calls][:2] == [TENSORRT, CUDA]
     expected = {"disabled_optimizers": [NCHWC_TRANSFORMER]} if precision == "fp16" and X86_64 else {}
     assert fake.keywords == [expected] * len(fake.calls)
+
+
+# ---------------------------------------------------------------- a model that is fp16 already
+
+@pytest.fixture(scope="module")
+def exported_fp16_artifact(tmp_path_factory, keypair) -> Path:
+    """The CRNN exported in float16 already (no conversion by the build): the manifest's precision
+    is read from the graph, so the agent knows to avoid the transformer."""
+    folder = tmp_path_factory.mktemp("exported-fp16")
+    onnx.save(_to_fp16_graph(crnn_model()), folder / "crnn16.onnx")
+    (folder / "recipe.yaml").write_text(
+        "name: crnn16\nversion: 1.0.0\nmodel: {path: crnn16.onnx}\npostprocess: {kind: raw}\n"
+        "targets: [x86]\nvalidate: {data: synthetic}\n")
+    built = run_cli("edgepack", "build", str(folder / "recipe.yaml"), "--key", str(keypair[0]), "--json",
+                    "-o", str(folder / "crnn16.edgepkg"), cwd=folder, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    return folder / "crnn16.edgepkg"
+
+
+def test_a_model_exported_in_fp16_ships_as_fp16_and_an_fp32_one_as_fp32(exported_fp16_artifact, keypair):
+    """The manifest's precision is what the graph holds, also when no pass changed it; golden
+    tolerances widen with it. An fp32 model built the same way stays fp32."""
+    with tarfile.open(exported_fp16_artifact) as tar:
+        manifest = json.loads(tar.extractfile("manifest.json").read())
+    assert manifest["model"]["precision"] == "fp16"
+    assert manifest["golden"]["rtol"] > 1e-3  # the reduced tolerance, not fp32's
+    with tarfile.open(build_artifact(exported_fp16_artifact.parent / "fp32", keypair[0])) as tar:
+        assert json.loads(tar.extractfile("manifest.json").read())["model"]["precision"] == "fp32"
+
+
+@needs_x86_64
+def test_the_agent_runs_a_model_exported_in_fp16(exported_fp16_artifact, keypair, tmp_path):
+    """Before the precision came from the graph, this artifact said fp32 and an x86-64 agent
+    created its session with the transformer on: SIGSEGV."""
+    np.save(tmp_path / "line.npy", _lines(1).astype(np.float32))
+    result = run_cli("edgepack-agent", "predict", "--artifact", str(exported_fp16_artifact), "--trust",
+                     str(keypair[1]), "--input", str(tmp_path / "line.npy"), "--json", "--outputs", "raw")
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    probs = np.asarray(json.loads(result.stdout)["outputs"]["probs"], np.float32)
+    assert probs.shape == (1, WIDTH // 2, CLASSES)
+    np.testing.assert_allclose(probs.sum(axis=-1), 1.0, atol=1e-2)

@@ -129,7 +129,7 @@ def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
         "opsets": extra["opsets"],
         "ir_version": int(model.ir_version),
         "min_onnxruntime": extra["min_onnxruntime"],
-        "precision": extra.get("precision", "fp32"),
+        "precision": ctx.precision(),
     }
     if "opset" in extra:  # the ai.onnx opset; absent for an ai.onnx.ml-only model
         model_section["opset"] = extra["opset"]

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import onnx
 
 from edgepack_core.manifest import TensorSpec
+from sdk.packager.ort_worker import holds_float16
 from sdk.recipe import Recipe
 
 Progress = Callable[[str], None]
@@ -52,6 +53,15 @@ class BuildContext:
 
     def model_bytes(self) -> bytes:
         return self.require_model().SerializeToString()
+
+    def precision(self) -> str:
+        """What the model computes in: the lossy pass that changed it says so (``int8``,
+        ``fp16``); otherwise ``fp16`` when the graph itself holds float16 (a model exported in
+        fp16, or with float16 parts) and ``fp32`` else. The manifest records it, the agent picks
+        its session options by it, and golden tolerances widen for it."""
+        if "precision" in self.manifest_extra:
+            return str(self.manifest_extra["precision"])
+        return "fp16" if holds_float16(self.require_model()) else "fp32"
 
     def new_tempdir(self, prefix: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=prefix, dir=self.workdir))

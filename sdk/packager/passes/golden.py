@@ -98,7 +98,7 @@ class GoldenPass(Pass):
                                         **context_options(ctx))
         samples.feeds = samples.feeds[:count]
         outputs = run_feeds(ctx.model_bytes(), samples.feeds)
-        precision = ctx.manifest_extra.get("precision", "fp32")
+        precision = ctx.precision()
         # A Jetson runs fp32 models as TensorRT fp16 engines: its smoke test needs the looser
         # tolerance, as quantized models do.
         reduced = precision != "fp32" or "jetson" in ctx.recipe.targets
