@@ -210,3 +210,28 @@ def test_predict_as_the_program_answers_in_full_and_skips_the_teardown(artifact,
     other = subprocess.run([sys.executable, "-c", program, "verify", "--artifact", str(artifact), "--trust",
                             str(keypair[1])], capture_output=True, text=True, timeout=120, check=False)
     assert other.returncode == 0 and "teardown ran" in other.stderr  # only predict skips it
+
+
+def test_predict_as_the_program_verifies_in_a_forked_child_and_in_process_on_a_thread(artifact, keypair, example):
+    """As the program, predict forks once for the verification (os.fork's audit event fires in
+    the parent, before onnxruntime is imported); called in-process it never forks (a test or an
+    embedder may hold threads a fork must not copy). Both answer the same."""
+    program = ("import sys\n"
+               "def hook(event, args):\n"
+               "    if event == 'os.fork':\n"
+               "        sys.stderr.write('fork, onnxruntime imported: %s\\n' % ('onnxruntime' in sys.modules))\n"
+               "sys.addaudithook(hook)\n"
+               "from device_agent.cli import main\n"
+               "argv = sys.argv[1:]\n"
+               "sys.exit(main(argv) if argv[0] == 'in-process' and argv.pop(0) else main())\n")
+    common = ["predict", "--artifact", str(artifact), "--trust", str(keypair[1]), "--input", str(example), "--json"]
+    as_program = subprocess.run([sys.executable, "-c", program, *common], capture_output=True, text=True,
+                                timeout=120, check=False)
+    assert as_program.returncode == 0, as_program.stderr
+    assert as_program.stderr == "fork, onnxruntime imported: False\n"
+    in_process = subprocess.run([sys.executable, "-c", program, "in-process", *common], capture_output=True,
+                                text=True, timeout=120, check=False)
+    assert in_process.returncode == 0, in_process.stderr
+    assert in_process.stderr == ""
+    assert json.loads(as_program.stdout)["outputs"] == json.loads(in_process.stdout)["outputs"] == {
+        "y": [[0.0, 2.0, 4.0, 6.0]]}
