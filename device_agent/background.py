@@ -28,15 +28,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from edgepack_core.errors import EdgepackError
+from device_agent.errors import BackgroundError
 
 # The answer is a verified artifact's manifest and paths: a few kB. A child writing more is not
 # the program this module forked; the cap keeps a broken child from filling the parent's memory.
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
-
-
-class BackgroundError(EdgepackError):
-    """The forked verification ended without an answer (killed, crashed, or garbled)."""
 
 
 class OnThread:

@@ -9,13 +9,17 @@ from __future__ import annotations
 from edgepack_core.errors import EdgepackError, SchemaError, UsageError
 
 __all__ = [
-    "AgentError", "BadRequest", "ConfigError", "EdgepackError", "NoModelError", "ProviderError",
+    "AgentError", "BackgroundError", "BadRequest", "ConfigError", "EdgepackError", "NoModelError", "ProviderError",
     "SchemaError", "SmokeTestError", "StoreError",
 ]
 
 
 class AgentError(EdgepackError):
     """Base of the device agent's own failures."""
+
+
+class BackgroundError(AgentError):
+    """predict's forked verification ended without an answer (killed, crashed, or garbled)."""
 
 
 class ConfigError(UsageError):
