@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from sdk.errors import ValidationFailed
-from sdk.packager import sequences
+from sdk.packager import ort_host, sequences
 from sdk.packager.data import load_samples
 from sdk.packager.metrics import evaluate
 from sdk.packager.ort_host import run_feeds
@@ -198,6 +198,23 @@ def test_free_running_matches_a_numpy_run_that_carries_the_state(recurrence):
         for index in range(first, stop):
             state = np.float32(0.92) * state + samples.feeds[index]["input"]
             np.testing.assert_allclose(outputs[index]["output"], 0.5 * state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 4 * 1024])
+def test_the_state_crosses_the_worker_requests_a_long_file_is_split_into(recurrence, monkeypatch, chunk_bytes):
+    """Large data goes to the worker in several requests: the state is carried from the last
+    frame of one request into the first of the next (every frame alone, or a few per request),
+    to the same outputs as one request, and a new file still starts from init."""
+    ctx = _context(recurrence, _doc())
+    samples = _audio_samples(ctx, recurrence / "clips")
+    whole = sequences.run_samples(str(recurrence / "cand.onnx"), samples)
+    monkeypatch.setattr(ort_host, "_CHUNK_BYTES", chunk_bytes)
+    split = sequences.run_samples(str(recurrence / "cand.onnx"), samples)
+    assert len(split) == len(whole) == len(samples.feeds) and len(samples.sequences) == 2
+    for a, b in zip(whole, split, strict=True):
+        np.testing.assert_array_equal(a["output"], b["output"])
+    second = samples.sequences[1][0]
+    np.testing.assert_allclose(split[second]["output"], 0.5 * samples.feeds[second]["input"], rtol=1e-6)
 
 
 def _fp16_doc(data: dict) -> dict:
