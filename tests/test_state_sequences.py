@@ -170,6 +170,30 @@ def test_a_quantized_stateful_build_reports_how_its_state_was_fed(vad, tmp_path,
     assert report["validate"]["state"] == {"fed": "carried", "sequences": 3}
 
 
+def test_calibration_that_is_also_the_validation_data_reuses_the_fp32_run(vad, tmp_path, keypair, monkeypatch):
+    """Without validate.data the calibration clips are the validation samples too: the carried
+    state calibration needs comes from the fp32 reference run already made (no second run), and
+    is the same state a separate run gives."""
+    monkeypatch.setattr(quantize, "time_side_by_side", lambda fp32, candidate, feed: (1e-3, 5e-4))
+    monkeypatch.setattr(quantize, "calibration_feeds", lambda *a, **k: pytest.fail("a second fp32 run"))
+    calibrated: list[list[dict]] = []
+    real_data = quantize._Data
+
+    def recording(source, calibration, validation, reference):
+        calibrated.append(list(calibration))
+        return real_data(source, calibration, validation, reference)
+
+    monkeypatch.setattr(quantize, "_Data", recording)
+    doc = _vad_doc(quantize={"mode": "static", "calibration": {"audio": "audio"}, "search": False},
+                   validate={"outputs": ["output"], "allow_failure": True})
+    result = build(recipe_from_dict(doc, vad), key_paths=[str(keypair[0])], output=tmp_path / "v.edgepkg")
+    assert result.report["passes"]["quantize"]["calibration_state"] == {"fed": "carried", "sequences": 3}
+    expected = sequences.calibration_feeds(str(vad / "model.onnx"), _audio_samples(_vad_context(vad), vad / "audio"))
+    assert calibrated and len(calibrated[0]) == len(expected)
+    for got, want in zip(calibrated[0], expected, strict=True):
+        np.testing.assert_allclose(got["state"], want["state"], atol=1e-6)
+
+
 # ---------------------------------------------------------------- free-running judgement
 
 

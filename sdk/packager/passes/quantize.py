@@ -47,7 +47,7 @@ from edgepack_core.targets import CPU, PROFILES
 from sdk.errors import BuildError, RecipeError
 from sdk.packager import quant_search as plan
 from sdk.packager import quant_sensitivity as sensitivity
-from sdk.packager.data import Samples, context_options, load_samples, synthetic_samples
+from sdk.packager.data import Samples, carried_feeds, context_options, load_samples, synthetic_samples
 from sdk.packager.ort_host import OrtCrashError, call_in_worker, measure_latency
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.model_checks import default_opset
@@ -307,11 +307,16 @@ class QuantizePass(Pass):
                             **context_options(ctx))
 
     @staticmethod
-    def _calibration(source: Path, samples: Samples | None) -> list[dict[str, np.ndarray]]:
+    def _calibration(source: Path, samples: Samples | None, validation: Samples,
+                     reference: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """The calibration feeds; on stream data, each state input holds the state the fp32
-        model carries into that frame (zeros would give the state a range of 0)."""
+        model carries into that frame (zeros would give the state a range of 0). When the
+        calibration samples are the validation samples, the fp32 run that carried it is the
+        reference run already made."""
         if samples is None:
             return []
+        if samples is validation:
+            return carried_feeds(samples, reference)
         return calibration_feeds(source.read_bytes(), samples, label="the fp32 model (calibration state)")
 
     def _preset(self, ctx: BuildContext, options: Mapping[str, Any]) -> tuple[str, str]:
@@ -339,7 +344,7 @@ class QuantizePass(Pass):
         validation = self._samples(ctx, "validate", "data", validate_options.get("samples", 200)) \
             or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs, **_synthetic_options(ctx))
         reference = run_samples(source.read_bytes(), validation, label="the fp32 model")
-        data = _Data(source, self._calibration(source, calibration), validation, reference)
+        data = _Data(source, self._calibration(source, calibration, validation, reference), validation, reference)
         search = _Search(ctx, folder, data, options)
         first = Candidate("int8", "requested", config, (("recipe", config.exclude),) if config.exclude else ())
         report: dict[str, Any] = {
