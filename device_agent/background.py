@@ -14,10 +14,12 @@ runtime. Two ways to run the verification beside the imports:
   the two processes hold: the same program, not outside data) or the error it raised. A child
   that dies without an answer (a signal, the OOM killer) is one error naming how it ended.
 
-Forking is safe only before a thread exists in the process (a forked copy of a process with
-threads holds their locks in whatever state they were), so predict forks first, before numpy
-(OpenBLAS starts threads at import) or onnxruntime load, and only when it is the program
-itself; called in-process (tests, embedding) it uses the thread.
+Forking is safe only while no thread of ours exists (a forked copy of a process with threads
+holds their locks in whatever state they were), so predict forks before onnxruntime is imported
+and its thread pools made, and only when it is the program itself; called in-process (tests,
+embedding) it uses the thread. numpy is already loaded then (the verifier's modules need it):
+OpenBLAS shuts its pool down across a fork through its own atfork handler, and the child never
+calls BLAS.
 """
 
 from __future__ import annotations
