@@ -189,18 +189,24 @@ def test_the_packager_worker_runs_the_fp16_crnn_next_to_its_fp32_model(fp16_crnn
     assert holds_float16(optimized)
 
 
+def cli_build(folder: Path, name: str, model: onnx.ModelProto, recipe_lines: str, key: Path) -> Path:
+    """``edgepack build`` (the real CLI, a subprocess) of ``model`` with a recipe of ``name``,
+    the raw postprocess, target x86 and ``recipe_lines``; the artifact's path."""
+    onnx.save(model, folder / f"{name}.onnx")
+    (folder / "recipe.yaml").write_text(f"name: {name}\nversion: 1.0.0\nmodel: {{path: {name}.onnx}}\n"
+                                        f"postprocess: {{kind: raw}}\ntargets: [x86]\n{recipe_lines}")
+    built = run_cli("edgepack", "build", str(folder / "recipe.yaml"), "--key", str(key), "--json",
+                    "-o", str(folder / f"{name}.edgepkg"), cwd=folder, timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    return folder / f"{name}.edgepkg"
+
+
 @pytest.fixture(scope="module")
 def fp16_artifact(tmp_path_factory, keypair) -> Path:
-    """``edgepack build`` (the real CLI, a subprocess) of the CRNN with ``optimize: {fp16: true}``."""
-    folder = tmp_path_factory.mktemp("fp16-build")
-    onnx.save(crnn_model(), folder / "crnn.onnx")
-    (folder / "recipe.yaml").write_text(
-        "name: crnn\nversion: 1.0.0\nmodel: {path: crnn.onnx}\noptimize: {fp16: true}\npostprocess: {kind: raw}\n"
-        "targets: [x86]\nvalidate: {data: synthetic, metric: cosine, min_cosine: 0.999}\n")
-    built = run_cli("edgepack", "build", str(folder / "recipe.yaml"), "--key", str(keypair[0]), "--json",
-                    "-o", str(folder / "crnn.edgepkg"), cwd=folder, timeout=300)
-    assert built.returncode == 0, built.stderr[-3000:]
-    return folder / "crnn.edgepkg"
+    """The CRNN built with ``optimize: {fp16: true}``."""
+    return cli_build(tmp_path_factory.mktemp("fp16-build"), "crnn", crnn_model(),
+                     "optimize: {fp16: true}\nvalidate: {data: synthetic, metric: cosine, min_cosine: 0.999}\n",
+                     keypair[0])
 
 
 @needs_x86_64
@@ -262,15 +268,8 @@ def test_every_choice_of_an_accelerator_chain_gets_the_same_workaround(labelled,
 def exported_fp16_artifact(tmp_path_factory, keypair) -> Path:
     """The CRNN exported in float16 already (no conversion by the build): the manifest's precision
     is read from the graph, so the agent knows to avoid the transformer."""
-    folder = tmp_path_factory.mktemp("exported-fp16")
-    onnx.save(_to_fp16_graph(crnn_model()), folder / "crnn16.onnx")
-    (folder / "recipe.yaml").write_text(
-        "name: crnn16\nversion: 1.0.0\nmodel: {path: crnn16.onnx}\npostprocess: {kind: raw}\n"
-        "targets: [x86]\nvalidate: {data: synthetic}\n")
-    built = run_cli("edgepack", "build", str(folder / "recipe.yaml"), "--key", str(keypair[0]), "--json",
-                    "-o", str(folder / "crnn16.edgepkg"), cwd=folder, timeout=300)
-    assert built.returncode == 0, built.stderr[-3000:]
-    return folder / "crnn16.edgepkg"
+    return cli_build(tmp_path_factory.mktemp("exported-fp16"), "crnn16", _to_fp16_graph(crnn_model()),
+                     "validate: {data: synthetic}\n", keypair[0])
 
 
 def test_a_model_exported_in_fp16_ships_as_fp16_and_an_fp32_one_as_fp32(exported_fp16_artifact, keypair):
