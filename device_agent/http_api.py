@@ -55,6 +55,7 @@ from device_agent.config import ApiSettings
 from device_agent.errors import BadRequest, NoModelError
 from device_agent.http_server import HttpServer, listening_socket
 from device_agent.runtime import AUDIO_MEDIA_TYPES, LATENCY_BUCKETS, InferenceService, PredictResult
+from device_agent.updates.health import CONTRACT_ERROR_KINDS
 from edgepack_core import __version__, wire_json
 
 log = logging.getLogger("edgepack.agent.http")
@@ -253,6 +254,7 @@ class _Exchange:
     answer_type: str = JSON_MEDIA_TYPE
     raw_outputs: bool | None = None
     header_length: str | None = None  # v2: Inference-Header-Content-Length
+    peer: str = ""  # the client's address, for the health window's contract-error rule
 
 
 # ---------------------------------------------------------------------------------------- the app
@@ -311,13 +313,16 @@ class AgentApp:
         return error_response(500, "internal", f"{type(exc).__name__}: {exc}", v2=request.url.path.startswith("/v2"))
 
     def _refuse(self, err: BadRequest | NoModelError, *, v2: bool = False, counted: bool = False,
-                metric_kind: str | None = None) -> Response:
+                metric_kind: str | None = None, peer: str = "") -> Response:
         """An inference request's error answer; counted in the request metrics (as
-        ``metric_kind`` when given) unless the runtime already counted it."""
+        ``metric_kind`` when given) unless the runtime already counted it. A contract error's
+        ``peer`` is remembered: the health window counts distinct clients (updates/health.py)."""
         status = getattr(err, "http_status", 503)
         kind = err.kind if isinstance(err, BadRequest) else "no_model"
         if not counted:
             self.service.stats.error(metric_kind or kind, client=status < 500)
+        if peer and (metric_kind or kind) in CONTRACT_ERROR_KINDS:
+            self.service.stats.contract_error_from(peer)
         headers = {"Retry-After": "1"} if kind == "busy" else {}
         if status in CLOSING_STATUSES:  # the body is not (or no longer) read: nothing more to frame
             headers["Connection"] = "close"
@@ -362,7 +367,7 @@ class AgentApp:
                 body_kind(content_type, b"", image_model=model.image_input is not None,
                           audio_model=model.audio_input is not None)
         except (BadRequest, NoModelError) as err:
-            return self._refuse(err)
+            return self._refuse(err, peer=peer_address(request))
         exchange = _exchange(request, content_type, answer_type=answer_type, raw_outputs=raw_outputs)
         return await self._serve(request, exchange, self._predict_work)
 
@@ -378,9 +383,9 @@ class AgentApp:
             # counted for the health window: an unknown input name is the contract's doing;
             # values that do not convert are malformed input, never the model's
             return self._refuse(err.error, metric_kind="unknown_input" if err.error.kind == "unknown_input"
-                                else "bad_input")
+                                else "bad_input", peer=exchange.peer)
         except (BadRequest, NoModelError) as err:
-            return self._refuse(err)
+            return self._refuse(err, peer=exchange.peer)
         try:
             if kind == "image":
                 with self.images.slot():  # at most max_image_decodes decoded images in memory
@@ -388,7 +393,7 @@ class AgentApp:
             else:
                 result = service.predict(data, content_type=exchange.content_type, stream=exchange.stream)
         except BadRequest as err:  # the runtime counted its own
-            return self._refuse(err, counted=True)
+            return self._refuse(err, counted=True, peer=exchange.peer)
         except NoModelError as err:
             return self._refuse(err)
         except Exception as err:  # the server must survive anything a request triggers
@@ -558,11 +563,11 @@ class AgentApp:
             parsed = oip.parse_infer_request(exchange.body, exchange.header_length, model.input_specs,
                                              model.output_names, self.limits)
         except (BadRequest, NoModelError) as err:
-            return self._refuse(err, v2=True)
+            return self._refuse(err, v2=True, peer=exchange.peer)
         try:
             result = service.predict_tensors(parsed.inputs, postprocess=False, stream=exchange.stream)
         except BadRequest as err:
-            return self._refuse(err, v2=True, counted=True)
+            return self._refuse(err, v2=True, counted=True, peer=exchange.peer)
         except NoModelError as err:
             return self._refuse(err, v2=True)
         except Exception as err:  # the server must survive anything a request triggers
@@ -586,7 +591,14 @@ class _JsonInputError(Exception):
 def _exchange(request: Request, content_type: str, **fields: Any) -> _Exchange:
     """An inference request's exchange, with its stream headers (the body comes later)."""
     reset = request.headers.get(STREAM_RESET_HEADER, "").strip().lower() in ("1", "true")
-    return _Exchange(b"", content_type, request.headers.get(STREAM_HEADER), reset, **fields)
+    return _Exchange(b"", content_type, request.headers.get(STREAM_HEADER), reset, peer=peer_address(request),
+                     **fields)
+
+
+def peer_address(request: Request) -> str:
+    """The client's IP address ("" when unknown); an IPv4-mapped IPv6 address as plain IPv4."""
+    host = request.client.host if request.client is not None else ""
+    return host[7:] if host.lower().startswith("::ffff:") and "." in host else host
 
 
 def _media_type(request: Request) -> str:

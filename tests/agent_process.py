@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -81,8 +82,17 @@ class AgentProcess:
         except (OSError, KeyError):
             return None
 
-    def predict(self, values: list[float]) -> tuple[int, dict]:
+    def predict(self, values: list[float], source: str | None = None) -> tuple[int, dict]:
+        """POST one row; from the local address ``source`` (any of 127.0.0.0/8) when given."""
         body = json.dumps({"inputs": {"x": [values]}}).encode()
+        if source is not None:
+            connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10, source_address=(source, 0))
+            try:
+                connection.request("POST", "/predict", body, {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                return response.status, json.load(response)
+            finally:
+                connection.close()
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/predict", data=body,
                                          headers={"Content-Type": "application/json"})
         try:
@@ -158,20 +168,23 @@ class Observer:
 class LoadGenerator:
     """Continuous predict requests against an agent from a few threads, counting failures."""
 
-    def __init__(self, agent: AgentProcess, threads: int = 3, values: list[float] | None = None) -> None:
+    def __init__(self, agent: AgentProcess, threads: int = 3, values: list[float] | None = None,
+                 sources: list[str] | None = None) -> None:
         self.agent = agent
+        self.sources = sources  # one local source address per thread (distinct clients), or the default
         self.values = values or [1.0, 2.0, 3.0, 4.0]
         self.stop_event = threading.Event()
         self.ok = 0
         self.failures: list[str] = []
         self.versions: set[str] = set()
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        self.threads = [threading.Thread(target=self._run, args=(sources[i] if sources else None,), daemon=True)
+                        for i in range(len(sources) if sources else threads)]
 
-    def _run(self) -> None:
+    def _run(self, source: str | None) -> None:
         while not self.stop_event.is_set():
             try:
-                status, answer = self.agent.predict(self.values)
+                status, answer = self.agent.predict(self.values, source)
             except OSError as err:
                 with self.lock:
                     self.failures.append(f"connection: {err}")

@@ -44,6 +44,7 @@ from device_agent.updates.admission import DevicePolicy, admit, policy_names
 from device_agent.updates.commands import Command, Rejection, parse_command
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
 from device_agent.updates.health import (
+    DEFAULT_CONTRACT_ERROR_MIN_CLIENTS,
     HealthPolicy,
     Probes,
     check_window,
@@ -117,7 +118,9 @@ class UpdateService:
         self.health = HealthPolicy(max_error_rate=float(settings.get("max_error_rate", DEFAULT_MAX_ERROR_RATE)),
                                    max_latency_factor=float(settings.get("max_latency_factor",
                                                                          DEFAULT_MAX_LATENCY_FACTOR)),
-                                   min_requests=int(settings.get("health_min_requests", DEFAULT_MIN_REQUESTS)))
+                                   min_requests=int(settings.get("health_min_requests", DEFAULT_MIN_REQUESTS)),
+                                   contract_error_min_clients=int(settings.get(
+                                       "contract_error_min_clients", DEFAULT_CONTRACT_ERROR_MIN_CLIENTS)))
         self.bounds = self._bounds(config)
         self.allowed_names = policy_names(settings.get("allowed_names"))
         self.downloads = Path(settings.get("download_dir") or config.store / "downloads")
