@@ -21,8 +21,7 @@ def space_problem(free: int, min_free: int) -> str:
     """Why ``free`` bytes are not enough ("" when at least ``min_free`` are free). Pure."""
     if free >= min_free:
         return ""
-    return (f"no space: {free} bytes free on the store's filesystem, under updates.min_free_bytes "
-            f"({min_free})")
+    return f"no space: {free} bytes free on the store's filesystem, under updates.min_free_bytes ({min_free})"
 
 
 def free_bytes(path: Path) -> int:
@@ -40,7 +39,7 @@ class FreeSpace:
         self.min_free = int(min_free)
 
     def problem(self) -> str:
-        """"" while there is room, else the reason (also when the filesystem cannot be read)."""
+        """ "" while there is room, else the reason (also when the filesystem cannot be read)."""
         try:
             return space_problem(free_bytes(self.path), self.min_free)
         except OSError as err:

@@ -39,9 +39,9 @@ from device_agent.errors import StoreError
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.smoke import compare_outputs
 from device_agent.store import InstalledModel, ModelStore, simulate_power_cut_if_testing
+from device_agent.telemetry.queue import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates.admission import DevicePolicy, admit, policy_names
-from device_agent.telemetry.queue import OutboxError
 from device_agent.updates.commands import Command, Rejection, parse_command
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES, FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
