@@ -29,18 +29,20 @@ def free_port() -> int:
 
 
 class AgentProcess:
-    def __init__(self, folder: Path, *, device: str, broker_port: int, trust: Path, artifact: Path | None,
+    def __init__(self, folder: Path, *, device: str, broker_port: int | None, trust: Path, artifact: Path | None,
                  groups: list[str] | None = None, health_window_s: float = 0.5, extra_env: dict | None = None,
-                 operator_keys: list[Path] | None = None, updates: dict | None = None):
+                 operator_keys: list[Path] | None = None, updates: dict | None = None, api: dict | None = None):
+        """``broker_port`` None: no ``mqtt:`` (the HTTP API alone); ``api``: more ``api:`` keys."""
         self.folder = folder
         self.device = device
         self.port = free_port()
         self.config = folder / f"{device}.yaml"
         lines = [f"device_id: {device}", f"store: {folder / (device + '-store')}", f"trust: [{trust}]",
-                 f"api: {{listen: '127.0.0.1:{self.port}'}}",
-                 f"mqtt: {{host: 127.0.0.1, port: {broker_port}, telemetry_interval: 0.5, keepalive: 5, "
-                 f"groups: [{', '.join(groups or [])}]}}",
+                 f"api: {json.dumps({'listen': f'127.0.0.1:{self.port}', **(api or {})})}",
                  f"updates: {json.dumps({'health_window_s': health_window_s, **(updates or {})})}"]
+        if broker_port is not None:
+            lines.append(f"mqtt: {{host: 127.0.0.1, port: {broker_port}, telemetry_interval: 0.5, keepalive: 5, "
+                         f"groups: [{', '.join(groups or [])}]}}")
         if operator_keys:
             lines.append(f"operator_keys: {json.dumps([str(k) for k in operator_keys])}")
         if artifact is not None:
@@ -60,7 +62,7 @@ class AgentProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"agent exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             try:
-                if self.health().get("status") == "ok":
+                if self.health().get("status") in ("ok", "degraded"):  # degraded: serving, a full disk
                     return self
             except OSError:
                 pass
