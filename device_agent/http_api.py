@@ -334,7 +334,8 @@ class AgentApp:
         model = self.service.model
         extra = self.health() if self.health is not None else {}
         if model is None:
-            return json_response(503, {"status": "no model", **extra})
+            return json_response(503, {**extra, "status": "no model"})
+        # serving, but ``extra`` may say "degraded" and why (a full disk: updates/disk.py)
         return json_response(200, {"status": "ok", "model": model.describe(), **extra})
 
     async def metrics(self, request: Request) -> Response:

@@ -62,7 +62,7 @@ class AgentProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"agent exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             try:
-                if self.health().get("status") == "ok":
+                if self.health().get("status") in ("ok", "degraded"):  # degraded: serving, a full disk
                     return self
             except OSError:
                 pass

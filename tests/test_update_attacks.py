@@ -441,3 +441,25 @@ def test_rollback_or_cancel_during_the_health_window_does_not_wait_for_it(agent,
     ended = final_event(observer, second)
     assert ended["state"] == "rolled_back" and "cancelled by command" in ended["reason"], ended
     assert agent.version() == "1.0.0"
+
+
+def test_full_disk_is_degraded_health_and_commands_fail_with_no_space(tmp_path, mosquitto_broker, keypair, operator,
+                                                                     origin, arts, observer):
+    """A store filesystem under ``updates.min_free_bytes`` (here: a floor no disk reaches): the
+    device says so on /healthz and answers deploy, rollback and ping ``failed: no space`` from
+    memory, journaling nothing and recording no command id."""
+    agent = start_agent(tmp_path, mosquitto_broker, keypair, operator, origin, arts, min_free_bytes=2**50)
+    try:
+        health = agent.health()
+        assert health["status"] == "degraded" and health["model"]["version"] == "1.0.0", health
+        assert health["degraded"][0].startswith("no space: ") and f"updates.min_free_bytes ({2**50})" in \
+            health["degraded"][0]
+        for document in (signed(deploy_of(arts["v2"], origin), operator), signed(command("rollback"), operator),
+                         command("ping")):
+            event = final_event(observer, send(observer, document))
+            assert event["state"] == "failed" and event["reason"].startswith("no space: "), event
+        store = agent.folder / f"{DEVICE}-store"
+        assert list((store / "jobs").glob("*")) == [] and not (store / "command-ids.json").exists()
+        assert agent.version() == "1.0.0" and agent.predict([1, 1, 1, 1])[0] == 200
+    finally:
+        agent.stop()
