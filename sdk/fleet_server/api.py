@@ -93,7 +93,8 @@ class ApiContext:
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": 'Bearer realm="edgepack"'} if status == 401 else None
+    # A client without a valid token cannot keep the connection (it could do nothing with it).
+    headers = {"WWW-Authenticate": 'Bearer realm="edgepack"', "Connection": "close"} if status == 401 else None
     return JSONResponse({"error": {"status": status, "code": code, "message": message}}, status_code=status,
                         headers=headers)
 
@@ -365,7 +366,7 @@ class Routes:
         entries = await run_in_threadpool(
             queries.dead_letters, self.database,
             limit=params.integer("limit", 100, 1, queries.MAX_DEAD_LETTER_PAGE),
-            before=None if before is None else params.integer("before", 0, 0, 2**62),
+            before=None if before is None else params.integer("before", 0, 0, queries.MAX_ROW_ID),
             device=params.text("device", id_like=True))
         return JSONResponse({"dead_letters": entries})
 

@@ -13,6 +13,7 @@ from edgepack_core.protocol.ids import ID_PATTERN
 from sdk.fleet_server.queries import (
     GROUPS_REQUEST_SCHEMA,
     MAX_DEAD_LETTER_PAGE,
+    MAX_ROW_ID,
     ROLLOUT_REQUEST_SCHEMA,
     SHA256_PATTERN,
 )
@@ -224,7 +225,7 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
         "summary": "Device messages that parsed but could not be stored, newest first (the newest 10,000 kept)",
         "parameters": [_query("limit", {"type": "integer", "minimum": 1, "maximum": MAX_DEAD_LETTER_PAGE,
                                         "default": 100}, "page size"),
-                       _query("before", {"type": "integer", "minimum": 0, "maximum": 2**62},
+                       _query("before", {"type": "integer", "minimum": 0, "maximum": MAX_ROW_ID},
                               "entries with a smaller id (paging)"),
                        _query("device", {"type": "string", "pattern": ID_PATTERN}, "only this device's")],
         "responses": {"200": _json("dead letters", {"type": "object", "properties": {
