@@ -195,6 +195,7 @@ class FleetServer:
             "leader": self.driver.leader,
             "lease": lease,
             "ingest": {**self.ingest.counters.to_json(), "queue_depth": self.ingest.queue_depth,
+                       "queue_bytes": self.ingest.queue_bytes, "dropped_by_device": self.ingest.drops.top(50),
                        "rate_per_s": round(self.ingest.rate(time.time()), 3),
                        "control_connected": bool(self.ingest.control and self.ingest.control.connected),
                        "telemetry_connected": bool(self.ingest.telemetry and self.ingest.telemetry.connected)},
@@ -236,6 +237,15 @@ class FleetServer:
                [({"kind": k}, counters.stored[k]) for k in ("state", "telemetry", "job")])
         metric("edgepack_fleet_ingest_dropped_total", "counter", "Messages dropped, by reason.",
                [({"reason": r}, n) for r, n in sorted(counters.dropped.items())] or [({"reason": "none"}, 0)])
+        metric("edgepack_fleet_ingest_dropped_by_device_total", "counter", "Messages dropped, by device and "
+               "reason (the 50 devices with the most drops).",
+               [({"device": d, "reason": r}, n) for d, reasons in self.ingest.drops.top(50).items()
+                for r, n in sorted(reasons.items())] or [({"device": "none", "reason": "none"}, 0)])
+        metric("edgepack_fleet_ingest_dead_letters_total", "counter", "Messages that could not be stored, kept "
+               "in the dead-letter table (GET /api/dead-letters), by kind.",
+               [({"kind": k}, counters.dead_letters[k]) for k in ("state", "telemetry", "job")])
+        metric("edgepack_fleet_ingest_clamped_total", "counter", "Summed counters clamped at parse, by field.",
+               [({"field": f}, counters.clamped[f]) for f in ("errors_total", "errors_interval")])
         metric("edgepack_fleet_ingest_rate", "gauge", "Telemetry messages stored per second (last 10 s).",
                [({}, round(self.ingest.rate(now), 3))])
         metric("edgepack_fleet_ingest_lag_seconds", "gauge", "Receipt to commit, the last batch.",
@@ -244,6 +254,8 @@ class FleetServer:
                [({}, round(counters.max_lag_s, 4))])
         metric("edgepack_fleet_ingest_queue_depth", "gauge", "Messages received, not yet stored.",
                [({}, self.ingest.queue_depth)])
+        metric("edgepack_fleet_ingest_queue_bytes", "gauge", "What the queued messages cost (payload and "
+               "overhead); bounded.", [({}, self.ingest.queue_bytes)])
         metric("edgepack_fleet_leader", "gauge", "1 while this server holds the rollout lease.",
                [({"server": self.server_id}, 1 if self.driver.leader else 0)])
         metric("edgepack_fleet_commands_sent_total", "counter", "Commands the broker acknowledged.",
