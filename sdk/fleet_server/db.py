@@ -73,7 +73,9 @@ devices = Table(
     Column("capabilities", Text),  # JSON, bounded by records.py
     Column("first_seen", Float, nullable=False),
     Column("last_seen", Float, nullable=False),
-    Column("state_ts", Float),  # the device's ts of the newest state applied (older retained ones lose)
+    Column("state_ts", Float),  # the device's ts of the newest state applied, as the device reported it
+    Column("state_heard", Float),  # when the server heard that state: what orders states (device clocks lie)
+    Column("groups_enrolled_at", Float),  # None: the device's groups were never enrolled (see device_groups)
     Column("telemetry_at", Float),
     Column("telemetry_seq", BigInteger),
     Column("latency_p50", Float),
@@ -91,11 +93,30 @@ devices = Table(
     Index(None, "model_version"),
 )
 
-device_groups = Table(
+device_groups = Table(  # the groups the server holds for a device (enrolled): what rollouts target
     "device_groups", metadata,
     Column("device", String(ID), primary_key=True),
     Column("group_name", String(ID), primary_key=True),
     Index(None, "group_name"),
+)
+
+device_claimed_groups = Table(  # the groups a device's newest state claims: shown, never used
+    "device_claimed_groups", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("group_name", String(ID), primary_key=True),
+)
+
+dead_letters = Table(  # device messages that parsed but could not be stored (bounded, newest kept)
+    "dead_letters", metadata,
+    Column("id", RowId, primary_key=True, autoincrement=True),
+    Column("received_at", Float, nullable=False),
+    Column("device", String(ID), nullable=False),
+    Column("kind", String(16), nullable=False),  # state | job | telemetry
+    Column("topic", String(300), nullable=False),
+    Column("reason", String(500), nullable=False),  # ASCII: the error, its non-ASCII escaped
+    Column("size", Integer, nullable=False),
+    Column("payload_head", LargeBinary, nullable=False),  # the first bytes of the payload
+    Index(None, "received_at"),
 )
 
 telemetry_raw = Table(
