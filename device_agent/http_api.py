@@ -272,7 +272,9 @@ class AgentApp:
         pixels = settings.max_image_pixels or bodies.default_max_image_pixels()
         self.limits = bodies.BodyLimits(max_body_bytes=settings.max_body_bytes,
                                         max_json_bytes=settings.max_json_bytes,
-                                        max_decoded_bytes=settings.max_decoded_bytes, max_image_pixels=pixels)
+                                        max_decoded_bytes=settings.max_decoded_bytes, max_image_pixels=pixels,
+                                        max_batch_bytes=settings.max_batch_bytes,
+                                        max_json_output_bytes=settings.max_json_output_bytes)
         self.images = bodies.ImageGate(pixels, settings.max_image_decodes)
         self.http_stats = HttpStats()
         self.pool = ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="http-worker")
@@ -419,7 +421,7 @@ class AgentApp:
             document = bodies.parse_json(body, self.limits)
             inputs = document.get("inputs") if isinstance(document, dict) else None
             try:
-                return bodies.json_to_feed(model.input_specs, inputs)
+                return bodies.json_to_feed(model.input_specs, inputs, self.limits)
             except BadRequest as err:
                 raise _JsonInputError(err) from None
         if kind == "numpy":
@@ -429,17 +431,23 @@ class AgentApp:
         return body
 
     def _answer(self, result: PredictResult, exchange: _Exchange) -> Response:
-        """The 200 answer of /predict in the negotiated media type."""
+        """The 200 answer of /predict in the negotiated media type; raw outputs in JSON bounded
+        before they are encoded (413 pointing to npz)."""
         try:
-            answer = result.to_json(outputs=exchange.raw_outputs)
             if exchange.answer_type != wire_json.NPZ_MEDIA_TYPE:
-                return json_response(200, answer)
+                if result.includes_outputs(exchange.raw_outputs):
+                    bodies.check_json_outputs(sum(value.nbytes for value in result.outputs.values()), self.limits,
+                                              f"ask for them as npz (Accept: {wire_json.NPZ_MEDIA_TYPE})")
+                return json_response(200, result.to_json(outputs=exchange.raw_outputs))
+            answer = result.to_json(outputs=False)
             headers = {"X-Edgepack-Model": f"{answer['model']['name']} {answer['model']['version']}",
                        "X-Edgepack-Provider": answer["provider"], "X-Edgepack-Latency-Ms": str(answer["latency_ms"])}
             return Response(wire_json.npz_bytes(result.outputs), 200, headers, wire_json.NPZ_MEDIA_TYPE)
         except wire_json.WireEncodingError as err:
             self.service.stats.error("encoding", client=False)
             return error_response(500, "encoding", str(err))
+        except BadRequest as err:
+            return self._refuse(err)
 
     # ------------------------------------------------------------ admission and bodies
 
@@ -575,8 +583,11 @@ class AgentApp:
             log.exception("v2 infer failed")
             self.service.stats.error("internal", client=False)
             return error_response(500, "internal", f"{type(err).__name__}: {err}", v2=True)
-        body, headers = oip.encode_infer_response(result.model.manifest.name, result.model.manifest.version,
-                                                  parsed, result.outputs)
+        try:
+            body, headers = oip.encode_infer_response(result.model.manifest.name, result.model.manifest.version,
+                                                      parsed, result.outputs, self.limits)
+        except BadRequest as err:
+            return self._refuse(err, v2=True)
         media = "application/octet-stream" if oip.HEADER_LENGTH_HEADER in headers else JSON_MEDIA_TYPE
         return Response(body, 200, headers, media)
 
