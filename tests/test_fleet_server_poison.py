@@ -400,7 +400,7 @@ def test_a_job_event_flood_from_one_device_stores_at_most_its_budget(tmp_path, m
             info.wait_for_publish(60)
         _publish(broker.port, ("dev/good/job", _job("good", "j-2", "active", True, started), False))
         done = wait_for(
-            lambda: (lambda s: s if s["received"].get("job", 0) == 20_001 and s["queue_depth"] == 0 else None)(
+            lambda: (lambda s: s if s["stored"].get("job", 0) + s["dropped"].get("job_rate", 0) == 20_001 else None)(
                 _status(server)
             ),
             90,
@@ -452,13 +452,19 @@ def test_a_telemetry_flood_while_the_database_is_stalled_keeps_memory_bounded(tm
         )
         assert flooded is not None
         assert flooded["queue_bytes"] <= ingest_module.QUEUE_BYTES
-        dropped = flooded["dropped"].get("queue_full", 0)
-        assert dropped >= 1500 - ingest_module.QUEUE_BYTES // (60_000 + ingest_module.ITEM_OVERHEAD) - 20
-        assert sum(r.get("queue_full", 0) for r in flooded["dropped_by_device"].values()) == dropped
         grown_mib = (_rss_peak_kib(server.proc.pid) - baseline) / 1024
-        assert grown_mib < 64 * 2.5, grown_mib  # on main the queue held every message, and more copies of it
+        assert grown_mib < 64 * 1.75, grown_mib  # 65.5 MiB measured; on main every message stayed queued
         holder.rollback()
-        assert wait_for(lambda: _status(server)["stored"].get("telemetry", 0) == 1500 - dropped, 60)
+        done = wait_for(
+            lambda: (
+                lambda s: s if s["stored"].get("telemetry", 0) + s["dropped"].get("queue_full", 0) == 1500 else None
+            )(_status(server)),
+            60,
+        )
+        assert done is not None, _status(server)
+        dropped = done["dropped"]["queue_full"]
+        assert dropped >= 1500 - ingest_module.QUEUE_BYTES // (60_000 + ingest_module.ITEM_OVERHEAD) - 20
+        assert sum(r.get("queue_full", 0) for r in done["dropped_by_device"].values()) == dropped
     finally:
         holder.close()
         publisher.close()
@@ -667,3 +673,26 @@ def test_an_api_error_is_not_a_data_error():
     assert not ingest_module._is_transient(DataError("x", {}, Exception("bigint out of range")))
     assert not ingest_module._is_transient(StatementError("x", "x", {}, UnicodeEncodeError("utf-8", "", 0, 1, "r")))
     assert not ingest_module._is_transient(ApiError(400, "invalid", "x"))
+
+
+def test_dead_letters_are_listed_by_the_api_and_counted_in_metrics(tmp_path, mosquitto_broker, keys):
+    broker = mosquitto_broker
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    try:
+        with sqlite3.connect(server.folder / "fleet.db", timeout=10) as connection:
+            connection.executemany(
+                "INSERT INTO dead_letters (received_at, device, kind, topic, reason, size, payload_head) "
+                "VALUES (?, ?, 'job', ?, 'DataError: x', 3, ?)",
+                [(float(n), f"evil-{n}", f"{ROOT}/dev/evil-{n}/job", b"\x00\xff!") for n in range(3)],
+            )
+        letters = server.get("/api/dead-letters?limit=2")["dead_letters"]
+        assert [d["device"] for d in letters] == ["evil-2", "evil-1"] and letters[0]["payload_head"] == "AP8h"
+        assert server.get("/api/dead-letters?device=evil-0&limit=1000")["dead_letters"][0]["kind"] == "job"
+        assert server.get(f"/api/dead-letters?before={letters[1]['id']}")["dead_letters"][0]["device"] == "evil-0"
+        assert server.call("GET", "/api/dead-letters?limit=1001")[0] == 400
+        assert server.call("GET", "/api/dead-letters?device=bad/one")[0] == 400
+        assert server.call("GET", "/api/dead-letters?before=1000000000000000000")[0] == 400
+        metrics = server.get("/metrics").decode()
+        assert 'edgepack_fleet_ingest_dead_letters_total{kind="job"} 0' in metrics  # this process stored none
+    finally:
+        server.stop()

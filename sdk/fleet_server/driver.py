@@ -391,7 +391,9 @@ class Driver:
         for kind, devices in (("rollback", step.rollback), ("cancel", step.cancel)):
             for device in devices:
                 undo_id = command_id(row["id"], kind, row["wave"], device)
-                extra = {"job": deploy_ids[device]} if kind == "cancel" else {}
+                # a rollback names what it undoes: a device that has moved on (a newer deploy) refuses it
+                extra = {"job": deploy_ids[device]} if kind == "cancel" else \
+                    {"from_version": {"name": row["name"], "version": row["version"]}}
                 command = build_command(kind, device=device, command_id=undo_id, ttl_s=self.config.command_ttl_s,
                                         now=now, **extra)
                 created = self._record(connection, row["id"], device, kind, command, now)

@@ -7,7 +7,7 @@ Two connections, because the two kinds of traffic need opposite things:
   (fixed client id per server, session expiry) and acknowledges each message only after the
   transaction holding it committed (``manual_ack``): a server killed with events in memory gets
   them again from the broker when it reconnects. Writes are idempotent (a job event is unique
-  by device, job, state, final and ts; a state older than the stored one loses), so two
+  by device, job, state, final and ts; a state heard before the stored one loses), so two
   servers, a redelivery or a retained state seen again change nothing twice.
 - **telemetry** (an MQTT 5 shared subscription ``$share/<group>/<root>/dev/+/telemetry``): the
   bulk of the traffic, split by the broker across every server of the share group, each
