@@ -39,30 +39,34 @@ def count_scans(data: bytes | memoryview, *, max_scans: int = MAX_SCANS, max_seg
         return 0
     position, scans, segments = 2, 0, 0
     while position + 4 <= len(data):
-        if data[position] != 0xFF:
-            raise PreprocessError(f"not a well-formed JPEG: bytes outside its segments at offset {position}")
-        fill = _FILL.match(data, position).end() - 1 - position  # the last 0xFF of a run precedes the marker
-        if fill > MAX_FILL:
-            raise PreprocessError(f"not a well-formed JPEG: {fill} fill bytes before a marker at offset {position}")
-        position += fill
+        position = _marker_at(data, position)
         marker = data[position + 1]
         if marker == _EOI:
             break
-        segments += 1
-        if segments > max_segments:
-            raise PreprocessError(f"a JPEG of more than {max_segments} segments is refused (its decoding cost is "
-                                  "not bounded by its size)")
+        segments = _counted(segments, max_segments, "segments", "its decoding cost is not bounded by its size")
         if marker in _STANDALONE:
             position += 2
             continue
         position += 2 + int.from_bytes(data[position + 2:position + 4], "big")
         if marker == _SOS:
-            scans += 1
-            if scans > max_scans:
-                raise PreprocessError(f"a JPEG of more than {max_scans} scans is refused (encoders write about "
-                                      "10; each scan costs a pass over the whole image)")
+            scans = _counted(scans, max_scans, "scans", "encoders write about 10; each scan costs a pass over "
+                             "the whole image")
             found = _NEXT_MARKER.search(data, position)
-            if found is None:
-                break
-            position = found.start()
+            position = len(data) if found is None else found.start()
     return scans
+
+
+def _marker_at(data: bytes, position: int) -> int:
+    """Where the marker at ``position`` starts, past its fill bytes (at most ``MAX_FILL``)."""
+    if data[position] != 0xFF:
+        raise PreprocessError(f"not a well-formed JPEG: bytes outside its segments at offset {position}")
+    fill = _FILL.match(data, position).end() - 1 - position  # the last 0xFF of a run precedes the marker
+    if fill > MAX_FILL:
+        raise PreprocessError(f"not a well-formed JPEG: {fill} fill bytes before a marker at offset {position}")
+    return position + fill
+
+
+def _counted(count: int, limit: int, what: str, why: str) -> int:
+    if count + 1 > limit:
+        raise PreprocessError(f"a JPEG of more than {limit} {what} is refused ({why})")
+    return count + 1
