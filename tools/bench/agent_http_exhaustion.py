@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from sdk.keys import write_keypair  # noqa: E402
 from tests.artifacts import build_artifact  # noqa: E402
 from tests.hostile_bodies import jpeg_scan_bomb, npz_with_directory_entries, npz_zip_bomb  # noqa: E402
-from tools.bench.hostile_http_memory import package, png_640x480, status_of  # noqa: E402
+from tools.bench.hostile_http_memory import package, png_640x480, post, status_of  # noqa: E402
 from tools.bench.http_api import cpu_seconds  # noqa: E402
 from tools.demos import build_all  # noqa: E402
 
@@ -58,13 +58,7 @@ def request(port: int, body: bytes, content_type: str, path: str = "/predict", m
     """One request on its own connection; its status (0: no answer)."""
     head = (f"{method} {path} HTTP/1.1\r\nHost: bench\r\nContent-Type: {content_type}\r\nAccept: {accept}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-            sock.sendall(head + body)
-            answer = sock.recv(64)
-        return int(answer.split()[1]) if answer.startswith(b"HTTP/") else 0
-    except OSError:
-        return 0
+    return post(port, body, content_type, head=head, timeout=timeout)
 
 
 def at_once(port: int, times: int, body: bytes, content_type: str, **options: str) -> list[int]:
