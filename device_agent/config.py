@@ -122,6 +122,8 @@ CONFIG_SCHEMA: dict[str, Any] = {
                                     "max": {"type": "number", "minimum": 0}}},
                 ]},
                 "health_min_requests": {"type": "integer", "minimum": 0},
+                "contract_error_min_clients": {"type": "integer", "minimum": 1, "maximum": 256},
+                "min_free_bytes": {"type": "integer", "minimum": 0, "maximum": 2**50},
                 "max_error_rate": {"type": "number", "minimum": 0, "maximum": 1},
                 "max_latency_factor": {"type": "number", "exclusiveMinimum": 0},
                 "download_dir": _PATH,

@@ -21,6 +21,7 @@ from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.metrics import ModelInfo
 from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
+from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES, FreeSpace
 from device_agent.updates.service import UpdateService
 from edgepack_core.artifact import Limits
 from edgepack_core.errors import EdgepackError
@@ -39,6 +40,7 @@ class Daemon:
         # publish to the broker may order deploys, rollbacks and downgrades (warned at start).
         self.operator_trust = TrustStore.from_paths(config.operator_keys) if config.operator_keys else None
         self.store = ModelStore(config.store, self.trust, Limits(**limits_from(config)))
+        self.space = FreeSpace(config.store, int(config.updates.get("min_free_bytes", DEFAULT_MIN_FREE_BYTES)))
         self.service = InferenceService(max_streams=config.max_streams, stream_idle_s=config.stream_idle_s)
         self.api: ApiServer | None = None
         self.reporter: TelemetryReporter | None = None
@@ -65,6 +67,10 @@ class Daemon:
         if self.reporter is not None:
             self.reporter.publish_state()
         return old
+
+    def health(self) -> dict[str, Any]:
+        """What /healthz adds to the model: the store's condition and, on a full disk, ``degraded``."""
+        return {**self.store.health(), **self.space.health()}
 
     def status(self) -> AgentStatus:
         import onnxruntime as ort
@@ -99,7 +105,7 @@ class Daemon:
             self._start_updates()
         address = self.config.listen_host_port
         if address is not None:
-            self.api = ApiServer(address, self.service, settings=self.config.api, health=self.store.health).start()
+            self.api = ApiServer(address, self.service, settings=self.config.api, health=self.health).start()
             log.info("HTTP API on http://%s:%d", address[0], self.api.port)
         return self
 

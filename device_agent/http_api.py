@@ -50,11 +50,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from device_agent import bodies, oip
+from device_agent import bodies, http_admission, oip
 from device_agent.config import ApiSettings
 from device_agent.errors import BadRequest, NoModelError
 from device_agent.http_server import HttpServer, listening_socket
 from device_agent.runtime import AUDIO_MEDIA_TYPES, LATENCY_BUCKETS, InferenceService, PredictResult
+from device_agent.updates.health import CONTRACT_ERROR_KINDS
 from edgepack_core import __version__, wire_json
 
 log = logging.getLogger("edgepack.agent.http")
@@ -216,6 +217,17 @@ def prometheus_text(service: InferenceService, http: HttpStats | None = None) ->
     return "\n".join(lines) + "\n"
 
 
+def load_gauges(admitted: int, held_bytes: int) -> str:
+    """The API's load now, in the Prometheus text format: requests holding a worker or queue
+    slot, and request body bytes held in memory (counted as they arrive)."""
+    return ("# HELP edgepack_http_requests_in_progress Inference requests admitted (reading, queued or running).\n"
+            "# TYPE edgepack_http_requests_in_progress gauge\n"
+            f"edgepack_http_requests_in_progress {admitted}\n"
+            "# HELP edgepack_http_body_bytes_held Request body bytes held in memory (api.max_buffered_bytes).\n"
+            "# TYPE edgepack_http_body_bytes_held gauge\n"
+            f"edgepack_http_body_bytes_held {held_bytes}\n")
+
+
 # ---------------------------------------------------------------------------------------- answers
 
 
@@ -242,6 +254,7 @@ class _Exchange:
     answer_type: str = JSON_MEDIA_TYPE
     raw_outputs: bool | None = None
     header_length: str | None = None  # v2: Inference-Header-Content-Length
+    peer: str = ""  # the client's address, for the health window's contract-error rule
 
 
 # ---------------------------------------------------------------------------------------- the app
@@ -264,7 +277,7 @@ class AgentApp:
         self.http_stats = HttpStats()
         self.pool = ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="http-worker")
         self._admitted = 0  # requests holding a slot (event loop only: no lock)
-        self._buffered = 0  # body bytes reserved by them
+        self.buffered = http_admission.BodyBudget(settings.max_buffered_bytes)  # body bytes held (event loop only)
         routes = [
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -300,13 +313,16 @@ class AgentApp:
         return error_response(500, "internal", f"{type(exc).__name__}: {exc}", v2=request.url.path.startswith("/v2"))
 
     def _refuse(self, err: BadRequest | NoModelError, *, v2: bool = False, counted: bool = False,
-                metric_kind: str | None = None) -> Response:
+                metric_kind: str | None = None, peer: str = "") -> Response:
         """An inference request's error answer; counted in the request metrics (as
-        ``metric_kind`` when given) unless the runtime already counted it."""
+        ``metric_kind`` when given) unless the runtime already counted it. A contract error's
+        ``peer`` is remembered: the health window counts distinct clients (updates/health.py)."""
         status = getattr(err, "http_status", 503)
         kind = err.kind if isinstance(err, BadRequest) else "no_model"
         if not counted:
             self.service.stats.error(metric_kind or kind, client=status < 500)
+        if peer and (metric_kind or kind) in CONTRACT_ERROR_KINDS:
+            self.service.stats.contract_error_from(peer)
         headers = {"Retry-After": "1"} if kind == "busy" else {}
         if status in CLOSING_STATUSES:  # the body is not (or no longer) read: nothing more to frame
             headers["Connection"] = "close"
@@ -318,12 +334,13 @@ class AgentApp:
         model = self.service.model
         extra = self.health() if self.health is not None else {}
         if model is None:
-            return json_response(503, {"status": "no model", **extra})
+            return json_response(503, {**extra, "status": "no model"})
+        # serving, but ``extra`` may say "degraded" and why (a full disk: updates/disk.py)
         return json_response(200, {"status": "ok", "model": model.describe(), **extra})
 
     async def metrics(self, request: Request) -> Response:
-        return Response(prometheus_text(self.service, self.http_stats).encode(), 200,
-                        media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = prometheus_text(self.service, self.http_stats) + load_gauges(self._admitted, self.buffered.held)
+        return Response(text.encode(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def delete_stream(self, request: Request) -> Response:
         """``DELETE /streams/ID``: forget a stream's state (204; 404 when it is not kept)."""
@@ -351,7 +368,7 @@ class AgentApp:
                 body_kind(content_type, b"", image_model=model.image_input is not None,
                           audio_model=model.audio_input is not None)
         except (BadRequest, NoModelError) as err:
-            return self._refuse(err)
+            return self._refuse(err, peer=peer_address(request))
         exchange = _exchange(request, content_type, answer_type=answer_type, raw_outputs=raw_outputs)
         return await self._serve(request, exchange, self._predict_work)
 
@@ -367,9 +384,9 @@ class AgentApp:
             # counted for the health window: an unknown input name is the contract's doing;
             # values that do not convert are malformed input, never the model's
             return self._refuse(err.error, metric_kind="unknown_input" if err.error.kind == "unknown_input"
-                                else "bad_input")
+                                else "bad_input", peer=exchange.peer)
         except (BadRequest, NoModelError) as err:
-            return self._refuse(err)
+            return self._refuse(err, peer=exchange.peer)
         try:
             if kind == "image":
                 with self.images.slot():  # at most max_image_decodes decoded images in memory
@@ -377,7 +394,7 @@ class AgentApp:
             else:
                 result = service.predict(data, content_type=exchange.content_type, stream=exchange.stream)
         except BadRequest as err:  # the runtime counted its own
-            return self._refuse(err, counted=True)
+            return self._refuse(err, counted=True, peer=exchange.peer)
         except NoModelError as err:
             return self._refuse(err)
         except Exception as err:  # the server must survive anything a request triggers
@@ -435,23 +452,21 @@ class AgentApp:
         size = int(declared) if declared is not None and declared.isdigit() else None
         if size is not None and size > settings.max_body_bytes:
             return self._refuse(bodies.too_large("body", size, settings.max_body_bytes), v2=v2)
-        reserve = size if size is not None else settings.max_body_bytes
-        if self._admitted >= settings.workers + settings.max_queue or \
-                self._buffered + reserve > settings.max_buffered_bytes:
+        if self._admitted >= settings.workers + settings.max_queue:
             return self._refuse(BadRequest("busy", "the agent is busy (api.workers and api.max_queue are taken): "
                                            "retry later", http_status=503), v2=v2)
         self._admitted += 1
-        self._buffered += reserve
+        held = [0]  # body bytes this request holds in the budget, counted as they arrive
         try:
-            exchange.body = await self._read_body(request)
+            exchange.body = await self._read_body(request, held)
             return await asyncio.get_running_loop().run_in_executor(self.pool, work, exchange)
         except BadRequest as err:
             return self._refuse(err, v2=v2)
         finally:
             self._admitted -= 1
-            self._buffered -= reserve
+            self.buffered.give(held[0])
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, request: Request, held: list[int]) -> bytes:
         """The whole body, at most ``max_body_bytes`` (413), within ``read_timeout_s`` (408).
         The deadline is one timer that cancels this task (``asyncio.wait_for`` would start a
         task per read; ``asyncio.timeout`` needs Python 3.11)."""
@@ -466,7 +481,7 @@ class AgentApp:
 
         timer = asyncio.get_running_loop().call_later(timeout, expire)
         try:
-            return await self._receive_all(request)
+            return await self._receive_all(request, held)
         except asyncio.CancelledError:
             if not expired:
                 raise
@@ -477,7 +492,9 @@ class AgentApp:
         finally:
             timer.cancel()
 
-    async def _receive_all(self, request: Request) -> bytes:
+    async def _receive_all(self, request: Request, held: list[int]) -> bytes:
+        """The body's chunks as they arrive, each held in the body budget (``held[0]``: what
+        this request holds) only once its bytes are here: 503 ``busy`` when they do not fit."""
         limit = self.settings.max_body_bytes
         chunks, size = [], 0
         while True:
@@ -488,6 +505,10 @@ class AgentApp:
             size += len(chunk)
             if size > limit:
                 raise bodies.too_large("body", size, limit)
+            if not self.buffered.take(len(chunk)):
+                raise BadRequest("busy", "the agent holds api.max_buffered_bytes of request bodies: retry later",
+                                 http_status=503)
+            held[0] += len(chunk)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
@@ -543,11 +564,11 @@ class AgentApp:
             parsed = oip.parse_infer_request(exchange.body, exchange.header_length, model.input_specs,
                                              model.output_names, self.limits)
         except (BadRequest, NoModelError) as err:
-            return self._refuse(err, v2=True)
+            return self._refuse(err, v2=True, peer=exchange.peer)
         try:
             result = service.predict_tensors(parsed.inputs, postprocess=False, stream=exchange.stream)
         except BadRequest as err:
-            return self._refuse(err, v2=True, counted=True)
+            return self._refuse(err, v2=True, counted=True, peer=exchange.peer)
         except NoModelError as err:
             return self._refuse(err, v2=True)
         except Exception as err:  # the server must survive anything a request triggers
@@ -571,7 +592,14 @@ class _JsonInputError(Exception):
 def _exchange(request: Request, content_type: str, **fields: Any) -> _Exchange:
     """An inference request's exchange, with its stream headers (the body comes later)."""
     reset = request.headers.get(STREAM_RESET_HEADER, "").strip().lower() in ("1", "true")
-    return _Exchange(b"", content_type, request.headers.get(STREAM_HEADER), reset, **fields)
+    return _Exchange(b"", content_type, request.headers.get(STREAM_HEADER), reset, peer=peer_address(request),
+                     **fields)
+
+
+def peer_address(request: Request) -> str:
+    """The client's IP address ("" when unknown); an IPv4-mapped IPv6 address as plain IPv4."""
+    host = request.client.host if request.client is not None else ""
+    return host[7:] if host.lower().startswith("::ffff:") and "." in host else host
 
 
 def _media_type(request: Request) -> str:

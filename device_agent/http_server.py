@@ -8,7 +8,13 @@ Added here, each as narrowly as its classes allow:
 
 - HTTP/1.1 only: no HTTP/2 (neither ``h2c`` upgrade nor prior knowledge) and no websockets;
   an ``Upgrade`` header is ignored and the request answered in HTTP/1.1;
-- at most ``max_connections`` connections: one more is answered ``503`` and closed;
+- at most ``max_connections`` connections, and ``HEALTH_CONNECTIONS`` more for health checks
+  only (``device_agent/http_admission.py``): when all are taken, a new connection evicts the one
+  that has waited longest (at least ``EVICT_AFTER_S``) for its request head (half-open heads and
+  idle kept-alive connections are the cheapest to drop); when none waits, it is answered ``503``
+  and closed. A connection taken
+  in the health reserve answers ``/healthz``, ``/metrics`` and ``/v2/health/*`` (then closes)
+  and ``503 busy`` for anything else;
 - a deadline for the request head: it must arrive within ``read_timeout_s`` of the connection
   or of the previous answer, else ``408`` (nothing at all: the connection just closes; an idle
   kept-alive one after ``keep_alive_s``). The body's deadline is the app's (``http_api``);
@@ -45,7 +51,9 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
+from device_agent import http_admission
 from device_agent.config import ApiSettings
+from device_agent.http_admission import Slot
 from edgepack_core import wire_json
 
 log = logging.getLogger("edgepack.agent.http")
@@ -105,6 +113,7 @@ class AgentH11Protocol(H11Protocol):
     """Hypercorn's HTTP/1.1 protocol, HTTP/1.1 only, with JSON protocol errors and one write per answer."""
 
     count: Callable[[int], None] = staticmethod(lambda status: None)
+    reserve = False  # its connection holds a health slot: health routes only, one answer
     _held_head = b""
 
     async def _check_protocol(self, event: h11.Request) -> None:
@@ -119,12 +128,21 @@ class AgentH11Protocol(H11Protocol):
             await self._send_error_response(431)
             await self.send(Closed())
             return
+        if self.reserve and not http_admission.is_health_target(request.target):
+            await self._send_json_error(503, "busy", "every connection the agent serves requests on is busy "
+                                        "(api.max_connections): retry later")
+            await self.send(Closed())
+            return
         if any(name == b"upgrade" for name, _ in request.headers):
             request = h11.Request(method=request.method, target=request.target, http_version=request.http_version,
                                   headers=[(name, value) for name, value in request.headers if name != b"upgrade"])
         await super()._create_stream(request)
 
     async def _send_h11_event(self, event: Any) -> None:
+        if self.reserve and type(event) is h11.Response and (b"connection", b"close") not in event.headers:
+            # a health slot serves one answer, then closes
+            event = h11.Response(status_code=event.status_code, reason=event.reason,
+                                 headers=[*event.headers, (b"connection", b"close")])
         try:
             data = self.connection.send(event)
         except h11.LocalProtocolError:
@@ -144,11 +162,18 @@ class AgentH11Protocol(H11Protocol):
 
     async def _send_error_response(self, status_code: int) -> None:
         """What h11 refuses to parse, answered in the documented shape (``400 bad_http``)."""
-        self.count(400)
-        body = error_body("bad_http", "malformed HTTP request (request line, headers or framing)")
+        await self._send_json_error(400, "bad_http", "malformed HTTP request (request line, headers or framing)")
+
+    async def _send_json_error(self, status: int, kind: str, message: str) -> None:
+        """An error answer in the documented shape that closes the connection, given by the protocol."""
+        self.count(status)
+        body = error_body(kind, message)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close"), *self.config.response_headers("h11")]
-        await self._send_h11_event(h11.Response(status_code=400, headers=headers, reason=b"Bad Request"))
+        if status == 503:
+            headers.append((b"retry-after", b"1"))
+        await self._send_h11_event(h11.Response(status_code=status, headers=headers,
+                                                reason=HTTPStatus(status).phrase.encode()))
         await self._send_h11_event(h11.Data(data=body))
         await self._send_h11_event(h11.EndOfMessage())
 
@@ -164,6 +189,8 @@ class AgentConnection(TCPServer):
         self.count = server.count
         self.protocol: AgentH11Protocol | None = None  # type: ignore[assignment]
         self.closing = False  # what still arrives is dropped, never parsed
+        self.slot: Slot | None = Slot.GENERAL  # None: refused over every slot
+        self.since = self.loop.time()  # when it began to wait for a head (or to close)
         self._head_timer: asyncio.TimerHandle | None = None  # armed while waiting for a request head
         self._linger: asyncio.TimerHandle | None = None
 
@@ -180,6 +207,7 @@ class AgentConnection(TCPServer):
                 self.protocol = AgentH11Protocol(self.app, self.config, self.context, task_group,
                                                  ConnectionState({}), False, client, server, self.protocol_send)
                 self.protocol.count = self.count
+                self.protocol.reserve = self.slot is Slot.RESERVE
                 self._wait_for_head()
                 await self._read_data()
         except OSError:
@@ -204,6 +232,19 @@ class AgentConnection(TCPServer):
             self._stop_waiting()
             self.writer.close()
         self.stop_lingering()
+
+    @property
+    def waiting_since(self) -> float | None:
+        """Since when it waits for a request head or closes (None: a request is in progress)."""
+        return self.since if self.closing or self._head_timer is not None else None
+
+    def evict(self) -> None:
+        """Dropped for a new connection while all slots are taken: closed at once, unanswered."""
+        self.closing = True
+        self._stop_waiting()
+        if self._linger is not None:
+            self._linger.cancel()
+        self.writer.transport.abort()
 
     async def protocol_send(self, event: Any) -> None:
         """Hypercorn's, except that its idle and busy updates (a connection waits for a request,
@@ -251,6 +292,7 @@ class AgentConnection(TCPServer):
         with contextlib.suppress(NotImplementedError, OSError, RuntimeError):
             self.writer.write_eof()
         self._linger = self.loop.call_later(LINGER_S, self.stop_lingering)
+        self.since = self.loop.time()
         return True
 
     def stop_lingering(self) -> None:
@@ -267,6 +309,7 @@ class AgentConnection(TCPServer):
         deadline = self.settings.read_timeout_s
         quiet = min(self.settings.keep_alive_s, deadline) if self.protocol.keep_alive_requests else deadline
         self._head_timer = self.loop.call_later(quiet, self._head_late, deadline - quiet)
+        self.since = self.loop.time()
 
     def _head_late(self, rest: float) -> None:
         assert self.protocol is not None
@@ -325,6 +368,22 @@ class HttpServer:
             with contextlib.suppress(RuntimeError):  # the loop is already closed
                 self._loop.call_soon_threadsafe(self._stop.set)
 
+    def _place(self) -> Slot | None:
+        """The slot of a connection being accepted (``http_admission.place_connection``), evicting the
+        connection of that slot that has waited longest for its head where the rule says so."""
+        held = [c for c in self.connections if c.slot is not None and not c.writer.transport.is_closing()]
+        kinds = {kind: [c for c in held if c.slot is kind] for kind in Slot}
+        now = asyncio.get_running_loop().time()
+        waiting = {kind: [c for c in kinds[kind]
+                          if http_admission.evictable(c.waiting_since, now, http_admission.grace(kind))]
+                   for kind in Slot}
+        occupancy = http_admission.Occupancy(len(kinds[Slot.GENERAL]), len(kinds[Slot.RESERVE]),
+                                        len(waiting[Slot.GENERAL]), len(waiting[Slot.RESERVE]))
+        placement = http_admission.place_connection(occupancy, self.settings.max_connections)
+        if placement.evict is not None:
+            min(waiting[placement.evict], key=lambda c: c.since).evict()
+        return placement.slot
+
     async def _serve(self) -> None:
         context = WorkerContext(None)
         handlers: set[asyncio.Task] = set()
@@ -335,12 +394,15 @@ class HttpServer:
             assert task is not None
             handlers.add(task)
             connection = AgentConnection(self, context, reader, writer)
+            slot = self._place()
             self.connections.add(connection)
             try:
-                if len(self.connections) > limit:
-                    await connection.refuse(503, "busy", f"over api.max_connections ({limit}) open connections: "
-                                            "retry later")
+                if slot is None:
+                    connection.slot = None
+                    await connection.refuse(503, "busy", f"over api.max_connections ({limit}) open connections and "
+                                            f"{http_admission.HEALTH_CONNECTIONS} for health checks: retry later")
                 else:
+                    connection.slot = slot
                     await connection.run()
             finally:
                 self.connections.discard(connection)

@@ -11,7 +11,8 @@ Two kinds of spec:
 fixed order:
 
 1. decode with Pillow (first frame of an animation); refuse more than ``max_pixels`` pixels
-   before any pixel is decoded, as a guard against decompression bombs;
+   before any pixel is decoded, as a guard against decompression bombs, and a JPEG of more
+   than 100 scans (:mod:`edgepack_core.jpeg_scans`: each scan costs a pass over the image);
 2. apply the EXIF orientation (``ImageOps.exif_transpose``), so photos from phones and
    cameras arrive upright;
 3. convert to RGB, or to 8-bit luma for ``color: gray`` (ITU-R 601-2, as Pillow's "L"
@@ -103,7 +104,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgepack_core import audio, resample
+from edgepack_core import audio, jpeg_scans, resample
 from edgepack_core.errors import PreprocessError, SchemaError
 from edgepack_core.schema import validate_by_kind
 
@@ -557,6 +558,7 @@ class Preprocessor:
         self._require_image()
         from PIL import Image
 
+        jpeg_scans.count_scans(data)  # a progressive JPEG's CPU cost is scans x pixels: bounded first
         try:
             image = Image.open(io.BytesIO(data))
         except Image.DecompressionBombError as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -28,18 +29,20 @@ def free_port() -> int:
 
 
 class AgentProcess:
-    def __init__(self, folder: Path, *, device: str, broker_port: int, trust: Path, artifact: Path | None,
+    def __init__(self, folder: Path, *, device: str, broker_port: int | None, trust: Path, artifact: Path | None,
                  groups: list[str] | None = None, health_window_s: float = 0.5, extra_env: dict | None = None,
-                 operator_keys: list[Path] | None = None, updates: dict | None = None):
+                 operator_keys: list[Path] | None = None, updates: dict | None = None, api: dict | None = None):
+        """``broker_port`` None: no ``mqtt:`` (the HTTP API alone); ``api``: more ``api:`` keys."""
         self.folder = folder
         self.device = device
         self.port = free_port()
         self.config = folder / f"{device}.yaml"
         lines = [f"device_id: {device}", f"store: {folder / (device + '-store')}", f"trust: [{trust}]",
-                 f"api: {{listen: '127.0.0.1:{self.port}'}}",
-                 f"mqtt: {{host: 127.0.0.1, port: {broker_port}, telemetry_interval: 0.5, keepalive: 5, "
-                 f"groups: [{', '.join(groups or [])}]}}",
+                 f"api: {json.dumps({'listen': f'127.0.0.1:{self.port}', **(api or {})})}",
                  f"updates: {json.dumps({'health_window_s': health_window_s, **(updates or {})})}"]
+        if broker_port is not None:
+            lines.append(f"mqtt: {{host: 127.0.0.1, port: {broker_port}, telemetry_interval: 0.5, keepalive: 5, "
+                         f"groups: [{', '.join(groups or [])}]}}")
         if operator_keys:
             lines.append(f"operator_keys: {json.dumps([str(k) for k in operator_keys])}")
         if artifact is not None:
@@ -59,7 +62,7 @@ class AgentProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"agent exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             try:
-                if self.health().get("status") == "ok":
+                if self.health().get("status") in ("ok", "degraded"):  # degraded: serving, a full disk
                     return self
             except OSError:
                 pass
@@ -79,8 +82,17 @@ class AgentProcess:
         except (OSError, KeyError):
             return None
 
-    def predict(self, values: list[float]) -> tuple[int, dict]:
+    def predict(self, values: list[float], source: str | None = None) -> tuple[int, dict]:
+        """POST one row; from the local address ``source`` (any of 127.0.0.0/8) when given."""
         body = json.dumps({"inputs": {"x": [values]}}).encode()
+        if source is not None:
+            connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10, source_address=(source, 0))
+            try:
+                connection.request("POST", "/predict", body, {"Content-Type": "application/json"})
+                response = connection.getresponse()
+                return response.status, json.load(response)
+            finally:
+                connection.close()
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/predict", data=body,
                                          headers={"Content-Type": "application/json"})
         try:
@@ -156,20 +168,23 @@ class Observer:
 class LoadGenerator:
     """Continuous predict requests against an agent from a few threads, counting failures."""
 
-    def __init__(self, agent: AgentProcess, threads: int = 3, values: list[float] | None = None) -> None:
+    def __init__(self, agent: AgentProcess, threads: int = 3, values: list[float] | None = None,
+                 sources: list[str] | None = None) -> None:
         self.agent = agent
+        self.sources = sources  # one local source address per thread (distinct clients), or the default
         self.values = values or [1.0, 2.0, 3.0, 4.0]
         self.stop_event = threading.Event()
         self.ok = 0
         self.failures: list[str] = []
         self.versions: set[str] = set()
         self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        self.threads = [threading.Thread(target=self._run, args=(sources[i] if sources else None,), daemon=True)
+                        for i in range(len(sources) if sources else threads)]
 
-    def _run(self) -> None:
+    def _run(self, source: str | None) -> None:
         while not self.stop_event.is_set():
             try:
-                status, answer = self.agent.predict(self.values)
+                status, answer = self.agent.predict(self.values, source)
             except OSError as err:
                 with self.lock:
                     self.failures.append(f"connection: {err}")

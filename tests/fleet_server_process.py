@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import secrets
 import signal
 import subprocess
@@ -76,10 +77,17 @@ class FleetServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0, env: dict[str, str] | None = None) -> FleetServerProcess:
+    def start(self, timeout: float = 30.0, env: dict[str, str] | None = None,
+              fd_limits: tuple[int, int] | None = None) -> FleetServerProcess:
+        """Start and wait for /healthz; ``fd_limits``: the (soft, hard) open-file limits it starts with."""
+        def limit_fds() -> None:
+            if fd_limits is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, fd_limits)
+
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+                                         env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+                                         preexec_fn=limit_fds if fd_limits else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

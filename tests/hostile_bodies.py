@@ -3,6 +3,8 @@ shared by tests/test_http_attacks.py and tools/bench/hostile_http_memory.py."""
 
 from __future__ import annotations
 
+import io
+import re
 import struct
 import zlib
 
@@ -72,3 +74,53 @@ def deep_json(depth: int, inner: bytes = b"1") -> bytes:
     """``{"inputs": {"x": [[...[1]...]]}}`` with ``depth`` levels of nesting in all."""
     arrays = max(depth - 2, 0)
     return b'{"inputs": {"x": ' + b"[" * arrays + inner + b"]" * arrays + b"}}"
+
+
+def npz_with_directory_entries(entries: int, declared: int = 1, name: str = "x") -> bytes:
+    """An .npz of one stored member (``name``: float32 [1, 4] ones) whose central directory holds
+    ``entries`` copies of its entry while its end record declares ``declared``: 300,000 entries
+    are 14 MB that ``zipfile`` alone would read whole (it trusts the directory's size, not its count)."""
+    data = npy_header((1, 4)) + np.ones((1, 4), np.float32).tobytes()
+    filename, crc = f"{name}.npy".encode(), zlib.crc32(data)
+    local = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0x21, crc, len(data), len(data),
+                        len(filename), 0) + filename
+    entry = struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0x21, crc, len(data), len(data),
+                        len(filename), 0, 0, 0, 0, 0, 0) + filename
+    directory = entry * entries
+    end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, declared, declared, len(directory), len(local) + len(data), 0)
+    return local + data + directory + end
+
+
+_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+
+
+def _jpeg_segments(data: bytes) -> list[tuple[int, int, int]]:
+    """(start, marker, end) of each segment of a JPEG, a scan's entropy-coded data included."""
+    segments, position = [], 2
+    while position < len(data):
+        marker = data[position + 1]
+        end = position + 2 if marker == 0xD9 else position + 2 + int.from_bytes(data[position + 2:position + 4], "big")
+        if marker == 0xDA:
+            end = _NEXT_MARKER.search(data, end).start()
+        segments.append((position, marker, end))
+        position = end
+    return segments
+
+
+def jpeg_scan_bomb(size: int = 2048, scans: int = 2000) -> bytes:
+    """A valid gray progressive JPEG of ``size`` x ``size`` pixels with ``scans`` scans: Pillow's
+    own file, its last scan (an AC band of end-of-band runs, 39 bytes with its Huffman table)
+    repeated before the end. libjpeg warns about the progression and decodes every scan, each a
+    pass over every block: 2,000 scans of 2048x2048 are 94 kB and about 5 s of CPU."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (size, size), 128).save(buffer, "JPEG", progressive=True, quality=90)
+    data = buffer.getvalue()
+    segments = _jpeg_segments(data)
+    found = [i for i, (_, marker, _) in enumerate(segments) if marker == 0xDA]
+    last = found[-1]
+    start = segments[last - 1][0] if segments[last - 1][1] == 0xC4 else segments[last][0]
+    unit, end = data[start:segments[last][2]], segments[-1][0]
+    assert scans >= len(found)
+    return data[:end] + unit * (scans - len(found)) + data[end:]

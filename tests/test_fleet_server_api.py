@@ -288,6 +288,23 @@ def test_rollouts_of_unknown_artifacts_groups_or_devices_are_refused(server, fle
     assert len(refused) >= 4
 
 
+def test_a_health_window_a_device_would_refuse_is_refused_at_creation_naming_the_bound(server, fleet, arts):
+    """The rollout API's bound on health_window_s is the deploy command schema's (0..86400): the
+    limit is accepted, one past it is a 400 naming the maximum, before anything is planned."""
+    sha = _upload(server, arts["good"].read_bytes())[1]["sha256"]
+    for window in (86400.001, 100000, -0.5):
+        status, doc = server.call("POST", "/api/rollouts", {"artifact": sha, "waves": [100], "group": "yard",
+                                                            "health_window_s": window})
+        _error(400, doc, "invalid")
+        assert "health_window_s" in doc["error"]["message"]
+        assert ("maximum 86400" if window > 0 else "minimum 0") in doc["error"]["message"], doc
+    for window in (86400, 0):
+        status, created = server.call("POST", "/api/rollouts", {"artifact": sha, "waves": [100], "group": "yard",
+                                                                "health_window_s": window})
+        assert status == 201 and created["options"]["health_window_s"] == window, created
+        assert server.call("POST", f"/api/rollouts/{created['id']}/abort", {})[0] == 200
+
+
 def test_actions_on_a_missing_rollout_and_invalid_transitions(server, fleet, arts):
     status, doc = server.call("POST", "/api/rollouts/ro-000000000000/pause", {})
     _error(404, doc, "not_found")

@@ -290,3 +290,40 @@ def test_rollout_to_real_agents_signed_by_the_server_and_fetched_from_it(tmp_pat
         for agent in agents:
             agent.stop()
         server.stop()
+
+
+def test_a_rollout_with_an_out_of_range_health_window_fails_alone_and_the_rollouts_after_it_run(
+        server, broker, keys, artifact, counter):
+    """A rollout stored with a health window no device accepts (100,000 s: an older server's API took
+    it; the command schema's maximum is 86,400) fails alone, naming the bound, without a command
+    sent; a rollout created after it (so driven after it in every round) runs to the end."""
+    from sdk.fleet_server.db import open_database
+    from sdk.fleet_server.queries import RolloutRequest, create_rollout
+    from sdk.fleet_server.rollouts import Gates
+
+    first = SimFleet(broker.host, broker.port, 2, rate=1, prefix="a",
+                     behaviour=_signed_behaviour(keys, groups=("first",)))
+    second = SimFleet(broker.host, broker.port, 2, rate=1, prefix="b",
+                      behaviour=_signed_behaviour(keys, groups=("second",)))
+    with first, second:
+        assert wait_for(lambda: server.get("/api/devices?online=true")["total"] == 4)
+        status, stored = server.call("POST", "/api/artifacts", data=artifact.read_bytes())
+        assert status == 201, stored
+        database = open_database(server.db_url, migrate_schema=False)
+        try:
+            bad = create_rollout(database, RolloutRequest(
+                artifact=stored["sha256"], waves=[100.0], group="first", devices=None, gates=Gates(),
+                health_window_s=100000.0, force_downgrade=False, allow_contract_change=False),
+                actor="older-server", remote="", silence_s=20.0)
+        finally:
+            database.dispose()
+        status, good = server.call("POST", "/api/rollouts", {"artifact": stored["sha256"], "waves": [100],
+                                                             "group": "second"})
+        assert status == 201, good
+        failed = server.finished(bad, 60)
+        assert failed["state"] == "failed" and "health_window_s" in failed["reason"], failed
+        assert "86400" in failed["reason"], failed["reason"]
+        assert server.finished(good["id"], 60)["state"] == "succeeded"
+    assert counter.by_device.get("a-00000", 0) == 0 and counter.by_device.get("a-00001", 0) == 0
+    assert counter.by_device["b-00000"] == 1 and counter.by_device["b-00001"] == 1
+    assert server.get("/api/status")["driver"]["rollout_errors"] >= 1

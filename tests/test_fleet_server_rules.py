@@ -494,3 +494,13 @@ def test_token_file_readable_by_others_is_refused(tmp_path: Path):
     path.chmod(0o600)
     assert auth.read_token_file(path)[0].name == "admin"
     assert auth.client_token(path) == GOOD
+
+
+def test_a_rollout_the_driver_cannot_drive_fails_at_once_or_after_the_bounded_retries():
+    from sdk.fleet_server.rollouts import MAX_DRIVER_ERRORS, fails_after_error
+
+    assert fails_after_error(1, permanent=True)
+    assert not fails_after_error(MAX_DRIVER_ERRORS - 1, permanent=False)
+    assert fails_after_error(MAX_DRIVER_ERRORS, permanent=False)
+    failed = transition(_rollout(PENDING, started_at=None), "fail", 5.0, "cannot start")
+    assert failed.state == "failed" and failed.finished_at == 5.0 and failed.reason == "cannot start"

@@ -63,23 +63,55 @@ def test_non_finite_outputs_count_as_model_failures():
 
 def test_contract_errors_count_only_when_they_rise_above_the_pre_swap_rate():
     # 513 of 566 live requests failing with 415 after an audio model landed on an image device
-    verdict = judge(Traffic(ok=53, contract_errors=513), Traffic(ok=1000), Probes(), POLICY)
+    verdict = judge(Traffic(ok=53, contract_errors=513, contract_clients=3), Traffic(ok=1000), Probes(), POLICY)
     assert not verdict.healthy and "client errors rose" in verdict.reason
     # a client that always sent 30% bad shapes: same rate after the swap is not the model's fault
     before = Traffic(ok=700, contract_errors=300)
-    assert judge(Traffic(ok=70, contract_errors=30), before, Probes(), POLICY).healthy
+    assert judge(Traffic(ok=70, contract_errors=30, contract_clients=50), before, Probes(), POLICY).healthy
 
 
 def test_contract_rise_boundary_exact():
     policy = HealthPolicy(max_error_rate=0.25, min_requests=1)
-    assert judge(Traffic(ok=3, contract_errors=1), QUIET, Probes(), policy).healthy  # 25% = 0% + 25%
-    assert not judge(Traffic(ok=2, contract_errors=1), QUIET, Probes(), policy).healthy
+    assert judge(Traffic(ok=3, contract_errors=1, contract_clients=3), QUIET, Probes(), policy).healthy  # 25%
+    assert not judge(Traffic(ok=2, contract_errors=1, contract_clients=3), QUIET, Probes(), policy).healthy
 
 
 def test_contract_rise_boundary():
     before = Traffic(ok=90, contract_errors=10)  # 10%
-    assert judge(Traffic(ok=85, contract_errors=15), before, Probes(), POLICY).healthy  # 15% = 10% + 5%
-    assert not judge(Traffic(ok=84, contract_errors=16), before, Probes(), POLICY).healthy
+    assert judge(Traffic(ok=85, contract_errors=15, contract_clients=3), before, Probes(), POLICY).healthy  # 15%
+    assert not judge(Traffic(ok=84, contract_errors=16, contract_clients=3), before, Probes(), POLICY).healthy
+
+
+@pytest.mark.parametrize("clients, healthy", [(2, True), (3, False)])
+def test_contract_errors_need_several_distinct_clients(clients, healthy):
+    """The boundary of ``contract_error_min_clients`` (3): 2 clients' contract errors, however
+    many, are not the model's doing; 3 clients' are."""
+    verdict = judge(Traffic(ok=20, contract_errors=80, contract_clients=clients), Traffic(ok=1000), Probes(),
+                    POLICY)
+    assert verdict.healthy is healthy, verdict.reason
+
+
+def test_uncounted_contract_errors_are_named_in_the_healthy_verdict():
+    verdict = judge(Traffic(ok=20, contract_errors=2, contract_clients=1), QUIET, Probes(), POLICY)
+    assert verdict.healthy is True
+    assert verdict.reason == ("22 live requests and 0 probes, no problem found (2 client errors from 1 client(s) "
+                              "not counted: 3 distinct clients needed)")
+
+
+def test_contract_errors_are_no_evidence_that_the_model_works():
+    """Wrong-shape requests never reach the model: a window of them still needs probes."""
+    window = Traffic(ok=19, contract_errors=100, contract_clients=1)
+    assert needs_probes(window, POLICY)
+    assert not judge(window, QUIET, Probes(), POLICY).healthy
+    assert not needs_probes(Traffic(ok=19, model_errors=1), POLICY)
+
+
+def test_distinct_clients_are_those_seen_after_the_window_opened():
+    before = {**snapshot(), "contract_seq": 7, "contract_peers": {"10.0.0.1": 7, "10.0.0.2": 3}}
+    after = {**snapshot(errors={"shape": 4}), "contract_seq": 11,
+             "contract_peers": {"10.0.0.1": 9, "10.0.0.2": 3, "10.0.0.3": 10, "10.0.0.4": 11}}
+    assert traffic_between(before, after).contract_clients == 3
+    assert traffic_between(after, after).contract_clients == 0
 
 
 def test_malformed_input_never_counts_against_the_model():
@@ -161,6 +193,33 @@ def test_forged_requests_are_400_and_never_count_against_the_model(live):
     assert judge(window, Traffic(), Probes(sent=1), POLICY).healthy
 
 
+def _status_from(url: str, body: bytes, source: str) -> int:
+    """POST ``body`` from the local address ``source`` (any of 127.0.0.0/8 on Linux)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10, source_address=(source, 0))
+    try:
+        connection.request("POST", parts.path, body, {"Content-Type": "application/json"})
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_contract_errors_are_counted_per_client_address(live):
+    url, service = live
+    wrong_shape = b'{"inputs": {"x": [[1, 2, 3, 4, 5, 6, 7, 8]]}}'
+    before = service.stats.snapshot()
+    assert [_status_from(url, wrong_shape, "127.0.0.1") for _ in range(2)] == [400, 400]
+    window = traffic_between(before, service.stats.snapshot())
+    assert (window.contract_errors, window.contract_clients) == (2, 1)
+    assert _status_from(url, wrong_shape, "127.0.0.2") == 400
+    assert _status_from(url, b'{"inputs": {"x": [[1, 2, 3, 4]]}}', "127.0.0.3") == 200
+    window = traffic_between(before, service.stats.snapshot())
+    assert (window.contract_errors, window.contract_clients) == (3, 2)
+
+
 def test_contract_breaks_count_as_client_errors(live):
     url, service = live
     before = service.stats.snapshot()
@@ -196,9 +255,9 @@ def test_model_error_verdict_counts_errors_and_non_finite_outputs_together():
 
 
 def test_contract_break_verdict_reports_both_rates():
-    verdict = judge(Traffic(ok=53, contract_errors=513), Traffic(ok=1000), Probes(), POLICY)
+    verdict = judge(Traffic(ok=53, contract_errors=513, contract_clients=4), Traffic(ok=1000), Probes(), POLICY)
     assert verdict.healthy is False
-    assert verdict.reason == ("client errors rose to 513 of 566 requests (91%, 0% before the swap): "
+    assert verdict.reason == ("client errors rose to 513 of 566 requests (91%, 0% before the swap) from 4 clients: "
                               "the I/O contract broke")
 
 

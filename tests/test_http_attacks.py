@@ -375,18 +375,23 @@ def test_idle_connection_that_sends_nothing_is_closed_without_an_answer(serve, s
         assert closed_by_server(sock)  # EOF, no bytes
 
 
-def test_connections_over_max_connections_get_503_and_close(serve, scale_artifact):
-    port, _ = serve(scale_artifact, max_connections=2)
+def test_connections_over_max_connections_get_503_and_close_unless_they_are_health_checks(serve, scale_artifact):
+    port, _ = serve(scale_artifact, max_connections=2, read_timeout_s=10)
     held = [connect(port), connect(port)]
     try:
-        for sock in held:  # both are served (and kept alive)
+        for sock in held:  # both are served, then each has a request in progress: its body is late
             sock.sendall(request_bytes("GET", "/healthz"))
             assert read_response(sock)[0] == 200
+            sock.sendall(request_bytes("POST", "/predict", b"x" * 10)[:-10])
         with connect(port) as third:
-            third.sendall(request_bytes("GET", "/healthz"))
+            third.sendall(request_bytes("POST", "/predict", OK_JSON))
             status, headers, body = read_response(third)
             assert (status, error_of(body)["kind"]) == (503, "busy") and headers["connection"] == "close"
             assert closed_by_server(third)
+        with connect(port) as health:  # the health checks' own slots
+            health.sendall(request_bytes("GET", "/healthz"))
+            status, headers, _ = read_response(health)
+            assert (status, headers["connection"]) == (200, "close") and closed_by_server(health)
     finally:
         for sock in held:
             sock.close()
@@ -399,6 +404,23 @@ def test_connections_over_max_connections_get_503_and_close(serve, scale_artifac
         time.sleep(0.1)
     else:
         pytest.fail("no connection served after the held ones closed")
+
+
+def test_idle_kept_alive_connections_holding_every_slot_are_dropped_for_a_new_one(serve, scale_artifact):
+    port, _ = serve(scale_artifact, max_connections=2)
+    held = [connect(port), connect(port)]
+    try:
+        for sock in held:  # both served, then idle: kept alive, waiting for a next head
+            sock.sendall(request_bytes("GET", "/healthz"))
+            assert read_response(sock)[0] == 200
+        deadline = time.monotonic() + 10
+        while (status := exchange(port, request_bytes("POST", "/predict", OK_JSON))[0]) != 200:
+            assert status == 503 and time.monotonic() < deadline  # until the idle ones may be evicted
+            time.sleep(0.05)
+        assert closed_by_server(held[0], within=1)  # the one idle longest went first
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def test_requests_beyond_workers_and_queue_get_503_busy(serve, scale_artifact):

@@ -358,11 +358,23 @@ def test_contract_change_audio_onto_image_device_is_refused(agent, observer, art
     assert load.failures == [] and load.ok > 0
     assert agent.version() == "1.0.0"
 
-    with LoadGenerator(agent) as load:
+    # forced through, the 4xx from 3 distinct clients (contract_error_min_clients) roll it back
+    with LoadGenerator(agent, sources=["127.0.0.1", "127.0.0.2", "127.0.0.3"]) as load:
         forced = final_event(observer, send(observer, signed(
             deploy_of(arts["wide"], origin, allow_contract_change=True, health_window_s=2), operator)))
-    assert forced["state"] == "rolled_back" and "client errors rose" in forced["reason"], forced
+    assert forced["state"] == "rolled_back" and "from 3 clients: the I/O contract broke" in forced["reason"], forced
     assert agent.version() == "1.0.0"
+
+
+def test_two_wrong_shape_requests_from_one_local_client_do_not_roll_back_a_healthy_release(agent, observer, arts,
+                                                                                             origin, operator):
+    job = send(observer, signed(deploy_of(arts["v2"], origin, health_window_s=3), operator))
+    assert observer.wait_for(lambda: any(e["state"] == "active" and not e["final"] for e in observer.jobs(DEVICE, job)))
+    assert [agent.predict([1, 2, 3, 4, 5, 6, 7, 8])[0] for _ in range(2)] == [400, 400]  # wrong shape
+    event = final_event(observer, job)
+    assert event["state"] == "active" and "health window passed" in event["reason"], event
+    assert "2 client errors from 1 client(s) not counted" in event["reason"]
+    assert agent.version() == "1.1.0"
 
 
 def test_zero_traffic_health_pass_is_impossible(agent, observer, arts, origin, operator):
@@ -429,3 +441,25 @@ def test_rollback_or_cancel_during_the_health_window_does_not_wait_for_it(agent,
     ended = final_event(observer, second)
     assert ended["state"] == "rolled_back" and "cancelled by command" in ended["reason"], ended
     assert agent.version() == "1.0.0"
+
+
+def test_full_disk_is_degraded_health_and_commands_fail_with_no_space(tmp_path, mosquitto_broker, keypair, operator,
+                                                                     origin, arts, observer):
+    """A store filesystem under ``updates.min_free_bytes`` (here: a floor no disk reaches): the
+    device says so on /healthz and answers deploy, rollback and ping ``failed: no space`` from
+    memory, journaling nothing and recording no command id."""
+    agent = start_agent(tmp_path, mosquitto_broker, keypair, operator, origin, arts, min_free_bytes=2**50)
+    try:
+        health = agent.health()
+        assert health["status"] == "degraded" and health["model"]["version"] == "1.0.0", health
+        assert health["degraded"][0].startswith("no space: ") and f"updates.min_free_bytes ({2**50})" in \
+            health["degraded"][0]
+        for document in (signed(deploy_of(arts["v2"], origin), operator), signed(command("rollback"), operator),
+                         command("ping")):
+            event = final_event(observer, send(observer, document))
+            assert event["state"] == "failed" and event["reason"].startswith("no space: "), event
+        store = agent.folder / f"{DEVICE}-store"
+        assert list((store / "jobs").glob("*")) == [] and not (store / "command-ids.json").exists()
+        assert agent.version() == "1.0.0" and agent.predict([1, 1, 1, 1])[0] == 200
+    finally:
+        agent.stop()

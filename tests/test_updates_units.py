@@ -320,3 +320,47 @@ def test_active_model_that_no_longer_loads_is_replaced_only_after_the_previous_l
         with pytest.raises(SmokeTestError, match=r"scale 1\.1\.0"):
             daemon.start()
         assert (tmp_path / "store" / "state.json").read_bytes() == state
+
+
+# ------------------------------------------------------------------ the full disk (updates/disk.py)
+
+
+def test_the_disk_rule_boundary():
+    from device_agent.updates.disk import space_problem
+
+    assert space_problem(16 * 1024 * 1024, 16 * 1024 * 1024) == ""
+    assert space_problem(16 * 1024 * 1024 - 1, 16 * 1024 * 1024) == (
+        "no space: 16777215 bytes free on the store's filesystem, under updates.min_free_bytes (16777216)")
+    assert space_problem(0, 0) == ""
+
+
+@pytest.mark.parametrize(("available_blocks", "problem"), [(4096, False), (4095, True)])
+def test_free_space_is_what_statvfs_grants_an_unprivileged_writer(tmp_path, monkeypatch, available_blocks, problem):
+    """The OS reports free space in fragments (``f_frsize``): ``f_bavail`` of them for an
+    unprivileged writer, more (``f_bfree``) for root. 4096 blocks of 4 KiB are exactly 16 MiB."""
+    import os
+
+    from device_agent.updates import disk
+
+    calls = []
+
+    def statvfs(path):
+        calls.append(path)
+        # bsize, frsize, blocks, bfree, bavail, files, ffree, favail, flag, namemax
+        return os.statvfs_result((4096, 4096, 1 << 20, 1 << 19, available_blocks, 1000, 500, 500, 0, 255))
+
+    monkeypatch.setattr(disk.os, "statvfs", statvfs)
+    space = disk.FreeSpace(tmp_path, 16 * 1024 * 1024)
+    assert bool(space.problem()) is problem and calls == [tmp_path]
+    health = space.health()
+    if problem:
+        assert health == {"status": "degraded", "degraded": [
+            "no space: 16773120 bytes free on the store's filesystem, under updates.min_free_bytes (16777216)"]}
+    else:
+        assert health == {}
+
+
+def test_an_unreadable_filesystem_counts_as_no_space(tmp_path):
+    from device_agent.updates.disk import FreeSpace
+
+    assert FreeSpace(tmp_path / "gone").problem().startswith("no space: cannot read the free space of ")

@@ -190,9 +190,14 @@ class TelemetryReporter:
         doc = state_document(self.device_id, True, self.status(), self.groups)
         self.transport.publish(self.topics.state(self.device_id), json.dumps(doc).encode(), qos=1, retain=True)
 
-    def publish_job_event(self, event: Mapping[str, Any]) -> int:
-        """Queue a job event on ``dev/{d}/job``; job events are never dropped before telemetry."""
+    def publish_job_event(self, event: Mapping[str, Any], *, direct: bool = False) -> int:
+        """Queue a job event on ``dev/{d}/job``; job events are never dropped before telemetry.
+        ``direct``: hand it to the MQTT client without the on-disk outbox (a full disk), so it
+        is lost if the agent stops before the broker has it; returns 0 then."""
         doc = {"schema": JOB_SCHEMA, "device": self.device_id, "ts": round(time.time(), 3), **event}
+        if direct:
+            self.transport.publish(self.topics.job(self.device_id), json.dumps(doc).encode(), 1)
+            return 0
         return self.outbox.put(self.topics.job(self.device_id), json.dumps(doc).encode(), 1, "job")
 
     def publish_telemetry_now(self) -> None:

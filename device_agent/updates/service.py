@@ -39,11 +39,14 @@ from device_agent.errors import StoreError
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.smoke import compare_outputs
 from device_agent.store import InstalledModel, ModelStore, simulate_power_cut_if_testing
+from device_agent.telemetry.queue import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates.admission import DevicePolicy, admit, policy_names
 from device_agent.updates.commands import Command, Rejection, parse_command
+from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES, FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
 from device_agent.updates.health import (
+    DEFAULT_CONTRACT_ERROR_MIN_CLIENTS,
     HealthPolicy,
     Probes,
     check_window,
@@ -117,11 +120,14 @@ class UpdateService:
         self.health = HealthPolicy(max_error_rate=float(settings.get("max_error_rate", DEFAULT_MAX_ERROR_RATE)),
                                    max_latency_factor=float(settings.get("max_latency_factor",
                                                                          DEFAULT_MAX_LATENCY_FACTOR)),
-                                   min_requests=int(settings.get("health_min_requests", DEFAULT_MIN_REQUESTS)))
+                                   min_requests=int(settings.get("health_min_requests", DEFAULT_MIN_REQUESTS)),
+                                   contract_error_min_clients=int(settings.get(
+                                       "contract_error_min_clients", DEFAULT_CONTRACT_ERROR_MIN_CLIENTS)))
         self.bounds = self._bounds(config)
         self.allowed_names = policy_names(settings.get("allowed_names"))
         self.downloads = Path(settings.get("download_dir") or config.store / "downloads")
         self.downloads.mkdir(parents=True, exist_ok=True)
+        self.space = FreeSpace(config.store, int(settings.get("min_free_bytes", DEFAULT_MIN_FREE_BYTES)))
         self.journal = Journal(config.store / "jobs")
         self.replay = ReplayGuard(config.store / "command-ids.json")
         self._deploys: queue.Queue[Job | None] = queue.Queue()
@@ -175,10 +181,21 @@ class UpdateService:
         if job.final:
             self.journal.prune()
         if publish:
-            self.reporter.publish_job_event(job.event())
+            self._publish(job.event())
             log.info("job %s: %s (%s)", job.id, state, reason)
             simulate_power_cut_if_testing(f"job-{state}")
         return job
+
+    def _publish(self, event: dict[str, Any]) -> None:
+        """Publish a job event through the outbox, or straight to the broker when the disk is
+        full (or the outbox cannot take it): the sender hears back either way."""
+        if not self.space.problem():
+            try:
+                self.reporter.publish_job_event(event)
+                return
+            except OutboxError as err:
+                log.warning("job event %s not queued (%s): publishing it without the outbox", event.get("job"), err)
+        self.reporter.publish_job_event(event, direct=True)
 
     def _new_job(self, command: Command) -> Job:
         return Job(id=command.id, type=command.type, command=command.body, reason="queued",
@@ -192,14 +209,14 @@ class UpdateService:
         if record:
             self.journal.save(job)
             self.journal.prune()
-        self.reporter.publish_job_event(job.event())
+        self._publish(job.event())
 
     def _refuse(self, ref: str, kind: str, reason: str, *, state: str = J.REJECTED) -> None:
         """A ``rejected`` (or ``failed``) event for a command that will not run. Not journaled,
         only counted: a flood of bad commands must not fill the disk, and a refused id stays
         usable for a proper command."""
         job = Job(id=ref, type=kind, reason="received")
-        self.reporter.publish_job_event(advance(job, state, reason, time.time()).event())
+        self._publish(advance(job, state, reason, time.time()).event())
         total = self.journal.count_rejected(reason)
         log.warning("refused command %s (%d so far): %s", ref, total, reason)
 
@@ -212,6 +229,10 @@ class UpdateService:
             ref = getattr(parsed, "ref", None) or parsed.id or f"invalid-{int(now * 1000)}"
             self._refuse(ref, "unknown", parsed.reason)
             return
+        no_space = self.space.problem()
+        if no_space:  # answered from memory: nothing journaled, no id recorded, nothing queued
+            self._refuse(parsed.id, parsed.type, no_space, state=J.FAILED)
+            return
         with self._lock:
             try:
                 self._intake(parsed, now)
@@ -223,7 +244,7 @@ class UpdateService:
         if existing is not None:
             # A duplicate delivery (QoS 1 redelivery, a group and a device command with one
             # id, an operator retrying): answer with the job as it stands, never re-run.
-            self.reporter.publish_job_event({**existing.event(), "duplicate": True})
+            self._publish({**existing.event(), "duplicate": True})
             return
         try:
             authorize_command(command.body, self.host.operator_trust, device_id=self.device_id, groups=self.groups,
@@ -260,7 +281,7 @@ class UpdateService:
             if kind == "rollback" and serving is not None:
                 job = dataclasses.replace(job, detail={"from_sha256": serving.manifest.model_sha256})
             self.journal.save(job)
-            self.reporter.publish_job_event(job.event())
+            self._publish(job.event())
             if kind == "rollback":
                 self._supersede_deploys(f"superseded by rollback {command.id}")
                 self._control.put(job)
@@ -321,7 +342,7 @@ class UpdateService:
             self._set(latest, J.FAILED, reason)
         except JournalError as journal_err:
             failed = advance(latest, J.FAILED, f"{reason}; {journal_err}", time.time())
-            self.reporter.publish_job_event(failed.event())
+            self._publish(failed.event())
 
     def _serving(self) -> str:
         model = self.host.service.model

@@ -14,6 +14,7 @@ by a hash (:attr:`Rejection.ref`), so nothing from the network can become a file
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -25,7 +26,7 @@ from typing import Any
 
 from edgepack_core.errors import SchemaError
 from edgepack_core.protocol.ids import digest_ref, is_valid_id, safe_id
-from edgepack_core.protocol.payloads import CMD_SCHEMA_ID, validate_payload
+from edgepack_core.protocol.payloads import CMD_SCHEMA_ID, load_schema, validate_payload
 
 MAX_COMMAND_BYTES = 64 * 1024
 MAX_LIFETIME_S = 7 * 24 * 3600
@@ -72,6 +73,18 @@ class CommandBuildError(SchemaError):
 
 
 # --------------------------------------------------------------------------- building (host)
+
+
+def field_schema(command_type: str, field: str) -> dict[str, Any]:
+    """The JSON Schema devices check ``field`` of a ``command_type`` command with. A host that
+    takes a value from its own users and signs it into such a command bounds it with this
+    (the fleet server's rollout API does), so the two bounds are one and cannot drift apart.
+    :class:`KeyError` for a type or field the protocol does not have."""
+    for variant in load_schema("cmd")["oneOf"]:
+        if variant["properties"]["type"].get("const") == command_type:
+            return copy.deepcopy(variant["properties"][field])
+    raise KeyError(f"no command type {command_type!r}")
+
 
 
 def new_command_id(kind: str, *parts: str) -> str:

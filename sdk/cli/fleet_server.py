@@ -68,16 +68,27 @@ def _duration(text: str) -> float:
 @click.option("--tick", default="0.5s", show_default=True, help="How often rollouts are advanced.")
 @click.option("--resend-after", default="10s", show_default=True,
               help="A command the broker never acknowledged and the device never answered is sent again after this.")
+@click.option("--head-timeout", default="10s", show_default=True,
+              help="A connection sends a whole request head within this long of connecting or of its last answer "
+                   "(else it is closed; 408 if part came); also the window of --body-min-rate.")
+@click.option("--body-min-rate", default="1K", show_default=True,
+              help="Bytes per second a request body must keep up (0: no floor); slower: 408, closed.")
+@click.option("--max-connections", type=click.IntRange(16, 1_000_000), default=1000, show_default=True,
+              help="Open HTTP connections at most (lowered to fit the open-file limit, which is raised to fit "
+                   "it where the hard limit allows); over it, the connection waiting longest for a request is "
+                   "dropped.")
 def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, trust: tuple[Path, ...],
           token_file: Path, operator_key: Path, public_url: str | None, retention_raw: str, retention_rollups: str,
           rollup_step: int, prune_interval: str, silence: str, server_id: str | None, share_group: str,
-          max_upload: str, lease_ttl: str, tick: str, resend_after: str) -> None:
+          max_upload: str, lease_ttl: str, tick: str, resend_after: str, head_timeout: str, body_min_rate: str,
+          max_connections: int) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
 
     Devices, telemetry and job events are kept in the database; rollouts run on the server and
     survive its restart; the API (docs/fleet-server.md) needs the bearer token."""
     try:
         from sdk.fleet_server.driver import DriverConfig
+        from sdk.fleet_server.http_limits import HttpLimits
         from sdk.fleet_server.retention import RetentionPolicy
         from sdk.fleet_server.server import ServerConfig
         from sdk.fleet_server.server import serve as run_server
@@ -90,8 +101,11 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                                 step_s=rollup_step, interval_s=_duration(prune_interval))
     driver = DriverConfig(tick_s=_duration(tick), lease_ttl_s=_duration(lease_ttl),
                           resend_after_s=_duration(resend_after), silence_s=_duration(silence))
+    http = HttpLimits(head_timeout_s=_duration(head_timeout), body_min_rate=parse_size(body_min_rate),
+                      max_connections=max_connections)
     config = ServerConfig(broker=broker, trust=trust, token_file=token_file, operator_key=operator_key, db_url=db_url,
                           listen=listen, artifacts_dir=artifacts_dir, public_url=public_url, retention=retention,
                           server_id=server_id, share_group=share_group, silence_s=_duration(silence),
-                          max_upload=parse_size(max_upload), driver=driver)
+                          max_upload=parse_size(max_upload), driver=driver,
+                          http=http)
     run_server(config)

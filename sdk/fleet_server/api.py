@@ -92,7 +92,8 @@ class ApiContext:
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": 'Bearer realm="edgepack"'} if status == 401 else None
+    # A client without a valid token cannot keep the connection (it could do nothing with it).
+    headers = {"WWW-Authenticate": 'Bearer realm="edgepack"', "Connection": "close"} if status == 401 else None
     return JSONResponse({"error": {"status": status, "code": code, "message": message}}, status_code=status,
                         headers=headers)
 

@@ -37,6 +37,7 @@ from sqlalchemy import and_, case, func, select, update
 from sqlalchemy.engine import Connection
 
 from edgepack_core.command_auth import sign_command
+from edgepack_core.errors import EdgepackError
 from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.commands import build_command, encode_command
 from edgepack_core.protocol.topics import Topics
@@ -52,6 +53,7 @@ from sdk.fleet_server.rollouts import (
     Rollout,
     Step,
     command_id,
+    fails_after_error,
     failure,
     next_step,
     transition,
@@ -78,6 +80,12 @@ class DriverConfig:
     command_ttl_s: float = 24 * 3600.0
     publish_timeout_s: float = 2.0
     silence_s: float = 60.0  # a device not heard from for this long is offline
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception as one bounded line (it becomes a rollout's reason)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text[:500]
 
 
 class Lease:
@@ -167,6 +175,8 @@ class Driver:
         self.resent = 0
         self.refused_by_broker = 0
         self.ticks = 0
+        self.rollout_errors = 0  # rounds of one rollout that raised (each is that rollout's alone)
+        self._errors: dict[str, int] = {}  # rollout id: rounds in a row that raised
         self._stop = threading.Event()
         self._wake = threading.Event()
 
@@ -221,8 +231,41 @@ class Driver:
                 tables.rollouts.c.state.in_(("pending", "running"))).order_by(tables.rollouts.c.created_at)) \
                 .mappings().all()
         for row in rows:
-            self._advance(row, now)
+            self._advance_alone(row, now)
         self._resend_uncertain(now)
+
+    def _advance_alone(self, row: Any, now: float) -> None:
+        """One rollout's round, isolated: what it raises is counted against that rollout alone
+        (and fails it, at once for a parameter no device accepts, else after a few rounds in a
+        row: :func:`~.rollouts.fails_after_error`); the rollouts after it are driven anyway."""
+        try:
+            self._advance(row, now)
+        except Exception as err:  # counted; the rollout fails (fails_after_error)
+            self.rollout_errors += 1
+            consecutive = self._errors.get(row["id"], 0) + 1
+            self._errors[row["id"]] = consecutive
+            log.error("rollout %s: the driver's round failed (%d in a row): %s", row["id"], consecutive,
+                      _one_line(err), exc_info=not isinstance(err, EdgepackError))
+            if fails_after_error(consecutive, permanent=isinstance(err, EdgepackError)):
+                self._fail_alone(row["id"], f"the server could not drive it: {_one_line(err)}", now)
+        else:
+            self._errors.pop(row["id"], None)
+
+    def _fail_alone(self, rollout_id: str, reason: str, now: float) -> None:
+        """Fail one rollout the driver cannot act on (nothing more is sent for it). If even that
+        write fails, the next round tries again."""
+        try:
+            with self.database.write() as connection:
+                row = connection.execute(select(tables.rollouts).where(tables.rollouts.c.id == rollout_id)) \
+                    .mappings().first()
+                if row is None or row["state"] not in ("pending", "running"):
+                    return
+                save_rollout(connection, row, transition(rollout_of(row), "fail", now, reason), now)
+        except Exception:  # retried next round, still counted per rollout
+            log.exception("rollout %s could not be marked failed", rollout_id)
+            return
+        self._errors.pop(rollout_id, None)
+        log.error("rollout %s failed: %s", rollout_id, reason)
 
     # ---------------------------------------------------------------- one rollout
 

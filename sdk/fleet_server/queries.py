@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import Connection
 
+from edgepack_core.protocol.commands import field_schema
 from edgepack_core.protocol.ids import ID_PATTERN
 from sdk.deploy.policy import RolloutError, plan_wave_shares, planned_shares
 from sdk.errors import ApiError
@@ -41,6 +42,17 @@ MAX_DEVICES_PAGE = 10_000
 MAX_ROLLOUT_DEVICES = 100_000
 SHA256_PATTERN = "^[0-9a-f]{64}$"
 
+
+def _signed_field(name: str, description: str) -> dict[str, Any]:
+    """A rollout option signed into every deploy command: the deploy command schema's own bounds
+    (what a device accepts), null allowed (the device's default). A value a device would refuse
+    is refused when the rollout is created, naming the bound, not when its commands are built."""
+    device_rule = field_schema("deploy", name)
+    kinds = device_rule.pop("type")
+    return {**device_rule, "type": [*([kinds] if isinstance(kinds, str) else kinds), "null"],
+            "description": description}
+
+
 ROLLOUT_REQUEST_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
@@ -62,8 +74,8 @@ ROLLOUT_REQUEST_SCHEMA: dict[str, Any] = {
                            "description": "during the soak, the largest error share of a device's inferences"},
         "rollback_on_failure": {"type": "boolean",
                                 "description": "a failed wave rolls back (or cancels) what the rollout updated"},
-        "health_window_s": {"type": ["number", "null"], "exclusiveMinimum": 0,
-                            "description": "the devices' health window (signed into the command)"},
+        "health_window_s": _signed_field("health_window_s", "the devices' health window in seconds (signed into "
+                                                            "the command; the deploy command's bounds)"),
         "force_downgrade": {"type": "boolean"},
         "allow_contract_change": {"type": "boolean"},
     },

@@ -4,7 +4,7 @@ r"""Server-side rollouts as pure decisions: the state machine and the next step.
                   |  ^                 |
           pause   v  | resume          +-> failed   (a wave missed its gates)
                paused                  +-> aborted  (the operator)
-    pending | paused -> aborted;  pending -> paused
+    pending | paused -> aborted;  pending -> paused;  pending -> failed (it cannot start)
 
 Every change of a rollout's state goes through :func:`transition` (an invalid one raises
 :class:`InvalidTransition`, which the API answers with 409); what the driver does next is
@@ -39,7 +39,7 @@ TERMINAL = frozenset({SUCCEEDED, FAILED, ABORTED})
 
 Event = Literal["start", "soak", "advance", "succeed", "fail", "pause", "resume", "abort"]
 TRANSITIONS: dict[str, dict[str, str]] = {
-    PENDING: {"start": RUNNING, "pause": PAUSED, "abort": ABORTED},
+    PENDING: {"start": RUNNING, "pause": PAUSED, "abort": ABORTED, "fail": FAILED},
     RUNNING: {"soak": RUNNING, "advance": RUNNING, "succeed": SUCCEEDED, "fail": FAILED, "pause": PAUSED,
               "abort": ABORTED},
     PAUSED: {"resume": RUNNING, "abort": ABORTED},
@@ -257,6 +257,19 @@ def next_step(rollout: Rollout, devices: Sequence[DeviceStatus], now: float) -> 
     if rollout.wave + 1 >= rollout.wave_count:
         return Step("succeed", reason=f"{rollout.wave_count} wave(s) passed")
     return Step("advance")
+
+
+MAX_DRIVER_ERRORS = 3
+"""Rounds in a row a rollout may raise an unexpected error in the driver before it is failed."""
+
+
+def fails_after_error(consecutive: int, *, permanent: bool) -> bool:
+    """Whether a rollout whose round in the driver raised (``consecutive`` rounds in a row,
+    this one included) is failed now. An error no retry can cure (a parameter no device
+    accepts: ``permanent``) fails it at once; any other after :data:`MAX_DRIVER_ERRORS`
+    rounds, so a poisoned rollout is retried a bounded number of times, never forever, and
+    never holds up the rollouts after it. Pure."""
+    return permanent or consecutive >= MAX_DRIVER_ERRORS
 
 
 def check_gates(gates: Gates) -> Gates:

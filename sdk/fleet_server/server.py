@@ -33,6 +33,7 @@ from sdk.fleet_server.artifacts import DEFAULT_MAX_UPLOAD, ArtifactStore
 from sdk.fleet_server.auth import TokenCheck, read_token_file
 from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.driver import Driver, DriverConfig
+from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
 from sdk.fleet_server.retention import Pruner, RetentionPolicy
 from sdk.keys import load_operator_key
@@ -86,6 +87,7 @@ class ServerConfig:
     silence_s: float = 60.0
     max_upload: int = DEFAULT_MAX_UPLOAD
     driver: DriverConfig = field(default_factory=DriverConfig)
+    http: HttpLimits = field(default_factory=HttpLimits)
 
     def resolved_id(self) -> str:
         server_id = self.server_id or default_server_id(self.listen)
@@ -123,6 +125,7 @@ class FleetServer:
         self.pruner: Pruner | None = None
         self._threads: list[threading.Thread] = []
         self._api: ApiContext | None = None
+        self.http_guard: Any = None  # the connection guard (http_guard.Guard) once serve() made it
         self.store = ArtifactStore(config.artifacts_dir, self.trust, max_bytes=config.max_upload)
 
     def artifact_url(self, sha256: str) -> str:
@@ -191,12 +194,14 @@ class FleetServer:
                        "control_connected": bool(self.ingest.control and self.ingest.control.connected),
                        "telemetry_connected": bool(self.ingest.telemetry and self.ingest.telemetry.connected)},
             "driver": {"ticks": self.driver.ticks, "sent": self.driver.sent, "resent": self.driver.resent,
-                       "refused_by_broker": self.driver.refused_by_broker},
+                       "refused_by_broker": self.driver.refused_by_broker,
+                       "rollout_errors": self.driver.rollout_errors},
             "retention": {"raw_s": self.config.retention.raw_s, "rollup_s": self.config.retention.rollup_s,
                           "step_s": self.config.retention.step_s,
                           "runs": self.pruner.runs if self.pruner else 0,
                           "folded": self.pruner.folded if self.pruner else 0},
             "artifact_base_url": self.artifact_url("0" * 64).rsplit("/", 1)[0],
+            "http": self.http_guard.to_json() if self.http_guard is not None else None,
         }
 
     def metrics(self) -> str:
@@ -240,6 +245,13 @@ class FleetServer:
                [({}, self.driver.sent)])
         metric("edgepack_fleet_commands_resent_total", "counter", "Commands published again after a crash.",
                [({}, self.driver.resent)])
+        guard = self.http_guard
+        if guard is not None:
+            metric("edgepack_fleet_http_connections", "gauge", "Open HTTP connections.", [({}, len(guard.open))])
+            metric("edgepack_fleet_http_connections_dropped_total", "counter", "HTTP connections closed by the "
+                   "server's limits, by reason (head_timeout, body_too_slow, evicted, over_cap).",
+                   [({"reason": r}, guard.dropped[r]) for r in ("head_timeout", "body_too_slow", "evicted",
+                                                                 "over_cap")])
         api = self._api
         metric("edgepack_fleet_api_requests_total", "counter", "Authenticated API requests.",
                [({}, api.requests if api else 0)])
@@ -266,7 +278,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         raise ServerConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-    sock.listen(1024)
+    sock.listen(ACCEPT_BACKLOG)
     sock.set_inheritable(True)
     return sock
 
@@ -275,14 +287,18 @@ def serve(config: ServerConfig) -> None:
     """Run the fleet server until SIGTERM or SIGINT."""
     import uvicorn
 
+    from sdk.fleet_server.http_guard import Guard, protocol_class, raise_fd_limit
+
     server = FleetServer(config)
+    server.http_guard = guard = Guard(config.http, raise_fd_limit(config.http))
     sock = bind(server.host, server.port)
     try:
         server.start()
         context = server.api_context()
         app = build_app(context)
         uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=5, server_header=False))
+                                           timeout_graceful_shutdown=5, server_header=False,
+                                           http=protocol_class(guard), backlog=ACCEPT_BACKLOG))
         log.info("listening on http://%s:%d (pid %d)", server.host, server.port, os.getpid())
         uv.run(sockets=[sock])
     finally:
