@@ -211,3 +211,21 @@ def test_a_cancel_is_seen_while_a_failed_attempt_is_held(ports, tmp_path):
             bounds=bounds,
             cancelled=cancelled,
         )
+
+
+def test_failed_attempts_past_the_rate_grace_still_read_the_same(ports, tmp_path):
+    """The minimum rate is a rule for bytes that flow: between failed attempts (each held to the
+    stall time) it would end every failing download after 10 s with a text of its own."""
+    ticks = iter(range(0, 10**6, 3))  # a clock that runs 3 s per look: 5 attempts span ~60 s
+    bounds = Bounds(origins=frozenset(), any_port_hosts=frozenset({"127.0.0.1"}), max_bytes=1 << 20, stall_s=STALL)
+    with pytest.raises(DownloadError) as info:
+        download(
+            f"http://127.0.0.1:{ports['closed']}/a",
+            tmp_path / "a",
+            size=1,
+            sha256="0" * 64,
+            bounds=bounds,
+            attempts=5,
+            clock=lambda: float(next(ticks)),
+        )
+    assert str(info.value) == f"download failed: {FETCH_FAILED}"

@@ -212,13 +212,16 @@ class _Progress:
                 raise DownloadCancelled("download cancelled")
             time.sleep(min(_POLL_S, left))
 
-    def check(self) -> None:
+    def check(self, *, rate: bool = True) -> None:
+        """Cancel, deadline and (while bytes flow, ``rate``) the minimum rate. Not the rate
+        between attempts: failed attempts all take the same time, and a rate refusal there would
+        end every failing download after ``RATE_GRACE_S`` with a text of its own."""
         if self.cancelled():
             raise DownloadCancelled("download cancelled")
         elapsed = self.clock() - self.started
         if elapsed > self.bounds.deadline_s:
             raise DownloadError(f"download deadline of {self.bounds.deadline_s:g} s passed")
-        if elapsed > RATE_GRACE_S and self.received / elapsed < self.bounds.min_rate_bytes_s:
+        if rate and elapsed > RATE_GRACE_S and self.received / elapsed < self.bounds.min_rate_bytes_s:
             raise DownloadError(f"download slower than the minimum of {self.bounds.min_rate_bytes_s:g} bytes/s")
 
 
@@ -263,7 +266,7 @@ def download(
         return target
     progress = _Progress(bounds, cancelled, clock)
     for attempt in range(attempts):
-        progress.check()
+        progress.check(rate=False)
         started = clock()
         if _fetched(url, partial, size, progress, attempt):
             if file_sha256(partial) != sha256:
