@@ -54,6 +54,11 @@ MIB = 1024 * 1024
 DEFAULT_MAX_BODY_BYTES = 16 * MIB
 DEFAULT_MAX_JSON_BYTES = 4 * MIB
 DEFAULT_MAX_DECODED_BYTES = 64 * MIB
+# A tensor with symbolic dims (a batch) costs the model's activations for every row it carries,
+# many times the tensor itself: such a tensor is bounded apart (at least one row always fits).
+DEFAULT_MAX_BATCH_BYTES = 4 * MIB
+# Raw output tensors answered as JSON: about 30 bytes of Python objects and 20 of text a value.
+DEFAULT_MAX_JSON_OUTPUT_BYTES = 1 * MIB
 # Deepest JSON document accepted: a tensor of rank 32 (numpy 1.x's limit) inside the request's
 # wrapping objects. Far below what makes json.loads or numpy recurse into trouble.
 MAX_JSON_DEPTH = 40
@@ -87,6 +92,37 @@ class BodyLimits:
     max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES
     max_image_pixels: int = MAX_IMAGE_PIXELS
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
+    max_json_output_bytes: int = DEFAULT_MAX_JSON_OUTPUT_BYTES
+
+
+def row_bytes(spec: tuple[np.dtype, tuple[int | str, ...]]) -> int | None:
+    """The bytes of one row of an input: its shape with every symbolic dim at 1 (pure). None
+    for a fully static input (its size is the model's, not the request's)."""
+    dtype, shape = spec
+    if all(isinstance(dim, int) for dim in shape):
+        return None
+    count = 1
+    for dim in shape:
+        count *= dim if isinstance(dim, int) else 1
+    return count * dtype.itemsize
+
+
+def check_batch(name: str, nbytes: int, spec: tuple[np.dtype, tuple[int | str, ...]], limits: BodyLimits) -> None:
+    """A tensor of ``nbytes`` for input ``name`` against the batch bound (pure): an input with
+    symbolic dims takes at most ``max_batch_bytes``, or one row where a row is larger."""
+    row = row_bytes(spec)
+    if row is not None and nbytes > max(limits.max_batch_bytes, row):
+        raise too_large(f"input {name}", nbytes, max(limits.max_batch_bytes, row),
+                        " (api.max_batch_bytes, for an input with symbolic dims: send fewer rows per request)")
+
+
+def check_json_outputs(nbytes: int, limits: BodyLimits, hint: str) -> None:
+    """Raw output tensors of ``nbytes`` before they are encoded as JSON (pure): beyond
+    ``max_json_output_bytes`` a 413 that says how to ask for them (``hint``)."""
+    if nbytes > limits.max_json_output_bytes:
+        raise too_large("raw outputs", nbytes, limits.max_json_output_bytes,
+                        f" (api.max_json_output_bytes) to answer as JSON: {hint}")
 
 
 def too_large(what: str, size: int, limit: int, hint: str = "") -> BadRequest:
@@ -145,10 +181,11 @@ def parse_json(data: bytes, limits: BodyLimits) -> Any:
         raise BadRequest("bad_json", f"body is not JSON: {str(err)[:200]}") from None
 
 
-def json_to_feed(specs: InputSpecs, inputs: Any) -> dict[str, np.ndarray]:
+def json_to_feed(specs: InputSpecs, inputs: Any, limits: BodyLimits | None = None) -> dict[str, np.ndarray]:
     """``{"inputs": {name: nested list}}``'s inputs -> arrays of each input's declared dtype. The
     text was bounded by :func:`parse_json`, so the arrays are too (at most 8 bytes a value for
-    values that took at least 2 bytes of text)."""
+    values that took at least 2 bytes of text); each is then held to the batch bound."""
+    limits = limits or BodyLimits()
     if not isinstance(inputs, dict):
         raise BadRequest("bad_input", 'JSON body must be {"inputs": {name: nested list}}')
     feed = {}
@@ -160,6 +197,7 @@ def json_to_feed(specs: InputSpecs, inputs: Any) -> dict[str, np.ndarray]:
             feed[name] = np.asarray(value, dtype=spec[0])
         except (ValueError, TypeError, OverflowError) as err:
             raise BadRequest("dtype", f"input {name}: cannot convert to {spec[0].name}: {err}") from None
+        check_batch(name, feed[name].nbytes, spec, limits)
     return feed
 
 
@@ -219,8 +257,9 @@ def _dtype_ok(got: np.dtype, wanted: np.dtype) -> bool:
     return got == wanted or (wanted.kind == "O" and got.kind == "U")
 
 
-def check_header(name: str, header: NpyHeader, spec: tuple[np.dtype, tuple[int | str, ...]], budget: int) -> None:
-    """An array header against its input's spec and the bytes left to decode (pure)."""
+def check_header(name: str, header: NpyHeader, spec: tuple[np.dtype, tuple[int | str, ...]], budget: int,
+                 limits: BodyLimits) -> None:
+    """An array header against its input's spec, the bytes left to decode and the batch bound (pure)."""
     dtype, shape = spec
     if not _dtype_ok(header.dtype, dtype):
         raise BadRequest("dtype", f"input {name} must be {dtype.name}, got {header.dtype}")
@@ -228,6 +267,7 @@ def check_header(name: str, header: NpyHeader, spec: tuple[np.dtype, tuple[int |
         raise BadRequest("shape", f"input {name} must have shape {list(shape)}, got {list(header.shape)}")
     if header.nbytes > budget:
         raise too_large(f"input {name}", header.nbytes, budget, " (api.max_decoded_bytes)")
+    check_batch(name, header.nbytes, spec, limits)
 
 
 def _array(data: Any, header: NpyHeader) -> np.ndarray:
@@ -261,7 +301,7 @@ def decode_npy(data: bytes, specs: InputSpecs, limits: BodyLimits, *,
         raise BadRequest("bad_input", f"the model has {len(specs)} inputs: send named tensors (.npz or JSON)")
     else:
         name, spec = next(iter(specs.items()))
-        check_header(name, header, spec, limits.max_decoded_bytes)
+        check_header(name, header, spec, limits.max_decoded_bytes, limits)
     carried = len(data) - header.length
     if carried != header.nbytes:
         raise BadRequest("bad_input", f".npy declares {list(header.shape)} {header.dtype} = {header.nbytes} bytes "
@@ -327,7 +367,7 @@ def decode_npz(data: bytes, specs: InputSpecs, limits: BodyLimits) -> dict[str, 
                 name = _member_name(info, specs, seen)
                 with archive.open(info) as member:
                     header = read_npy_header(member)
-                    check_header(name, header, specs[name], budget)
+                    check_header(name, header, specs[name], budget, limits)
                     if info.file_size != header.length + header.nbytes:
                         raise BadRequest("bad_input", f"member {name} declares {info.file_size} bytes but its "
                                          f"header implies {header.length + header.nbytes}")

@@ -71,6 +71,10 @@ CONFIG_SCHEMA: dict[str, Any] = {
                 "max_image_pixels": _POSITIVE,
                 "max_image_decodes": {"type": "integer", "minimum": 1, "maximum": 256,
                                       "description": "image bodies decoded at once"},
+                "max_batch_bytes": {**_POSITIVE, "description": "bytes of a tensor for an input with symbolic "
+                                    "dims (a batch), at least one row; 413 beyond"},
+                "max_json_output_bytes": {**_POSITIVE, "description": "bytes of raw output tensors answered as "
+                                          "JSON; 413 beyond (ask for npz or v2 binary data)"},
             },
         },
         "limits": {
@@ -146,7 +150,9 @@ DEFAULT_MAX_BODY = 16 * 1024 * 1024
 class ApiSettings:
     """The HTTP API's bounds (agent.yaml ``api:``; docs/agent.md, "HTTP API"). Memory held by
     request bodies is at most ``max_buffered_bytes`` plus, per worker, ``max_decoded_bytes`` of
-    tensors or one image of ``max_image_pixels`` (``max_image_decodes`` of them at once)."""
+    tensors (``max_batch_bytes`` for an input with symbolic dims) or one image of
+    ``max_image_pixels`` (``max_image_decodes`` of them at once), and ``max_json_output_bytes``
+    of raw outputs encoded as JSON."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY
     read_timeout_s: float = 30.0
@@ -159,6 +165,8 @@ class ApiSettings:
     max_decoded_bytes: int = 64 * 1024 * 1024
     max_image_pixels: int | None = None  # None: sized for this device's memory when the API starts
     max_image_decodes: int = 2
+    max_batch_bytes: int = 4 * 1024 * 1024
+    max_json_output_bytes: int = 1024 * 1024
 
 
 def _api_settings(api: dict[str, Any], name: str) -> ApiSettings:

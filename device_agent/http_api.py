@@ -50,7 +50,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from device_agent import bodies, http_admission, oip
+from device_agent import bodies, http_admission, oip, openapi
 from device_agent.config import ApiSettings
 from device_agent.errors import BadRequest, NoModelError
 from device_agent.http_server import HttpServer, listening_socket
@@ -272,15 +272,19 @@ class AgentApp:
         pixels = settings.max_image_pixels or bodies.default_max_image_pixels()
         self.limits = bodies.BodyLimits(max_body_bytes=settings.max_body_bytes,
                                         max_json_bytes=settings.max_json_bytes,
-                                        max_decoded_bytes=settings.max_decoded_bytes, max_image_pixels=pixels)
+                                        max_decoded_bytes=settings.max_decoded_bytes, max_image_pixels=pixels,
+                                        max_batch_bytes=settings.max_batch_bytes,
+                                        max_json_output_bytes=settings.max_json_output_bytes)
         self.images = bodies.ImageGate(pixels, settings.max_image_decodes)
         self.http_stats = HttpStats()
+        self._openapi = openapi.document_bytes()
         self.pool = ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="http-worker")
         self._admitted = 0  # requests holding a slot (event loop only: no lock)
         self.buffered = http_admission.BodyBudget(settings.max_buffered_bytes)  # body bytes held (event loop only)
         routes = [
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
             Route("/predict", self.predict, methods=["POST"]),
             Route("/streams/{stream}", self.delete_stream, methods=["DELETE"]),
             Route("/v2", self.v2_server, methods=["GET"]),
@@ -341,6 +345,10 @@ class AgentApp:
     async def metrics(self, request: Request) -> Response:
         text = prometheus_text(self.service, self.http_stats) + load_gauges(self._admitted, self.buffered.held)
         return Response(text.encode(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(self, request: Request) -> Response:
+        """This API's OpenAPI document (``device_agent/openapi.py``; the same for every request)."""
+        return Response(self._openapi, 200, media_type=JSON_MEDIA_TYPE)
 
     async def delete_stream(self, request: Request) -> Response:
         """``DELETE /streams/ID``: forget a stream's state (204; 404 when it is not kept)."""
@@ -419,7 +427,7 @@ class AgentApp:
             document = bodies.parse_json(body, self.limits)
             inputs = document.get("inputs") if isinstance(document, dict) else None
             try:
-                return bodies.json_to_feed(model.input_specs, inputs)
+                return bodies.json_to_feed(model.input_specs, inputs, self.limits)
             except BadRequest as err:
                 raise _JsonInputError(err) from None
         if kind == "numpy":
@@ -429,17 +437,23 @@ class AgentApp:
         return body
 
     def _answer(self, result: PredictResult, exchange: _Exchange) -> Response:
-        """The 200 answer of /predict in the negotiated media type."""
+        """The 200 answer of /predict in the negotiated media type; raw outputs in JSON bounded
+        before they are encoded (413 pointing to npz)."""
         try:
-            answer = result.to_json(outputs=exchange.raw_outputs)
             if exchange.answer_type != wire_json.NPZ_MEDIA_TYPE:
-                return json_response(200, answer)
+                if result.includes_outputs(exchange.raw_outputs):
+                    bodies.check_json_outputs(sum(value.nbytes for value in result.outputs.values()), self.limits,
+                                              f"ask for them as npz (Accept: {wire_json.NPZ_MEDIA_TYPE})")
+                return json_response(200, result.to_json(outputs=exchange.raw_outputs))
+            answer = result.to_json(outputs=False)
             headers = {"X-Edgepack-Model": f"{answer['model']['name']} {answer['model']['version']}",
                        "X-Edgepack-Provider": answer["provider"], "X-Edgepack-Latency-Ms": str(answer["latency_ms"])}
             return Response(wire_json.npz_bytes(result.outputs), 200, headers, wire_json.NPZ_MEDIA_TYPE)
         except wire_json.WireEncodingError as err:
             self.service.stats.error("encoding", client=False)
             return error_response(500, "encoding", str(err))
+        except BadRequest as err:
+            return self._refuse(err)
 
     # ------------------------------------------------------------ admission and bodies
 
@@ -542,10 +556,12 @@ class AgentApp:
             return error_response(err.http_status, err.kind, str(err), v2=True)
 
     async def v2_model_ready(self, request: Request) -> Response:
+        """200 for the model served; 404 for any other (the protocol's 4xx for false, KServe's
+        status for a model it does not serve)."""
         try:
             self._v2_model(request)
         except BadRequest:
-            return Response(status_code=400)
+            return Response(status_code=404)
         return Response(status_code=200)
 
     async def v2_infer(self, request: Request) -> Response:
@@ -575,8 +591,11 @@ class AgentApp:
             log.exception("v2 infer failed")
             self.service.stats.error("internal", client=False)
             return error_response(500, "internal", f"{type(err).__name__}: {err}", v2=True)
-        body, headers = oip.encode_infer_response(result.model.manifest.name, result.model.manifest.version,
-                                                  parsed, result.outputs)
+        try:
+            body, headers = oip.encode_infer_response(result.model.manifest.name, result.model.manifest.version,
+                                                      parsed, result.outputs, self.limits)
+        except BadRequest as err:
+            return self._refuse(err, v2=True)
         media = "application/octet-stream" if oip.HEADER_LENGTH_HEADER in headers else JSON_MEDIA_TYPE
         return Response(body, 200, headers, media)
 

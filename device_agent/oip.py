@@ -155,7 +155,7 @@ def _json_tensor(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str) 
 
 
 def _input(item: Any, specs: Mapping[str, Any], binary: memoryview, offset: int,
-           budget: int) -> tuple[str, np.ndarray, int, int]:
+           budget: int, limits: bodies.BodyLimits) -> tuple[str, np.ndarray, int, int]:
     """One ``$request_input`` -> (name, array, new binary offset, bytes left in the budget)."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         raise _bad("each input must be an object with a name")
@@ -174,6 +174,7 @@ def _input(item: Any, specs: Mapping[str, Any], binary: memoryview, offset: int,
     nbytes = size if dtype.kind == "O" and isinstance(size, int) else count * dtype.itemsize
     if nbytes > budget:
         raise bodies.too_large(f"input {name}", nbytes, budget, " (api.max_decoded_bytes)")
+    bodies.check_batch(name, nbytes, specs[name], limits)
     if size is None:
         return name, _json_tensor(item.get("data"), dtype, shape, name), offset, budget - nbytes
     if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
@@ -215,7 +216,7 @@ def parse_infer_request(body: bytes, header_length: str | None, specs: Mapping[s
     feed: dict[str, np.ndarray] = {}
     offset, budget = 0, limits.max_decoded_bytes
     for item in document["inputs"]:
-        name, array, offset, budget = _input(item, specs, binary, offset, budget)
+        name, array, offset, budget = _input(item, specs, binary, offset, budget, limits)
         if name in feed:
             raise _bad(f"input {name} given twice")
         feed[name] = array
@@ -241,11 +242,16 @@ def _binary(array: np.ndarray) -> bytes:
 
 
 def encode_infer_response(model_name: str, model_version: str, request: InferRequest,
-                          outputs: Mapping[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+                          outputs: Mapping[str, np.ndarray],
+                          limits: bodies.BodyLimits | None = None) -> tuple[bytes, dict[str, str]]:
     """The answer's body and headers (``Inference-Header-Content-Length`` when any output goes
     binary). JSON data is flat, by the agent's wire convention (non-finite floats as
-    ``"NaN"``/``"Infinity"``/``"-Infinity"``, which numpy and tritonclient read back)."""
+    ``"NaN"``/``"Infinity"``/``"-Infinity"``, which numpy and tritonclient read back). Outputs
+    answered as JSON are bounded by ``max_json_output_bytes`` first (413)."""
     chosen = request.outputs if request.outputs is not None else [(n, request.binary_outputs) for n in outputs]
+    bodies.check_json_outputs(sum(np.asarray(outputs[name]).nbytes for name, binary in chosen if not binary),
+                              limits or bodies.BodyLimits(),
+                              'ask for them as binary data (parameters: {"binary_data_output": true})')
     described, tails = [], []
     for name, binary in chosen:
         array = np.asarray(outputs[name])

@@ -263,6 +263,10 @@ class PredictResult:
     # What the image preprocessing did (edgepack_core.preprocess.image_geometry); None for tensors.
     geometry: dict[str, Any] | None = None
 
+    def includes_outputs(self, outputs: bool | None) -> bool:
+        """Whether :meth:`to_json` carries the raw outputs: as asked, else when there is no task result."""
+        return self.result is None if outputs is None else outputs
+
     def to_json(self, *, outputs: bool | None = None) -> dict[str, Any]:
         """The ``predict --json`` object (docs/agent.md, "One-shot predict").
 
@@ -275,7 +279,7 @@ class PredictResult:
             "provider": self.model.provider,
             "provider_fallbacks": [{"provider": p, "reason": r} for p, r in self.model.fallbacks],
         }
-        if self.result is None if outputs is None else outputs:
+        if self.includes_outputs(outputs):
             answer["outputs"] = {name: value.tolist() for name, value in self.outputs.items()}
         answer["result"] = self.result
         if self.geometry is not None and self.model.postprocessor.kind == "detection":

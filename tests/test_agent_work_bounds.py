@@ -17,8 +17,8 @@ from edgepack_core import preprocess
 from edgepack_core.errors import PreprocessError
 from edgepack_core.jpeg_scans import MAX_SCANS, count_scans
 from tests import test_http_attacks as attacks
-from tests.hostile_bodies import jpeg_scan_bomb, npz_with_directory_entries
-from tests.test_http_attacks import error_of, exchange, request_bytes, still_serves
+from tests.hostile_bodies import jpeg_scan_bomb, npz_with_directory_entries, npz_zip_bomb
+from tests.test_http_attacks import error_of, exchange, npy, request_bytes, still_serves
 
 # The attack tests' fixtures: a real server on a socket, a scale model and an image model.
 serve, scale_artifact, image_artifact = attacks.serve, attacks.scale_artifact, attacks.image_artifact
@@ -104,3 +104,69 @@ def test_jpeg_walk_counts_scans_past_restart_markers_stuffed_bytes_and_fill(tmp_
         count_scans(data, max_scans=2)
     with pytest.raises(PreprocessError, match="more than 3 segments"):
         count_scans(data, max_segments=3)
+
+
+def predict(port: int, body: bytes, content_type: str, accept: str = "application/json",
+            query: str = "") -> tuple[int, dict[str, str], bytes]:
+    return exchange(port, request_bytes("POST", f"/predict{query}", body, content_type, extra=f"Accept: {accept}\r\n"))
+
+
+def test_65_kb_npz_asking_for_a_64_mib_batch_is_413_before_it_is_inflated(serve, scale_artifact):
+    port, _ = serve(scale_artifact)  # defaults: 64 MiB decoded, 4 MiB for an input with symbolic dims
+    bomb = npz_zip_bomb((4 * 1024 * 1024, 4))  # [batch, 4] float32: 64 MiB of rows
+    assert len(bomb) < 70_000
+    status, _, body = predict(port, bomb, "application/x-npz", accept="application/x-npz")
+    error = error_of(body)
+    assert (status, error["kind"]) == (413, "too_large") and "api.max_batch_bytes" in error["message"]
+    still_serves(port)
+
+
+def test_batch_bound_holds_at_its_limit_and_refuses_one_row_more_in_npz_npy_json_and_v2(serve, scale_artifact):
+    port, _ = serve(scale_artifact, max_batch_bytes=100 * 16)  # 100 rows of [batch, 4] float32
+    for rows, expected in ((100, 200), (101, 413)):
+        x = np.ones((rows, 4), np.float32)
+        cases = [(npz(x=x), "application/x-npz"), (npy(x), "application/x-npy"),
+                 (json.dumps({"inputs": {"x": x.tolist()}}).encode(), "application/json")]
+        for data, media in cases:
+            status, _, body = predict(port, data, media, accept="application/x-npz")
+            assert status == expected, (rows, media, body[:200])
+        v2 = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [rows, 4],
+                                     "data": x.reshape(-1).tolist()}],
+                         "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
+        status, _, body = exchange(port, request_bytes("POST", "/v2/models/scale/infer", v2))
+        assert status == expected, (rows, body[:200])
+
+
+def test_one_row_larger_than_max_batch_bytes_still_fits(serve, scale_artifact):
+    port, _ = serve(scale_artifact, max_batch_bytes=8)  # under one row of 16 bytes
+    status, _, _ = predict(port, npy(np.ones((1, 4), np.float32)), "application/x-npy")
+    assert status == 200
+    status, _, body = predict(port, npy(np.ones((2, 4), np.float32)), "application/x-npy")
+    assert (status, error_of(body)["kind"]) == (413, "too_large")
+
+
+def test_raw_outputs_in_json_over_max_json_output_bytes_are_413_pointing_to_npz(serve, scale_artifact):
+    port, _ = serve(scale_artifact, max_json_output_bytes=100 * 16)  # y is [batch, 4] float32
+    status, _, body = predict(port, npy(np.ones((100, 4), np.float32)), "application/x-npy", query="?outputs=raw")
+    assert status == 200 and len(json.loads(body)["outputs"]["y"]) == 100
+    x = npy(np.ones((101, 4), np.float32))
+    status, _, body = predict(port, x, "application/x-npy", query="?outputs=raw")
+    error = error_of(body)
+    assert (status, error["kind"]) == (413, "too_large") and "application/x-npz" in error["message"]
+    status, _, body = predict(port, x, "application/x-npy", accept="application/x-npz")
+    assert status == 200 and np.load(io.BytesIO(body))["y"].shape == (101, 4)
+
+
+def test_v2_outputs_in_json_over_max_json_output_bytes_are_413_pointing_to_binary_data(serve, scale_artifact):
+    port, _ = serve(scale_artifact, max_json_output_bytes=100 * 16)
+
+    def infer(rows: int, binary: bool) -> tuple[int, bytes]:
+        document = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [rows, 4], "data": [1.0] * rows * 4}],
+                    "parameters": {"binary_data_output": binary}}
+        status, _, body = exchange(port, request_bytes("POST", "/v2/models/scale/infer", json.dumps(document).encode()))
+        return status, body
+
+    assert infer(100, False)[0] == 200
+    status, body = infer(101, False)
+    assert status == 413 and "binary_data_output" in json.loads(body)["error"]
+    assert infer(101, True)[0] == 200

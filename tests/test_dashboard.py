@@ -456,3 +456,26 @@ def test_signing_out_forgets_the_token(browser, server):
     browser.get(f"{server.url}/ui/#/fleet")
     _wait(browser, lambda d: d.find_element(By.ID, "login").is_displayed(), message="still signed out")
     assert browser.find_elements(By.CSS_SELECTOR, "#devices") == []
+
+
+def test_groups_a_device_claims_without_enrollment_are_shown_apart(browser, server, fleet, broker):
+    """The first claim is enrolled; a later one is shown as claimed, not enrolled (and ignored)."""
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"claimer-{free_port()}", protocol=mqtt.MQTTv5)
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    try:
+        for groups in (["kitchen"], ["kitchen", "sim"]):
+            state = {"schema": "edgepack.state/1", "device": "claimer", "status": "online", "ts": time.time(),
+                     "groups": groups}
+            client.publish(f"{TOPIC_ROOT}/dev/claimer/state", json.dumps(state), qos=1).wait_for_publish(10)
+            assert wait_for(lambda g=groups: (lambda status, d: status == 200 and d["groups"] + d["unenrolled_groups"]
+                                              == g)(*server.call("GET", "/api/devices/claimer")), 15)
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    _open(browser, server, "/fleet?group=kitchen", "#devices tbody tr[data-device='claimer'] .unenrolled")
+    row = browser.find_element(By.CSS_SELECTOR, "#devices tbody tr[data-device='claimer']")
+    assert row.find_element(By.CSS_SELECTOR, "td.groups").text == "kitchen claims sim"
+    _open(browser, server, "/devices/claimer", "#device-facts")
+    assert "Groups claimed, not enrolled\nsim" in _text(browser, "#device-facts")
+    assert server.get("/api/devices?group=sim")["total"] == SIM_DEVICES  # the claim changed no group

@@ -14,7 +14,7 @@ from edgepack_core.command_auth import authorize_command, verify_command
 from edgepack_core.errors import CommandSignatureError
 from edgepack_core.mqtt_transport import Incoming, MqttSettings, MqttTransport
 from edgepack_core.protocol.codec import decode_chunk, request_payload
-from edgepack_core.protocol.commands import Command, encode_command, parse_command
+from edgepack_core.protocol.commands import Command, CommandBuildError, encode_command, parse_command
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import TrustStore, generate_private_key
 from sdk.broker import BrokerOptionError, BrokerOptions, read_password_file
@@ -98,8 +98,30 @@ def test_signed_deploy_carries_allow_contract_change_under_the_signature():
 
 
 def test_unsigned_commands_have_no_signature_field():
-    command = make_command("rollback", device="pi-07")
+    command = make_command("rollback", device="pi-07", from_version={"name": "digits", "version": "1.2.0"})
     assert "signature" not in command and command["target"] == {"device": "pi-07"}
+
+
+def test_a_rollback_cannot_be_built_without_the_version_it_rolls_back_from():
+    with pytest.raises(CommandBuildError) as caught:
+        make_command("rollback", device="pi-07")
+    assert "from_version" in str(caught.value)
+
+
+@pytest.mark.parametrize(("text", "parsed"), [
+    ("digits@1.2.0", {"name": "digits", "version": "1.2.0"}),
+    ("a@b@1.0.0", None), ("digits", None), ("@1.2.0", None), ("digits@", None), ("bad name@1.0.0", None),
+])
+def test_from_name_at_version(text, parsed):
+    from edgepack_core.errors import UsageError
+    from sdk.deploy import parse_model_ref
+
+    if parsed is not None:
+        assert parse_model_ref(text) == parsed
+        return
+    with pytest.raises(UsageError) as caught:
+        parse_model_ref(text)
+    assert "is not a model as NAME@VERSION" in str(caught.value) and "--" not in str(caught.value)
 
 
 def test_library_errors_do_not_name_cli_flags(tmp_path: Path):

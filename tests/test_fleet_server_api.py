@@ -79,7 +79,8 @@ def _audit(server: FleetServerProcess, action: str) -> list[dict]:
 PROTECTED = [("GET", "/api/devices"), ("GET", "/api/devices/k-00000"), ("GET", "/api/devices/k-00000/telemetry"),
              ("GET", "/api/artifacts"), ("POST", "/api/artifacts"), ("GET", "/api/rollouts"),
              ("POST", "/api/rollouts"), ("POST", "/api/rollouts/ro-1/pause"), ("GET", "/api/audit"),
-             ("GET", "/api/status"), ("GET", "/metrics")]
+             ("GET", "/api/status"), ("GET", "/metrics"), ("GET", "/api/dead-letters"),
+             ("PUT", "/api/devices/k-00000/groups")]
 
 
 @pytest.mark.parametrize(("method", "path"), PROTECTED)

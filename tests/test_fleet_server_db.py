@@ -37,7 +37,7 @@ def test_migrations_build_exactly_the_tables_of_db_py(database: Database):
                                        tables.metadata)
         version = connection.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
     assert differences == []
-    assert version == "0001"
+    assert version == "0002"
     assert set(inspect(database.engine).get_table_names()) == {*tables.metadata.tables, "alembic_version"}
 
 
@@ -126,11 +126,13 @@ def _device(database: Database, device: str):
 
 
 def test_an_older_retained_state_never_overwrites_a_newer_one(database: Database):
-    _write_states(database, ("d1", _state("d1", 20.0, groups=["new"])))
-    _write_states(database, ("d1", _state("d1", 10.0, status="offline", groups=["old"])))
+    """A retained state replayed at a subscribe counts as heard at its own ts (at the latest):
+    older than the live state stored, it loses."""
+    _write_states(database, ("d1", _state("d1", 20.0, groups=["new"])), heard=20.0)
+    _write_states(database, ("d1", _state("d1", 10.0, status="offline", groups=["old"])), heard=10.0)
     row, groups = _device(database, "d1")
     assert (row["status"], row["state_ts"], groups) == ("online", 20.0, ["new"])
-    _write_states(database, ("d1", _state("d1", 30.0, status="offline", version=None)))
+    _write_states(database, ("d1", _state("d1", 30.0, status="offline", version=None)), heard=30.0)
     row, groups = _device(database, "d1")
     assert (row["status"], row["model_version"]) == ("offline", "1.0.0")  # a will without a model keeps it
 

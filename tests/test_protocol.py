@@ -177,7 +177,8 @@ def test_a_built_deploy_parses_back_to_the_same_command():
     assert parsed.expires_at == command["expires_at"] == NOW + 3600
 
 
-@pytest.mark.parametrize(("kind", "fields"), [("ping", {}), ("get-state", {}), ("rollback", {}),
+@pytest.mark.parametrize(("kind", "fields"), [("ping", {}), ("get-state", {}),
+                                               ("rollback", {"from_version": {"name": "digits", "version": "1.2.0"}}),
                                                ("cancel", {"job": "deploy-1"}),
                                                ("set-telemetry-interval", {"seconds": 5})])
 def test_every_command_type_round_trips(kind, fields):

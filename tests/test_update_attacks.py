@@ -181,6 +181,11 @@ def command(kind: str, **fields) -> dict:
             "issued_at": round(now, 3), "expires_at": round(now + 600, 3), "target": {"device": DEVICE}, **fields}
 
 
+def rollback_from(version: str, name: str = "scale") -> dict:
+    """A rollback bound to the model it undoes (``from_version``)."""
+    return command("rollback", from_version={"name": name, "version": version})
+
+
 def deploy_of(artifact: Path, origin: HostileOrigin, *, url: str | None = None, **fields) -> dict:
     data = artifact.read_bytes()
     with tarfile.open(artifact) as tar:
@@ -248,15 +253,15 @@ def test_health_window_0_or_nan_is_refused(agent, observer, arts, origin, operat
 def test_rollback_from_anyone_is_refused(agent, observer, arts, origin, operator):
     event = final_event(observer, send(observer, signed(deploy_of(arts["v2"], origin), operator)))
     assert event["state"] == "active", event
-    refused = final_event(observer, send(observer, command("rollback")))
+    refused = final_event(observer, send(observer, rollback_from("1.1.0")))
     assert refused["state"] == "rejected" and "must be signed" in refused["reason"]
     assert agent.version() == "1.1.0"
-    other_group = signed({**command("rollback"), "target": {"group": "garage"}}, operator)
+    other_group = signed({**rollback_from("1.1.0"), "target": {"group": "garage"}}, operator)
     observer.publish("edgepack/v1/grp/kitchen/cmd", json.dumps(other_group))
     refused = final_event(observer, other_group["id"])
     assert refused["state"] == "rejected" and "not for this device" in refused["reason"]
     assert agent.version() == "1.1.0"
-    by_group = signed({**command("rollback"), "target": {"group": "kitchen"}}, operator)
+    by_group = signed({**rollback_from("1.1.0"), "target": {"group": "kitchen"}}, operator)
     observer.publish("edgepack/v1/grp/kitchen/cmd", json.dumps(by_group))
     done = final_event(observer, by_group["id"])
     assert done["state"] == "done" and "rolled back to scale 1.0.0" in done["reason"]
@@ -312,7 +317,7 @@ def test_stuck_job_blocking_rollback_is_impossible(agent, observer, arts, origin
     stuck = send(observer, signed(deploy_of(arts["wide"], origin, url=origin.url("slow")), operator))
     assert observer.wait_for(lambda: any(e["state"] == "downloading" for e in observer.jobs(DEVICE, stuck)))
     started = time.monotonic()
-    rollback = final_event(observer, send(observer, signed(command("rollback"), operator)), timeout=30)
+    rollback = final_event(observer, send(observer, signed(rollback_from("1.1.0"), operator)), timeout=30)
     assert rollback["state"] == "done" and time.monotonic() - started < 10, rollback
     assert agent.version() == "1.0.0"
     superseded = final_event(observer, stuck, timeout=30)
@@ -341,7 +346,7 @@ def test_failed_rollback_is_reported_failed_naming_what_serves(agent, observer, 
     with open(previous / "model" / "model.onnx", "ab") as handle:
         handle.write(b"bit rot")
     state_before = (agent.folder / f"{DEVICE}-store" / "state.json").read_bytes()
-    event = final_event(observer, send(observer, signed(command("rollback"), operator)))
+    event = final_event(observer, send(observer, signed(rollback_from("1.1.0"), operator)))
     assert event["state"] == "failed" and "rollback failed" in event["reason"], event
     assert event["reason"].endswith("serving scale 1.1.0")
     assert agent.version() == "1.1.0" and agent.predict([1, 1, 1, 1])[0] == 200
@@ -428,7 +433,7 @@ def test_rollback_or_cancel_during_the_health_window_does_not_wait_for_it(agent,
     first = send(observer, signed(deploy_of(arts["v2"], origin, health_window_s=30), operator))
     assert observer.wait_for(lambda: watching(first))
     started = time.monotonic()
-    rollback = final_event(observer, send(observer, signed(command("rollback"), operator)))
+    rollback = final_event(observer, send(observer, signed(rollback_from("1.1.0"), operator)))
     assert rollback["state"] == "done" and "rolled back to scale 1.0.0" in rollback["reason"], rollback
     deploy = final_event(observer, first)
     assert deploy["state"] == "rolled_back" and f"rolled back by command {rollback['job']}" in deploy["reason"]
@@ -454,7 +459,7 @@ def test_full_disk_is_degraded_health_and_commands_fail_with_no_space(tmp_path, 
         assert health["status"] == "degraded" and health["model"]["version"] == "1.0.0", health
         assert health["degraded"][0].startswith("no space: ") and f"updates.min_free_bytes ({2**50})" in \
             health["degraded"][0]
-        for document in (signed(deploy_of(arts["v2"], origin), operator), signed(command("rollback"), operator),
+        for document in (signed(deploy_of(arts["v2"], origin), operator), signed(rollback_from("1.1.0"), operator),
                          command("ping")):
             event = final_event(observer, send(observer, document))
             assert event["state"] == "failed" and event["reason"].startswith("no space: "), event
@@ -463,3 +468,21 @@ def test_full_disk_is_degraded_health_and_commands_fail_with_no_space(tmp_path, 
         assert agent.version() == "1.0.0" and agent.predict([1, 1, 1, 1])[0] == 200
     finally:
         agent.stop()
+
+
+def test_a_delayed_signed_rollback_for_v2_delivered_after_a_deploy_of_v3_is_refused(agent, observer, arts, origin,
+                                                                                    operator):
+    assert final_event(observer, send(observer, signed(deploy_of(arts["v2"], origin), operator)))["state"] == "active"
+    delayed = signed(rollback_from("1.1.0"), operator)  # signed for v2, held back by the broker
+    assert final_event(observer, send(observer, signed(deploy_of(arts["v3"], origin), operator)))["state"] == "active"
+    refused = final_event(observer, send(observer, delayed))
+    assert refused["state"] == "rejected", refused
+    assert refused["reason"] == "the device has moved on: this rollback is from scale 1.1.0, the device serves " \
+                                "scale 1.2.0"
+    assert agent.version() == "1.2.0" and agent.predict([1, 1, 1, 1])[0] == 200
+    send(observer, delayed)  # its id is spent: no later replay either
+    events = lambda: observer.jobs(DEVICE, delayed["id"])  # noqa: E731
+    assert observer.wait_for(lambda: any("already used" in e["reason"] for e in events())), events()
+    bound = final_event(observer, send(observer, signed(rollback_from("1.2.0"), operator)))
+    assert bound["state"] == "done" and "rolled back to scale 1.1.0" in bound["reason"], bound
+    assert agent.version() == "1.1.0"

@@ -274,3 +274,25 @@ def test_staged_rollout_stops_at_the_canaries_when_they_fail(tmp_path, mosquitto
     finally:
         for agent in agents:
             agent.stop()
+
+
+def test_cli_rollback_names_what_it_undoes(agent, arts, mosquitto_broker):
+    """``edgepack device rollback`` fills ``from_version`` from the device's own get-state, or
+    from ``--from``; a device serving another model refuses it and keeps serving."""
+    def rollback(*extra: str):
+        return run_cli("edgepack", "device", "rollback", "pi-07", "--broker", mosquitto_broker.address,
+                       "--timeout", "30", *extra)
+
+    assert _deploy_cli(arts["v2"], mosquitto_broker).returncode == 0 and agent.version() == "1.1.0"
+    stale = rollback("--from", "scale@1.0.0")
+    assert stale.returncode == 1 and "Traceback" not in stale.stderr
+    event = json.loads(stale.stdout)
+    assert event["state"] == "rejected" and event["reason"] == \
+        "the device has moved on: this rollback is from scale 1.0.0, the device serves scale 1.1.0"
+    assert agent.version() == "1.1.0"
+    filled = rollback()
+    assert filled.returncode == 0, filled.stdout + filled.stderr
+    assert json.loads(filled.stdout)["reason"] == "rolled back to scale 1.0.0" and agent.version() == "1.0.0"
+    bad = rollback("--from", "scale-1.0.0")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "edgepack: error: 'scale-1.0.0' is not a model as NAME@VERSION (e.g. digits@1.2.0)"], bad.stderr

@@ -364,3 +364,24 @@ def test_an_unreadable_filesystem_counts_as_no_space(tmp_path):
     from device_agent.updates.disk import FreeSpace
 
     assert FreeSpace(tmp_path / "gone").problem().startswith("no space: cannot read the free space of ")
+
+
+# ------------------------------------------------------------------ a rollback is bound to what it undoes
+
+
+def test_a_rollback_runs_only_on_the_model_it_names():
+    from device_agent.updates.commands import rollback_refusal
+
+    named = {"name": "scale", "version": "1.1.0"}
+    assert rollback_refusal(named, ("scale", "1.1.0")) == ""
+    assert rollback_refusal(named, ("scale", "1.2.0")) == (
+        "the device has moved on: this rollback is from scale 1.1.0, the device serves scale 1.2.0")
+    assert rollback_refusal(named, ("other", "1.1.0")).endswith("the device serves other 1.1.0")
+    assert rollback_refusal(named, None).endswith("the device serves no model")
+
+
+def test_a_rollback_without_from_version_is_rejected():
+    parsed = parse_command(_cmd(type="rollback"), NOW)
+    assert isinstance(parsed, Rejection) and "from_version" in parsed.reason
+    parsed = parse_command(_cmd(type="rollback", from_version={"name": "scale", "version": "1.1.0"}), NOW)
+    assert isinstance(parsed, Command)

@@ -14,8 +14,9 @@ events on its ``job`` topic (``edgepack.job/1``): a ``deploy`` goes queued, down
 (with ``--fetch``: a real HTTP download of the artifact, checked against the command's sha256),
 verifying, staging, testing, active, then active and final after the health window, and the
 device's state and telemetry report the new version; a duplicate command id is answered with
-the job as it stands; ``rollback``, ``cancel``, ``ping`` and ``get-state`` end ``done``. Knobs
-for rollout tests: ``--rollback-version V`` (deploys of V fail their health window and end
+the job as it stands; ``rollback``, ``cancel``, ``ping`` and ``get-state`` end ``done`` (a
+``rollback`` whose ``from_version`` is not the model the device runs is ``rejected``, as by the
+agent). Knobs for rollout tests: ``--rollback-version V`` (deploys of V fail their health window and end
 ``rolled_back``) and ``--error-version V`` (once V runs, telemetry reports half of the
 inferences as errors). With ``--operator-pub`` a device refuses commands that are not signed
 by that operator key, as an agent with ``operator_keys`` does.
@@ -133,8 +134,8 @@ class SimDevice:
         self.seq = 0
         self.acked = 0
         self.expected_acks = 0
-        self.version = self.behaviour.model_version
-        self.previous: str | None = None
+        self.name, self.version = self.behaviour.model_name, self.behaviour.model_version
+        self.previous: tuple[str, str] | None = None  # (name, version) a rollback returns to
         self.jobs: dict[str, SimJob] = {}
         self.commands_received = 0
         self.subscribed = threading.Event()
@@ -159,8 +160,8 @@ class SimDevice:
         self.client.publish(topic, payload, qos=1, retain=retain)
 
     def _model(self) -> dict[str, Any]:
-        return {"name": self.behaviour.model_name, "version": self.version,
-                "sha256": hashlib.sha256(f"{self.behaviour.model_name}-{self.version}".encode()).hexdigest()}
+        return {"name": self.name, "version": self.version,
+                "sha256": hashlib.sha256(f"{self.name}-{self.version}".encode()).hexdigest()}
 
     def _state(self, status: str) -> bytes:
         doc = {"schema": STATE_SCHEMA, "device": self.device, "status": status, "ts": time.time(),
@@ -260,7 +261,8 @@ class SimDevice:
     def _activate(self, job: SimJob, body: dict[str, Any]) -> None:
         if job.final:
             return
-        self.previous, self.version = self.version, str(body["version"])
+        self.previous = (self.name, self.version)
+        self.name, self.version = str(body.get("name") or self.name), str(body["version"])
         self.birth()
         window = float(body.get("health_window_s") or self.behaviour.health_window_s)
         self._set(job, "active", f"hot-swapped; watching health for {window:g} s")
@@ -271,23 +273,29 @@ class SimDevice:
             return
         if self.version in self.behaviour.rollback_versions:
             bad = self.version
-            self.version, self.previous = self.previous or self.version, None
+            (self.name, self.version), self.previous = self.previous or (self.name, self.version), None
             self.birth()
             self._set(job, "rolled_back", f"unhealthy: simulated failure of {bad}; back on {self.version}",
                       final=True)
             return
         self._set(job, "active", "health window passed", final=True)
 
-    def _rollback(self, job: SimJob, _body: dict[str, Any]) -> None:
+    def _rollback(self, job: SimJob, body: dict[str, Any]) -> None:
+        wanted = body["from_version"]  # required by the schema, as on the agent
+        if (wanted["name"], wanted["version"]) != (self.name, self.version):
+            self._set(job, "rejected", f"the device has moved on: this rollback is from {wanted['name']} "
+                                       f"{wanted['version']}, the device serves {self.name} "
+                                       f"{self.version}", final=True)
+            return
         if self.previous is None:
             self._set(job, "failed", f"rollback failed: no previous model; serving {self.version}", final=True)
             return
         for other in self.jobs.values():
             if other.type == "deploy" and not other.final:
                 self._set(other, "rolled_back", f"rolled back by command {job.id}", final=True)
-        self.version, self.previous = self.previous, None
+        (self.name, self.version), self.previous = self.previous, None
         self.birth()
-        self._set(job, "done", f"rolled back to {self.behaviour.model_name} {self.version}", final=True)
+        self._set(job, "done", f"rolled back to {self.name} {self.version}", final=True)
 
     def _cancel(self, job: SimJob, body: dict[str, Any]) -> None:
         target = self.jobs.get(str(body.get("job")))
@@ -295,7 +303,7 @@ class SimDevice:
             self._set(job, "failed", f"no queued or running deploy {body.get('job')}", final=True)
             return
         if target.state == "active":
-            self.version, self.previous = self.previous or self.version, None
+            (self.name, self.version), self.previous = self.previous or (self.name, self.version), None
             self.birth()
             self._set(target, "rolled_back", f"cancelled by command {job.id}", final=True)
         else:

@@ -42,7 +42,7 @@ from device_agent.store import InstalledModel, ModelStore, simulate_power_cut_if
 from device_agent.telemetry.queue import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates.admission import DevicePolicy, admit, policy_names
-from device_agent.updates.commands import Command, Rejection, parse_command
+from device_agent.updates.commands import Command, Rejection, parse_command, rollback_refusal
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES, FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
 from device_agent.updates.health import (
@@ -255,7 +255,20 @@ class UpdateService:
         except (CommandSignatureError, ReplayError, ValueError) as err:
             self._refuse(command.id, command.type, str(err))
             return
+        moved_on = self._moved_on(command)
+        if moved_on:  # after its id was recorded: a late signed rollback cannot be replayed later either
+            self._refuse(command.id, command.type, moved_on)
+            return
         self._accept(command)
+
+    def _moved_on(self, command: Command) -> str:
+        """Why a rollback no longer applies: the device serves another model than the one it
+        names in ``from_version`` ("" for every other command)."""
+        if command.type != "rollback":
+            return ""
+        model = self.host.service.model
+        serving = None if model is None else (model.manifest.name, model.manifest.version)
+        return rollback_refusal(command.body["from_version"], serving)
 
     def _check_settings(self, command: Command) -> None:
         """Values the device bounds itself, whoever signed them: the health window's range."""

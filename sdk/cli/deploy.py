@@ -13,7 +13,7 @@ from edgepack_core.signing import SigningKey, TrustStore
 from sdk.broker import BrokerOptions
 from sdk.cli import main
 from sdk.cli.broker_options import broker_options
-from sdk.deploy import DeployOptions, send_command
+from sdk.deploy import DeployOptions, parse_model_ref, send_command, send_rollback
 from sdk.deploy import deploy as run_deploy
 from sdk.keys import load_operator_key
 
@@ -113,6 +113,10 @@ def device() -> None:
 def _command(broker: BrokerOptions, device_id: str, kind: str, timeout: float, key_path: Path | None = None,
              **body: Any) -> None:
     event, seconds = send_command(broker, device_id, kind, timeout=timeout, operator_key=_key(key_path), **body)
+    _answer(event, seconds)
+
+
+def _answer(event: dict[str, Any], seconds: float) -> None:
     click.echo(json.dumps({**event, "round_trip_ms": round(seconds * 1000, 3)}))
     if event.get("state") not in ("done", "active", "cancelled"):
         sys.exit(1)
@@ -136,12 +140,19 @@ _read_only_command("get-state", "The device's active model, store and profile.")
 
 @device.command(name="rollback")
 @click.argument("device_id")
+@click.option("--from", "from_ref", metavar="NAME@VERSION",
+              help="The model this rollback undoes (default: the one the device reports serving, asked with a "
+                   "get-state first). A device serving another model refuses the rollback.")
 @broker_options
 @_TIMEOUT
 @_OPERATOR_KEY
-def rollback(device_id: str, broker: BrokerOptions, timeout: float, operator_key: Path | None) -> None:
+def rollback(device_id: str, from_ref: str | None, broker: BrokerOptions, timeout: float,
+             operator_key: Path | None) -> None:
     """Make the device's previous model active again."""
-    _command(broker, device_id, "rollback", timeout, operator_key)
+    from_version = parse_model_ref(from_ref) if from_ref is not None else None
+    event, seconds = send_rollback(broker, device_id, from_version=from_version, timeout=timeout,
+                                   operator_key=_key(operator_key))
+    _answer(event, seconds)
 
 
 @device.command(name="cancel")

@@ -77,11 +77,17 @@ def _duration(text: str) -> float:
               help="Open HTTP connections at most (lowered to fit the open-file limit, which is raised to fit "
                    "it where the hard limit allows); over it, the connection waiting longest for a request is "
                    "dropped.")
+@click.option("--init", is_flag=True,
+              help="Create a new, empty fleet in a database that holds none, also when it is a 0-byte file or the "
+                   "artifact store already holds artifacts (refused otherwise: a lost database is not a new fleet).")
+@click.option("--artifact-recheck", default="1h", show_default=True,
+              help="A stored artifact is hashed again before it is served when it changed on disk or this long "
+                   "passed since; one that no longer matches its sha256 is quarantined (410).")
 def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, trust: tuple[Path, ...],
           token_file: Path, operator_key: Path, public_url: str | None, retention_raw: str, retention_rollups: str,
           rollup_step: int, prune_interval: str, silence: str, server_id: str | None, share_group: str,
           max_upload: str, lease_ttl: str, tick: str, resend_after: str, head_timeout: str, body_min_rate: str,
-          max_connections: int) -> None:
+          max_connections: int, init: bool, artifact_recheck: str) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
 
     Devices, telemetry and job events are kept in the database; rollouts run on the server and
@@ -107,5 +113,5 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                           listen=listen, artifacts_dir=artifacts_dir, public_url=public_url, retention=retention,
                           server_id=server_id, share_group=share_group, silence_s=_duration(silence),
                           max_upload=parse_size(max_upload), driver=driver,
-                          http=http)
+                          http=http, init=init, artifact_recheck_s=_duration(artifact_recheck))
     run_server(config)

@@ -7,10 +7,10 @@
 | :mod:`.server` | the artifact server (HTTP with Range) |
 | :mod:`.sender` | the MQTT chunk sender, reading ranges from the file |
 | :mod:`.messaging` | publish-and-wait-for-PUBACK, job listening, build-and-sign |
-| :mod:`.device` | :func:`send_command` for ``edgepack device`` |
+| :mod:`.device` | :func:`send_command` and :func:`send_rollback` for ``edgepack device`` |
 """
 
-from sdk.deploy.device import send_command
+from sdk.deploy.device import parse_model_ref, send_command, send_rollback, serving_model
 from sdk.deploy.messaging import DeployError, make_command
 from sdk.deploy.orchestrator import (
     COMMAND_TTL_S,
@@ -27,6 +27,6 @@ from sdk.deploy.server import ArtifactServer, parse_range
 
 __all__ = [
     "COMMAND_TTL_S", "DEFAULT_CHUNK", "ArtifactServer", "DeployError", "DeployOptions", "DeployResult", "DeviceJob",
-    "JobBoard", "WaveVerdict", "XferSender", "deploy", "group_members", "make_command", "parse_range",
-    "plan_waves", "send_command", "sha256_file", "wave_verdict",
+    "JobBoard", "WaveVerdict", "XferSender", "deploy", "group_members", "make_command", "parse_model_ref",
+    "parse_range", "plan_waves", "send_command", "send_rollback", "serving_model", "sha256_file", "wave_verdict",
 ]

@@ -4,6 +4,10 @@ The command is built by the shared protocol builder (validated as the device wou
 with an operator key when one is given (rollback and cancel change what a device runs, so a
 device with ``operator_keys`` refuses them unsigned), and the reply is the command's final
 job event.
+
+A rollback is bound to the model it undoes (``from_version``: a device serving another model
+refuses it, so a rollback delivered late cannot revert a newer deploy): :func:`send_rollback`
+takes it from the caller or asks the device what it serves (a ``get-state`` round trip).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+from edgepack_core.errors import UsageError
+from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.protocol.topics import ParsedTopic, Topics
 from edgepack_core.signing import SigningKey
 from sdk.broker import BrokerOptions
@@ -47,3 +53,33 @@ def send_command(broker: BrokerOptions | str, device: str, command_type: str, *,
         return answer, time.perf_counter() - started
     finally:
         transport.close()
+
+
+def parse_model_ref(text: str) -> dict[str, str]:
+    """``NAME@VERSION`` as a rollback's ``from_version``; UsageError naming the form if not."""
+    name, sep, version = text.rpartition("@")
+    if not sep or not is_valid_id(name) or not version:
+        raise UsageError(f"{text[:100]!r} is not a model as NAME@VERSION (e.g. digits@1.2.0)")
+    return {"name": name, "version": version}
+
+
+def serving_model(broker: BrokerOptions | str, device: str, *, root: str = "edgepack/v1",
+                  timeout: float = 10.0) -> dict[str, str]:
+    """The model ``device`` reports serving (``get-state``), as a rollback's ``from_version``."""
+    event, _ = send_command(broker, device, "get-state", root=root, timeout=timeout)
+    detail = event.get("detail") if isinstance(event.get("detail"), dict) else {}
+    active = detail.get("active") if event.get("state") == "done" else None
+    if not isinstance(active, dict) or not active.get("name") or not active.get("version"):
+        raise DeployError(f"{device} reports no model it serves ({event.get('state')}: "
+                          f"{str(event.get('reason'))[:200]}); name the model to roll back from")
+    return {"name": str(active["name"]), "version": str(active["version"])}
+
+
+def send_rollback(broker: BrokerOptions | str, device: str, *, from_version: dict[str, str] | None = None,
+                  root: str = "edgepack/v1", timeout: float = 10.0,
+                  operator_key: SigningKey | None = None) -> tuple[dict[str, Any], float]:
+    """Roll ``device`` back from ``from_version`` (default: the model it reports serving)."""
+    if from_version is None:
+        from_version = serving_model(broker, device, root=root, timeout=timeout)
+    return send_command(broker, device, "rollback", root=root, timeout=timeout, operator_key=operator_key,
+                        from_version=from_version)

@@ -69,6 +69,7 @@ SECURITY_HEADERS = [
 ]
 
 _ROLLOUT_VALIDATOR = Validator(queries.ROLLOUT_REQUEST_SCHEMA, document="rollout")
+_GROUPS_VALIDATOR = Validator(queries.GROUPS_REQUEST_SCHEMA, document="groups")
 _ACTION_VALIDATOR = Validator({"type": "object", "additionalProperties": False,
                                "properties": {"reason": {"type": "string", "maxLength": 500}}}, document="request")
 
@@ -264,7 +265,8 @@ class Routes:
             try:
                 return await handler(request, actor)
             except ApiError as err:
-                target = str(request.path_params.get("rollout_id") or request.path_params.get("sha256") or "")
+                params = request.path_params
+                target = str(params.get("rollout_id") or params.get("sha256") or params.get("device_id") or "")
                 await run_in_threadpool(audit.record_refusal, context.database, actor=actor, action=write_action,
                                         target=target, reason=f"{err.status} {err.message}", remote=_remote(request))
                 raise
@@ -358,7 +360,28 @@ class Routes:
             action=params.text("action", limit=64))
         return JSONResponse({"entries": entries})
 
+    async def dead_letters(self, request: Request, _actor: str) -> Response:
+        params = Params(request, {"limit", "before", "device"})
+        before = params.values.get("before")
+        entries = await run_in_threadpool(
+            queries.dead_letters, self.database,
+            limit=params.integer("limit", 100, 1, queries.MAX_DEAD_LETTER_PAGE),
+            before=None if before is None else params.integer("before", 0, 0, queries.MAX_ROW_ID),
+            device=params.text("device", id_like=True))
+        return JSONResponse({"dead_letters": entries})
+
     # ---------------------------------------------------------------- writes
+
+    async def set_groups(self, request: Request, actor: str) -> Response:
+        Params(request, set())
+        device = _path_id(request, "device_id")
+        body = await read_json(request)
+        _validate(_GROUPS_VALIDATOR, body)
+        groups = list(dict.fromkeys(body["groups"]))
+        await run_in_threadpool(queries.set_device_groups, self.database, device, groups, actor=actor,
+                                remote=_remote(request))
+        return JSONResponse(await run_in_threadpool(queries.get_device, self.database, device, now=time.time(),
+                                                    silence_s=self.context.silence_s))
 
     async def upload(self, request: Request, actor: str) -> Response:
         store = self.context.store
@@ -418,6 +441,8 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/devices", guard(r.devices), methods=["GET"]),
         Route("/api/devices/{device_id}", guard(r.device), methods=["GET"]),
         Route("/api/devices/{device_id}/telemetry", guard(r.device_telemetry), methods=["GET"]),
+        Route("/api/devices/{device_id}/groups", guard(r.set_groups, "device.groups"), methods=["PUT"]),
+        Route("/api/dead-letters", guard(r.dead_letters), methods=["GET"]),
         Route("/api/artifacts", guard(r.artifacts), methods=["GET"]),
         Route("/api/artifacts", guard(r.upload, "artifact.upload"), methods=["POST"]),
         Route("/api/artifacts/{sha256}", guard(r.artifact), methods=["GET"]),

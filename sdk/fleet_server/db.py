@@ -73,7 +73,9 @@ devices = Table(
     Column("capabilities", Text),  # JSON, bounded by records.py
     Column("first_seen", Float, nullable=False),
     Column("last_seen", Float, nullable=False),
-    Column("state_ts", Float),  # the device's ts of the newest state applied (older retained ones lose)
+    Column("state_ts", Float),  # the device's ts of the newest state applied, as the device reported it
+    Column("state_heard", Float),  # when the server heard that state: what orders states (device clocks lie)
+    Column("groups_enrolled_at", Float),  # None: the device's groups were never enrolled (see device_groups)
     Column("telemetry_at", Float),
     Column("telemetry_seq", BigInteger),
     Column("latency_p50", Float),
@@ -91,11 +93,30 @@ devices = Table(
     Index(None, "model_version"),
 )
 
-device_groups = Table(
+device_groups = Table(  # the groups the server holds for a device (enrolled): what rollouts target
     "device_groups", metadata,
     Column("device", String(ID), primary_key=True),
     Column("group_name", String(ID), primary_key=True),
     Index(None, "group_name"),
+)
+
+device_claimed_groups = Table(  # the groups a device's newest state claims: shown, never used
+    "device_claimed_groups", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("group_name", String(ID), primary_key=True),
+)
+
+dead_letters = Table(  # device messages that parsed but could not be stored (bounded, newest kept)
+    "dead_letters", metadata,
+    Column("id", RowId, primary_key=True, autoincrement=True),
+    Column("received_at", Float, nullable=False),
+    Column("device", String(ID), nullable=False),
+    Column("kind", String(16), nullable=False),  # state | job | telemetry
+    Column("topic", String(300), nullable=False),
+    Column("reason", String(500), nullable=False),  # ASCII: the error, its non-ASCII escaped
+    Column("size", Integer, nullable=False),
+    Column("payload_head", LargeBinary, nullable=False),  # the first bytes of the payload
+    Index(None, "received_at"),
 )
 
 telemetry_raw = Table(
@@ -341,14 +362,84 @@ class Database:
     def dispose(self) -> None:
         self.engine.dispose()
 
+    def close(self) -> None:
+        """A clean stop: on SQLite, every pooled connection closed, then the WAL folded into the
+        database file and truncated (``wal_checkpoint(TRUNCATE)``), so the file alone holds the
+        fleet (a copy of it, a backup of it, is complete). Call it after every user stopped."""
+        self.engine.dispose()
+        if not self.is_sqlite:
+            return
+        with self.engine.connect() as connection:
+            busy, _frames, _done = connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()
+        self.engine.dispose()
+        if busy:
+            log.warning("the SQLite checkpoint at stop was blocked by another connection: the WAL keeps data")
 
-def open_database(url: str, *, migrate_schema: bool = True) -> Database:
+
+def sqlite_file(url: str) -> Path | None:
+    """The file of a ``sqlite:///`` URL (None for other databases)."""
+    parsed = make_url(normalise_url(url))
+    return Path(parsed.database).expanduser() if parsed.get_backend_name() == "sqlite" else None
+
+
+def has_fleet_schema(database: Database) -> bool:
+    """Whether the database holds a fleet: Alembic's version table, or any of the fleet's tables."""
+    from sqlalchemy import inspect
+
+    names = set(inspect(database.engine).get_table_names())
+    return "alembic_version" in names or bool(names & set(metadata.tables))
+
+
+def new_fleet_refusal(*, has_schema: bool, empty_file: bool, stored_artifacts: int, init: bool,
+                      where: str) -> str | None:
+    """Why the server must not start on this database, or None. Pure.
+
+    A database without a fleet schema beside an artifact store that holds artifacts, or a
+    SQLite file of 0 bytes, is a fleet whose database was lost or damaged, not a new fleet:
+    starting would serve an empty fleet without a word. ``--init`` says a new fleet is meant;
+    on a database that holds one it is refused (it would mean the operator expected none)."""
+    if has_schema:
+        return f"--init: {where} already holds a fleet; start without --init" if init else None
+    if init:
+        return None
+    if empty_file:
+        return (f"{where} is an empty file (0 bytes), not a fleet: restore it from a backup, or start with --init "
+                "to create a new, empty fleet")
+    if stored_artifacts:
+        return (f"{where} holds no fleet but the artifact store holds {stored_artifacts} artifact(s): restore the "
+                "database from a backup, or start with --init to create a new fleet beside them")
+    return None
+
+
+def open_database(url: str, *, migrate_schema: bool = True, stored_artifacts: int | None = None,
+                  init: bool = False) -> Database:
     """Connect (one line naming the problem if that fails) and bring the schema to the newest
-    migration. :class:`FleetServerError` when the database cannot be reached or upgraded."""
+    migration. With ``stored_artifacts`` (the count in the artifact store beside it), a database
+    that holds no fleet is refused unless ``init`` (:func:`new_fleet_refusal`).
+    :class:`FleetServerError` when the database cannot be reached, upgraded or is refused."""
+    file = sqlite_file(url)
+    empty_file = file is not None and file.is_file() and file.stat().st_size == 0
+    where = f"the database {file}" if file is not None else "the database"
+
+    def refuse_unless_a_fleet(has_schema: bool) -> None:
+        if stored_artifacts is None:
+            return
+        refusal = new_fleet_refusal(has_schema=has_schema, empty_file=empty_file, stored_artifacts=stored_artifacts,
+                                    init=init, where=where)
+        if refusal is not None:
+            raise FleetServerError(refusal)
+
+    if empty_file:
+        refuse_unless_a_fleet(False)  # before a connection writes SQLite's header into it
     database = Database(url)
     try:
         with database.engine.connect():
             pass
+        try:
+            refuse_unless_a_fleet(has_fleet_schema(database))
+        except FleetServerError:
+            database.dispose()
+            raise
         if migrate_schema:
             migrate(database)
     except SQLAlchemyError as err:

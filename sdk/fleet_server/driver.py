@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import and_, case, func, select, update
+from sqlalchemy import Float, and_, case, cast, func, select, update
 from sqlalchemy.engine import Connection
 
 from edgepack_core.command_auth import sign_command
@@ -80,6 +80,11 @@ class DriverConfig:
     command_ttl_s: float = 24 * 3600.0
     publish_timeout_s: float = 2.0
     silence_s: float = 60.0  # a device not heard from for this long is offline
+
+
+def _bounded(total: float) -> int:
+    """A float sum of counters as an int of at most 2^63 - 1."""
+    return int(min(float(total), float(2**63 - 1024)))
 
 
 def _one_line(err: BaseException) -> str:
@@ -297,10 +302,13 @@ class Driver:
         figures: dict[str, tuple[int, int]] = {}
         for start in range(0, len(wave), 500):
             part = list(wave[start:start + 500])
-            query = select(raw.c.device, func.coalesce(func.sum(raw.c.inferences), 0),
-                           func.coalesce(func.sum(raw.c.errors), 0)) \
+            # Summed as floats: an integer SUM of counters each below 2^62 overflows on SQLite (and
+            # PostgreSQL's numeric sum would not fit the int64 the gate compares); the ratio is all
+            # the gate needs, and a float keeps it.
+            query = select(raw.c.device, func.coalesce(func.sum(cast(raw.c.inferences, Float)), 0.0),
+                           func.coalesce(func.sum(cast(raw.c.errors, Float)), 0.0)) \
                 .where(raw.c.device.in_(part), raw.c.ts >= row["soak_started_at"]).group_by(raw.c.device)
-            figures.update({device: (int(inf), int(err)) for device, inf, err in connection.execute(query)})
+            figures.update({device: (_bounded(inf), _bounded(err)) for device, inf, err in connection.execute(query)})
         return figures
 
     def _advance(self, row: Any, now: float) -> None:
@@ -383,7 +391,9 @@ class Driver:
         for kind, devices in (("rollback", step.rollback), ("cancel", step.cancel)):
             for device in devices:
                 undo_id = command_id(row["id"], kind, row["wave"], device)
-                extra = {"job": deploy_ids[device]} if kind == "cancel" else {}
+                # a rollback names what it undoes: a device that has moved on (a newer deploy) refuses it
+                extra = {"job": deploy_ids[device]} if kind == "cancel" else \
+                    {"from_version": {"name": row["name"], "version": row["version"]}}
                 command = build_command(kind, device=device, command_id=undo_id, ttl_s=self.config.command_ttl_s,
                                         now=now, **extra)
                 created = self._record(connection, row["id"], device, kind, command, now)

@@ -7,23 +7,34 @@ Two connections, because the two kinds of traffic need opposite things:
   (fixed client id per server, session expiry) and acknowledges each message only after the
   transaction holding it committed (``manual_ack``): a server killed with events in memory gets
   them again from the broker when it reconnects. Writes are idempotent (a job event is unique
-  by device, job, state, final and ts; a state older than the stored one loses), so two
+  by device, job, state, final and ts; a state heard before the stored one loses), so two
   servers, a redelivery or a retained state seen again change nothing twice.
 - **telemetry** (an MQTT 5 shared subscription ``$share/<group>/<root>/dev/+/telemetry``): the
   bulk of the traffic, split by the broker across every server of the share group, each
   message to one of them. A clean session: a crash loses at most what was in memory.
 
-Handlers only parse the topic and queue (they run on the MQTT network threads); one writer
-thread drains the queue in batches of up to :data:`MAX_BATCH` messages per transaction. The
-counters (received, stored, dropped by reason, lag from receipt to commit) feed ``/metrics``
-and the benchmark's loss count.
+Handlers only parse the topic, take a token from the device's budget (:mod:`.budgets`: the
+excess is dropped there, counted by reason and device) and queue (they run on the MQTT network
+threads); one writer thread drains the queue in batches of up to :data:`MAX_BATCH` messages per
+transaction. The queue is bounded in items and in bytes (:data:`QUEUE_BYTES`): a stalled
+database costs at most that much memory, and what does not fit is dropped and counted.
+
+**No message stops the ingest.** :mod:`.records` bounds every value before it reaches a
+statement; a batch that still fails with a data error (not an operational one: a database
+that is down or locked is waited for, the batch kept) is split in halves until the message
+that fails is alone, and that message goes to the ``dead_letters`` table (device, topic,
+reason, the head of its payload; the newest :data:`MAX_DEAD_LETTERS` kept), is acknowledged and
+counted; the rest of the batch is stored. So a poisoned retained state or a redelivered job
+event is stored once as a dead letter and never blocks the writer again, across restarts.
+
+The counters (received, stored, dropped by reason and by device, dead letters, lag from
+receipt to commit) feed ``/metrics``, ``/api/status`` and the benchmark's loss count.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -33,12 +44,14 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from sqlalchemy import case, delete, func, select, update
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
 from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.ids import validate_id
 from edgepack_core.protocol.topics import Topics
 from sdk.broker import BrokerOptions
 from sdk.fleet_server import db as tables
+from sdk.fleet_server.budgets import Buckets, DropLedger, IngestLimits
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.records import (
     Decommissioned,
@@ -55,8 +68,12 @@ log = logging.getLogger("edgepack.fleet_server.ingest")
 MAX_BATCH = 2000
 BATCH_WINDOW_S = 0.05
 QUEUE_BOUND = 200_000
+QUEUE_BYTES = 64 * 1024 * 1024
+ITEM_OVERHEAD = 600  # bytes one queued message costs beyond its payload (the objects around it)
 SESSION_EXPIRY_S = 3600
 CONTROL_PUT_TIMEOUT_S = 10.0
+MAX_DEAD_LETTERS = 10_000
+DEAD_LETTER_HEAD = 1024  # payload bytes kept with a dead letter
 
 
 @dataclass
@@ -64,6 +81,8 @@ class IngestCounters:
     received: Counter[str] = field(default_factory=Counter)
     stored: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
+    dead_letters: Counter[str] = field(default_factory=Counter)  # by kind
+    clamped: Counter[str] = field(default_factory=Counter)  # by field: sums clamped at parse
     duplicates: int = 0
     batches: int = 0
     last_lag_s: float = 0.0
@@ -83,13 +102,94 @@ class _Item:
     payload: bytes
     received_at: float
     message: Incoming | None  # control messages, acknowledged after commit
+    topic: str = ""
+
+    @property
+    def cost(self) -> int:
+        return len(self.payload) + ITEM_OVERHEAD
+
+
+class ByteQueue:
+    """A FIFO bounded in items and in bytes (:attr:`_Item.cost`); :meth:`put` waits up to
+    ``timeout`` for room and says whether the item went in. Items taken keep their bytes
+    counted until :meth:`release` (the writer holds them while it retries a stalled database),
+    so what waits in memory, queued or in the writer's hands, stays within ``max_bytes``."""
+
+    def __init__(self, max_items: int, max_bytes: int) -> None:
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self._items: deque[_Item] = deque()
+        self._bytes = 0
+        self._cond = threading.Condition()
+
+    def put(self, item: _Item, timeout: float = 0.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._items) >= self.max_items or (self._bytes and self._bytes + item.cost > self.max_bytes):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            self._items.append(item)
+            self._bytes += item.cost
+            self._cond.notify_all()
+            return True
+
+    def take(self, limit: int, first_timeout: float, window: float) -> list[_Item]:
+        """Up to ``limit`` items: waits ``first_timeout`` for the first, then ``window`` for more."""
+        batch: list[_Item] = []
+        deadline = time.monotonic() + first_timeout
+        with self._cond:
+            while len(batch) < limit:
+                if self._items:
+                    batch.append(self._items.popleft())
+                    if len(batch) == 1:
+                        deadline = time.monotonic() + window
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if batch:
+                self._cond.notify_all()
+        return batch
+
+    def release(self, items: list[_Item]) -> None:
+        """``items`` (taken before) are done with: their bytes no longer count."""
+        with self._cond:
+            self._bytes -= sum(item.cost for item in items)
+            self._cond.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def empty(self) -> bool:
+        return not self._items
+
+
+def _is_transient(err: BaseException) -> bool:
+    """A failure of the database (down, locked, connection lost) rather than of the data: wait
+    and retry the same messages. Everything else is the data's: split the batch."""
+    if isinstance(err, (OperationalError, InterfaceError)):
+        return True
+    return isinstance(err, DBAPIError) and bool(err.connection_invalidated)
+
+
+def ascii_text(value: str, limit: int) -> str:
+    """``value`` as printable ASCII (anything else escaped), at most ``limit`` characters."""
+    escaped = value.encode("ascii", "backslashreplace").decode("ascii")
+    return "".join(c if " " <= c <= "~" else f"\\x{ord(c):02x}" for c in escaped)[:limit]
 
 
 def _device_values(record: StateRecord, heard: float) -> dict[str, Any]:
     return {"id": record.device, "status": record.status, "status_reason": record.reason, "first_seen": heard,
-              "last_seen": heard, "state_ts": record.ts, "provider": record.provider, "profile": record.profile,
-              "capabilities": record.capabilities, "model_name": record.model_name,
-              "model_version": record.model_version, "model_sha256": record.model_sha256}
+            "last_seen": heard, "state_ts": record.ts, "state_heard": heard, "provider": record.provider,
+            "profile": record.profile, "capabilities": record.capabilities, "model_name": record.model_name,
+            "model_version": record.model_version, "model_sha256": record.model_sha256,
+            "groups_enrolled_at": heard if record.groups is not None else None}
 
 
 _TELEMETRY_FIELDS = ("latency_p50", "latency_p90", "latency_p99", "latency_mean", "throughput_per_s",
@@ -105,45 +205,62 @@ class Writer:
         self.database = database
 
     def states(self, connection: Any, records: list[tuple[StateRecord | Decommissioned, float]]) -> None:
-        """Apply states, each with when the device was last heard by it (``heard``: the receipt for
-        a live message; for a retained one, replayed by the broker at every subscribe, no later than
-        the device's own ts). ``last_seen`` only ever moves forward."""
+        """Apply states, each with when the server heard it (``heard``: the receipt for a live
+        message; for a retained one, replayed by the broker at every subscribe, no later than the
+        device's own ts). States are ordered by ``heard``, never by the device's ts alone (a
+        device clock 10 days ahead must not make every later state look older); ``last_seen``
+        only ever moves forward. Groups: see :meth:`_groups`."""
         gone = [r.device for r, _ in records if isinstance(r, Decommissioned)]
         latest: dict[str, tuple[StateRecord, float]] = {}
         for record, heard in records:
             if isinstance(record, StateRecord):
-                if record.device not in latest or record.ts >= latest[record.device][0].ts:
+                if record.device not in latest or heard >= latest[record.device][1]:
                     latest[record.device] = (record, heard)
             else:
                 latest.pop(record.device, None)
         if gone:
             connection.execute(delete(tables.devices).where(tables.devices.c.id.in_(gone)))
-            connection.execute(delete(tables.device_groups).where(tables.device_groups.c.device.in_(gone)))
+            for table in (tables.device_groups, tables.device_claimed_groups):
+                connection.execute(delete(table).where(table.c.device.in_(gone)))
         if not latest:
             return
-        stored = dict(connection.execute(select(tables.devices.c.id, tables.devices.c.state_ts)
-                                         .where(tables.devices.c.id.in_(list(latest)))).all())
-        fresh = [(r, heard) for r, heard in latest.values() if stored.get(r.device) is None or r.ts >= stored[r.device]]
+        devices = tables.devices
+        stored = {row.id: row for row in connection.execute(
+            select(devices.c.id, devices.c.state_heard, devices.c.groups_enrolled_at)
+            .where(devices.c.id.in_(list(latest))))}
+        fresh = [(r, heard) for r, heard in latest.values() if r.device not in stored
+                 or stored[r.device].state_heard is None or heard >= stored[r.device].state_heard]
         if not fresh:
             return
-        devices = tables.devices
         stmt = self.database.insert(devices)
         keep = ("model_name", "model_version", "model_sha256", "provider", "profile", "capabilities")
-        updates = {name: stmt.excluded[name] for name in ("status", "status_reason", "state_ts")}
+        updates = {name: stmt.excluded[name] for name in ("status", "status_reason", "state_ts", "state_heard")}
         updates["last_seen"] = case((stmt.excluded.last_seen > devices.c.last_seen, stmt.excluded.last_seen),
                                     else_=devices.c.last_seen)
-        for name in keep:  # an offline will without a model does not erase what the device ran
-            updates[name] = _coalesce(stmt.excluded[name], devices.c[name])
+        for name in (*keep, "groups_enrolled_at"):  # an offline will without a model does not erase what it ran
+            updates[name] = _coalesce(devices.c[name], stmt.excluded[name]) if name == "groups_enrolled_at" \
+                else _coalesce(stmt.excluded[name], devices.c[name])
         connection.execute(stmt.on_conflict_do_update(index_elements=["id"], set_=updates),
                            [_device_values(r, heard) for r, heard in fresh])
-        newer = [r for r, _ in fresh]
-        grouped = [r for r in newer if r.groups is not None]
-        if grouped:
-            connection.execute(delete(tables.device_groups).where(
-                tables.device_groups.c.device.in_([r.device for r in grouped])))
-            rows = [{"device": r.device, "group_name": g} for r in grouped for g in r.groups or ()]
+        unenrolled = {d for d in latest if d not in stored or stored[d].groups_enrolled_at is None}
+        self._groups(connection, [r for r, _ in fresh if r.groups is not None], unenrolled)
+
+    def _groups(self, connection: Any, claiming: list[StateRecord], unenrolled: set[str]) -> None:
+        """A device's claimed groups are recorded, never used: rollouts target the groups the
+        server enrolled. The claim of a device's first state with groups is enrolled (trust on
+        first use); later claims change only ``device_claimed_groups`` (an operator enrolls
+        with ``PUT /api/devices/{id}/groups``)."""
+        if not claiming:
+            return
+        tables_to_set = [(tables.device_claimed_groups, claiming),
+                         (tables.device_groups, [r for r in claiming if r.device in unenrolled])]
+        for table, records in tables_to_set:
+            if not records:
+                continue
+            connection.execute(delete(table).where(table.c.device.in_([r.device for r in records])))
+            rows = [{"device": r.device, "group_name": g} for r in records for g in r.groups or ()]
             if rows:
-                connection.execute(self.database.insert(tables.device_groups).on_conflict_do_nothing(), rows)
+                connection.execute(self.database.insert(table).on_conflict_do_nothing(), rows)
 
     def telemetry(self, connection: Any, records: list[tuple[TelemetryRecord, float]]) -> None:
         if not records:
@@ -156,7 +273,7 @@ class Writer:
         latest: dict[str, tuple[TelemetryRecord, float]] = {}
         for record, at in records:
             latest[record.device] = (record, at)
-        devices = tables.devices
+        devices = tables.devices  # (every integer below 2^62: records.py bounds and clamps them)
         stmt = self.database.insert(devices)
         rows = []
         for record, at in latest.values():
@@ -186,9 +303,11 @@ class Writer:
                 repeats += 1
                 continue
             rd = tables.rollout_devices
+            # A final event ends the job whatever its ts (a device clock stepped back must not
+            # leave the wave to time out); a non-final one loses to a newer ts already applied.
+            in_order = rd.c.job_ts.is_(None) | (rd.c.job_ts <= record.ts) if not record.final else rd.c.final.is_(False)
             connection.execute(update(rd).where(
-                rd.c.command_id == record.job, rd.c.device == record.device, rd.c.final.is_(False),
-                (rd.c.job_ts.is_(None)) | (rd.c.job_ts <= record.ts),
+                rd.c.command_id == record.job, rd.c.device == record.device, rd.c.final.is_(False), in_order,
             ).values(state=record.state, final=record.final, reason=record.reason, job_ts=record.ts, updated_at=at))
             connection.execute(update(rd).where(rd.c.undo_command_id == record.job, rd.c.device == record.device)
                                .values(undo_state=record.state, undo_reason=record.reason))
@@ -200,10 +319,11 @@ def _coalesce(new: Any, old: Any) -> Any:
 
 
 class Ingest:
-    """The consumer: two MQTT connections, a bounded queue, one writer thread."""
+    """The consumer: two MQTT connections, per-device budgets, a bounded queue, one writer thread."""
 
     def __init__(self, database: Database, broker: BrokerOptions, *, server_id: str,
-                 share_group: str = "edgepack-fleet", session_expiry_s: int = SESSION_EXPIRY_S) -> None:
+                 share_group: str = "edgepack-fleet", session_expiry_s: int = SESSION_EXPIRY_S,
+                 limits: IngestLimits | None = None, queue_bytes: int = QUEUE_BYTES) -> None:
         self.database = database
         self.writer = Writer(database)
         self.broker = broker
@@ -211,8 +331,12 @@ class Ingest:
         self.server_id = validate_id(server_id, "server id")
         self.share_group = validate_id(share_group, "share group")
         self.session_expiry_s = session_expiry_s
+        self.limits = limits or IngestLimits()
+        self.budgets = {"state": Buckets(self.limits.state), "job": Buckets(self.limits.job),
+                        "telemetry": Buckets(self.limits.telemetry)}
         self.counters = IngestCounters()
-        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=QUEUE_BOUND)
+        self.drops = DropLedger()
+        self._queue = ByteQueue(QUEUE_BOUND, queue_bytes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._commits: deque[tuple[float, int]] = deque(maxlen=4096)  # (commit time, telemetry stored so far)
@@ -226,6 +350,17 @@ class Ingest:
         return replace(base, client_id=client_id, session_expiry=self.session_expiry_s if persistent else 0,
                        manual_ack=persistent, max_queued=100_000, max_inflight=100)
 
+    def _drop(self, device: str, reason: str) -> None:
+        self.counters.dropped[reason] += 1
+        self.drops.add(device, reason)
+
+    def _admit(self, kind: str, device: str, now: float) -> bool:
+        """Whether ``device`` has budget left for one more message of ``kind`` (else dropped)."""
+        if self.budgets[kind].allow(device, now):
+            return True
+        self._drop(device, f"{kind}_rate")
+        return False
+
     def _on_control(self, message: Incoming) -> None:
         parsed = self.topics.parse(message.topic)
         if parsed is None or parsed.device is None or parsed.kind not in ("state", "job"):
@@ -233,11 +368,13 @@ class Ingest:
             self._ack(message)
             return
         self.counters.received[parsed.kind] += 1
-        try:
-            self._queue.put(_Item(parsed.kind, parsed.device, message.payload, time.time(), message),
-                            timeout=CONTROL_PUT_TIMEOUT_S)
-        except queue.Full:  # not acknowledged: the broker sends it again after a reconnect
-            self.counters.dropped["queue_full"] += 1
+        now = time.time()
+        if not self._admit(parsed.kind, parsed.device, now):
+            self._ack(message)  # over its budget: dropped for good, not redelivered
+            return
+        item = _Item(parsed.kind, parsed.device, message.payload, now, message, message.topic)
+        if not self._queue.put(item, timeout=CONTROL_PUT_TIMEOUT_S):
+            self._drop(parsed.device, "queue_full")  # not acknowledged: the broker sends it again after a reconnect
 
     def _on_telemetry(self, message: Incoming) -> None:
         parsed = self.topics.parse(message.topic)
@@ -245,10 +382,11 @@ class Ingest:
             self.counters.dropped["bad_topic"] += 1
             return
         self.counters.received["telemetry"] += 1
-        try:
-            self._queue.put_nowait(_Item("telemetry", parsed.device, message.payload, time.time(), None))
-        except queue.Full:
-            self.counters.dropped["queue_full"] += 1
+        now = time.time()
+        if not self._admit("telemetry", parsed.device, now):
+            return
+        if not self._queue.put(_Item("telemetry", parsed.device, message.payload, now, None, message.topic)):
+            self._drop(parsed.device, "queue_full")
 
     def _ack(self, message: Incoming) -> None:
         if self.control is not None:
@@ -279,38 +417,69 @@ class Ingest:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return len(self._queue)
+
+    @property
+    def queue_bytes(self) -> int:
+        return self._queue.bytes
 
     # ---------------------------------------------------------------- writer thread
 
     def _run(self) -> None:
         while not (self._stop.is_set() and self._queue.empty()):
-            batch = self._take_batch()
+            batch = self._queue.take(MAX_BATCH, 0.2, BATCH_WINDOW_S)
             if not batch:
                 continue
-            while True:
-                try:
-                    self.flush(batch)
-                    break
-                except Exception:  # the database is unreachable or locked: keep the batch, retry
-                    log.exception("storing %d message(s) failed; retrying", len(batch))
-                    if self._stop.wait(1.0):
-                        return
+            stored = self.store(batch)
+            self._queue.release(batch)
+            if not stored:
+                return
 
-    def _take_batch(self) -> list[_Item]:
-        try:
-            first = self._queue.get(timeout=0.2)
-        except queue.Empty:
-            return []
-        batch = [first]
-        deadline = time.monotonic() + BATCH_WINDOW_S
-        while len(batch) < MAX_BATCH:
-            remaining = deadline - time.monotonic()
+    def store(self, batch: list[_Item]) -> bool:
+        """Store ``batch``, however long the database is away; a message that fails alone with a
+        data error becomes a dead letter. False only when stopped while the database was away."""
+        pending = [batch]
+        while pending:
+            part = pending.pop()
             try:
-                batch.append(self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait())
-            except queue.Empty:
-                break
-        return batch
+                self.flush(part)
+            except Exception as err:  # sorted right below: transient (retried) or the data's (split)
+                if _is_transient(err):
+                    log.warning("storing %d message(s) failed (%s); retrying", len(part), str(err)[:200])
+                    pending.append(part)
+                    if self._stop.wait(1.0):
+                        return False
+                elif len(part) > 1:
+                    half = len(part) // 2
+                    pending.extend((part[half:], part[:half]))  # the first half is stored first
+                else:
+                    pending.extend(self._dead_letter(part[0], err))
+        return True
+
+    def _dead_letter(self, item: _Item, err: BaseException) -> list[list[_Item]]:
+        """Record ``item`` as a dead letter and acknowledge it; if even that fails the database is
+        away: the item is handed back to be tried again."""
+        reason = ascii_text(f"{type(err).__name__}: {getattr(err, 'orig', None) or err}", 500)
+        log.error("a %s message of %s cannot be stored; kept as a dead letter: %s", item.kind, item.device, reason)
+        try:
+            with self.database.write() as connection:
+                connection.execute(tables.dead_letters.insert(), {
+                    "received_at": item.received_at, "device": item.device, "kind": item.kind,
+                    "topic": ascii_text(item.topic, 300), "reason": reason, "size": len(item.payload),
+                    "payload_head": bytes(item.payload[:DEAD_LETTER_HEAD])})
+                newest = connection.execute(select(func.max(tables.dead_letters.c.id))).scalar() or 0
+                connection.execute(delete(tables.dead_letters).where(
+                    tables.dead_letters.c.id <= newest - MAX_DEAD_LETTERS))
+        except SQLAlchemyError:
+            log.exception("recording a dead letter failed; retrying")
+            if self._stop.wait(1.0):
+                return []
+            return [[item]]
+        if item.message is not None:
+            self._ack(item.message)
+        self.counters.dead_letters[item.kind] += 1
+        self.drops.add(item.device, "dead_letter")
+        return []
 
     def flush(self, batch: Iterable[_Item]) -> None:
         """Parse, store in one transaction, then acknowledge the control messages in order."""
@@ -318,7 +487,7 @@ class Ingest:
         states: list[tuple[StateRecord | Decommissioned, float]] = []
         telemetry: list[tuple[TelemetryRecord, float]] = []
         jobs: list[tuple[JobRecord, float]] = []
-        dropped: Counter[str] = Counter()
+        dropped: list[tuple[str, str]] = []
         for item in items:
             record: Any
             if item.kind == "state":
@@ -333,7 +502,7 @@ class Ingest:
                 record = parse_telemetry(item.device, item.payload)
                 target, value = telemetry, (record, item.received_at)
             if isinstance(record, str):
-                dropped[record] += 1
+                dropped.append((item.device, record))
             else:
                 target.append(value)
         with self.database.write() as connection:
@@ -344,12 +513,14 @@ class Ingest:
         for item in items:
             if item.message is not None:
                 self._ack(item.message)
-        self._count(items, dropped, repeats, len(states), len(telemetry), len(jobs), committed)
+        for device, reason in dropped:
+            self._drop(device, reason)
+        self.counters.clamped.update(name for record, _ in telemetry for name in record.clamped)
+        self._count(items, repeats, len(states), len(telemetry), len(jobs), committed)
 
-    def _count(self, items: list[_Item], dropped: Counter[str], repeats: int, states: int, telemetry: int,
-               jobs: int, committed: float) -> None:
+    def _count(self, items: list[_Item], repeats: int, states: int, telemetry: int, jobs: int,
+               committed: float) -> None:
         counters = self.counters
-        counters.dropped.update(dropped)
         counters.stored["state"] += states
         counters.stored["telemetry"] += telemetry
         counters.stored["job"] += jobs - repeats

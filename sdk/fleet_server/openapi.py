@@ -10,7 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
-from sdk.fleet_server.queries import ROLLOUT_REQUEST_SCHEMA, SHA256_PATTERN
+from sdk.fleet_server.queries import (
+    GROUPS_REQUEST_SCHEMA,
+    MAX_DEAD_LETTER_PAGE,
+    MAX_ROW_ID,
+    ROLLOUT_REQUEST_SCHEMA,
+    SHA256_PATTERN,
+)
 
 API_VERSION = "1"
 
@@ -37,7 +43,11 @@ SCHEMAS: dict[str, Any] = {
             "model": {"type": ["object", "null"], "properties": {"name": _STRING_OR_NULL, "version": _STRING_OR_NULL,
                                                                   "sha256": _STRING_OR_NULL}},
             "version": _STRING_OR_NULL, "provider": _STRING_OR_NULL, "profile": _STRING_OR_NULL,
-            "groups": {"type": "array", "items": {"type": "string"}},
+            "groups": {"type": "array", "items": {"type": "string"},
+                       "description": "the groups the server enrolled the device in (what rollouts target)"},
+            "unenrolled_groups": {"type": "array", "items": {"type": "string"},
+                                  "description": "groups the device claims that the server did not enroll "
+                                                 "(ignored; PUT /api/devices/{device_id}/groups enrolls)"},
             "last_seen": {"type": "number", "description": "unix seconds (server clock)"},
             "first_seen": {"type": "number"},
             "latency_ms": {"type": "object", "properties": {"p50": _NUMBER_OR_NULL, "p90": _NUMBER_OR_NULL,
@@ -91,6 +101,17 @@ SCHEMAS: dict[str, Any] = {
         },
     },
     "RolloutRequest": ROLLOUT_REQUEST_SCHEMA,
+    "GroupsRequest": GROUPS_REQUEST_SCHEMA,
+    "DeadLetter": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "received_at": {"type": "number"},
+                       "device": {"type": "string"}, "kind": {"type": "string", "enum": ["state", "job", "telemetry"]},
+                       "topic": {"type": "string"},
+                       "reason": {"type": "string", "description": "why it could not be stored (ASCII)"},
+                       "size": {"type": "integer", "description": "payload bytes"},
+                       "payload_head": {"type": "string", "contentEncoding": "base64",
+                                        "description": "the first 1024 bytes of the payload"}},
+    },
     "RolloutSummary": {
         "type": "object",
         "properties": {
@@ -194,6 +215,21 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                        _query("until", {"type": "number"}, "unix seconds (default: now)"),
                        _query("step", {"type": "integer", "minimum": 1, "default": 60}, "seconds per point")],
         "responses": {"200": _json("points", _ref("Telemetry"))}}),
+    ("put", "/api/devices/{device_id}/groups", {
+        "summary": "Enroll a device in exactly these groups (audited as device.groups); rollouts target enrolled "
+                   "groups only, never what a device claims",
+        "parameters": [_DEVICE],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("GroupsRequest")}}},
+        "responses": {"200": _json("the device", _ref("Device"))}}),
+    ("get", "/api/dead-letters", {
+        "summary": "Device messages that parsed but could not be stored, newest first (the newest 10,000 kept)",
+        "parameters": [_query("limit", {"type": "integer", "minimum": 1, "maximum": MAX_DEAD_LETTER_PAGE,
+                                        "default": 100}, "page size"),
+                       _query("before", {"type": "integer", "minimum": 0, "maximum": MAX_ROW_ID},
+                              "entries with a smaller id (paging)"),
+                       _query("device", {"type": "string", "pattern": ID_PATTERN}, "only this device's")],
+        "responses": {"200": _json("dead letters", {"type": "object", "properties": {
+            "dead_letters": {"type": "array", "items": _ref("DeadLetter")}}})}}),
     ("get", "/api/artifacts", {"summary": "Uploaded artifacts, newest first",
                                "responses": {"200": _json("artifacts", {"type": "object", "properties": {
                                    "artifacts": {"type": "array", "items": _ref("Artifact")}}})}}),

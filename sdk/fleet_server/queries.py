@@ -7,6 +7,7 @@ documents the API sends, so their shapes are defined in one place (and described
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import time
@@ -116,19 +117,26 @@ def _device_json_sql(dialect: str) -> str:
     model_fields = "'name', d.model_name, 'version', d.model_version, 'sha256', d.model_sha256"
     has_model = "d.model_name IS NOT NULL OR d.model_version IS NOT NULL"
     rate_guard = "d.inferences_interval > 0 AND d.errors_interval IS NOT NULL"
+    unenrolled = ("FROM device_claimed_groups c WHERE c.device = d.id AND NOT EXISTS (SELECT 1 FROM device_groups g "
+                  "WHERE g.device = d.id AND g.group_name = c.group_name)")
     if dialect == "sqlite":
         obj, online = "json_object", f"json(CASE WHEN {_ONLINE} THEN 'true' ELSE 'false' END)"
         model = f"json(CASE WHEN {has_model} THEN json_object({model_fields}) END)"
-        groups = "json((SELECT json_group_array(g.group_name) FROM device_groups g WHERE g.device = d.id))"
+        groups = ("json((SELECT json_group_array(group_name) FROM (SELECT g.group_name FROM device_groups g "
+                  "WHERE g.device = d.id ORDER BY g.group_name)))")
+        claimed = (f"json((SELECT json_group_array(group_name) FROM (SELECT c.group_name AS group_name {unenrolled} "
+                   "ORDER BY c.group_name)))")
         rate = f"CASE WHEN {rate_guard} THEN round(CAST(d.errors_interval AS REAL) / d.inferences_interval, 6) END"
     else:
         obj, online = "json_build_object", f"({_ONLINE})"
         model = f"CASE WHEN {has_model} THEN json_build_object({model_fields}) END"
         groups = ("COALESCE((SELECT json_agg(g.group_name ORDER BY g.group_name) FROM device_groups g "
                   "WHERE g.device = d.id), '[]'::json)")
+        claimed = f"COALESCE((SELECT json_agg(c.group_name ORDER BY c.group_name) {unenrolled}), '[]'::json)"
         rate = f"CASE WHEN {rate_guard} THEN round(d.errors_interval::numeric / d.inferences_interval, 6) END"
     return (f"{obj}('id', d.id, 'online', {online}, {_pairs(_PLAIN)}, 'model', {model}, {_pairs(_AFTER_MODEL)}, "
-            f"'groups', {groups}, {_pairs(_AFTER_GROUPS)}, 'latency_ms', {obj}({latency}), "
+            f"'groups', {groups}, 'unenrolled_groups', {claimed}, {_pairs(_AFTER_GROUPS)}, "
+            f"'latency_ms', {obj}({latency}), "
             f"{_pairs(_AFTER_LATENCY)}, 'error_rate', {rate}, {_pairs(_LAST)})")
 
 
@@ -206,6 +214,57 @@ def get_device(database: Database, device: str, *, now: float, silence_s: float)
     if not found:
         raise ApiError(404, "not_found", f"no device {device}")
     return {**found[0], "capabilities": json.loads(capabilities) if capabilities else {}}
+
+
+MAX_GROUPS = 64
+GROUPS_REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["groups"],
+    "properties": {
+        "groups": {"type": "array", "maxItems": MAX_GROUPS,
+                   "items": {"type": "string", "pattern": ID_PATTERN, "maxLength": 64},
+                   "description": "every group the device belongs to (replaces what was enrolled)"},
+    },
+}
+
+
+def set_device_groups(database: Database, device: str, groups: Sequence[str], *, actor: str, remote: str,
+                      now: float | None = None) -> None:
+    """Enroll ``device`` in exactly ``groups`` (the server's word; what the device claims is
+    kept apart and never used), audited as ``device.groups``."""
+    now = time.time() if now is None else now
+    table = tables.device_groups
+    with database.write() as connection:
+        if connection.execute(select(tables.devices.c.id).where(tables.devices.c.id == device)).first() is None:
+            raise ApiError(404, "not_found", f"no device {device}")
+        before = sorted(connection.execute(select(table.c.group_name).where(table.c.device == device)).scalars())
+        connection.execute(table.delete().where(table.c.device == device))
+        if groups:
+            connection.execute(table.insert(), [{"device": device, "group_name": g} for g in groups])
+        connection.execute(tables.devices.update().where(tables.devices.c.id == device)
+                           .values(groups_enrolled_at=now))
+        audit.record(connection, actor=actor, action="device.groups", target=device, remote=remote, now=now,
+                     detail={"before": before, "after": sorted(groups)})
+
+
+MAX_DEAD_LETTER_PAGE = 1000
+MAX_ROW_ID = 10**18 - 1  # the largest ``before`` a page takes (18 digits, what Params.integer reads)
+
+
+def dead_letters(database: Database, *, limit: int, before: int | None, device: str | None) -> list[dict[str, Any]]:
+    """``GET /api/dead-letters``: device messages that could not be stored, newest first."""
+    table = tables.dead_letters
+    query = select(table).order_by(table.c.id.desc()).limit(min(max(limit, 1), MAX_DEAD_LETTER_PAGE))
+    if before is not None:
+        query = query.where(table.c.id < before)
+    if device is not None:
+        query = query.where(table.c.device == device)
+    with database.read() as connection:
+        rows = connection.execute(query).mappings().all()
+    return [{"id": row["id"], "received_at": row["received_at"], "device": row["device"], "kind": row["kind"],
+             "topic": row["topic"], "reason": row["reason"], "size": row["size"],
+             "payload_head": base64.b64encode(row["payload_head"]).decode("ascii")} for row in rows]
 
 
 def telemetry(database: Database, device: str, *, since: float, until: float, step: int,

@@ -1,6 +1,13 @@
 """What one state, telemetry or job message says, as bounded, typed values. Pure: bytes in,
 a record or a drop reason out; never raises.
 
+Every value a record holds can be stored by both backends and computed with: a message whose
+strings (any of them, keys included) hold a NUL or a lone surrogate is dropped (``bad_text``;
+sqlite3 and psycopg cannot encode a surrogate, PostgreSQL text refuses NUL, and the API could
+not answer it as UTF-8); counters are below :data:`BIG` (2^62), and a sum of counters (the
+per-reason error maps) is clamped to :data:`BIG` and the record says which field was clamped
+(``clamped``), so no stored integer, nor the sum of two of them, passes a signed 64-bit column.
+
 Why not the full JSON Schema validation of every telemetry message: at a thousand messages a
 second it would cost the server more than the rest of ingest, and the server needs only a
 few figures. Each figure is taken only when it has the right type and a finite value; a
@@ -26,6 +33,8 @@ MAX_GROUPS = 64
 MAX_TEXT = 300
 MAX_REASON = 500
 BIG = 2**62  # counters beyond this are nonsense (and would overflow a BIGINT)
+MAX_STRINGS = 10_000  # strings looked at in one message (a 64 KiB payload holds fewer)
+_BAD_TEXT = re.compile("[\x00\ud800-\udfff]")
 JOB_STATE = re.compile(r"[a-z_]{1,32}")  # the job schema's pattern
 
 
@@ -71,6 +80,7 @@ class TelemetryRecord:
     cpu_percent: float | None
     memory_rss_bytes: int | None
     temperature_c: float | None
+    clamped: tuple[str, ...] = ()  # fields whose sum passed BIG and were clamped to it
 
 
 @dataclass(frozen=True)
@@ -114,11 +124,30 @@ def _model(doc: dict[str, Any]) -> tuple[str | None, str | None, str | None]:
     return name, _text(model.get("version"), 128), sha
 
 
-def _error_sum(value: Any) -> int | None:
+def _error_sum(value: Any) -> tuple[int | None, bool]:
+    """The sum of a per-reason counter map, clamped to :data:`BIG`; and whether it was clamped."""
     if not isinstance(value, dict):
-        return None
-    counts = [_count(item) for item in value.values()]
-    return sum(c for c in counts if c is not None) if counts else 0
+        return None, False
+    total = sum(c for c in (_count(item) for item in value.values()) if c is not None)
+    return min(total, BIG), total > BIG
+
+
+def has_bad_text(doc: Any) -> bool:
+    """Whether any string in the decoded JSON (keys too) holds a NUL or a lone surrogate, or the
+    document holds more than :data:`MAX_STRINGS` strings. Iterative: no recursion on depth."""
+    stack, seen = [doc], 0
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            seen += 1
+            if seen > MAX_STRINGS or _BAD_TEXT.search(item) is not None:
+                return True
+    return False
 
 
 def _decode(payload: bytes) -> dict[str, Any] | str:
@@ -128,7 +157,9 @@ def _decode(payload: bytes) -> dict[str, Any] | str:
         doc = json.loads(payload)
     except (UnicodeDecodeError, ValueError, RecursionError):
         return "not_json"
-    return doc if isinstance(doc, dict) else "bad_schema"
+    if not isinstance(doc, dict):
+        return "bad_schema"
+    return "bad_text" if has_bad_text(doc) else doc
 
 
 def parse_state(device: str, payload: bytes) -> StateRecord | Decommissioned | str:
@@ -171,6 +202,10 @@ def parse_telemetry(device: str, payload: bytes) -> TelemetryRecord | str:
     latency = doc.get("latency_ms") if isinstance(doc.get("latency_ms"), dict) else {}
     inferences = doc.get("inferences") if isinstance(doc.get("inferences"), dict) else {}
     name, version, sha = _model(doc)
+    errors_total, total_clamped = _error_sum(doc.get("errors"))
+    errors_interval, interval_clamped = _error_sum(doc.get("errors_interval"))
+    clamped = tuple(field for field, flag in (("errors_total", total_clamped), ("errors_interval", interval_clamped))
+                    if flag)
     return TelemetryRecord(
         device=device, seq=_count(doc.get("seq")), model_name=name, model_version=version, model_sha256=sha,
         provider=_text(doc.get("provider"), 64),
@@ -178,9 +213,9 @@ def parse_telemetry(device: str, payload: bytes) -> TelemetryRecord | str:
         latency_p99=_number(latency.get("p99")), latency_mean=_number(latency.get("mean")),
         throughput_per_s=_number(doc.get("throughput_per_s")),
         inferences_total=_count(inferences.get("total")), inferences_interval=_count(inferences.get("interval")),
-        errors_total=_error_sum(doc.get("errors")), errors_interval=_error_sum(doc.get("errors_interval")),
+        errors_total=errors_total, errors_interval=errors_interval,
         cpu_percent=_number(doc.get("cpu_percent")), memory_rss_bytes=_count(doc.get("memory_rss_bytes")),
-        temperature_c=_number(doc.get("temperature_c")),
+        temperature_c=_number(doc.get("temperature_c")), clamped=clamped,
     )
 
 

@@ -7,6 +7,13 @@ minutes at full resolution); older samples are folded into one row per device an
 events and finished rollouts' history stay with the rollups' window. So under a constant
 load the row count, and with it the database, stops growing (a test measures it).
 
+Sums cannot overflow: every stored counter is below 2^62 (records.py), and a rollup's integer
+sums saturate at :data:`MAX_BIGINT` (its sample counts at :data:`MAX_INT`), the largest values
+their columns hold on both backends; float sums of values below 1e15 stay finite.
+
+A device's job events are kept at most ``job_rows_per_device`` (the newest; the ingest's
+per-device rate budget bounds how fast they come, this bounds how many stay).
+
 The folding is pure (:func:`bucket_of`, :func:`fold`, :func:`merge_points`): a rollup keeps
 sums and counts, never averages of averages, so folding twice (a late sample for a bucket
 already rolled up) adds up correctly. p50 over a bucket is the mean of the samples' p50s
@@ -24,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import and_, delete, func, select
 
 from sdk.errors import ServerConfigError
 from sdk.fleet_server import db as tables
@@ -35,6 +42,14 @@ log = logging.getLogger("edgepack.fleet_server.retention")
 MAX_POINTS = 5000
 """At most this many points in one telemetry answer (the API refuses a smaller step)."""
 PRUNE_BATCH = 20_000
+MAX_BIGINT = 2**63 - 1
+MAX_INT = 2**31 - 1
+JOB_ROWS_PER_DEVICE = 1000
+
+
+def saturating(total: int, more: int, limit: int = MAX_BIGINT) -> int:
+    """``total + more``, at most ``limit``."""
+    return min(total + more, limit)
 
 
 @dataclass(frozen=True)
@@ -101,27 +116,27 @@ class Bucket:
 
     def add_sample(self, p50: float | None, p99: float | None, throughput: float | None, inferences: int | None,
                    errors: int | None) -> None:
-        self.samples += 1
+        self.samples = saturating(self.samples, 1, MAX_INT)
         if p50 is not None:
             self.latency_p50_sum += p50
-            self.latency_p50_samples += 1
+            self.latency_p50_samples = saturating(self.latency_p50_samples, 1, MAX_INT)
         if p99 is not None:
             self.latency_p99_max = p99 if self.latency_p99_max is None else max(self.latency_p99_max, p99)
         self.throughput_sum += throughput or 0.0
-        self.inferences += inferences or 0
-        self.errors += errors or 0
+        self.inferences = saturating(self.inferences, inferences or 0)
+        self.errors = saturating(self.errors, errors or 0)
 
     def merge(self, other: Bucket) -> None:
         """Add another partial bucket of the same device and time (sums add, the maximum stays)."""
-        self.samples += other.samples
+        self.samples = saturating(self.samples, other.samples, MAX_INT)
         self.latency_p50_sum += other.latency_p50_sum
-        self.latency_p50_samples += other.latency_p50_samples
+        self.latency_p50_samples = saturating(self.latency_p50_samples, other.latency_p50_samples, MAX_INT)
         if other.latency_p99_max is not None:
             self.latency_p99_max = other.latency_p99_max if self.latency_p99_max is None \
                 else max(self.latency_p99_max, other.latency_p99_max)
         self.throughput_sum += other.throughput_sum
-        self.inferences += other.inferences
-        self.errors += other.errors
+        self.inferences = saturating(self.inferences, other.inferences)
+        self.errors = saturating(self.errors, other.errors)
 
     def row(self) -> dict[str, Any]:
         return {"device": self.device, "bucket": self.bucket, "step": self.step, "samples": self.samples,
@@ -212,6 +227,7 @@ class Pruner:
 
     database: Database
     policy: RetentionPolicy
+    job_rows_per_device: int = JOB_ROWS_PER_DEVICE
     folded: int = 0
     deleted_rollups: int = 0
     deleted_events: int = 0
@@ -230,8 +246,23 @@ class Pruner:
                 tables.telemetry_rollup.c.bucket < bucket_of(horizon, self.policy.step_s)))
             events = connection.execute(delete(tables.job_events).where(tables.job_events.c.received_at < horizon))
         self.deleted_rollups += rollups.rowcount or 0
-        self.deleted_events += events.rowcount or 0
+        self.deleted_events += (events.rowcount or 0) + self._cap_job_events()
         self.runs += 1
+
+    def _cap_job_events(self) -> int:
+        """Delete each device's job events beyond the newest ``job_rows_per_device``."""
+        events, cap, deleted = tables.job_events, self.job_rows_per_device, 0
+        with self.database.write() as connection:
+            over = connection.execute(select(events.c.device).group_by(events.c.device)
+                                      .having(func.count() > cap)).scalars().all()
+            for device in over:
+                boundary = connection.execute(select(events.c.id).where(events.c.device == device)
+                                              .order_by(events.c.id.desc()).offset(cap).limit(1)).scalar()
+                if boundary is not None:
+                    result = connection.execute(delete(events).where(and_(events.c.device == device,
+                                                                          events.c.id <= boundary)))
+                    deleted += result.rowcount or 0
+        return deleted
 
     def _fold_batch(self, cutoff: int) -> bool:
         raw = tables.telemetry_raw

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -29,7 +30,7 @@ from sdk.broker import BrokerOptions
 from sdk.errors import ServerConfigError
 from sdk.fleet_server import queries
 from sdk.fleet_server.api import ApiContext, build_app
-from sdk.fleet_server.artifacts import DEFAULT_MAX_UPLOAD, ArtifactStore
+from sdk.fleet_server.artifacts import DEFAULT_MAX_UPLOAD, DEFAULT_RECHECK_S, ArtifactStore
 from sdk.fleet_server.auth import TokenCheck, read_token_file
 from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.driver import Driver, DriverConfig
@@ -88,6 +89,8 @@ class ServerConfig:
     max_upload: int = DEFAULT_MAX_UPLOAD
     driver: DriverConfig = field(default_factory=DriverConfig)
     http: HttpLimits = field(default_factory=HttpLimits)
+    init: bool = False  # a database without a fleet may be made one even beside stored artifacts
+    artifact_recheck_s: float = DEFAULT_RECHECK_S
 
     def resolved_id(self) -> str:
         server_id = self.server_id or default_server_id(self.listen)
@@ -126,7 +129,8 @@ class FleetServer:
         self._threads: list[threading.Thread] = []
         self._api: ApiContext | None = None
         self.http_guard: Any = None  # the connection guard (http_guard.Guard) once serve() made it
-        self.store = ArtifactStore(config.artifacts_dir, self.trust, max_bytes=config.max_upload)
+        self.store = ArtifactStore(config.artifacts_dir, self.trust, max_bytes=config.max_upload,
+                                   recheck_s=config.artifact_recheck_s)
 
     def artifact_url(self, sha256: str) -> str:
         if self.public_url is not None:
@@ -138,7 +142,8 @@ class FleetServer:
 
     def start(self) -> None:
         """Open the database (migrating it), connect to the broker, start the loops."""
-        self.database = open_database(self.config.db_url)
+        self.database = open_database(self.config.db_url, stored_artifacts=self.store.count(),
+                                      init=self.config.init)
         self.pruner = Pruner(self.database, self.config.retention)
         self.ingest = Ingest(self.database, self.config.broker, server_id=self.server_id,
                              share_group=self.config.share_group)
@@ -175,7 +180,7 @@ class FleetServer:
         if self.ingest is not None:
             self.ingest.stop()
         if self.database is not None:
-            self.database.dispose()
+            self.database.close()  # on SQLite: the WAL checkpointed into the file
 
     # ---------------------------------------------------------------- views
 
@@ -190,6 +195,7 @@ class FleetServer:
             "leader": self.driver.leader,
             "lease": lease,
             "ingest": {**self.ingest.counters.to_json(), "queue_depth": self.ingest.queue_depth,
+                       "queue_bytes": self.ingest.queue_bytes, "dropped_by_device": self.ingest.drops.top(50),
                        "rate_per_s": round(self.ingest.rate(time.time()), 3),
                        "control_connected": bool(self.ingest.control and self.ingest.control.connected),
                        "telemetry_connected": bool(self.ingest.telemetry and self.ingest.telemetry.connected)},
@@ -231,6 +237,15 @@ class FleetServer:
                [({"kind": k}, counters.stored[k]) for k in ("state", "telemetry", "job")])
         metric("edgepack_fleet_ingest_dropped_total", "counter", "Messages dropped, by reason.",
                [({"reason": r}, n) for r, n in sorted(counters.dropped.items())] or [({"reason": "none"}, 0)])
+        metric("edgepack_fleet_ingest_dropped_by_device_total", "counter", "Messages dropped, by device and "
+               "reason (the 50 devices with the most drops).",
+               [({"device": d, "reason": r}, n) for d, reasons in self.ingest.drops.top(50).items()
+                for r, n in sorted(reasons.items())] or [({"device": "none", "reason": "none"}, 0)])
+        metric("edgepack_fleet_ingest_dead_letters_total", "counter", "Messages that could not be stored, kept "
+               "in the dead-letter table (GET /api/dead-letters), by kind.",
+               [({"kind": k}, counters.dead_letters[k]) for k in ("state", "telemetry", "job")])
+        metric("edgepack_fleet_ingest_clamped_total", "counter", "Summed counters clamped at parse, by field.",
+               [({"field": f}, counters.clamped[f]) for f in ("errors_total", "errors_interval")])
         metric("edgepack_fleet_ingest_rate", "gauge", "Telemetry messages stored per second (last 10 s).",
                [({}, round(self.ingest.rate(now), 3))])
         metric("edgepack_fleet_ingest_lag_seconds", "gauge", "Receipt to commit, the last batch.",
@@ -239,6 +254,8 @@ class FleetServer:
                [({}, round(counters.max_lag_s, 4))])
         metric("edgepack_fleet_ingest_queue_depth", "gauge", "Messages received, not yet stored.",
                [({}, self.ingest.queue_depth)])
+        metric("edgepack_fleet_ingest_queue_bytes", "gauge", "What the queued messages cost (payload and "
+               "overhead); bounded.", [({}, self.ingest.queue_bytes)])
         metric("edgepack_fleet_leader", "gauge", "1 while this server holds the rollout lease.",
                [({"server": self.server_id}, 1 if self.driver.leader else 0)])
         metric("edgepack_fleet_commands_sent_total", "counter", "Commands the broker acknowledged.",
@@ -283,9 +300,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
+    raise SystemExit(0)
+
+
 def serve(config: ServerConfig) -> None:
-    """Run the fleet server until SIGTERM or SIGINT."""
+    """Run the fleet server until SIGTERM or SIGINT, then stop its parts (the database last).
+
+    uvicorn raises the signal that stopped it again once it is done; with SIGTERM's default
+    action that killed the process before the stop below ran (the driver, the ingest, the
+    SQLite checkpoint). With this handler the SIGTERM (also one during start-up) is a
+    ``SystemExit``: the ``finally`` runs, the exit status is 0; SIGINT is ``KeyboardInterrupt``."""
     import uvicorn
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     from sdk.fleet_server.http_guard import Guard, protocol_class, raise_fd_limit
 

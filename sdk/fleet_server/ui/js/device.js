@@ -24,6 +24,7 @@ function facts(device) {
     ["Provider", device.provider || "–"],
     ["Profile", device.profile || "–"],
     ["Groups", device.groups.join(", ") || "–"],
+    ["Groups claimed, not enrolled", (device.unenrolled_groups || []).join(", ") || "–"],
     ["Last seen", when(device.last_seen)],
     ["First seen", time(device.first_seen)],
     ["Latency p50 / p90 / p99", `${ms(device.latency_ms.p50)} / ${ms(device.latency_ms.p90)} / ` +

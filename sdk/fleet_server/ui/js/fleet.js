@@ -55,7 +55,17 @@ function deviceRow(device) {
     clipped(device.model ? device.model.name : null), clipped(device.version), clipped(device.provider),
     h("td", { class: "num" }, ms(device.latency_ms.p50)), h("td", { class: "num" }, ms(device.latency_ms.p99)),
     h("td", { class: "num" }, percent(device.error_rate)),
-    h("td", {}, when(device.last_seen)), h("td", {}, device.groups.join(", ") || "–"));
+    h("td", {}, when(device.last_seen)), groupsCell(device));
+}
+
+// The groups the server enrolled; those the device claims beyond them are shown apart (ignored
+// by rollouts until an operator enrolls them with PUT /api/devices/{id}/groups).
+function groupsCell(device) {
+  const claimed = device.unenrolled_groups || [];
+  return h("td", { class: "groups" }, device.groups.join(", ") || "–",
+    claimed.length ? [" ", h("span", { class: "badge warn unenrolled",
+                                       title: "claimed by the device, not enrolled by the server: ignored" },
+                             `claims ${claimed.join(", ")}`)] : null);
 }
 
 export function mount(root, route) {
