@@ -76,8 +76,13 @@ def parse_ledger(document: object) -> dict[tuple[str, str], Bucket]:
     buckets: dict[tuple[str, str], Bucket] = {}
     if isinstance(document, dict) and document.get("format") == _FORMAT and isinstance(document.get("ids"), dict):
         for cid, entry in document["ids"].items():
-            if isinstance(entry, list) and len(entry) == 3 and _finite(entry[0]) and \
-                    isinstance(entry[1], str) and isinstance(entry[2], str):
+            if (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and _finite(entry[0])
+                and isinstance(entry[1], str)
+                and isinstance(entry[2], str)
+            ):
                 buckets.setdefault((entry[1], entry[2]), {})[str(cid)] = float(entry[0])
     elif isinstance(document, dict):
         legacy = {str(cid): float(v) for cid, v in document.items() if _finite(v)}
@@ -107,8 +112,9 @@ class ReplayGuard:
         except (UnicodeDecodeError, ValueError):
             document = None
         if not isinstance(document, dict):
-            log.error("replay ledger %s is damaged; starting empty (the job journal still answers duplicates)",
-                      self.path)
+            log.error(
+                "replay ledger %s is damaged; starting empty (the job journal still answers duplicates)", self.path
+            )
             return {}
         return parse_ledger(document)
 
@@ -124,8 +130,9 @@ class ReplayGuard:
         with self._lock:
             return len(self._buckets.get((sender, kind), {}))
 
-    def remember(self, command_id: str, expires_at: float, now: float, *, sender: str = UNSIGNED,
-                 kind: str = "") -> None:
+    def remember(
+        self, command_id: str, expires_at: float, now: float, *, sender: str = UNSIGNED, kind: str = ""
+    ) -> None:
         """Record ``command_id`` of ``kind`` from ``sender`` until ``expires_at``; raises
         ReplayError if it was seen, its signed bucket is full, or it cannot be written (the
         command must then not run)."""
@@ -135,8 +142,10 @@ class ReplayGuard:
             key = (sender, kind)
             bucket = make_room(self._buckets.get(key, {}), now, self.max_per_bucket, forget_oldest=sender == UNSIGNED)
             if bucket is None:
-                raise ReplayError(f"{self.max_per_bucket} unexpired {kind} command ids of operator key {sender} are "
-                                  "remembered, the most allowed; refusing new ones until some expire")
+                raise ReplayError(
+                    f"{self.max_per_bucket} unexpired {kind} command ids of operator key {sender} are "
+                    "remembered, the most allowed; refusing new ones until some expire"
+                )
             bucket = {**bucket, command_id: float(expires_at)}
             if sender != UNSIGNED:
                 self._write({**self._buckets, key: bucket}, now)
@@ -144,8 +153,13 @@ class ReplayGuard:
 
     def _write(self, buckets: dict[tuple[str, str], Bucket], now: float) -> None:
         """Persist the signed buckets' unexpired ids (unsigned ones live in memory only)."""
-        ids = {cid: [expires, sender, kind] for (sender, kind), bucket in buckets.items() if sender != UNSIGNED
-               for cid, expires in bucket.items() if expires >= now}
+        ids = {
+            cid: [expires, sender, kind]
+            for (sender, kind), bucket in buckets.items()
+            if sender != UNSIGNED
+            for cid, expires in bucket.items()
+            if expires >= now
+        }
         try:
             atomic_write(self.path, json.dumps({"format": _FORMAT, "ids": ids}, separators=(",", ":")).encode())
         except OSError as err:
