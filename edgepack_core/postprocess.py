@@ -249,6 +249,15 @@ def nms(boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray, iou_threshol
     return np.asarray(kept, dtype=np.int64)
 
 
+def select_detections(boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray, *, score_threshold: float,
+                      iou_threshold: float, max_detections: int) -> np.ndarray:
+    """Indices of what one image reports: the candidates scoring above ``score_threshold``,
+    through class-wise :func:`nms`, best first. The device's answer and the packager's
+    detection metric both decode with this."""
+    candidates = np.flatnonzero(np.asarray(scores) > score_threshold)
+    return candidates[nms(boxes[candidates], scores[candidates], classes[candidates], iou_threshold, max_detections)]
+
+
 def _xywh_to_xyxy(xywh: np.ndarray) -> np.ndarray:
     half = xywh[:, 2:4] / 2
     return np.concatenate([xywh[:, 0:2] - half, xywh[:, 0:2] + half], axis=1)
@@ -257,15 +266,16 @@ def _xywh_to_xyxy(xywh: np.ndarray) -> np.ndarray:
 def decode_yolo(output: np.ndarray, fmt: str) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per image of the batch: (boxes x1y1x2y2 [A, 4], best score [A], best class [A])."""
     output = np.asarray(output, dtype=np.float64)
+    shape = list(output.shape)  # as the model returned it, for the messages
     if output.ndim == 2:
         output = output[None]
     minimum = 5 if fmt == "yolov8" else 6
     if output.ndim != 3:
-        raise PostprocessError(f"a {fmt} output must be [batch, ...] of rank 3, got shape {list(output.shape)}")
+        raise PostprocessError(f"a {fmt} output must be [batch, ...] of rank 3, got shape {shape}")
     rows = output.transpose(0, 2, 1) if fmt == "yolov8" else output
     if rows.shape[2] < minimum:
         layout = "[batch, 4 + classes, anchors]" if fmt == "yolov8" else "[batch, anchors, 5 + classes]"
-        raise PostprocessError(f"a {fmt} output is {layout}, got shape {list(output.shape)}")
+        raise PostprocessError(f"a {fmt} output is {layout}, got shape {shape}")
     decoded = []
     for image in rows:
         class_scores = image[:, 4:] if fmt == "yolov8" else image[:, 5:] * image[:, 4:5]
@@ -321,18 +331,46 @@ def ctc_greedy(steps: np.ndarray, blank: int, symbols: Sequence[str] | None, *,
                                f"classes (the charset plus the blank: {len(symbols) + 1})")
     probabilities = softmax(steps, axis=1) if apply_softmax else steps
     best = np.argmax(probabilities, axis=1)
-    keep = best != blank
-    keep[1:] &= best[1:] != best[:-1]
+    keep = ctc_collapse(best, blank)
     kept = best[keep]
     text = "".join(_symbol(int(i), blank, symbols) for i in kept)
     score = float(np.mean(probabilities[keep, kept])) if kept.size else 0.0
     return {"text": text, "score": score}
 
 
+def ctc_collapse(best: np.ndarray, blank: int) -> np.ndarray:
+    """Which steps of a greedy CTC path ``best`` (one class index per step) are kept: not the
+    blank and not a repeat of the step before. The shared rule of the device's ``ctc`` result
+    and the packager's sequence metric."""
+    best = np.asarray(best)
+    keep = best != blank
+    keep[1:] &= best[1:] != best[:-1]
+    return keep
+
+
 def _symbol(index: int, blank: int, symbols: Sequence[str] | None) -> str:
     if symbols is None:  # no charset: the class index itself, so a result is never silently empty
         return f"[{index}]"
     return symbols[index if index < blank else index - 1]
+
+
+# ----------------------------------------------------------------------------- classes
+
+
+def class_rows(output: np.ndarray) -> np.ndarray:
+    """An output as float64 rows of class scores: a 1-D output is one row; otherwise the first
+    axis is the batch and every other axis is flattened (``[1, 1000, 1, 1]`` heads)."""
+    output = np.asarray(output)
+    if output.ndim == 0 or output.size == 0:
+        raise PostprocessError(f"an output of shape {list(output.shape)} holds no class scores")
+    rows = output.reshape(1, -1) if output.ndim == 1 else output.reshape(output.shape[0], -1)
+    return rows.astype(np.float64)
+
+
+def top_k(rows: np.ndarray, k: int) -> np.ndarray:
+    """Per row, the indices of the ``k`` best scores, best first, ties to the lower index (a NaN
+    ranks last). The device's ``topk`` result and the packager's top-1 metric both use it."""
+    return np.argsort(-np.asarray(rows, dtype=np.float64), axis=1, kind="stable")[:, :k]
 
 
 # ----------------------------------------------------------------------------- executor
@@ -356,7 +394,8 @@ class Postprocessor:
             return self._detection(outputs, geometry)
         if self.kind == "ctc":
             return self._ctc(self._select(outputs))
-        rows, single = self._rows(self._select(outputs))
+        rows = class_rows(self._select(outputs))
+        single = rows.shape[0] == 1
         if self.kind == "softmax":
             probabilities = softmax(rows, axis=1).tolist()
             return probabilities[0] if single else probabilities
@@ -374,21 +413,12 @@ class Postprocessor:
             raise PostprocessError(f"no model output named {name!r} (outputs: {', '.join(outputs)})")
         return np.asarray(outputs[name])
 
-    @staticmethod
-    def _rows(output: np.ndarray) -> tuple[np.ndarray, bool]:
-        if output.ndim == 0 or output.size == 0:
-            raise PostprocessError(f"an output of shape {list(output.shape)} holds no class scores")
-        rows = output.reshape(1, -1) if output.ndim == 1 else output.reshape(output.shape[0], -1)
-        if rows.shape[1] == 0:
-            raise PostprocessError(f"an output of shape {list(output.shape)} holds no class scores")
-        return rows.astype(np.float64), rows.shape[0] == 1
-
     def _label(self, index: int) -> str | None:
         labels = self.labels or []
         return labels[index] if 0 <= index < len(labels) else None
 
     def _topk(self, scores: np.ndarray) -> list[dict[str, Any]]:
-        order = np.argsort(-scores, kind="stable")[: self.spec["k"]]
+        order = top_k(scores[None], self.spec["k"])[0]
         return [{"index": int(i), "label": self._label(int(i)), "score": float(scores[i])} for i in order]
 
     def _detection(self, outputs: Mapping[str, np.ndarray], geometry: Mapping[str, Any] | None) -> Any:
@@ -405,9 +435,8 @@ class Postprocessor:
 
     def _detections(self, boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray,
                     geometry: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-        candidates = np.flatnonzero(scores > self.spec["score_threshold"])
-        kept = candidates[nms(boxes[candidates], scores[candidates], classes[candidates],
-                              self.spec["iou_threshold"], self.spec["max_detections"])]
+        kept = select_detections(boxes, scores, classes, score_threshold=self.spec["score_threshold"],
+                                 iou_threshold=self.spec["iou_threshold"], max_detections=self.spec["max_detections"])
         mapped = to_original(boxes[kept], geometry)
         return [{"box": [float(v) for v in box], "score": float(scores[i]), "index": int(classes[i]),
                  "label": self._label(int(classes[i]))} for box, i in zip(mapped, kept, strict=True)]

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from sdk.errors import ValidationFailed
-from sdk.packager.metrics import DEFAULT_TOLERANCES, check_fidelity, tolerance
+from sdk.packager.fidelity import DEFAULT_TOLERANCES, check_fidelity, tolerance
 from sdk.packager.pipeline import build
 from sdk.recipe import recipe_from_dict
 

@@ -304,7 +304,7 @@ def test_a_detection_metric_on_an_output_that_is_no_detection_head_is_one_error_
     doc = {"name": "s", "version": "1.0.0", "model": {"path": "s.onnx"}, "optimize": {"fp16": True},
            "validate": {"data": "synthetic", "metric": "detection", "outputs": ["output"]}}
     with pytest.raises(RecipeError, match=r"validate\.metric: metric detection cannot read output output: a yolov8 "
-                                          r"head is \[batch, 4 \+ classes, anchors\], got \[1, 8\]"):
+                                          r"output is \[batch, 4 \+ classes, anchors\], got shape \[1, 8\]"):
         _build(tmp_path, doc, keypair)
 
 

@@ -21,13 +21,13 @@ from onnx import TensorProto, helper, numpy_helper
 from sdk.errors import ValidationFailed
 from sdk.packager import ort_host, sequences
 from sdk.packager.data import load_samples
-from sdk.packager.metrics import evaluate
 from sdk.packager.ort_host import run_feeds
 from sdk.packager.passes import quantize
 from sdk.packager.passes.base import BuildContext
 from sdk.packager.passes.validate import judge
 from sdk.packager.pipeline import build, run_passes
 from sdk.packager.quant_search import Candidate
+from sdk.packager.task_metrics import evaluate
 from sdk.recipe import recipe_from_dict
 from tools.demos.vad import CONTEXT, FRAME, HIDDEN, SAMPLE_RATE, build_vad, reference_step, write_wav
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sdk.packager.metrics import (
+from edgepack_core.postprocess import Postprocessor, ctc_greedy
+from sdk.packager.task_metrics import (
     Detections,
-    ctc_greedy,
+    MetricInputError,
+    ctc_labels,
     decode_yolov8,
     detection_agreement,
     evaluate,
@@ -18,6 +20,7 @@ from sdk.packager.metrics import (
     sequence_agreement,
     task_metric,
 )
+from tests.model_kinds import yolo_detections
 
 
 def _d(*boxes_scores_classes: tuple[list[float], float, int]) -> Detections:
@@ -98,8 +101,83 @@ def test_yolov8_decoding_thresholds_and_suppresses_per_class():
     assert image.boxes[0].tolist() == [8, 8, 12, 12]
 
 
-def test_ctc_greedy_collapses_repeats_and_drops_blanks():
-    assert ctc_greedy(np.array([0, 3, 3, 0, 3, 5, 5, 0]), blank=0) == (3, 3, 5)
+def test_ctc_labels_collapse_repeats_and_drop_blanks():
+    assert ctc_labels(np.array([0, 3, 3, 0, 3, 5, 5, 0]), blank=0) == (3, 3, 5)
+    assert ctc_labels(np.array([], np.int64), blank=0) == ()
+
+
+# --- One decoder per task: the metric decodes as the device does, and both as a brute force ---
+
+
+def test_the_metric_decodes_yolov8_heads_as_a_brute_force_reference_and_the_device_do():
+    rng = np.random.default_rng(22)
+    for _ in range(40):
+        anchors, classes = int(rng.integers(1, 30)), int(rng.integers(1, 4))
+        centres = rng.uniform(0, 20, (2, anchors))
+        sizes = rng.uniform(1, 8, (2, anchors))
+        head = np.concatenate([centres, sizes, rng.uniform(0, 1, (classes, anchors))]).astype(np.float32)
+        (image,) = decode_yolov8(head[None], score_threshold=0.3, iou_threshold=0.4)
+        expected = yolo_detections(head.astype(np.float64), 0.3, 0.4)  # the e2e tests' brute force
+        assert image.classes.tolist() == [e["index"] for e in expected]
+        assert image.scores.tolist() == pytest.approx([e["score"] for e in expected])
+        np.testing.assert_allclose(image.boxes, np.array([e["box"] for e in expected]).reshape(-1, 4))
+        device = Postprocessor({"kind": "detection", "score_threshold": 0.3, "iou_threshold": 0.4,
+                                "max_detections": 300})({"y": head[None]})
+        assert [d["index"] for d in device] == image.classes.tolist()
+        assert [d["box"] for d in device] == image.boxes.tolist()
+
+
+def test_a_score_exactly_at_the_threshold_is_no_detection_for_the_metric_as_for_the_device():
+    # The metric used to keep score >= threshold while the device reports score > threshold: a
+    # box at exactly 0.25 was judged but never served. 0.25 and 0.5 are exact in float32.
+    head = _yolo_head([(10, 10, 4, 4, [0.25]), (40, 40, 4, 4, [0.5])])
+    (image,) = decode_yolov8(head, score_threshold=0.25)
+    assert image.scores.tolist() == [0.5]
+    (above,) = decode_yolov8(head, score_threshold=0.2499)
+    assert above.scores.tolist() == [0.5, 0.25]
+    device = Postprocessor({"kind": "detection", "score_threshold": 0.25})({"y": head})
+    assert [d["score"] for d in device] == [0.5]
+
+
+def test_a_head_the_metric_cannot_read_is_a_metric_input_error():
+    with pytest.raises(MetricInputError, match="yolov8"):
+        decode_yolov8(np.zeros((1, 4, 10), np.float32))  # no class row
+
+
+def _brute_force_ctc(best: list[int], blank: int) -> tuple[int, ...]:
+    out, previous = [], None
+    for index in best:
+        if index != previous and index != blank:
+            out.append(index)
+        previous = index
+    return tuple(out)
+
+
+def test_the_metric_reads_ctc_labels_as_a_brute_force_reference_and_the_device_do():
+    rng = np.random.default_rng(22)
+    for _ in range(50):
+        steps, classes, blank = int(rng.integers(1, 25)), int(rng.integers(2, 6)), int(rng.integers(0, 2))
+        probs = rng.uniform(0, 1, (steps, classes))
+        best = np.argmax(probs, axis=1)
+        labels = ctc_labels(best, blank)
+        assert labels == _brute_force_ctc(best.tolist(), blank)
+        symbols = [f"<{i}>" for i in range(classes) if i != blank]
+        text = ctc_greedy(probs, blank, symbols, apply_softmax=True)["text"]
+        assert text == "".join(f"<{i}>" for i in labels)
+
+
+def test_top1_ranks_as_the_devices_topk_a_nan_last_and_ties_to_the_lower_class():
+    # The device answers class 1 for [nan, 0.8, 0.1] (topk ranks a NaN last); the metric judges
+    # that answer, where np.argmax would have read class 0.
+    ref = {"y": np.array([[0.1, 0.9, 0.0]], np.float32)}
+    cand = {"y": np.array([[np.nan, 0.8, 0.1]], np.float32)}
+    result = evaluate([ref], [cand], metric="agreement", outputs=["y"])
+    assert result.met and result.scores[0].figures["top1_agreement"] == 1.0
+    device = Postprocessor({"kind": "topk", "k": 1, "apply_softmax": False})(cand)
+    assert device[0]["index"] == 1
+    tie = {"y": np.array([[0.5, 0.5, 0.1]], np.float32)}
+    assert evaluate([tie], [{"y": np.array([[0.9, 0.1, 0.1]], np.float32)}], metric="agreement",
+                    outputs=["y"]).met
 
 
 def test_sequence_agreement_is_per_step_not_one_argmax_over_the_flattened_output():

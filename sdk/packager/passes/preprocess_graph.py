@@ -39,7 +39,7 @@ from edgepack_core.manifest import TensorSpec
 from edgepack_core.preprocess import fused_scale_bias
 from sdk.errors import BuildError, ModelError, RecipeError
 from sdk.packager.data import context_options, load_samples
-from sdk.packager.metrics import check_fidelity
+from sdk.packager.fidelity import check_fidelity
 from sdk.packager.ort_host import run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.golden import golden_source

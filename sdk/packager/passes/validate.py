@@ -27,18 +27,10 @@ from edgepack_core.postprocess import Postprocessor
 from edgepack_core.targets import PROFILES
 from sdk.errors import RecipeError, ValidationFailed
 from sdk.packager.data import Samples, context_options, load_samples
-from sdk.packager.metrics import (
-    DetectionDecoder,
-    Detections,
-    Evaluation,
-    MetricInputError,
-    check_fidelity,
-    compare,
-    evaluate,
-    task_metric,
-)
+from sdk.packager.fidelity import check_fidelity, compare
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.sequences import run_samples
+from sdk.packager.task_metrics import DetectionDecoder, Detections, Evaluation, MetricInputError, evaluate, task_metric
 
 DEFAULT_SAMPLES = 64
 SYNTHETIC_SAMPLES = 16
@@ -185,9 +177,9 @@ class ValidatePass(Pass):
             report["metric"] = evaluation.metric
             report["task"] = evaluation.to_json()
             summaries.append(evaluation.summary())
-            worst = evaluation.worst
-            if worst is not None and not evaluation.met:
-                failures.append((evaluation.metric, float(worst.value), float(worst.limit),
+            missed = evaluation.worst
+            if missed is not None and not evaluation.met:
+                failures.append((evaluation.metric, float(missed.value), float(missed.limit),
                                  f"the packaged model misses the accuracy budget: {evaluation.summary()}"
                                  + (" (state carried over each file's frames)" if samples.sequential else "")))
         self._expected(ctx, samples, reference if not lossless else candidate, options, report, failures)

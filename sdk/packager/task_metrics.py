@@ -1,0 +1,535 @@
+"""Task metrics: what a lossy (quantized or fp16) build is judged by. Pure numpy, no I/O.
+
+One number over a whole tensor can be fooled: a YOLO-style head concatenates box coordinates
+in pixels with sigmoid scores, so its cosine stays above 0.998 while every score collapsed; a
+CTC recognizer's argmax over the flattened [T, classes] output agrees on one element of 40
+steps. ``evaluate`` therefore judges each checked output by its task's metric: detection
+recall/precision against the reference's detections, per-step sequence agreement (with CTC
+strings), classifier top-1, or each raw output's cosine / max abs diff.
+
+Every decoder is the device's own (:mod:`edgepack_core.postprocess`: detection candidates and
+class-wise NMS, the CTC collapse, top-k ranking), so a build is judged on what its devices
+answer. Lossless builds are checked by :mod:`sdk.packager.fidelity` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from edgepack_core.errors import PostprocessError
+from edgepack_core.postprocess import box_iou, class_rows, ctc_collapse, decode_yolo, select_detections, top_k
+from sdk.packager.fidelity import cosine, json_number, top1
+
+TASK_METRICS = ("top1", "agreement", "cosine", "max_abs", "detection", "sequence")
+DEFAULT_MIN_RECALL = 0.95
+DEFAULT_MIN_PRECISION = 0.95
+# Matched boxes may keep their place while every score collapses onto one quantization step
+# (a Concat of pixel boxes and sigmoid scores given one int8 scale: every score read 1.213 with
+# recall and precision still 1.0). The mean shift of matched scores is judged too.
+DEFAULT_MAX_SCORE_DIFF = 0.05
+DEFAULT_MIN_AGREEMENT = 0.99
+_IOU_EPSILON = 1e-9  # an IoU of exactly the threshold counts despite float rounding
+
+
+@dataclass(frozen=True)
+class Detections:
+    """One image's detections: boxes ``[n, 4]`` as x1, y1, x2, y2, scores ``[n]``, classes ``[n]``."""
+
+    boxes: np.ndarray
+    scores: np.ndarray
+    classes: np.ndarray
+
+    @classmethod
+    def of(cls, boxes: Any, scores: Any, classes: Any) -> Detections:
+        box = np.asarray(boxes, np.float64).reshape(-1, 4)
+        return cls(box, np.asarray(scores, np.float64).reshape(-1), np.asarray(classes, np.int64).reshape(-1))
+
+    def __len__(self) -> int:
+        return int(self.scores.shape[0])
+
+
+# One sample's outputs (by name) -> its detections, one entry per image of the batch.
+DetectionDecoder = Callable[[Mapping[str, np.ndarray]], list[Detections]]
+
+
+def iou_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Intersection over union of every box of ``a`` ``[n, 4]`` with every box of ``b`` ``[m, 4]``
+    (NMS's :func:`~edgepack_core.postprocess.box_iou`, row by row)."""
+    a, b = np.asarray(a, np.float64).reshape(-1, 4), np.asarray(b, np.float64).reshape(-1, 4)
+    return np.array([box_iou(box, b) for box in a], np.float64).reshape(len(a), len(b))
+
+
+def match_detections(ref: Detections, cand: Detections, iou: float = 0.5) -> list[tuple[int, int]]:
+    """Greedy one-to-one matching: pairs of the same class with IoU >= ``iou``, highest IoU
+    first (ties: lower reference index, then lower candidate index). A box of another class
+    never matches, however well it overlaps: a detector that renames what it sees has missed it."""
+    if not len(ref) or not len(cand):
+        return []
+    overlap = iou_matrix(ref.boxes, cand.boxes)
+    same = ref.classes[:, None] == cand.classes[None, :]
+    rows, cols = np.nonzero(same & (overlap >= iou - _IOU_EPSILON))
+    order = sorted(zip(rows.tolist(), cols.tolist(), strict=True), key=lambda rc: (-overlap[rc], rc[0], rc[1]))
+    used_ref: set[int] = set()
+    used_cand: set[int] = set()
+    pairs = []
+    for r, c in order:
+        if r not in used_ref and c not in used_cand:
+            used_ref.add(r)
+            used_cand.add(c)
+            pairs.append((r, c))
+    return pairs
+
+
+@dataclass(frozen=True)
+class DetectionAgreement:
+    """The candidate's detections against the reference model's, taken as ground truth."""
+
+    reference: int  # detections of the reference model, all images
+    candidate: int
+    matched: int
+    mean_score_diff: float | None  # mean |score_ref - score_cand| over matched pairs
+
+    @property
+    def recall(self) -> float:
+        return self.matched / self.reference if self.reference else 1.0
+
+    @property
+    def precision(self) -> float:
+        return self.matched / self.candidate if self.candidate else (1.0 if not self.reference else 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reference_detections": self.reference,
+            "candidate_detections": self.candidate,
+            "matched": self.matched,
+            "recall": round(self.recall, 6),
+            "precision": round(self.precision, 6),
+            "mean_score_diff": None if self.mean_score_diff is None else round(self.mean_score_diff, 6),
+        }
+
+
+def detection_agreement(ref: Sequence[Detections], cand: Sequence[Detections], iou: float = 0.5) -> DetectionAgreement:
+    """Recall and precision of ``cand`` against ``ref`` (one :class:`Detections` per image) at
+    ``iou``, with the mean score difference of matched boxes. Pure. No reference detection at
+    all is recall 1; no candidate detection is precision 1 only when none were expected."""
+    if len(ref) != len(cand):
+        raise ValueError("need detections of the same images from both models")
+    matched, diffs = 0, []
+    for r, c in zip(ref, cand, strict=True):
+        for i, j in match_detections(r, c, iou):
+            matched += 1
+            diffs.append(abs(float(r.scores[i]) - float(c.scores[j])))
+    return DetectionAgreement(
+        sum(len(r) for r in ref), sum(len(c) for c in cand), matched, float(np.mean(diffs)) if diffs else None
+    )
+
+
+class MetricInputError(ValueError):
+    """An output the metric cannot read (a detection metric on something that is no detection head)."""
+
+
+def decode_yolov8(
+    output: np.ndarray, *, score_threshold: float = 0.25, iou_threshold: float = 0.45, max_detections: int = 300
+) -> list[Detections]:
+    """Detections of a YOLOv8-style head ``[batch, 4 + classes, anchors]`` (cx, cy, w, h then
+    per-class scores) in the model's input pixels, decoded as the device decodes them
+    (:func:`~edgepack_core.postprocess.decode_yolo`, :func:`~edgepack_core.postprocess.select_detections`).
+    The metric's decoder for recipes whose postprocess is not ``kind: detection``; a recipe that
+    declares one is decoded by the shared postprocessor with its own thresholds instead."""
+    try:
+        images = decode_yolo(output, "yolov8")
+    except PostprocessError as err:
+        raise MetricInputError(str(err)) from err
+    found = []
+    for boxes, scores, classes in images:
+        kept = select_detections(
+            boxes,
+            scores,
+            classes,
+            score_threshold=score_threshold,
+            iou_threshold=iou_threshold,
+            max_detections=max_detections,
+        )
+        found.append(Detections.of(boxes[kept], scores[kept], classes[kept]))
+    return found
+
+
+def yolov8_decoder(output: str) -> DetectionDecoder:
+    """The metric's own decoder of one sample: its ``output`` read as a YOLOv8 head."""
+
+    def decode(sample: Mapping[str, np.ndarray]) -> list[Detections]:
+        return decode_yolov8(sample[output])
+
+    return decode
+
+
+def ctc_labels(best: np.ndarray, blank: int) -> tuple[int, ...]:
+    """The class indices greedy CTC decoding reads from per-step best classes ``best``
+    (:func:`~edgepack_core.postprocess.ctc_collapse`: repeats collapsed, blanks dropped)."""
+    best = np.asarray(best)
+    return tuple(int(i) for i in best[ctc_collapse(best, blank)])
+
+
+@dataclass(frozen=True)
+class SequenceAgreement:
+    steps: int  # time steps compared, over all samples and batch rows
+    agreement: float  # share of steps whose argmax agrees
+    sequences: int | None = None  # decoded sequences compared (ctc)
+    string_match: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"steps": self.steps, "step_agreement": round(self.agreement, 6)}
+        if self.sequences is not None:
+            doc.update({"sequences": self.sequences, "string_match": round(self.string_match or 0.0, 6)})
+        return doc
+
+
+def _steps(value: np.ndarray) -> np.ndarray:
+    """Per-step argmax of a ``[..., T, classes]`` output as ``[rows, T]`` (a 1-D output is one step)."""
+    array = np.asarray(value)
+    if array.ndim == 0 or array.size == 0:
+        return np.zeros((1, 0), np.int64)
+    top = np.argmax(array, axis=-1)
+    return top.reshape(1, -1) if top.ndim <= 1 else top.reshape(-1, top.shape[-1])
+
+
+def sequence_agreement(
+    ref: Sequence[np.ndarray], cand: Sequence[np.ndarray], *, blank: int | None = None
+) -> SequenceAgreement:
+    """Per-step argmax agreement of ``[batch, T, classes]`` outputs (class axis last; every
+    other position is a step), one array per sample. With ``blank`` (a CTC model) the greedy
+    decoded sequences of each row are compared too. Pure."""
+    if len(ref) != len(cand) or not ref:
+        raise ValueError("need the same, non-zero number of samples from both models")
+    total = agree = rows = same_strings = 0
+    for a, b in zip(ref, cand, strict=True):
+        if np.shape(a) != np.shape(b):
+            raise ValueError(f"shape {list(np.shape(b))}, expected {list(np.shape(a))}")
+        ta, tb = _steps(a), _steps(b)
+        total += ta.size
+        agree += int(np.sum(ta == tb))
+        if blank is not None:
+            for ra, rb in zip(ta, tb, strict=True):
+                rows += 1
+                same_strings += ctc_labels(ra, blank) == ctc_labels(rb, blank)
+    return SequenceAgreement(
+        total,
+        agree / total if total else 1.0,
+        rows if blank is not None else None,
+        (same_strings / rows if rows else 1.0) if blank is not None else None,
+    )
+
+
+@dataclass(frozen=True)
+class OutputScore:
+    """One checked output under the task metric: the figure judged, its limit, met or not."""
+
+    output: str
+    metric: str
+    met: bool
+    value: float  # the judged figure (for detection, the worse of recall and precision)
+    limit: float
+    why: str  # one line: "output scores: detection recall 0.19 (required >= 0.95)"
+    shortfall: float = 0.0  # how far past the limit a miss is
+    figures: Mapping[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "metric": self.metric,
+            "met": self.met,
+            "value": json_number(self.value),
+            "limit": self.limit,
+            "shortfall": json_number(self.shortfall),
+            "why": self.why,
+            **dict(self.figures or {}),
+        }
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Every checked output of a candidate against the reference: the build ships only when all met."""
+
+    metric: str
+    samples: int
+    scores: list[OutputScore]
+
+    @property
+    def met(self) -> bool:
+        return all(score.met for score in self.scores)
+
+    @property
+    def worst(self) -> OutputScore | None:
+        return max(self.scores, key=lambda s: (not s.met, s.shortfall), default=None)
+
+    def summary(self) -> str:
+        """One line: the output that missed most and by how much, else every output's figure."""
+        missed = [s for s in self.scores if not s.met]
+        if missed:
+            worst = self.worst
+            assert worst is not None
+            more = f" ({len(missed) - 1} more output(s) missed)" if len(missed) > 1 else ""
+            return f"{worst.why}, short by {worst.shortfall:.4g}{more}"
+        return "; ".join(s.why for s in self.scores) or "no outputs compared"
+
+    def to_json(self) -> dict[str, Any]:
+        worst = self.worst
+        return {
+            "metric": self.metric,
+            "samples": self.samples,
+            "met": self.met,
+            "outputs": [s.to_json() for s in self.scores],
+            "worst_output": worst.output if worst else None,
+            "summary": self.summary(),
+        }
+
+
+def _judged(
+    name: str,
+    metric: str,
+    label: str,
+    value: float,
+    limit: float,
+    figures: Mapping[str, Any],
+    excess: float,
+    bound: str,
+) -> OutputScore:
+    """A figure against its limit; ``excess`` is how far past it the figure is (<= 0: met)."""
+    met = excess <= 1e-12
+    return OutputScore(
+        name,
+        metric,
+        met,
+        value,
+        limit,
+        f"output {name}: {label} {value:.4g} ({bound} {limit:.4g})",
+        0.0 if met else excess,
+        figures,
+    )
+
+
+def _at_least(
+    name: str, metric: str, label: str, value: float, limit: float, figures: Mapping[str, Any]
+) -> OutputScore:
+    return _judged(name, metric, label, value, limit, figures, limit - value, "required >=")
+
+
+def _at_most(name: str, metric: str, label: str, value: float, limit: float, figures: Mapping[str, Any]) -> OutputScore:
+    return _judged(name, metric, label, value, limit, figures, value - limit, "allowed <=")
+
+
+def _rows_top(value: np.ndarray) -> np.ndarray:
+    """Each row's best class, ranked as the device's topk ranks it."""
+    return top_k(class_rows(np.atleast_1d(value)), 1)[:, 0]
+
+
+def _score_top1(
+    name: str, ref: list[np.ndarray], cand: list[np.ndarray], budget: Mapping[str, Any], labels: Sequence[int] | None
+) -> OutputScore:
+    limit = 0.01 if budget.get("max_drop") is None else float(budget["max_drop"])
+    if labels is not None:
+        ref_ok = sum(top1(a) == labels[n] for n, a in enumerate(ref)) / len(ref)
+        cand_ok = sum(top1(b) == labels[n] for n, b in enumerate(cand)) / len(cand)
+        drop = ref_ok - cand_ok
+        score = _at_most(
+            name,
+            "top1",
+            f"top-1 accuracy {cand_ok:.2%} vs {ref_ok:.2%}, drop",
+            drop,
+            limit,
+            {"accuracy_reference": ref_ok, "accuracy_candidate": cand_ok, "accuracy_drop": drop},
+        )
+        return score
+    rows = agree = 0
+    for a, b in zip(ref, cand, strict=True):
+        ta, tb = _rows_top(a), _rows_top(b)
+        rows += ta.size
+        agree += int(np.sum(ta == tb))
+    share = agree / rows if rows else 1.0
+    return _at_most(
+        name,
+        "top1",
+        f"top-1 agreement {share:.2%}, disagreement",
+        1 - share,
+        limit,
+        {"top1_agreement": share, "rows": rows},
+    )
+
+
+def _finite_pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    both = np.isfinite(a64) & np.isfinite(b64)
+    return a64[both], b64[both]
+
+
+def _score_cosine(name: str, ref: list[np.ndarray], cand: list[np.ndarray], budget: Mapping[str, Any]) -> OutputScore:
+    if budget.get("min_cosine") is not None:
+        limit = float(budget["min_cosine"])
+    else:
+        limit = 1 - (float(budget["max_drop"]) if budget.get("max_drop") else 0.01)
+    cosines = [cosine(*_finite_pair(a, b)) for a, b in zip(ref, cand, strict=True)]
+    worst = float(min(cosines))
+    return _at_least(
+        name,
+        "cosine",
+        "cosine",
+        float(np.mean(cosines)),
+        limit,
+        {"cosine": float(np.mean(cosines)), "worst_sample_cosine": worst},
+    )
+
+
+def _score_max_abs(name: str, ref: list[np.ndarray], cand: list[np.ndarray], budget: Mapping[str, Any]) -> OutputScore:
+    limit = 1e-3 if budget.get("max_abs") is None else float(budget["max_abs"])
+    diffs = [np.abs(x - y) for x, y in (_finite_pair(a, b) for a, b in zip(ref, cand, strict=True)) if x.size]
+    largest = max((float(d.max()) for d in diffs), default=0.0)
+    return _at_most(name, "max_abs", "max abs diff", largest, limit, {"max_abs_diff": largest})
+
+
+def _score_detection(
+    name: str,
+    ref: Sequence[Mapping[str, np.ndarray]],
+    cand: Sequence[Mapping[str, np.ndarray]],
+    budget: Mapping[str, Any],
+    decode: DetectionDecoder,
+) -> OutputScore:
+    found = detection_agreement([d for a in ref for d in decode(a)], [d for b in cand for d in decode(b)])
+    min_recall = float(budget.get("min_recall", DEFAULT_MIN_RECALL))
+    min_precision = float(budget.get("min_precision", DEFAULT_MIN_PRECISION))
+    max_score_diff = float(budget.get("max_score_diff", DEFAULT_MAX_SCORE_DIFF))
+    figures = found.to_json()
+    recall = _at_least(name, "detection", "detection recall", found.recall, min_recall, figures)
+    precision = _at_least(name, "detection", "detection precision", found.precision, min_precision, figures)
+    checks = [recall, precision]
+    if found.mean_score_diff is not None:  # no matched pair: recall/precision already say it
+        checks.append(
+            _at_most(
+                name,
+                "detection",
+                "mean score shift of matched detections",
+                found.mean_score_diff,
+                max_score_diff,
+                figures,
+            )
+        )
+    missed = [check for check in checks if not check.met]
+    if missed:
+        return max(missed, key=lambda s: s.shortfall)
+    score = recall if found.recall - min_recall <= found.precision - min_precision else precision
+    shift = (
+        ""
+        if found.mean_score_diff is None
+        else f", mean score shift {found.mean_score_diff:.3g} (allowed <= {max_score_diff:.3g})"
+    )
+    return replace(
+        score,
+        why=f"output {name}: detection recall {found.recall:.4g}, precision "
+        f"{found.precision:.4g} (required >= {min_recall:.4g}, >= {min_precision:.4g}){shift}",
+    )
+
+
+def _score_sequence(
+    name: str, ref: list[np.ndarray], cand: list[np.ndarray], budget: Mapping[str, Any], blank: int | None, layout: str
+) -> OutputScore:
+    if layout == "TNC":  # [T, batch, classes]: rows are the batch
+        ref, cand = [np.swapaxes(a, 0, 1) for a in ref], [np.swapaxes(b, 0, 1) for b in cand]
+    result = sequence_agreement(ref, cand, blank=blank)
+    limit = float(budget.get("min_agreement", DEFAULT_MIN_AGREEMENT))
+    figures = result.to_json()
+    score = _at_least(name, "sequence", "per-step agreement", result.agreement, limit, figures)
+    if result.string_match is None:
+        return score
+    strings = f"decoded strings equal {result.string_match:.2%}"
+    if budget.get("min_string_match") is None:  # reported only
+        return replace(score, why=f"{score.why}, {strings}")
+    matched = _at_least(
+        name, "sequence", "string match", result.string_match, float(budget["min_string_match"]), figures
+    )
+    missed = [check for check in (score, matched) if not check.met]
+    if missed:
+        worst = max(missed, key=lambda s: s.shortfall)
+        return worst if worst is matched else replace(worst, why=f"{worst.why}, {strings}")
+    return replace(score, why=f"{score.why}, string match {result.string_match:.4g} (required >= {matched.limit:.4g})")
+
+
+def _score_exact(name: str, ref: list[np.ndarray], cand: list[np.ndarray]) -> OutputScore:
+    same = sum(bool(np.array_equal(a, b)) for a, b in zip(ref, cand, strict=True)) / len(ref)
+    return _at_least(name, "exact", "samples exactly equal", same, 1.0, {"equal_samples": same})
+
+
+def evaluate(
+    reference: Sequence[Mapping[str, np.ndarray]],
+    candidate: Sequence[Mapping[str, np.ndarray]],
+    *,
+    metric: str,
+    outputs: Sequence[str],
+    budget: Mapping[str, Any] | None = None,
+    labels: Sequence[int] | None = None,
+    decode: DetectionDecoder | None = None,
+    blank: int | None = None,
+    layout: str = "NTC",
+) -> Evaluation:
+    """Judge ``candidate`` against ``reference`` (one output dict per sample, same samples) by
+    ``metric`` on each of ``outputs`` separately, against the recipe's ``budget`` keys
+    (``max_drop``, ``min_cosine``, ``max_abs``, ``min_recall``, ``min_precision``,
+    ``max_score_diff``, ``min_agreement``, ``min_string_match``). Outputs of non-float dtype
+    must match exactly (their argmax or cosine means nothing). ``decode`` turns one sample's
+    outputs into detections (default :func:`decode_yolov8` of the output); ``blank`` makes
+    ``sequence`` compare CTC-decoded strings too, reported, and gated by ``min_string_match``
+    when the budget sets it (``layout`` ``TNC`` for ``[T, batch, classes]`` outputs). Pure."""
+    if len(reference) != len(candidate) or not reference:
+        raise ValueError("need the same, non-zero number of samples from both models")
+    if metric not in TASK_METRICS:
+        raise ValueError(f"unknown metric {metric!r}")
+    budget = budget or {}
+    scores = []
+    for name in outputs:
+        ref = [np.asarray(sample[name]) for sample in reference]
+        cand = [np.asarray(sample[name]) if name in sample else None for sample in candidate]
+        problem = next(
+            (
+                f"shape {list(b.shape)}, expected {list(a.shape)}" if b is not None else "missing"
+                for a, b in zip(ref, cand, strict=True)
+                if b is None or b.shape != a.shape
+            ),
+            None,
+        )
+        if problem is not None:
+            scores.append(
+                OutputScore(name, metric, False, float("nan"), 0.0, f"output {name}: {problem}", float("inf"))
+            )
+            continue
+        got = [b for b in cand if b is not None]
+        if ref[0].dtype.kind not in "fc" or (metric == "top1" and labels is None and ref[0].size == 0):
+            scores.append(_score_exact(name, ref, got))
+        elif metric in ("top1", "agreement"):
+            scores.append(_score_top1(name, ref, got, budget, labels if metric == "top1" else None))
+        elif metric == "max_abs":
+            scores.append(_score_max_abs(name, ref, got, budget))
+        elif metric == "detection":
+            scores.append(_score_detection(name, reference, candidate, budget, decode or yolov8_decoder(name)))
+        elif metric == "sequence":
+            scores.append(_score_sequence(name, ref, got, budget, blank, layout))
+        else:
+            scores.append(_score_cosine(name, ref, got, budget))
+    return Evaluation(metric, len(reference), scores)
+
+
+def task_metric(named: str | None, postprocess: Mapping[str, Any], has_labels: bool) -> str:
+    """The metric a lossy build is judged by: the recipe's, else the task's: ``detection`` for a
+    detection postprocess, ``sequence`` for ``ctc``, ``top1`` for classifiers (``topk``,
+    ``softmax``), ``cosine`` per output for ``raw`` (``top1`` whenever the data has labels)."""
+    if named:
+        return named
+    kind = postprocess.get("kind", "raw")
+    if kind == "detection":
+        return "detection"
+    if kind == "ctc":
+        return "sequence"
+    if kind in ("topk", "softmax") or has_labels:
+        return "top1"
+    return "cosine"
