@@ -257,14 +257,8 @@ MAX_ROW_ID = 10**18 - 1  # the largest ``before`` a page takes (18 digits, what 
 
 def dead_letters(database: Database, *, limit: int, before: int | None, device: str | None) -> list[dict[str, Any]]:
     """``GET /api/dead-letters``: device messages that could not be stored, newest first."""
-    table = tables.dead_letters
-    query = select(table).order_by(table.c.id.desc()).limit(min(max(limit, 1), MAX_DEAD_LETTER_PAGE))
-    if before is not None:
-        query = query.where(table.c.id < before)
-    if device is not None:
-        query = query.where(table.c.device == device)
-    with database.read() as connection:
-        rows = connection.execute(query).mappings().all()
+    rows = database.newest_first(tables.dead_letters, limit=min(limit, MAX_DEAD_LETTER_PAGE), before=before,
+                                 device=device)
     return [{"id": row["id"], "received_at": row["received_at"], "device": row["device"], "kind": row["kind"],
              "topic": row["topic"], "reason": row["reason"], "size": row["size"],
              "payload_head": base64.b64encode(row["payload_head"]).decode("ascii")} for row in rows]
