@@ -34,7 +34,10 @@ SCHEMAS: dict[str, Any] = {
               "properties": {"name": {"type": "string"}, "version": {"type": "string"}}},
     "Health": {
         "type": "object", "required": ["status"],
-        "properties": {"status": {"type": "string", "description": "ok, or why not (no model)"},
+        "properties": {"status": {"type": "string", "description": "ok; degraded (serving, the reasons in "
+                                                                  "degraded: a full disk); or why not (no model)"},
+                       "degraded": {"type": "array", "items": {"type": "string"},
+                                    "description": "why the device is degraded (no space: ...)"},
                        "model": {"type": "object", "description": "the active model, its provider and hash"}},
     },
     "PredictRequest": {
