@@ -9,13 +9,17 @@ libraries do not bound, these modules do, so the API can face a network (docs/ag
 - read timeouts: a request's head must arrive within ``read_timeout_s`` of the connection (or of
   the previous answer), and its body within ``read_timeout_s`` of its head, or the client gets
   ``408`` and the connection closes; idle kept-alive connections close after ``keep_alive_s``;
-- at most ``max_connections`` connections (one more is answered ``503`` and closed), at most
-  ``workers`` requests decoding and inferring at once in a thread pool (never on the event
-  loop), ``max_queue`` more waiting, and ``max_buffered_bytes`` of bodies held; beyond, ``503``;
+- at most ``max_connections`` connections and a few more kept for health checks (the one
+  waiting longest for its head is evicted for a new one; ``device_agent/http_admission.py``), at
+  most ``workers`` requests decoding and inferring at once in a thread pool (never on the event
+  loop), ``max_queue`` more waiting, and ``max_buffered_bytes`` of bodies held, counted as their
+  bytes arrive (a declared length reserves nothing); beyond, ``503``;
 - a body is either consumed or the connection closed with ``Connection: close`` (a body
   left unread is never parsed as the next request), and a closing connection lingers to
   discard what the client still sends, so it reads the answer rather than a reset;
-- every body is bounded before it is decoded (``device_agent/bodies.py``);
+- every body is bounded before it is decoded (``device_agent/bodies.py``), a batch by
+  ``max_batch_bytes``, and raw outputs by ``max_json_output_bytes`` before they are encoded
+  as JSON (413 pointing to npz);
 - every error is ``{"error": {"kind", "message"}}`` (the v2 endpoints answer the protocol's
   ``{"error": message}``) with its status, also for protocol errors h11 refuses, and every
   answer is counted by status class in ``/metrics``.

@@ -4,7 +4,8 @@ The rules (docs/architecture.md, "The artifact format"), in the order they apply
 
 1. The archive file is at most ``limits.max_archive_bytes`` on disk. It is one gzip, xz or
    bzip2 stream (or a plain tar); any byte after that stream's trailer is refused, so nothing
-   can hide behind the archive (a second tar appended, a second compressed stream, garbage).
+   can hide behind the archive (a second tar appended, a second compressed stream, garbage),
+   nor in a gzip header's extra field or comment (``check_gzip_header``).
 2. Tar headers are parsed here, by a small bounded parser over 512-byte blocks, never by
    ``tarfile``: ``tarfile`` reads a PAX (``x``) or GNU long-name (``L``) header's declared
    size whole before the caller sees a member, so a 4 MB gzip declaring a 1 GiB PAX header
@@ -340,6 +341,25 @@ def _padding(size: int) -> int:
 
 # --------------------------------------------------------------------------- streams
 
+GZIP_HEADER = "gzip header"
+GZIP_FNAME = 0x08
+MAX_GZIP_NAME_BYTES = 255
+_GZIP_HEAD_BYTES = 10 + MAX_GZIP_NAME_BYTES + 1
+
+
+def check_gzip_header(head: bytes) -> None:
+    """Refuse gzip header fields that can carry unsigned bytes of any length: FEXTRA and
+    FCOMMENT (and FHCRC, FTEXT, reserved bits), which no Edgepack, Python or ``gzip`` writer
+    sets; a file name (``gzip`` and ``tarfile`` write one) only up to 255 bytes. ``head``: the
+    stream's first bytes, up to ``_GZIP_HEAD_BYTES``. Pure."""
+    flags = head[3] if len(head) > 3 else 0
+    if flags & ~GZIP_FNAME:
+        raise UnsignedBytesError(
+            GZIP_HEADER, "flags", f"gzip header flags {flags:#04x}: only FNAME is accepted (FEXTRA, FCOMMENT refused)"
+        )
+    if flags & GZIP_FNAME and b"\0" not in head[10:_GZIP_HEAD_BYTES]:
+        raise UnsignedBytesError(GZIP_HEADER, "FNAME", f"a gzip file name over {MAX_GZIP_NAME_BYTES} bytes")
+
 
 class _Source:
     """The decompressed bytes of exactly one gzip/xz/bzip2 stream (or a plain file), produced
@@ -348,10 +368,11 @@ class _Source:
 
     def __init__(self, raw: IO[bytes]) -> None:
         self._raw = raw
-        magic = raw.read(6)
+        magic = raw.read(_GZIP_HEAD_BYTES)
         raw.seek(0)
         self._dec: Any
         if magic.startswith(b"\x1f\x8b"):
+            check_gzip_header(magic)
             self._dec = zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif magic.startswith(b"\xfd7zXZ\x00"):
             self._dec = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)

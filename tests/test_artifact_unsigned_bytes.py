@@ -14,7 +14,9 @@ import gzip
 import io
 import json
 import shutil
+import struct
 import tarfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from hypothesis import strategies as st
 
 from edgepack_core.artifact import (
     BLOCK,
+    check_gzip_header,
     check_writer_fields,
     extract_artifact,
     pax_record,
@@ -520,3 +523,40 @@ def test_any_byte_flipped_in_a_compressed_artifact_is_refused_or_changes_nothing
         assert set(verified.manifest.files) == set(FILES)
     finally:
         shutil.rmtree(dest)
+
+
+# --------------------------------------------------------------------------- the gzip header
+
+
+def _gzip(tar: bytes, flags: int, fields: bytes) -> bytes:
+    """One gzip stream of ``tar`` whose header sets ``flags`` and carries ``fields`` (RFC 1952)."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
+    body = compressor.compress(tar) + compressor.flush()
+    trailer = struct.pack("<II", zlib.crc32(tar), len(tar) & 0xFFFFFFFF)
+    return b"\x1f\x8b\x08" + bytes([flags]) + bytes(4) + b"\x02\xff" + fields + body + trailer
+
+
+@pytest.mark.parametrize(
+    ("flag", "fields"),
+    [
+        (0x04, struct.pack("<H", 12) + b"EP" + struct.pack("<H", 8) + b"payload!"),  # FEXTRA
+        (0x10, b"a comment that could carry anything\0"),  # FCOMMENT
+        (0x02, b"\0\0"),  # FHCRC
+        (0x01, b""),  # FTEXT
+        (0x20, b""),  # reserved
+    ],
+)
+def test_a_gzip_header_field_that_can_carry_unsigned_bytes_is_refused(folder, plain, flag, fields):
+    error = _refusal(folder, _gzip(plain, flag, fields))
+    assert isinstance(error, UnsignedBytesError) and (error.member, error.field) == ("gzip header", "flags")
+    assert f"gzip header flags {flag:#04x}: only FNAME is accepted" in str(error)
+
+
+def test_a_gzip_file_name_is_accepted_up_to_255_bytes(folder, plain):
+    _verifies(folder, _gzip(plain, 0x00, b""))
+    _verifies(folder, _gzip(plain, 0x08, b"n" * 255 + b"\0"))
+    error = _refusal(folder, _gzip(plain, 0x08, b"n" * 256 + b"\0"))
+    assert (error.field, str(error)) == ("FNAME", "unsafe member 'gzip header': a gzip file name over 255 bytes")
+    with pytest.raises(UnsignedBytesError):
+        check_gzip_header(b"\x1f\x8b\x08\x08" + bytes(6) + b"n" * 400)
+    check_gzip_header(b"\x1f\x8b\x08\x08" + bytes(6) + b"n" * 255 + b"\0")

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,60 +173,50 @@ def ports() -> Iterator[dict[str, int]]:
             peer.close()
 
 
+def _failed_fetch(
+    port: int, target: Path, *, stall_s: float = STALL, expect: type = DownloadError, scheme: str = "http", **options
+) -> DownloadError:
+    """A download from ``port`` on loopback (any port allowed, as on the broker's host) that must fail."""
+    bounds = Bounds(origins=frozenset(), any_port_hosts=frozenset({"127.0.0.1"}), max_bytes=1 << 20, stall_s=stall_s)
+    with pytest.raises(expect) as info:
+        download(f"{scheme}://127.0.0.1:{port}/a.edgepkg", target, size=100, sha256="0" * 64, bounds=bounds, **options)
+    return info.value
+
+
 def test_closed_silent_and_non_http_ports_give_the_same_error_in_a_bounded_time(ports, tmp_path):
-    bounds = Bounds(origins=frozenset(), any_port_hosts=frozenset({"127.0.0.1"}), max_bytes=1 << 20, stall_s=STALL)
     floor = ATTEMPTS * STALL  # each failed attempt is held to the stall time, however it failed
     ceiling = ATTEMPTS * STALL + 0.2 + 10.0  # + the one back-off, + slack for a loaded machine
     reported: dict[str, str] = {}
     for kind, port in ports.items():
         started = time.monotonic()
-        with pytest.raises(DownloadError) as info:
-            download(
-                f"http://127.0.0.1:{port}/a.edgepkg",
-                tmp_path / kind / "a.edgepkg",
-                size=100,
-                sha256="0" * 64,
-                bounds=bounds,
-                attempts=ATTEMPTS,
-            )
+        reported[kind] = str(_failed_fetch(port, tmp_path / kind / "a.edgepkg", attempts=ATTEMPTS))
         elapsed = time.monotonic() - started
-        reported[kind] = str(info.value)
         assert floor <= elapsed < ceiling, (kind, elapsed)
     assert set(reported.values()) == {f"download failed: {FETCH_FAILED}"}, reported
 
 
+@pytest.mark.parametrize("kind", ["silent", "dripping non-HTTP"])
+def test_over_https_a_silent_or_dripping_port_reads_the_same_in_a_bounded_time(ports, tmp_path, kind):
+    """The head deadline holds for a TLS handshake too: a peer that never finishes it is cut off."""
+    started = time.monotonic()
+    error = _failed_fetch(ports[kind], tmp_path / "a", scheme="https", attempts=ATTEMPTS)
+    assert ATTEMPTS * STALL <= time.monotonic() - started < ATTEMPTS * STALL + 10.2
+    assert str(error) == f"download failed: {FETCH_FAILED}"
+
+
 def test_a_cancel_is_seen_while_a_failed_attempt_is_held(ports, tmp_path):
-    bounds = Bounds(origins=frozenset(), any_port_hosts=frozenset({"127.0.0.1"}), max_bytes=1 << 20, stall_s=3600)
     calls = []
 
     def cancelled() -> bool:
         calls.append(1)
         return len(calls) > 3  # the check before the attempt, then while held
 
-    with pytest.raises(DownloadCancelled):
-        download(
-            f"http://127.0.0.1:{ports['closed']}/a",
-            tmp_path / "a",
-            size=1,
-            sha256="0" * 64,
-            bounds=bounds,
-            cancelled=cancelled,
-        )
+    _failed_fetch(ports["closed"], tmp_path / "a", stall_s=3600, expect=DownloadCancelled, cancelled=cancelled)
 
 
 def test_failed_attempts_past_the_rate_grace_still_read_the_same(ports, tmp_path):
     """The minimum rate is a rule for bytes that flow: between failed attempts (each held to the
     stall time) it would end every failing download after 10 s with a text of its own."""
     ticks = iter(range(0, 10**6, 3))  # a clock that runs 3 s per look: 5 attempts span ~60 s
-    bounds = Bounds(origins=frozenset(), any_port_hosts=frozenset({"127.0.0.1"}), max_bytes=1 << 20, stall_s=STALL)
-    with pytest.raises(DownloadError) as info:
-        download(
-            f"http://127.0.0.1:{ports['closed']}/a",
-            tmp_path / "a",
-            size=1,
-            sha256="0" * 64,
-            bounds=bounds,
-            attempts=5,
-            clock=lambda: float(next(ticks)),
-        )
-    assert str(info.value) == f"download failed: {FETCH_FAILED}"
+    error = _failed_fetch(ports["closed"], tmp_path / "a", attempts=5, clock=lambda: float(next(ticks)))
+    assert str(error) == f"download failed: {FETCH_FAILED}"

@@ -20,7 +20,7 @@ from sdk.fleet_server import db as db_module
 from sdk.fleet_server import db as tables
 from sdk.fleet_server import ingest as ingest_module
 from sdk.fleet_server import records
-from sdk.fleet_server.budgets import Buckets, DropLedger, Rate
+from sdk.fleet_server.budgets import Buckets, DropLedger, Rate, parse_rate
 from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.driver import Driver
 from sdk.fleet_server.ingest import ByteQueue, Ingest, Writer, _Item
@@ -747,3 +747,18 @@ def test_a_seq_far_below_the_stored_one_is_a_restarted_sequence():
     assert not ingest_module.newer_seq(gap + 5 - gap, gap + 5)  # exactly the gap below: a late sample
     assert ingest_module.newer_seq(4, gap + 5)  # one more: a restart
     assert ingest_module.newer_seq(None, 3) and ingest_module.newer_seq(3, None)
+
+
+@pytest.mark.parametrize(
+    ("text", "rate"),
+    [("10/200", (10.0, 200.0)), ("0.5/1", (0.5, 1.0)), (" 1000000/1000000000 ", (1e6, 1e9))],
+)
+def test_a_budget_is_per_second_over_burst(text, rate):
+    parsed = parse_rate(text)
+    assert (parsed.per_s, parsed.burst) == rate
+
+
+@pytest.mark.parametrize("text", ["10", "0/200", "10/0.99", "1000001/1", "1/1000000001", "x/y", "inf/1", "nan/5"])
+def test_a_budget_outside_its_bounds_is_refused(text):
+    with pytest.raises(ValueError, match="--budget-job"):
+        parse_rate(text, "--budget-job")

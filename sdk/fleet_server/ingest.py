@@ -362,6 +362,7 @@ class Ingest:
                         "telemetry": Buckets(self.limits.telemetry)}
         self.counters = IngestCounters()
         self.drops = DropLedger()
+        self._drop_lock = threading.Lock()
         self._queue = ByteQueue(QUEUE_BOUND, queue_bytes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -377,7 +378,9 @@ class Ingest:
                        manual_ack=persistent, max_queued=100_000, max_inflight=100)
 
     def _drop(self, device: str, reason: str) -> None:
-        self.counters.dropped[reason] += 1
+        """Count a drop (the network threads and the writer drop concurrently: one lock)."""
+        with self._drop_lock:
+            self.counters.dropped[reason] += 1
         self.drops.add(device, reason)
 
     def _admit(self, kind: str, device: str, now: float) -> bool:
@@ -390,7 +393,7 @@ class Ingest:
     def _on_control(self, message: Incoming) -> None:
         parsed = self.topics.parse(message.topic)
         if parsed is None or parsed.device is None or parsed.kind not in ("state", "job"):
-            self.counters.dropped["bad_topic"] += 1
+            self._drop("(bad topic)", "bad_topic")
             self._ack(message)
             return
         self.counters.received[parsed.kind] += 1
@@ -405,7 +408,7 @@ class Ingest:
     def _on_telemetry(self, message: Incoming) -> None:
         parsed = self.topics.parse(message.topic)
         if parsed is None or parsed.device is None or parsed.kind != "telemetry":
-            self.counters.dropped["bad_topic"] += 1
+            self._drop("(bad topic)", "bad_topic")
             return
         self.counters.received["telemetry"] += 1
         now = time.time()
