@@ -182,7 +182,7 @@ class AgentApp:
         return Response(text.encode(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:
-        """This API's OpenAPI document (``device_agent/openapi.py``; the same for every request)."""
+        """This API's OpenAPI document (``openapi.py``; the same for every request)."""
         return Response(self._openapi, 200, media_type=JSON_MEDIA_TYPE)
 
     async def delete_stream(self, request: Request) -> Response:
