@@ -44,14 +44,20 @@ class _Planted:
 
 def test_a_declared_option_becomes_its_schema_with_type_bounds_enum_default_and_description():
     assert schema_of(_Planted) == {
-        "type": "object", "additionalProperties": False, "description": "a planted section", "required": ["size"],
+        "type": "object",
+        "additionalProperties": False,
+        "description": "a planted section",
+        "required": ["size"],
         "properties": {
             "size": {"type": "integer", "minimum": 1, "maximum": 8, "description": "required: no default"},
             "mode": {"enum": ["a", "b"], "default": "a", "description": "an enum"},
             "ratio": {"type": "number", "exclusiveMinimum": 0},
             "names": {"type": "array", "items": {"type": "string", "minLength": 1}, "default": ["x"]},
-            "inner": {"type": "object", "additionalProperties": False,
-                      "properties": {"flag": {"type": "boolean", "default": True, "description": "a flag"}}},
+            "inner": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {"flag": {"type": "boolean", "default": True, "description": "a flag"}},
+            },
             "by_name": {"type": "object", "additionalProperties": {"type": "integer"}},
         },
     }
@@ -76,8 +82,7 @@ def test_parsing_gives_a_frozen_value_with_the_declared_defaults():
     with pytest.raises(dataclasses.FrozenInstanceError):
         value.size = 3  # type: ignore[misc]
     assert parse(_Planted, {"size": 1}).mode == "a"
-    assert given(value) == {"size": 2, "ratio": 1.0, "names": ["p", "q"], "inner": {"flag": False},
-                            "by_name": {"k": 1}}
+    assert given(value) == {"size": 2, "ratio": 1.0, "names": ["p", "q"], "inner": {"flag": False}, "by_name": {"k": 1}}
 
 
 def test_a_mutable_default_or_an_unknown_keyword_is_refused_where_the_option_is_declared():
@@ -88,18 +93,20 @@ def test_a_mutable_default_or_an_unknown_keyword_is_refused_where_the_option_is_
 
 
 def _recipe_document(**sections) -> dict:
-    return {"name": "r", "version": "1.0.0", "model": {"path": "m.onnx"}, "validate": {"data": "synthetic"},
-            **sections}
+    return {"name": "r", "version": "1.0.0", "model": {"path": "m.onnx"}, "validate": {"data": "synthetic"}, **sections}
 
 
-@pytest.mark.parametrize("section", [
-    {"quantize": {"mode": "static", "bogus": 1}},
-    {"validate": {"samples": 1, "bogus": 1}},
-    {"golden": {"data": "synthetic", "bogus": 1}},
-    {"inputs": {"x": {"bogus": 1}}},
-    {"model": {"pytorch": {"factory": "m:f", "input_shape": [1], "bogus": 1}}},
-    {"optimize": {"bogus": True}},
-])
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"quantize": {"mode": "static", "bogus": 1}},
+        {"validate": {"samples": 1, "bogus": 1}},
+        {"golden": {"data": "synthetic", "bogus": 1}},
+        {"inputs": {"x": {"bogus": 1}}},
+        {"model": {"pytorch": {"factory": "m:f", "input_shape": [1], "bogus": 1}}},
+        {"optimize": {"bogus": True}},
+    ],
+)
 def test_an_unknown_key_in_any_section_is_refused_naming_it(section):
     with pytest.raises(SchemaError, match="bogus"):
         validate(_recipe_document(**section), RECIPE_SCHEMA)
@@ -119,11 +126,15 @@ def test_the_search_budget_bound_declared_on_the_quantize_options_holds_at_its_l
 def test_a_recipe_is_parsed_once_into_typed_frozen_sections(tmp_path):
     (tmp_path / "m.onnx").write_bytes(b"")
     (tmp_path / "d.npz").write_bytes(b"")
-    recipe = recipe_from_dict(_recipe_document(
-        inputs={"x": {"shape": [1, "n"], "range": [0, 2]}, "k": {"role": "constant", "value": 3}},
-        quantize={"mode": "dynamic", "exclude_nodes": ["a*"], "calibration": {"npz": "d.npz", "limit": 5}},
-        validate={"data": {"npz": "d.npz", "sample_axis": {"x": None}}, "max_drop": 0},
-        targets=["rpi"]), tmp_path)
+    recipe = recipe_from_dict(
+        _recipe_document(
+            inputs={"x": {"shape": [1, "n"], "range": [0, 2]}, "k": {"role": "constant", "value": 3}},
+            quantize={"mode": "dynamic", "exclude_nodes": ["a*"], "calibration": {"npz": "d.npz", "limit": 5}},
+            validate={"data": {"npz": "d.npz", "sample_axis": {"x": None}}, "max_drop": 0},
+            targets=["rpi"],
+        ),
+        tmp_path,
+    )
     assert recipe.targets == ("rpi",)
     assert recipe.inputs["x"] == InputOptions(shape=(1, "n"), range=(0.0, 2.0))
     assert recipe.inputs["k"].role == "constant" and recipe.inputs["k"].sample_axis == "auto"
@@ -155,8 +166,12 @@ def _recipe_reads(tree: ast.AST) -> list[str]:
     """Reads of ``X.recipe.data`` or ``X.recipe.section(...)`` in a module."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in ("data", "section") \
-                and isinstance(node.value, ast.Attribute) and node.value.attr == "recipe":
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("data", "section")
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "recipe"
+        ):
             found.append(f"recipe.{node.attr} (line {node.lineno})")
     return found
 

@@ -27,9 +27,15 @@ _KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "minLength", "pattern", "
 _PRIMITIVES: dict[type, str] = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
-def option(default: Any = dataclasses.MISSING, *, description: str | None = None, schema: Mapping[str, Any] | None
-           = None, parse: Callable[[Any], Any] | None = None, items: Mapping[str, Any] | None = None,
-           **keywords: Any) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    description: str | None = None,
+    schema: Mapping[str, Any] | None = None,
+    parse: Callable[[Any], Any] | None = None,
+    items: Mapping[str, Any] | None = None,
+    **keywords: Any,
+) -> Any:
     """A dataclass field with what the schema says about it: ``description``, JSON Schema
     ``keywords`` (``minimum=0``, ``pattern=...``), ``items`` (keywords of an array's items),
     or a whole ``schema`` fragment with its ``parse`` for a value the walk cannot express."""
@@ -142,8 +148,9 @@ def parse_fields(cls: type, document: Mapping[str, Any]) -> dict[str, Any]:
             continue
         reader = field.metadata.get("parse")
         raw = document[field.name]
-        values[field.name] = reader(raw) if reader is not None and raw is not None else _parse_value(
-            hints[field.name], raw)
+        values[field.name] = (
+            reader(raw) if reader is not None and raw is not None else _parse_value(hints[field.name], raw)
+        )
     return values
 
 

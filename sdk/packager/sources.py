@@ -25,8 +25,12 @@ SAMPLE_AXIS = {
 
 
 def _layout(key: str, description: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "object", "additionalProperties": False, "required": [key],
-            "properties": {key: {**_PATH, "description": description}, **extra, "limit": _LIMIT}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": [key],
+        "properties": {key: {**_PATH, "description": description}, **extra, "limit": _LIMIT},
+    }
 
 
 DATA_SOURCE_SCHEMA: dict[str, Any] = {
@@ -36,16 +40,31 @@ DATA_SOURCE_SCHEMA: dict[str, Any] = {
     "made-up inputs). docs/packager.md, 'Data', gives the layouts with examples.",
     "oneOf": [
         {"const": "synthetic"},
-        _layout("npz", "an .npz: per input, an array of the input's own rank is one sample, one more leading axis "
-                "is a stack of samples; optional 'label' array",
-                sample_axis={"type": "object", "additionalProperties": SAMPLE_AXIS,
-                             "description": "per input name, where the layout is ambiguous"}),
-        _layout("test_data", "a folder of test_data_set_*/input_*.pb (and output_*.pb, expected outputs the build "
-                "checks), or one such set"),
-        _layout("images", "a folder of images, fed through the preprocessing spec",
-                labels={**_PATH, "description": "CSV with columns file,label"}),
-        _layout("audio", "a folder of .wav files, cut into frames by the audio preprocessing spec; each frame is "
-                "one sample (state inputs start from init)"),
+        _layout(
+            "npz",
+            "an .npz: per input, an array of the input's own rank is one sample, one more leading axis "
+            "is a stack of samples; optional 'label' array",
+            sample_axis={
+                "type": "object",
+                "additionalProperties": SAMPLE_AXIS,
+                "description": "per input name, where the layout is ambiguous",
+            },
+        ),
+        _layout(
+            "test_data",
+            "a folder of test_data_set_*/input_*.pb (and output_*.pb, expected outputs the build "
+            "checks), or one such set",
+        ),
+        _layout(
+            "images",
+            "a folder of images, fed through the preprocessing spec",
+            labels={**_PATH, "description": "CSV with columns file,label"},
+        ),
+        _layout(
+            "audio",
+            "a folder of .wav files, cut into frames by the audio preprocessing spec; each frame is "
+            "one sample (state inputs start from init)",
+        ),
     ],
 }
 
@@ -67,8 +86,13 @@ class DataSource:
         if isinstance(document, str):
             return cls("synthetic")
         kind = next(k for k in FILE_KINDS if k in document)
-        return cls(kind, str(document[kind]), document.get("labels"), document.get("limit"),
-                   types.MappingProxyType(dict(document.get("sample_axis") or {})))
+        return cls(
+            kind,
+            str(document[kind]),
+            document.get("labels"),
+            document.get("limit"),
+            types.MappingProxyType(dict(document.get("sample_axis") or {})),
+        )
 
     @property
     def synthetic(self) -> bool:
@@ -88,8 +112,11 @@ class DataSource:
         return document
 
 
-_SHAPE = {"type": "array", "description": "fixes symbolic dims (a name keeps a dim symbolic)",
-          "items": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "minLength": 1}]}}
+_SHAPE = {
+    "type": "array",
+    "description": "fixes symbolic dims (a name keeps a dim symbolic)",
+    "items": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "minLength": 1}]},
+}
 
 
 @dataclass(frozen=True)
@@ -100,22 +127,36 @@ class InputOptions:
 
     shape: tuple[int | str, ...] | None = option(None, schema=_SHAPE)
     dtype: str | None = option(None, schema={"enum": DTYPES, "description": "must agree with the model's element type"})
-    range: tuple[float, float] | None = option(None, description="[low, high] of synthetic values (integers: low "
-                                               "<= v < high)", minItems=2, maxItems=2)
+    range: tuple[float, float] | None = option(
+        None, description="[low, high] of synthetic values (integers: low <= v < high)", minItems=2, maxItems=2
+    )
     role: Literal["tensor", "constant", "image", "audio", "state"] = option(
-        "tensor", description="constant: the agent feeds `value` on every call; callers do not pass it. "
+        "tensor",
+        description="constant: the agent feeds `value` on every call; callers do not pass it. "
         "image/audio: the input the preprocessing spec of that kind feeds. state: the agent feeds the "
-        "previous call's `output` (per stream), `init` on a stream's first call")
-    output: str | None = option(None, description="role state: the model output (same dtype and shape) carried "
-                                "into this input", minLength=1)
-    init: Literal["zeros"] = option("zeros", description="role state: the first value of a stream (zeros; "
-                                    "symbolic dims become 1)")
-    value: Any = option(None, schema={"description": "the value of a constant input: a scalar or a nested list of "
-                                      "its shape"})
-    allow_non_finite: bool = option(False, description="the model takes NaN/inf in this input by design (IsNaN, "
-                                    "missing values, -inf attention masks): the agent serves them instead of "
-                                    "answering 400")
+        "previous call's `output` (per stream), `init` on a stream's first call",
+    )
+    output: str | None = option(
+        None, description="role state: the model output (same dtype and shape) carried into this input", minLength=1
+    )
+    init: Literal["zeros"] = option(
+        "zeros", description="role state: the first value of a stream (zeros; symbolic dims become 1)"
+    )
+    value: Any = option(
+        None, schema={"description": "the value of a constant input: a scalar or a nested list of its shape"}
+    )
+    allow_non_finite: bool = option(
+        False,
+        description="the model takes NaN/inf in this input by design (IsNaN, "
+        "missing values, -inf attention masks): the agent serves them instead of "
+        "answering 400",
+    )
     # "auto": not set (an array of the input's rank is one sample, one more axis a stack).
-    sample_axis: int | Literal["auto"] | None = option("auto", schema={
-        **SAMPLE_AXIS, "description": "default sample axis of this input's npz arrays (null: an array is one "
-        "sample); a data source's sample_axis overrides it"})
+    sample_axis: int | Literal["auto"] | None = option(
+        "auto",
+        schema={
+            **SAMPLE_AXIS,
+            "description": "default sample axis of this input's npz arrays (null: an array is one "
+            "sample); a data source's sample_axis overrides it",
+        },
+    )

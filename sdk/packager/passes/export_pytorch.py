@@ -15,10 +15,10 @@ from sdk.packager.passes.base import BuildContext, Pass, register
 class PytorchOptions:
     """``model.pytorch``: the module to export and the graph's signature."""
 
-    factory: str = option(description="module:callable returning the nn.Module",
-                          pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    input_shape: tuple[int, ...] = option(description="the example input's shape", minItems=1,
-                                          items={"minimum": 1})
+    factory: str = option(
+        description="module:callable returning the nn.Module", pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+    )
+    input_shape: tuple[int, ...] = option(description="the example input's shape", minItems=1, items={"minimum": 1})
     weights: str | None = option(None, description="a state dict (torch.save) loaded into the module", minLength=1)
     input_name: str = option("input", description="the graph's input name")
     output_names: tuple[str, ...] = option(("output",), description="the graph's output names")
@@ -46,8 +46,14 @@ class ExportPytorchPass(Pass):
 
             module.load_state_dict(torch.load(options.weights, map_location="cpu", weights_only=True))
         path = ctx.workdir / "exported.onnx"
-        report = export_pytorch(module, list(options.input_shape), path, opset=options.opset,
-                                input_name=options.input_name, output_names=list(options.output_names),
-                                dynamic_batch=options.dynamic_batch)
+        report = export_pytorch(
+            module,
+            list(options.input_shape),
+            path,
+            opset=options.opset,
+            input_name=options.input_name,
+            output_names=list(options.output_names),
+            dynamic_batch=options.dynamic_batch,
+        )
         ctx.model = onnx.load(path)
         ctx.report[self.name] = report
