@@ -179,11 +179,14 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from device_agent.config import load_config
+    from device_agent.config import load_config, unauthenticated_commands_warning
     from device_agent.daemon import Daemon
 
     config = load_config(args.config)
     logging.getLogger().setLevel(getattr(logging, config.log_level.upper()))
+    warning = unauthenticated_commands_warning(config)
+    if warning:  # on stderr whatever the log level, at every start
+        print(f"edgepack-agent: warning: {warning}", file=sys.stderr, flush=True)
     Daemon(config).run_until_signal()
     return 0
 

@@ -286,6 +286,16 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
     )
 
 
+def unauthenticated_commands_warning(config: AgentConfig) -> str:
+    """The warning ``edgepack-agent run`` prints at every start while remote commands are
+    unauthenticated (MQTT updates on, no ``operator_keys``), "" otherwise. Pure."""
+    if config.operator_keys or config.mqtt is None or not config.updates.get("enabled", True):
+        return ""
+    return ("no operator_keys in agent.yaml: commands are not authenticated, so ANYONE WHO CAN PUBLISH TO THE "
+            "BROKER CAN COMMAND THIS DEVICE: deploy or downgrade any artifact the trust store accepts, roll back, "
+            "cancel updates, change telemetry (set operator_keys; see docs/updates.md, \"Operator signatures\")")
+
+
 def load_config(path: str | Path) -> AgentConfig:
     """Read and validate agent.yaml; errors name the offending key."""
     path = Path(path)

@@ -82,6 +82,15 @@ def is_health_target(target: bytes | str) -> bool:
     return text.partition("?")[0] in HEALTH_PATHS
 
 
+def health_check(target: bytes | str, headers: list[tuple[bytes, bytes]]) -> bool:
+    """A request a health slot serves (pure): a health route, without a body (a declared body
+    that never comes would hold the slot while the answer waits to drain it)."""
+    framing = {name.lower(): value for name, value in headers if name.lower() in (b"content-length",
+                                                                                   b"transfer-encoding")}
+    return is_health_target(target) and framing.get(b"content-length", b"0").strip() == b"0" and \
+        b"transfer-encoding" not in framing
+
+
 class BodyBudget:
     """Body bytes held at once, counted as they arrive (event loop only: no lock)."""
 

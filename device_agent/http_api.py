@@ -9,13 +9,17 @@ libraries do not bound, these modules do, so the API can face a network (docs/ag
 - read timeouts: a request's head must arrive within ``read_timeout_s`` of the connection (or of
   the previous answer), and its body within ``read_timeout_s`` of its head, or the client gets
   ``408`` and the connection closes; idle kept-alive connections close after ``keep_alive_s``;
-- at most ``max_connections`` connections (one more is answered ``503`` and closed), at most
-  ``workers`` requests decoding and inferring at once in a thread pool (never on the event
-  loop), ``max_queue`` more waiting, and ``max_buffered_bytes`` of bodies held; beyond, ``503``;
+- at most ``max_connections`` connections and a few more kept for health checks (the one
+  waiting longest for its head is evicted for a new one; ``device_agent/http_admission.py``), at
+  most ``workers`` requests decoding and inferring at once in a thread pool (never on the event
+  loop), ``max_queue`` more waiting, and ``max_buffered_bytes`` of bodies held, counted as their
+  bytes arrive (a declared length reserves nothing); beyond, ``503``;
 - a body is either consumed or the connection closed with ``Connection: close`` (a body
   left unread is never parsed as the next request), and a closing connection lingers to
   discard what the client still sends, so it reads the answer rather than a reset;
-- every body is bounded before it is decoded (``device_agent/bodies.py``);
+- every body is bounded before it is decoded (``device_agent/bodies.py``), a batch by
+  ``max_batch_bytes``, and raw outputs by ``max_json_output_bytes`` before they are encoded
+  as JSON (413 pointing to npz);
 - every error is ``{"error": {"kind", "message"}}`` (the v2 endpoints answer the protocol's
   ``{"error": message}``) with its status, also for protocol errors h11 refuses, and every
   answer is counted by status class in ``/metrics``.
@@ -50,7 +54,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from device_agent import bodies, http_admission, oip
+from device_agent import bodies, http_admission, oip, openapi
 from device_agent.config import ApiSettings
 from device_agent.errors import BadRequest, NoModelError
 from device_agent.http_server import HttpServer, listening_socket
@@ -277,12 +281,14 @@ class AgentApp:
                                         max_json_output_bytes=settings.max_json_output_bytes)
         self.images = bodies.ImageGate(pixels, settings.max_image_decodes)
         self.http_stats = HttpStats()
+        self._openapi = openapi.document_bytes()
         self.pool = ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="http-worker")
         self._admitted = 0  # requests holding a slot (event loop only: no lock)
         self.buffered = http_admission.BodyBudget(settings.max_buffered_bytes)  # body bytes held (event loop only)
         routes = [
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
             Route("/predict", self.predict, methods=["POST"]),
             Route("/streams/{stream}", self.delete_stream, methods=["DELETE"]),
             Route("/v2", self.v2_server, methods=["GET"]),
@@ -343,6 +349,10 @@ class AgentApp:
     async def metrics(self, request: Request) -> Response:
         text = prometheus_text(self.service, self.http_stats) + load_gauges(self._admitted, self.buffered.held)
         return Response(text.encode(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(self, request: Request) -> Response:
+        """This API's OpenAPI document (``device_agent/openapi.py``; the same for every request)."""
+        return Response(self._openapi, 200, media_type=JSON_MEDIA_TYPE)
 
     async def delete_stream(self, request: Request) -> Response:
         """``DELETE /streams/ID``: forget a stream's state (204; 404 when it is not kept)."""
@@ -550,10 +560,12 @@ class AgentApp:
             return error_response(err.http_status, err.kind, str(err), v2=True)
 
     async def v2_model_ready(self, request: Request) -> Response:
+        """200 for the model served; 404 for any other (the protocol's 4xx for false, KServe's
+        status for a model it does not serve)."""
         try:
             self._v2_model(request)
         except BadRequest:
-            return Response(status_code=400)
+            return Response(status_code=404)
         return Response(status_code=200)
 
     async def v2_infer(self, request: Request) -> Response:

@@ -13,8 +13,8 @@ Added here, each as narrowly as its classes allow:
   that has waited longest (at least ``EVICT_AFTER_S``) for its request head (half-open heads and
   idle kept-alive connections are the cheapest to drop); when none waits, it is answered ``503``
   and closed. A connection taken
-  in the health reserve answers ``/healthz``, ``/metrics`` and ``/v2/health/*`` (then closes)
-  and ``503 busy`` for anything else;
+  in the health reserve answers ``/healthz``, ``/metrics`` and ``/v2/health/*`` without a body
+  (then closes) and ``503 busy`` for anything else;
 - a deadline for the request head: it must arrive within ``read_timeout_s`` of the connection
   or of the previous answer, else ``408`` (nothing at all: the connection just closes; an idle
   kept-alive one after ``keep_alive_s``). The body's deadline is the app's (``http_api``);
@@ -128,7 +128,7 @@ class AgentH11Protocol(H11Protocol):
             await self._send_error_response(431)
             await self.send(Closed())
             return
-        if self.reserve and not http_admission.is_health_target(request.target):
+        if self.reserve and not http_admission.health_check(request.target, request.headers):
             await self._send_json_error(503, "busy", "every connection the agent serves requests on is busy "
                                         "(api.max_connections): retry later")
             await self.send(Closed())

@@ -4,17 +4,27 @@ The rules (docs/architecture.md, "The artifact format"), in the order they apply
 
 1. The archive file is at most ``limits.max_archive_bytes`` on disk. It is one gzip, xz or
    bzip2 stream (or a plain tar); any byte after that stream's trailer is refused, so nothing
-   can hide behind the archive (a second tar appended, a second compressed stream, garbage).
+   can hide behind the archive (a second tar appended, a second compressed stream, garbage),
+   nor in a gzip header's extra field or comment (``check_gzip_header``).
 2. Tar headers are parsed here, by a small bounded parser over 512-byte blocks, never by
    ``tarfile``: ``tarfile`` reads a PAX (``x``) or GNU long-name (``L``) header's declared
    size whole before the caller sees a member, so a 4 MB gzip declaring a 1 GiB PAX header
    cost 3 GB of memory before the signature was checked. Only ustar headers are accepted,
-   each optionally preceded by at most one PAX and one GNU long-name/long-link header of at
-   most ``MAX_EXTENDED_HEADER_BYTES``; global PAX headers, base-256 numbers and bad checksums
-   are refused.
+   each optionally preceded by one PAX header of at most ``MAX_EXTENDED_HEADER_BYTES``; GNU
+   long-name/long-link headers, global PAX headers, base-256 numbers and bad checksums are
+   refused.
+2a. Every byte is signed or refused. The signature covers manifest.json, which covers each
+   member's name, size and contents; nothing covers the rest of a tar header, the zero padding
+   that fills a member's last block, or a PAX header. So each of those must be exactly what
+   Edgepack's writer (``sdk.artifact_writer``: ``tarfile``, PAX format, fixed metadata) puts
+   there: mode 0644, uid/gid 0, mtime 0, no link name, user or group name, prefix or device
+   numbers, the ustar magic, a PAX header only for a name that does not fit the ustar field
+   (non-ASCII or over 100 characters) holding the one ``path`` record, and zeros in every
+   padding byte. Anything else is an :class:`UnsignedBytesError` naming the member and field.
 3. The first member is manifest.json (at most ``max_manifest_bytes``), the second
    manifest.sig; both small regular files. The signature over the exact manifest bytes must
-   verify against the trust store before the manifest is even parsed.
+   verify against the trust store before the manifest is even parsed, and manifest.sig must be
+   laid out byte for byte as the writer lays it out (``signing.check_signature_layout``).
 4. Every later member must be a regular file (no symlink, hardlink, device, fifo or
    directory), have a safe relative name listed in the manifest, appear once, and have the
    declared size (within ``max_member_bytes``) and sha256. The total of all members is
@@ -38,7 +48,7 @@ import shutil
 import tempfile
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -49,9 +59,10 @@ from edgepack_core.errors import (
     MissingSignatureError,
     TruncatedArchiveError,
     UnsafeMemberError,
+    UnsignedBytesError,
 )
 from edgepack_core.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, parse_manifest
-from edgepack_core.signing import MAX_SIGNATURE_BYTES, TrustStore
+from edgepack_core.signing import MAX_SIGNATURE_BYTES, TrustStore, check_signature_layout
 
 _CHUNK = 1 << 20
 _RAW_CHUNK = 64 << 10
@@ -69,7 +80,33 @@ REGULAR_TYPES = (b"0", b"\0")
 HARDLINK_TYPE, SYMLINK_TYPE = b"1", b"2"
 DEVICE_TYPES = (b"3", b"4", b"6")  # character device, block device, fifo
 PAX_TYPE, PAX_GLOBAL_TYPE, GNU_LONGNAME_TYPE, GNU_LONGLINK_TYPE = b"x", b"g", b"L", b"K"
-EXTENDED_TYPES = (PAX_TYPE, GNU_LONGNAME_TYPE, GNU_LONGLINK_TYPE)
+GNU_TYPES = (GNU_LONGNAME_TYPE, GNU_LONGLINK_TYPE)
+PAX_HEADER_NAME = "././@PaxHeader"
+MEMBER_MODE, PAX_HEADER_MODE = 0o644, 0
+NAME_FIELD_BYTES = 100
+# The ustar header block, field by field (POSIX.1-1988 offsets).
+HEADER_FIELDS = (
+    ("name", 0, 100),
+    ("mode", 100, 108),
+    ("uid", 108, 116),
+    ("gid", 116, 124),
+    ("size", 124, 136),
+    ("mtime", 136, 148),
+    ("checksum", 148, 156),
+    ("typeflag", 156, 157),
+    ("linkname", 157, 257),
+    ("magic", 257, 263),
+    ("version", 263, 265),
+    ("uname", 265, 297),
+    ("gname", 297, 329),
+    ("devmajor", 329, 337),
+    ("devminor", 337, 345),
+    ("prefix", 345, 500),
+    ("pad", 500, 512),
+)
+# A regular file's device numbers: empty since Python 3.11.4's tarfile, zero before it. Both are
+# "no device"; an artifact written on either host verifies.
+_NO_DEVICE = (bytes(8), b"0000000\0")
 _MAGICS = (b"ustar\x0000", b"ustar  \x00")  # POSIX ustar, GNU
 _ZLIB_TYPE = type(zlib.decompressobj())
 
@@ -105,6 +142,10 @@ class MemberHeader:
     size: int
     type: bytes
     linkname: str = ""
+    raw: bytes = field(default=b"", repr=False, compare=False)
+    """The member's own 512-byte header block, for :func:`check_writer_header`."""
+    pax_path: bool = field(default=False, compare=False)
+    """Whether the name came from a PAX ``path`` record."""
 
 
 # --------------------------------------------------------------------------- pure header rules
@@ -141,8 +182,9 @@ def parse_header(block: bytes) -> MemberHeader:
     if prefix:
         name = prefix + b"/" + name
     linkname = block[157:257].partition(b"\0")[0]
-    return MemberHeader(_text(name, "name"), _octal(block[124:136], "size"), block[156:157],
-                        _text(linkname, "link name"))
+    return MemberHeader(
+        _text(name, "name"), _octal(block[124:136], "size"), block[156:157], _text(linkname, "link name")
+    )
 
 
 def parse_pax_records(data: bytes) -> dict[str, str]:
@@ -155,9 +197,9 @@ def parse_pax_records(data: bytes) -> dict[str, str]:
         if not digits.isdigit():
             raise ArtifactError("malformed PAX header record")
         end = pos + int(digits)
-        if end > len(data) or end <= space + 1 or data[end - 1:end] != b"\n":
+        if end > len(data) or end <= space + 1 or data[end - 1 : end] != b"\n":
             raise ArtifactError("malformed PAX header record")
-        key, sep, value = data[space + 1:end - 1].partition(b"=")
+        key, sep, value = data[space + 1 : end - 1].partition(b"=")
         if not sep:
             raise ArtifactError("malformed PAX header record")
         records[_text(key, "PAX key")] = _text(value, "PAX value")
@@ -165,23 +207,90 @@ def parse_pax_records(data: bytes) -> dict[str, str]:
     return records
 
 
-def extended_fields(kind: bytes, data: bytes) -> dict[str, Any]:
-    """The member fields a PAX or GNU long-name/long-link header overrides. Pure."""
-    if kind == GNU_LONGNAME_TYPE:
-        return {"name": _text(data.partition(b"\0")[0], "name")}
-    if kind == GNU_LONGLINK_TYPE:
-        return {"linkname": _text(data.partition(b"\0")[0], "link name")}
+def pax_record(key: str, value: str) -> bytes:
+    """One PAX record exactly as ``tarfile`` writes it: the shortest length that counts itself. Pure."""
+    body = b" %s=%s\n" % (key.encode(), value.encode())
+    length = len(body) + 1
+    while len(str(length)) + len(body) != length:
+        length += 1
+    return str(length).encode() + body
+
+
+def pax_fields(data: bytes) -> dict[str, Any]:
+    """The member fields a PAX header sets: only the name, from the one ``path`` record the
+    writer puts there, laid out as it lays it out (no other key, no second record). Pure."""
     records = parse_pax_records(data)
-    fields: dict[str, Any] = {}
-    if "path" in records:
-        fields["name"] = records["path"]
-    if "linkpath" in records:
-        fields["linkname"] = records["linkpath"]
-    if "size" in records:
-        if not records["size"].isdigit():
-            raise ArtifactError("PAX size is not a decimal number")
-        fields["size"] = int(records["size"])
-    return fields
+    unknown = sorted(set(records) - {"path"})
+    if unknown:
+        raise UnsignedBytesError(
+            PAX_HEADER_NAME, "PAX key", f"PAX key {_show(unknown[0])} (Edgepack writes only 'path')"
+        )
+    if "path" not in records or data != pax_record("path", records["path"]):
+        raise UnsignedBytesError(
+            PAX_HEADER_NAME, "PAX records", "PAX records are not the one 'path' record Edgepack writes"
+        )
+    return {"name": records["path"], "pax_path": True}
+
+
+def _show(raw: bytes | str) -> str:
+    text = repr(raw)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def writer_fields(name_field: bytes, size: int, typeflag: bytes, mode: int) -> dict[str, bytes]:
+    """Every ustar field of a header as Edgepack's writer fills it, but the checksum (which is
+    computed over the others) and the device numbers (see ``_NO_DEVICE``). Pure."""
+    zero = b"0000000\0"
+    return {
+        "name": name_field.ljust(NAME_FIELD_BYTES, b"\0"),
+        "mode": b"%07o\0" % mode,
+        "uid": zero,
+        "gid": zero,
+        "size": b"%011o\0" % size,
+        "mtime": b"00000000000\0",
+        "typeflag": typeflag,
+        "linkname": bytes(100),
+        "magic": b"ustar\0",
+        "version": b"00",
+        "uname": bytes(32),
+        "gname": bytes(32),
+        "devmajor": bytes(8),
+        "devminor": bytes(8),
+        "prefix": bytes(155),
+        "pad": bytes(12),
+    }
+
+
+def check_writer_fields(block: bytes, member: str, expected: dict[str, bytes]) -> None:
+    """Refuse a header block whose fields differ from ``expected`` (see :func:`writer_fields`),
+    naming the first field that does. Pure."""
+    for name, start, end in HEADER_FIELDS:
+        actual = block[start:end]
+        # The checksum's value is checked by parse_header; here its layout.
+        want = b"%06o\0 " % (sum(block[:148]) + 8 * 0x20 + sum(block[156:])) if name == "checksum" else expected[name]
+        if actual != want and not (name in ("devmajor", "devminor") and actual in _NO_DEVICE):
+            raise UnsignedBytesError(
+                member, name, f"tar header field {name} holds {_show(actual)}, Edgepack writes {_show(want)}"
+            )
+
+
+def ustar_name(name: str) -> tuple[bytes, bool]:
+    """The ustar name field the writer fills for ``name``, and whether the name needs a PAX
+    ``path`` record (``tarfile``: non-ASCII, or over 100 characters). Pure."""
+    return name.encode("ascii", "replace")[:NAME_FIELD_BYTES], not name.isascii() or len(name) > NAME_FIELD_BYTES
+
+
+def check_writer_header(member: MemberHeader) -> None:
+    """A regular member's header block must be the one the writer makes for its name and size. Pure."""
+    name_field, needs_pax = ustar_name(member.name)
+    if member.pax_path != needs_pax:
+        problem = (
+            "a PAX path record for a name that fits the ustar field"
+            if member.pax_path
+            else "a name that only fits a PAX path record, without one"
+        )
+        raise UnsignedBytesError(member.name, "name", f"tar header field name: {problem}")
+    check_writer_fields(member.raw, member.name, writer_fields(name_field, member.size, b"0", MEMBER_MODE))
 
 
 def check_extended_header(header: MemberHeader, seen_kinds: set[bytes]) -> None:
@@ -191,8 +300,7 @@ def check_extended_header(header: MemberHeader, seen_kinds: set[bytes]) -> None:
     headers here rather than with ``tarfile``.
     """
     if header.size > MAX_EXTENDED_HEADER_BYTES:
-        raise LimitExceededError(f"extended tar header ({chr(header.type[0])})", header.size,
-                                 MAX_EXTENDED_HEADER_BYTES)
+        raise LimitExceededError(f"extended tar header ({chr(header.type[0])})", header.size, MAX_EXTENDED_HEADER_BYTES)
     if header.type in seen_kinds:
         raise UnsafeMemberError(header.name, "repeated extended header for one member")
 
@@ -233,6 +341,25 @@ def _padding(size: int) -> int:
 
 # --------------------------------------------------------------------------- streams
 
+GZIP_HEADER = "gzip header"
+GZIP_FNAME = 0x08
+MAX_GZIP_NAME_BYTES = 255
+_GZIP_HEAD_BYTES = 10 + MAX_GZIP_NAME_BYTES + 1
+
+
+def check_gzip_header(head: bytes) -> None:
+    """Refuse gzip header fields that can carry unsigned bytes of any length: FEXTRA and
+    FCOMMENT (and FHCRC, FTEXT, reserved bits), which no Edgepack, Python or ``gzip`` writer
+    sets; a file name (``gzip`` and ``tarfile`` write one) only up to 255 bytes. ``head``: the
+    stream's first bytes, up to ``_GZIP_HEAD_BYTES``. Pure."""
+    flags = head[3] if len(head) > 3 else 0
+    if flags & ~GZIP_FNAME:
+        raise UnsignedBytesError(
+            GZIP_HEADER, "flags", f"gzip header flags {flags:#04x}: only FNAME is accepted (FEXTRA, FCOMMENT refused)"
+        )
+    if flags & GZIP_FNAME and b"\0" not in head[10:_GZIP_HEAD_BYTES]:
+        raise UnsignedBytesError(GZIP_HEADER, "FNAME", f"a gzip file name over {MAX_GZIP_NAME_BYTES} bytes")
+
 
 class _Source:
     """The decompressed bytes of exactly one gzip/xz/bzip2 stream (or a plain file), produced
@@ -241,10 +368,11 @@ class _Source:
 
     def __init__(self, raw: IO[bytes]) -> None:
         self._raw = raw
-        magic = raw.read(6)
+        magic = raw.read(_GZIP_HEAD_BYTES)
         raw.seek(0)
         self._dec: Any
         if magic.startswith(b"\x1f\x8b"):
+            check_gzip_header(magic)
             self._dec = zlib.decompressobj(16 + zlib.MAX_WBITS)
         elif magic.startswith(b"\xfd7zXZ\x00"):
             self._dec = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
@@ -298,7 +426,8 @@ class _TarReader:
         return data
 
     def next(self) -> MemberHeader | None:
-        """The next member's header (PAX/GNU extensions applied), or None at the end marker."""
+        """The next member's header (a PAX ``path`` applied), or None at the end marker. Its own
+        block rides along as ``raw`` for :func:`check_writer_header`."""
         fields: dict[str, Any] = {}
         kinds: set[bytes] = set()
         while True:
@@ -313,28 +442,44 @@ class _TarReader:
             header = parse_header(block)
             if header.type == PAX_GLOBAL_TYPE:
                 raise UnsafeMemberError(header.name, "global PAX header (not accepted)")
-            if header.type not in EXTENDED_TYPES:
+            if header.type in GNU_TYPES:
+                raise UnsignedBytesError(
+                    header.name, "typeflag", "a GNU long-name header (Edgepack writes long names in PAX headers)"
+                )
+            if header.type != PAX_TYPE:
                 break
             check_extended_header(header, kinds)
             kinds.add(header.type)
-            data = self._exact(header.size)
-            self._exact(_padding(header.size))
-            fields.update(extended_fields(header.type, data))
+            fields.update(self._pax(header, block))
         self.count += 1
         if self.count > self.limits.max_members:
             raise LimitExceededError("member count", self.count, self.limits.max_members)
-        return replace(header, **fields)
+        return replace(header, raw=block, **fields)
 
-    def data(self, size: int) -> Iterator[bytes]:
-        """A member's ``size`` bytes in pieces of at most 1 MiB, then its block padding."""
-        remaining = size
+    def _pax(self, header: MemberHeader, block: bytes) -> dict[str, Any]:
+        """A PAX header's block (as the writer makes it), records and zero padding: the name."""
+        check_writer_fields(
+            block, PAX_HEADER_NAME, writer_fields(PAX_HEADER_NAME.encode(), header.size, PAX_TYPE, PAX_HEADER_MODE)
+        )
+        data = self._exact(header.size)
+        self._zero_padding(PAX_HEADER_NAME, header.size)
+        return pax_fields(data)
+
+    def _zero_padding(self, member: str, size: int) -> None:
+        """The rest of a member's last block: zeros, as the writer leaves it, or refused."""
+        if self._exact(_padding(size)).strip(b"\0"):
+            raise UnsignedBytesError(member, "padding", "non-zero bytes in the tar block padding after its data")
+
+    def data(self, member: MemberHeader) -> Iterator[bytes]:
+        """A member's bytes in pieces of at most 1 MiB, then its (zero) block padding."""
+        remaining = member.size
         while remaining > 0:
             piece = self.source.read(min(_CHUNK, remaining))
             if not piece:
                 raise TruncatedArchiveError("archive ends inside a member")
             remaining -= len(piece)
             yield piece
-        self._exact(_padding(size))
+        self._zero_padding(member.name, member.size)
 
     def _end(self) -> None:
         """After the first zero block: a second one, then nothing but zeros to the end."""
@@ -349,8 +494,7 @@ class _TarReader:
                 raise ArtifactError("data after the tar end-of-archive marker (a second archive or garbage)")
             padding += len(piece)
             if padding > MAX_TRAILING_PADDING:
-                raise LimitExceededError("zero padding after the end-of-archive marker", padding,
-                                         MAX_TRAILING_PADDING)
+                raise LimitExceededError("zero padding after the end-of-archive marker", padding, MAX_TRAILING_PADDING)
         self.source.finish()
 
 
@@ -366,7 +510,8 @@ def _read_small(reader: _TarReader, member: MemberHeader | None, name: str, limi
         raise UnsafeMemberError(member.name, "not a regular file")
     if member.size > limit:
         raise LimitExceededError(member.name, member.size, limit)
-    return b"".join(reader.data(member.size))
+    check_writer_header(member)
+    return b"".join(reader.data(member))
 
 
 def _copy_hashed(pieces: Iterator[bytes], sink: IO[bytes] | None) -> str:
@@ -388,21 +533,23 @@ def _file_pieces(stream: IO[bytes], size: int) -> Iterator[bytes]:
         yield piece
 
 
-def _walk_members(reader: _TarReader, manifest: Manifest, limits: Limits, staging: Path | None,
-                  total: int, durable: bool = True) -> None:
+def _walk_members(
+    reader: _TarReader, manifest: Manifest, limits: Limits, staging: Path | None, total: int, durable: bool = True
+) -> None:
     seen: set[str] = set()
     while (member := reader.next()) is not None:
         check_member_header(member, manifest, seen, limits)
+        check_writer_header(member)
         total += member.size
         check_total(total, limits)
         seen.add(member.name)
         if staging is None:
-            digest = _copy_hashed(reader.data(member.size), None)
+            digest = _copy_hashed(reader.data(member), None)
         else:
             target = staging / member.name
             target.parent.mkdir(parents=True, exist_ok=True)
             with open(target, "xb") as sink:
-                digest = _copy_hashed(reader.data(member.size), sink)
+                digest = _copy_hashed(reader.data(member), sink)
                 if durable:
                     sink.flush()
                     os.fsync(sink.fileno())
@@ -413,8 +560,9 @@ def _walk_members(reader: _TarReader, manifest: Manifest, limits: Limits, stagin
         raise IntegrityError(missing[0], "listed in the manifest but missing from the archive")
 
 
-def _walk(path: Path, trust: TrustStore, limits: Limits, staging: Path | None,
-          durable: bool = True) -> VerifiedArtifact:
+def _walk(
+    path: Path, trust: TrustStore, limits: Limits, staging: Path | None, durable: bool = True
+) -> VerifiedArtifact:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -430,6 +578,7 @@ def _walk(path: Path, trust: TrustStore, limits: Limits, staging: Path | None,
             manifest_bytes = _read_small(reader, reader.next(), MANIFEST_NAME, limits.max_manifest_bytes)
             signature = _read_small(reader, reader.next(), SIGNATURE_NAME, MAX_SIGNATURE_BYTES)
             key = trust.verify(manifest_bytes, signature)
+            check_signature_layout(signature)
             manifest = parse_manifest(manifest_bytes)
             _walk_members(reader, manifest, limits, staging, len(manifest_bytes) + len(signature), durable)
             if staging is not None:
@@ -461,8 +610,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def extract_artifact(
-    path: str | os.PathLike[str], dest: str | os.PathLike[str], trust: TrustStore, limits: Limits | None = None,
-    *, durable: bool = True,
+    path: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    trust: TrustStore,
+    limits: Limits | None = None,
+    *,
+    durable: bool = True,
 ) -> VerifiedArtifact:
     """Verify and extract into ``dest`` (which must not exist) atomically.
 
@@ -491,8 +644,11 @@ def extract_artifact(
             err.artifact = str(path)
         raise
     return VerifiedArtifact(
-        path=path, manifest=verified.manifest, manifest_bytes=verified.manifest_bytes,
-        key_id=verified.key_id, root=dest,
+        path=path,
+        manifest=verified.manifest,
+        manifest_bytes=verified.manifest_bytes,
+        key_id=verified.key_id,
+        root=dest,
     )
 
 

@@ -74,6 +74,11 @@ class BadSignatureError(SignatureError):
     """A trusted key's signature does not match the manifest bytes (manifest changed)."""
 
 
+class SignatureLayoutError(SignatureError):
+    """manifest.sig verifies but is not laid out byte for byte as Edgepack writes it (extra keys,
+    other whitespace, padding): its bytes are not signed, so only the one layout is accepted."""
+
+
 class ManifestError(ArtifactError):
     """manifest.json is missing, not JSON, or does not match the manifest schema."""
 
@@ -95,6 +100,16 @@ class UnsafeMemberError(ArtifactError):
         super().__init__(f"unsafe member {member!r}: {problem}", artifact=artifact)
         self.member = member
         self.problem = problem
+
+
+class UnsignedBytesError(UnsafeMemberError):
+    """Bytes the signature does not cover (a tar header field, block padding, an extended header)
+    that are not exactly what Edgepack's writer puts there. Refused, so that no unsigned byte
+    rides along in a verified artifact. ``field`` names the header field or ``padding``."""
+
+    def __init__(self, member: str, field: str, problem: str, *, artifact: str = "") -> None:
+        super().__init__(member, problem, artifact=artifact)
+        self.field = field
 
 
 class LimitExceededError(ArtifactError):

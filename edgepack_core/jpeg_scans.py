@@ -18,44 +18,55 @@ from edgepack_core.errors import PreprocessError
 SOI = b"\xff\xd8"
 MAX_SCANS = 100
 MAX_SEGMENTS = 1000
+# Fill bytes (0xFF) a marker may follow: Pillow's header parser skips each in Python.
+MAX_FILL = 1024
 _SOS, _EOI = 0xDA, 0xD9
 # Markers without a length: RST0-7, TEM (and SOI/EOI).
 _STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
 # The end of entropy-coded data: 0xFF followed by a byte that is not a stuffed zero, a restart
 # marker or more fill (0xFF); that byte is the next marker.
 _NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+_FILL = re.compile(rb"\xff+")
 
 
 def count_scans(data: bytes | memoryview, *, max_scans: int = MAX_SCANS, max_segments: int = MAX_SEGMENTS) -> int:
-    """The scans of a JPEG (pure; 0 for anything else, or where its markers end early: the
-    decoder refuses that itself). Raises ``PreprocessError`` past ``max_scans`` scans or
-    ``max_segments`` segments, as soon as the walk gets there."""
+    """The scans of a JPEG (pure; 0 for anything else; a truncated one is left to the decoder,
+    which refuses it). Raises ``PreprocessError`` past ``max_scans`` scans or ``max_segments``
+    segments, as soon as the walk gets there, and for bytes between segments or more than
+    ``MAX_FILL`` fill bytes before a marker (Pillow would skip them one by one in Python)."""
     data = bytes(data)
     if not data.startswith(SOI):
         return 0
     position, scans, segments = 2, 0, 0
-    while position + 4 <= len(data) and data[position] == 0xFF:
+    while position + 4 <= len(data):
+        position = _marker_at(data, position)
         marker = data[position + 1]
-        if marker == 0xFF:  # fill byte before a marker
-            position += 1
-            continue
         if marker == _EOI:
             break
-        segments += 1
-        if segments > max_segments:
-            raise PreprocessError(f"a JPEG of more than {max_segments} segments is refused (its decoding cost is "
-                                  "not bounded by its size)")
+        segments = _counted(segments, max_segments, "segments", "its decoding cost is not bounded by its size")
         if marker in _STANDALONE:
             position += 2
             continue
         position += 2 + int.from_bytes(data[position + 2:position + 4], "big")
         if marker == _SOS:
-            scans += 1
-            if scans > max_scans:
-                raise PreprocessError(f"a JPEG of more than {max_scans} scans is refused (encoders write about "
-                                      "10; each scan costs a pass over the whole image)")
+            scans = _counted(scans, max_scans, "scans", "encoders write about 10; each scan costs a pass over "
+                             "the whole image")
             found = _NEXT_MARKER.search(data, position)
-            if found is None:
-                break
-            position = found.start()
+            position = len(data) if found is None else found.start()
     return scans
+
+
+def _marker_at(data: bytes, position: int) -> int:
+    """Where the marker at ``position`` starts, past its fill bytes (at most ``MAX_FILL``)."""
+    if data[position] != 0xFF:
+        raise PreprocessError(f"not a well-formed JPEG: bytes outside its segments at offset {position}")
+    fill = _FILL.match(data, position).end() - 1 - position  # the last 0xFF of a run precedes the marker
+    if fill > MAX_FILL:
+        raise PreprocessError(f"not a well-formed JPEG: {fill} fill bytes before a marker at offset {position}")
+    return position + fill
+
+
+def _counted(count: int, limit: int, what: str, why: str) -> int:
+    if count + 1 > limit:
+        raise PreprocessError(f"a JPEG of more than {limit} {what} is refused ({why})")
+    return count + 1

@@ -31,6 +31,7 @@ from edgepack_core.errors import (
     KeyFileError,
     MissingSignatureError,
     SignatureError,
+    SignatureLayoutError,
     UntrustedKeyError,
 )
 
@@ -68,8 +69,48 @@ def signature_document(data: bytes, keys: Iterable[SigningKey]) -> bytes:
     signatures = [key.sign(data) for key in keys]
     if not signatures:
         raise ValueError("at least one signing key is required")
-    doc = {"schema": SIGNATURE_SCHEMA, "signatures": signatures}
+    return _layout({"schema": SIGNATURE_SCHEMA, "signatures": signatures})
+
+
+_ENTRY_KEYS = frozenset({"key_id", "algorithm", "signature"})
+
+
+def _layout(doc: object) -> bytes:
+    """The one byte layout of manifest.sig (the writer's, and the only one a reader accepts)."""
     return json.dumps(doc, sort_keys=True, indent=1).encode("utf-8") + b"\n"
+
+
+def check_signature_layout(signature_bytes: bytes) -> None:
+    """Refuse a manifest.sig that verifies but is not laid out byte for byte as
+    :func:`signature_document` lays it out: its bytes are not signed, so a key, a space or a
+    padding byte the writer does not put there could carry anything. Call after ``verify``."""
+    try:
+        doc = json.loads(signature_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SignatureLayoutError(f"manifest.sig is not valid JSON: {err}") from None
+    entries = doc.get("signatures") if isinstance(doc, dict) else None
+    shaped = (
+        isinstance(doc, dict)
+        and set(doc) == {"schema", "signatures"}
+        and isinstance(entries, list)
+        and all(
+            isinstance(e, dict) and set(e) == _ENTRY_KEYS and all(isinstance(v, str) for v in e.values())
+            for e in entries
+        )
+    )
+    if not shaped or _layout(doc) != signature_bytes:
+        raise SignatureLayoutError("manifest.sig is not laid out as Edgepack writes it (keys, spacing or padding)")
+    if not all(_canonical_base64(entry["signature"]) for entry in entries):
+        raise SignatureLayoutError("manifest.sig holds a signature in non-canonical base64 (padding bits set)")
+
+
+def _canonical_base64(text: str) -> bool:
+    """Whether ``text`` is the one base64 spelling of its bytes: a decoder ignores the unused low
+    bits of the last character, so ``...D==`` and ``...E==`` can be the same signature."""
+    try:
+        return base64.b64encode(base64.b64decode(text, validate=True)).decode("ascii") == text
+    except (binascii.Error, ValueError):
+        return False
 
 
 class TrustStore:
@@ -206,8 +247,11 @@ def _plain_ed25519_pem(data: bytes) -> Ed25519PublicKey | None:
     import is about a tenth of ``edgepack-agent predict``'s cold start; None for anything else,
     which then goes through cryptography's full PEM reader."""
     lines = data.strip().splitlines()
-    if len(lines) < 3 or lines[0].strip() != b"-----BEGIN PUBLIC KEY-----" \
-            or lines[-1].strip() != b"-----END PUBLIC KEY-----":
+    if (
+        len(lines) < 3
+        or lines[0].strip() != b"-----BEGIN PUBLIC KEY-----"
+        or lines[-1].strip() != b"-----END PUBLIC KEY-----"
+    ):
         return None
     try:
         der = base64.b64decode(b"".join(line.strip() for line in lines[1:-1]), validate=True)
@@ -215,7 +259,7 @@ def _plain_ed25519_pem(data: bytes) -> Ed25519PublicKey | None:
         return None
     if len(der) != len(_ED25519_SPKI_PREFIX) + 32 or not der.startswith(_ED25519_SPKI_PREFIX):
         return None
-    return Ed25519PublicKey.from_public_bytes(der[len(_ED25519_SPKI_PREFIX):])
+    return Ed25519PublicKey.from_public_bytes(der[len(_ED25519_SPKI_PREFIX) :])
 
 
 def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:

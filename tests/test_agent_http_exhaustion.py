@@ -153,6 +153,10 @@ def test_every_connection_busy_with_a_slow_body_leaves_healthz_its_reserved_slot
                 assert status == 200 and json.loads(body)["status"] == "ok" and headers["connection"] == "close"
         status, headers, body = exchange(port, request_bytes("POST", "/predict", OK_JSON))
         assert (status, error_of(body)["kind"], headers["connection"]) == (503, "busy", "close")
+        for _ in range(HEALTH_CONNECTIONS):  # a health check declaring a body it never sends holds no slot
+            status, headers, body = exchange(port, request_bytes("GET", "/healthz", b"x" * 10)[:-10])
+            assert (status, error_of(body)["kind"], headers["connection"]) == (503, "busy", "close")
+        assert exchange(port, request_bytes("GET", "/healthz"))[0] == 200
     finally:
         for sock in busy:
             sock.close()

@@ -15,7 +15,7 @@ import pytest
 from device_agent import bodies
 from edgepack_core import preprocess
 from edgepack_core.errors import PreprocessError
-from edgepack_core.jpeg_scans import MAX_SCANS, count_scans
+from edgepack_core.jpeg_scans import MAX_FILL, MAX_SCANS, count_scans
 from tests import test_http_attacks as attacks
 from tests.hostile_bodies import jpeg_scan_bomb, npz_with_directory_entries, npz_zip_bomb
 from tests.test_http_attacks import error_of, exchange, npy, request_bytes, still_serves
@@ -170,3 +170,17 @@ def test_v2_outputs_in_json_over_max_json_output_bytes_are_413_pointing_to_binar
     status, body = infer(101, False)
     assert status == 413 and "binary_data_output" in json.loads(body)["error"]
     assert infer(101, True)[0] == 200
+
+
+def test_jpeg_walk_refuses_junk_between_segments_and_fill_beyond_its_bound():
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buffer, "JPEG")
+    data = buffer.getvalue()
+    at = data.index(b"\xff\xdb")  # the first quantization table
+    with pytest.raises(PreprocessError, match="bytes outside its segments"):
+        count_scans(data[:at] + b"junk" * 4_000_000 + data[at:])  # 16 MB that Pillow would skip byte by byte
+    assert count_scans(data[:at] + b"\xff" * MAX_FILL + data[at:]) == 1  # a marker's own 0xFF after them
+    with pytest.raises(PreprocessError, match="1025 fill bytes"):
+        count_scans(data[:at] + b"\xff" * (MAX_FILL + 1) + data[at:])

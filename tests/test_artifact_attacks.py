@@ -294,9 +294,9 @@ from edgepack_core.artifact import (  # noqa: E402
     check_extended_header,
     check_member_header,
     check_total,
-    extended_fields,
     parse_header,
     parse_pax_records,
+    pax_fields,
 )
 from edgepack_core.errors import SignatureError  # noqa: E402
 from edgepack_core.manifest import Manifest, parse_manifest  # noqa: E402
@@ -420,11 +420,9 @@ def test_extended_header_size_is_checked_before_reading():
         check_extended_header(MemberHeader("././@LongLink", 10, b"L"), {b"L"})
 
 
-def test_pax_and_gnu_extended_fields_override_the_header():
+def test_pax_path_overrides_the_header_name():
     assert parse_pax_records(b"21 path=assets/b.txt\n11 size=42\n") == {"path": "assets/b.txt", "size": "42"}
-    assert extended_fields(b"x", b"21 path=assets/b.txt\n11 size=42\n") == {"name": "assets/b.txt", "size": 42}
-    assert extended_fields(b"L", b"assets/long.txt\0") == {"name": "assets/long.txt"}
-    assert extended_fields(b"K", b"target\0") == {"linkname": "target"}
+    assert pax_fields(b"21 path=assets/b.txt\n") == {"name": "assets/b.txt", "pax_path": True}
 
 
 @pytest.mark.parametrize("records", [b"99 path=x\n", b"x path=x\n", b"9 pathx\n", b"10 path=x ", b"3 =\n"])
@@ -594,14 +592,15 @@ def test_pax_key_and_value_must_be_utf8():
     assert _message(parse_pax_records, b"6 a=\xff\n").endswith(": PAX value is not UTF-8")
 
 
-def test_extended_fields_exactly():
-    assert extended_fields(b"L", b"assets/long.txt\0\0\0") == {"name": "assets/long.txt"}
-    assert extended_fields(b"K", b"target\0\0") == {"linkname": "target"}
-    assert extended_fields(b"x", _record("linkpath", "t") + _record("path", "p")) == {"linkname": "t", "name": "p"}
-    assert extended_fields(b"x", _record("mtime", "1.5")) == {}
-    assert _message(extended_fields, b"x", _record("size", "1e9")) == "PAX size is not a decimal number"
-    assert _message(extended_fields, b"L", b"\xff\0").endswith(": name is not UTF-8")
-    assert _message(extended_fields, b"K", b"\xff\0").endswith(": link name is not UTF-8")
+def test_pax_fields_exactly():
+    assert pax_fields(_record("path", "p")) == {"name": "p", "pax_path": True}
+    assert _message(pax_fields, _record("linkpath", "t") + _record("path", "p")) == (
+        "unsafe member '././@PaxHeader': PAX key 'linkpath' (Edgepack writes only 'path')")
+    assert _message(pax_fields, _record("mtime", "1.5")) == (
+        "unsafe member '././@PaxHeader': PAX key 'mtime' (Edgepack writes only 'path')")
+    assert _message(pax_fields, b"") == (
+        "unsafe member '././@PaxHeader': PAX records are not the one 'path' record Edgepack writes")
+    assert _message(pax_fields, b"\xff\0").endswith("malformed PAX header record")
 
 
 def test_extended_header_refusals_exactly():

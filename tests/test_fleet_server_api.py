@@ -7,6 +7,8 @@ from __future__ import annotations
 import http.client
 import json
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -230,8 +232,9 @@ def test_telemetry_requests_are_bounded_in_points(server, fleet):
     now = time.time()
     assert server.call("GET", f"/api/devices/k-00000/telemetry?since={now - 5000}&until={now}&step=1")[0] == 200
     status, doc = server.call("GET", f"/api/devices/k-00000/telemetry?since={now - 5001}&until={now}&step=1")
-    assert status == 400 and "at most 5000" in doc["error"]["message"]
-    for query in ("since=nan", "since=-1", "step=0", f"since={now}&until={now - 1}"):
+    assert status == 422 and "at most 5000" in doc["error"]["message"]  # how values relate: no schema says it
+    assert server.call("GET", f"/api/devices/k-00000/telemetry?since={now}&until={now - 1}")[0] == 422
+    for query in ("since=nan", "since=-1", "step=0"):
         assert server.call("GET", f"/api/devices/k-00000/telemetry?{query}")[0] == 400, query
 
 
@@ -241,6 +244,26 @@ def test_unknown_routes_and_methods_share_the_error_shape(server):
     status, doc = server.call("DELETE", "/api/devices")
     assert status == 405
     _error(405, doc, "method_not_allowed")
+
+
+def test_a_405_names_every_method_the_path_allows(server):
+    """RFC 9110: a 405 carries Allow. GET and POST of /api/rollouts are two routes; both are named."""
+    for method, path, allowed in (("DELETE", "/api/devices", "GET, HEAD"), ("PUT", "/api/rollouts", "GET, HEAD, POST"),
+                                  ("POST", "/healthz", "GET, HEAD"), ("DELETE", "/ui/index.html", "GET, HEAD")):
+        request = urllib.request.Request(server.url + path, method=method,
+                                         headers={"Authorization": f"Bearer {server.keys.token}"})
+        try:
+            urllib.request.urlopen(request, timeout=10)
+        except urllib.error.HTTPError as err:
+            assert err.code == 405 and err.headers["Allow"] == allowed, (path, err.code, err.headers["Allow"])
+        else:
+            raise AssertionError(f"{method} {path} was accepted")
+
+
+def test_the_openapi_document_does_not_echo_the_host_header(server):
+    status, document = server.call("GET", "/openapi.json", token=None, headers={"Host": "attacker.example"})
+    assert status == 200 and document["servers"] == [{"url": "/"}]
+    assert "attacker.example" not in json.dumps(document)
 
 
 # ------------------------------------------------------------------ JSON bodies
@@ -279,12 +302,12 @@ def test_rollouts_of_unknown_artifacts_groups_or_devices_are_refused(server, fle
     assert status == 404 and "upload it first" in doc["error"]["message"]
     sha = _upload(server, arts["good"].read_bytes())[1]["sha256"]
     status, doc = server.call("POST", "/api/rollouts", {"artifact": sha, "waves": [100], "group": "garage"})
-    assert status == 400 and "no online device" in doc["error"]["message"]
+    assert status == 422 and "no online device" in doc["error"]["message"]
     status, doc = server.call("POST", "/api/rollouts", {"artifact": sha, "waves": [100],
                                                         "devices": ["k-00000", "ghost-1"]})
-    assert status == 400 and "unknown device(s): ghost-1" in doc["error"]["message"]
+    assert status == 422 and "unknown device(s): ghost-1" in doc["error"]["message"]
     status, doc = server.call("POST", "/api/rollouts", {"artifact": sha, "waves": [50, 40, 100], "group": "kitchen"})
-    assert status == 400 and "does not grow" in doc["error"]["message"]
+    assert status == 422 and "does not grow" in doc["error"]["message"]
     refused = [e for e in _audit(server, "rollout.create") if e["outcome"] == "refused"]
     assert len(refused) >= 4
 

@@ -89,3 +89,14 @@ def test_rollout_commands_need_a_server_and_a_token(keys, tmp_path):
                        str(keys.token_file)), 1, "cannot reach the fleet server at http://127.0.0.1:1")
     _one_line(edgepack("rollout", "status", "ro-1", "--server", "file:///etc/passwd", "--token-file",
                        str(keys.token_file)), 2, "--server must be the server's http(s) URL")
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--budget-job", "10"), ("--budget-state", "0/200"),
+                                             ("--budget-telemetry", "20/0.5"), ("--budget-job", "nan/200"),
+                                             ("--budget-job", "1000001/1")])
+def test_a_budget_that_is_not_a_rate_is_one_line(keys, tmp_path, flag, value):
+    _one_line(_serve(keys, flag, value, tmp=tmp_path), 2, flag)
+
+
+def test_a_job_events_kept_of_zero_is_one_line(keys, tmp_path):
+    _one_line(_serve(keys, "--job-events-kept", "0", tmp=tmp_path), 2, "--job-events-kept")

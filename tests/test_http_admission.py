@@ -13,6 +13,7 @@ from device_agent.http_admission import (
     Slot,
     evictable,
     grace,
+    health_check,
     is_health_target,
     place_connection,
 )
@@ -66,3 +67,11 @@ def test_body_budget_holds_bytes_up_to_its_limit_and_refuses_one_more():
     assert budget.held == 100
     budget.give(40)
     assert budget.take(40) and budget.held == 100
+
+
+def test_a_health_slot_serves_health_routes_without_a_body_only():
+    assert health_check(b"/healthz", [(b"host", b"agent")])
+    assert health_check(b"/metrics", [(b"Content-Length", b"0")])
+    assert not health_check(b"/healthz", [(b"content-length", b"1")])
+    assert not health_check(b"/healthz", [(b"transfer-encoding", b"chunked")])
+    assert not health_check(b"/predict", [])

@@ -350,10 +350,11 @@ def test_old_command_id_is_still_refused_after_500_newer_jobs(tmp_path):
 
     journal, ledger = Journal(tmp_path / "jobs"), ReplayGuard(tmp_path / "replay.json")
     now = 1_000_000.0
-    ledger.remember("deploy-old", now + 3600, now)
+    signed = {"sender": "3f2a9c0d11e2b7a4", "kind": "deploy"}  # signed ids are kept across restarts
+    ledger.remember("deploy-old", now + 3600, now, **signed)
     journal.save(Job(id="deploy-old", type="deploy", state="active", final=True))
     for index in range(MAX_JOBS_KEPT + 10):
-        ledger.remember(f"deploy-{index}", now + 3600, now)
+        ledger.remember(f"deploy-{index}", now + 3600, now, **signed)
         journal.save(Job(id=f"deploy-{index}", type="deploy", state="active", final=True))
         os.utime(journal.folder / f"deploy-{index}.json", (now + index, now + index))
     os.utime(journal.folder / "deploy-old.json", (now - 1, now - 1))
@@ -362,4 +363,4 @@ def test_old_command_id_is_still_refused_after_500_newer_jobs(tmp_path):
     assert len(list(journal.folder.iterdir())) == MAX_JOBS_KEPT
     reopened = ReplayGuard(tmp_path / "replay.json")  # after a restart too
     with pytest.raises(ReplayError, match="already used"):
-        reopened.remember("deploy-old", now + 3600, now + 10)
+        reopened.remember("deploy-old", now + 3600, now + 10, **signed)

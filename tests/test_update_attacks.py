@@ -295,7 +295,7 @@ def test_ssrf_redirect_and_banner_echo_are_refused(agent, observer, arts, origin
     banner = fetch(origin.url("banner"))
     assert banner["state"] == "failed"
     assert "SSH" not in json.dumps(banner) and "secret" not in json.dumps(banner)
-    assert "not valid HTTP" in banner["reason"] or "could not fetch" in banner["reason"]
+    assert banner["reason"] == "download failed: could not fetch from the server", banner
     assert agent.version() == "1.0.0"
 
 

@@ -296,3 +296,12 @@ def test_cli_rollback_names_what_it_undoes(agent, arts, mosquitto_broker):
     bad = rollback("--from", "scale-1.0.0")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "edgepack: error: 'scale-1.0.0' is not a model as NAME@VERSION (e.g. digits@1.2.0)"], bad.stderr
+
+
+def test_without_operator_keys_the_agent_warns_on_stderr_at_every_start(agent):
+    warning = "edgepack-agent: warning: no operator_keys in agent.yaml: commands are not authenticated, so ANYONE " \
+              "WHO CAN PUBLISH TO THE BROKER CAN COMMAND THIS DEVICE"
+    assert agent.log.read_text().count(warning) == 1
+    agent.stop()
+    agent.start()
+    assert agent.log.read_text().count(warning) == 2

@@ -137,22 +137,73 @@ def test_restart_transitions_go_through_advance():
         assert not J.TRANSITIONS[terminal]
 
 
-def test_replay_ledger_remembers_ids_until_expiry_across_restarts(tmp_path):
+KEY = {"sender": "3f2a9c0d11e2b7a4", "kind": "deploy"}  # a signed deploy's bucket
+
+
+def test_replay_ledger_remembers_signed_ids_until_expiry_across_restarts(tmp_path):
     from device_agent.updates.replay import ReplayError, ReplayGuard
 
-    guard = ReplayGuard(tmp_path / "ids.json", max_ids=2)
-    guard.remember("a", NOW + 10, NOW)
+    guard = ReplayGuard(tmp_path / "ids.json", max_per_bucket=2)
+    guard.remember("a", NOW + 10, NOW, **KEY)
     with pytest.raises(ReplayError, match="already used"):
-        guard.remember("a", NOW + 10, NOW)
-    reopened = ReplayGuard(tmp_path / "ids.json", max_ids=2)
+        guard.remember("a", NOW + 10, NOW, **KEY)
+    reopened = ReplayGuard(tmp_path / "ids.json", max_per_bucket=2)
     assert reopened.seen("a")
-    reopened.remember("b", NOW + 5, NOW)
+    reopened.remember("b", NOW + 5, NOW, **KEY)
     with pytest.raises(ReplayError, match="most allowed"):
-        reopened.remember("c", NOW + 5, NOW)
-    reopened.remember("c", NOW + 20, NOW + 6)  # b expired and is forgotten, a is still remembered
+        reopened.remember("c", NOW + 5, NOW, **KEY)
+    reopened.remember("c", NOW + 20, NOW + 6, **KEY)  # b expired and is forgotten, a is still remembered
     assert reopened.seen("a") and not reopened.seen("b")
+    reopened.remember("d", NOW + 20, NOW + 6, sender=KEY["sender"], kind="rollback")  # another bucket
     (tmp_path / "ids.json").write_text("[garbage")
     assert not ReplayGuard(tmp_path / "ids.json").seen("a")
+
+
+def test_the_ledger_fill_10050_unsigned_commands_do_not_make_later_deploys_or_rollbacks_refused(tmp_path):
+    """Without operator keys a stranger on the broker sent 10,050 unsigned state-changing
+    commands (issue 21: every deploy and rollback was then refused for up to 7 days, across
+    restarts). Unsigned ids live in memory, per type, at most 1000 each, oldest forgotten first."""
+    from device_agent.updates.replay import MAX_IDS_PER_BUCKET, ReplayGuard
+
+    path = tmp_path / "command-ids.json"
+    guard = ReplayGuard(path)
+    kinds = ("cancel", "set-telemetry-interval", "deploy", "rollback")
+    for index in range(10_050):
+        guard.remember(f"flood-{index}", NOW + 7 * 24 * 3600, NOW + index / 50, kind=kinds[index % 4])
+    assert [guard.count("unsigned", kind) for kind in kinds] == [MAX_IDS_PER_BUCKET] * 4
+    assert guard.seen("flood-10049") and not guard.seen("flood-0")  # the oldest went first
+    later = NOW + 10_050 / 50
+    guard.remember("deploy-by-the-operator", later + 600, later, kind="deploy")
+    guard.remember("rollback-by-the-operator", later + 600, later, kind="rollback")
+    assert not path.exists(), "nothing of the flood was written to disk"
+    restarted = ReplayGuard(path)
+    assert not restarted.seen("flood-10049")
+    restarted.remember("deploy-after-restart", later + 600, later, kind="deploy")
+
+
+@pytest.mark.parametrize(("held", "limit", "kept"), [(2, 3, ["a", "b"]), (3, 3, ["b", "c"]), (4, 3, ["c", "d"])])
+def test_a_full_unsigned_bucket_forgets_its_oldest_ids(held, limit, kept):
+    from device_agent.updates.replay import make_room
+
+    ids = {name: NOW + 60 for name in "abcd"[:held]}
+    assert list(make_room(ids, NOW, limit, forget_oldest=True)) == kept
+
+
+def test_a_full_signed_bucket_forgets_only_expired_ids():
+    from device_agent.updates.replay import make_room
+
+    assert make_room({"a": NOW + 60, "b": NOW + 60}, NOW, 2, forget_oldest=False) is None
+    assert make_room({"a": NOW - 1, "b": NOW + 60}, NOW, 2, forget_oldest=False) == {"b": NOW + 60}
+
+
+def test_a_ledger_of_an_older_agent_is_still_honoured(tmp_path):
+    from device_agent.updates.replay import ReplayError, ReplayGuard
+
+    (tmp_path / "ids.json").write_text(json.dumps({"old-1": NOW + 60, "bad": "x"}))
+    guard = ReplayGuard(tmp_path / "ids.json")
+    with pytest.raises(ReplayError, match="already used"):
+        guard.remember("old-1", NOW + 60, NOW, **KEY)
+    assert not guard.seen("bad")
 
 
 def test_chunk_codec_detects_corruption_and_requests_are_bounded():
@@ -274,11 +325,11 @@ def test_replay_ledger_keeps_an_id_through_its_expiry_second(tmp_path):
     from device_agent.updates.replay import ReplayError, ReplayGuard, live_ids
 
     assert live_ids({"a": NOW, "b": NOW - 0.001}, NOW) == {"a": NOW}
-    guard = ReplayGuard(tmp_path / "ids.json", max_ids=1)
-    guard.remember("a", NOW + 5, NOW)
+    guard = ReplayGuard(tmp_path / "ids.json", max_per_bucket=1)
+    guard.remember("a", NOW + 5, NOW, **KEY)
     with pytest.raises(ReplayError, match="most allowed"):
-        guard.remember("b", NOW + 60, NOW + 5)  # "a" is still valid at its expiry instant
-    guard.remember("b", NOW + 60, NOW + 5.001)
+        guard.remember("b", NOW + 60, NOW + 5, **KEY)  # "a" is still valid at its expiry instant
+    guard.remember("b", NOW + 60, NOW + 5.001, **KEY)
 
 
 # ------------------------------------------------------------------ daemon start: rollback order
@@ -385,3 +436,15 @@ def test_a_rollback_without_from_version_is_rejected():
     assert isinstance(parsed, Rejection) and "from_version" in parsed.reason
     parsed = parse_command(_cmd(type="rollback", from_version={"name": "scale", "version": "1.1.0"}), NOW)
     assert isinstance(parsed, Command)
+
+
+def test_the_unauthenticated_commands_warning_is_for_agents_that_take_commands(tmp_path):
+    from device_agent.config import check_config, unauthenticated_commands_warning
+
+    base = {"device_id": "d", "store": "s", "trust": ["k.pub"], "mqtt": {"host": "broker"}}
+    warning = unauthenticated_commands_warning(check_config(base, tmp_path / "agent.yaml"))
+    assert warning.startswith("no operator_keys in agent.yaml: commands are not authenticated, so ANYONE WHO CAN "
+                              "PUBLISH TO THE BROKER CAN COMMAND THIS DEVICE")
+    no_mqtt = {key: value for key, value in base.items() if key != "mqtt"}
+    for quiet in ({**base, "operator_keys": ["op.pub"]}, no_mqtt, {**base, "updates": {"enabled": False}}):
+        assert unauthenticated_commands_warning(check_config(quiet, tmp_path / "agent.yaml")) == "", quiet

@@ -4,8 +4,14 @@ and size, resumable with Range requests, cancellable, checked against the comman
 
 Errors are fixed texts: nothing the remote side sends (a status line, an SSH banner, a
 header) is ever put into a message, so URL delivery cannot be used to read other services'
-first bytes through the published job events, and an unreachable port looks like any other
-fetch failure.
+first bytes through the published job events. More than that, every way a fetch can fail
+(a closed port, a port that accepts and stays silent, a port that speaks something other than
+HTTP, an HTTP error status, a short answer) is reported as the same one text, ``FETCH_FAILED``,
+after the same time: each failed attempt is held to ``Bounds.stall_s`` plus the back-off, and
+the head of an answer (connect, status line, headers) must arrive within ``stall_s`` in all,
+not per read. Otherwise anyone allowed to send a deploy could scan the ports of the broker's
+host (the default allowed origin) by reading job events. The detail goes to the local log at
+debug level only.
 
 The command's sha256 is not what makes the artifact trusted (the signature check after the
 download does that); it makes a corrupt or swapped download fail early and lets a resumed
@@ -14,9 +20,12 @@ download prove that its two halves belong together.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import logging
+import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -31,7 +40,11 @@ log = logging.getLogger("edgepack.agent.download")
 
 CHUNK = 256 * 1024
 STALL_S = 5.0
-"""A read that sees no byte for this long ends the attempt (and bounds how late a cancel is seen)."""
+"""A read that sees no byte for this long ends the attempt (and bounds how late a cancel is seen);
+the head of an answer must arrive within it in all; a failed attempt lasts at least this long."""
+FETCH_FAILED = "could not fetch from the server"
+"""The one text for every failed attempt: which way it failed is a port oracle (module docstring)."""
+_POLL_S = 0.05
 RATE_GRACE_S = 10.0
 """The minimum rate is enforced over the download so far, after this much time."""
 MAX_REDIRECTS = 3
@@ -56,6 +69,7 @@ class Bounds:
     deadline_s: float = 3600.0
     min_rate_bytes_s: float = 1024.0
     any_port_hosts: frozenset[str] = frozenset()
+    stall_s: float = STALL_S
 
 
 def origin_of(url: str) -> str | None:
@@ -92,13 +106,71 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
 
     max_redirections = MAX_REDIRECTS
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
         if origin_of(newurl) != origin_of(req.full_url):
             raise DownloadError("the server redirected to another origin or scheme; refused")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-_OPENER = urllib.request.build_opener(_SameOriginRedirects)
+class _HeadDeadline:
+    """For ``http.client`` connections: the whole head of the answer (connect, request, status
+    line, headers) within ``timeout`` seconds. A socket timeout alone bounds each read, so a
+    peer that drips one byte of a status line per read would hold the attempt for hours."""
+
+    timeout: float
+    sock: socket.socket | None
+
+    def connect(self) -> None:
+        self._expired = threading.Event()
+        self._watchdog = threading.Timer(self.timeout, self._expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        super().connect()
+        if self._expired.is_set():
+            self._expire()
+
+    def _expire(self) -> None:
+        self._expired.set()
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                # The plain socket's shutdown also for TLS: it wakes a blocked read at once.
+                socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+
+    def _disarm(self) -> None:
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
+
+    def getresponse(self) -> http.client.HTTPResponse:
+        try:
+            return super().getresponse()
+        finally:
+            self._disarm()
+
+    def close(self) -> None:
+        self._disarm()
+        super().close()
+
+
+class _BoundedHTTPConnection(_HeadDeadline, http.client.HTTPConnection):
+    pass
+
+
+class _BoundedHTTPSConnection(_HeadDeadline, http.client.HTTPSConnection):
+    pass
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_BoundedHTTPConnection, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_BoundedHTTPSConnection, req, context=self._context)
+
+
+_OPENER = urllib.request.build_opener(_SameOriginRedirects, _HTTPHandler, _HTTPSHandler)
 
 
 def file_sha256(path: Path) -> str:
@@ -109,15 +181,15 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fixed_text(err: BaseException) -> str:
-    """A fixed description of a fetch failure: never the remote side's bytes."""
+def _detail(err: BaseException) -> str:
+    """Which way a fetch failed, for the local debug log only (never the remote side's bytes)."""
     if isinstance(err, urllib.error.HTTPError):
         return f"HTTP status {int(err.code)}"
     if isinstance(err, (http.client.HTTPException, ValueError)):
-        return "the server's answer is not valid HTTP"
-    if isinstance(err, TimeoutError):
-        return f"no data for {STALL_S:g} s"
-    return "could not fetch from the server"
+        return "the answer is not valid HTTP (or the head took too long)"
+    if isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
+        return "no data within the stall timeout"
+    return f"connection failed ({type(getattr(err, 'reason', err)).__name__})"
 
 
 class _Progress:
@@ -133,20 +205,30 @@ class _Progress:
     def remaining(self) -> float:
         return self.bounds.deadline_s - (self.clock() - self.started)
 
-    def check(self) -> None:
+    def pause_until(self, moment: float) -> None:
+        """Wait until ``moment`` on the clock (never past the deadline), seeing a cancel at once."""
+        while (left := min(moment - self.clock(), self.remaining())) > 0:
+            if self.cancelled():
+                raise DownloadCancelled("download cancelled")
+            time.sleep(min(_POLL_S, left))
+
+    def check(self, *, rate: bool = True) -> None:
+        """Cancel, deadline and (while bytes flow, ``rate``) the minimum rate. Not the rate
+        between attempts: failed attempts all take the same time, and a rate refusal there would
+        end every failing download after ``RATE_GRACE_S`` with a text of its own."""
         if self.cancelled():
             raise DownloadCancelled("download cancelled")
         elapsed = self.clock() - self.started
         if elapsed > self.bounds.deadline_s:
             raise DownloadError(f"download deadline of {self.bounds.deadline_s:g} s passed")
-        if elapsed > RATE_GRACE_S and self.received / elapsed < self.bounds.min_rate_bytes_s:
+        if rate and elapsed > RATE_GRACE_S and self.received / elapsed < self.bounds.min_rate_bytes_s:
             raise DownloadError(f"download slower than the minimum of {self.bounds.min_rate_bytes_s:g} bytes/s")
 
 
 def _attempt(url: str, partial: Path, have: int, size: int, progress: _Progress) -> int:
     """One HTTP request appending to ``partial``; returns the bytes now held."""
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
-    timeout = max(0.1, min(STALL_S, progress.remaining()))
+    timeout = max(0.1, min(progress.bounds.stall_s, progress.remaining()))
     with _OPENER.open(request, timeout=timeout) as response:
         if have and response.status != 206:
             have = 0  # the server ignored Range: start over
@@ -163,8 +245,17 @@ def _attempt(url: str, partial: Path, have: int, size: int, progress: _Progress)
                 sink.write(block)
 
 
-def download(url: str, target: Path, *, size: int, sha256: str, bounds: Bounds, attempts: int = 5,
-             cancelled: Callable[[], bool] = lambda: False, clock: Callable[[], float] = time.monotonic) -> Path:
+def download(
+    url: str,
+    target: Path,
+    *,
+    size: int,
+    sha256: str,
+    bounds: Bounds,
+    attempts: int = 5,
+    cancelled: Callable[[], bool] = lambda: False,
+    clock: Callable[[], float] = time.monotonic,
+) -> Path:
     """Fetch ``url`` into ``target`` within ``bounds``; resume a partial ``target`` with Range."""
     if not origin_allowed(url, bounds):
         raise DownloadError("the artifact URL is not on an origin this device allows")
@@ -174,29 +265,37 @@ def download(url: str, target: Path, *, size: int, sha256: str, bounds: Bounds, 
     if target.exists() and target.stat().st_size == size and file_sha256(target) == sha256:
         return target
     progress = _Progress(bounds, cancelled, clock)
-    last_error = "no attempt made"
     for attempt in range(attempts):
-        progress.check()
-        have = partial.stat().st_size if partial.exists() else 0
-        if have > size:
-            partial.unlink()
-            have = 0
-        if have < size:
-            try:
-                have = _attempt(url, partial, have, size, progress)
-            except DownloadError:
-                raise
-            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
-                last_error = _fixed_text(err)
-                log.warning("download attempt %d failed at %d bytes: %s", attempt + 1, have, last_error)
-                time.sleep(min(0.2 * 2**attempt, 2.0, max(0.0, progress.remaining())))
-                continue
-        if partial.stat().st_size != size:
-            last_error = f"got {partial.stat().st_size} of {size} bytes"
-            continue
-        if file_sha256(partial) != sha256:
-            partial.unlink()
-            raise DownloadError("downloaded file does not match the command's sha256")
-        partial.replace(target)
-        return target
-    raise DownloadError(f"download failed after {attempts} attempts: {last_error}")
+        progress.check(rate=False)
+        started = clock()
+        if _fetched(url, partial, size, progress, attempt):
+            if file_sha256(partial) != sha256:
+                partial.unlink()
+                raise DownloadError("downloaded file does not match the command's sha256")
+            partial.replace(target)
+            return target
+        # Every failed attempt takes the same time, however it failed (module docstring); the
+        # back-off spaces the retries, and none follows the last attempt.
+        backoff = min(0.2 * 2**attempt, 2.0) if attempt + 1 < attempts else 0.0
+        progress.pause_until(started + bounds.stall_s + backoff)
+    raise DownloadError(f"download failed: {FETCH_FAILED}")
+
+
+def _fetched(url: str, partial: Path, size: int, progress: _Progress, attempt: int) -> bool:
+    """One attempt at the missing part of ``partial``; whether it now holds exactly ``size`` bytes."""
+    have = partial.stat().st_size if partial.exists() else 0
+    if have > size:
+        partial.unlink()
+        have = 0
+    if have < size:
+        try:
+            have = _attempt(url, partial, have, size, progress)
+        except DownloadError:
+            raise
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
+            log.debug("download attempt %d failed at %d bytes: %s", attempt + 1, have, _detail(err))
+            return False
+    if have != size:
+        log.debug("download attempt %d ended at %d of %d bytes", attempt + 1, have, size)
+        return False
+    return True

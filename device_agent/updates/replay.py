@@ -1,10 +1,21 @@
 """Replay protection: every state-changing command id the agent accepted is remembered until the
-command expires, on disk, so a command captured off the broker cannot be run again: not after
-the job journal dropped it, and not after a restart.
+command expires, so a command captured off the broker cannot be run again: not after the job
+journal dropped it, and (signed) not after a restart.
 
-Memory is bounded by the expiry (a command lives at most ``MAX_LIFETIME_S``, checked by the
-parser and by the signature scope) and by ``max_ids``: when full, new commands are refused
-rather than old ids forgotten early.
+The ledger is kept per sender and command type (a *bucket*), each bounded by
+``max_per_bucket``, so no sender can crowd out another, nor one type another:
+
+- **signed** commands (the sender is the operator key id that verified them) are written to
+  disk (``<store>/command-ids.json``, atomically) before they run; a full bucket drops its
+  expired ids, and if it is still full the command is refused rather than a valid id forgotten
+  early (only a key holder can fill it, and forgetting would reopen a replay);
+- **unsigned** commands (no ``operator_keys``: anyone on the broker may send any, so a replay
+  is no worse than a new command) are remembered in memory only, per type, and a full bucket
+  forgets its expired ids first, then its oldest: a stranger's flood of 10,000 unsigned
+  commands can neither fill the disk, nor survive a restart, nor get later deploys and
+  rollbacks refused. The job journal still answers a redelivered duplicate.
+
+Memory is bounded: (operator keys + 1) x command types x ``max_per_bucket`` ids.
 """
 
 from __future__ import annotations
@@ -20,27 +31,74 @@ from device_agent.store import atomic_write
 
 log = logging.getLogger("edgepack.agent.updates")
 
-MAX_IDS = 10_000
-MAX_FILE_BYTES = 2 * 1024 * 1024
+MAX_IDS_PER_BUCKET = 1000
+MAX_FILE_BYTES = 8 * 1024 * 1024
+UNSIGNED = "unsigned"
+"""The sender of every command that carries no verified operator signature."""
+LEGACY = ("legacy", "legacy")
+"""The bucket of ids a ledger without senders (before per-sender buckets) held: still refused
+until they expire, never added to."""
+_FORMAT = 2
+
+Bucket = dict[str, float]  # command id -> its expiry, in the order the ids were recorded
 
 
 class ReplayError(AgentError):
-    """The id was used before, or the ledger is full or cannot be written."""
+    """The id was used before, or its bucket is full, or the ledger cannot be written."""
 
 
-def live_ids(ids: dict[str, float], now: float) -> dict[str, float]:
-    """The ids whose commands have not expired yet. Pure."""
+def live_ids(ids: Bucket, now: float) -> Bucket:
+    """The ids whose commands have not expired yet (an id is valid through its expiry). Pure."""
     return {cid: expires for cid, expires in ids.items() if expires >= now}
 
 
-class ReplayGuard:
-    def __init__(self, path: Path, max_ids: int = MAX_IDS) -> None:
-        self.path = Path(path)
-        self.max_ids = max_ids
-        self._lock = threading.Lock()
-        self._ids = self._load()
+def make_room(ids: Bucket, now: float, limit: int, *, forget_oldest: bool) -> Bucket | None:
+    """``ids`` with room for one more: expired ids dropped first, then (``forget_oldest``) the
+    oldest recorded; None when it stays full. Pure."""
+    if len(ids) < limit:
+        return ids
+    ids = live_ids(ids, now)
+    if len(ids) < limit:
+        return ids
+    if not forget_oldest:
+        return None
+    keep = list(ids.items())[len(ids) - limit + 1 :]
+    return dict(keep)
 
-    def _load(self) -> dict[str, float]:
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_ledger(document: object) -> dict[tuple[str, str], Bucket]:
+    """The buckets of a ledger file's JSON (unreadable entries skipped; the flat ``{id: expiry}``
+    of older agents as the :data:`LEGACY` bucket). Pure."""
+    buckets: dict[tuple[str, str], Bucket] = {}
+    if isinstance(document, dict) and document.get("format") == _FORMAT and isinstance(document.get("ids"), dict):
+        for cid, entry in document["ids"].items():
+            if (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and _finite(entry[0])
+                and isinstance(entry[1], str)
+                and isinstance(entry[2], str)
+            ):
+                buckets.setdefault((entry[1], entry[2]), {})[str(cid)] = float(entry[0])
+    elif isinstance(document, dict):
+        legacy = {str(cid): float(v) for cid, v in document.items() if _finite(v)}
+        if legacy:
+            buckets[LEGACY] = legacy
+    return buckets
+
+
+class ReplayGuard:
+    def __init__(self, path: Path, max_per_bucket: int = MAX_IDS_PER_BUCKET) -> None:
+        self.path = Path(path)
+        self.max_per_bucket = max_per_bucket
+        self._lock = threading.Lock()
+        self._buckets = self._load()
+
+    def _load(self) -> dict[tuple[str, str], Bucket]:
         try:
             with open(self.path, "rb") as handle:
                 data = handle.read(MAX_FILE_BYTES + 1)
@@ -54,29 +112,55 @@ class ReplayGuard:
         except (UnicodeDecodeError, ValueError):
             document = None
         if not isinstance(document, dict):
-            log.error("replay ledger %s is damaged; starting empty (the job journal still answers duplicates)",
-                      self.path)
+            log.error(
+                "replay ledger %s is damaged; starting empty (the job journal still answers duplicates)", self.path
+            )
             return {}
-        return {str(k): float(v) for k, v in document.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        return parse_ledger(document)
+
+    def _holder(self, command_id: str) -> tuple[str, str] | None:
+        return next((key for key, ids in self._buckets.items() if command_id in ids), None)
 
     def seen(self, command_id: str) -> bool:
         with self._lock:
-            return command_id in self._ids
+            return self._holder(command_id) is not None
 
-    def remember(self, command_id: str, expires_at: float, now: float) -> None:
-        """Record ``command_id`` until ``expires_at``; raises ReplayError if it was seen, the
-        ledger is full, or it cannot be written (the command must then not run)."""
+    def count(self, sender: str, kind: str) -> int:
+        """How many ids the bucket of ``sender`` and ``kind`` holds (expired ones included)."""
         with self._lock:
-            if command_id in self._ids:
+            return len(self._buckets.get((sender, kind), {}))
+
+    def remember(
+        self, command_id: str, expires_at: float, now: float, *, sender: str = UNSIGNED, kind: str = ""
+    ) -> None:
+        """Record ``command_id`` of ``kind`` from ``sender`` until ``expires_at``; raises
+        ReplayError if it was seen, its signed bucket is full, or it cannot be written (the
+        command must then not run)."""
+        with self._lock:
+            if self._holder(command_id) is not None:
                 raise ReplayError(f"command id {command_id} was already used")
-            ids = live_ids(self._ids, now)
-            if len(ids) >= self.max_ids:
-                raise ReplayError(f"{len(ids)} unexpired command ids are remembered, the most allowed; "
-                                  "refusing new commands until some expire")
-            ids[command_id] = float(expires_at)
-            try:
-                atomic_write(self.path, json.dumps(ids, separators=(",", ":")).encode())
-            except OSError as err:
-                raise ReplayError(f"cannot record the command id: {err.strerror}") from None
-            self._ids = ids
+            key = (sender, kind)
+            bucket = make_room(self._buckets.get(key, {}), now, self.max_per_bucket, forget_oldest=sender == UNSIGNED)
+            if bucket is None:
+                raise ReplayError(
+                    f"{self.max_per_bucket} unexpired {kind} command ids of operator key {sender} are "
+                    "remembered, the most allowed; refusing new ones until some expire"
+                )
+            bucket = {**bucket, command_id: float(expires_at)}
+            if sender != UNSIGNED:
+                self._write({**self._buckets, key: bucket}, now)
+            self._buckets[key] = bucket
+
+    def _write(self, buckets: dict[tuple[str, str], Bucket], now: float) -> None:
+        """Persist the signed buckets' unexpired ids (unsigned ones live in memory only)."""
+        ids = {
+            cid: [expires, sender, kind]
+            for (sender, kind), bucket in buckets.items()
+            if sender != UNSIGNED
+            for cid, expires in bucket.items()
+            if expires >= now
+        }
+        try:
+            atomic_write(self.path, json.dumps({"format": _FORMAT, "ids": ids}, separators=(",", ":")).encode())
+        except OSError as err:
+            raise ReplayError(f"cannot record the command id: {err.strerror}") from None

@@ -57,7 +57,7 @@ from device_agent.updates.health import (
 )
 from device_agent.updates.jobs import Job, advance, on_restart, restart_reason
 from device_agent.updates.journal import Journal, JournalError
-from device_agent.updates.replay import ReplayError, ReplayGuard
+from device_agent.updates.replay import UNSIGNED, ReplayError, ReplayGuard
 from device_agent.updates.xfer import Receiver, TransferError, XferSpec
 from edgepack_core.artifact import verify_artifact
 from edgepack_core.command_auth import authorize_command, requires_signature
@@ -247,11 +247,11 @@ class UpdateService:
             self._publish({**existing.event(), "duplicate": True})
             return
         try:
-            authorize_command(command.body, self.host.operator_trust, device_id=self.device_id, groups=self.groups,
-                              now=now)
+            keyid = authorize_command(command.body, self.host.operator_trust, device_id=self.device_id,
+                                      groups=self.groups, now=now)
             self._check_settings(command)
-            if requires_signature(command.body):
-                self.replay.remember(command.id, command.expires_at, now)
+            if requires_signature(command.body):  # read-only commands change nothing: never recorded
+                self.replay.remember(command.id, command.expires_at, now, sender=keyid or UNSIGNED, kind=command.type)
         except (CommandSignatureError, ReplayError, ValueError) as err:
             self._refuse(command.id, command.type, str(err))
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -31,6 +32,15 @@ def _duration(text: str) -> float:
     try:
         return parse_duration(text)
     except ServerConfigError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+def _rate(text: str, flag: str) -> Any:
+    from sdk.fleet_server.budgets import parse_rate
+
+    try:
+        return parse_rate(text, flag)
+    except ValueError as err:
         raise click.BadParameter(str(err)) from None
 
 
@@ -83,16 +93,26 @@ def _duration(text: str) -> float:
 @click.option("--artifact-recheck", default="1h", show_default=True,
               help="A stored artifact is hashed again before it is served when it changed on disk or this long "
                    "passed since; one that no longer matches its sha256 is quarantined (410).")
+@click.option("--budget-job", default="10/200", show_default=True,
+              help="Job events each device may send: PER_SECOND/BURST (a token bucket); the excess is dropped.")
+@click.option("--budget-state", default="10/200", show_default=True,
+              help="State messages each device may send: PER_SECOND/BURST.")
+@click.option("--budget-telemetry", default="20/2000", show_default=True,
+              help="Telemetry messages each device may send to this server: PER_SECOND/BURST.")
+@click.option("--job-events-kept", type=click.IntRange(1, 10_000_000), default=1000, show_default=True,
+              help="Job events kept per device (the newest), besides --retention-rollups.")
 def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, trust: tuple[Path, ...],
           token_file: Path, operator_key: Path, public_url: str | None, retention_raw: str, retention_rollups: str,
           rollup_step: int, prune_interval: str, silence: str, server_id: str | None, share_group: str,
           max_upload: str, lease_ttl: str, tick: str, resend_after: str, head_timeout: str, body_min_rate: str,
-          max_connections: int, init: bool, artifact_recheck: str) -> None:
+          max_connections: int, init: bool, artifact_recheck: str, budget_job: str, budget_state: str,
+          budget_telemetry: str, job_events_kept: int) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
 
     Devices, telemetry and job events are kept in the database; rollouts run on the server and
     survive its restart; the API (docs/fleet-server.md) needs the bearer token."""
     try:
+        from sdk.fleet_server.budgets import IngestLimits
         from sdk.fleet_server.driver import DriverConfig
         from sdk.fleet_server.http_limits import HttpLimits
         from sdk.fleet_server.retention import RetentionPolicy
@@ -107,11 +127,14 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                                 step_s=rollup_step, interval_s=_duration(prune_interval))
     driver = DriverConfig(tick_s=_duration(tick), lease_ttl_s=_duration(lease_ttl),
                           resend_after_s=_duration(resend_after), silence_s=_duration(silence))
+    limits = IngestLimits(job=_rate(budget_job, "--budget-job"), state=_rate(budget_state, "--budget-state"),
+                          telemetry=_rate(budget_telemetry, "--budget-telemetry"))
     http = HttpLimits(head_timeout_s=_duration(head_timeout), body_min_rate=parse_size(body_min_rate),
                       max_connections=max_connections)
     config = ServerConfig(broker=broker, trust=trust, token_file=token_file, operator_key=operator_key, db_url=db_url,
                           listen=listen, artifacts_dir=artifacts_dir, public_url=public_url, retention=retention,
                           server_id=server_id, share_group=share_group, silence_s=_duration(silence),
                           max_upload=parse_size(max_upload), driver=driver,
-                          http=http, init=init, artifact_recheck_s=_duration(artifact_recheck))
+                          http=http, init=init, artifact_recheck_s=_duration(artifact_recheck),
+                          ingest_limits=limits, job_events_kept=job_events_kept)
     run_server(config)

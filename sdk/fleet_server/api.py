@@ -51,6 +51,7 @@ from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.retention import RetentionPolicy
+from sdk.fleet_server.rollouts import STATES
 
 log = logging.getLogger("edgepack.fleet_server.api")
 
@@ -108,10 +109,25 @@ async def _api_error(_request: Request, exc: Exception) -> Response:
     return error_response(exc.status, exc.code, exc.message)
 
 
-async def _http_error(_request: Request, exc: Exception) -> Response:
+def allowed_methods(app: Any, path: str) -> list[str]:
+    """Every method some route serves at ``path`` (a path may have one route per method), for
+    the ``Allow`` header of a 405; the static ``/ui/`` mount serves GET and HEAD."""
+    methods: set[str] = set()
+    for route in app.routes:
+        if isinstance(route, Route) and route.methods and route.path_regex.match(path):
+            methods |= route.methods
+        elif isinstance(route, Mount) and path.startswith(route.path + "/"):
+            methods |= {"GET", "HEAD"}
+    return sorted(methods)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = {404: "no such route", 405: "method not allowed"}.get(exc.status_code, str(exc.detail))
-    return error_response(exc.status_code, _HTTP_CODES.get(exc.status_code, "error"), message)
+    response = error_response(exc.status_code, _HTTP_CODES.get(exc.status_code, "error"), message)
+    if exc.status_code == 405:
+        response.headers["Allow"] = ", ".join(allowed_methods(request.app, request.url.path))
+    return response
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -278,7 +294,7 @@ class Routes:
         return JSONResponse({"status": "ok"})
 
     async def openapi_json(self, request: Request) -> Response:
-        return JSONResponse(openapi.describe(str(request.base_url).rstrip("/")))
+        return JSONResponse(openapi.describe())
 
     async def root(self, _request: Request) -> Response:
         return RedirectResponse("/ui/", status_code=302)
@@ -341,8 +357,10 @@ class Routes:
 
     async def rollouts(self, request: Request, _actor: str) -> Response:
         params = Params(request, {"state", "limit"})
-        docs = await run_in_threadpool(queries.list_rollouts, self.database,
-                                       state=params.text("state", id_like=True),
+        state = params.text("state", id_like=True)
+        if state is not None and state not in STATES:
+            raise ApiError(400, "invalid", f"state: {state[:64]!r} is not one of {', '.join(STATES)}")
+        docs = await run_in_threadpool(queries.list_rollouts, self.database, state=state,
                                        limit=params.integer("limit", 100, 1, 1000))
         return JSONResponse({"rollouts": docs})
 
@@ -356,7 +374,7 @@ class Routes:
         before = params.values.get("before")
         entries = await run_in_threadpool(
             audit.entries, self.database, limit=params.integer("limit", 100, 1, audit.MAX_PAGE),
-            before=None if before is None else params.integer("before", 0, 0, 2**62),
+            before=None if before is None else params.integer("before", 0, 0, queries.MAX_ROW_ID),
             action=params.text("action", limit=64))
         return JSONResponse({"entries": entries})
 

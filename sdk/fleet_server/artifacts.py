@@ -126,7 +126,7 @@ class Upload:
             self._handle = None
         try:
             if self.size == 0:
-                raise ApiError(400, "invalid", "the upload is empty (send the .edgepkg file as the request body)")
+                raise ApiError(422, "refused", "the upload is empty (send the .edgepkg file as the request body)")
             try:
                 verified = verify_artifact(self.path, self.store.trust, self.store.limits)
             except ArtifactError as err:

@@ -13,7 +13,6 @@ import json
 import time
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from sdk.fleet_server import db as tables
@@ -49,14 +48,7 @@ def record_refusal(database: Database, *, actor: str, action: str, target: str, 
 def entries(database: Database, *, limit: int = 100, before: int | None = None,
             action: str | None = None) -> list[dict[str, Any]]:
     """The newest entries first; ``before`` (an entry id) pages back."""
-    table = tables.audit_log
-    query = select(table).order_by(table.c.id.desc()).limit(min(max(limit, 1), MAX_PAGE))
-    if before is not None:
-        query = query.where(table.c.id < before)
-    if action is not None:
-        query = query.where(table.c.action == action)
-    with database.read() as connection:
-        rows = connection.execute(query).mappings().all()
+    rows = database.newest_first(tables.audit_log, limit=min(limit, MAX_PAGE), before=before, action=action)
     return [{"id": row["id"], "ts": row["ts"], "actor": row["actor"], "action": row["action"],
              "target": row["target"], "outcome": row["outcome"], "detail": json.loads(row["detail"]),
              "remote": row["remote"]} for row in rows]

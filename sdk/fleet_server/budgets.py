@@ -28,8 +28,23 @@ class Rate:
     burst: float
 
     def __post_init__(self) -> None:
-        if not (self.per_s > 0 and self.burst >= 1):
+        if not (self.per_s > 0 and self.burst >= 1):  # (NaN fails both)
             raise ValueError(f"a rate needs per_s > 0 and burst >= 1, got {self.per_s!r}/{self.burst!r}")
+
+
+def parse_rate(text: str, what: str = "rate") -> Rate:
+    """``PER_S/BURST`` (``10/200``) into a :class:`Rate`; :class:`ValueError` naming the form."""
+    per_s, sep, burst = text.strip().partition("/")
+    try:
+        if not sep:
+            raise ValueError
+        rate = Rate(float(per_s), float(burst))
+    except ValueError:
+        raise ValueError(f"{what} {text!r} must be PER_SECOND/BURST with per second above 0 and a burst of at "
+                         "least 1 (e.g. 10/200)") from None
+    if not (rate.per_s <= 1e6 and rate.burst <= 1e9):
+        raise ValueError(f"{what} {text!r}: at most 1000000 a second and a burst of 1000000000")
+    return rate
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    select,
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
@@ -358,6 +359,19 @@ class Database:
             return connection.execute(statement, values).rowcount == 1
         key = next(iter(table.primary_key.columns))
         return connection.execute(statement.returning(key), values).first() is not None
+
+    def newest_first(self, table: Table, *, limit: int, before: int | None, **equal: Any) -> list[Any]:
+        """One page of ``table`` (a log with an increasing ``id``): newest first, at most
+        ``limit`` rows with ids below ``before``, each column named in ``equal`` equal to its
+        value (None: any)."""
+        query = select(table).order_by(table.c.id.desc()).limit(max(limit, 1))
+        if before is not None:
+            query = query.where(table.c.id < before)
+        for name, value in equal.items():
+            if value is not None:
+                query = query.where(table.c[name] == value)
+        with self.read() as connection:
+            return list(connection.execute(query).mappings().all())
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -14,6 +14,10 @@ each as narrowly as uvicorn's class allows:
   waited longest for a request head; when every connection has a request in progress the
   new one is answered ``503`` and closed. A client that sent no whole request loses nothing
   it had sent, the server gets its descriptor back;
+- lingering close: a connection the server closes (a 401, a 408, a 503, an answer before the
+  body was read) sends its answer and a FIN, then reads and drops what its client still sends
+  for :data:`LINGER_S`; closing at once with unread bytes would make the kernel send a reset,
+  and the client would lose the answer. Lingering connections are the first dropped at the cap;
 - every drop counted by reason (:class:`Guard`, shown in ``/metrics`` and ``/api/status``).
 
 The API adds ``Connection: close`` to its 401 answers, so a client without a token cannot keep
@@ -35,6 +39,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from sdk.fleet_server.http_limits import HttpLimits, body_too_slow, connection_cap, wanted_fd_limit
 
 log = logging.getLogger("edgepack.fleet_server.http")
+
+LINGER_S = 2.0
+"""How long a closing connection keeps reading (and dropping) what its client still sends."""
 
 
 def error_bytes(status: int, phrase: str, code: str, message: str) -> bytes:
@@ -72,6 +79,7 @@ class Guard:
         self.cap = connection_cap(limits, fd_limit)
         self.open: set[GuardedH11Protocol] = set()
         self.waiting: dict[GuardedH11Protocol, None] = {}  # insertion order: longest waiting first
+        self.lingering: dict[GuardedH11Protocol, None] = {}  # answered and closing: dropped first
         self.dropped: Counter[str] = Counter()
 
     def admit(self, connection: GuardedH11Protocol) -> bool:
@@ -80,7 +88,9 @@ class Guard:
         self.open.add(connection)
         if len(self.open) <= self.cap:
             return True
-        victim = next((other for other in self.waiting if other is not connection), None)
+        victim = next(iter(self.lingering), None) or next(
+            (other for other in self.waiting if other is not connection), None
+        )
         if victim is None:
             self.dropped["over_cap"] += 1
             return False
@@ -91,6 +101,7 @@ class Guard:
     def forget(self, connection: GuardedH11Protocol) -> None:
         self.open.discard(connection)
         self.waiting.pop(connection, None)
+        self.lingering.pop(connection, None)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -111,7 +122,7 @@ class GuardedH11Protocol(H11Protocol):
     guard: Guard
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(LingeringTransport(transport, self))  # type: ignore[arg-type]
         self._timer: asyncio.TimerHandle | None = None
         self._received = 0  # bytes read from the connection
         self._mark = 0  # bytes read when the current body window began
@@ -131,6 +142,8 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return  # lingering: what still arrives is dropped, never parsed
         self._received += len(data)
         super().data_received(data)
 
@@ -209,11 +222,47 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.write(error_bytes(status, phrase, code, message))
         self.transport.close()
 
+    def linger(self) -> None:
+        """The transport began a lingering close: no deadline of ours applies any more."""
+        self._cancel_timer()
+        self.guard.waiting.pop(self, None)
+        self.guard.lingering[self] = None
+
     def drop(self) -> None:
         """Close at once (RST): the descriptor is free in this loop round, nothing is flushed."""
         self._cancel_timer()
         self.guard.forget(self)
         self.transport.abort()
+
+
+class LingeringTransport:
+    """The connection's transport as uvicorn sees it, with :meth:`close` made a lingering close
+    (the rest is the real transport's)."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        """Send what is queued and a FIN, keep reading (and dropping) until the client closes too
+        or :data:`LINGER_S` passed, then close."""
+        if self.is_closing():
+            return
+        if not self._transport.can_write_eof():
+            self._transport.close()
+            return
+        self._lingering = True
+        self._protocol.linger()
+        self._transport.resume_reading()
+        self._transport.write_eof()
+        self._protocol.loop.call_later(LINGER_S, self._transport.abort)
 
 
 def protocol_class(guard: Guard) -> type[GuardedH11Protocol]:

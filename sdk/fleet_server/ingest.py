@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from sqlalchemy import case, delete, func, select, update
+from sqlalchemy import case, delete, func, or_, select, update
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
 from edgepack_core.mqtt_transport import Incoming, MqttTransport
@@ -263,6 +263,8 @@ class Writer:
                 connection.execute(self.database.insert(table).on_conflict_do_nothing(), rows)
 
     def telemetry(self, connection: Any, records: list[tuple[TelemetryRecord, float]]) -> None:
+        """Store every sample (raw, at its receipt) and make the newest by the device's ``seq``
+        the device's latest figures (see :func:`newer_seq`); ``last_seen`` is the receipt."""
         if not records:
             return
         connection.execute(tables.telemetry_raw.insert(), [
@@ -271,22 +273,31 @@ class Writer:
              "inferences": r.inferences_interval, "errors": r.errors_interval, "cpu_percent": r.cpu_percent,
              "memory_rss_bytes": r.memory_rss_bytes} for r, at in records])
         latest: dict[str, tuple[TelemetryRecord, float]] = {}
+        heard: dict[str, float] = {}
         for record, at in records:
-            latest[record.device] = (record, at)
+            heard[record.device] = max(at, heard.get(record.device, at))
+            if record.device not in latest or newer_seq(record.seq, latest[record.device][0].seq):
+                latest[record.device] = (record, at)
         devices = tables.devices  # (every integer below 2^62: records.py bounds and clamps them)
         stmt = self.database.insert(devices)
         rows = []
         for record, at in latest.values():
-            row = {"id": record.device, "status": "online", "status_reason": "", "first_seen": at, "last_seen": at,
-                   "telemetry_at": at, "telemetry_seq": record.seq, "model_name": record.model_name,
-                   "model_version": record.model_version, "model_sha256": record.model_sha256,
-                   "provider": record.provider}
+            row = {"id": record.device, "status": "online", "status_reason": "", "first_seen": at,
+                   "last_seen": heard[record.device], "telemetry_at": at, "telemetry_seq": record.seq,
+                   "model_name": record.model_name, "model_version": record.model_version,
+                   "model_sha256": record.model_sha256, "provider": record.provider}
             row.update({name: getattr(record, name) for name in _TELEMETRY_FIELDS})
             rows.append(row)
-        updates: dict[str, Any] = {name: stmt.excluded[name] for name in ("last_seen", "telemetry_at", "telemetry_seq",
-                                                                          *_TELEMETRY_FIELDS)}
+        new, old = stmt.excluded, devices.c
+        applies = or_(old.telemetry_seq.is_(None), new.telemetry_seq.is_(None), old.telemetry_at.is_(None),
+                      new.telemetry_seq > old.telemetry_seq, new.telemetry_seq < old.telemetry_seq - SEQ_RESTART_GAP,
+                      old.telemetry_at < new.telemetry_at - SEQ_STALE_S)
+        updates: dict[str, Any] = {"last_seen": case((new.last_seen > old.last_seen, new.last_seen),
+                                                     else_=old.last_seen)}
+        for name in ("telemetry_at", "telemetry_seq", *_TELEMETRY_FIELDS):
+            updates[name] = case((applies, new[name]), else_=old[name])
         for name in ("model_name", "model_version", "model_sha256", "provider"):
-            updates[name] = _coalesce(stmt.excluded[name], devices.c[name])
+            updates[name] = case((applies, _coalesce(new[name], old[name])), else_=old[name])
         connection.execute(stmt.on_conflict_do_update(index_elements=["id"], set_=updates), rows)
 
     def jobs(self, connection: Any, records: list[tuple[JobRecord, float]]) -> int:
@@ -314,6 +325,21 @@ class Writer:
         return repeats
 
 
+SEQ_RESTART_GAP = 1_000_000
+"""A ``seq`` this far below the stored one is a restarted sequence (the agent's outbox replays
+at most tens of thousands of older samples), not a late sample."""
+SEQ_STALE_S = 300.0
+"""Figures not replaced for this long give way to any sample (a sequence restarted lower)."""
+
+
+def newer_seq(seq: int | None, than: int | None) -> bool:
+    """Whether a telemetry sample numbered ``seq`` replaces the latest figures numbered ``than``:
+    higher numbers win (a late sample from the device's outbox, or committed late by another
+    server of the share group, does not), unknown numbers always do, and a number far below
+    is a restarted sequence. Pure."""
+    return seq is None or than is None or seq > than or seq < than - SEQ_RESTART_GAP
+
+
 def _coalesce(new: Any, old: Any) -> Any:
     return func.coalesce(new, old)
 
@@ -336,6 +362,7 @@ class Ingest:
                         "telemetry": Buckets(self.limits.telemetry)}
         self.counters = IngestCounters()
         self.drops = DropLedger()
+        self._drop_lock = threading.Lock()
         self._queue = ByteQueue(QUEUE_BOUND, queue_bytes)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -351,7 +378,9 @@ class Ingest:
                        manual_ack=persistent, max_queued=100_000, max_inflight=100)
 
     def _drop(self, device: str, reason: str) -> None:
-        self.counters.dropped[reason] += 1
+        """Count a drop (the network threads and the writer drop concurrently: one lock)."""
+        with self._drop_lock:
+            self.counters.dropped[reason] += 1
         self.drops.add(device, reason)
 
     def _admit(self, kind: str, device: str, now: float) -> bool:
@@ -364,7 +393,7 @@ class Ingest:
     def _on_control(self, message: Incoming) -> None:
         parsed = self.topics.parse(message.topic)
         if parsed is None or parsed.device is None or parsed.kind not in ("state", "job"):
-            self.counters.dropped["bad_topic"] += 1
+            self._drop("(bad topic)", "bad_topic")
             self._ack(message)
             return
         self.counters.received[parsed.kind] += 1
@@ -379,7 +408,7 @@ class Ingest:
     def _on_telemetry(self, message: Incoming) -> None:
         parsed = self.topics.parse(message.topic)
         if parsed is None or parsed.device is None or parsed.kind != "telemetry":
-            self.counters.dropped["bad_topic"] += 1
+            self._drop("(bad topic)", "bad_topic")
             return
         self.counters.received["telemetry"] += 1
         now = time.time()

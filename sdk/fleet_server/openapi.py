@@ -17,6 +17,7 @@ from sdk.fleet_server.queries import (
     ROLLOUT_REQUEST_SCHEMA,
     SHA256_PATTERN,
 )
+from sdk.fleet_server.rollouts import STATES
 
 API_VERSION = "1"
 
@@ -100,7 +101,8 @@ SCHEMAS: dict[str, Any] = {
             "url": {"type": "string", "description": "where devices fetch it"},
         },
     },
-    "RolloutRequest": ROLLOUT_REQUEST_SCHEMA,
+    # The schema the API validates with, plus what its own validator cannot say: exactly one target.
+    "RolloutRequest": {**ROLLOUT_REQUEST_SCHEMA, "oneOf": [{"required": ["group"]}, {"required": ["devices"]}]},
     "GroupsRequest": GROUPS_REQUEST_SCHEMA,
     "DeadLetter": {
         "type": "object",
@@ -184,7 +186,8 @@ def _path(name: str, pattern: str, description: str) -> dict[str, Any]:
 _DEVICE = _path("device_id", ID_PATTERN, "device id")
 _ROLLOUT = _path("rollout_id", ID_PATTERN, "rollout id")
 _ERRORS = {"default": _json("an error (one shape for every error)", _ref("Error"))}
-_LIMIT = _query("limit", {"type": "integer", "minimum": 1}, "page size")
+_LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}, "page size")
+_UNPROCESSABLE = "well-formed, but its values cannot be used together or with the fleet as it is (the message says why)"
 
 OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("get", "/healthz", {"summary": "Liveness (no token needed)", "security": [],
@@ -201,20 +204,24 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
         "summary": "The fleet, one row per device, with counts",
         "parameters": [_query("group", {"type": "string", "pattern": ID_PATTERN}, "only members of this group"),
                        _query("online", {"type": "boolean"}, "true or false"),
-                       _query("version", {"type": "string"}, "only devices running this model version"),
+                       _query("version", {"type": "string", "maxLength": 128},
+                              "only devices running this model version"),
                        _query("limit", {"type": "integer", "minimum": 1, "maximum": 10000, "default": 1000},
                               "page size"),
-                       _query("offset", {"type": "integer", "minimum": 0, "default": 0}, "rows to skip")],
+                       _query("offset", {"type": "integer", "minimum": 0, "maximum": 10**9, "default": 0},
+                              "rows to skip")],
         "responses": {"200": _json("devices", _ref("DeviceList"))}}),
     ("get", "/api/devices/{device_id}", {"summary": "One device, with its capabilities", "parameters": [_DEVICE],
                                          "responses": {"200": _json("the device", _ref("Device"))}}),
     ("get", "/api/devices/{device_id}/telemetry", {
         "summary": "A device's telemetry over time (raw inside the raw window, rollups before)",
         "parameters": [_DEVICE,
-                       _query("since", {"type": "number"}, "unix seconds (default: one hour ago)"),
-                       _query("until", {"type": "number"}, "unix seconds (default: now)"),
-                       _query("step", {"type": "integer", "minimum": 1, "default": 60}, "seconds per point")],
-        "responses": {"200": _json("points", _ref("Telemetry"))}}),
+                       _query("since", {"type": "number", "minimum": 0}, "unix seconds (default: one hour ago)"),
+                       _query("until", {"type": "number", "minimum": 0}, "unix seconds (default: now)"),
+                       _query("step", {"type": "integer", "minimum": 1, "maximum": 86400 * 30, "default": 60},
+                              "seconds per point")],
+        "responses": {"200": _json("points", _ref("Telemetry")),
+                      "422": _json("until not after since, or more than 5,000 points (raise step)", _ref("Error"))}}),
     ("put", "/api/devices/{device_id}/groups", {
         "summary": "Enroll a device in exactly these groups (audited as device.groups); rollouts target enrolled "
                    "groups only, never what a device claims",
@@ -240,19 +247,24 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
             "type": "string", "format": "binary"}}}},
         "responses": {"201": _json("stored", _ref("Artifact")), "200": _json("already stored", _ref("Artifact")),
                       "413": _json("over --max-upload", _ref("Error")),
-                      "422": _json("refused by verification (signature, hashes, limits)", _ref("Error"))}}),
+                      "422": _json("refused by verification (empty, signature, hashes, limits)", _ref("Error")),
+                      "507": _json("no space left in the artifact store", _ref("Error"))}}),
     ("get", "/api/artifacts/{sha256}", {
         "summary": "One artifact", "parameters": [_path("sha256", SHA256_PATTERN, "the artifact's sha256")],
         "responses": {"200": _json("the artifact", _ref("Artifact"))}}),
     ("get", "/api/rollouts", {
         "summary": "Rollouts, newest first",
-        "parameters": [_query("state", {"type": "string"}, "only rollouts in this state"), _LIMIT],
+        "parameters": [_query("state", {"type": "string", "enum": list(STATES)}, "only rollouts in this state"),
+                       _LIMIT],
         "responses": {"200": _json("rollouts", {"type": "object", "properties": {
             "rollouts": {"type": "array", "items": _ref("RolloutSummary")}}})}}),
     ("post", "/api/rollouts", {
         "summary": "Create a rollout (pending; the server starts it)",
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("RolloutRequest")}}},
-        "responses": {"201": _json("created", _ref("Rollout"))}}),
+        "responses": {"201": _json("created", _ref("Rollout")),
+                      "404": _json("no such artifact (upload it first)", _ref("Error")),
+                      "422": _json(f"{_UNPROCESSABLE}: waves that do not grow or do not end at 100, unknown devices, "
+                                   "a group without an online device", _ref("Error"))}}),
     ("get", "/api/rollouts/{rollout_id}", {"summary": "A rollout with its waves and every device's job",
                                            "parameters": [_ROLLOUT],
                                            "responses": {"200": _json("the rollout", _ref("Rollout"))}}),
@@ -268,8 +280,9 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                            ("abort", "final; no new commands"))],
     ("get", "/api/audit", {
         "summary": "Every write, newest first",
-        "parameters": [_LIMIT, _query("before", {"type": "integer"}, "entries with a smaller id (paging)"),
-                       _query("action", {"type": "string"}, "only this action")],
+        "parameters": [_LIMIT, _query("before", {"type": "integer", "minimum": 0, "maximum": MAX_ROW_ID},
+                                      "entries with a smaller id (paging)"),
+                       _query("action", {"type": "string", "maxLength": 64}, "only this action")],
         "responses": {"200": _json("entries", {"type": "object", "properties": {
             "entries": {"type": "array", "items": _ref("AuditEntry")}}})}}),
     ("get", "/artifacts/{file_name}", {
@@ -277,12 +290,16 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
         "security": [],
         "parameters": [_path("file_name", f"{SHA256_PATTERN[:-1]}\\.edgepkg$", "<sha256>.edgepkg")],
         "responses": {"200": {"description": "the file"}, "206": {"description": "the requested range"},
-                      "404": _json("no such artifact", _ref("Error")), "416": {"description": "range past the end"}}}),
+                      "404": _json("no such artifact", _ref("Error")),
+                      "410": _json("the stored file was damaged and is quarantined (upload it again)", _ref("Error")),
+                      "416": {"description": "range past the end"}}}),
 ]
 
 
-def describe(server_url: str | None = None) -> dict[str, Any]:
-    """The whole document."""
+def describe() -> dict[str, Any]:
+    """The whole document. Its server is "/" (relative to where the document was fetched), never
+    the request's Host header: a document that echoes it tells a client to send its token to
+    whatever host the request named."""
     paths: dict[str, dict[str, Any]] = {}
     for method, path, operation in OPERATIONS:
         paths.setdefault(path, {})[method] = {**operation,
@@ -296,8 +313,7 @@ def describe(server_url: str | None = None) -> dict[str, Any]:
         "components": {"schemas": SCHEMAS,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
+        "servers": [{"url": "/"}],
         "paths": paths,
     }
-    if server_url:
-        document["servers"] = [{"url": server_url}]
     return document

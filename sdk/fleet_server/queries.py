@@ -42,6 +42,7 @@ from sdk.fleet_server.rollouts import (
 MAX_DEVICES_PAGE = 10_000
 MAX_ROLLOUT_DEVICES = 100_000
 SHA256_PATTERN = "^[0-9a-f]{64}$"
+MAX_GATE_S = 7 * 86400  # soak_s and wave_timeout_s (rollouts.check_gates)
 
 
 def _signed_field(name: str, description: str) -> dict[str, Any]:
@@ -64,12 +65,14 @@ ROLLOUT_REQUEST_SCHEMA: dict[str, Any] = {
                   "description": "every device of this group that is online now (or give devices)"},
         "devices": {"type": "array", "minItems": 1, "maxItems": MAX_ROLLOUT_DEVICES,
                     "items": {"type": "string", "pattern": ID_PATTERN, "maxLength": 64}},
-        "waves": {"type": "array", "minItems": 1, "maxItems": 20, "items": {"type": "number"},
+        "waves": {"type": "array", "minItems": 1, "maxItems": 20,
+                  "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
                   "description": "cumulative percentages of the targets, the last 100 (e.g. [5, 25, 100])"},
-        "soak_s": {"type": "number", "minimum": 0, "description": "seconds a passed wave is watched before the next"},
-        "min_success_share": {"type": "number", "minimum": 0, "maximum": 1,
+        "soak_s": {"type": "number", "minimum": 0, "maximum": MAX_GATE_S,
+                   "description": "seconds a passed wave is watched before the next"},
+        "min_success_share": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
                               "description": "share of a wave that must end active (default 1)"},
-        "wave_timeout_s": {"type": "number", "minimum": 1,
+        "wave_timeout_s": {"type": "number", "minimum": 1, "maximum": MAX_GATE_S,
                            "description": "a device without a final answer after this long counts as failed"},
         "max_error_rate": {"type": ["number", "null"], "minimum": 0, "maximum": 1,
                            "description": "during the soak, the largest error share of a device's inferences"},
@@ -254,14 +257,8 @@ MAX_ROW_ID = 10**18 - 1  # the largest ``before`` a page takes (18 digits, what 
 
 def dead_letters(database: Database, *, limit: int, before: int | None, device: str | None) -> list[dict[str, Any]]:
     """``GET /api/dead-letters``: device messages that could not be stored, newest first."""
-    table = tables.dead_letters
-    query = select(table).order_by(table.c.id.desc()).limit(min(max(limit, 1), MAX_DEAD_LETTER_PAGE))
-    if before is not None:
-        query = query.where(table.c.id < before)
-    if device is not None:
-        query = query.where(table.c.device == device)
-    with database.read() as connection:
-        rows = connection.execute(query).mappings().all()
+    rows = database.newest_first(tables.dead_letters, limit=min(limit, MAX_DEAD_LETTER_PAGE), before=before,
+                                 device=device)
     return [{"id": row["id"], "received_at": row["received_at"], "device": row["device"], "kind": row["kind"],
              "topic": row["topic"], "reason": row["reason"], "size": row["size"],
              "payload_head": base64.b64encode(row["payload_head"]).decode("ascii")} for row in rows]
@@ -273,8 +270,8 @@ def telemetry(database: Database, device: str, *, since: float, until: float, st
     from raw samples inside the raw window and from rollups before it."""
     try:
         check_step(since, until, step)
-    except ValueError as err:
-        raise ApiError(400, "invalid", str(err)) from None
+    except ValueError as err:  # how since, until and step relate: beyond what a schema can say
+        raise ApiError(422, "invalid", str(err)) from None
     raw_cutoff = now - policy.raw_s
     step = effective_step(step, since, raw_cutoff, policy.step_s)
     raw, rollup = tables.telemetry_raw, tables.telemetry_rollup
@@ -371,7 +368,7 @@ def _targets(connection: Connection, request: RolloutRequest, now: float, silenc
             .order_by(devices.c.id)).all()
         targets = [r.id for r in rows if is_online(r.status, r.last_seen, now, silence_s)]
         if not targets:
-            raise ApiError(400, "invalid", f"group {request.group}: no online device")
+            raise ApiError(422, "invalid", f"group {request.group}: no online device")
         return targets
     wanted = request.devices or []
     known: set[str] = set()
@@ -380,7 +377,7 @@ def _targets(connection: Connection, request: RolloutRequest, now: float, silenc
                      .scalars())
     unknown = [d for d in wanted if d not in known]
     if unknown:
-        raise ApiError(400, "invalid", f"unknown device(s): {', '.join(unknown[:5])}"
+        raise ApiError(422, "invalid", f"unknown device(s): {', '.join(unknown[:5])}"
                                        f"{f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''}")
     return wanted
 
@@ -397,8 +394,8 @@ def create_rollout(database: Database, request: RolloutRequest, *, actor: str, r
             raise ApiError(404, "not_found", f"no artifact {request.artifact} (upload it first)")
         try:
             waves = plan_wave_shares(_targets(connection, request, now, silence_s), request.waves)
-        except RolloutError as err:
-            raise ApiError(400, "invalid", str(err)) from None
+        except RolloutError as err:  # the shares' order: beyond what a schema can say
+            raise ApiError(422, "invalid", str(err)) from None
         gates = request.gates
         connection.execute(tables.rollouts.insert().values(
             id=rollout_id, artifact_sha256=request.artifact, name=artifact["name"], version=artifact["version"],

@@ -32,11 +32,12 @@ from sdk.fleet_server import queries
 from sdk.fleet_server.api import ApiContext, build_app
 from sdk.fleet_server.artifacts import DEFAULT_MAX_UPLOAD, DEFAULT_RECHECK_S, ArtifactStore
 from sdk.fleet_server.auth import TokenCheck, read_token_file
+from sdk.fleet_server.budgets import IngestLimits
 from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.driver import Driver, DriverConfig
 from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
-from sdk.fleet_server.retention import Pruner, RetentionPolicy
+from sdk.fleet_server.retention import JOB_ROWS_PER_DEVICE, Pruner, RetentionPolicy
 from sdk.keys import load_operator_key
 
 log = logging.getLogger("edgepack.fleet_server")
@@ -91,6 +92,8 @@ class ServerConfig:
     http: HttpLimits = field(default_factory=HttpLimits)
     init: bool = False  # a database without a fleet may be made one even beside stored artifacts
     artifact_recheck_s: float = DEFAULT_RECHECK_S
+    ingest_limits: IngestLimits = field(default_factory=IngestLimits)
+    job_events_kept: int = JOB_ROWS_PER_DEVICE  # per device, the newest
 
     def resolved_id(self) -> str:
         server_id = self.server_id or default_server_id(self.listen)
@@ -144,8 +147,9 @@ class FleetServer:
         """Open the database (migrating it), connect to the broker, start the loops."""
         self.database = open_database(self.config.db_url, stored_artifacts=self.store.count(),
                                       init=self.config.init)
-        self.pruner = Pruner(self.database, self.config.retention)
+        self.pruner = Pruner(self.database, self.config.retention, job_rows_per_device=self.config.job_events_kept)
         self.ingest = Ingest(self.database, self.config.broker, server_id=self.server_id,
+                             limits=self.config.ingest_limits,
                              share_group=self.config.share_group)
         try:
             self.ingest.start()
