@@ -174,12 +174,12 @@ def ports() -> Iterator[dict[str, int]]:
 
 
 def _failed_fetch(
-    port: int, target: Path, *, stall_s: float = STALL, expect: type = DownloadError, **options
+    port: int, target: Path, *, stall_s: float = STALL, expect: type = DownloadError, scheme: str = "http", **options
 ) -> DownloadError:
     """A download from ``port`` on loopback (any port allowed, as on the broker's host) that must fail."""
     bounds = Bounds(origins=frozenset(), any_port_hosts=frozenset({"127.0.0.1"}), max_bytes=1 << 20, stall_s=stall_s)
     with pytest.raises(expect) as info:
-        download(f"http://127.0.0.1:{port}/a.edgepkg", target, size=100, sha256="0" * 64, bounds=bounds, **options)
+        download(f"{scheme}://127.0.0.1:{port}/a.edgepkg", target, size=100, sha256="0" * 64, bounds=bounds, **options)
     return info.value
 
 
@@ -193,6 +193,15 @@ def test_closed_silent_and_non_http_ports_give_the_same_error_in_a_bounded_time(
         elapsed = time.monotonic() - started
         assert floor <= elapsed < ceiling, (kind, elapsed)
     assert set(reported.values()) == {f"download failed: {FETCH_FAILED}"}, reported
+
+
+@pytest.mark.parametrize("kind", ["silent", "dripping non-HTTP"])
+def test_over_https_a_silent_or_dripping_port_reads_the_same_in_a_bounded_time(ports, tmp_path, kind):
+    """The head deadline holds for a TLS handshake too: a peer that never finishes it is cut off."""
+    started = time.monotonic()
+    error = _failed_fetch(ports[kind], tmp_path / "a", scheme="https", attempts=ATTEMPTS)
+    assert ATTEMPTS * STALL <= time.monotonic() - started < ATTEMPTS * STALL + 10.2
+    assert str(error) == f"download failed: {FETCH_FAILED}"
 
 
 def test_a_cancel_is_seen_while_a_failed_attempt_is_held(ports, tmp_path):

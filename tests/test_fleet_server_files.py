@@ -25,9 +25,10 @@ def keys(tmp_path_factory, keypair):
     return make_keys(tmp_path_factory.mktemp("keys"), release=keypair)
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory, keypair) -> Path:
-    return build_artifact(tmp_path_factory.mktemp("arts"), keypair[0], version="1.1.0")
+@pytest.fixture
+def artifact(tmp_path, keypair) -> Path:
+    """A signed artifact (built per test: a few hundred milliseconds)."""
+    return build_artifact(tmp_path / "arts", keypair[0], version="1.1.0")
 
 
 def _upload(server: FleetServerProcess, data: bytes) -> tuple[int, dict]:

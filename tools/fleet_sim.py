@@ -448,6 +448,10 @@ class SimFleet:
     def versions(self) -> dict[str, str]:
         return {d.device: d.version for d in self.devices}
 
+    def final_deploys(self) -> int:
+        """Deploy jobs that ended (their final event published), over every device."""
+        return sum(1 for d in self.devices for job in list(d.jobs.values()) if job.type == "deploy" and job.final)
+
 
 def _behaviour(args: argparse.Namespace) -> Behaviour:
     trust = TrustStore.from_paths(args.operator_pub) if args.operator_pub else None
