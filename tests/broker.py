@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from device_agent.mqtt.transport import MqttSettings
+from edgepack_core.mqtt_transport import MqttSettings
 
 MOSQUITTO_CANDIDATES = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
 HOST = "127.0.0.1"

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from device_agent.mqtt.topics import Topics
-from device_agent.mqtt.transport import Incoming, MqttTransport
-from device_agent.telemetry.queue import Forwarder, Outbox
+from device_agent.telemetry.outbox import Forwarder, Outbox
+from edgepack_core.mqtt_transport import Incoming, MqttTransport
+from edgepack_core.protocol.topics import Topics
 from tests.broker import Broker, free_port, start_mosquitto, wait_until
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "mosquitto"

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_agent.mqtt.topics import InvalidNameError, Topics, validate_device_id
 from device_agent.telemetry.metrics import (
     BUCKETS,
     MAX_ERROR_KINDS,
@@ -23,6 +22,7 @@ from device_agent.telemetry.metrics import (
     read_system,
 )
 from edgepack_core.errors import SchemaError, UsageError
+from edgepack_core.protocol.topics import InvalidNameError, Topics, validate_device_id
 from edgepack_core.schema import validate
 
 

@@ -22,8 +22,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from device_agent.mqtt.topics import Topics
-from device_agent.mqtt.transport import (
+from edgepack_core.errors import SchemaError, UsageError
+from edgepack_core.mqtt_transport import (
     Incoming,
     InvalidPublishError,
     MqttSettings,
@@ -33,7 +33,7 @@ from device_agent.mqtt.transport import (
     Will,
     backoff_delay,
 )
-from edgepack_core.errors import SchemaError, UsageError
+from edgepack_core.protocol.topics import Topics
 from tests.broker import Broker, free_port, port_accepts, start_mosquitto, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,7 +170,7 @@ def test_broker_restart_subscription_is_restored_on_the_same_port(mosquitto_brok
 
 WILL_SCRIPT = textwrap.dedent("""
     import sys, time
-    from device_agent.mqtt.transport import MqttSettings, MqttTransport, Will
+    from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, Will
     port, state = int(sys.argv[1]), sys.argv[2]
     settings = MqttSettings(host="127.0.0.1", port=port, client_id="pi-07", keepalive=60,
                             will=Will(state, b"offline-will", qos=1, retain=True))

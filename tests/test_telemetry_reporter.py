@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from device_agent.telemetry.metrics import TELEMETRY_SCHEMA, ModelInfo
-from device_agent.telemetry.queue import Outbox
+from device_agent.telemetry.outbox import Outbox
 from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
 from edgepack_core.schema import validate
 from tests.agent_process import Observer

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from device_agent.updates import jobs as J
-from device_agent.updates.commands import Command, Rejection, parse_command
 from device_agent.updates.jobs import InvalidTransition, Job, advance, on_restart
 from device_agent.updates.xfer import chunk_count, decode_chunk, encode_chunk, parse_request, request_payload
+from edgepack_core.protocol.commands import Command, Rejection, parse_command
 
 NOW = 1_000_000.0
 
@@ -421,7 +421,7 @@ def test_an_unreadable_filesystem_counts_as_no_space(tmp_path):
 
 
 def test_a_rollback_runs_only_on_the_model_it_names():
-    from device_agent.updates.commands import rollback_refusal
+    from device_agent.updates.admission import rollback_refusal
 
     named = {"name": "scale", "version": "1.1.0"}
     assert rollback_refusal(named, ("scale", "1.1.0")) == ""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from device_agent.telemetry.metrics import ModelInfo, SystemReading, TelemetryAggregator, read_system
-from device_agent.telemetry.queue import Forwarder, Outbox
+from device_agent.telemetry.outbox import Forwarder, Outbox
 from edgepack_core import __version__ as edgepack_version
 from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, TlsSettings, Will
 from edgepack_core.protocol.payloads import JOB_SCHEMA_ID, STATE_SCHEMA_ID

@@ -11,6 +11,9 @@ The signature says who built a model; admission says whether *this device* shoul
 4. it is built for this device's target profile;
 5. its I/O contract matches the active model's (what clients send and get back), unless the
    signed command says ``allow_contract_change``; the first difference is named.
+
+A rollback installs nothing new; it is admitted only while the device still serves the model
+it undoes (:func:`rollback_refusal`).
 """
 
 from __future__ import annotations
@@ -194,3 +197,16 @@ def contract_difference(active: Mapping[str, Any], new: Mapping[str, Any]) -> st
 def policy_names(names: Iterable[str] | None) -> frozenset[str] | None:
     """agent.yaml ``updates.allowed_names`` as a policy value (absent: bound to the running name)."""
     return None if names is None else frozenset(names)
+
+
+def rollback_refusal(from_version: Mapping[str, str], serving: tuple[str, str] | None) -> str:
+    """Why a rollback of ``from_version`` (``{"name", "version"}``, required by the schema) must
+    not run on a device serving ``serving`` (name, version; None: nothing), or "" when it may.
+    Binds a rollback to what it undoes: one delivered late, after a newer deploy, must not
+    revert that newer model. Pure."""
+    wanted = f"{from_version['name']} {from_version['version']}"
+    if serving is None:
+        return f"the device has moved on: this rollback is from {wanted}, the device serves no model"
+    if (from_version["name"], from_version["version"]) != serving:
+        return f"the device has moved on: this rollback is from {wanted}, the device serves {serving[0]} {serving[1]}"
+    return ""

@@ -39,10 +39,9 @@ from device_agent.errors import StoreError
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.smoke import compare_outputs
 from device_agent.store import InstalledModel, ModelStore, simulate_power_cut_if_testing
-from device_agent.telemetry.queue import OutboxError
+from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
-from device_agent.updates.admission import DevicePolicy, admit, policy_names
-from device_agent.updates.commands import Command, Rejection, parse_command, rollback_refusal
+from device_agent.updates.admission import DevicePolicy, admit, policy_names, rollback_refusal
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES, FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
 from device_agent.updates.health import (
@@ -63,6 +62,7 @@ from edgepack_core.artifact import verify_artifact
 from edgepack_core.command_auth import authorize_command, requires_signature
 from edgepack_core.errors import ArtifactError, CommandSignatureError, EdgepackError
 from edgepack_core.manifest import Manifest
+from edgepack_core.protocol.commands import Command, Rejection, parse_command
 from edgepack_core.signing import TrustStore
 from edgepack_core.versions import Version
 

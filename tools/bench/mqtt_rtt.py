@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from device_agent.mqtt.transport import Incoming, MqttTransport
+from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from tests.broker import start_mosquitto, wait_until
 
 REQUEST, RESPONSE = "bench/rtt/request", "bench/rtt/response"

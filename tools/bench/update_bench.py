@@ -27,8 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from device_agent.mqtt.topics import Topics  # noqa: E402
-from device_agent.mqtt.transport import Incoming, MqttSettings, MqttTransport  # noqa: E402
+from edgepack_core.mqtt_transport import Incoming, MqttSettings, MqttTransport  # noqa: E402
+from edgepack_core.protocol.topics import Topics  # noqa: E402
 from sdk.deploy import deploy  # noqa: E402
 from sdk.keys import write_keypair  # noqa: E402
 from tests.agent_process import AgentProcess  # noqa: E402

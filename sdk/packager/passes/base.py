@@ -1,7 +1,9 @@
 """The pass interface of the packager (after Olive): each step is a small registered unit.
 
-A pass declares its name, the recipe section it reads (its options), and whether it applies
-to a given build; ``run`` transforms the :class:`BuildContext` in place and records what it
+A pass declares its name and whether it applies to a given build; the options it reads are a
+frozen dataclass declared next to it (``OptimizeOptions``, ``QuantizeOptions``, ...), which the
+typed :class:`~sdk.recipe.Recipe` holds as a section and the recipe's JSON Schema is generated
+from (:mod:`sdk.packager.options`). ``run`` transforms the :class:`BuildContext` in place and records what it
 did in ``ctx.report[name]``. The pipeline (``sdk.packager.pipeline``) lists pass names in
 order, so adding an optimization is: write a pass, register it, put its name in the list.
 """
@@ -10,16 +12,18 @@ from __future__ import annotations
 
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import onnx
 
 from edgepack_core.manifest import TensorSpec
 from sdk.packager.ort_worker import holds_float16
-from sdk.recipe import Recipe
+
+if TYPE_CHECKING:  # sdk.recipe imports the passes for their options
+    from sdk.recipe import Recipe
 
 Progress = Callable[[str], None]
 
@@ -68,13 +72,10 @@ class BuildContext:
 
 
 class Pass(ABC):
-    """One packager step. Subclasses set ``name`` and ``section`` and implement ``run``."""
+    """One packager step. Subclasses set ``name`` and implement ``run``; a pass reads its
+    options from its typed section of ``ctx.recipe`` (``ctx.recipe.optimize``)."""
 
     name: ClassVar[str]
-    section: ClassVar[str | None] = None
-
-    def options(self, ctx: BuildContext) -> Mapping[str, Any]:
-        return ctx.recipe.section(self.section) if self.section else {}
 
     def applies(self, ctx: BuildContext) -> bool:
         return True

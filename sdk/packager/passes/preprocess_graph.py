@@ -43,7 +43,6 @@ from sdk.packager.fidelity import check_fidelity
 from sdk.packager.ort_host import run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.golden import golden_source
-from sdk.packager.passes.validate import source_kind
 
 PLAN_KEY = "preprocess_in_graph"  # ctx.manifest_extra: the spec to lower, set by the plan pass
 CHECK_SAMPLES = 8
@@ -170,8 +169,8 @@ class PreprocessGraphPlanPass(Pass):
         if name in {o.name for o in model.graph.output}:
             raise RecipeError("preprocess.in_graph", f"input {name} is also a graph output", recipe=recipe)
         key, source = golden_source(ctx)
-        if source_kind(source) not in ("images", "synthetic"):
-            raise RecipeError("preprocess.in_graph", f"golden samples come from {key} ({source_kind(source)}), "
+        if source.kind not in ("images", "synthetic"):
+            raise RecipeError("preprocess.in_graph", f"golden samples come from {key} ({source.kind}), "
                               "float tensors the lowered uint8 input cannot take: give golden.data as "
                               "{images: DIR}", recipe=recipe)
         ctx.manifest_extra[PLAN_KEY] = dict(ctx.preprocess)

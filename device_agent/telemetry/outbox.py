@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from device_agent.mqtt.transport import InvalidPublishError, MqttTransport
 from edgepack_core.errors import EdgepackError, UsageError
+from edgepack_core.mqtt_transport import InvalidPublishError, MqttTransport
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from device_agent.mqtt.topics import Topics
-from device_agent.mqtt.transport import Incoming, MqttTransport
-from device_agent.telemetry.queue import Forwarder, MessageTooLargeError, Outbox
+from device_agent.telemetry.outbox import Forwarder, MessageTooLargeError, Outbox
 from edgepack_core.errors import UsageError
+from edgepack_core.mqtt_transport import Incoming, MqttTransport
+from edgepack_core.protocol.topics import Topics
 from tests.broker import Broker, start_mosquitto, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,7 +166,7 @@ def test_outbox_with_damaged_pages_is_moved_aside_and_recreated(tmp_path: Path) 
 
 WRITER = textwrap.dedent("""
     import sys
-    from device_agent.telemetry.queue import Outbox
+    from device_agent.telemetry.outbox import Outbox
     outbox = Outbox(sys.argv[1], max_messages=100_000)
     i = 0
     while True:
