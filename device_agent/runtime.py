@@ -24,8 +24,8 @@ from typing import Any, overload
 
 import numpy as np
 
-from device_agent.bodies import decode_numpy
 from device_agent.errors import BadRequest, NoModelError
+from device_agent.http.bodies import decode_numpy
 from device_agent.providers import ModelTraits, choose_providers, create_session
 from device_agent.smoke import SmokeReport, run_smoke_test, shape_matches
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S, StreamTable
