@@ -16,7 +16,7 @@ from typing import Any
 
 from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
-from device_agent.http_api import ApiServer
+from device_agent.http.server import ApiServer
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.metrics import ModelInfo

@@ -20,7 +20,7 @@ import pytest
 
 from device_agent.config import load_config
 from device_agent.errors import ConfigError
-from device_agent.http_api import ApiServer
+from device_agent.http.server import ApiServer
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.errors import SchemaError

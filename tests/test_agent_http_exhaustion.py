@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from device_agent.http_admission import EVICT_AFTER_S, HEALTH_CONNECTIONS
+from device_agent.http.admission import EVICT_AFTER_S, HEALTH_CONNECTIONS
 from tests.agent_process import AgentProcess
 from tests.artifacts import build_artifact
 from tests.test_http_attacks import OK_JSON, connect, error_of, exchange, metrics, read_response, request_bytes

@@ -1,4 +1,4 @@
-"""The agent's OpenAPI document (device_agent/openapi.py): the committed copy is current, it
+"""The agent's OpenAPI document (device_agent/http/openapi.py): the committed copy is current, it
 names exactly the routes the app has, and a running agent serves it unchanged by the request."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import json
 import urllib.request
 from pathlib import Path
 
-from device_agent import openapi
 from device_agent.config import ApiSettings
-from device_agent.http_api import AgentApp, ApiServer
+from device_agent.http import openapi
+from device_agent.http.app import AgentApp
+from device_agent.http.server import ApiServer
 from device_agent.runtime import InferenceService
 
 COMMITTED = Path(__file__).resolve().parent.parent / "schemas" / "agent-openapi.json"
@@ -17,7 +18,7 @@ COMMITTED = Path(__file__).resolve().parent.parent / "schemas" / "agent-openapi.
 
 def test_committed_agent_openapi_document_is_current():
     assert COMMITTED.read_bytes() == openapi.document_bytes(), (
-        "schemas/agent-openapi.json is stale: run `python -m device_agent.openapi > schemas/agent-openapi.json`")
+        "schemas/agent-openapi.json is stale: run `python -m device_agent.http.openapi > schemas/agent-openapi.json`")
 
 
 def test_agent_openapi_describes_exactly_the_routes_the_app_has():

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from device_agent.http_api import ApiServer
+from device_agent.http.server import ApiServer
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.signing import TrustStore, load_public_key

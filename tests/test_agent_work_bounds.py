@@ -12,7 +12,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from device_agent import bodies
+from device_agent.http import bodies
 from edgepack_core import preprocess
 from edgepack_core.errors import PreprocessError
 from edgepack_core.jpeg_scans import MAX_FILL, MAX_SCANS, count_scans

@@ -26,7 +26,8 @@ from tests.conftest import run_cli
 # Nothing of the daemon: MQTT, telemetry, the outbox, HTTP, the store, updates, agent.yaml; no
 # payload schemas; nothing of the host.
 NOT_NEEDED = ("paho", "sqlite3", "yaml", "http.server", "socketserver", "device_agent.telemetry",
-              "device_agent.http_api", "device_agent.daemon", "device_agent.store", "device_agent.updates",
+              "device_agent.http.app", "device_agent.http.server", "starlette", "hypercorn",
+              "device_agent.daemon", "device_agent.store", "device_agent.updates",
               "device_agent.config", "edgepack_core.mqtt_transport", "edgepack_core.protocol.payloads",
               "edgepack_core.protocol.commands", "sdk", "onnx", "click")
 

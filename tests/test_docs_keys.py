@@ -1,4 +1,6 @@
-"""The docs cannot rot: every recipe key of the JSON Schema is named in docs/packager.md, every
+"""The docs cannot rot: every recipe key of the JSON Schema (generated from the passes' option
+declarations) is named in docs/packager.md's key table with its default, the table names no
+other, the shipped schemas/recipe.schema.json is the generated one, every
 task kind and data source has an example there, and the Python API examples of docs/agent.md
 run as written against real artifacts."""
 
@@ -84,6 +86,60 @@ def test_a_key_the_docs_leave_out_is_named():
     assert planted == ["inputs.NAME.bogus_role", "quantize.bogus_knob"]
 
 
+def key_table_rows(docs: str) -> dict[str, str]:
+    """docs/packager.md's "Recipe keys" tables: each key named in a row's first column -> the row."""
+    section = docs[docs.index("\n## Recipe keys\n"):docs.index("\n## ", docs.index("\n## Recipe keys\n") + 1)]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            for key in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+                rows[key] = line
+    return rows
+
+
+def schema_defaults(schema: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Every key path of ``schema`` that declares a default -> the default."""
+    found: dict[str, Any] = {}
+    for key, sub in (schema.get("properties") or {}).items():
+        if "default" in sub:
+            found[f"{prefix}{key}"] = sub["default"]
+        found.update(schema_defaults(sub, f"{prefix}{key}."))
+    if isinstance(schema.get("additionalProperties"), dict):
+        found.update(schema_defaults(schema["additionalProperties"], f"{prefix}NAME."))
+    return found
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def test_the_key_table_names_exactly_the_keys_the_option_declarations_generate():
+    rows = key_table_rows(PACKAGER_DOCS.read_text())
+    keys = set(schema_key_paths(RECIPE_SCHEMA))
+    assert sorted(keys - set(rows)) == [], "keys the table of docs/packager.md leaves out"
+    assert sorted(set(rows) - keys) == [], "keys the table names that no option declares"
+
+
+def test_the_key_table_states_each_declared_default():
+    rows = key_table_rows(PACKAGER_DOCS.read_text())
+    defaults = schema_defaults(RECIPE_SCHEMA)
+    assert defaults["quantize.max_candidates"] == 10 and defaults["optimize.fold_batchnorm"] is True
+    wrong = [f"{path} ({_shown(value)})" for path, value in defaults.items()
+             if not re.search(rf"(?<![\w.]){re.escape(_shown(value))}(?!\w)", rows[path])]
+    assert wrong == [], "docs/packager.md's key table does not state these defaults"
+
+
+def test_the_shipped_schema_file_is_the_generated_schema():
+    published = REPO / "schemas" / "recipe.schema.json"
+    assert json.loads(published.read_text()) == json.loads(json.dumps(RECIPE_SCHEMA)), (
+        "schemas/recipe.schema.json is stale: run `edgepack schema recipe > schemas/recipe.schema.json`"
+    )
+
+
 def test_the_walked_schema_is_the_one_edgepack_prints():
     run = run_cli("edgepack", "schema", "recipe")
     assert run.returncode == 0, run.stderr
@@ -151,5 +207,6 @@ def test_the_python_api_examples_of_the_agent_docs_run_as_written(demo_folder):
     assert re.fullmatch(r"digit \d \(\d\.\d\d\) on CPUExecutionProvider in \d+\.\d\d ms", lines[0]), lines
     assert lines[1].startswith("raw logits (1, 10) top ")
     assert "'result'" in lines[2] and "'model'" in lines[2]
-    assert re.fullmatch(r"frames \(\d+, 1, 1\)", lines[3]) and lines[4] == "stream kept: True"
+    assert re.fullmatch(r"typed \d", lines[3]), lines  # a typed request (device_agent/prediction.py)
+    assert re.fullmatch(r"frames \(\d+, 1, 1\)", lines[4]) and lines[5] == "stream kept: True"
     assert (demo_folder / "models" / "digits" / "manifest.json").exists()  # extracted where the example said

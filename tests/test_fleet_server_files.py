@@ -5,6 +5,7 @@ is not silently a new fleet, a damaged stored artifact is never served, a full d
 from __future__ import annotations
 
 import errno
+import json
 import shutil
 import signal
 import sqlite3
@@ -223,3 +224,26 @@ def test_an_upload_to_a_full_artifact_disk_is_507_and_the_server_goes_on(tmp_pat
         assert _upload(server, artifact.read_bytes())[0] == 201  # the partial file was removed: room again
     finally:
         server.stop()
+
+
+def test_a_database_with_no_space_left_is_a_507_not_a_500(tmp_path):
+    """SQLite's own "database or disk is full" (a page limit stands in for the full disk: the same
+    error code the OS's ENOSPC gives), raised through SQLAlchemy, is answered 507 naming it."""
+    import asyncio
+
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import OperationalError
+    from starlette.requests import Request
+
+    from sdk.fleet_server.api import _database_error
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'full.db'}")
+    with engine.connect() as connection, pytest.raises(OperationalError) as full:
+        connection.exec_driver_sql("CREATE TABLE t (x BLOB)")
+        connection.exec_driver_sql("PRAGMA max_page_count = 2")
+        connection.exec_driver_sql("INSERT INTO t VALUES (?)", (b"x" * 100_000,))
+    engine.dispose()
+    request = Request({"type": "http", "method": "POST", "path": "/api/artifacts", "headers": []})
+    response = asyncio.run(_database_error(request, full.value))
+    assert response.status_code == 507
+    assert json.loads(response.body)["error"]["code"] == "insufficient_storage"

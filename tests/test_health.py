@@ -155,7 +155,7 @@ def test_health_window_range_is_inclusive(value):
 
 @pytest.fixture()
 def live(tmp_path, keypair):
-    from device_agent.http_api import ApiServer
+    from device_agent.http.server import ApiServer
     from device_agent.runtime import InferenceService, load_model
     from edgepack_core.artifact import extract_artifact
     from edgepack_core.signing import TrustStore, load_public_key

@@ -1,10 +1,10 @@
-"""The HTTP API's admission rules (device_agent/http_admission.py), pure: each rule at its boundary."""
+"""The HTTP API's admission rules (device_agent/http/admission.py), pure: each rule at its boundary."""
 
 from __future__ import annotations
 
 import pytest
 
-from device_agent.http_admission import (
+from device_agent.http.admission import (
     EVICT_AFTER_S,
     HEALTH_CONNECTIONS,
     BodyBudget,

@@ -21,10 +21,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from device_agent import http_api, http_server
-from device_agent.bodies import MAX_JSON_DEPTH, ImageGate
 from device_agent.config import ApiSettings
-from device_agent.http_api import ApiServer
+from device_agent.http import guards, prometheus
+from device_agent.http import server as http_server
+from device_agent.http.bodies import MAX_JSON_DEPTH, ImageGate
+from device_agent.http.server import ApiServer
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.signing import TrustStore, load_public_key
@@ -552,7 +553,7 @@ def test_every_rejection_is_counted_in_metrics_by_status_class(serve, scale_arti
 
 
 # ------------------------------------------------------------------------------------ the server layer
-# What Hypercorn lacks and device_agent/http_server.py adds: HTTP/1.1 only, the head deadline on
+# What Hypercorn lacks and device_agent/http/server.py adds: HTTP/1.1 only, the head deadline on
 # kept-alive connections, JSON answers for oversized heads, no hang on an unread body, a prompt stop.
 
 
@@ -668,7 +669,7 @@ def test_small_body_sent_late_to_an_unknown_path_is_dropped_before_the_answer_an
         serve, scale_artifact):
     port, _ = serve(scale_artifact)
     with connect(port) as sock:
-        body = b"x" * http_api.DRAIN_LIMIT  # at the limit: still read and dropped
+        body = b"x" * guards.DRAIN_LIMIT  # at the limit: still read and dropped
         sock.sendall(request_bytes("POST", "/nope", b"", "text/plain").replace(b"Content-Length: 0",
                                                                                f"Content-Length: {len(body)}".encode()))
         sock.settimeout(0.3)
@@ -692,7 +693,7 @@ def test_small_body_never_sent_to_an_unknown_path_gets_the_answer_with_close_at_
     # one byte over DRAIN_LIMIT is not waited for: the answer comes at once, with close
     with connect(port) as sock:
         started = time.monotonic()
-        sock.sendall(f"POST /nope HTTP/1.1\r\nHost: agent\r\nContent-Length: {http_api.DRAIN_LIMIT + 1}\r\n\r\n"
+        sock.sendall(f"POST /nope HTTP/1.1\r\nHost: agent\r\nContent-Length: {guards.DRAIN_LIMIT + 1}\r\n\r\n"
                      .encode())
         status, headers, _ = read_response(sock)
         assert status == 404 and headers["connection"] == "close" and time.monotonic() - started < 0.5
@@ -712,8 +713,8 @@ def test_app_answering_late_without_reading_a_large_body_never_hangs_the_connect
         return JSONResponse({"error": {"kind": "late", "message": "late"}}, 409)
 
     settings = ApiSettings(read_timeout_s=10)
-    stats = http_api.HttpStats()
-    app = http_api._Guard(Starlette(routes=[Route("/late", late, methods=["POST"])]), stats, settings.read_timeout_s)
+    stats = prometheus.HttpStats()
+    app = guards.Guard(Starlette(routes=[Route("/late", late, methods=["POST"])]), stats, settings.read_timeout_s)
     sock = http_server.listening_socket(("127.0.0.1", 0), 8)
     server = http_server.HttpServer(app, sock, settings, stats.count)
     thread = threading.Thread(target=server.serve, daemon=True)
@@ -758,7 +759,7 @@ def test_stopping_the_server_ends_a_lingering_connection_at_once(serve, scale_ar
 
 
 def test_hypercorn_still_has_every_method_the_server_overrides():
-    """http_server.py overrides private methods of Hypercorn: a release that renamed one would
+    """device_agent/http/server.py overrides private methods of Hypercorn: a release that renamed one would
     drop its bound (the head deadline, lingering close, JSON protocol errors) without an error."""
     from hypercorn.asyncio.tcp_server import TCPServer
     from hypercorn.protocol.h11 import H11Protocol

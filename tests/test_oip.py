@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device_agent.http_api import ApiServer
+from device_agent.http.server import ApiServer
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.signing import TrustStore, load_public_key
@@ -213,7 +213,7 @@ def test_binary_extension_and_json_tensors_are_bounded(scale, inputs, data, head
 
 
 def test_v2_bytes_inputs_are_parsed_with_their_lengths_bounded():
-    from device_agent import bodies, oip
+    from device_agent.http import bodies, oip
 
     specs = {"s": (np.dtype(object), (2,))}
     good = struct.pack("<I", 3) + b"abc" + struct.pack("<I", 2) + "é".encode()

@@ -1,5 +1,5 @@
 """schemathesis against a real ``edgepack-agent run`` serving a small model, from the agent's own
-OpenAPI document (device_agent/openapi.py): every operation, fixed seed, bounded examples; no
+OpenAPI document (device_agent/http/openapi.py): every operation, fixed seed, bounded examples; no
 check may fail and no answer may be a 5xx.
 
 One check is left out on the two inference operations only: ``positive_data_acceptance``
@@ -18,7 +18,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 
-from device_agent import openapi
+from device_agent.http import openapi
 from tests.agent_process import AgentProcess
 from tests.artifacts import build_artifact
 

@@ -27,6 +27,7 @@ from sdk.packager.passes.base import BuildContext
 from sdk.packager.passes.validate import judge
 from sdk.packager.pipeline import build, run_passes
 from sdk.packager.quant_search import Candidate
+from sdk.packager.sources import DataSource
 from sdk.packager.task_metrics import evaluate
 from sdk.recipe import recipe_from_dict
 from tools.demos.vad import CONTEXT, FRAME, HIDDEN, SAMPLE_RATE, build_vad, reference_step, write_wav
@@ -87,8 +88,8 @@ def _context(folder: Path, doc: dict) -> BuildContext:
 
 
 def _audio_samples(ctx: BuildContext, folder: Path):
-    declared = ctx.recipe.section("inputs")
-    return load_samples({"audio": str(folder)}, ctx.preprocess, ctx.inputs, key="validate.data",
+    declared = ctx.recipe.inputs
+    return load_samples(DataSource("audio", str(folder)), ctx.preprocess, ctx.inputs, key="validate.data",
                         declared=declared, outputs=ctx.outputs)
 
 
@@ -278,12 +279,12 @@ def test_the_quantization_search_judges_a_candidate_free_running(recurrence, mon
     samples = _audio_samples(ctx, recurrence / "clips")
     source = recurrence / "ref.onnx"
     data = quantize._Data(source, [], samples, sequences.run_samples(str(source), samples))
-    search = quantize._Search(ctx, recurrence, data, {})
+    search = quantize._Search(ctx, recurrence, data, quantize.QuantizeOptions())
     candidate = Candidate("int8", "requested", quantize.QuantConfig(mode="static"))
     entry = {**candidate.describe(), "started": time.monotonic(), "quantized_nodes": 1}
     search._judge(candidate, recurrence / "cand.onnx", entry, "1/1")
     assert entry["budget_met"] is False and not entry["ships"] and entry["why"].startswith("output output: max abs")
     # Judged as before (every frame from zeros), the same candidate kept the budget.
-    alone = judge(ctx, doc["validate"], run_feeds(str(source), samples.feeds),
+    alone = judge(ctx, ctx.recipe.validate, run_feeds(str(source), samples.feeds),
                   run_feeds(str(recurrence / "cand.onnx"), samples.feeds), None)
     assert alone.met

@@ -16,7 +16,7 @@ import yaml
 
 from device_agent.config import check_config
 from device_agent.errors import BadRequest
-from device_agent.http_api import ApiServer
+from device_agent.http.server import ApiServer
 from device_agent.runtime import InferenceService, load_model
 from device_agent.streams import StreamTable
 from edgepack_core import audio

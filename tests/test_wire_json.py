@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from device_agent.http_api import MAX_ACCEPT_CHARS, choose_answer_type
+from device_agent.http.negotiation import MAX_ACCEPT_CHARS, choose_answer_type
 from edgepack_core.errors import EdgepackError
 from edgepack_core.wire_json import (
     NPZ_MEDIA_TYPE,

@@ -25,7 +25,6 @@ from sdk.inspect import (
     node_table,
     read_unverified_for_display,
 )
-from sdk.recipe import RECIPE_SCHEMA, load_recipe
 
 CLEAR_LINE = "\r\033[K"  # carriage return, erase to the end of the line: a bar redrawn in place
 _TRUST = click.option("--trust", "trust", multiple=True, type=click.Path(path_type=Path),
@@ -50,10 +49,11 @@ def build(recipe: Path, keys: tuple[Path, ...], output: Path | None, quiet: bool
     """Build a signed .edgepkg from RECIPE."""
     from sdk.packager.pipeline import build as run_build  # onnx import only when building
     from sdk.packager.pipeline import resolve_output
+    from sdk.recipe import load_recipe  # the recipe's sections are the passes' options: imports the passes
 
     parsed = load_recipe(recipe, allow_external_paths=allow_external_paths)
     check_output_target(resolve_output(parsed, output), force=force)
-    for key in [*keys, *([parsed.section("sign")["key"]] if not keys and parsed.section("sign").get("key") else [])]:
+    for key in [*keys, *([Path(parsed.sign.key)] if not keys and parsed.sign.key else [])]:
         loose = key_readable_by_others(Path(key))
         if loose:
             click.echo(f"warning: {loose}", err=True)
@@ -214,4 +214,6 @@ def _open_in_netron(artifact: Path, member: str) -> None:
 @click.argument("kind", type=click.Choice(["recipe"]), default="recipe")
 def schema(kind: str) -> None:
     """Print the JSON Schema of a recipe (for editors and CI checks)."""
+    from sdk.recipe import RECIPE_SCHEMA
+
     click.echo(json.dumps(RECIPE_SCHEMA, indent=2))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -49,7 +50,7 @@ from sdk.errors import ApiError
 from sdk.fleet_server import audit, openapi, queries
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
-from sdk.fleet_server.db import Database
+from sdk.fleet_server.db import Database, is_disk_full
 from sdk.fleet_server.retention import RetentionPolicy
 from sdk.fleet_server.rollouts import STATES
 
@@ -128,6 +129,16 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if exc.status_code == 405:
         response.headers["Allow"] = ", ".join(allowed_methods(request.app, request.url.path))
     return response
+
+
+async def _database_error(request: Request, exc: Exception) -> Response:
+    """A database error: no space left is the client's 507 with the reason (nothing was stored);
+    anything else is a 500, logged."""
+    if is_disk_full(exc):
+        log.error("%s %s: the database has no space left: %s", request.method, request.url.path, exc)
+        return error_response(507, "insufficient_storage", "the database has no space left (its disk is full): "
+                                                           "nothing was stored; free space and retry")
+    return await _internal_error(request, exc)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -474,4 +485,5 @@ def build_app(context: ApiContext) -> Starlette:
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]
     return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)],
-                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error})
+                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, DBAPIError: _database_error,
+                                         Exception: _internal_error})

@@ -390,6 +390,13 @@ class Database:
             log.warning("the SQLite checkpoint at stop was blocked by another connection: the WAL keeps data")
 
 
+def is_disk_full(err: BaseException) -> bool:
+    """Whether a database error says there is no space left: SQLite's ``SQLITE_FULL`` ("database
+    or disk is full"), PostgreSQL's ``disk_full`` (SQLSTATE 53100)."""
+    cause = getattr(err, "orig", None) or err
+    return getattr(cause, "sqlite_errorcode", None) == 13 or getattr(cause, "sqlstate", None) == "53100"
+
+
 def sqlite_file(url: str) -> Path | None:
     """The file of a ``sqlite:///`` URL (None for other databases)."""
     parsed = make_url(normalise_url(url))

@@ -21,7 +21,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
@@ -39,6 +39,9 @@ from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
 from sdk.fleet_server.retention import JOB_ROWS_PER_DEVICE, Pruner, RetentionPolicy
 from sdk.keys import load_operator_key
+
+if TYPE_CHECKING:  # uvicorn (under http_guard) is imported by serve() only
+    from sdk.fleet_server.http_guard import Guard
 
 log = logging.getLogger("edgepack.fleet_server")
 
@@ -131,7 +134,7 @@ class FleetServer:
         self.pruner: Pruner | None = None
         self._threads: list[threading.Thread] = []
         self._api: ApiContext | None = None
-        self.http_guard: Any = None  # the connection guard (http_guard.Guard) once serve() made it
+        self.http_guard: Guard | None = None  # the connection guard, once serve() made it
         self.store = ArtifactStore(config.artifacts_dir, self.trust, max_bytes=config.max_upload,
                                    recheck_s=config.artifact_recheck_s)
 

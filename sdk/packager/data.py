@@ -36,11 +36,14 @@ from edgepack_core.errors import PreprocessError
 from edgepack_core.manifest import TensorSpec
 from edgepack_core.preprocess import Preprocessor
 from sdk.errors import RecipeError
+from sdk.packager.onnx_graph import index_ranges
+from sdk.packager.sources import DataSource, InputOptions
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
 MAX_PB_BYTES = 1 << 30  # one test-data tensor file; bounded before it is read
 Feed = dict[str, np.ndarray]
-Declared = Mapping[str, Mapping[str, Any]]
+Declared = Mapping[str, InputOptions]  # the recipe's ``inputs`` section
+_UNDECLARED = InputOptions()
 
 
 @dataclass
@@ -145,13 +148,13 @@ def constant_feeds(inputs: Sequence[TensorSpec], declared: Declared) -> Feed:
         if name not in by_name:
             raise RecipeError(f"inputs.{name}", f"the model has no input {name!r} (inputs: {', '.join(by_name)})")
         spec = by_name[name]
-        if "dtype" in decl and decl["dtype"] != spec.dtype:
-            raise RecipeError(f"inputs.{name}.dtype", f"is {decl['dtype']}, the model's input is {spec.dtype}")
-        if decl.get("role") != "constant":
+        if decl.dtype is not None and decl.dtype != spec.dtype:
+            raise RecipeError(f"inputs.{name}.dtype", f"is {decl.dtype}, the model's input is {spec.dtype}")
+        if decl.role != "constant":
             continue
         key = f"inputs.{name}.value"
         try:
-            raw = np.asarray(decl["value"])
+            raw = np.asarray(decl.value)
         except ValueError as err:
             raise RecipeError(key, f"not a regular nested list ({err})") from None
         value = as_input_dtype(raw, spec, key)
@@ -170,12 +173,12 @@ def state_feeds(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], dec
     by_output = {spec.name: spec for spec in outputs}
     states: Feed = {}
     for spec in inputs:
-        decl = declared.get(spec.name) or {}
-        if decl.get("role") != "state":
+        decl = declared.get(spec.name, _UNDECLARED)
+        if decl.role != "state":
             continue
-        source = by_output.get(decl["output"])
+        source = by_output.get(str(decl.output))
         if outputs and source is None:
-            raise RecipeError(f"inputs.{spec.name}.output", f"the model has no output {decl['output']!r} "
+            raise RecipeError(f"inputs.{spec.name}.output", f"the model has no output {decl.output!r} "
                               f"(outputs: {', '.join(by_output)})")
         if source is not None and (source.dtype != spec.dtype or len(source.shape) != len(spec.shape) or any(
                 isinstance(a, int) and isinstance(b, int) and a != b
@@ -188,8 +191,8 @@ def state_feeds(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], dec
 
 def carried_outputs(inputs: Sequence[TensorSpec], declared: Declared) -> dict[str, str]:
     """Each input declared ``role: state`` -> the output the agent carries into it."""
-    return {spec.name: str((declared.get(spec.name) or {})["output"]) for spec in inputs
-            if (declared.get(spec.name) or {}).get("role") == "state"}
+    return {spec.name: str(declared[spec.name].output) for spec in inputs
+            if declared.get(spec.name, _UNDECLARED).role == "state"}
 
 
 def carried_feeds(samples: Samples, outputs: Sequence[Mapping[str, np.ndarray]]) -> list[Feed]:
@@ -210,12 +213,11 @@ def carried_feeds(samples: Samples, outputs: Sequence[Mapping[str, np.ndarray]])
     return feeds
 
 
-def _role_fields(decl: Mapping[str, Any]) -> dict[str, Any]:
-    role = decl.get("role")
-    if role in ("image", "audio"):
-        return {"role": role}
-    if role == "state":
-        return {"role": "state", "output": decl["output"], "init": decl.get("init", "zeros")}
+def _role_fields(decl: InputOptions) -> dict[str, Any]:
+    if decl.role in ("image", "audio"):
+        return {"role": decl.role}
+    if decl.role == "state":
+        return {"role": "state", "output": decl.output, "init": decl.init}
     return {}
 
 
@@ -224,15 +226,15 @@ def manifest_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[di
     input's dtype makes it), which the agent feeds on every call; image/audio/state roles are
     recorded (a state input with its ``output`` and ``init``) for the agent to act on."""
     constants = constant_feeds(inputs, declared)
-    non_finite = {name for name, decl in declared.items() if (decl or {}).get("allow_non_finite")}
+    non_finite = {name for name, decl in declared.items() if decl.allow_non_finite}
     return [{**spec.to_json(), **({"role": "constant", "value": constants[spec.name].tolist()}
-                                  if spec.name in constants else _role_fields(declared.get(spec.name) or {})),
+                                  if spec.name in constants else _role_fields(declared.get(spec.name, _UNDECLARED))),
              **({"allow_non_finite": True} if spec.name in non_finite else {})} for spec in inputs]
 
 
 def tensor_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[TensorSpec]:
     """The inputs data must supply: all but the constants and the state inputs."""
-    return [s for s in inputs if (declared.get(s.name) or {}).get("role") not in ("constant", "state")]
+    return [s for s in inputs if declared.get(s.name, _UNDECLARED).role not in ("constant", "state")]
 
 
 # ---------------------------------------------------------------- the entry point
@@ -240,12 +242,12 @@ def tensor_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[Tens
 
 def context_options(ctx: Any) -> dict[str, Any]:
     """The keyword arguments of :func:`load_samples`/:func:`synthetic_samples` for a build."""
-    return {"declared": ctx.recipe.section("inputs"), "outputs": ctx.outputs, "root": ctx.recipe.root,
+    return {"declared": ctx.recipe.inputs, "outputs": ctx.outputs, "root": ctx.recipe.root,
             "graph": ctx.original if ctx.original is not None else ctx.model}
 
 
 def load_samples(
-    source: Mapping[str, Any] | str, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec], *, key: str,
+    source: DataSource, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec], *, key: str,
     limit: int | None = None, declared: Declared | None = None, outputs: Sequence[TensorSpec] = (),
     root: Path | None = None, graph: Any = None,
 ) -> Samples:
@@ -256,16 +258,15 @@ def load_samples(
     used by synthetic data to keep index inputs in range."""
     declared = declared or {}
     states = state_feeds(inputs, outputs, declared)
-    if source == "synthetic":
+    if source.synthetic:
         return synthetic_samples(limit or 16, preprocess, inputs, declared=declared, graph=graph)
-    assert isinstance(source, Mapping)
-    limit = source.get("limit", limit)
+    limit = source.limit if source.limit is not None else limit
     constants = {**constant_feeds(inputs, declared), **states}
-    if "npz" in source:
-        samples = _load_npz(Path(source["npz"]), inputs, declared, dict(source.get("sample_axis") or {}), key, limit)
-    elif "test_data" in source:
-        samples = _load_test_data(Path(source["test_data"]), inputs, outputs, declared, key, limit, root)
-    elif "audio" in source:
+    if source.kind == "npz":
+        samples = _load_npz(Path(str(source.path)), inputs, declared, source.sample_axis, key, limit)
+    elif source.kind == "test_data":
+        samples = _load_test_data(Path(str(source.path)), inputs, outputs, declared, key, limit, root)
+    elif source.kind == "audio":
         samples = _load_audio(source, preprocess, inputs, declared, key, limit, root)
     else:
         samples = _load_images(source, preprocess, inputs, declared, key, limit, root)
@@ -297,9 +298,9 @@ def _read_labels_csv(path: Path, key: str) -> dict[str, int]:
     return labels
 
 
-def _load_images(source: Mapping[str, Any], preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec],
+def _load_images(source: DataSource, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec],
                  declared: Declared, key: str, limit: int | None, root: Path | None) -> Samples:
-    folder = Path(source["images"])
+    folder = Path(str(source.path))
     if preprocess.get("kind") != "image":
         raise RecipeError(f"{key}.images", "image data needs an image preprocessing spec (preprocess.kind: image)")
     name = _target_input(preprocess, inputs)
@@ -311,7 +312,7 @@ def _load_images(source: Mapping[str, Any], preprocess: Mapping[str, Any], input
     if not files:
         raise RecipeError(f"{key}.images", f"{folder} holds no images")
     files = files[:limit] if limit else files
-    labels_map = _read_labels_csv(Path(source["labels"]), f"{key}.labels") if "labels" in source else None
+    labels_map = _read_labels_csv(Path(source.labels), f"{key}.labels") if source.labels is not None else None
     pre = Preprocessor(preprocess)
     feeds: list[Feed] = []
     labels: list[int] = []
@@ -327,11 +328,11 @@ def _load_images(source: Mapping[str, Any], preprocess: Mapping[str, Any], input
     return Samples(feeds, labels if labels_map is not None else None, names=[f.name for f in files])
 
 
-def _load_audio(source: Mapping[str, Any], preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec],
+def _load_audio(source: DataSource, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec],
                 declared: Declared, key: str, limit: int | None, root: Path | None) -> Samples:
     """Every frame of every .wav file (sorted by name) is one sample, until ``limit``; each
     file's frames are one sequence (a stream, as the agent runs a file)."""
-    folder, where = Path(source["audio"]), f"{key}.audio"
+    folder, where = Path(str(source.path)), f"{key}.audio"
     if preprocess.get("kind") != "audio":
         raise RecipeError(where, "audio data needs an audio preprocessing spec (preprocess.kind: audio)")
     name = _target_input(preprocess, inputs)
@@ -402,6 +403,20 @@ def _read_npz(path: Path, key: str) -> dict[str, np.ndarray]:
         raise RecipeError(key, f"{path}: not a readable .npz without pickles ({err})") from None
 
 
+def _split_npz(arrays: Mapping[str, np.ndarray], wanted: Sequence[TensorSpec], declared: Declared,
+               axes: Mapping[str, Any], key: str, file: str) -> dict[str, list[np.ndarray]]:
+    """Each wanted input's samples, split along its sample axis (the source's, else the input's)."""
+    per_input: dict[str, list[np.ndarray]] = {}
+    for spec in wanted:
+        axis = axes[spec.name] if spec.name in axes else declared.get(spec.name, _UNDECLARED).sample_axis
+        where = f"{key}.sample_axis.{spec.name}" if spec.name in axes else f"{key}.npz"
+        try:
+            per_input[spec.name] = split_samples(arrays[spec.name], len(spec.shape), axis, input_name=spec.name)
+        except ValueError as err:
+            raise RecipeError(where, f"{file}: {err}") from err
+    return per_input
+
+
 def _load_npz(path: Path, inputs: Sequence[TensorSpec], declared: Declared, axes: Mapping[str, Any], key: str,
               limit: int | None) -> Samples:
     arrays = _read_npz(path, f"{key}.npz")
@@ -418,14 +433,7 @@ def _load_npz(path: Path, inputs: Sequence[TensorSpec], declared: Declared, axes
     missing = [s.name for s in wanted if s.name not in arrays]
     if missing:
         raise RecipeError(f"{key}.npz", f"{path.name}: no array for input(s) {', '.join(missing)}")
-    per_input: dict[str, list[np.ndarray]] = {}
-    for spec in wanted:
-        axis = axes[spec.name] if spec.name in axes else (declared.get(spec.name) or {}).get("sample_axis", "auto")
-        where = f"{key}.sample_axis.{spec.name}" if spec.name in axes else f"{key}.npz"
-        try:
-            per_input[spec.name] = split_samples(arrays[spec.name], len(spec.shape), axis, input_name=spec.name)
-        except ValueError as err:
-            raise RecipeError(where, f"{path.name}: {err}") from None
+    per_input = _split_npz(arrays, wanted, declared, axes, key, path.name)
     counts = {name: len(values) for name, values in per_input.items()}
     if len(set(counts.values())) > 1:
         listed = ", ".join(f"{name}: {n}" for name, n in counts.items())
@@ -528,77 +536,11 @@ def _load_test_data(folder: Path, inputs: Sequence[TensorSpec], outputs: Sequenc
 
 # ---------------------------------------------------------------- synthetic data
 
-# Ops whose input at ``slot`` holds indices into an axis of their input 0 (``axis`` attribute,
-# default ``default_axis``; None: any leading axis, GatherND/ScatterND), and OneHot, whose
-# indices run up to its depth (input 1).
-_INDEX_INPUTS: dict[str, tuple[int, int | None]] = {
-    "Gather": (1, 0), "GatherElements": (1, 0), "ScatterElements": (1, 0), "Scatter": (1, 0),
-    "GatherND": (1, None), "ScatterND": (1, None),
-}
-
-
-def _known_dims(graph: Any, inputs: Sequence[TensorSpec]) -> dict[str, list[int]]:
-    """Static shapes of initializers, graph inputs (symbolic dims as synthetic data fills them:
-    1) and inferred values of ``graph``."""
-    dims: dict[str, list[int]] = {s.name: list(_fixed_shape(s)) for s in inputs}
-    for init in graph.graph.initializer:
-        dims[init.name] = list(init.dims)
-    for info in graph.graph.value_info:
-        shape = info.type.tensor_type.shape
-        if info.type.HasField("tensor_type") and all(d.HasField("dim_value") for d in shape.dim):
-            dims.setdefault(info.name, [int(d.dim_value) for d in shape.dim])
-    return dims
-
-
-def _indexed_size(node: Any, dims: Mapping[str, list[int]], default_axis: int | None) -> int:
-    """The size of the axis an index input of ``node`` selects from (1 when unknown)."""
-    shape = dims.get(node.input[0])
-    if not shape:
-        return 1
-    if default_axis is None:  # GatherND/ScatterND: an index may address any leading axis
-        return max(min(int(d) for d in shape), 1)
-    axis = next((a.i for a in node.attribute if a.name == "axis"), default_axis)
-    return max(int(shape[axis]), 1) if -len(shape) <= axis < len(shape) else 1
-
-
-def _one_hot_depth(node: Any, graph: Any) -> int:
-    from onnx import numpy_helper
-
-    for init in graph.graph.initializer:
-        if len(node.input) > 1 and init.name == node.input[1]:
-            return max(int(np.asarray(numpy_helper.to_array(init)).reshape(-1)[0]), 1)
-    return 1
-
-
-def index_ranges(graph: Any, inputs: Sequence[TensorSpec]) -> dict[str, tuple[int, int]]:
-    """Integer graph inputs used as indices (Gather and its kin, an embedding lookup, OneHot),
-    with the range [0, size) of what they index, so made-up indices stay valid. Unknown sizes
-    (symbolic) give [0, 1): synthetic data sets symbolic dims to 1."""
-    if graph is None:
-        return {}
-    names = {s.name for s in inputs if s.dtype.startswith(("int", "uint"))}
-    dims = _known_dims(graph, inputs)
-    ranges: dict[str, tuple[int, int]] = {}
-    for node in graph.graph.node:
-        if node.op_type == "OneHot" and node.input and node.input[0] in names:
-            name, size = node.input[0], _one_hot_depth(node, graph)
-        elif node.op_type in _INDEX_INPUTS:
-            slot, default_axis = _INDEX_INPUTS[node.op_type]
-            if len(node.input) <= slot or node.input[slot] not in names:
-                continue
-            name, size = node.input[slot], _indexed_size(node, dims, default_axis)
-        else:
-            continue
-        low, high = ranges.get(name, (0, size))
-        ranges[name] = (low, min(high, size))
-    return ranges
-
-
-def _synthetic_value(spec: TensorSpec, decl: Mapping[str, Any], index_range: tuple[int, int] | None,
+def _synthetic_value(spec: TensorSpec, decl: InputOptions, index_range: tuple[int, int] | None,
                      rng: np.random.Generator) -> np.ndarray:
     shape = _fixed_shape(spec)
     dtype = _numpy_dtype(spec.dtype)
-    low_high = decl.get("range")
+    low_high = decl.range
     if spec.dtype == "string":
         return np.array([f"s{v}" for v in rng.integers(0, 10, size=shape).ravel()], dtype=str).reshape(shape)
     if spec.dtype == "bool":
@@ -637,6 +579,7 @@ def synthetic_samples(
                 image = rng.integers(0, 256, size=(int(height) + 7, int(width) + 5, 3), dtype=np.uint8)
                 feed[spec.name] = pre.from_array(image)
             else:
-                feed[spec.name] = _synthetic_value(spec, declared.get(spec.name) or {}, indices.get(spec.name), rng)
+                decl = declared.get(spec.name, _UNDECLARED)
+                feed[spec.name] = _synthetic_value(spec, decl, indices.get(spec.name), rng)
         feeds.append(feed)
     return Samples(feeds, names=[f"synthetic sample {n}" for n in range(count)])

@@ -27,6 +27,7 @@ from sdk.packager import ort_host
 from sdk.packager.data import manifest_inputs
 from sdk.packager.passes import base
 from sdk.packager.passes.base import BuildContext, Progress
+from sdk.packager.passes.model_checks import model_label
 from sdk.recipe import Recipe
 
 # Importing the pass modules registers them.
@@ -87,8 +88,8 @@ def tool_versions() -> dict[str, str]:
 
 def resolve_signing_keys(recipe: Recipe, key_paths: list[str] | None) -> list[SigningKey]:
     paths = list(key_paths or [])
-    if not paths and recipe.section("sign").get("key"):
-        paths = [recipe.section("sign")["key"]]
+    if not paths and recipe.sign.key:
+        paths = [recipe.sign.key]
     if not paths:
         raise RecipeError("sign.key", "no signing key: pass --key PRIVATE or set sign.key in the recipe",
                           recipe=str(recipe.path))
@@ -99,16 +100,14 @@ def resolve_signing_keys(recipe: Recipe, key_paths: list[str] | None) -> list[Si
 def resolve_output(recipe: Recipe, output: str | os.PathLike[str] | None) -> Path:
     if output is not None:
         return Path(output)
-    if recipe.data.get("output"):
-        return Path(recipe.data["output"])
+    if recipe.output:
+        return Path(recipe.output)
     return Path("dist") / f"{recipe.name}-{recipe.version}.edgepkg"
 
 
 def run_passes(ctx: BuildContext, names: list[str] | None = None) -> None:
     timings: dict[str, float] = {}
-    source = ctx.recipe.data.get("model")
-    model_name = Path(str(source.get("path") if isinstance(source, dict) and source.get("path") else
-                          ctx.recipe.name)).name
+    model_name = model_label(ctx)
     for name in names or PIPELINE:
         step = base.get_pass(name)
         if not step.applies(ctx):
@@ -122,26 +121,28 @@ def run_passes(ctx: BuildContext, names: list[str] | None = None) -> None:
 
 
 def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
+    """The manifest, written from the typed facts the passes left in ``ctx``: the one place."""
     model = ctx.require_model()
-    extra = ctx.manifest_extra
+    if ctx.runtime is None:
+        raise RuntimeError("no runtime requirement: the runtime_compat pass must run last")
     model_section: dict[str, Any] = {
         "path": MODEL_MEMBER,
-        "opsets": extra["opsets"],
+        "opsets": dict(ctx.runtime.opsets),
         "ir_version": int(model.ir_version),
-        "min_onnxruntime": extra["min_onnxruntime"],
+        "min_onnxruntime": ctx.runtime.min_onnxruntime,
         "precision": ctx.precision(),
     }
-    if "opset" in extra:  # the ai.onnx opset; absent for an ai.onnx.ml-only model
-        model_section["opset"] = extra["opset"]
-    if "ort_path" in extra:
-        model_section["ort_path"] = extra["ort_path"]
+    if ctx.runtime.opset is not None:  # absent for an ai.onnx.ml-only model
+        model_section["opset"] = ctx.runtime.opset
+    if ctx.ort_member is not None:
+        model_section["ort_path"] = ctx.ort_member
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "name": ctx.recipe.name,
         "version": ctx.recipe.version,
         "created": _created(),
         "model": model_section,
-        "inputs": manifest_inputs(ctx.inputs, ctx.recipe.section("inputs")),
+        "inputs": manifest_inputs(ctx.inputs, ctx.recipe.inputs),
         "outputs": [o.to_json() for o in ctx.outputs],
         "preprocess": ctx.preprocess,
         "postprocess": ctx.postprocess,
@@ -149,10 +150,10 @@ def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
         "tools": tool_versions(),
         "report": REPORT_NAME,
     }
-    if "description" in ctx.recipe.data:
-        manifest["description"] = ctx.recipe.data["description"]
-    if "golden" in extra:
-        manifest["golden"] = extra["golden"]
+    if ctx.recipe.description is not None:
+        manifest["description"] = ctx.recipe.description
+    if ctx.golden is not None:
+        manifest["golden"] = ctx.golden.to_json()
     return manifest
 
 

@@ -122,7 +122,7 @@ def half_open_heads(port: int, probe: bytes) -> list[int]:
     time.sleep(0.2)
     try:
         statuses = [request(port, b"", "", path=path, method="GET") for path in ("/healthz", "/metrics")]
-        time.sleep(1.1)  # a general slot's half-open head may be evicted after 1 s (device_agent/http_admission.py)
+        time.sleep(1.1)  # a general slot's half-open head may be evicted after 1 s (device_agent/http/admission.py)
         return [*statuses, request(port, probe, "application/json")]
     finally:
         for sock in held:

@@ -75,7 +75,17 @@ if len(sys.argv) > 8 and sys.argv[8] == "1":
             plain_run(thread)
     threading.Thread.run = run
 import device_agent.runtime as runtime
-from device_agent import bodies
+from device_agent.http import bodies, oip
+from device_agent.http.negotiation import AUDIO_MEDIA_TYPES
+from device_agent.http.results import prediction_json
+from device_agent.prediction import PredictResult
+from device_agent.request_stats import LATENCY_BUCKETS
+# the earlier revisions import the HTTP modules by their names before device_agent/http/, take
+# the media types and buckets from the runtime and have the runtime's result write its JSON
+sys.modules["device_agent.bodies"], sys.modules["device_agent.oip"] = bodies, oip
+runtime.AUDIO_MEDIA_TYPES, runtime.LATENCY_BUCKETS = AUDIO_MEDIA_TYPES, LATENCY_BUCKETS
+runtime.PredictResult = PredictResult
+PredictResult.to_json = lambda result, *, outputs=None: prediction_json(result, outputs=outputs)
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.signing import TrustStore, load_public_key
@@ -109,9 +119,9 @@ else:
         spec.loader.exec_module(module)
         ApiServer = module.ApiServer
     else:
-        from device_agent.http_api import ApiServer
+        from device_agent.http.server import ApiServer
         if len(sys.argv) > 9 and sys.argv[9] == "1":  # Hypercorn's own: 64 KiB reads, 10 chunks queued
-            import device_agent.http_server as http_server
+            import device_agent.http.server as http_server
             http_server.READ_BYTES, http_server.APP_QUEUE_CHUNKS = 64 * 1024, 10
     workers = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "0" else None
     settings = ApiSettings(workers=workers) if workers else None
@@ -178,13 +188,14 @@ async def run_clients(port: int, request: bytes, clients: int, total: int) -> tu
 
 
 def earlier_modules(folder: Path, old_rev: str, uvicorn_rev: str) -> dict[str, Path]:
-    """``device_agent/http_api.py`` of the earlier servers' revisions, as files for the child."""
+    """``device_agent/http_api.py`` of the earlier servers' revisions (today's app is
+    ``device_agent/http/app.py``), as files for the child."""
     modules = {}
     for which, rev in (("old", old_rev), ("uvicorn", uvicorn_rev)):
         modules[which] = folder / f"{which}_http_api.py"
         source = ["git", "-C", str(ROOT), "show", f"{rev}:device_agent/http_api.py"]
         modules[which].write_bytes(subprocess.run(source, capture_output=True, check=True).stdout)
-    modules["new"] = ROOT / "device_agent" / "http_api.py"
+    modules["new"] = ROOT / "device_agent" / "http" / "app.py"
     return modules
 
 

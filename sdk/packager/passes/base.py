@@ -1,7 +1,9 @@
 """The pass interface of the packager (after Olive): each step is a small registered unit.
 
-A pass declares its name, the recipe section it reads (its options), and whether it applies
-to a given build; ``run`` transforms the :class:`BuildContext` in place and records what it
+A pass declares its name and whether it applies to a given build; the options it reads are a
+frozen dataclass declared next to it (``OptimizeOptions``, ``QuantizeOptions``, ...), which the
+typed :class:`~sdk.recipe.Recipe` holds as a section and the recipe's JSON Schema is generated
+from (:mod:`sdk.packager.options`). ``run`` transforms the :class:`BuildContext` in place and records what it
 did in ``ctx.report[name]``. The pipeline (``sdk.packager.pipeline``) lists pass names in
 order, so adding an optimization is: write a pass, register it, put its name in the list.
 """
@@ -10,23 +12,42 @@ from __future__ import annotations
 
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import onnx
 
 from edgepack_core.manifest import TensorSpec
 from sdk.packager.ort_worker import holds_float16
-from sdk.recipe import Recipe
+
+if TYPE_CHECKING:  # sdk.recipe imports the passes for their options; the results are the passes' own types
+    from sdk.packager.passes.golden import GoldenSet
+    from sdk.packager.passes.model_checks import RuntimeRequirement
+    from sdk.packager.passes.preprocess_graph import PreprocessLowering
+    from sdk.recipe import Recipe
 
 Progress = Callable[[str], None]
+LossyPrecision = Literal["fp16", "int8"]
 
 
 @dataclass
 class BuildContext:
-    """Everything a pass may read or change during one build."""
+    """Everything a pass may read or change during one build. The facts passes hand each
+    other are typed fields, each set by one pass and read by the later ones and by
+    ``pipeline.assemble_manifest``, the one place the manifest is written:
+
+    - ``inputs``/``outputs``, ``preprocess``/``postprocess``: the I/O spec (io_spec; fix_shapes
+      and preprocess_graph change it);
+    - ``lossy``: the precision a lossy pass shipped (fp16, or quantize's decision: int8/fp16),
+      None while the model computes what the original did;
+    - ``lowering``: ``preprocess.in_graph`` planned (preprocess_graph_plan), then done
+      (preprocess_graph);
+    - ``ort_member``: the ``.ort`` file's member (ort_format);
+    - ``golden``: the golden samples and their tolerances (golden);
+    - ``runtime``: opsets and the minimum onnxruntime of the final graph (runtime_compat).
+    """
 
     recipe: Recipe
     workdir: Path
@@ -38,7 +59,11 @@ class BuildContext:
     preprocess: dict[str, Any] = field(default_factory=dict)
     postprocess: dict[str, Any] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
-    manifest_extra: dict[str, Any] = field(default_factory=dict)
+    lossy: LossyPrecision | None = None
+    lowering: PreprocessLowering | None = None
+    ort_member: str | None = None
+    golden: GoldenSet | None = None
+    runtime: RuntimeRequirement | None = None
     report: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -59,8 +84,8 @@ class BuildContext:
         ``fp16``); otherwise ``fp16`` when the graph itself holds float16 (a model exported in
         fp16, or with float16 parts) and ``fp32`` else. The manifest records it, the agent picks
         its session options by it, and golden tolerances widen for it."""
-        if "precision" in self.manifest_extra:
-            return str(self.manifest_extra["precision"])
+        if self.lossy is not None:
+            return self.lossy
         return "fp16" if holds_float16(self.require_model()) else "fp32"
 
     def new_tempdir(self, prefix: str) -> Path:
@@ -68,13 +93,10 @@ class BuildContext:
 
 
 class Pass(ABC):
-    """One packager step. Subclasses set ``name`` and ``section`` and implement ``run``."""
+    """One packager step. Subclasses set ``name`` and implement ``run``; a pass reads its
+    options from its typed section of ``ctx.recipe`` (``ctx.recipe.optimize``)."""
 
     name: ClassVar[str]
-    section: ClassVar[str | None] = None
-
-    def options(self, ctx: BuildContext) -> Mapping[str, Any]:
-        return ctx.recipe.section(self.section) if self.section else {}
 
     def applies(self, ctx: BuildContext) -> bool:
         return True

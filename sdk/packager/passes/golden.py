@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import zipfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,10 @@ import numpy as np
 from edgepack_core.tensor_compare import same_non_finite
 from sdk.errors import BuildError, RecipeError
 from sdk.packager.data import Samples, context_options, load_samples
+from sdk.packager.options import option
 from sdk.packager.ort_host import run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
-from sdk.recipe import DATA_SOURCES
+from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 
 DEFAULT_COUNT = 4
 # fp32 on another CPU (arm64 vs x86, other SIMD paths) agrees to ~1e-5; quantized and fp16
@@ -73,12 +75,46 @@ def unsignable_output(outputs: Mapping[str, np.ndarray], expected: Mapping[str, 
     return None
 
 
-def golden_source(ctx: BuildContext) -> tuple[str, Mapping[str, Any] | str]:
+@dataclass(frozen=True)
+class GoldenOptions:
+    """``golden``: the golden pass's samples and the smoke test's tolerances (None: by the
+    precision and the targets)."""
+
+    count: int = option(DEFAULT_COUNT, description="how many golden samples", minimum=1, maximum=64)
+    data: DataSource | None = option(None, schema=DATA_SOURCE_SCHEMA, parse=DataSource.from_json)
+    rtol: float | None = option(None, description="the smoke test's relative tolerance", minimum=0)
+    atol: float | None = option(None, description="the smoke test's absolute tolerance", minimum=0)
+
+
+@dataclass(frozen=True)
+class GoldenSample:
+    """One golden sample: the members holding its inputs and the packaged model's outputs."""
+
+    inputs: str
+    outputs: str
+
+
+@dataclass(frozen=True)
+class GoldenSet:
+    """The golden pass's result: the samples the device's smoke test runs, and its tolerances."""
+
+    samples: tuple[GoldenSample, ...]
+    rtol: float
+    atol: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's ``golden`` section."""
+        return {"samples": [{"inputs": s.inputs, "outputs": s.outputs} for s in self.samples],
+                "rtol": self.rtol, "atol": self.atol}
+
+
+def golden_source(ctx: BuildContext) -> tuple[str, DataSource]:
     """The first of golden.data, validate.data, quantize.calibration the recipe gives."""
-    for section, key in DATA_SOURCES:
-        source = ctx.recipe.section(section).get(key)
-        if source:
-            return f"{section}.{key}", source
+    recipe = ctx.recipe
+    for key, source in (("golden.data", recipe.golden.data), ("validate.data", recipe.validate.data),
+                        ("quantize.calibration", recipe.quantize.calibration)):
+        if source is not None:
+            return key, source
     raise RecipeError("golden.data", "no data for golden samples: give golden.data or validate.data, or write "
                       "validate: {data: synthetic} to consent to made-up inputs", recipe=str(ctx.recipe.path))
 
@@ -88,11 +124,10 @@ class GoldenPass(Pass):
     """Run the final model on a few inputs; store inputs and outputs in the artifact."""
 
     name = "golden"
-    section = "golden"
 
     def run(self, ctx: BuildContext) -> None:
-        options = self.options(ctx)
-        count = int(options.get("count", DEFAULT_COUNT))
+        options = ctx.recipe.golden
+        count = options.count
         key, source = golden_source(ctx)
         samples: Samples = load_samples(source, ctx.preprocess, ctx.inputs, key=key, limit=count,
                                         **context_options(ctx))
@@ -103,7 +138,7 @@ class GoldenPass(Pass):
         # tolerance, as quantized models do.
         reduced = precision != "fp32" or "jetson" in ctx.recipe.targets
         rtol, atol = DEFAULT_TOLERANCE["reduced" if reduced else "fp32"]
-        constants = {name for name, decl in ctx.recipe.section("inputs").items() if decl.get("role") == "constant"}
+        constants = {name for name, decl in ctx.recipe.inputs.items() if decl.role == "constant"}
         entries = []
         for n, (feed, result) in enumerate(zip(samples.feeds, outputs, strict=True)):
             want = samples.expected[n] if samples.expected and n < len(samples.expected) else None
@@ -116,10 +151,7 @@ class GoldenPass(Pass):
             # so the smoke test proves that path too.
             ctx.files[in_name] = npz_bytes({k: v for k, v in feed.items() if k not in constants})
             ctx.files[out_name] = npz_bytes(result)
-            entries.append({"inputs": in_name, "outputs": out_name})
-        ctx.manifest_extra["golden"] = {
-            "samples": entries,
-            "rtol": float(options.get("rtol", rtol)),
-            "atol": float(options.get("atol", atol)),
-        }
-        ctx.report[self.name] = {"count": len(entries), "source": "synthetic" if source == "synthetic" else key}
+            entries.append(GoldenSample(in_name, out_name))
+        ctx.golden = GoldenSet(tuple(entries), float(rtol if options.rtol is None else options.rtol),
+                               float(atol if options.atol is None else options.atol))
+        ctx.report[self.name] = {"count": len(entries), "source": "synthetic" if source.synthetic else key}

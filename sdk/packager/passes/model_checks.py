@@ -4,15 +4,15 @@ shapes, fix the I/O spec; and the last step, the artifact's real minimum onnxrun
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from edgepack_core.manifest import DTYPES, TensorSpec
 from edgepack_core.ort_compat import (
     DEFAULT_DOMAIN,
     GUARANTEED_MIN_OPSET,
@@ -33,132 +33,53 @@ from edgepack_core.preprocess import normalize_preprocess
 from edgepack_core.targets import profile_onnxruntime
 from sdk.errors import BuildError, ModelError, RecipeError
 from sdk.packager import ort_host
+from sdk.packager.onnx_graph import (
+    default_opset,
+    drop_initializer_inputs,
+    graph_io,
+    lower_ir_version,
+    opset_versions,
+    prune_opset_imports,
+    used_op_types,
+)
+from sdk.packager.options import option
 from sdk.packager.passes.base import BuildContext, Pass, register
+from sdk.packager.passes.export_pytorch import PytorchOptions
+from sdk.packager.sources import InputOptions
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """``model``: read by load, check, convert_opset and shape_inference (``pytorch``: export_pytorch)."""
+
+    DESCRIPTION = "Exactly one of path (an .onnx file) or pytorch (export a torch.nn.Module)."
+
+    path: str | None = option(None, minLength=1)
+    convert_opset: int | None = option(None, description="convert the model to this default-domain opset first; "
+                                       "the result is validated against the original", minimum=1)
+    strict_check: bool = option(False, description="onnx.checker findings become errors instead of warnings")
+    pytorch: PytorchOptions | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeRequirement:
+    """What the final graph needs of onnxruntime (the runtime_compat pass's result, for the
+    manifest): its opset imports by domain and the oldest onnxruntime that runs it, and why."""
+
+    opsets: Mapping[str, int]
+    min_onnxruntime: str
+    reason: str
+
+    @property
+    def opset(self) -> int | None:
+        """The ai.onnx opset; None for a model that imports only other domains (ai.onnx.ml)."""
+        return self.opsets.get(DEFAULT_DOMAIN)
 
 
 def model_label(ctx: BuildContext) -> str:
     """The model's name in messages: its file name, or the recipe's name for an export."""
-    source = ctx.recipe.data.get("model") or {}
-    path = source.get("path") if isinstance(source, dict) else None
-    return Path(str(path)).name if path else ctx.recipe.name
-
-
-def opset_versions(model: onnx.ModelProto) -> dict[str, int]:
-    """Opset imports by domain, the default domain always spelled ``ai.onnx``."""
-    return {normalize_domain(entry.domain): int(entry.version) for entry in model.opset_import}
-
-
-def default_opset(model: onnx.ModelProto) -> int:
-    """The ``ai.onnx`` opset, 0 when the model imports none (an ``ai.onnx.ml``-only model)."""
-    return opset_versions(model).get(DEFAULT_DOMAIN, 0)
-
-
-def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """A graph and every subgraph (If/Loop/Scan bodies) inside it."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from _graphs(sub)
-
-
-def all_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
-    """Every node: main graph, subgraphs, and model-local function bodies."""
-    for graph in _graphs(model.graph):
-        yield from graph.node
-    for function in model.functions:
-        yield from function.node
-
-
-def used_op_types(model: onnx.ModelProto) -> set[tuple[str, str]]:
-    """(domain, op_type) of every node, domains normalized; calls of model-local functions excluded
-    (onnxruntime inlines them, so their bodies count instead)."""
-    local = {(normalize_domain(f.domain), f.name) for f in model.functions}
-    found = {(normalize_domain(n.domain), n.op_type) for n in all_nodes(model)}
-    return found - local
-
-
-def prune_opset_imports(model: onnx.ModelProto) -> list[str]:
-    """Drop opset imports no node uses (onnxruntime's optimized-model save adds ai.onnx.ml,
-    com.microsoft and others); an older onnxruntime refuses imports newer than it knows even when
-    unused. Returns the pruned domains. The default domain stays when nothing else is imported."""
-    used = {normalize_domain(n.domain) for n in all_nodes(model)}
-    keep = [e for e in model.opset_import if normalize_domain(e.domain) in used]
-    if not keep:
-        keep = [e for e in model.opset_import if normalize_domain(e.domain) == DEFAULT_DOMAIN][:1]
-    pruned = sorted(normalize_domain(e.domain) for e in model.opset_import if e not in keep)
-    if pruned:
-        kept = [onnx.OperatorSetIdProto(domain=e.domain, version=e.version) for e in keep]
-        del model.opset_import[:]
-        model.opset_import.extend(kept)
-    return pruned
-
-
-def drop_initializer_inputs(model: onnx.ModelProto) -> list[str]:
-    """IR 3 lists every initializer as a graph input too. Edgepack never lets a caller override a
-    weight, and onnxruntime's optimizer keeps such inputs after folding their initializers away
-    (an input nobody feeds), so they are removed, and the IR raised to 4, where this is the rule."""
-    initializers = {init.name for init in model.graph.initializer}
-    dropped = [i.name for i in model.graph.input if i.name in initializers]
-    if dropped:
-        kept = [i for i in model.graph.input if i.name not in initializers]
-        del model.graph.input[:]
-        model.graph.input.extend(kept)
-        model.ir_version = max(int(model.ir_version), 4)
-    return dropped
-
-
-# Element types every IR from 3 on knows (FLOAT .. BFLOAT16); float8, int4 and later types
-# pin the IR version the model declares.
-_CLASSIC_TYPES = frozenset(range(0, TensorProto.BFLOAT16 + 1))
-_TYPE_ATTRIBUTES = frozenset({"to", "dtype", "output_dtype", "output_datatype"})
-
-
-def _value_types_classic(graph: onnx.GraphProto) -> bool:
-    for info in [*graph.input, *graph.output, *graph.value_info]:
-        if info.type.WhichOneof("value") != "tensor_type" or info.type.tensor_type.elem_type not in _CLASSIC_TYPES:
-            return False
-    return all(init.data_type in _CLASSIC_TYPES for init in graph.initializer) and not graph.sparse_initializer \
-        and not graph.metadata_props
-
-
-def _node_classic(node: onnx.NodeProto) -> bool:
-    if node.overload or node.metadata_props or node.device_configurations:
-        return False
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type not in _CLASSIC_TYPES:
-            return False
-        if attr.type in (onnx.AttributeProto.SPARSE_TENSOR, onnx.AttributeProto.SPARSE_TENSORS,
-                         onnx.AttributeProto.TYPE_PROTO, onnx.AttributeProto.TYPE_PROTOS):
-            return False
-        if attr.name in _TYPE_ATTRIBUTES and attr.type == onnx.AttributeProto.INT and attr.i not in _CLASSIC_TYPES:
-            return False
-    return True
-
-
-def lower_ir_version(model: onnx.ModelProto) -> int | None:
-    """Lower the IR version to the least the graph needs, so an older onnxruntime loads it:
-    onnx.helper stamps its newest IR on every model (IR 14 needs onnxruntime 1.32), while an
-    opset-17 graph of classic tensors needs IR 8 (onnxruntime 1.9). The floor is the IR of the
-    opsets (onnx's own table), 4 when an initializer is not a graph input. A model using anything
-    a later IR brought (functions, training info, sparse or non-tensor values, float8/int4 types,
-    overloads, metadata on nodes) keeps its IR. Returns the IR it had when lowered, else None."""
-    graphs = list(_graphs(model.graph))
-    if model.functions or model.training_info or not all(_value_types_classic(g) for g in graphs) \
-            or not all(_node_classic(n) for g in graphs for n in g.node):
-        return None
-    floor = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
-    inputs = {i.name for i in model.graph.input}
-    if any(init.name not in inputs for init in model.graph.initializer):
-        floor = max(floor, 4)
-    if floor >= model.ir_version:
-        return None
-    before = int(model.ir_version)
-    model.ir_version = floor
-    return before
+    path = ctx.recipe.model.path
+    return Path(path).name if path else ctx.recipe.name
 
 
 _HOST_ROW: list[RuntimeRow | None] = []
@@ -208,52 +129,6 @@ def graph_requirement(model: onnx.ModelProto, *, ort_format: bool = False, ort_f
                                 extra_rows=[host] if host else [], builder=ort.__version__)
 
 
-def tensor_dtype_name(elem_type: int) -> str:
-    if elem_type == TensorProto.STRING:
-        return "string"
-    if elem_type == TensorProto.BFLOAT16:
-        return "bfloat16"
-    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
-
-
-def value_info_spec(info: onnx.ValueInfoProto, what: str = "input") -> TensorSpec:
-    """A graph input/output as a TensorSpec. Dims: a size >= 0, or a name (named dims, and the
-    literal -1 some exporters write for "any", become ``NAME_dimI``)."""
-    kind = info.type.WhichOneof("value")
-    if kind != "tensor_type":
-        raise ModelError(what, f"{info.name} is a {kind or 'typeless value'}, not a tensor; Edgepack packages "
-                               "models whose inputs and outputs are tensors (for scikit-learn exports: "
-                               "options zipmap=False)")
-    tensor = info.type.tensor_type
-    try:
-        dtype = tensor_dtype_name(tensor.elem_type)
-    except (KeyError, TypeError, ValueError):
-        dtype = ""
-    if dtype not in DTYPES:
-        type_name = TensorProto.DataType.Name(tensor.elem_type) if tensor.elem_type in \
-            TensorProto.DataType.values() else str(tensor.elem_type)
-        raise ModelError(what, f"{info.name} has element type {type_name}, which Edgepack cannot carry "
-                               f"(supported: {', '.join(DTYPES)})")
-    if not tensor.HasField("shape") and what.endswith("input"):
-        raise ModelError(what, f"{info.name} declares no rank; declare its shape in the recipe: "
-                               f"inputs: {{{info.name}: {{shape: [...]}}}}")
-    dims: list[int | str] = []
-    for i, dim in enumerate(tensor.shape.dim):
-        if dim.HasField("dim_value") and dim.dim_value >= 0:
-            dims.append(int(dim.dim_value))
-        else:
-            dims.append(dim.dim_param or f"{info.name}_dim{i}")
-    return TensorSpec(info.name, dtype, tuple(dims))
-
-
-def graph_io(model: onnx.ModelProto, label: str = "graph") -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Inputs a caller feeds (initializers excluded: IR-3 models list them as inputs too) and outputs."""
-    initializers = {init.name for init in model.graph.initializer}
-    inputs = [value_info_spec(i, f"{label}: input") for i in model.graph.input if i.name not in initializers]
-    outputs = [value_info_spec(o, f"{label}: output") for o in model.graph.output]
-    return inputs, outputs
-
-
 def _checker_text(err: Exception) -> str:
     """The lines of an onnx.checker/shape-inference error that say what is wrong, on one line."""
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
@@ -269,7 +144,7 @@ class LoadPass(Pass):
 
     def run(self, ctx: BuildContext) -> None:
         if ctx.model is None:
-            path = ctx.recipe.data["model"]["path"]
+            path = str(ctx.recipe.model.path)
             try:
                 ctx.model = onnx.load(path)
             except Exception as err:  # onnx raises DecodeError, OSError, ValueError...
@@ -296,7 +171,7 @@ class CheckPass(Pass):
             onnx.checker.check_model(ctx.require_model(), full_check=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
             finding = _checker_text(err)
-            if ctx.recipe.data["model"].get("strict_check"):
+            if ctx.recipe.model.strict_check:
                 raise ModelError(label, f"onnx.checker refused it (model.strict_check is on): {finding}") from None
             try:
                 ort_host.describe(ctx.model_bytes(), label=label)
@@ -318,13 +193,13 @@ class ConvertOpsetPass(Pass):
     name = "convert_opset"
 
     def applies(self, ctx: BuildContext) -> bool:
-        return ctx.recipe.data["model"].get("convert_opset") is not None
+        return ctx.recipe.model.convert_opset is not None
 
     def run(self, ctx: BuildContext) -> None:
         from onnx import version_converter
 
         label = model_label(ctx)
-        target = int(ctx.recipe.data["model"]["convert_opset"])
+        target = int(ctx.recipe.model.convert_opset or 0)
         model = ctx.require_model()
         source = default_opset(model)
         if not source:
@@ -372,15 +247,15 @@ class OpsetPass(Pass):
         ctx.report[self.name] = {"opsets": opsets, "min_onnxruntime": version, "reason": reason}
 
 
-def _override_shapes(model: onnx.ModelProto, overrides: dict[str, Any], recipe: str) -> None:
+def _override_shapes(model: onnx.ModelProto, overrides: Mapping[str, InputOptions], recipe: str) -> None:
     by_name = {i.name: i for i in model.graph.input}
     for name, override in overrides.items():
         if name not in by_name:
             known = ", ".join(sorted(by_name))
             raise RecipeError(f"inputs.{name}", f"the model has no such input (inputs: {known})", recipe=recipe)
         tensor = by_name[name].type.tensor_type
-        if "shape" in override:
-            shape = override["shape"]
+        if override.shape is not None:
+            shape = override.shape
             if not tensor.HasField("shape"):  # unknown rank: the recipe's shape gives it
                 tensor.shape.dim.extend(onnx.TensorShapeProto.Dimension() for _ in shape)
             if len(shape) != len(tensor.shape.dim):
@@ -403,18 +278,17 @@ class ShapeInferencePass(Pass):
     """Apply the recipe's input shape overrides and run ONNX shape inference."""
 
     name = "shape_inference"
-    section = "inputs"
 
     def run(self, ctx: BuildContext) -> None:
         model = ctx.require_model()
-        _override_shapes(model, dict(self.options(ctx)), str(ctx.recipe.path))
+        _override_shapes(model, ctx.recipe.inputs, str(ctx.recipe.path))
         try:
             ctx.model = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as err:
             # onnxruntime infers shapes itself at load time; ONNX's strict inference refuses graphs
             # it runs (ops whose inference ONNX lacks), so this is a finding like onnx.checker's.
             label = model_label(ctx)
-            if ctx.recipe.data["model"].get("strict_check"):
+            if ctx.recipe.model.strict_check:
                 raise ModelError(label, f"shape inference failed (model.strict_check is on): "
                                         f"{_checker_text(err)}") from None
             ctx.warn(f"ONNX shape inference: {_checker_text(err)}; keeping {label}'s declared shapes")
@@ -500,8 +374,8 @@ class IoSpecPass(Pass):
     def run(self, ctx: BuildContext) -> None:
         ctx.inputs, ctx.outputs = graph_io(ctx.require_model(), model_label(ctx))
         recipe = str(ctx.recipe.path)
-        ctx.preprocess = normalize_preprocess(ctx.recipe.data.get("preprocess"))
-        post = _bundle_assets(ctx, dict(ctx.recipe.data.get("postprocess") or {"kind": "raw"}), recipe)
+        ctx.preprocess = normalize_preprocess(ctx.recipe.preprocess)
+        post = _bundle_assets(ctx, dict(ctx.recipe.postprocess or {"kind": "raw"}), recipe)
         softmax_note = resolve_apply_softmax(ctx.require_model(), post)
         ctx.postprocess = normalize_postprocess(post)
         names = [i.name for i in ctx.inputs]
@@ -544,33 +418,6 @@ class IoSpecPass(Pass):
 
 
 @register
-class ExportPytorchPass(Pass):
-    """The recipe's ``model.pytorch`` section: build the module and export it (sdk.export)."""
-
-    name = "export_pytorch"
-
-    def applies(self, ctx: BuildContext) -> bool:
-        return "pytorch" in ctx.recipe.data["model"]
-
-    def run(self, ctx: BuildContext) -> None:
-        from sdk.export import DEFAULT_OPSET, export_pytorch, load_factory
-
-        options = ctx.recipe.data["model"]["pytorch"]
-        module = load_factory(options["factory"])()
-        if options.get("weights"):
-            import torch
-
-            module.load_state_dict(torch.load(options["weights"], map_location="cpu", weights_only=True))
-        path = ctx.workdir / "exported.onnx"
-        report = export_pytorch(module, options["input_shape"], path, opset=options.get("opset", DEFAULT_OPSET),
-                                input_name=options.get("input_name", "input"),
-                                output_names=options.get("output_names", ["output"]),
-                                dynamic_batch=options.get("dynamic_batch", True))
-        ctx.model = onnx.load(path)
-        ctx.report[self.name] = report
-
-
-@register
 class RuntimeCompatPass(Pass):
     """The last step before signing: prune opset imports no node uses, compute the artifact's
     real minimum onnxruntime from the final graph (opsets, IR, contrib ops, .ort format), and
@@ -585,13 +432,13 @@ class RuntimeCompatPass(Pass):
         label = model_label(ctx)
         pruned = prune_opset_imports(model)
         lowered_from = lower_ir_version(model)
-        ort_bytes = ctx.files.get(ctx.manifest_extra.get("ort_path", ""))
+        ort_bytes = ctx.files.get(ctx.ort_member) if ctx.ort_member else None
         try:
             version, reason = graph_requirement(model, ort_format=ort_bytes is not None,
                                                 ort_format_version=ort_format_version(ort_bytes or b""))
         except RuntimeTooOld as err:
             raise ModelError(label, str(err)) from None
-        declared = ctx.recipe.data.get("target_onnxruntime") or {}
+        declared = ctx.recipe.target_onnxruntime
         runtimes = {t: declared.get(t) or profile_onnxruntime(t, format_version(parse_version(ort.__version__)))
                     for t in ctx.recipe.targets}
         shortfalls = target_shortfalls(version, reason, runtimes)
@@ -599,10 +446,7 @@ class RuntimeCompatPass(Pass):
             raise BuildError(self.name, f"{label}: {shortfalls[0]}" + (f" (and {len(shortfalls) - 1} more target(s))"
                                                                       if len(shortfalls) > 1 else ""))
         opsets = opset_versions(model)
-        if DEFAULT_DOMAIN in opsets:
-            ctx.manifest_extra["opset"] = opsets[DEFAULT_DOMAIN]
-        ctx.manifest_extra["opsets"] = opsets
-        ctx.manifest_extra["min_onnxruntime"] = version
+        ctx.runtime = RuntimeRequirement(types.MappingProxyType(opsets), version, reason)
         ctx.report[self.name] = {"opsets": opsets, "pruned_opset_imports": pruned, "ir_version": int(model.ir_version),
                                  "ir_lowered_from": lowered_from, "min_onnxruntime": version, "reason": reason,
                                  "targets_onnxruntime": runtimes}

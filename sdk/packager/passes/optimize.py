@@ -9,8 +9,9 @@ detector), then quantization.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnx
@@ -20,19 +21,36 @@ from edgepack_core.manifest import TensorSpec
 from edgepack_core.targets import STATIC_SHAPE_TARGETS
 from sdk.errors import BuildError
 from sdk.packager import ort_host
+from sdk.packager.onnx_graph import graph_io, lower_ir_version, prune_opset_imports
+from sdk.packager.options import option
 from sdk.packager.ort_worker import session_workarounds
 from sdk.packager.passes.base import BuildContext, Pass, register
-from sdk.packager.passes.model_checks import graph_io, lower_ir_version, model_label, prune_opset_imports
+from sdk.packager.passes.model_checks import model_label
 
 FP16_MAX = 65504.0
+ORT_MEMBER = "model/model.ort"
 # Targets whose providers share one CPU family, so "extended" offline optimizations (fusions
 # written for the CPU execution provider) stay valid on every one of them.
 _CPU_ONLY_TARGETS = {"x86"}
 
 
-def _graph_pass_enabled(options: dict, flag: str | None = None) -> bool:
-    """Graph clean-ups run unless ``optimize.level: none`` or their own flag turns them off."""
-    return options.get("level", "basic") != "none" and (flag is None or options.get(flag, True))
+@dataclass(frozen=True)
+class OptimizeOptions:
+    """``optimize``: read by fix_shapes, eliminate_identity, fold_batchnorm, ort_optimize, fp16, ort_format."""
+
+    level: Literal["none", "basic", "extended", "all"] | None = option(
+        None, description="onnxruntime offline optimization; none also turns the graph clean-ups off (default: "
+        "basic, extended when every target is x86 and the build does not quantize)")
+    fold_batchnorm: bool = option(True, description="fold BatchNormalization into the Conv before it")
+    constant_folding: bool = option(True, description="run onnxruntime's offline optimizer")
+    fp16: bool = option(False, description="convert to fp16 keeping fp32 inputs and outputs")
+    fixed_shapes: bool | None = option(None, description="give symbolic input dims size 1 (default: on for "
+                                       "targets whose accelerator needs static shapes: android, apple)")
+    ort_format: bool = option(False, description="add the .ort format (model/model.ort) for onnxruntime mobile")
+
+    def graph_pass(self, flag: bool = True) -> bool:
+        """Graph clean-ups run unless ``level: none`` or their own flag turns them off."""
+        return self.level != "none" and flag
 
 
 def _rename(graph: onnx.GraphProto, old: str, new: str, field: str) -> None:
@@ -54,10 +72,9 @@ class FixShapesPass(Pass):
     CoreML) needs static shapes, or when the recipe asks for it."""
 
     name = "fix_shapes"
-    section = "optimize"
 
     def applies(self, ctx: BuildContext) -> bool:
-        wanted = self.options(ctx).get("fixed_shapes")
+        wanted = ctx.recipe.optimize.fixed_shapes
         return wanted if wanted is not None else bool(set(ctx.recipe.targets) & STATIC_SHAPE_TARGETS)
 
     def run(self, ctx: BuildContext) -> None:
@@ -82,10 +99,9 @@ class EliminateIdentityPass(Pass):
     """Remove Identity nodes (export leftovers) by rewiring their consumers."""
 
     name = "eliminate_identity"
-    section = "optimize"
 
     def applies(self, ctx: BuildContext) -> bool:
-        return _graph_pass_enabled(dict(self.options(ctx)))
+        return ctx.recipe.optimize.graph_pass()
 
     def run(self, ctx: BuildContext) -> None:
         graph = ctx.require_model().graph
@@ -106,10 +122,9 @@ class FoldBatchNormPass(Pass):
     b' = (b - m) * g / sqrt(v + e) + beta. Exact in float64, one node fewer per block."""
 
     name = "fold_batchnorm"
-    section = "optimize"
 
     def applies(self, ctx: BuildContext) -> bool:
-        return _graph_pass_enabled(dict(self.options(ctx)), "fold_batchnorm")
+        return ctx.recipe.optimize.graph_pass(ctx.recipe.optimize.fold_batchnorm)
 
     def run(self, ctx: BuildContext) -> None:
         model = ctx.require_model()
@@ -164,13 +179,12 @@ class OrtOptimizePass(Pass):
     optimizes again when the device loads it). Unused opset imports the save adds are pruned."""
 
     name = "ort_optimize"
-    section = "optimize"
 
     def applies(self, ctx: BuildContext) -> bool:
-        return _graph_pass_enabled(dict(self.options(ctx)), "constant_folding")
+        return ctx.recipe.optimize.graph_pass(ctx.recipe.optimize.constant_folding)
 
     def level(self, ctx: BuildContext) -> str:
-        requested = self.options(ctx).get("level")
+        requested = ctx.recipe.optimize.level
         portable = set(ctx.recipe.targets) <= _CPU_ONLY_TARGETS
         if requested in ("extended", "all") and not portable:
             ctx.warn(f"optimize.level {requested} is not portable across targets {', '.join(ctx.recipe.targets)}; "
@@ -179,7 +193,7 @@ class OrtOptimizePass(Pass):
         # A build that quantizes stays at basic unless asked: extended fusions make com.microsoft
         # ops (FusedConv) that onnxruntime.quantization leaves float, and the device's onnxruntime
         # applies them (and the QDQ fusions) when it loads the model anyway.
-        quantizes = ctx.recipe.section("quantize").get("mode", "none") != "none"
+        quantizes = ctx.recipe.quantize.mode != "none"
         return requested or ("extended" if portable and not quantizes else "basic")
 
     def run(self, ctx: BuildContext) -> None:
@@ -403,10 +417,9 @@ class Fp16Pass(Pass):
     """Convert to fp16 keeping fp32 inputs and outputs, after checking nothing overflows."""
 
     name = "fp16"
-    section = "optimize"
 
     def applies(self, ctx: BuildContext) -> bool:
-        return bool(self.options(ctx).get("fp16")) and (ctx.recipe.section("quantize").get("mode", "none") == "none")
+        return ctx.recipe.optimize.fp16 and ctx.recipe.quantize.mode == "none"
 
     def run(self, ctx: BuildContext) -> None:
         from sdk.packager.data import synthetic_samples
@@ -422,7 +435,7 @@ class Fp16Pass(Pass):
             ctx.report[self.name] = {"applied": False, "max_weight": weights, "max_activation": activations}
             return
         ctx.model = _to_fp16_graph(model)
-        ctx.manifest_extra["precision"] = "fp16"
+        ctx.lossy = "fp16"
         ctx.report[self.name] = {"applied": True, "max_weight": weights, "max_activation": activations}
 
 
@@ -431,10 +444,9 @@ class OrtFormatPass(Pass):
     """Add the compact ``.ort`` format next to the .onnx for onnxruntime mobile builds."""
 
     name = "ort_format"
-    section = "optimize"
 
     def applies(self, ctx: BuildContext) -> bool:
-        return bool(self.options(ctx).get("ort_format"))
+        return ctx.recipe.optimize.ort_format
 
     def run(self, ctx: BuildContext) -> None:
         import subprocess
@@ -451,6 +463,6 @@ class OrtFormatPass(Pass):
         produced = sorted(Path(folder).glob("*.ort"))
         if result.returncode != 0 or not produced:
             raise BuildError(self.name, f"ORT format conversion failed: {result.stderr.strip().splitlines()[-1:]}")
-        ctx.files["model/model.ort"] = produced[0].read_bytes()
-        ctx.manifest_extra["ort_path"] = "model/model.ort"
+        ctx.files[ORT_MEMBER] = produced[0].read_bytes()
+        ctx.ort_member = ORT_MEMBER
         ctx.report[self.name] = {"bytes": produced[0].stat().st_size}

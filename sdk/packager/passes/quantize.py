@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnx
@@ -48,13 +48,15 @@ from sdk.errors import BuildError, RecipeError
 from sdk.packager import quant_search as plan
 from sdk.packager import quant_sensitivity as sensitivity
 from sdk.packager.data import Samples, carried_feeds, context_options, load_samples, synthetic_samples
+from sdk.packager.onnx_graph import default_opset
+from sdk.packager.options import given, option
 from sdk.packager.ort_host import OrtCrashError, call_in_worker, measure_latency
 from sdk.packager.passes.base import BuildContext, Pass, register
-from sdk.packager.passes.model_checks import default_opset
 from sdk.packager.passes.optimize import FP16_MAX, _to_fp16_graph  # the fp16 pass's own conversion
 from sdk.packager.passes.validate import checked_outputs, judge, state_report
 from sdk.packager.quant_search import Candidate, QuantConfig
 from sdk.packager.sequences import calibration_feeds, run_samples
+from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 
 # Nodes that hold integer arithmetic or quantized tensors: a graph with none of them is fp32,
 # whatever mode made it (dynamic quantization of a model without MatMul/Gemm changes nothing).
@@ -81,17 +83,47 @@ def read_cpu_flags(path: Path = CPUINFO) -> frozenset[str]:
     return plan.parse_cpu_flags(text)
 
 
-def base_config(options: Mapping[str, Any], preset: str) -> QuantConfig:
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """``quantize``: the quantize pass's request and its search budget. A setting left None
+    comes from the preset."""
+
+    mode: Literal["none", "dynamic", "static"] = option("none", description="dynamic: MatMul/Gemm weights; static: "
+                                                        "QDQ calibrated on quantize.calibration")
+    calibration: DataSource | None = option(None, schema=DATA_SOURCE_SCHEMA, parse=DataSource.from_json)
+    method: Literal["minmax", "entropy", "percentile"] | None = option(None, description="static calibration method")
+    per_channel: bool | None = option(None, description="per-channel weight scales")
+    symmetric_activations: bool | None = option(None, description="symmetric activation ranges")
+    symmetric_weights: bool | None = option(None, description="symmetric weight ranges")
+    reduce_range: bool | None = option(None, description="7-bit weights (AVX2 without VNNI)")
+    preset: Literal["arm64", "x86-avx2", "x86-vnni", "tensorrt"] | None = option(
+        None, description="activation/weight types for the target's runtime; default: derived from targets "
+        "(rpi/android/apple arm64, jetson tensorrt, x86 x86-vnni when the build host has VNNI, else x86-avx2)")
+    op_types: tuple[str, ...] | None = option(None, description="the op types to quantize")
+    exclude_nodes: tuple[str, ...] | None = option(None, description="nodes kept in float: names or glob patterns "
+                                                   "(fnmatch); a pattern that matches no node is refused",
+                                                   items={"minLength": 1})
+    search: bool = option(True, description="false: try the requested settings only, no search")
+    min_speedup: float = option(plan.DEFAULT_MIN_SPEEDUP, description="an int8 candidate ships only when fp32 "
+                                "latency / its latency (host CPU provider, one thread) is above this; 0 ships any "
+                                "speed", minimum=0)
+    max_candidates: int = option(plan.DEFAULT_MAX_CANDIDATES, description="the most candidates the search builds "
+                                 "and judges", minimum=1, maximum=50)
+    max_search_s: float = option(plan.DEFAULT_MAX_SEARCH_S, description="no new candidate starts after this many "
+                                 "seconds of search", exclusiveMinimum=0)
+
+
+def base_config(options: QuantizeOptions, preset: str) -> QuantConfig:
     """The requested settings: the preset's types, then the recipe's own keys over them."""
     fields = QuantConfig.__annotations__
-    config = QuantConfig(mode=options["mode"], **{k: v for k, v in plan.PRESETS[preset].items() if k in fields})
-    overrides: dict[str, Any] = {key: options[key] for key in ("method", "per_channel", "reduce_range",
-                                                             "symmetric_activations", "symmetric_weights")
-                                 if key in options}
-    if "op_types" in options:
-        overrides["op_types"] = tuple(options["op_types"])
-    if "exclude_nodes" in options:
-        overrides["exclude"] = tuple(options["exclude_nodes"])
+    config = QuantConfig(mode=options.mode, **{k: v for k, v in plan.PRESETS[preset].items() if k in fields})
+    overrides: dict[str, Any] = {key: getattr(options, key) for key in (
+        "method", "per_channel", "reduce_range", "symmetric_activations", "symmetric_weights")
+        if getattr(options, key) is not None}
+    if options.op_types is not None:
+        overrides["op_types"] = options.op_types
+    if options.exclude_nodes is not None:
+        overrides["exclude"] = options.exclude_nodes
     return replace(config, **overrides)
 
 
@@ -294,17 +326,15 @@ class _Data:
 @register
 class QuantizePass(Pass):
     name = "quantize"
-    section = "quantize"
 
     def applies(self, ctx: BuildContext) -> bool:
-        return self.options(ctx).get("mode", "none") != "none"
+        return ctx.recipe.quantize.mode != "none"
 
-    def _samples(self, ctx: BuildContext, section: str, key: str, limit: int) -> Samples | None:
-        source = ctx.recipe.section(section).get(key)
-        if not source:
+    @staticmethod
+    def _samples(ctx: BuildContext, source: DataSource | None, key: str, limit: int) -> Samples | None:
+        if source is None:
             return None
-        return load_samples(source, ctx.preprocess, ctx.inputs, key=f"{section}.{key}", limit=limit,
-                            **context_options(ctx))
+        return load_samples(source, ctx.preprocess, ctx.inputs, key=key, limit=limit, **context_options(ctx))
 
     @staticmethod
     def _calibration(source: Path, samples: Samples | None, validation: Samples,
@@ -319,18 +349,19 @@ class QuantizePass(Pass):
             return carried_feeds(samples, reference)
         return calibration_feeds(source.read_bytes(), samples, label="the fp32 model (calibration state)")
 
-    def _preset(self, ctx: BuildContext, options: Mapping[str, Any]) -> tuple[str, str]:
-        if "preset" in options:
-            return options["preset"], "quantize.preset"
+    @staticmethod
+    def _preset(ctx: BuildContext, options: QuantizeOptions) -> tuple[str, str]:
+        if options.preset is not None:
+            return options.preset, "quantize.preset"
         return plan.preset_for_targets(ctx.recipe.targets, read_cpu_flags())
 
     def run(self, ctx: BuildContext) -> None:
-        options = dict(self.options(ctx))
+        options = ctx.recipe.quantize
         preset, preset_why = self._preset(ctx, options)
         config = base_config(options, preset)
         model = ctx.require_model()
         _ensure_names(model)
-        validate_options = ctx.recipe.section("validate")
+        validate_options = ctx.recipe.validate
         checked_outputs(ctx, validate_options)  # an unknown validate.outputs name fails before the search
         if config.mode == "dynamic":
             config = self._dynamic_op_types(ctx, model, config)
@@ -340,8 +371,8 @@ class QuantizePass(Pass):
         if config.exclude:
             names = [node.name for node in graph.node]
             config = replace(config, exclude=expand_exclusions(config.exclude, names, recipe=str(ctx.recipe.path)))
-        calibration = self._samples(ctx, "quantize", "calibration", 200)
-        validation = self._samples(ctx, "validate", "data", validate_options.get("samples", 200)) \
+        calibration = self._samples(ctx, options.calibration, "quantize.calibration", 200)
+        validation = self._samples(ctx, validate_options.data, "validate.data", validate_options.samples or 200) \
             or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs, **_synthetic_options(ctx))
         reference = run_samples(source.read_bytes(), validation, label="the fp32 model")
         data = _Data(source, self._calibration(source, calibration, validation, reference), validation, reference)
@@ -349,14 +380,14 @@ class QuantizePass(Pass):
         first = Candidate("int8", "requested", config, (("recipe", config.exclude),) if config.exclude else ())
         report: dict[str, Any] = {
             "requested": config.describe(), "preset": preset, "preset_from": preset_why,
-            "budget": dict(validate_options), "validation_samples": len(validation),
+            "budget": given(validate_options), "validation_samples": len(validation),
             **_state_entries(calibration, validation),
             "fp32_bytes": source.stat().st_size, "min_speedup": search.min_speedup,
             "latency_on": f"{CPU} on the build host, the proxy for the targets' providers ("
                           + "; ".join(f"{t}: {', '.join(PROFILES[t])}" for t in ctx.recipe.targets) + ")",
             "candidates": search.tried}
         ctx.report[self.name] = report
-        chosen = search.run(first, graph, options.get("search", True) is not False)
+        chosen = search.run(first, graph, options.search)
         report.update(search.summary())
         if chosen is None:
             ctx.warn(plan.fallback_reason(search.tried, search.min_speedup, search.stopped))
@@ -372,7 +403,7 @@ class QuantizePass(Pass):
                      else f"the fp16 model runs at {entry['speedup']:.2f}x fp32 on this host's CPU, which runs "
                      "fp16 through casts; targets " + ", ".join(ctx.recipe.targets) + " run it natively")
         ctx.model = onnx.load(path)
-        ctx.manifest_extra["precision"] = candidate.kind
+        ctx.lossy = candidate.kind
 
     def _dynamic_op_types(self, ctx: BuildContext, model: onnx.ModelProto, config: QuantConfig) -> QuantConfig:
         asked = set(config.op_types)
@@ -413,12 +444,12 @@ class _Search:
     candidate's model is built before anything else, the later stages planned from it, and only
     then is it judged: every progress line knows how many candidates there are."""
 
-    def __init__(self, ctx: BuildContext, folder: Path, data: _Data, options: Mapping[str, Any]) -> None:
+    def __init__(self, ctx: BuildContext, folder: Path, data: _Data, options: QuantizeOptions) -> None:
         self.ctx, self.folder, self.data = ctx, folder, data
-        self.min_speedup = float(options.get("min_speedup", plan.DEFAULT_MIN_SPEEDUP))
-        self.max_candidates = int(options.get("max_candidates", plan.DEFAULT_MAX_CANDIDATES))
-        self.max_search_s = float(options.get("max_search_s", plan.DEFAULT_MAX_SEARCH_S))
-        self.fp16 = plan.fp16_wanted(ctx.recipe.targets, bool(ctx.recipe.section("optimize").get("fp16")))
+        self.min_speedup = options.min_speedup
+        self.max_candidates = options.max_candidates
+        self.max_search_s = options.max_search_s
+        self.fp16 = plan.fp16_wanted(ctx.recipe.targets, ctx.recipe.optimize.fp16)
         self.tried: list[dict[str, Any]] = []
         self.stopped: str | None = None
         self.facts: dict[str, Any] = {}
@@ -515,7 +546,7 @@ class _Search:
             entry.update(error=err.problem[:300], seconds=round(time.monotonic() - entry.pop("started"), 3))
             self.ctx.progress(f"quantize: candidate {number} ({candidate.brief()}) failed: {err.problem[:200]}")
             return
-        evaluation = judge(self.ctx, self.ctx.recipe.section("validate"), self.data.reference, outputs,
+        evaluation = judge(self.ctx, self.ctx.recipe.validate, self.data.reference, outputs,
                            self.data.validation.labels)
         self._step(number, candidate, 0.7, "timing")
         fp32_s, latency = time_side_by_side(self.data.source, out, self.data.validation.feeds[0])

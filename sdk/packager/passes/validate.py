@@ -19,7 +19,8 @@ device would meet it, not hidden by restarting every frame from zeros.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
@@ -28,24 +29,60 @@ from edgepack_core.targets import PROFILES
 from sdk.errors import RecipeError, ValidationFailed
 from sdk.packager.data import Samples, context_options, load_samples
 from sdk.packager.fidelity import check_fidelity, compare
+from sdk.packager.options import given, option
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.sequences import run_samples
+from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 from sdk.packager.task_metrics import DetectionDecoder, Detections, Evaluation, MetricInputError, evaluate, task_metric
 
 DEFAULT_SAMPLES = 64
 SYNTHETIC_SAMPLES = 16
 _BUDGET_KEYS = ("metric", "max_drop", "min_cosine", "max_abs", "min_recall", "min_precision", "max_score_diff",
                 "min_agreement", "min_string_match")
-VALIDATION_SOURCES = (("validate", "data"), ("quantize", "calibration"), ("golden", "data"))
 
 
-def source_kind(source: Mapping[str, Any] | str) -> str:
-    if isinstance(source, str):
-        return source
-    return next(k for k in ("npz", "test_data", "images", "audio") if k in source)
+@dataclass(frozen=True)
+class ValidateOptions:
+    """``validate``: the validate pass's data and accuracy budget (the quantization search is
+    judged by the same budget). A limit left None takes the metric's default."""
+
+    data: DataSource | None = option(None, schema=DATA_SOURCE_SCHEMA, parse=DataSource.from_json)
+    metric: Literal["top1", "agreement", "cosine", "max_abs", "detection", "sequence"] | None = option(
+        None, description="what a quantized or fp16 build is judged by (default: the task's: detection, sequence "
+        "for ctc, top1 for classifiers, cosine per output for raw)")
+    outputs: tuple[str, ...] | None = option(None, description="the outputs the metric checks, each on its own "
+                                             "(leave recurrent state out); default: the postprocess's output, every "
+                                             "output for raw", minItems=1, items={"minLength": 1})
+    max_drop: float | None = option(None, description="top1/agreement: the largest drop (0.01)", minimum=0)
+    min_cosine: float | None = option(None, description="cosine: the least cosine similarity (1 - max_drop)",
+                                      minimum=-1, maximum=1)
+    max_abs: float | None = option(None, description="max_abs: the largest absolute difference (0.001)", minimum=0)
+    min_recall: float | None = option(None, description="detection: least recall against the fp32 model's "
+                                      "detections at IoU 0.5 (default 0.95)", minimum=0, maximum=1)
+    min_precision: float | None = option(None, description="detection: least precision against the fp32 model's "
+                                         "detections at IoU 0.5 (default 0.95)", minimum=0, maximum=1)
+    max_score_diff: float | None = option(None, description="detection: largest mean score shift of the detections "
+                                          "that match the fp32 model's (default 0.05; a collapsed score channel "
+                                          "keeps recall and precision but moves every score)", minimum=0, maximum=1)
+    min_agreement: float | None = option(None, description="sequence: least share of time steps whose argmax "
+                                         "agrees with the fp32 model (default 0.99)", minimum=0, maximum=1)
+    min_string_match: float | None = option(None, description="sequence with a ctc postprocess: least share of "
+                                            "decoded strings equal to the fp32 model's (default: unset, reported "
+                                            "only)", minimum=0, maximum=1)
+    samples: int | None = option(None, description=f"at most this many samples (validate: {DEFAULT_SAMPLES})",
+                                 minimum=1)
+    allow_failure: bool = option(False, description="a build that misses ships, with a warning")
+    rtol: float | None = option(None, description="relative tolerance of every float output (default by dtype)",
+                                minimum=0)
+    atol: float | None = option(None, description="absolute tolerance of every float output (default by dtype)",
+                                minimum=0)
+
+    def budget(self) -> dict[str, Any]:
+        """The budget keys the recipe set, as the task metrics read them."""
+        return {key: value for key, value in given(self).items() if key in _BUDGET_KEYS}
 
 
-def expected_check(samples: Samples, outputs: Sequence[dict[str, np.ndarray]], options: Mapping[str, Any]
+def expected_check(samples: Samples, outputs: Sequence[dict[str, np.ndarray]], options: ValidateOptions
                    ) -> dict[str, Any] | None:
     """The outputs of a model against the expected outputs the test data carries (samples
     without expected outputs are skipped). None when there are none."""
@@ -57,7 +94,7 @@ def expected_check(samples: Samples, outputs: Sequence[dict[str, np.ndarray]], o
     names = sorted(set.intersection(*(set(want) for _, want, _ in pairs)))
     fidelity = check_fidelity([{k: want[k] for k in names} for _, want, _ in pairs],
                               [{k: got[k] for k in names if k in got} for _, _, got in pairs],
-                              rtol=options.get("rtol"), atol=options.get("atol"),
+                              rtol=options.rtol, atol=options.atol,
                               sample_names=[samples.name(n) for n, _, _ in pairs])
     return fidelity.to_json()
 
@@ -73,12 +110,12 @@ def state_report(samples: Samples) -> dict[str, Any]:
     return {"state": {"fed": "init"}}
 
 
-def checked_outputs(ctx: BuildContext, options: Mapping[str, Any]) -> list[str]:
+def checked_outputs(ctx: BuildContext, options: ValidateOptions) -> list[str]:
     """The outputs a lossy build is judged on: ``validate.outputs`` (a recurrent state output
     left out), else the postprocess's output for a task (detection, ctc, classifier), else every
     output of a raw model. A name the model does not have is refused naming the key."""
     names = [spec.name for spec in ctx.outputs]
-    asked = options.get("outputs")
+    asked = options.outputs
     if asked:
         for name in asked:
             if name not in names:
@@ -107,24 +144,24 @@ def detection_decoder(postprocess: Mapping[str, Any]) -> DetectionDecoder | None
     return decode
 
 
-def judge(ctx: BuildContext, options: Mapping[str, Any], reference: Sequence[Mapping[str, np.ndarray]],
+def judge(ctx: BuildContext, options: ValidateOptions, reference: Sequence[Mapping[str, np.ndarray]],
           candidate: Sequence[Mapping[str, np.ndarray]], labels: Sequence[int] | None) -> Evaluation:
     """A candidate against the fp32 reference by the task metric on every checked output:
     the one judgement of the validate pass and of the quantization search."""
     post = ctx.postprocess
     ctc = post.get("kind") == "ctc"
-    metric = task_metric(options.get("metric"), post, labels is not None)
+    metric = task_metric(options.metric, post, labels is not None)
     outputs = checked_outputs(ctx, options)
-    if options.get("min_string_match") is not None and not (ctc and metric == "sequence"):
+    if options.min_string_match is not None and not (ctc and metric == "sequence"):
         raise RecipeError("validate.min_string_match", f"gates the decoded strings of metric sequence with a ctc "
                           f"postprocess; this build is judged by {metric} with postprocess "
                           f"{post.get('kind', 'raw')}", recipe=str(ctx.recipe.path))
     try:
-        return evaluate(reference, candidate, metric=metric, outputs=outputs, budget=options, labels=labels,
+        return evaluate(reference, candidate, metric=metric, outputs=outputs, budget=options.budget(), labels=labels,
                         decode=detection_decoder(post), blank=int(post.get("blank", 0)) if ctc else None,
                         layout=str(post.get("layout", "NTC")))
     except MetricInputError as err:  # e.g. metric: detection on an output that is no detection head
-        key = "validate.metric" if options.get("metric") else "postprocess.kind"
+        key = "validate.metric" if options.metric else "postprocess.kind"
         raise RecipeError(key, f"metric {metric} cannot read output {', '.join(outputs)}: {err}",
                           recipe=str(ctx.recipe.path)) from err
 
@@ -132,38 +169,39 @@ def judge(ctx: BuildContext, options: Mapping[str, Any], reference: Sequence[Map
 @register
 class ValidatePass(Pass):
     name = "validate"
-    section = "validate"
 
-    def _samples(self, ctx: BuildContext, options: Mapping[str, Any]) -> tuple[Samples, str]:
-        limit = int(options.get("samples", DEFAULT_SAMPLES))
+    @staticmethod
+    def _samples(ctx: BuildContext, options: ValidateOptions) -> tuple[Samples, str]:
+        limit = options.samples or DEFAULT_SAMPLES
         # validate.data, else the calibration data, else the golden data: whatever real data
         # the recipe gives is used before anything is made up.
-        key, source = next(((f"{section}.{name}", ctx.recipe.section(section)[name])
-                            for section, name in VALIDATION_SOURCES if ctx.recipe.section(section).get(name)),
-                           ("validate.data", None))
-        if not source:
+        recipe = ctx.recipe
+        key, source = next(((key, source) for key, source in (
+            ("validate.data", recipe.validate.data), ("quantize.calibration", recipe.quantize.calibration),
+            ("golden.data", recipe.golden.data)) if source is not None), ("validate.data", None))
+        if source is None:
             raise RecipeError("validate.data", "no validation data: give validate.data, or write validate: "
                               "{data: synthetic} to consent to made-up inputs", recipe=str(ctx.recipe.path))
-        if source == "synthetic":
+        if source.synthetic:
             limit = min(limit, SYNTHETIC_SAMPLES)
         samples = load_samples(source, ctx.preprocess, ctx.inputs, key=key, limit=limit, **context_options(ctx))
-        return samples, source_kind(source)
+        return samples, source.kind
 
     def run(self, ctx: BuildContext) -> None:
-        options = self.options(ctx)
+        options = ctx.recipe.validate
         checked_outputs(ctx, options)  # an unknown validate.outputs name is refused before any work
         samples, kind = self._samples(ctx, options)
         assert ctx.original is not None
         reference = run_samples(ctx.original.SerializeToString(), samples)
         candidate = run_samples(ctx.model_bytes(), samples)
-        precision = ctx.manifest_extra.get("precision", "fp32")
-        lossless = precision == "fp32"
+        precision = ctx.lossy or "fp32"
+        lossless = ctx.lossy is None
         result = compare(reference, candidate, output=ctx.postprocess.get("output"), labels=samples.labels)
         report: dict[str, Any] = {**result.to_json(), "precision": precision, "source": kind, **state_report(samples)}
         failures: list[tuple[str, float, float, str]] = []
         summaries: list[str] = []
         if lossless:
-            fidelity = check_fidelity(reference, candidate, rtol=options.get("rtol"), atol=options.get("atol"),
+            fidelity = check_fidelity(reference, candidate, rtol=options.rtol, atol=options.atol,
                                       sample_names=samples.names)
             report["fidelity"] = fidelity.to_json()
             report["metric"] = "tolerance"
@@ -172,7 +210,7 @@ class ValidatePass(Pass):
                 worst = fidelity.worst
                 failures.append(("tolerance", worst.ratio if worst else 0.0, 1.0,
                                  f"the packaged model differs from the original: {fidelity.summary()}"))
-        if not lossless or any(k in options for k in _BUDGET_KEYS):
+        if not lossless or options.budget():
             evaluation = judge(ctx, options, reference, candidate, samples.labels)
             report["metric"] = evaluation.metric
             report["task"] = evaluation.to_json()
@@ -188,21 +226,21 @@ class ValidatePass(Pass):
         ctx.progress(f"validate: {report['summary']}")
         if failures:
             metric, value, threshold, problem = failures[0]
-            if options.get("allow_failure"):
+            if options.allow_failure:
                 ctx.warn(f"validation failed but allow_failure is set: {problem}")
                 return
             raise ValidationFailed(metric, value, threshold, problem)
 
     @staticmethod
     def _expected(ctx: BuildContext, samples: Samples, outputs: list[dict[str, np.ndarray]],
-                  options: Mapping[str, Any], report: dict[str, Any], failures: list[tuple[str, float, float, str]]
+                  options: ValidateOptions, report: dict[str, Any], failures: list[tuple[str, float, float, str]]
                   ) -> None:
         """Test data's expected outputs: checked against the packaged model of a lossless
         build, and against the original of a lossy one (whose packaged model the budget judges)."""
         expected = expected_check(samples, outputs, options)
         if expected is None:
             return
-        expected["against"] = "original" if ctx.manifest_extra.get("precision", "fp32") != "fp32" else "packaged"
+        expected["against"] = "packaged" if ctx.lossy is None else "original"
         report["expected_outputs"] = expected
         if not expected["ok"]:
             worst = next(o for o in expected["outputs"] if o["output"] == expected["worst_output"])

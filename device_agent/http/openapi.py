@@ -3,9 +3,9 @@ Protocol (KServe v2) routes, served at ``GET /openapi.json``.
 
 Data, independent of the request (no server URL, nothing from the Host header), so the copy
 committed as ``schemas/agent-openapi.json`` is the document every agent serves
-(``python -m device_agent.openapi > schemas/agent-openapi.json`` writes it; a test fails when
+(``python -m device_agent.http.openapi > schemas/agent-openapi.json`` writes it; a test fails when
 it is stale), and schemathesis fuzzes a running agent from it (tests/test_openapi_fuzz_agent.py).
-The bounds it states are the ones the agent enforces (``device_agent/bodies.py``, ``oip.py``).
+The bounds it states are the ones the agent enforces (``bodies.py``, ``oip.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from device_agent.oip import DATATYPES, HEADER_LENGTH_HEADER, MAX_RANK
+from device_agent.http.oip import DATATYPES, HEADER_LENGTH_HEADER, MAX_RANK
 from edgepack_core import __version__
 from edgepack_core.protocol.ids import ID_PATTERN
 

@@ -9,7 +9,7 @@ Added here, each as narrowly as its classes allow:
 - HTTP/1.1 only: no HTTP/2 (neither ``h2c`` upgrade nor prior knowledge) and no websockets;
   an ``Upgrade`` header is ignored and the request answered in HTTP/1.1;
 - at most ``max_connections`` connections, and ``HEALTH_CONNECTIONS`` more for health checks
-  only (``device_agent/http_admission.py``): when all are taken, a new connection evicts the one
+  only (``device_agent/admission.py``): when all are taken, a new connection evicts the one
   that has waited longest (at least ``EVICT_AFTER_S``) for its request head (half-open heads and
   idle kept-alive connections are the cheapest to drop); when none waits, it is answered ``503``
   and closed. A connection taken
@@ -17,7 +17,7 @@ Added here, each as narrowly as its classes allow:
   (then closes) and ``503 busy`` for anything else;
 - a deadline for the request head: it must arrive within ``read_timeout_s`` of the connection
   or of the previous answer, else ``408`` (nothing at all: the connection just closes; an idle
-  kept-alive one after ``keep_alive_s``). The body's deadline is the app's (``http_api``);
+  kept-alive one after ``keep_alive_s``). The body's deadline is the app's (``app.py``);
 - protocol errors h11 refuses (a ``Content-Length`` of 5,000 digits, a head over 16 KiB, bad
   framing) answered in the documented JSON shape, ``400 bad_http``, instead of an empty body;
 - lingering close: a closing connection sends its answer and a FIN, then keeps reading (and
@@ -37,6 +37,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from http import HTTPStatus
 from typing import Any
 
@@ -51,9 +52,11 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
-from device_agent import http_admission
 from device_agent.config import ApiSettings
-from device_agent.http_admission import Slot
+from device_agent.http import admission
+from device_agent.http.admission import Slot
+from device_agent.http.app import AgentApp
+from device_agent.runtime import InferenceService
 from edgepack_core import wire_json
 
 log = logging.getLogger("edgepack.agent.http")
@@ -128,7 +131,7 @@ class AgentH11Protocol(H11Protocol):
             await self._send_error_response(431)
             await self.send(Closed())
             return
-        if self.reserve and not http_admission.health_check(request.target, request.headers):
+        if self.reserve and not admission.health_check(request.target, request.headers):
             await self._send_json_error(503, "busy", "every connection the agent serves requests on is busy "
                                         "(api.max_connections): retry later")
             await self.send(Closed())
@@ -369,17 +372,17 @@ class HttpServer:
                 self._loop.call_soon_threadsafe(self._stop.set)
 
     def _place(self) -> Slot | None:
-        """The slot of a connection being accepted (``http_admission.place_connection``), evicting the
+        """The slot of a connection being accepted (``admission.place_connection``), evicting the
         connection of that slot that has waited longest for its head where the rule says so."""
         held = [c for c in self.connections if c.slot is not None and not c.writer.transport.is_closing()]
         kinds = {kind: [c for c in held if c.slot is kind] for kind in Slot}
         now = asyncio.get_running_loop().time()
         waiting = {kind: [c for c in kinds[kind]
-                          if http_admission.evictable(c.waiting_since, now, http_admission.grace(kind))]
+                          if admission.evictable(c.waiting_since, now, admission.grace(kind))]
                    for kind in Slot}
-        occupancy = http_admission.Occupancy(len(kinds[Slot.GENERAL]), len(kinds[Slot.RESERVE]),
+        occupancy = admission.Occupancy(len(kinds[Slot.GENERAL]), len(kinds[Slot.RESERVE]),
                                         len(waiting[Slot.GENERAL]), len(waiting[Slot.RESERVE]))
-        placement = http_admission.place_connection(occupancy, self.settings.max_connections)
+        placement = admission.place_connection(occupancy, self.settings.max_connections)
         if placement.evict is not None:
             min(waiting[placement.evict], key=lambda c: c.since).evict()
         return placement.slot
@@ -400,7 +403,7 @@ class HttpServer:
                 if slot is None:
                     connection.slot = None
                     await connection.refuse(503, "busy", f"over api.max_connections ({limit}) open connections and "
-                                            f"{http_admission.HEALTH_CONNECTIONS} for health checks: retry later")
+                                            f"{admission.HEALTH_CONNECTIONS} for health checks: retry later")
                 else:
                     connection.slot = slot
                     await connection.run()
@@ -421,3 +424,49 @@ class HttpServer:
                 connection.shutdown()
             if handlers:
                 await asyncio.wait(set(handlers), timeout=GRACEFUL_S)
+
+
+class ApiServer:
+    """The agent's HTTP API on ``address``: the app on Hypercorn's HTTP/1.1 protocol
+    (above) on its own thread and event loop, inference on a bounded
+    pool. The socket is bound in the constructor (an address in use fails there)."""
+
+    def __init__(self, address: tuple[str, int], service: InferenceService, *, max_body_bytes: int | None = None,
+                 health: Callable[[], dict[str, Any]] | None = None, settings: ApiSettings | None = None) -> None:
+        settings = settings or ApiSettings()
+        if max_body_bytes is not None:
+            settings = replace(settings, max_body_bytes=max_body_bytes,
+                               max_buffered_bytes=max(settings.max_buffered_bytes, max_body_bytes))
+        self.settings = settings
+        self.service = service
+        self.app = AgentApp(service, settings, health)
+        self._socket = listening_socket(address, backlog=min(settings.max_connections, 1024))
+        self._server = HttpServer(self.app.asgi, self._socket, settings, self.app.http_stats.count)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._socket.getsockname()[1])
+
+    @property
+    def listening(self) -> socket.socket:
+        return self._socket
+
+    def connections(self) -> list[Any]:
+        """The open connections (``AgentConnection``; read them on the server's loop only)."""
+        return list(self._server.connections)
+
+    def start(self) -> ApiServer:
+        self._thread = threading.Thread(target=self._server.serve, name="http-api", daemon=True)
+        self._thread.start()
+        while not self._server.ready.wait(0.05):
+            if not self._thread.is_alive():
+                raise OSError(f"the HTTP API did not start on port {self.port}")
+        return self
+
+    def stop(self) -> None:
+        self._server.stop()
+        if self._thread is not None:
+            self._thread.join(10)
+        self.app.pool.shutdown(wait=False, cancel_futures=True)
+        self._socket.close()

@@ -1,8 +1,8 @@
 """The local HTTP API: ``POST /predict``, ``GET /healthz``, ``GET /metrics`` (Prometheus),
-``DELETE /streams/ID`` and the Open Inference Protocol (KServe v2 REST, ``device_agent/oip.py``).
+``DELETE /streams/ID`` and the Open Inference Protocol (KServe v2 REST, ``oip.py``).
 
 A starlette app (the fleet server's framework too) served by Hypercorn's HTTP/1.1 protocol
-(pure Python on h11, no click on a device: ``device_agent/http_server.py``, which adds the
+(pure Python on h11, no click on a device: ``server.py``, which adds the
 connection cap, the head deadline, JSON protocol errors and lingering close). What the
 libraries do not bound, these modules do, so the API can face a network (docs/agent.md, "HTTP API"):
 
@@ -10,14 +10,14 @@ libraries do not bound, these modules do, so the API can face a network (docs/ag
   the previous answer), and its body within ``read_timeout_s`` of its head, or the client gets
   ``408`` and the connection closes; idle kept-alive connections close after ``keep_alive_s``;
 - at most ``max_connections`` connections and a few more kept for health checks (the one
-  waiting longest for its head is evicted for a new one; ``device_agent/http_admission.py``), at
+  waiting longest for its head is evicted for a new one; ``admission.py``), at
   most ``workers`` requests decoding and inferring at once in a thread pool (never on the event
   loop), ``max_queue`` more waiting, and ``max_buffered_bytes`` of bodies held, counted as their
   bytes arrive (a declared length reserves nothing); beyond, ``503``;
 - a body is either consumed or the connection closed with ``Connection: close`` (a body
   left unread is never parsed as the next request), and a closing connection lingers to
   discard what the client still sends, so it reads the answer rather than a reset;
-- every body is bounded before it is decoded (``device_agent/bodies.py``), a batch by
+- every body is bounded before it is decoded (``bodies.py``), a batch by
   ``max_batch_bytes``, and raw outputs by ``max_json_output_bytes`` before they are encoded
   as JSON (413 pointing to npz);
 - every error is ``{"error": {"kind", "message"}}`` (the v2 endpoints answer the protocol's
@@ -40,221 +40,56 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import socket
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from device_agent import bodies, http_admission, oip, openapi
 from device_agent.config import ApiSettings
 from device_agent.errors import BadRequest, NoModelError
-from device_agent.http_server import HttpServer, listening_socket
-from device_agent.runtime import AUDIO_MEDIA_TYPES, LATENCY_BUCKETS, InferenceService, PredictResult
+from device_agent.http import admission, bodies, oip, openapi
+from device_agent.http.answers import error_response, json_response
+from device_agent.http.guards import Guard
+from device_agent.http.negotiation import (
+    ANSWER_TYPES,
+    JSON_MEDIA_TYPE,
+    BodyKind,
+    body_kind,
+    choose_answer_type,
+    media_type,
+    outputs_wanted,
+)
+from device_agent.http.prometheus import HttpStats, load_gauges, prometheus_text
+from device_agent.http.results import includes_outputs, npz_headers, prediction_json
+from device_agent.prediction import Array, Audio, EncodedImage, Input, PredictRequest, PredictResult, Tensors
+from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.updates.health import CONTRACT_ERROR_KINDS
 from edgepack_core import __version__, wire_json
 
 log = logging.getLogger("edgepack.agent.http")
 
-JSON_MEDIA_TYPE = "application/json"
-# What /predict can answer in, in the server's order of preference for a tie.
-ANSWER_TYPES = (JSON_MEDIA_TYPE, wire_json.NPZ_MEDIA_TYPE)
-MAX_ACCEPT_CHARS = 1024
 # Stateful models: the stream whose state a request continues, and a header to restart it.
 STREAM_HEADER = "X-Edgepack-Stream"
 STREAM_RESET_HEADER = "X-Edgepack-Stream-Reset"
-# A body this small left unread by an early answer is read and dropped before the answer goes
-# out (h11 frames it, nothing of it is ever parsed as a request) and the connection kept; a
-# larger one closes the connection.
-DRAIN_LIMIT = 64 * 1024
 # Answers after which the connection closes: the body was refused unread, or never came.
 CLOSING_STATUSES = (408, 413, 503)
-MAX_MESSAGE_CHARS = 500
-_REPR = re.compile(r"<[^<>]{0,200}? at 0x[0-9a-fA-F]+>")
-NUMPY_TYPES = ("application/x-npy", "application/x-npz")
 
 
-def _quality(parameters: list[str]) -> float:
-    for parameter in parameters:
-        key, _, value = parameter.partition("=")
-        if key.strip().lower() == "q":
-            try:
-                return min(max(float(value.strip()), 0.0), 1.0)
-            except ValueError:
-                return 0.0
-    return 1.0
-
-
-def _matches(pattern: str, media_type: str) -> bool:
-    if pattern in ("*/*", media_type):
-        return True
-    return pattern.endswith("/*") and media_type.startswith(pattern[:-1])
-
-
-def choose_answer_type(accept: str | None) -> str | None:
-    """The media type /predict answers in for an ``Accept`` header (pure; RFC 9110 q-values,
-    the most specific matching range decides a type's quality). JSON when the header is absent;
-    None when the client accepts neither JSON nor npz (the caller answers 406)."""
-    if accept is None or not accept.strip():
-        return JSON_MEDIA_TYPE
-    ranges = []
-    for item in accept[:MAX_ACCEPT_CHARS].split(","):
-        media, *parameters = item.split(";")
-        media = media.strip().lower()
-        if media:
-            ranges.append((media, _quality(parameters)))
-    best, best_quality = None, 0.0
-    for media_type in ANSWER_TYPES:
-        matching = [(r.count("*"), q) for r, q in ranges if _matches(r, media_type)]
-        quality = min(matching)[1] if matching else 0.0  # fewest wildcards = most specific
-        if quality > best_quality:
-            best, best_quality = media_type, quality
-    return best
-
-
-def outputs_wanted(query: str) -> bool | None:
-    """The ``/predict`` query (pure): ``outputs=raw`` adds the raw output tensors to a JSON
-    answer, ``outputs=result`` leaves them out, no query keeps the default (raw outputs only
-    when the model has no task result). Anything else is a 400, never silently ignored."""
-    if not query:
-        return None
-    choices = {"outputs=raw": True, "outputs=result": False}
-    if query not in choices:
-        raise BadRequest("bad_query", f"unknown query {query[:100]!r}: /predict takes ?outputs=raw or "
-                         "?outputs=result")
-    return choices[query]
-
-
-def body_kind(content_type: str, head: bytes, *, image_model: bool, audio_model: bool) -> str:
-    """How /predict decodes a body (pure): ``json``, ``numpy``, ``audio`` or ``image``, by its
-    media type, or for ``application/octet-stream`` (or none) by its first bytes. A type the
-    model cannot take is a 415 ``unsupported_media``."""
-    if content_type == JSON_MEDIA_TYPE:
-        return "json"
-    if content_type in NUMPY_TYPES:
-        return "numpy"
-    if content_type in ("", "application/octet-stream"):
-        if head[:6] == bodies.NPY_MAGIC or head[:2] == bodies.ZIP_MAGIC:
-            return "numpy"
-        if audio_model and head[:4] == b"RIFF":
-            return "audio"
-        if image_model:
-            return "image"
-    elif content_type.startswith("image/") and image_model:
-        return "image"
-    elif content_type in AUDIO_MEDIA_TYPES and audio_model:
-        return "audio"
-    takes = ["application/json", *NUMPY_TYPES, *(["image/*"] if image_model else []),
-             *(["audio/wav"] if audio_model else [])]
-    raise BadRequest("unsupported_media", f"this model does not take {content_type or 'a body without a type'}: "
-                     f"send {', '.join(takes)}", http_status=415)
-
-
-def clean_message(message: str) -> str:
-    """An error message for the wire: one line, bounded, no Python object reprs (pure)."""
-    return _REPR.sub("<object>", " ".join(str(message).split()))[:MAX_MESSAGE_CHARS]
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-class HttpStats:
-    """Every HTTP answer, counted by status class (``2xx`` ... ``5xx``), whichever layer gave it."""
-
-    CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.answers = dict.fromkeys(self.CLASSES, 0)
-
-    def count(self, status: int) -> None:
-        key = f"{min(max(status // 100, 1), 5)}xx"
-        with self._lock:
-            self.answers[key] += 1
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self.answers)
-
-
-def prometheus_text(service: InferenceService, http: HttpStats | None = None) -> str:
-    """Metrics in the Prometheus text exposition format (version 0.0.4)."""
-    snap = service.stats.snapshot()
-    lines = ["# HELP edgepack_requests_total Inference requests (/predict, v2 infer) by outcome.",
-             "# TYPE edgepack_requests_total counter"]
-    for status, count in sorted(snap["requests"].items()):
-        lines.append(f'edgepack_requests_total{{status="{status}"}} {count}')
-    lines += ["# HELP edgepack_errors_total Failed requests by kind.", "# TYPE edgepack_errors_total counter"]
-    for kind, count in sorted(snap["errors"].items()):
-        lines.append(f'edgepack_errors_total{{kind="{_escape(kind)}"}} {count}')
-    if http is not None:
-        lines += ["# HELP edgepack_http_responses_total Every HTTP answer, by status class.",
-                  "# TYPE edgepack_http_responses_total counter"]
-        for status_class, count in http.snapshot().items():
-            lines.append(f'edgepack_http_responses_total{{class="{status_class}"}} {count}')
-    lines += ["# HELP edgepack_inference_latency_seconds Model run time per request.",
-              "# TYPE edgepack_inference_latency_seconds histogram"]
-    cumulative = 0
-    for bound, count in zip(LATENCY_BUCKETS, snap["buckets"], strict=False):
-        cumulative += count
-        lines.append(f'edgepack_inference_latency_seconds_bucket{{le="{bound}"}} {cumulative}')
-    cumulative += snap["buckets"][-1]
-    lines.append(f'edgepack_inference_latency_seconds_bucket{{le="+Inf"}} {cumulative}')
-    lines.append(f"edgepack_inference_latency_seconds_sum {snap['latency_sum']:.9f}")
-    lines.append(f"edgepack_inference_latency_seconds_count {cumulative}")
-    lines += ["# HELP edgepack_model_info The active model and the provider it runs on.",
-              "# TYPE edgepack_model_info gauge"]
-    model = service.model
-    if model is not None:
-        info = model.describe()
-        lines.append(f'edgepack_model_info{{name="{_escape(info["name"])}",version="{_escape(info["version"])}",'
-                     f'sha256="{info["sha256"]}",provider="{info["provider"]}"}} 1')
-    return "\n".join(lines) + "\n"
-
-
-def load_gauges(admitted: int, held_bytes: int) -> str:
-    """The API's load now, in the Prometheus text format: requests holding a worker or queue
-    slot, and request body bytes held in memory (counted as they arrive)."""
-    return ("# HELP edgepack_http_requests_in_progress Inference requests admitted (reading, queued or running).\n"
-            "# TYPE edgepack_http_requests_in_progress gauge\n"
-            f"edgepack_http_requests_in_progress {admitted}\n"
-            "# HELP edgepack_http_body_bytes_held Request body bytes held in memory (api.max_buffered_bytes).\n"
-            "# TYPE edgepack_http_body_bytes_held gauge\n"
-            f"edgepack_http_body_bytes_held {held_bytes}\n")
-
-
-# ---------------------------------------------------------------------------------------- answers
-
-
-def json_response(status: int, document: Any, headers: dict[str, str] | None = None) -> Response:
-    return Response(wire_json.dumps(document) + b"\n", status, headers, JSON_MEDIA_TYPE)
-
-
-def error_response(status: int, kind: str, message: str, *, v2: bool = False,
-                   headers: dict[str, str] | None = None) -> Response:
-    """The documented error shape: ``{"error": {"kind", "message"}}``; on the v2 endpoints the
-    protocol's ``{"error": message}``."""
-    text = clean_message(message)
-    return json_response(status, {"error": text} if v2 else {"error": {"kind": kind, "message": text}}, headers)
-
-
-@dataclass
+@dataclass(frozen=True)
 class _Exchange:
-    """One inference request between the event loop and a worker."""
+    """One inference request between the event loop and a worker (its body travels beside it)."""
 
-    body: bytes
     content_type: str
     stream: str | None
     reset_stream: bool
+    kind: BodyKind | None = None  # how the body decodes, when its media type says it (else its first bytes)
     answer_type: str = JSON_MEDIA_TYPE
     raw_outputs: bool | None = None
     header_length: str | None = None  # v2: Inference-Header-Content-Length
@@ -284,7 +119,7 @@ class AgentApp:
         self._openapi = openapi.document_bytes()
         self.pool = ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="http-worker")
         self._admitted = 0  # requests holding a slot (event loop only: no lock)
-        self.buffered = http_admission.BodyBudget(settings.max_buffered_bytes)  # body bytes held (event loop only)
+        self.buffered = admission.BodyBudget(settings.max_buffered_bytes)  # body bytes held (event loop only)
         routes = [
             Route("/healthz", self.healthz, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -301,7 +136,7 @@ class AgentApp:
                        Route(prefix + "/infer", self.v2_infer, methods=["POST"])]
         self.starlette = Starlette(routes=routes,
                                    exception_handlers={HTTPException: self._http_error, Exception: self._crash})
-        self.asgi = _Guard(self.starlette, self.http_stats, settings.read_timeout_s)
+        self.asgi = Guard(self.starlette, self.http_stats, settings.read_timeout_s)
 
     # ------------------------------------------------------------ errors
 
@@ -351,7 +186,7 @@ class AgentApp:
         return Response(text.encode(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:
-        """This API's OpenAPI document (``device_agent/openapi.py``; the same for every request)."""
+        """This API's OpenAPI document (``openapi.py``; the same for every request)."""
         return Response(self._openapi, 200, media_type=JSON_MEDIA_TYPE)
 
     async def delete_stream(self, request: Request) -> Response:
@@ -367,6 +202,8 @@ class AgentApp:
     # ------------------------------------------------------------ /predict
 
     async def predict(self, request: Request) -> Response:
+        """Refuse what the head already rules out (the query, ``Accept``, a body type the model
+        cannot take: 415 before a byte of the body), then serve on a worker."""
         model = self.service.model
         try:
             raw_outputs = outputs_wanted(request.url.query)
@@ -375,23 +212,20 @@ class AgentApp:
                 raise BadRequest("not_acceptable", f"answers come as {' or '.join(ANSWER_TYPES)}", http_status=406)
             if model is None:
                 raise NoModelError("no model is active")
-            content_type = _media_type(request)
+            content_type = media_type(request.headers.get("content-type"))
+            kind = None
             if content_type not in ("", "application/octet-stream"):  # known before a byte of the body
-                body_kind(content_type, b"", image_model=model.image_input is not None,
-                          audio_model=model.audio_input is not None)
+                kind = body_kind(content_type, b"", image_model=model.image_input is not None,
+                                 audio_model=model.audio_input is not None)
         except (BadRequest, NoModelError) as err:
             return self._refuse(err, peer=peer_address(request))
-        exchange = _exchange(request, content_type, answer_type=answer_type, raw_outputs=raw_outputs)
+        exchange = _exchange(request, content_type, kind=kind, answer_type=answer_type, raw_outputs=raw_outputs)
         return await self._serve(request, exchange, self._predict_work)
 
-    def _predict_work(self, exchange: _Exchange) -> Response:
+    def _predict_work(self, exchange: _Exchange, body: bytes) -> Response:
         """Decode, infer and encode one /predict request (a worker thread)."""
-        service = self.service
         try:
-            model = self._model_for(exchange)
-            kind = body_kind(exchange.content_type, exchange.body[:8], image_model=model.image_input is not None,
-                             audio_model=model.audio_input is not None)
-            data = self._decode(kind, exchange.body, model)
+            request = self._request(exchange, body)
         except _JsonInputError as err:
             # counted for the health window: an unknown input name is the contract's doing;
             # values that do not convert are malformed input, never the model's
@@ -400,11 +234,11 @@ class AgentApp:
         except (BadRequest, NoModelError) as err:
             return self._refuse(err, peer=exchange.peer)
         try:
-            if kind == "image":
+            if isinstance(request.input, EncodedImage):
                 with self.images.slot():  # at most max_image_decodes decoded images in memory
-                    result = service.predict(data, content_type=exchange.content_type, stream=exchange.stream)
+                    result = self.service.predict(request)
             else:
-                result = service.predict(data, content_type=exchange.content_type, stream=exchange.stream)
+                result = self.service.predict(request)
         except BadRequest as err:  # the runtime counted its own
             return self._refuse(err, counted=True, peer=exchange.peer)
         except NoModelError as err:
@@ -415,7 +249,7 @@ class AgentApp:
             return error_response(500, "internal", f"{type(err).__name__}: {err}")
         return self._answer(result, exchange)
 
-    def _model_for(self, exchange: _Exchange) -> Any:
+    def _model_for(self, exchange: _Exchange) -> LoadedModel:
         """The active model a worker serves ``exchange`` on, its stream restarted first when asked."""
         model = self.service.model
         if model is None:
@@ -424,35 +258,42 @@ class AgentApp:
             self.service.reset_stream(exchange.stream)
         return model
 
-    def _decode(self, kind: str, body: bytes, model: Any) -> Any:
-        """The body as ``service.predict`` takes it: arrays for JSON and numpy bodies (bounded,
-        checked against the model's inputs), the bytes themselves for images and audio."""
+    def _request(self, exchange: _Exchange, body: bytes) -> PredictRequest:
+        """The typed request of a /predict body: its kind as negotiated on the event loop, or
+        (``application/octet-stream``, no type) from its first bytes, decided here once."""
+        model = self._model_for(exchange)
+        kind = exchange.kind or body_kind(exchange.content_type, body[:8], image_model=model.image_input is not None,
+                                          audio_model=model.audio_input is not None)
+        return PredictRequest(self._decode(kind, body, model), exchange.stream)
+
+    def _decode(self, kind: BodyKind, body: bytes, model: LoadedModel) -> Input:
+        """The body as a typed input: arrays for JSON and numpy bodies (bounded, checked against
+        the model's inputs), the bytes themselves for images (their header checked) and audio."""
         if kind == "json":
             document = bodies.parse_json(body, self.limits)
             inputs = document.get("inputs") if isinstance(document, dict) else None
             try:
-                return bodies.json_to_feed(model.input_specs, inputs, self.limits)
+                return Tensors(bodies.json_to_feed(model.input_specs, inputs, self.limits))
             except BadRequest as err:
                 raise _JsonInputError(err) from None
         if kind == "numpy":
-            return bodies.decode_numpy(body, model.input_specs, self.limits, image_input=model.image_input)
-        if kind == "image":
-            self.images.check(body)  # the header only: format and pixel count
-        return body
+            decoded = bodies.decode_numpy(body, model.input_specs, self.limits, image_input=model.image_input)
+            return Array(decoded) if isinstance(decoded, np.ndarray) else Tensors(decoded)
+        if kind == "audio":
+            return Audio(body)
+        self.images.check(body)  # the header only: format and pixel count
+        return EncodedImage(body)
 
     def _answer(self, result: PredictResult, exchange: _Exchange) -> Response:
         """The 200 answer of /predict in the negotiated media type; raw outputs in JSON bounded
         before they are encoded (413 pointing to npz)."""
         try:
             if exchange.answer_type != wire_json.NPZ_MEDIA_TYPE:
-                if result.includes_outputs(exchange.raw_outputs):
+                if includes_outputs(result, exchange.raw_outputs):
                     bodies.check_json_outputs(sum(value.nbytes for value in result.outputs.values()), self.limits,
                                               f"ask for them as npz (Accept: {wire_json.NPZ_MEDIA_TYPE})")
-                return json_response(200, result.to_json(outputs=exchange.raw_outputs))
-            answer = result.to_json(outputs=False)
-            headers = {"X-Edgepack-Model": f"{answer['model']['name']} {answer['model']['version']}",
-                       "X-Edgepack-Provider": answer["provider"], "X-Edgepack-Latency-Ms": str(answer["latency_ms"])}
-            return Response(wire_json.npz_bytes(result.outputs), 200, headers, wire_json.NPZ_MEDIA_TYPE)
+                return json_response(200, prediction_json(result, outputs=exchange.raw_outputs))
+            return Response(wire_json.npz_bytes(result.outputs), 200, npz_headers(result), wire_json.NPZ_MEDIA_TYPE)
         except wire_json.WireEncodingError as err:
             self.service.stats.error("encoding", client=False)
             return error_response(500, "encoding", str(err))
@@ -461,7 +302,7 @@ class AgentApp:
 
     # ------------------------------------------------------------ admission and bodies
 
-    async def _serve(self, request: Request, exchange: _Exchange, work: Callable[[_Exchange], Response], *,
+    async def _serve(self, request: Request, exchange: _Exchange, work: Callable[[_Exchange, bytes], Response], *,
                      v2: bool = False) -> Response:
         """Admit the request (503 beyond the queue or the buffer), read its body within the
         limits and the read timeout, then run ``work`` on a worker thread."""
@@ -476,8 +317,8 @@ class AgentApp:
         self._admitted += 1
         held = [0]  # body bytes this request holds in the budget, counted as they arrive
         try:
-            exchange.body = await self._read_body(request, held)
-            return await asyncio.get_running_loop().run_in_executor(self.pool, work, exchange)
+            body = await self._read_body(request, held)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, work, exchange, body)
         except BadRequest as err:
             return self._refuse(err, v2=v2)
         finally:
@@ -573,20 +414,21 @@ class AgentApp:
             self._v2_model(request)
         except BadRequest as err:
             return self._refuse(err, v2=True)
-        exchange = _exchange(request, _media_type(request), header_length=request.headers.get(oip.HEADER_LENGTH_HEADER))
+        exchange = _exchange(request, media_type(request.headers.get("content-type")),
+                             header_length=request.headers.get(oip.HEADER_LENGTH_HEADER))
         return await self._serve(request, exchange, self._v2_work, v2=True)
 
-    def _v2_work(self, exchange: _Exchange) -> Response:
+    def _v2_work(self, exchange: _Exchange, body: bytes) -> Response:
         """Parse, infer and encode one v2 infer request (a worker thread)."""
         service = self.service
         try:
             model = self._model_for(exchange)
-            parsed = oip.parse_infer_request(exchange.body, exchange.header_length, model.input_specs,
+            parsed = oip.parse_infer_request(body, exchange.header_length, model.input_specs,
                                              model.output_names, self.limits)
         except (BadRequest, NoModelError) as err:
             return self._refuse(err, v2=True, peer=exchange.peer)
         try:
-            result = service.predict_tensors(parsed.inputs, postprocess=False, stream=exchange.stream)
+            result = service.predict(PredictRequest(Tensors(parsed.inputs), exchange.stream, postprocess=False))
         except BadRequest as err:
             return self._refuse(err, v2=True, counted=True, peer=exchange.peer)
         except NoModelError as err:
@@ -615,8 +457,7 @@ class _JsonInputError(Exception):
 def _exchange(request: Request, content_type: str, **fields: Any) -> _Exchange:
     """An inference request's exchange, with its stream headers (the body comes later)."""
     reset = request.headers.get(STREAM_RESET_HEADER, "").strip().lower() in ("1", "true")
-    return _Exchange(b"", content_type, request.headers.get(STREAM_HEADER), reset, peer=peer_address(request),
-                     **fields)
+    return _Exchange(content_type, request.headers.get(STREAM_HEADER), reset, peer=peer_address(request), **fields)
 
 
 def peer_address(request: Request) -> str:
@@ -624,132 +465,3 @@ def peer_address(request: Request) -> str:
     host = request.client.host if request.client is not None else ""
     return host[7:] if host.lower().startswith("::ffff:") and "." in host else host
 
-
-def _media_type(request: Request) -> str:
-    return (request.headers.get("content-type") or "").split(";")[0].strip().lower()
-
-
-@dataclass
-class _Body:
-    """How much of a request's body the app has received."""
-
-    done: bool  # all of it (or the client went away)
-    small: bool  # declared with a Content-Length of at most DRAIN_LIMIT
-
-
-async def _drop_body(receive: Callable[[], Any]) -> None:
-    """Receive the rest of a request's body and drop it."""
-    while True:
-        message = await receive()
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            return
-
-
-class _Guard:
-    """ASGI wrapper around the app: counts every answer by status class, and never leaves part of
-    a body to be parsed as the next request. When the app answers before it read the whole body,
-    a body declared at most ``DRAIN_LIMIT`` is read and dropped first (within ``read_timeout_s``)
-    and the connection stays open; any other gets ``Connection: close``, and what of it the server
-    still queues for the app is dropped while the answer goes out: Hypercorn waits for room in
-    that queue to tell the app its request ended, which a queue full of unread chunks never gives
-    (the connection would hang)."""
-
-    def __init__(self, app: Any, stats: HttpStats, read_timeout_s: float) -> None:
-        self.app = app
-        self.stats = stats
-        self.read_timeout_s = read_timeout_s
-
-    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length")
-        chunked = b"transfer-encoding" in headers
-        body = _Body(done=not chunked and length in (None, b"0"),
-                     small=not chunked and length is not None and length.isdigit() and int(length) <= DRAIN_LIMIT)
-
-        async def tracked_receive() -> dict[str, Any]:
-            message = await receive()
-            if message["type"] != "http.request" or not message.get("more_body", False):
-                body.done = True
-            return message
-
-        async def guarded_send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                self.stats.count(message["status"])
-                if not body.done:
-                    message = await self._settle_body(message, body, tracked_receive)
-            elif message["type"] == "http.response.body" and not message.get("more_body", False) and not body.done:
-                dropping = asyncio.ensure_future(_drop_body(tracked_receive))
-                try:
-                    await send(message)
-                finally:
-                    await asyncio.wait([dropping], timeout=self.read_timeout_s)
-                    dropping.cancel()
-                return
-            await send(message)
-
-        await self.app(scope, tracked_receive, guarded_send)
-
-    async def _settle_body(self, start: dict[str, Any], body: _Body, receive: Callable[[], Any]) -> dict[str, Any]:
-        """The answer's start once the body left unread is dropped (small), or with ``Connection: close``."""
-        headers = list(start.get("headers", []))
-        if (b"connection", b"close") in headers:
-            return start
-        if body.small:
-            try:
-                await asyncio.wait_for(_drop_body(receive), self.read_timeout_s)
-                return start
-            except asyncio.TimeoutError:
-                pass
-        return {**start, "headers": [*headers, (b"connection", b"close")]}
-
-
-# ---------------------------------------------------------------------------------------- the server
-
-
-class ApiServer:
-    """The agent's HTTP API on ``address``: the app on Hypercorn's HTTP/1.1 protocol
-    (``device_agent/http_server.py``) on its own thread and event loop, inference on a bounded
-    pool. The socket is bound in the constructor (an address in use fails there)."""
-
-    def __init__(self, address: tuple[str, int], service: InferenceService, *, max_body_bytes: int | None = None,
-                 health: Callable[[], dict[str, Any]] | None = None, settings: ApiSettings | None = None) -> None:
-        settings = settings or ApiSettings()
-        if max_body_bytes is not None:
-            settings = replace(settings, max_body_bytes=max_body_bytes,
-                               max_buffered_bytes=max(settings.max_buffered_bytes, max_body_bytes))
-        self.settings = settings
-        self.service = service
-        self.app = AgentApp(service, settings, health)
-        self._socket = listening_socket(address, backlog=min(settings.max_connections, 1024))
-        self._server = HttpServer(self.app.asgi, self._socket, settings, self.app.http_stats.count)
-        self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int:
-        return int(self._socket.getsockname()[1])
-
-    @property
-    def listening(self) -> socket.socket:
-        return self._socket
-
-    def connections(self) -> list[Any]:
-        """The open connections (``http_server.AgentConnection``; read them on the server's loop only)."""
-        return list(self._server.connections)
-
-    def start(self) -> ApiServer:
-        self._thread = threading.Thread(target=self._server.serve, name="http-api", daemon=True)
-        self._thread.start()
-        while not self._server.ready.wait(0.05):
-            if not self._thread.is_alive():
-                raise OSError(f"the HTTP API did not start on port {self.port}")
-        return self
-
-    def stop(self) -> None:
-        self._server.stop()
-        if self._thread is not None:
-            self._thread.join(10)
-        self.app.pool.shutdown(wait=False, cancel_futures=True)
-        self._socket.close()

@@ -1,5 +1,5 @@
 """Who gets a connection and how many body bytes may be held: the HTTP API's admission rules,
-pure (``http_server.py`` and ``http_api.py`` apply them; tests pin their boundaries here).
+pure (``server.py`` and ``app.py`` apply them; tests pin their boundaries here).
 
 Connections are cheap to open and dear to hold, so a connection that has not sent a whole
 request head is the cheapest to drop: when every slot is taken, a new connection evicts the one
@@ -15,6 +15,7 @@ and sending nothing reserves nothing.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Connections beyond api.max_connections that only health routes may use (each closes after one answer).
@@ -82,7 +83,7 @@ def is_health_target(target: bytes | str) -> bool:
     return text.partition("?")[0] in HEALTH_PATHS
 
 
-def health_check(target: bytes | str, headers: list[tuple[bytes, bytes]]) -> bool:
+def health_check(target: bytes | str, headers: Iterable[tuple[bytes, bytes]]) -> bool:
     """A request a health slot serves (pure): a health route, without a body (a declared body
     that never comes would hold the slot while the answer waits to drain it)."""
     framing = {name.lower(): value for name, value in headers if name.lower() in (b"content-length",

@@ -2,7 +2,7 @@
 Model Server): model metadata, and infer requests and answers, with the binary tensor data
 extension (``Inference-Header-Content-Length``) that ``tritonclient`` uses by default.
 
-Pure: bytes and specs in, arrays or bytes out; the endpoints live in ``device_agent/http_api.py``.
+Pure: bytes and specs in, arrays or bytes out; the endpoints live in ``device_agent/http/app.py``.
 Every request is bounded before anything is allocated: the JSON header by ``max_json_bytes``
 and its depth, each input's declared shape and datatype against the model's input spec, its
 bytes (``binary_data_size`` or ``shape`` times the element size) against what is left of
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from device_agent import bodies
 from device_agent.errors import BadRequest
+from device_agent.http import bodies
 from device_agent.smoke import shape_matches
 from edgepack_core import wire_json
 
