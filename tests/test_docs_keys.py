@@ -199,5 +199,6 @@ def test_the_python_api_examples_of_the_agent_docs_run_as_written(demo_folder):
     assert re.fullmatch(r"digit \d \(\d\.\d\d\) on CPUExecutionProvider in \d+\.\d\d ms", lines[0]), lines
     assert lines[1].startswith("raw logits (1, 10) top ")
     assert "'result'" in lines[2] and "'model'" in lines[2]
-    assert re.fullmatch(r"frames \(\d+, 1, 1\)", lines[3]) and lines[4] == "stream kept: True"
+    assert re.fullmatch(r"typed \d", lines[3]), lines  # a typed request (device_agent/prediction.py)
+    assert re.fullmatch(r"frames \(\d+, 1, 1\)", lines[4]) and lines[5] == "stream kept: True"
     assert (demo_folder / "models" / "digits" / "manifest.json").exists()  # extracted where the example said

@@ -121,19 +121,21 @@ def run_passes(ctx: BuildContext, names: list[str] | None = None) -> None:
 
 
 def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
+    """The manifest, written from the typed facts the passes left in ``ctx``: the one place."""
     model = ctx.require_model()
-    extra = ctx.manifest_extra
+    if ctx.runtime is None:
+        raise RuntimeError("no runtime requirement: the runtime_compat pass must run last")
     model_section: dict[str, Any] = {
         "path": MODEL_MEMBER,
-        "opsets": extra["opsets"],
+        "opsets": dict(ctx.runtime.opsets),
         "ir_version": int(model.ir_version),
-        "min_onnxruntime": extra["min_onnxruntime"],
+        "min_onnxruntime": ctx.runtime.min_onnxruntime,
         "precision": ctx.precision(),
     }
-    if "opset" in extra:  # the ai.onnx opset; absent for an ai.onnx.ml-only model
-        model_section["opset"] = extra["opset"]
-    if "ort_path" in extra:
-        model_section["ort_path"] = extra["ort_path"]
+    if ctx.runtime.opset is not None:  # absent for an ai.onnx.ml-only model
+        model_section["opset"] = ctx.runtime.opset
+    if ctx.ort_member is not None:
+        model_section["ort_path"] = ctx.ort_member
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "name": ctx.recipe.name,
@@ -150,8 +152,8 @@ def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
     }
     if ctx.recipe.description is not None:
         manifest["description"] = ctx.recipe.description
-    if "golden" in extra:
-        manifest["golden"] = extra["golden"]
+    if ctx.golden is not None:
+        manifest["golden"] = ctx.golden.to_json()
     return manifest
 
 

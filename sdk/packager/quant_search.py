@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 # Settings each runtime handles best.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -88,7 +88,7 @@ class Candidate:
     ``(reason, names)`` pairs, reason one of ``recipe`` (exclude_nodes), ``head``,
     ``wide-range concat``, ``activation error`` (tensors, worst first)."""
 
-    kind: str                              # int8 | fp16
+    kind: Literal["int8", "fp16"]
     stage: str                             # requested | float head | activation error | op types | fp16
     config: QuantConfig | None = None      # None for fp16
     kept_float: tuple[tuple[str, tuple[str, ...]], ...] = ()

@@ -15,22 +15,39 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import onnx
 
 from edgepack_core.manifest import TensorSpec
 from sdk.packager.ort_worker import holds_float16
 
-if TYPE_CHECKING:  # sdk.recipe imports the passes for their options
+if TYPE_CHECKING:  # sdk.recipe imports the passes for their options; the results are the passes' own types
+    from sdk.packager.passes.golden import GoldenSet
+    from sdk.packager.passes.model_checks import RuntimeRequirement
+    from sdk.packager.passes.preprocess_graph import PreprocessLowering
     from sdk.recipe import Recipe
 
 Progress = Callable[[str], None]
+LossyPrecision = Literal["fp16", "int8"]
 
 
 @dataclass
 class BuildContext:
-    """Everything a pass may read or change during one build."""
+    """Everything a pass may read or change during one build. The facts passes hand each
+    other are typed fields, each set by one pass and read by the later ones and by
+    ``pipeline.assemble_manifest``, the one place the manifest is written:
+
+    - ``inputs``/``outputs``, ``preprocess``/``postprocess``: the I/O spec (io_spec; fix_shapes
+      and preprocess_graph change it);
+    - ``lossy``: the precision a lossy pass shipped (fp16, or quantize's decision: int8/fp16),
+      None while the model computes what the original did;
+    - ``lowering``: ``preprocess.in_graph`` planned (preprocess_graph_plan), then done
+      (preprocess_graph);
+    - ``ort_member``: the ``.ort`` file's member (ort_format);
+    - ``golden``: the golden samples and their tolerances (golden);
+    - ``runtime``: opsets and the minimum onnxruntime of the final graph (runtime_compat).
+    """
 
     recipe: Recipe
     workdir: Path
@@ -42,7 +59,11 @@ class BuildContext:
     preprocess: dict[str, Any] = field(default_factory=dict)
     postprocess: dict[str, Any] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
-    manifest_extra: dict[str, Any] = field(default_factory=dict)
+    lossy: LossyPrecision | None = None
+    lowering: PreprocessLowering | None = None
+    ort_member: str | None = None
+    golden: GoldenSet | None = None
+    runtime: RuntimeRequirement | None = None
     report: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -63,8 +84,8 @@ class BuildContext:
         ``fp16``); otherwise ``fp16`` when the graph itself holds float16 (a model exported in
         fp16, or with float16 parts) and ``fp32`` else. The manifest records it, the agent picks
         its session options by it, and golden tolerances widen for it."""
-        if "precision" in self.manifest_extra:
-            return str(self.manifest_extra["precision"])
+        if self.lossy is not None:
+            return self.lossy
         return "fp16" if holds_float16(self.require_model()) else "fp32"
 
     def new_tempdir(self, prefix: str) -> Path:

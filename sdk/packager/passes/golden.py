@@ -14,6 +14,7 @@ import io
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -85,6 +86,28 @@ class GoldenOptions:
     atol: float | None = option(None, description="the smoke test's absolute tolerance", minimum=0)
 
 
+@dataclass(frozen=True)
+class GoldenSample:
+    """One golden sample: the members holding its inputs and the packaged model's outputs."""
+
+    inputs: str
+    outputs: str
+
+
+@dataclass(frozen=True)
+class GoldenSet:
+    """The golden pass's result: the samples the device's smoke test runs, and its tolerances."""
+
+    samples: tuple[GoldenSample, ...]
+    rtol: float
+    atol: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's ``golden`` section."""
+        return {"samples": [{"inputs": s.inputs, "outputs": s.outputs} for s in self.samples],
+                "rtol": self.rtol, "atol": self.atol}
+
+
 def golden_source(ctx: BuildContext) -> tuple[str, DataSource]:
     """The first of golden.data, validate.data, quantize.calibration the recipe gives."""
     recipe = ctx.recipe
@@ -128,10 +151,7 @@ class GoldenPass(Pass):
             # so the smoke test proves that path too.
             ctx.files[in_name] = npz_bytes({k: v for k, v in feed.items() if k not in constants})
             ctx.files[out_name] = npz_bytes(result)
-            entries.append({"inputs": in_name, "outputs": out_name})
-        ctx.manifest_extra["golden"] = {
-            "samples": entries,
-            "rtol": float(rtol if options.rtol is None else options.rtol),
-            "atol": float(atol if options.atol is None else options.atol),
-        }
+            entries.append(GoldenSample(in_name, out_name))
+        ctx.golden = GoldenSet(tuple(entries), float(rtol if options.rtol is None else options.rtol),
+                               float(atol if options.atol is None else options.atol))
         ctx.report[self.name] = {"count": len(entries), "source": "synthetic" if source.synthetic else key}

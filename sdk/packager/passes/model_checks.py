@@ -4,6 +4,7 @@ shapes, fix the I/O spec; and the last step, the artifact's real minimum onnxrun
 from __future__ import annotations
 
 import re
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,21 @@ class ModelOptions:
                                        "the result is validated against the original", minimum=1)
     strict_check: bool = option(False, description="onnx.checker findings become errors instead of warnings")
     pytorch: PytorchOptions | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeRequirement:
+    """What the final graph needs of onnxruntime (the runtime_compat pass's result, for the
+    manifest): its opset imports by domain and the oldest onnxruntime that runs it, and why."""
+
+    opsets: Mapping[str, int]
+    min_onnxruntime: str
+    reason: str
+
+    @property
+    def opset(self) -> int | None:
+        """The ai.onnx opset; None for a model that imports only other domains (ai.onnx.ml)."""
+        return self.opsets.get(DEFAULT_DOMAIN)
 
 
 def model_label(ctx: BuildContext) -> str:
@@ -416,7 +432,7 @@ class RuntimeCompatPass(Pass):
         label = model_label(ctx)
         pruned = prune_opset_imports(model)
         lowered_from = lower_ir_version(model)
-        ort_bytes = ctx.files.get(ctx.manifest_extra.get("ort_path", ""))
+        ort_bytes = ctx.files.get(ctx.ort_member) if ctx.ort_member else None
         try:
             version, reason = graph_requirement(model, ort_format=ort_bytes is not None,
                                                 ort_format_version=ort_format_version(ort_bytes or b""))
@@ -430,10 +446,7 @@ class RuntimeCompatPass(Pass):
             raise BuildError(self.name, f"{label}: {shortfalls[0]}" + (f" (and {len(shortfalls) - 1} more target(s))"
                                                                       if len(shortfalls) > 1 else ""))
         opsets = opset_versions(model)
-        if DEFAULT_DOMAIN in opsets:
-            ctx.manifest_extra["opset"] = opsets[DEFAULT_DOMAIN]
-        ctx.manifest_extra["opsets"] = opsets
-        ctx.manifest_extra["min_onnxruntime"] = version
+        ctx.runtime = RuntimeRequirement(types.MappingProxyType(opsets), version, reason)
         ctx.report[self.name] = {"opsets": opsets, "pruned_opset_imports": pruned, "ir_version": int(model.ir_version),
                                  "ir_lowered_from": lowered_from, "min_onnxruntime": version, "reason": reason,
                                  "targets_onnxruntime": runtimes}

@@ -28,6 +28,7 @@ from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.model_checks import model_label
 
 FP16_MAX = 65504.0
+ORT_MEMBER = "model/model.ort"
 # Targets whose providers share one CPU family, so "extended" offline optimizations (fusions
 # written for the CPU execution provider) stay valid on every one of them.
 _CPU_ONLY_TARGETS = {"x86"}
@@ -434,7 +435,7 @@ class Fp16Pass(Pass):
             ctx.report[self.name] = {"applied": False, "max_weight": weights, "max_activation": activations}
             return
         ctx.model = _to_fp16_graph(model)
-        ctx.manifest_extra["precision"] = "fp16"
+        ctx.lossy = "fp16"
         ctx.report[self.name] = {"applied": True, "max_weight": weights, "max_activation": activations}
 
 
@@ -462,6 +463,6 @@ class OrtFormatPass(Pass):
         produced = sorted(Path(folder).glob("*.ort"))
         if result.returncode != 0 or not produced:
             raise BuildError(self.name, f"ORT format conversion failed: {result.stderr.strip().splitlines()[-1:]}")
-        ctx.files["model/model.ort"] = produced[0].read_bytes()
-        ctx.manifest_extra["ort_path"] = "model/model.ort"
+        ctx.files[ORT_MEMBER] = produced[0].read_bytes()
+        ctx.ort_member = ORT_MEMBER
         ctx.report[self.name] = {"bytes": produced[0].stat().st_size}

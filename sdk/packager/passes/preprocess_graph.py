@@ -30,6 +30,7 @@ then add), so the tensors they compute are the same to the bit on onnxruntime's 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import onnx
@@ -44,9 +45,18 @@ from sdk.packager.ort_host import run_feeds
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.golden import golden_source
 
-PLAN_KEY = "preprocess_in_graph"  # ctx.manifest_extra: the spec to lower, set by the plan pass
 CHECK_SAMPLES = 8
 MIN_OPSET = 7  # Cast's integer ``to`` and numpy-style broadcasting of Mul/Add
+
+
+@dataclass(frozen=True)
+class PreprocessLowering:
+    """``preprocess.in_graph``, planned by preprocess_graph_plan: the spec to lower (with
+    ``in_graph``) into ``input``; ``done`` once preprocess_graph rewrote the validated model."""
+
+    spec: Mapping[str, Any]
+    input: str
+    done: bool = False
 
 
 def image_input_name(preprocess: Mapping[str, Any], inputs: list[TensorSpec]) -> str:
@@ -173,7 +183,7 @@ class PreprocessGraphPlanPass(Pass):
             raise RecipeError("preprocess.in_graph", f"golden samples come from {key} ({source.kind}), "
                               "float tensors the lowered uint8 input cannot take: give golden.data as "
                               "{images: DIR}", recipe=recipe)
-        ctx.manifest_extra[PLAN_KEY] = dict(ctx.preprocess)
+        ctx.lowering = PreprocessLowering(dict(ctx.preprocess), name)
         ctx.preprocess = {k: v for k, v in ctx.preprocess.items() if k != "in_graph"}
         ctx.report[self.name] = {"input": name}
 
@@ -185,13 +195,13 @@ class PreprocessGraphPass(Pass):
     name = "preprocess_graph"
 
     def applies(self, ctx: BuildContext) -> bool:
-        return PLAN_KEY in ctx.manifest_extra
+        return ctx.lowering is not None and not ctx.lowering.done
 
     def run(self, ctx: BuildContext) -> None:
-        graph_spec: dict[str, Any] = ctx.manifest_extra.pop(PLAN_KEY)
+        assert ctx.lowering is not None  # applies() said so
+        graph_spec, name = dict(ctx.lowering.spec), ctx.lowering.input
         float_spec, float_inputs = ctx.preprocess, list(ctx.inputs)
         before = ctx.model_bytes()
-        name = image_input_name(graph_spec, float_inputs)
         model = ctx.require_model()
         lowered = lower_preprocessing(model, name, graph_spec)
         try:
@@ -200,6 +210,7 @@ class PreprocessGraphPass(Pass):
             raise ModelError(name, f"the lowered preprocessing does not check: {str(err).splitlines()[0]}") from None
         ctx.inputs = [lowered if spec.name == name else spec for spec in float_inputs]
         ctx.preprocess = graph_spec
+        ctx.lowering = replace(ctx.lowering, done=True)
         key, source = golden_source(ctx)
         options = context_options(ctx)
         as_floats = load_samples(source, float_spec, float_inputs, key=key, limit=CHECK_SAMPLES, **options)

@@ -403,7 +403,7 @@ class QuantizePass(Pass):
                      else f"the fp16 model runs at {entry['speedup']:.2f}x fp32 on this host's CPU, which runs "
                      "fp16 through casts; targets " + ", ".join(ctx.recipe.targets) + " run it natively")
         ctx.model = onnx.load(path)
-        ctx.manifest_extra["precision"] = candidate.kind
+        ctx.lossy = candidate.kind
 
     def _dynamic_op_types(self, ctx: BuildContext, model: onnx.ModelProto, config: QuantConfig) -> QuantConfig:
         asked = set(config.op_types)

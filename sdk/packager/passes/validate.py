@@ -194,8 +194,8 @@ class ValidatePass(Pass):
         assert ctx.original is not None
         reference = run_samples(ctx.original.SerializeToString(), samples)
         candidate = run_samples(ctx.model_bytes(), samples)
-        precision = ctx.manifest_extra.get("precision", "fp32")
-        lossless = precision == "fp32"
+        precision = ctx.lossy or "fp32"
+        lossless = ctx.lossy is None
         result = compare(reference, candidate, output=ctx.postprocess.get("output"), labels=samples.labels)
         report: dict[str, Any] = {**result.to_json(), "precision": precision, "source": kind, **state_report(samples)}
         failures: list[tuple[str, float, float, str]] = []
@@ -240,7 +240,7 @@ class ValidatePass(Pass):
         expected = expected_check(samples, outputs, options)
         if expected is None:
             return
-        expected["against"] = "original" if ctx.manifest_extra.get("precision", "fp32") != "fp32" else "packaged"
+        expected["against"] = "packaged" if ctx.lossy is None else "original"
         report["expected_outputs"] = expected
         if not expected["ok"]:
             worst = next(o for o in expected["outputs"] if o["output"] == expected["worst_output"])
