@@ -85,6 +85,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             data = _read_input(Path(args.input))
             import onnxruntime  # noqa: F401 - imported here, while the artifact is verified
 
+            from device_agent.http.results import prediction_json
             from device_agent.runtime import InferenceService, load_model
 
             if isinstance(data, bytes) and Path(args.input).suffix.lower() in IMAGE_SUFFIXES:
@@ -99,7 +100,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
                            threads=args.threads)
         service = InferenceService(model)
         result = service.predict(data)
-        answer = result.to_json(outputs=args.outputs == "raw" or None)
+        answer = prediction_json(result, outputs=args.outputs == "raw" or None)
     import numpy as np
 
     from edgepack_core import wire_json

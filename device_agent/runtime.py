@@ -16,7 +16,6 @@ import logging
 import platform
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,11 +24,13 @@ from typing import Any, overload
 import numpy as np
 
 from device_agent.errors import BadRequest, NoModelError
-from device_agent.http.bodies import decode_numpy
+from device_agent.feeds import Frames, batch_feed, batch_refusal, input_feed, input_of
+from device_agent.prediction import PredictRequest, PredictResult, Tensors
 from device_agent.providers import ModelTraits, choose_providers, create_session
-from device_agent.smoke import SmokeReport, run_smoke_test, shape_matches
+from device_agent.request_stats import RequestStats
+from device_agent.smoke import SmokeReport, run_smoke_test
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S, StreamTable
-from edgepack_core.errors import PostprocessError, PreprocessError
+from edgepack_core.errors import PostprocessError
 from edgepack_core.manifest import Manifest
 from edgepack_core.ort_compat import RuntimeTooOldError, runtime_refusal
 from edgepack_core.ort_workarounds import disabled_optimizers
@@ -115,7 +116,7 @@ class LoadedModel:
 
 def constant_inputs(manifest: Manifest) -> dict[str, np.ndarray]:
     """The inputs the manifest declares ``role: constant``, as arrays of their dtype."""
-    constants = {}
+    constants: dict[str, np.ndarray] = {}
     for spec in manifest.raw["inputs"]:
         if spec.get("role") == "constant":
             dtype = str if spec["dtype"] == "string" else _DTYPES.get(spec["dtype"], np.float32)
@@ -126,7 +127,7 @@ def constant_inputs(manifest: Manifest) -> dict[str, np.ndarray]:
 def state_inputs(manifest: Manifest) -> dict[str, tuple[str, np.ndarray]]:
     """The inputs the manifest declares ``role: state``: (carried output, init zeros with
     symbolic dims 1, i.e. a batch of one)."""
-    states = {}
+    states: dict[str, tuple[str, np.ndarray]] = {}
     for spec in manifest.raw["inputs"]:
         if spec.get("role") == "state":
             shape = tuple(d if isinstance(d, int) else 1 for d in spec["shape"])
@@ -254,96 +255,6 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
     return model
 
 
-@dataclass
-class PredictResult:
-    outputs: dict[str, np.ndarray]
-    result: Any
-    model: LoadedModel
-    latency_s: float
-    # What the image preprocessing did (edgepack_core.preprocess.image_geometry); None for tensors.
-    geometry: dict[str, Any] | None = None
-
-    def includes_outputs(self, outputs: bool | None) -> bool:
-        """Whether :meth:`to_json` carries the raw outputs: as asked, else when there is no task result."""
-        return self.result is None if outputs is None else outputs
-
-    def to_json(self, *, outputs: bool | None = None) -> dict[str, Any]:
-        """The ``predict --json`` object (docs/agent.md, "One-shot predict").
-
-        ``outputs``: include the raw output tensors. By default only when there is no task
-        result (``postprocess: raw``, or postprocessing skipped): a detector's raw head is about
-        1 MB of JSON per image that the result already says. Detection answers carry the
-        geometry that maps model-input pixels to the original image's."""
-        answer: dict[str, Any] = {
-            "model": {"name": self.model.manifest.name, "version": self.model.manifest.version},
-            "provider": self.model.provider,
-            "provider_fallbacks": [{"provider": p, "reason": r} for p, r in self.model.fallbacks],
-        }
-        if self.includes_outputs(outputs):
-            answer["outputs"] = {name: value.tolist() for name, value in self.outputs.items()}
-        answer["result"] = self.result
-        if self.geometry is not None and self.model.postprocessor.kind == "detection":
-            answer["geometry"] = self.geometry
-        answer["latency_ms"] = round(self.latency_s * 1000, 3)
-        return answer
-
-
-# Prometheus histogram bucket bounds (seconds) for inference latency.
-MAX_CONTRACT_PEERS = 256
-"""Peers remembered for the contract-error rule: far above any ``contract_error_min_clients``."""
-LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-
-class RequestStats:
-    """Counters and a fixed-bucket latency histogram for /metrics (fixed memory)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: dict[str, int] = {"ok": 0, "client_error": 0, "server_error": 0}
-        self.errors: dict[str, int] = {}
-        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.latency_sum = 0.0
-        self.non_finite = 0  # responses with NaN/inf outputs, counted while a health window watches
-        # Which peers sent contract errors (the health window counts distinct ones): peer address ->
-        # the sequence number of its latest contract error, the least recently seen forgotten first.
-        self.contract_seq = 0
-        self.contract_peers: OrderedDict[str, int] = OrderedDict()
-
-    def ok(self, seconds: float) -> None:
-        index = 0
-        while index < len(LATENCY_BUCKETS) and seconds > LATENCY_BUCKETS[index]:
-            index += 1
-        with self._lock:
-            self.requests["ok"] += 1
-            self.buckets[index] += 1
-            self.latency_sum += seconds
-
-    def error(self, kind: str, client: bool) -> None:
-        with self._lock:
-            self.requests["client_error" if client else "server_error"] += 1
-            if kind in self.errors or len(self.errors) < 64:
-                self.errors[kind] = self.errors.get(kind, 0) + 1
-
-    def contract_error_from(self, peer: str) -> None:
-        """Remember that ``peer`` sent a contract error (its kind is counted by :meth:`error`)."""
-        with self._lock:
-            self.contract_seq += 1
-            self.contract_peers[peer] = self.contract_seq
-            self.contract_peers.move_to_end(peer)
-            if len(self.contract_peers) > MAX_CONTRACT_PEERS:
-                self.contract_peers.popitem(last=False)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {"requests": dict(self.requests), "errors": dict(self.errors), "buckets": list(self.buckets),
-                    "latency_sum": self.latency_sum, "non_finite": self.non_finite,
-                    "contract_seq": self.contract_seq, "contract_peers": dict(self.contract_peers)}
-
-    def count_non_finite(self) -> None:
-        with self._lock:
-            self.non_finite += 1
-
-
 Observer = Callable[[float | None, str | None], None]
 
 
@@ -393,16 +304,21 @@ class InferenceService:
                 stream: str | None = None) -> list[PredictResult]: ...
 
     @overload
-    def predict(self, data: bytes | np.ndarray | Mapping[str, np.ndarray], *, content_type: str | None = None,
-                postprocess: bool = True, stream: str | None = None) -> PredictResult: ...
+    def predict(self, data: PredictRequest | bytes | np.ndarray | Mapping[str, np.ndarray], *,
+                content_type: str | None = None, postprocess: bool = True,
+                stream: str | None = None) -> PredictResult: ...
 
     def predict(self, data: Any, *, content_type: str | None = None, postprocess: bool = True,
                 stream: str | None = None) -> PredictResult | list[PredictResult]:
-        """Raw image or WAV bytes, an .npy/.npz body, one array, or named tensors -> outputs and
-        result. A WAV body runs frame by frame (state carried from frame to frame) and every
-        output comes stacked with a leading frame axis. ``stream``: state inputs start from that
-        stream's last state and it keeps the new one; without it, from init. A list (or tuple)
-        of images gives a list of results: :meth:`predict_batch`."""
+        """A typed request (``device_agent/prediction.py``: its input told apart by the caller,
+        once) -> outputs and result. A library caller may pass the value itself (raw image or
+        WAV bytes, an .npy/.npz body, one array, named tensors; told apart here by
+        :func:`device_agent.feeds.input_of`), with ``content_type``, ``postprocess`` and
+        ``stream``, which apply to such a value only. A WAV input runs frame by frame (state
+        carried from frame to frame) and every output comes stacked with a leading frame axis.
+        ``stream``: state inputs start from that stream's last state and it keeps the new one;
+        without it, from init. A list (or tuple) of images gives a list of results:
+        :meth:`predict_batch`."""
         if isinstance(data, (list, tuple)):
             return self.predict_batch(data, content_type=content_type, postprocess=postprocess, stream=stream)
         model = self._model
@@ -414,11 +330,11 @@ class InferenceService:
                       postprocess: bool = True, stream: str | None = None) -> list[PredictResult]:
         """Several images (encoded bytes or uint8 arrays, in any mix) -> one result per image, in
         order, each with its own geometry. When the model's image input has a dynamic batch dim
-        that its outputs follow (:func:`batch_refusal`), the images are preprocessed into one
-        tensor (no stacking copy) and run in one session call per ``max_batch`` images;
-        otherwise one by one, as ``predict`` would. Every image counts as one request, its
-        latency the share of its session call. A bad image refuses the whole list (naming its
-        index) before anything runs."""
+        that its outputs follow (:func:`device_agent.feeds.batch_refusal`), the images are
+        preprocessed into one tensor (no stacking copy) and run in one session call per
+        ``max_batch`` images; otherwise one by one, as ``predict`` would. Every image counts as
+        one request, its latency the share of its session call. A bad image refuses the whole
+        list (naming its index) before anything runs."""
         model = self._model
         if model is None:
             raise NoModelError("no model is active")
@@ -435,28 +351,21 @@ class InferenceService:
 
     def _predict_on(self, model: LoadedModel, data: Any, content_type: str | None, postprocess: bool,
                     stream: str | None) -> PredictResult:
+        """One request on ``model``; a client's mistake counted before it is raised."""
         try:
-            self._check_stream(stream)
-            feed: Mapping[str, np.ndarray] = self._audio_frames(model, data, content_type) or \
-                self._to_feed(model, data, content_type)
+            request = data if isinstance(data, PredictRequest) else \
+                PredictRequest(input_of(model, data, content_type), stream, postprocess)
+            self._check_stream(request.stream)
+            feed = input_feed(model, request.input)
         except BadRequest as err:
             self._fail(err.kind, client=True)
             raise
-        return self._run(model, feed, postprocess, stream)
+        return self._run(model, feed, request.postprocess, request.stream)
 
     def predict_tensors(self, feed: Mapping[str, np.ndarray], *, postprocess: bool = True,
                         stream: str | None = None) -> PredictResult:
         """Named model-ready tensors (no preprocessing): the hot path."""
-        model = self._model
-        if model is None:
-            raise NoModelError("no model is active")
-        try:
-            self._check_stream(stream)
-            self._check_feed(model, feed)
-        except BadRequest as err:
-            self._fail(err.kind, client=True)
-            raise
-        return self._run(model, feed, postprocess, stream)
+        return self.predict(PredictRequest(Tensors(feed), stream, postprocess))
 
     def reset_stream(self, stream: str) -> bool:
         """Forget a stream's state (its next call starts from init); True when it existed."""
@@ -471,28 +380,13 @@ class InferenceService:
             except InvalidNameError as err:
                 raise BadRequest("bad_stream", str(err)) from None
 
-    @staticmethod
-    def _audio_frames(model: LoadedModel, data: Any, content_type: str | None) -> _Frames | None:
-        """A WAV body for an audio model -> its frames; None for anything else."""
-        name = model.audio_input
-        if name is None or not isinstance(data, (bytes, bytearray, memoryview)):
-            return None
-        kind = (content_type or "").split(";")[0].strip().lower()
-        if kind not in AUDIO_MEDIA_TYPES and bytes(data[:4]) != b"RIFF":
-            return None
-        try:
-            frames = model.preprocessor.from_audio_bytes(bytes(data))
-        except PreprocessError as err:
-            raise BadRequest("bad_audio", str(err)) from None
-        return _Frames(name, frames)
-
     def _infer(self, model: LoadedModel, feed: Mapping[str, np.ndarray], stream: str | None) -> list[np.ndarray]:
-        """One session run, or one per frame of a ``_Frames`` feed (outputs stacked), with the
+        """One session run, or one per frame of a ``Frames`` feed (outputs stacked), with the
         state inputs fed from ``stream`` (or init) and carried from run to run."""
         names = model.output_names
-        if not model.states and not isinstance(feed, _Frames):
+        if not model.states and not isinstance(feed, Frames):
             return model.session.run(names, {**feed, **model.constants} if model.constants else feed)
-        feeds = feed.feeds() if isinstance(feed, _Frames) else [feed]
+        feeds = feed.feeds() if isinstance(feed, Frames) else [feed]
         runs = []
         with self.streams.hold(stream, model.manifest.model_sha256, model.init_state) as state:
             for one in feeds:
@@ -501,7 +395,7 @@ class InferenceService:
                 for input_name, (output_name, _) in model.states.items():
                     state[input_name] = outputs[output_name]
                 runs.append(values)
-        if not isinstance(feed, _Frames):
+        if not isinstance(feed, Frames):
             return runs[0]
         return [np.stack([values[i] for values in runs]) for i in range(len(names))]
 
@@ -543,7 +437,7 @@ class InferenceService:
         """One session call for ``items`` (at most ``max_batch``), its outputs split per image."""
         try:
             self._check_stream(stream)
-            feed = _batch_feed(model, items, content_type)
+            feed = batch_feed(model, items, content_type)
         except BadRequest as err:
             self._fail(err.kind, client=True)
             raise
@@ -565,142 +459,3 @@ class InferenceService:
         self.stats.error(kind, client)
         for observer in self.observers:
             observer(None, kind)
-
-    # ---------------------------------------------------------------- input checks
-
-    @staticmethod
-    def _check_feed(model: LoadedModel, feed: Mapping[str, np.ndarray]) -> None:
-        specs = model.input_specs
-        if not isinstance(feed, Mapping):
-            raise BadRequest("bad_input", "named tensors must be a mapping of input name to array")
-        for name, value in feed.items():
-            spec = specs.get(name)
-            if spec is None:
-                raise BadRequest("unknown_input", f"unknown input {name!r} (inputs: {', '.join(specs)})")
-            if not isinstance(value, np.ndarray):
-                raise BadRequest("bad_input", f"input {name} must be a numpy array")
-            # A string input takes numpy's unicode arrays as well as object arrays of str.
-            if value.dtype != spec[0] and not (spec[0].kind == "O" and value.dtype.kind == "U"):
-                raise BadRequest("dtype", f"input {name} must be {spec[0].name}, got {value.dtype.name}")
-            if not shape_matches(value.shape, spec[1]):
-                raise BadRequest("shape", f"input {name} must have shape {list(spec[1])}, got {list(value.shape)}")
-            if value.dtype.kind == "f" and name not in model.non_finite_inputs and not np.isfinite(value).all():
-                # malformed input, not the model's failure: a NaN in must not count as a NaN out
-                raise BadRequest("non_finite_input", f"input {name} holds NaN or infinite values")
-        if len(feed) != len(specs):
-            missing = sorted(set(specs) - set(feed))
-            raise BadRequest("missing_input", f"missing input(s) {', '.join(missing)}")
-
-    def _to_feed(self, model: LoadedModel, data: Any, content_type: str | None) -> Mapping[str, np.ndarray]:
-        if isinstance(data, Mapping):
-            self._check_feed(model, data)
-            return data
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            data = bytes(data)
-            kind = (content_type or "").split(";")[0].strip().lower()
-            if kind in ("application/x-npy", "application/x-npz") or data[:6] == b"\x93NUMPY" or data[:2] == b"PK":
-                return self._to_feed(model, decode_numpy(data, model.input_specs, image_input=model.image_input),
-                                     None)
-            image_input = model.image_input
-            if image_input is None:
-                raise BadRequest("unsupported_media", "this model takes tensors: send .npy/.npz or JSON",
-                                 http_status=415)
-            try:
-                return _ImageFeed(image_input, *model.preprocessor.image_with_geometry(data))
-            except PreprocessError as err:
-                raise BadRequest("bad_image", str(err)) from None
-        if isinstance(data, np.ndarray):
-            image_input = model.image_input
-            if image_input is not None and data.dtype == np.uint8 and data.ndim in (2, 3):
-                try:
-                    return _ImageFeed(image_input, *model.preprocessor.image_with_geometry(data))
-                except PreprocessError as err:
-                    raise BadRequest("bad_image", str(err)) from None
-            if len(model.input_specs) != 1:
-                raise BadRequest("bad_input", f"the model has {len(model.input_specs)} inputs: send named tensors")
-            feed = {next(iter(model.input_specs)): data}
-            self._check_feed(model, feed)
-            return feed
-        raise BadRequest("bad_input", f"cannot predict on a {type(data).__name__}")
-
-
-AUDIO_MEDIA_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave")
-
-
-class _Frames(dict):
-    """The frames of one audio body: ``{input: stack}``; the agent runs them one by one."""
-
-    def __init__(self, name: str, frames: np.ndarray) -> None:
-        super().__init__({name: frames})
-        self.name = name
-
-    def feeds(self) -> list[dict[str, np.ndarray]]:
-        return [{self.name: frame} for frame in self[self.name]]
-
-
-class _ImageFeed(dict):
-    """The feed of one preprocessed image, with the geometry the detection result maps back through."""
-
-    def __init__(self, name: str, tensor: np.ndarray, geometry: dict[str, Any]) -> None:
-        super().__init__({name: tensor})
-        self.geometry = geometry
-
-
-class _BatchFeed(dict):
-    """The feed of several preprocessed images, one row each, with the geometry of each row."""
-
-    def __init__(self, name: str, tensor: np.ndarray, geometries: list[dict[str, Any]]) -> None:
-        super().__init__({name: tensor})
-        self.geometries = geometries
-
-
-def batch_refusal(model: LoadedModel) -> str | None:
-    """Why a list of images cannot run as one session call on ``model`` (None: it can). Pure.
-
-    A batch needs an image model whose preprocessing gives every image the same shape with a
-    leading batch dim of 1, whose image input is its only caller-fed input, with a symbolic
-    first dim that every output's first dim repeats (the sign that outputs run along the batch),
-    and no state carried from call to call."""
-    name = model.image_input
-    if name is None:
-        return "the model takes no images"
-    if model.states:
-        return "the model carries state from call to call"
-    pre = model.preprocessor
-    if pre.tensor_shape() is None or not pre.spec.get("batch"):
-        return "its preprocessing gives no fixed-size tensor with a batch dimension"
-    if list(model.input_specs) != [name]:
-        return "the model takes other inputs besides the image"
-    shape = model.input_specs[name][1]
-    leading = shape[0] if shape else None
-    if leading is None or isinstance(leading, int):
-        return f"input {name} has no dynamic batch dimension (shape {list(shape)})"
-    for output in model.manifest.outputs:
-        if not output.shape or output.shape[0] != leading:
-            return f"output {output.name} does not follow the batch dimension {leading!r} (shape {list(output.shape)})"
-    return None
-
-
-def _batch_feed(model: LoadedModel, items: list[Any], content_type: str | None) -> _BatchFeed:
-    """Each image preprocessed straight into its row of one preallocated batch tensor."""
-    pre = model.preprocessor
-    shape = pre.tensor_shape()
-    assert shape is not None and model.image_input is not None  # batch_refusal said so
-    tensor = np.empty((len(items), *shape[1:]), dtype=pre.out_dtype)
-    kind = (content_type or "").split(";")[0].strip().lower()
-    geometries = []
-    for index, item in enumerate(items):
-        if isinstance(item, (bytes, bytearray, memoryview)):
-            item = bytes(item)
-            if kind in ("application/x-npy", "application/x-npz") or item[:6] == b"\x93NUMPY" or item[:2] == b"PK":
-                raise BadRequest("bad_input", f"item {index}: a batch takes images, not .npy/.npz bodies")
-        elif not (isinstance(item, np.ndarray) and item.dtype == np.uint8 and item.ndim in (2, 3)):
-            what = f"{item.dtype} array of shape {list(item.shape)}" if isinstance(item, np.ndarray) else \
-                type(item).__name__
-            raise BadRequest("bad_input", f"item {index}: a batch takes images (encoded bytes or HxW[xC] uint8 "
-                             f"arrays), got a {what}")
-        try:
-            geometries.append(pre.image_with_geometry(item, out=tensor[index:index + 1])[1])
-        except PreprocessError as err:
-            raise BadRequest("bad_image", f"item {index}: {err}") from None
-    return _BatchFeed(model.image_input, tensor, geometries)

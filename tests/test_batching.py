@@ -14,7 +14,8 @@ import yaml
 from PIL import Image
 
 from device_agent.errors import BadRequest
-from device_agent.runtime import DEFAULT_MAX_BATCH, InferenceService, LoadedModel, batch_refusal, load_model
+from device_agent.feeds import batch_refusal
+from device_agent.runtime import DEFAULT_MAX_BATCH, InferenceService, LoadedModel, load_model
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.manifest import Manifest
 from edgepack_core.postprocess import Postprocessor

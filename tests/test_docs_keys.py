@@ -69,6 +69,14 @@ def test_every_recipe_key_is_explained_in_the_packager_docs():
     assert len(schema_key_paths(RECIPE_SCHEMA)) > 100  # the walk went everywhere
 
 
+def test_every_agent_yaml_key_is_explained_in_the_agent_docs():
+    from device_agent.config import CONFIG_SCHEMA
+
+    missing = undocumented(CONFIG_SCHEMA, AGENT_DOCS.read_text())
+    assert not missing, f"docs/agent.md does not mention these agent.yaml keys: {', '.join(missing)}"
+    assert "mqtt.queue.max_bytes" in schema_key_paths(CONFIG_SCHEMA)  # the walk reached nested sections
+
+
 def test_a_key_the_docs_leave_out_is_named():
     schema = copy.deepcopy(RECIPE_SCHEMA)
     schema["properties"]["quantize"]["properties"]["bogus_knob"] = {"type": "boolean"}
@@ -199,5 +207,6 @@ def test_the_python_api_examples_of_the_agent_docs_run_as_written(demo_folder):
     assert re.fullmatch(r"digit \d \(\d\.\d\d\) on CPUExecutionProvider in \d+\.\d\d ms", lines[0]), lines
     assert lines[1].startswith("raw logits (1, 10) top ")
     assert "'result'" in lines[2] and "'model'" in lines[2]
-    assert re.fullmatch(r"frames \(\d+, 1, 1\)", lines[3]) and lines[4] == "stream kept: True"
+    assert re.fullmatch(r"typed \d", lines[3]), lines  # a typed request (device_agent/prediction.py)
+    assert re.fullmatch(r"frames \(\d+, 1, 1\)", lines[4]) and lines[5] == "stream kept: True"
     assert (demo_folder / "models" / "digits" / "manifest.json").exists()  # extracted where the example said

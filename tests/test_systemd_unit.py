@@ -28,6 +28,7 @@ from onnx import TensorProto, helper
 from PIL import Image
 
 from device_agent.errors import AgentError
+from device_agent.http.results import prediction_json
 from device_agent.runtime import InferenceService, load_model
 from device_agent.system_files import check_exec_path, render_unit
 from edgepack_core.artifact import extract_artifact
@@ -305,7 +306,7 @@ def test_the_agent_serves_under_the_units_filters(sandbox_spec, tmp_path, keypai
         assert "Seccomp_filters:\t3" in status, "the agent itself runs under the three filters"
         for fmt, content_type in (("PNG", "image/png"), ("JPEG", "image/jpeg")):
             answer = _post(agent.port, _image(fmt), content_type)
-            expected = reference.predict(_image(fmt), content_type=content_type).to_json()
+            expected = prediction_json(reference.predict(_image(fmt), content_type=content_type))
             assert answer["outputs"] == expected["outputs"], fmt
         assert observer.wait_for(lambda: observer.of("sandboxed/telemetry")), "telemetry reached the broker"
         agent.proc.send_signal(signal.SIGTERM)

@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 from PIL import Image
 
+from device_agent.http.results import prediction_json
 from device_agent.http.server import ApiServer
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
@@ -118,12 +119,12 @@ EXPECTED_BOX = {"center": [44.0, 22.0, 84.0, 42.0], "top-left": [44.0, 54.0, 84.
 @pytest.mark.parametrize("pad", ["center", "top-left"])
 def test_detection_result_is_in_original_pixels(detectors, keypair, tmp_path, pad):
     service = _service(detectors[pad], keypair, tmp_path / "m")
-    answer = service.predict(_png(128, 64), content_type="image/png").to_json()
+    answer = prediction_json(service.predict(_png(128, 64), content_type="image/png"))
     assert answer["result"] == [{"box": EXPECTED_BOX[pad], "score": pytest.approx(0.9), "index": 0, "label": "cat"}]
     assert answer["geometry"] == {"original_size": [64, 128], "input_size": [64, 64], "scale_x": 0.5,
                                   "scale_y": 0.5, "pad_x": 0.0, "pad_y": 16.0 if pad == "center" else 0.0}
     assert "outputs" not in answer, "a task result leaves the raw head out"
-    raw = service.predict(_png(128, 64), content_type="image/png").to_json(outputs=True)
+    raw = prediction_json(service.predict(_png(128, 64), content_type="image/png"), outputs=True)
     np.testing.assert_array_equal(np.asarray(raw["outputs"]["output0"], np.float32), HEAD)
 
 

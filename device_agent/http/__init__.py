@@ -1,10 +1,12 @@
 """The agent's local HTTP API (docs/agent.md, "HTTP API"), one concern a module: ``app``
 (routes, admission, bodies read within their bounds, work on a bounded pool), ``guards`` (the
 ASGI guard: answers counted, bodies never left to be parsed as a request), ``negotiation``
-(body and answer media types), ``answers`` (JSON documents and the error shape), ``prometheus``
+(body and answer media types), ``answers`` (JSON documents and the error shape), ``results``
+(the JSON shape of a prediction), ``prometheus``
 (``/metrics``), ``server`` (Hypercorn's HTTP/1.1 protocol and transport, ``ApiServer``),
 ``admission`` (the pure connection and body-budget rules), ``bodies`` (bounded body decoding),
 ``oip`` (the Open Inference Protocol) and ``openapi`` (the API's description).
 
-Nothing is imported here: ``runtime`` uses ``bodies`` without starting a web framework.
+Nothing is imported here: the runtime uses ``bodies`` and ``negotiation``, and ``predict`` uses
+``results``, without loading a web framework.
 """

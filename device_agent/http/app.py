@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -59,13 +60,16 @@ from device_agent.http.guards import Guard
 from device_agent.http.negotiation import (
     ANSWER_TYPES,
     JSON_MEDIA_TYPE,
+    BodyKind,
     body_kind,
     choose_answer_type,
     media_type,
     outputs_wanted,
 )
 from device_agent.http.prometheus import HttpStats, load_gauges, prometheus_text
-from device_agent.runtime import InferenceService, PredictResult
+from device_agent.http.results import includes_outputs, npz_headers, prediction_json
+from device_agent.prediction import Array, Audio, EncodedImage, Input, PredictRequest, PredictResult, Tensors
+from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.updates.health import CONTRACT_ERROR_KINDS
 from edgepack_core import __version__, wire_json
 
@@ -78,14 +82,14 @@ STREAM_RESET_HEADER = "X-Edgepack-Stream-Reset"
 CLOSING_STATUSES = (408, 413, 503)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Exchange:
-    """One inference request between the event loop and a worker."""
+    """One inference request between the event loop and a worker (its body travels beside it)."""
 
-    body: bytes
     content_type: str
     stream: str | None
     reset_stream: bool
+    kind: BodyKind | None = None  # how the body decodes, when its media type says it (else its first bytes)
     answer_type: str = JSON_MEDIA_TYPE
     raw_outputs: bool | None = None
     header_length: str | None = None  # v2: Inference-Header-Content-Length
@@ -198,6 +202,8 @@ class AgentApp:
     # ------------------------------------------------------------ /predict
 
     async def predict(self, request: Request) -> Response:
+        """Refuse what the head already rules out (the query, ``Accept``, a body type the model
+        cannot take: 415 before a byte of the body), then serve on a worker."""
         model = self.service.model
         try:
             raw_outputs = outputs_wanted(request.url.query)
@@ -206,23 +212,20 @@ class AgentApp:
                 raise BadRequest("not_acceptable", f"answers come as {' or '.join(ANSWER_TYPES)}", http_status=406)
             if model is None:
                 raise NoModelError("no model is active")
-            content_type = media_type(request)
+            content_type = media_type(request.headers.get("content-type"))
+            kind = None
             if content_type not in ("", "application/octet-stream"):  # known before a byte of the body
-                body_kind(content_type, b"", image_model=model.image_input is not None,
-                          audio_model=model.audio_input is not None)
+                kind = body_kind(content_type, b"", image_model=model.image_input is not None,
+                                 audio_model=model.audio_input is not None)
         except (BadRequest, NoModelError) as err:
             return self._refuse(err, peer=peer_address(request))
-        exchange = _exchange(request, content_type, answer_type=answer_type, raw_outputs=raw_outputs)
+        exchange = _exchange(request, content_type, kind=kind, answer_type=answer_type, raw_outputs=raw_outputs)
         return await self._serve(request, exchange, self._predict_work)
 
-    def _predict_work(self, exchange: _Exchange) -> Response:
+    def _predict_work(self, exchange: _Exchange, body: bytes) -> Response:
         """Decode, infer and encode one /predict request (a worker thread)."""
-        service = self.service
         try:
-            model = self._model_for(exchange)
-            kind = body_kind(exchange.content_type, exchange.body[:8], image_model=model.image_input is not None,
-                             audio_model=model.audio_input is not None)
-            data = self._decode(kind, exchange.body, model)
+            request = self._request(exchange, body)
         except _JsonInputError as err:
             # counted for the health window: an unknown input name is the contract's doing;
             # values that do not convert are malformed input, never the model's
@@ -231,11 +234,11 @@ class AgentApp:
         except (BadRequest, NoModelError) as err:
             return self._refuse(err, peer=exchange.peer)
         try:
-            if kind == "image":
+            if isinstance(request.input, EncodedImage):
                 with self.images.slot():  # at most max_image_decodes decoded images in memory
-                    result = service.predict(data, content_type=exchange.content_type, stream=exchange.stream)
+                    result = self.service.predict(request)
             else:
-                result = service.predict(data, content_type=exchange.content_type, stream=exchange.stream)
+                result = self.service.predict(request)
         except BadRequest as err:  # the runtime counted its own
             return self._refuse(err, counted=True, peer=exchange.peer)
         except NoModelError as err:
@@ -246,7 +249,7 @@ class AgentApp:
             return error_response(500, "internal", f"{type(err).__name__}: {err}")
         return self._answer(result, exchange)
 
-    def _model_for(self, exchange: _Exchange) -> Any:
+    def _model_for(self, exchange: _Exchange) -> LoadedModel:
         """The active model a worker serves ``exchange`` on, its stream restarted first when asked."""
         model = self.service.model
         if model is None:
@@ -255,35 +258,41 @@ class AgentApp:
             self.service.reset_stream(exchange.stream)
         return model
 
-    def _decode(self, kind: str, body: bytes, model: Any) -> Any:
-        """The body as ``service.predict`` takes it: arrays for JSON and numpy bodies (bounded,
-        checked against the model's inputs), the bytes themselves for images and audio."""
+    def _request(self, exchange: _Exchange, body: bytes) -> PredictRequest:
+        """The typed request of a /predict body: its kind as negotiated on the event loop, or
+        (``application/octet-stream``, no type) from its first bytes, decided here once."""
+        model = self._model_for(exchange)
+        kind = exchange.kind or body_kind(exchange.content_type, body[:8], image_model=model.image_input is not None,
+                                          audio_model=model.audio_input is not None)
+        return PredictRequest(self._decode(kind, body, model), exchange.stream)
+
+    def _decode(self, kind: BodyKind, body: bytes, model: LoadedModel) -> Input:
+        """The body as a typed input: arrays for JSON and numpy bodies (bounded, checked against
+        the model's inputs), the bytes themselves for images (with their header, read and checked) and audio."""
         if kind == "json":
             document = bodies.parse_json(body, self.limits)
             inputs = document.get("inputs") if isinstance(document, dict) else None
             try:
-                return bodies.json_to_feed(model.input_specs, inputs, self.limits)
+                return Tensors(bodies.json_to_feed(model.input_specs, inputs, self.limits))
             except BadRequest as err:
                 raise _JsonInputError(err) from None
         if kind == "numpy":
-            return bodies.decode_numpy(body, model.input_specs, self.limits, image_input=model.image_input)
-        if kind == "image":
-            self.images.check(body)  # the header only: format and pixel count
-        return body
+            decoded = bodies.decode_numpy(body, model.input_specs, self.limits, image_input=model.image_input)
+            return Array(decoded) if isinstance(decoded, np.ndarray) else Tensors(decoded)
+        if kind == "audio":
+            return Audio(body)
+        return EncodedImage(body, self.images.open(body))  # the header only: format and pixel count
 
     def _answer(self, result: PredictResult, exchange: _Exchange) -> Response:
         """The 200 answer of /predict in the negotiated media type; raw outputs in JSON bounded
         before they are encoded (413 pointing to npz)."""
         try:
             if exchange.answer_type != wire_json.NPZ_MEDIA_TYPE:
-                if result.includes_outputs(exchange.raw_outputs):
+                if includes_outputs(result, exchange.raw_outputs):
                     bodies.check_json_outputs(sum(value.nbytes for value in result.outputs.values()), self.limits,
                                               f"ask for them as npz (Accept: {wire_json.NPZ_MEDIA_TYPE})")
-                return json_response(200, result.to_json(outputs=exchange.raw_outputs))
-            answer = result.to_json(outputs=False)
-            headers = {"X-Edgepack-Model": f"{answer['model']['name']} {answer['model']['version']}",
-                       "X-Edgepack-Provider": answer["provider"], "X-Edgepack-Latency-Ms": str(answer["latency_ms"])}
-            return Response(wire_json.npz_bytes(result.outputs), 200, headers, wire_json.NPZ_MEDIA_TYPE)
+                return json_response(200, prediction_json(result, outputs=exchange.raw_outputs))
+            return Response(wire_json.npz_bytes(result.outputs), 200, npz_headers(result), wire_json.NPZ_MEDIA_TYPE)
         except wire_json.WireEncodingError as err:
             self.service.stats.error("encoding", client=False)
             return error_response(500, "encoding", str(err))
@@ -292,7 +301,7 @@ class AgentApp:
 
     # ------------------------------------------------------------ admission and bodies
 
-    async def _serve(self, request: Request, exchange: _Exchange, work: Callable[[_Exchange], Response], *,
+    async def _serve(self, request: Request, exchange: _Exchange, work: Callable[[_Exchange, bytes], Response], *,
                      v2: bool = False) -> Response:
         """Admit the request (503 beyond the queue or the buffer), read its body within the
         limits and the read timeout, then run ``work`` on a worker thread."""
@@ -307,8 +316,8 @@ class AgentApp:
         self._admitted += 1
         held = [0]  # body bytes this request holds in the budget, counted as they arrive
         try:
-            exchange.body = await self._read_body(request, held)
-            return await asyncio.get_running_loop().run_in_executor(self.pool, work, exchange)
+            body = await self._read_body(request, held)
+            return await asyncio.get_running_loop().run_in_executor(self.pool, work, exchange, body)
         except BadRequest as err:
             return self._refuse(err, v2=v2)
         finally:
@@ -404,20 +413,21 @@ class AgentApp:
             self._v2_model(request)
         except BadRequest as err:
             return self._refuse(err, v2=True)
-        exchange = _exchange(request, media_type(request), header_length=request.headers.get(oip.HEADER_LENGTH_HEADER))
+        exchange = _exchange(request, media_type(request.headers.get("content-type")),
+                             header_length=request.headers.get(oip.HEADER_LENGTH_HEADER))
         return await self._serve(request, exchange, self._v2_work, v2=True)
 
-    def _v2_work(self, exchange: _Exchange) -> Response:
+    def _v2_work(self, exchange: _Exchange, body: bytes) -> Response:
         """Parse, infer and encode one v2 infer request (a worker thread)."""
         service = self.service
         try:
             model = self._model_for(exchange)
-            parsed = oip.parse_infer_request(exchange.body, exchange.header_length, model.input_specs,
+            parsed = oip.parse_infer_request(body, exchange.header_length, model.input_specs,
                                              model.output_names, self.limits)
         except (BadRequest, NoModelError) as err:
             return self._refuse(err, v2=True, peer=exchange.peer)
         try:
-            result = service.predict_tensors(parsed.inputs, postprocess=False, stream=exchange.stream)
+            result = service.predict(PredictRequest(Tensors(parsed.inputs), exchange.stream, postprocess=False))
         except BadRequest as err:
             return self._refuse(err, v2=True, counted=True, peer=exchange.peer)
         except NoModelError as err:
@@ -446,8 +456,7 @@ class _JsonInputError(Exception):
 def _exchange(request: Request, content_type: str, **fields: Any) -> _Exchange:
     """An inference request's exchange, with its stream headers (the body comes later)."""
     reset = request.headers.get(STREAM_RESET_HEADER, "").strip().lower() in ("1", "true")
-    return _Exchange(b"", content_type, request.headers.get(STREAM_HEADER), reset, peer=peer_address(request),
-                     **fields)
+    return _Exchange(content_type, request.headers.get(STREAM_HEADER), reset, peer=peer_address(request), **fields)
 
 
 def peer_address(request: Request) -> str:

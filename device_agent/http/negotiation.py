@@ -1,14 +1,14 @@
-"""Content negotiation of the inference endpoints (pure): what a request's body is (its media
+"""Content negotiation of the inference endpoints (pure, no web framework: the runtime tells a
+library caller's bytes apart by the same rule): what a request's body is (its media
 type, or for ``application/octet-stream`` its first bytes), what the answer is sent as (the
 ``Accept`` header, RFC 9110 q-values) and what the ``/predict`` query asks for."""
 
 from __future__ import annotations
 
-from starlette.requests import Request
+from typing import Literal
 
 from device_agent.errors import BadRequest
 from device_agent.http import bodies
-from device_agent.runtime import AUDIO_MEDIA_TYPES
 from edgepack_core import wire_json
 
 JSON_MEDIA_TYPE = "application/json"
@@ -16,6 +16,9 @@ JSON_MEDIA_TYPE = "application/json"
 ANSWER_TYPES = (JSON_MEDIA_TYPE, wire_json.NPZ_MEDIA_TYPE)
 MAX_ACCEPT_CHARS = 1024
 NUMPY_TYPES = ("application/x-npy", "application/x-npz")
+AUDIO_MEDIA_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave")
+# How a body is decoded: JSON inputs, an .npy/.npz, a WAV file, an encoded image.
+BodyKind = Literal["json", "numpy", "audio", "image"]
 
 
 def _quality(parameters: list[str]) -> float:
@@ -69,7 +72,7 @@ def outputs_wanted(query: str) -> bool | None:
     return choices[query]
 
 
-def body_kind(content_type: str, head: bytes, *, image_model: bool, audio_model: bool) -> str:
+def body_kind(content_type: str, head: bytes, *, image_model: bool, audio_model: bool) -> BodyKind:
     """How /predict decodes a body (pure): ``json``, ``numpy``, ``audio`` or ``image``, by its
     media type, or for ``application/octet-stream`` (or none) by its first bytes. A type the
     model cannot take is a 415 ``unsupported_media``."""
@@ -95,6 +98,6 @@ def body_kind(content_type: str, head: bytes, *, image_model: bool, audio_model:
 
 
 
-def media_type(request: Request) -> str:
-    """The request's ``Content-Type`` without parameters, lower case ("" when absent)."""
-    return (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+def media_type(header: str | None) -> str:
+    """A ``Content-Type`` header's media type, without parameters, lower case ("" when absent)."""
+    return (header or "").split(";")[0].strip().lower()

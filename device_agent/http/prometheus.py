@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import threading
 
-from device_agent.runtime import LATENCY_BUCKETS, InferenceService
+from device_agent.request_stats import LATENCY_BUCKETS
+from device_agent.runtime import InferenceService
 
 
 def _escape(value: str) -> str:

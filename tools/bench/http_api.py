@@ -76,8 +76,16 @@ if len(sys.argv) > 8 and sys.argv[8] == "1":
     threading.Thread.run = run
 import device_agent.runtime as runtime
 from device_agent.http import bodies, oip
-# the earlier revisions import the HTTP modules by their names before device_agent/http/
+from device_agent.http.negotiation import AUDIO_MEDIA_TYPES
+from device_agent.http.results import prediction_json
+from device_agent.prediction import PredictResult
+from device_agent.request_stats import LATENCY_BUCKETS
+# the earlier revisions import the HTTP modules by their names before device_agent/http/, take
+# the media types and buckets from the runtime and have the runtime's result write its JSON
 sys.modules["device_agent.bodies"], sys.modules["device_agent.oip"] = bodies, oip
+runtime.AUDIO_MEDIA_TYPES, runtime.LATENCY_BUCKETS = AUDIO_MEDIA_TYPES, LATENCY_BUCKETS
+runtime.PredictResult = PredictResult
+PredictResult.to_json = lambda result, *, outputs=None: prediction_json(result, outputs=outputs)
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.signing import TrustStore, load_public_key
