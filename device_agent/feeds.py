@@ -78,17 +78,17 @@ def input_feed(model: LoadedModel, value: Input) -> Mapping[str, np.ndarray]:
         check_feed(model, value.feed)
         return value.feed
     if isinstance(value, EncodedImage):
-        return _image(model, value.data)
+        return _image(model, value.data, value.header)
     if isinstance(value, Audio):
         return _frames(model, value.data)
     return _array_feed(model, value.value)
 
 
-def _image(model: LoadedModel, data: bytes | np.ndarray) -> ImageFeed:
+def _image(model: LoadedModel, data: bytes | np.ndarray, header: Any = None) -> ImageFeed:
     if model.image_input is None:
         raise BadRequest("unsupported_media", "this model takes tensors: send .npy/.npz or JSON", http_status=415)
     try:
-        return ImageFeed(model.image_input, *model.preprocessor.image_with_geometry(data))
+        return ImageFeed(model.image_input, *model.preprocessor.image_with_geometry(data, opened=header))
     except PreprocessError as err:
         raise BadRequest("bad_image", str(err)) from None
 

@@ -7,7 +7,7 @@ runtime's."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,9 +34,13 @@ class Array:
 
 @dataclass(frozen=True)
 class EncodedImage:
-    """An encoded image (PNG, JPEG, ...) for the model's image preprocessing."""
+    """An encoded image (PNG, JPEG, ...) for the model's image preprocessing. ``header``: the
+    image with its header already read and checked (a ``PIL.Image.Image``, as the HTTP API's
+    image gate opens it), which the preprocessing decodes without reading the header again;
+    used once."""
 
     data: bytes
+    header: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

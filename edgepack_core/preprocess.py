@@ -522,22 +522,23 @@ class Preprocessor:
         """Decode an encoded image (PNG, JPEG, ...) and preprocess it."""
         return self.image_with_geometry(data)[0]
 
-    def image_with_geometry(self, data: bytes | np.ndarray, *, out: np.ndarray | None = None
-                            ) -> tuple[np.ndarray, dict[str, Any]]:
+    def image_with_geometry(self, data: bytes | np.ndarray, *, out: np.ndarray | None = None,
+                            opened: Image.Image | None = None) -> tuple[np.ndarray, dict[str, Any]]:
         """Encoded image bytes, or an image array as :meth:`from_array` takes it -> the tensor
         and the geometry applied (:func:`image_geometry` of the upright image), so the
         detection postprocessing can map boxes back to the original's pixels.
 
         ``out``: a preallocated tensor of :meth:`tensor_shape` and the output dtype (e.g. one
-        row of a batch) that the fast path writes into and returns."""
+        row of a batch) that the fast path writes into and returns. ``opened``: ``data`` with its
+        header already read (and its JPEG scans counted) by the caller, decoded as it is."""
         if isinstance(data, np.ndarray):
             tensor = self.from_array(data, out=out)
             return tensor, image_geometry(data.shape[0], data.shape[1], self.spec.get("resize"))
         if self.reference:
-            image = self._upright(self._decode(data))
+            image = self._upright(self._decode(data, opened))
             return _into(self._pipeline(image), out), image_geometry(image.height, image.width,
                                                                      self.spec.get("resize"))
-        image, factor, (height, width) = self._decode_reduced(data)
+        image, factor, (height, width) = self._decode_reduced(data, opened)
         return self._fast_image(image, factor, height, width, out), image_geometry(height, width,
                                                                                   self.spec.get("resize"))
 
@@ -553,9 +554,13 @@ class Preprocessor:
         """The dtype of the image tensors (uint8 when the arithmetic is in the graph)."""
         return np.dtype("uint8" if self.spec.get("in_graph") else self.spec.get("dtype", "float32"))
 
-    def _open(self, data: bytes) -> Image.Image:
-        """The image with only its header read; the pixel cap is checked here, before decoding."""
+    def _open(self, data: bytes, opened: Image.Image | None = None) -> Image.Image:
+        """The image with only its header read (``opened``, when the caller read it); the pixel
+        cap is checked here, before decoding."""
         self._require_image()
+        if opened is not None:
+            self._check_pixels(opened.width, opened.height)
+            return opened
         from PIL import Image
 
         jpeg_scans.count_scans(data)  # a progressive JPEG's CPU cost is scans x pixels: bounded first
@@ -577,16 +582,17 @@ class Preprocessor:
         except Exception as err:
             raise PreprocessError(f"cannot decode image ({type(err).__name__}: {err})") from None
 
-    def _decode(self, data: bytes) -> Image.Image:
-        image = self._open(data)
+    def _decode(self, data: bytes, opened: Image.Image | None = None) -> Image.Image:
+        image = self._open(data, opened)
         self._load(image)
         return image
 
-    def _decode_reduced(self, data: bytes) -> tuple[Image.Image, int, tuple[int, int]]:
+    def _decode_reduced(self, data: bytes, opened: Image.Image | None = None
+                        ) -> tuple[Image.Image, int, tuple[int, int]]:
         """Decode, at a reduced scale where the format allows it (JPEG) and the target is small
         enough: ``(upright image in the spec's color, reduction factor, upright (h, w) of the
         full-size image)``."""
-        image = self._open(data)
+        image = self._open(data, opened)
         stored_w, stored_h = image.size
         factor = 1
         if image.format in ("JPEG", "MPO") and self.spec.get("resize") is not None:

@@ -24,6 +24,7 @@ from device_agent.http.results import includes_outputs, prediction_json
 from device_agent.http.server import ApiServer
 from device_agent.prediction import Audio, EncodedImage, PredictRequest, PredictResult, Tensors
 from device_agent.runtime import InferenceService, LoadedModel, load_model
+from edgepack_core import jpeg_scans
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.signing import TrustStore, load_public_key
 from sdk.packager.pipeline import build
@@ -94,6 +95,24 @@ def test_an_image_post_has_its_body_type_worked_out_once(image_api, monkeypatch,
     assert calls == [content_type], "negotiated once: on the event loop for a typed body, else on the worker"
     assert len(given) == 1 and isinstance(given[0], PredictRequest) and isinstance(given[0].input, EncodedImage)
     assert np.asarray(document["outputs"]["mean"]).shape == (1, 3)
+
+
+def test_an_image_post_has_its_header_read_once(image_api, monkeypatch):
+    """The HTTP check opens the image (format, pixel cap, JPEG scans) and the preprocessing
+    decodes that very image: Pillow opens it once, its scans are walked once."""
+    port, given = image_api
+    opened, walked = [], []
+    plain_open, plain_walk = Image.open, jpeg_scans.count_scans
+    monkeypatch.setattr(Image, "open", lambda *a, **k: opened.append(1) or plain_open(*a, **k))
+    monkeypatch.setattr(jpeg_scans, "count_scans", lambda *a, **k: walked.append(1) or plain_walk(*a, **k))
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((24, 32, 3), 90, np.uint8)).save(buffer, "JPEG", progressive=True)
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/predict", data=buffer.getvalue(), method="POST",
+                                     headers={"Content-Type": "image/jpeg"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        assert answer.status == 200
+    assert (len(opened), len(walked)) == (1, 1)
+    assert given[0].input.header is not None, "the request carries the image its header was read into"
 
 
 def test_a_typed_request_is_frozen_and_answers_as_the_loose_bytes_do(models):

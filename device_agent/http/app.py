@@ -268,7 +268,7 @@ class AgentApp:
 
     def _decode(self, kind: BodyKind, body: bytes, model: LoadedModel) -> Input:
         """The body as a typed input: arrays for JSON and numpy bodies (bounded, checked against
-        the model's inputs), the bytes themselves for images (their header checked) and audio."""
+        the model's inputs), the bytes themselves for images (with their header, read and checked) and audio."""
         if kind == "json":
             document = bodies.parse_json(body, self.limits)
             inputs = document.get("inputs") if isinstance(document, dict) else None
@@ -281,8 +281,7 @@ class AgentApp:
             return Array(decoded) if isinstance(decoded, np.ndarray) else Tensors(decoded)
         if kind == "audio":
             return Audio(body)
-        self.images.check(body)  # the header only: format and pixel count
-        return EncodedImage(body)
+        return EncodedImage(body, self.images.open(body))  # the header only: format and pixel count
 
     def _answer(self, result: PredictResult, exchange: _Exchange) -> Response:
         """The 200 answer of /predict in the negotiated media type; raw outputs in JSON bounded

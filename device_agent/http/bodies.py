@@ -396,10 +396,11 @@ def decode_numpy(data: bytes, specs: InputSpecs, limits: BodyLimits | None = Non
 # ---------------------------------------------------------------------------------------- images
 
 
-def check_image(data: bytes, max_pixels: int) -> tuple[int, int]:
-    """(width, height) from an encoded image's header, without decoding its pixels; refuses
-    other formats than ``IMAGE_FORMATS`` and more pixels than ``max_pixels``. Messages never
-    carry Python object reprs."""
+def open_image(data: bytes, max_pixels: int) -> Any:
+    """An encoded image with only its header read (a ``PIL.Image.Image``, its pixels not yet
+    decoded); refuses other formats than ``IMAGE_FORMATS``, more pixels than ``max_pixels`` and
+    a JPEG of too many scans. The preprocessing decodes this very image: its header is read once.
+    Messages never carry Python object reprs."""
     from PIL import Image
 
     try:
@@ -407,28 +408,29 @@ def check_image(data: bytes, max_pixels: int) -> tuple[int, int]:
     except PreprocessError as err:
         raise BadRequest("bad_image", str(err)) from None
     try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
-            width, height = image.size
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError:
         raise BadRequest("image_too_large", "image refused as a decompression bomb", http_status=413) from None
     except Exception:  # Pillow's plugins raise a zoo (OSError, SyntaxError, struct.error, ...)
         raise BadRequest("bad_image", f"not a readable image (formats: {', '.join(IMAGE_FORMATS)})") from None
+    width, height = image.size
     if width * height > max_pixels:
+        image.close()
         raise BadRequest("image_too_large", f"image of {width}x{height} = {width * height} pixels is over the limit "
                          f"of {max_pixels} (api.max_image_pixels)", http_status=413)
-    return width, height
+    return image
 
 
 class ImageGate:
-    """Image bodies: the header check (:func:`check_image`), then at most ``concurrent`` decodes
+    """Image bodies: the header check (:func:`open_image`), then at most ``concurrent`` decodes
     at once (a decoded image is many times its body; workers beyond the gate wait)."""
 
     def __init__(self, max_pixels: int, concurrent: int) -> None:
         self.max_pixels = max_pixels
         self._slots = threading.BoundedSemaphore(concurrent)
 
-    def check(self, data: bytes) -> tuple[int, int]:
-        return check_image(data, self.max_pixels)
+    def open(self, data: bytes) -> Any:
+        return open_image(data, self.max_pixels)
 
     @contextmanager
     def slot(self) -> Iterator[None]:
