@@ -30,8 +30,6 @@ from edgepack_core.protocol.topics import Topics
 
 log = logging.getLogger("edgepack.agent.telemetry")
 
-STATE_SCHEMA = STATE_SCHEMA_ID
-JOB_SCHEMA = JOB_SCHEMA_ID
 SESSION_EXPIRY_S = 24 * 3600  # the broker keeps queued commands for a device offline up to a day
 MAX_FALLBACKS = 16  # the state schema's bounds on provider_fallbacks
 MAX_REASON_CHARS = 1000
@@ -73,7 +71,7 @@ def state_document(device_id: str, online: bool, status: AgentStatus, groups: li
                    reason: str = "", ts: float | None = None) -> dict[str, Any]:
     """The retained ``state`` payload: "online" birth with capabilities, or "offline"."""
     doc: dict[str, Any] = {
-        "schema": STATE_SCHEMA,
+        "schema": STATE_SCHEMA_ID,
         "device": device_id,
         "status": "online" if online else "offline",
         "ts": round(time.time() if ts is None else ts, 3),
@@ -195,7 +193,7 @@ class TelemetryReporter:
         """Queue a job event on ``dev/{d}/job``; job events are never dropped before telemetry.
         ``direct``: hand it to the MQTT client without the on-disk outbox (a full disk), so it
         is lost if the agent stops before the broker has it; returns 0 then."""
-        doc = {"schema": JOB_SCHEMA, "device": self.device_id, "ts": round(time.time(), 3), **event}
+        doc = {"schema": JOB_SCHEMA_ID, "device": self.device_id, "ts": round(time.time(), 3), **event}
         if direct:
             self.transport.publish(self.topics.job(self.device_id), json.dumps(doc).encode(), 1)
             return 0
