@@ -14,16 +14,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from device_agent.config import AgentConfig, limits_from
+from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.metrics import ModelInfo
 from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
-from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES, FreeSpace
+from device_agent.updates.disk import FreeSpace
 from device_agent.updates.service import UpdateService
-from edgepack_core.artifact import Limits
 from edgepack_core.errors import EdgepackError
 from edgepack_core.signing import TrustStore
 
@@ -39,9 +38,9 @@ class Daemon:
         # Operator keys sign commands (edgepack keygen --operator); without them, anyone who can
         # publish to the broker may order deploys, rollbacks and downgrades (warned at start).
         self.operator_trust = TrustStore.from_paths(config.operator_keys) if config.operator_keys else None
-        self.store = ModelStore(config.store, self.trust, Limits(**limits_from(config)))
-        self.space = FreeSpace(config.store, int(config.updates.get("min_free_bytes", DEFAULT_MIN_FREE_BYTES)))
-        self.service = InferenceService(max_streams=config.max_streams, stream_idle_s=config.stream_idle_s)
+        self.store = ModelStore(config.store, self.trust, config.limits.reader_limits())
+        self.space = FreeSpace(config.store, config.updates.min_free_bytes)
+        self.service = InferenceService(max_streams=config.api.max_streams, stream_idle_s=config.api.stream_idle_s)
         self.api: ApiServer | None = None
         self.reporter: TelemetryReporter | None = None
         self.updates: UpdateService | None = None
@@ -92,18 +91,16 @@ class Daemon:
             self.install_artifact(self.config.artifact)
         elif active is not None:
             self._load_active(active)
-        if self.config.mqtt is not None:
-            mqtt = self.config.mqtt
-            groups = list(mqtt.get("groups", []))
-            queue = dict(mqtt.get("queue", {}))
-            outbox = Path(queue.pop("path", self.config.store / "outbox.db"))
+        mqtt = self.config.mqtt
+        if mqtt is not None:
             self.reporter = TelemetryReporter(
-                self.config.device_id, settings_from_config(mqtt, self.config.device_id, groups), outbox,
-                self.status, groups=groups, interval=float(mqtt.get("telemetry_interval", 10)), outbox_limits=queue)
+                self.config.device_id, settings_from_config(mqtt, self.config.device_id),
+                mqtt.queue.path or self.config.store / "outbox.db", self.status, groups=list(mqtt.groups),
+                interval=mqtt.telemetry_interval, outbox_limits=mqtt.queue)
             self.service.observers.append(self._observe)
             self.reporter.start()
             self._start_updates()
-        address = self.config.listen_host_port
+        address = self.config.api.address
         if address is not None:
             self.api = ApiServer(address, self.service, settings=self.config.api, health=self.health).start()
             log.info("HTTP API on http://%s:%d", address[0], self.api.port)
@@ -134,7 +131,7 @@ class Daemon:
 
     def _start_updates(self) -> None:
         """Remote updates over MQTT (the update service knows the daemon only as an AgentHost)."""
-        if not self.config.updates.get("enabled", True):
+        if not self.config.updates.enabled:
             return
         if self.operator_trust is not None:  # without: `edgepack-agent run` warns on stderr at every start
             log.info("commands that change what runs must be signed by one of %d operator key(s)",

@@ -127,8 +127,8 @@ def test_config_rejects_unknown_and_mistyped_keys(tmp_path):
         load_config(config)
     config.write_text("device_id: pi-07\nstore: s\ntrust: [keys/k.pub]\nprofile: rpi\n")
     loaded = load_config(config)
-    assert loaded.store == tmp_path / "s" and loaded.trust == [tmp_path / "keys" / "k.pub"]
-    assert loaded.profile == "rpi" and loaded.listen == "127.0.0.1:8750"
+    assert loaded.store == tmp_path / "s" and loaded.trust == (tmp_path / "keys" / "k.pub",)
+    assert loaded.profile == "rpi" and loaded.api.address == ("127.0.0.1", 8750)
 
 
 def test_predict_cli_prints_the_contract_json(artifact, keypair, tmp_path):

@@ -288,9 +288,10 @@ def test_last_will_carries_the_time_of_the_lost_connection(secured_broker: Broke
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {str(DEPLOY.parent.parent)!r})\n"
+        "from device_agent.config import BrokerSettings\n"
         "from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config\n"
-        f"s = settings_from_config({{'host': '127.0.0.1', 'port': {secured_broker.port}, 'keepalive': 2,"
-        f" 'username': 'pi-07', 'password': {USERS['pi-07']!r}}}, 'pi-07', [])\n"
+        f"s = settings_from_config(BrokerSettings('127.0.0.1', {secured_broker.port}, keepalive=2,"
+        f" username='pi-07', password={USERS['pi-07']!r}), 'pi-07')\n"
         f"r = TelemetryReporter('pi-07', s, {str(tmp_path / 'o.db')!r}, AgentStatus, interval=0.2).start()\n"
         "r.transport.wait_connected(5); print('up', flush=True); time.sleep(60)\n"
     )

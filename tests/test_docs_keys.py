@@ -69,6 +69,14 @@ def test_every_recipe_key_is_explained_in_the_packager_docs():
     assert len(schema_key_paths(RECIPE_SCHEMA)) > 100  # the walk went everywhere
 
 
+def test_every_agent_yaml_key_is_explained_in_the_agent_docs():
+    from device_agent.config import CONFIG_SCHEMA
+
+    missing = undocumented(CONFIG_SCHEMA, AGENT_DOCS.read_text())
+    assert not missing, f"docs/agent.md does not mention these agent.yaml keys: {', '.join(missing)}"
+    assert "mqtt.queue.max_bytes" in schema_key_paths(CONFIG_SCHEMA)  # the walk reached nested sections
+
+
 def test_a_key_the_docs_leave_out_is_named():
     schema = copy.deepcopy(RECIPE_SCHEMA)
     schema["properties"]["quantize"]["properties"]["bogus_knob"] = {"type": "boolean"}

@@ -105,9 +105,9 @@ def test_stream_id_injection_is_refused(stream):
 def test_agent_yaml_stream_limits_default_and_are_bounded(tmp_path):
     base = {"device_id": "d1", "store": "s", "trust": ["t.pub"]}
     config = check_config(base, tmp_path / "agent.yaml")
-    assert (config.max_streams, config.stream_idle_s) == (64, 300.0)
+    assert (config.api.max_streams, config.api.stream_idle_s) == (64, 300.0)
     config = check_config({**base, "api": {"max_streams": 3, "stream_idle_s": 1.5}}, tmp_path / "agent.yaml")
-    assert (config.max_streams, config.stream_idle_s) == (3, 1.5)
+    assert (config.api.max_streams, config.api.stream_idle_s) == (3, 1.5)
     for bad in ({"max_streams": 0}, {"stream_idle_s": 0}, {"max_streams": 10**9}):
         with pytest.raises(Exception, match=f"api.{next(iter(bad))}"):
             check_config({**base, "api": bad}, tmp_path / "agent.yaml")

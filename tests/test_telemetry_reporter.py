@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from device_agent.config import BrokerSettings
 from device_agent.telemetry.metrics import TELEMETRY_SCHEMA, ModelInfo
 from device_agent.telemetry.outbox import Outbox
 from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
@@ -27,7 +28,7 @@ def _status() -> AgentStatus:
 
 
 def _reporter(broker, tmp_path: Path, interval: float = 0.2) -> TelemetryReporter:
-    settings = settings_from_config({"host": "127.0.0.1", "port": broker.port}, "pi-07", ["kitchen"])
+    settings = settings_from_config(BrokerSettings("127.0.0.1", broker.port, groups=("kitchen",)), "pi-07")
     return TelemetryReporter("pi-07", settings, tmp_path / "outbox.db", _status, groups=["kitchen"],
                              interval=interval)
 
@@ -67,9 +68,9 @@ def test_last_will_says_offline_when_the_agent_dies(mosquitto_broker, tmp_path):
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from device_agent.config import BrokerSettings\n"
         "from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config\n"
-        f"s = settings_from_config({{'host': '127.0.0.1', 'port': {mosquitto_broker.port}, 'keepalive': 2}},"
-        " 'pi-09', [])\n"
+        f"s = settings_from_config(BrokerSettings('127.0.0.1', {mosquitto_broker.port}, keepalive=2), 'pi-09')\n"
         f"r = TelemetryReporter('pi-09', s, {str(tmp_path / 'o.db')!r}, AgentStatus, interval=0.2).start()\n"
         "r.transport.wait_connected(5); print('up', flush=True); time.sleep(60)\n"
     )
@@ -123,8 +124,9 @@ def test_queue_survives_kill_9_while_offline_and_drains_after_restart(mosquitto_
     script.write_text(
         "import sys, time\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from device_agent.config import BrokerSettings\n"
         "from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config\n"
-        f"s = settings_from_config({{'host': '127.0.0.1', 'port': {mosquitto_broker.port}}}, 'pi-08', [])\n"
+        f"s = settings_from_config(BrokerSettings('127.0.0.1', {mosquitto_broker.port}), 'pi-08')\n"
         f"r = TelemetryReporter('pi-08', s, {str(db)!r}, AgentStatus, interval=0.05).start()\n"
         "print('up', flush=True); time.sleep(60)\n"
     )
@@ -138,7 +140,7 @@ def test_queue_survives_kill_9_while_offline_and_drains_after_restart(mosquitto_
 
     mosquitto_broker.restart()
     listener = Observer(mosquitto_broker.port)
-    settings = settings_from_config({"host": "127.0.0.1", "port": mosquitto_broker.port}, "pi-08", [])
+    settings = settings_from_config(BrokerSettings("127.0.0.1", mosquitto_broker.port), "pi-08")
     reporter = TelemetryReporter("pi-08", settings, db, AgentStatus, interval=60).start()
     try:
         assert listener.wait_for(lambda: len(listener.of("/dev/pi-08/telemetry")) >= queued["queued"], 15)

@@ -243,11 +243,13 @@ def _config(tmp_path, **updates):
 
 
 def test_update_settings_defaults_and_plain_window(tmp_path):
+    from device_agent.config import HealthWindow
+
     config = _config(tmp_path)
-    assert config.updates["health_window_s"] == {"default": 30.0, "min": 5.0, "max": 3600.0}
-    assert config.operator_keys == []
+    assert config.updates.health_window_s == HealthWindow(default=30.0, min=5.0, max=3600.0)
+    assert config.operator_keys == ()
     short = _config(tmp_path, health_window_s=0.5)
-    assert short.updates["health_window_s"] == {"default": 0.5, "min": 0.5, "max": 3600.0}
+    assert short.updates.health_window_s == HealthWindow(default=0.5, min=0.5, max=3600.0)
 
 
 @pytest.mark.parametrize("updates, key", [
@@ -275,7 +277,7 @@ def test_operator_keys_resolve_against_the_config_folder(tmp_path):
 
     config = check_config({"device_id": "d", "store": "s", "trust": ["k.pub"], "operator_keys": ["ops/op.pub"]},
                           tmp_path / "agent.yaml")
-    assert config.operator_keys == [(tmp_path / "ops" / "op.pub").resolve()]
+    assert config.operator_keys == ((tmp_path / "ops" / "op.pub").resolve(),)
 
 
 # ------------------------------------------------------------------ download bounds (pure parts)

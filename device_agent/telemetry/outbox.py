@@ -51,6 +51,9 @@ KINDS: tuple[Kind, ...] = ("telemetry", "job", "state")
 # Non-job kinds in the order they are sacrificed when the soft bound is reached.
 _DROP_ORDER: tuple[Kind, ...] = ("telemetry", "state")
 
+DEFAULT_MAX_MESSAGES = 10_000  # agent.yaml mqtt.queue.max_messages
+DEFAULT_MAX_BYTES = 16 << 20  # agent.yaml mqtt.queue.max_bytes
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (
     seq      INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -108,8 +111,8 @@ class Outbox:
         self,
         path: str | Path,
         *,
-        max_messages: int = 10_000,
-        max_bytes: int = 16 << 20,
+        max_messages: int = DEFAULT_MAX_MESSAGES,
+        max_bytes: int = DEFAULT_MAX_BYTES,
         job_max_messages: int | None = None,
         job_max_bytes: int | None = None,
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from device_agent.config import BrokerSettings, OutboxSettings
 from device_agent.telemetry.metrics import ModelInfo, SystemReading, TelemetryAggregator, read_system
 from device_agent.telemetry.outbox import Forwarder, Outbox
 from edgepack_core import __version__ as edgepack_version
-from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, TlsSettings, Will
+from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, Will
 from edgepack_core.protocol.payloads import JOB_SCHEMA_ID, STATE_SCHEMA_ID
 from edgepack_core.protocol.topics import Topics
 
@@ -91,9 +92,10 @@ def state_document(device_id: str, online: bool, status: AgentStatus, groups: li
     return doc
 
 
-def settings_from_config(mqtt: Mapping[str, Any], device_id: str, groups: list[str]) -> MqttSettings:
+def settings_from_config(mqtt: BrokerSettings, device_id: str) -> MqttSettings:
     """MqttSettings from agent.yaml's ``mqtt`` section, with the device's last will."""
-    topics = Topics(mqtt.get("topic_root", "edgepack/v1"))
+    topics = Topics(mqtt.topic_root)
+    groups = list(mqtt.groups)
 
     def will() -> bytes:
         # Called before every connection attempt: the broker publishes the will unchanged, so
@@ -101,17 +103,15 @@ def settings_from_config(mqtt: Mapping[str, Any], device_id: str, groups: list[s
         doc = state_document(device_id, False, AgentStatus(), groups, reason="connection lost (last will)")
         return json.dumps(doc).encode()
 
-    tls = mqtt.get("tls")
     return MqttSettings(
-        host=mqtt["host"],
-        port=int(mqtt.get("port", 1883)),
-        keepalive=int(mqtt.get("keepalive", 30)),
-        protocol=mqtt.get("protocol", "5"),
-        client_id=mqtt.get("client_id") or device_id,
-        username=mqtt.get("username"),
-        password=mqtt.get("password"),
-        tls=TlsSettings(ca=tls.get("ca"), cert=tls.get("cert"), key=tls.get("key"),
-                        insecure=bool(tls.get("insecure", False))) if tls else None,
+        host=mqtt.host,
+        port=mqtt.port,
+        keepalive=mqtt.keepalive,
+        protocol=mqtt.protocol,
+        client_id=mqtt.client_id or device_id,
+        username=mqtt.username,
+        password=mqtt.password,
+        tls=mqtt.tls,
         topic_root=topics.root,
         will=Will(topics.state(device_id), will),
         session_expiry=SESSION_EXPIRY_S,
@@ -130,7 +130,7 @@ class TelemetryReporter:
         *,
         groups: list[str] | None = None,
         interval: float = 10.0,
-        outbox_limits: Mapping[str, int] | None = None,
+        outbox_limits: OutboxSettings | None = None,
     ) -> None:
         self.device_id = device_id
         self.groups = list(groups or [])
@@ -138,7 +138,8 @@ class TelemetryReporter:
         self.status = status
         self._interval = interval
         self.aggregator = TelemetryAggregator(device_id, started=time.monotonic())
-        self.outbox = Outbox(outbox_path, **dict(outbox_limits or {}))
+        limits = outbox_limits or OutboxSettings()
+        self.outbox = Outbox(outbox_path, max_messages=limits.max_messages, max_bytes=limits.max_bytes)
         self.transport = MqttTransport(settings)
         self.forwarder = Forwarder(self.outbox, self.transport)
         self.transport.on_connected(self.publish_state)

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from device_agent.config import DOWNLOAD_DEADLINE_S, HEALTH_WINDOW_DEFAULTS, MIN_RATE_BYTES_S, AgentConfig
+from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.smoke import compare_outputs
@@ -42,11 +42,9 @@ from device_agent.store import InstalledModel, ModelStore, simulate_power_cut_if
 from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates.admission import DevicePolicy, admit, policy_names, rollback_refusal
-from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES, FreeSpace
+from device_agent.updates.disk import FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
 from device_agent.updates.health import (
-    DEFAULT_CONTRACT_ERROR_MIN_CLIENTS,
-    HealthPolicy,
     Probes,
     check_window,
     judge,
@@ -68,10 +66,6 @@ from edgepack_core.versions import Version
 
 log = logging.getLogger("edgepack.agent.updates")
 
-DEFAULT_MAX_ERROR_RATE = 0.05
-DEFAULT_MAX_LATENCY_FACTOR = 3.0
-DEFAULT_MIN_REQUESTS = 20
-DEFAULT_MAX_DOWNLOAD = 1024**3
 MAX_PROBES = 16
 
 
@@ -114,20 +108,15 @@ class UpdateService:
         self.topics = host.reporter.topics
         config = host.config
         self.device_id = config.device_id
-        self.groups = list((config.mqtt or {}).get("groups", []))
+        self.groups = list(config.mqtt.groups) if config.mqtt is not None else []
         settings = config.updates
-        self.window = dict(settings.get("health_window_s") or HEALTH_WINDOW_DEFAULTS)
-        self.health = HealthPolicy(max_error_rate=float(settings.get("max_error_rate", DEFAULT_MAX_ERROR_RATE)),
-                                   max_latency_factor=float(settings.get("max_latency_factor",
-                                                                         DEFAULT_MAX_LATENCY_FACTOR)),
-                                   min_requests=int(settings.get("health_min_requests", DEFAULT_MIN_REQUESTS)),
-                                   contract_error_min_clients=int(settings.get(
-                                       "contract_error_min_clients", DEFAULT_CONTRACT_ERROR_MIN_CLIENTS)))
+        self.window = settings.health_window_s
+        self.health = settings.health_policy()
         self.bounds = self._bounds(config)
-        self.allowed_names = policy_names(settings.get("allowed_names"))
-        self.downloads = Path(settings.get("download_dir") or config.store / "downloads")
+        self.allowed_names = policy_names(settings.allowed_names)
+        self.downloads = settings.download_dir or config.store / "downloads"
         self.downloads.mkdir(parents=True, exist_ok=True)
-        self.space = FreeSpace(config.store, int(settings.get("min_free_bytes", DEFAULT_MIN_FREE_BYTES)))
+        self.space = FreeSpace(config.store, settings.min_free_bytes)
         self.journal = Journal(config.store / "jobs")
         self.replay = ReplayGuard(config.store / "command-ids.json")
         self._deploys: queue.Queue[Job | None] = queue.Queue()
@@ -142,13 +131,12 @@ class UpdateService:
     @staticmethod
     def _bounds(config: AgentConfig) -> Bounds:
         settings = config.updates
-        origins = settings.get("allowed_origins")
-        broker_host = str((config.mqtt or {}).get("host", "")).lower()
-        return Bounds(origins=allowed_origins(origins or []),
+        origins = settings.allowed_origins
+        broker_host = config.mqtt.host.lower() if config.mqtt is not None else ""
+        return Bounds(origins=allowed_origins(origins),
                       any_port_hosts=frozenset() if origins else frozenset({broker_host} - {""}),
-                      max_bytes=int(settings.get("max_download_bytes", DEFAULT_MAX_DOWNLOAD)),
-                      deadline_s=float(settings.get("download_deadline_s", DOWNLOAD_DEADLINE_S)),
-                      min_rate_bytes_s=float(settings.get("min_rate_bytes_s", MIN_RATE_BYTES_S)))
+                      max_bytes=settings.max_download_bytes, deadline_s=settings.download_deadline_s,
+                      min_rate_bytes_s=settings.min_rate_bytes_s)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -273,7 +261,7 @@ class UpdateService:
     def _check_settings(self, command: Command) -> None:
         """Values the device bounds itself, whoever signed them: the health window's range."""
         if "health_window_s" in command.body:
-            check_window(command.body["health_window_s"], low=self.window["min"], high=self.window["max"])
+            check_window(command.body["health_window_s"], low=self.window.min, high=self.window.max)
 
     def _accept(self, command: Command) -> None:
         kind = command.type
@@ -505,7 +493,7 @@ class UpdateService:
         self._activate_and_watch(job, staged, loaded, running)
 
     def _window_of(self, job: Job) -> float:
-        return float(job.command.get("health_window_s", self.window["default"]))
+        return float(job.command.get("health_window_s", self.window.default))
 
     def _activate_and_watch(self, job: Job, staged: InstalledModel, loaded: LoadedModel, running: _Running) -> None:
         service = self.host.service

@@ -54,18 +54,18 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=False)
 
 
-def _without_none(tp: Any) -> tuple[Any, bool]:
-    """``X | None`` -> (X, True); anything else -> (tp, False)."""
+def _without_none(tp: Any) -> Any:
+    """``X | None`` -> X (None is "not set", never written in a recipe); anything else as it is."""
     if typing.get_origin(tp) in (Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) < len(typing.get_args(tp)):
-            return (args[0] if len(args) == 1 else Union[tuple(args)]), True  # noqa: UP007
-    return tp, False
+            return args[0] if len(args) == 1 else Union[tuple(args)]  # noqa: UP007
+    return tp
 
 
 def _type_schema(tp: Any) -> dict[str, Any]:
     """The schema of a value of type ``tp`` (a dataclass, Literal, tuple, Mapping, primitive)."""
-    tp, _ = _without_none(tp)
+    tp = _without_none(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
         return schema_of(tp)  # type: ignore[arg-type]
@@ -123,7 +123,7 @@ def schema_of(cls: type) -> dict[str, Any]:
 
 
 def _parse_value(tp: Any, value: Any) -> Any:
-    tp, _ = _without_none(tp)
+    tp = _without_none(tp)
     if value is None:
         return None
     origin, args = typing.get_origin(tp), typing.get_args(tp)
