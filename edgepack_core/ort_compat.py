@@ -17,7 +17,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from edgepack_core.errors import ArtifactError
+from edgepack_core.errors import RuntimeTooOld
+from edgepack_core.errors import RuntimeTooOldError as RuntimeTooOldError  # the old import path
 
 DEFAULT_DOMAIN = "ai.onnx"
 ML_DOMAIN = "ai.onnx.ml"
@@ -126,14 +127,6 @@ def satisfies(installed: str, required: str) -> bool:
 def normalize_domain(domain: str) -> str:
     """ONNX writes the default domain as "" or "ai.onnx"; one name for both."""
     return DEFAULT_DOMAIN if domain in ("", DEFAULT_DOMAIN) else domain
-
-
-class RuntimeTooOld(ValueError):
-    """No known onnxruntime runs what the graph holds (e.g. an opset newer than every release)."""
-
-
-class RuntimeTooOldError(ArtifactError):
-    """The device's onnxruntime is older than the artifact's ``min_onnxruntime``."""
 
 
 def _rows(extra: Iterable[RuntimeRow]) -> list[RuntimeRow]:

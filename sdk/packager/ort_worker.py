@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from edgepack_core.ort_workarounds import disabled_optimizers
+from sdk.errors import HostError
 
 HEADER = struct.Struct(">Q")
 MAX_SESSIONS = 8
@@ -165,7 +166,7 @@ def ort_message(err: BaseException) -> str:
     return message if len(message) <= 4000 else message[:4000] + " …"
 
 
-class _Missing(Exception):
+class _Missing(HostError):
     """The session key is not cached (never loaded, or evicted): the parent loads and retries."""
 
 
