@@ -20,7 +20,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from device_agent.store import TEST_CRASH_ENV
+from edgepack_core import faults
 from edgepack_core.signing import TrustStore, load_public_key
 from sdk.deploy import deploy
 from tests.agent_process import AgentProcess, LoadGenerator, Observer
@@ -205,7 +205,7 @@ def test_kill_9_in_each_job_state_then_restart_ends_consistent(tmp_path, mosquit
                                                                expected):
     agent = AgentProcess(tmp_path, device="pi-09", broker_port=mosquitto_broker.port, trust=keypair[1],
                          artifact=arts["v1"], health_window_s=0.5)
-    agent.start(env={TEST_CRASH_ENV: f"job-{state}"})
+    agent.start(env=faults.switch(f"job-{state}"))
     watch = Observer(mosquitto_broker.port)
     holder: dict = {}
     try:
@@ -213,7 +213,7 @@ def test_kill_9_in_each_job_state_then_restart_ends_consistent(tmp_path, mosquit
             arts["v2"], broker=mosquitto_broker.address, devices=["pi-09"], timeout=60)))
         thread.start()
         assert agent.wait_exit(30) == -9, "the agent should have been killed at the crash point"
-        env = {k: v for k, v in os.environ.items() if k != TEST_CRASH_ENV}
+        env = {k: v for k, v in os.environ.items() if k != faults.ENV}
         agent.start(env=env)
         thread.join(90)
         final = [e for e in watch.jobs("pi-09") if e.get("final") and e.get("type") == "deploy"]
