@@ -235,8 +235,13 @@ def check_manifest(document: Any) -> Manifest:
     for ref in referenced:
         if ref not in files:
             raise ManifestError(f"manifest.json: {ref} is referenced but not listed in files")
-    manifest = Manifest(document)
-    try:  # the specs' cross-field rules (mean per channel, in_graph's dtype, detection outputs)
+    return _with_specs(Manifest(document))
+
+
+def _with_specs(manifest: Manifest) -> Manifest:
+    """Parse the pre/postprocessing specs now, once: their cross-field rules (a mean per
+    channel, in_graph's dtype, detection outputs) refuse the manifest at verification."""
+    try:
         _ = manifest.preprocess, manifest.postprocess
     except SchemaError as err:
         raise ManifestError(str(err)) from err

@@ -98,6 +98,9 @@ RECIPE_SCHEMA: dict[str, Any] = {
 }
 
 
+# The sections parsed by edgepack_core's own spec parsers (with the recipe's name in their errors).
+_SPECS = ("preprocess", "postprocess")
+
 # The sections that hold a data source, and the key of the source inside each.
 DATA_SOURCES: tuple[tuple[str, str], ...] = (("golden", "data"), ("validate", "data"), ("quantize", "calibration"))
 
@@ -218,14 +221,14 @@ def check_recipe(document: Any, path: Path, *, allow_external_paths: bool = Fals
     _check_roles(data, recipe)
     # Parsed once, with the paths resolved and the role's input in: the typed parsers check what a
     # schema cannot (one mean/std value per channel, detection outputs), naming the recipe's key.
-    specs = {"preprocess": parse_preprocess(data.get("preprocess"), document=recipe, path="preprocess"),
-             "postprocess": parse_postprocess(data.get("postprocess"), document=recipe, path="postprocess")}
+    preprocess = parse_preprocess(data.get("preprocess"), document=recipe, path="preprocess")
+    postprocess = parse_postprocess(data.get("postprocess"), document=recipe, path="postprocess")
     _check_data_consent(data, recipe)
     quantize = data.get("quantize") or {}
     if quantize.get("mode") == "static" and "calibration" not in quantize:
         raise RecipeError("quantize.calibration", "static quantization needs calibration data", recipe=recipe)
-    fields = parse_fields(Recipe, {key: value for key, value in data.items() if key not in specs})
-    return Recipe(path=path.resolve(), data=data, root=root, **fields, **specs)
+    fields = parse_fields(Recipe, {key: value for key, value in data.items() if key not in _SPECS})
+    return Recipe(path=path.resolve(), data=data, root=root, preprocess=preprocess, postprocess=postprocess, **fields)
 
 
 def load_recipe(path: str | Path, *, allow_external_paths: bool = False) -> Recipe:

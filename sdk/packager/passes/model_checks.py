@@ -345,7 +345,7 @@ def _bundle_assets(ctx: BuildContext, post: PostprocessSpec, recipe: str) -> Pos
                               f"{err.start})", recipe=recipe) from err
         ctx.files[member] = data
         members[key] = member
-    return replace(post, **members)
+    return replace(post, labels=members.get("labels", post.labels), charset=members.get("charset", post.charset))
 
 
 def _check_postprocess_outputs(ctx: BuildContext, recipe: str) -> None:
