@@ -93,12 +93,12 @@ def test_the_agents_telemetry_parses_into_typed_figures():
 
 def test_the_agents_job_events_parse_and_render_back_to_the_same_document():
     job = advance(Job("c-1", "deploy", command={"version": "1.2.0"}), "downloading", "", 1.0, bytes=10)
-    doc = {"schema": "edgepack.job/1", "device": "pi-07", "ts": 3.5, **job.event()}
-    event = parse_job_event("pi-07", _encode(doc))
+    doc = job.event("pi-07", 3.5).to_json()
+    event = parse_job_event("pi-07", job.event("pi-07", 3.5).encode())
     assert isinstance(event, JobEvent)
     assert (event.state, event.final, event.version, dict(event.detail)) == ("downloading", False, "1.2.0",
                                                                              {"bytes": 10})
-    assert event.to_json() == doc
+    assert event.to_json() == doc and event == job.event("pi-07", 3.5)
 
 
 # ------------------------------------------------------------------ bounds, at their boundaries
