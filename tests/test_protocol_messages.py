@@ -13,12 +13,16 @@ from device_agent.telemetry.reporter import AgentStatus, state_document
 from device_agent.updates.jobs import Job, advance
 from edgepack_core.protocol import bounds
 from edgepack_core.protocol.bounds import BIG, MAX_MESSAGE_BYTES
+from edgepack_core.protocol.ids import ID_PATTERN
 from edgepack_core.protocol.messages import (
+    JOB_STATE,
     MAX_CAPABILITIES_BYTES,
     MAX_ERROR_KINDS,
     MAX_GROUPS,
     MAX_JOB_REASON,
+    MAX_JOB_TYPE_CHARS,
     MAX_STATE_REASON,
+    MAX_VERSION_CHARS,
     Decommissioned,
     DeviceState,
     JobEvent,
@@ -29,6 +33,7 @@ from edgepack_core.protocol.messages import (
     parse_state,
     parse_telemetry,
 )
+from edgepack_core.protocol.payloads import load_schema
 from sdk.fleet import FleetView, format_table
 
 ROOT = "edgepack/v1"
@@ -181,6 +186,16 @@ def _strings(doc: object):
             yield from _strings(item)
     elif isinstance(doc, str):
         yield doc
+
+
+def test_the_parsers_bounds_are_the_json_schemas_bounds():
+    """One definition: where the parser and the shipped JSON Schema bound the same field, they
+    agree (the parser cuts some texts shorter, for storage: those are not schema bounds)."""
+    state, job = load_schema("state")["properties"], load_schema("job")["properties"]
+    assert state["groups"]["maxItems"] == MAX_GROUPS
+    assert job["state"]["pattern"] == f"^{JOB_STATE.pattern}$"
+    assert job["type"]["maxLength"] == MAX_JOB_TYPE_CHARS and job["version"]["maxLength"] == MAX_VERSION_CHARS
+    assert job["job"]["pattern"] == state["device"]["pattern"] == ID_PATTERN
 
 
 def test_an_empty_state_decommissions():
