@@ -9,8 +9,8 @@ from __future__ import annotations
 from edgepack_core.errors import EdgepackError, SchemaError, UsageError
 
 __all__ = [
-    "AgentError", "BackgroundError", "BadRequest", "ConfigError", "EdgepackError", "NoModelError", "ProviderError",
-    "SchemaError", "SmokeTestError", "StoreError",
+    "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "ConfigError", "EdgepackError", "NoModelError",
+    "ProviderError", "SchemaError", "SmokeTestError", "StoreError",
 ]
 
 
@@ -34,6 +34,11 @@ class ConfigError(UsageError):
 
 class StoreError(AgentError):
     """The model store cannot complete an operation (nothing to roll back to, disk errors)."""
+
+
+class AdmissionRefused(AgentError):
+    """A verified update this device must not run (name, version, profile or I/O contract;
+    ``updates/admission.py``): the job is rejected and nothing is extracted."""
 
 
 class SmokeTestError(AgentError):

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from device_agent.config import AgentConfig
-from device_agent.errors import StoreError
+from device_agent.errors import AdmissionRefused, StoreError
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.smoke import compare_outputs
 from device_agent.store import InstalledModel, ModelStore, simulate_power_cut_if_testing
@@ -56,7 +56,6 @@ from device_agent.updates.jobs import Job, advance, on_restart, restart_reason
 from device_agent.updates.journal import Journal, JournalError
 from device_agent.updates.replay import UNSIGNED, ReplayError, ReplayGuard
 from device_agent.updates.xfer import Receiver, TransferError, XferSpec
-from edgepack_core.artifact import verify_artifact
 from edgepack_core.command_auth import authorize_command, requires_signature
 from edgepack_core.errors import ArtifactError, CommandSignatureError, EdgepackError
 from edgepack_core.manifest import Manifest
@@ -458,32 +457,39 @@ class UpdateService:
         return None if model is None else model.manifest
 
     def _install_downloaded(self, job: Job, artifact: Path, running: _Running) -> None:
+        """Verify, admit and stage in one pass over the artifact: admission judges the signed
+        manifest before any member is read, and every member is hashed once, as it is written
+        into the store (so what is staged is exactly what was verified)."""
         job = self._set(job, J.VERIFYING, "checking signature, hashes, name, version, target and I/O contract")
         # Recorded before the verifier runs: if it kills the agent (memory), the restart fails
         # the job instead of verifying the same file again.
         job = self._set(job, J.VERIFYING, job.reason, publish=False, verify_started=True)
-        try:
-            verified = verify_artifact(artifact, self.host.trust, self.host.store.limits)
-        except ArtifactError as err:
-            self._set(job, J.REJECTED, str(err))
-            return
-        manifest = verified.manifest
-        reason = admit(manifest, self._active_manifest(), job.command, self._policy())
-        if reason is not None:
-            self._set(job, J.REJECTED, reason)
-            return
-        if running.stop.is_set():
-            self._end_cancelled(job, running)
-            return
-        job = self._set(job, J.STAGING, f"extracting {manifest.name} {manifest.version}")
+        active, policy, command = self._active_manifest(), self._policy(), job.command
+
+        def admission(manifest: Manifest) -> None:
+            reason = admit(manifest, active, command, policy)
+            if reason is not None:
+                raise AdmissionRefused(reason)
+
         try:
             with self._store_lock:
-                # admission already applied the version rules (within a name), so the store's
-                # own cross-name check is overridden here
-                staged = self.host.store.stage(artifact, force=True)
+                # admission applies the version rules (within a name), so the store's own
+                # cross-name check is overridden here
+                staged = self.host.store.stage(artifact, force=True, admit=admission)
+        except (ArtifactError, AdmissionRefused) as err:
+            self._set(job, J.REJECTED, str(err))
+            return
         except EdgepackError as err:
             self._set(job, J.FAILED, str(err))
             return
+        if running.stop.is_set():
+            self.host.store.discard(staged)
+            self._end_cancelled(job, running)
+            return
+        job = self._set(job, J.STAGING, f"staged {staged.name} {staged.version}")
+        self._test_and_activate(job, staged, running)
+
+    def _test_and_activate(self, job: Job, staged: InstalledModel, running: _Running) -> None:
         job = self._set(job, J.TESTING, "golden samples on a shadow session")
         try:
             loaded = self.host.load(staged)
