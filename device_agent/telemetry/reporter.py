@@ -31,7 +31,6 @@ from edgepack_core.protocol.topics import Topics
 
 log = logging.getLogger("edgepack.agent.telemetry")
 
-STATE_SCHEMA = STATE_SCHEMA_ID
 SESSION_EXPIRY_S = 24 * 3600  # the broker keeps queued commands for a device offline up to a day
 MAX_FALLBACKS = 16  # the state schema's bounds on provider_fallbacks
 MAX_REASON_CHARS = 1000
@@ -73,7 +72,7 @@ def state_document(device_id: str, online: bool, status: AgentStatus, groups: li
                    reason: str = "", ts: float | None = None) -> dict[str, Any]:
     """The retained ``state`` payload: "online" birth with capabilities, or "offline"."""
     doc: dict[str, Any] = {
-        "schema": STATE_SCHEMA,
+        "schema": STATE_SCHEMA_ID,
         "device": device_id,
         "status": "online" if online else "offline",
         "ts": round(time.time() if ts is None else ts, 3),

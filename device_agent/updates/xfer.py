@@ -27,29 +27,13 @@ from typing import Any
 
 from device_agent.errors import AgentError
 from device_agent.store import atomic_write
-from edgepack_core.protocol.codec import (
-    HEADER,
-    MAGIC,
-    MAX_REQUEST_CHUNKS,
-    chunk_count,
-    decode_chunk,
-    encode_chunk,
-    parse_request,
-    request_payload,
-)
-from edgepack_core.protocol.payloads import XFER_SCHEMA_ID
+from edgepack_core.protocol.codec import chunk_count, decode_chunk, request_payload
 from edgepack_core.protocol.topics import Topics
 
 log = logging.getLogger("edgepack.agent.xfer")
 
-XFER_SCHEMA = XFER_SCHEMA_ID
 WINDOW = 32
 PERSIST_EVERY = 16
-
-__all__ = [
-    "HEADER", "MAGIC", "MAX_REQUEST_CHUNKS", "XFER_SCHEMA", "Receiver", "TransferError", "XferSpec", "chunk_count",
-    "decode_chunk", "encode_chunk", "parse_request", "request_payload",
-]
 
 
 class TransferError(AgentError):
