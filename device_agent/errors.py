@@ -6,11 +6,11 @@ code; the HTTP API turns a :class:`BadRequest` into a 4xx JSON answer and keeps 
 
 from __future__ import annotations
 
-from edgepack_core.errors import EdgepackError, SchemaError, UsageError
+from edgepack_core.errors import EdgepackError, UsageError
 
 __all__ = [
-    "AgentError", "BackgroundError", "BadRequest", "ConfigError", "EdgepackError", "NoModelError", "ProviderError",
-    "SchemaError", "SmokeTestError", "StoreError",
+    "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "ConfigError", "NoModelError", "ProviderError",
+    "SmokeTestError", "StoreError",
 ]
 
 
@@ -23,7 +23,7 @@ class BackgroundError(AgentError):
 
 
 class ConfigError(UsageError):
-    """agent.yaml cannot be used (beyond schema errors, which are ``SchemaError``)."""
+    """agent.yaml cannot be used (beyond schema errors, which are ``edgepack_core.errors.SchemaError``)."""
 
     def __init__(self, key: str, problem: str, *, config: str = "") -> None:
         where = f"{config}: " if config else ""
@@ -34,6 +34,11 @@ class ConfigError(UsageError):
 
 class StoreError(AgentError):
     """The model store cannot complete an operation (nothing to roll back to, disk errors)."""
+
+
+class AdmissionRefused(AgentError):
+    """A verified update this device must not run (name, version, profile or I/O contract;
+    ``updates/admission.py``): the job is rejected and nothing is extracted."""
 
 
 class SmokeTestError(AgentError):

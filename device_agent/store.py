@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from device_agent.errors import StoreError
-from edgepack_core.artifact import Limits, VerifiedArtifact, extract_artifact, read_extracted
+from edgepack_core.artifact import Admit, Limits, VerifiedArtifact, extract_artifact, read_extracted
 from edgepack_core.errors import ArtifactError
 from edgepack_core.signing import TrustStore
 from edgepack_core.versions import Version, check_upgrade
@@ -252,13 +252,14 @@ class ModelStore:
 
     # ---------------------------------------------------------------- install steps
 
-    def stage(self, artifact: Path, *, force: bool = False) -> InstalledModel:
+    def stage(self, artifact: Path, *, force: bool = False, admit: Admit | None = None) -> InstalledModel:
         """Verify and extract ``artifact`` into its own directory; refuse a downgrade unless
-        forced. Does not change what is active."""
+        forced. ``admit`` judges the signed manifest before any member is extracted (it raises
+        to refuse). Does not change what is active."""
         self._require_writable()
         tmp = Path(tempfile.mkdtemp(prefix=".stage-", dir=self.models))
         try:
-            verified = extract_artifact(artifact, tmp / "x", self.trust, self.limits)
+            verified = extract_artifact(artifact, tmp / "x", self.trust, self.limits, admit=admit)
             check_upgrade(verified.manifest.version, self.active_version(), force=force, artifact=str(artifact))
             key = f"{verified.manifest.name}-{verified.manifest.version}-{verified.manifest.model_sha256[:12]}"
             target = self._inside(key)

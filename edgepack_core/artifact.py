@@ -47,7 +47,7 @@ import os
 import shutil
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -560,8 +560,14 @@ def _walk_members(
         raise IntegrityError(missing[0], "listed in the manifest but missing from the archive")
 
 
+Admit = Callable[[Manifest], None]
+"""A caller's decision on a signed manifest, taken before any member is read: it returns to let
+the walk go on, or raises to refuse the artifact (see :func:`extract_artifact`)."""
+
+
 def _walk(
-    path: Path, trust: TrustStore, limits: Limits, staging: Path | None, durable: bool = True
+    path: Path, trust: TrustStore, limits: Limits, staging: Path | None, durable: bool = True,
+    admit: Admit | None = None,
 ) -> VerifiedArtifact:
     try:
         size = path.stat().st_size
@@ -580,6 +586,8 @@ def _walk(
             key = trust.verify(manifest_bytes, signature)
             check_signature_layout(signature)
             manifest = parse_manifest(manifest_bytes)
+            if admit is not None:
+                admit(manifest)
             _walk_members(reader, manifest, limits, staging, len(manifest_bytes) + len(signature), durable)
             if staging is not None:
                 (staging / MANIFEST_NAME).write_bytes(manifest_bytes)
@@ -616,6 +624,7 @@ def extract_artifact(
     limits: Limits | None = None,
     *,
     durable: bool = True,
+    admit: Admit | None = None,
 ) -> VerifiedArtifact:
     """Verify and extract into ``dest`` (which must not exist) atomically.
 
@@ -623,7 +632,9 @@ def extract_artifact(
     directory is renamed to ``dest`` only after every check passed. ``durable=False`` skips
     the fsyncs (not the checks), for a throwaway copy such as ``edgepack-agent predict``'s
     temporary directory: surviving a power cut means nothing there, and on an SD card the
-    fsyncs cost more than the rest of the extraction.
+    fsyncs cost more than the rest of the extraction. ``admit`` sees the manifest once its
+    signature is verified and before any member is read, so a caller's own refusal (the
+    agent's admission of an update) costs no extraction and the artifact is still read once.
     """
     path, dest = Path(path), Path(dest)
     if dest.exists():
@@ -631,7 +642,7 @@ def extract_artifact(
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     try:
-        verified = _walk(path, trust, limits or Limits(), staging, durable)
+        verified = _walk(path, trust, limits or Limits(), staging, durable, admit)
         if durable:
             for directory in sorted({p for p in staging.rglob("*") if p.is_dir()} | {staging}, reverse=True):
                 _fsync_dir(directory)

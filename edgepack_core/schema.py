@@ -102,7 +102,8 @@ class Validator:
     def _resolve(self, ref: str) -> Mapping[str, Any]:
         if not ref.startswith("#/$defs/"):
             raise ValueError(f"unsupported $ref {ref}")
-        return self.root["$defs"][ref[len("#/$defs/"):]]
+        resolved: Mapping[str, Any] = self.root["$defs"][ref[len("#/$defs/"):]]
+        return resolved
 
     def validate(self, value: Any, schema: Mapping[str, Any] | None = None, path: str = "") -> None:
         """Raise :class:`SchemaError` naming the first offending key path, or return None."""
@@ -152,7 +153,7 @@ class Validator:
         if "pattern" in schema and not ecma_pattern(schema["pattern"]).search(value):
             raise self._fail(path, f"{value!r} does not match {schema['pattern']}")
 
-    def _check_array(self, value: list | tuple, schema: Mapping[str, Any], path: str) -> None:
+    def _check_array(self, value: list[Any] | tuple[Any, ...], schema: Mapping[str, Any], path: str) -> None:
         if "minItems" in schema and len(value) < schema["minItems"]:
             raise self._fail(path, f"needs at least {schema['minItems']} item(s)")
         if "maxItems" in schema and len(value) > schema["maxItems"]:
@@ -181,7 +182,7 @@ class Validator:
         consts = {k: v["const"] for k, v in option.get("properties", {}).items() if "const" in v}
         return bool(consts) and isinstance(value, dict) and all(value.get(k) == c for k, c in consts.items())
 
-    def _validate_object(self, value: dict, schema: Mapping[str, Any], path: str) -> None:
+    def _validate_object(self, value: dict[str, Any], schema: Mapping[str, Any], path: str) -> None:
         properties = schema.get("properties", {})
         for key in schema.get("required", []):
             if key not in value:

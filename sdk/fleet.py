@@ -3,25 +3,31 @@
 ``FleetView`` is pure: it takes (topic, payload, receive time) and answers "which devices,
 online or not, running what". A device is offline when its retained state says so (its
 last will, or a clean shutdown) or when nothing was heard from it for ``silence_s``.
-Payloads that are not JSON, too large, or of the wrong schema are counted and dropped; they
-never raise. ``collect`` and ``stream_messages`` are the thin I/O around it, on the shared
-``MqttTransport``.
+Messages are parsed by :mod:`edgepack_core.protocol.messages` (the same parser as the fleet
+server's); what it refuses is counted by reason and dropped, never raised. ``collect`` and
+``stream_messages`` are the thin I/O around it, on the shared ``MqttTransport``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from edgepack_core.errors import EdgepackError
 from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.ids import validate_id
-from edgepack_core.protocol.payloads import STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID
+from edgepack_core.protocol.messages import (
+    Decommissioned,
+    DeviceState,
+    ModelRef,
+    Telemetry,
+    parse_state,
+    parse_telemetry,
+)
 from edgepack_core.protocol.topics import DEFAULT_ROOT, Topics
 from sdk.broker import BrokerOptions, parse_broker
 
@@ -29,10 +35,7 @@ __all__ = ["DeviceRow", "FleetError", "FleetView", "collect", "format_table", "p
 
 log = logging.getLogger("edgepack.fleet")
 
-MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_DEVICES = 1_000_000
-STATE_SCHEMA = STATE_SCHEMA_ID
-TELEMETRY_SCHEMA = TELEMETRY_SCHEMA_ID
 
 
 class FleetError(EdgepackError):
@@ -45,32 +48,33 @@ class DeviceRow:
     status: str = "unknown"  # online | offline | silent | unknown
     status_reason: str = ""
     last_seen: float | None = None
-    model: dict[str, Any] | None = None
+    model: ModelRef | None = None
     provider: str | None = None
     profile: str | None = None
     groups: list[str] = field(default_factory=list)
     capabilities: dict[str, Any] = field(default_factory=dict)
-    telemetry: dict[str, Any] | None = None
+    telemetry: Telemetry | None = None
     telemetry_count: int = 0
     last_seq: int | None = None
     seq_gaps: int = 0
     restarts: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        telemetry = self.telemetry or {}
+        telemetry = self.telemetry
         return {
             "device": self.device,
             "status": self.status,
             "status_reason": self.status_reason,
             "last_seen": self.last_seen,
-            "model": self.model,
+            "model": None if self.model is None else self.model.to_json(),
             "provider": self.provider,
             "profile": self.profile,
             "groups": self.groups,
-            "latency_ms": telemetry.get("latency_ms"),
-            "errors": telemetry.get("errors"),
-            "inferences": telemetry.get("inferences"),
-            "queue": telemetry.get("queue"),
+            "latency_ms": None if telemetry is None else telemetry.latency_ms(),
+            "errors": None if telemetry is None else dict(telemetry.error_kinds),
+            "inferences": None if telemetry is None else {"interval": telemetry.inferences_interval,
+                                                          "total": telemetry.inferences_total},
+            "queue": None if telemetry is None or telemetry.queue is None else asdict(telemetry.queue),
             "telemetry_messages": self.telemetry_count,
             "telemetry_gaps": self.seq_gaps,
             "restarts_seen": self.restarts,
@@ -102,73 +106,52 @@ class FleetView:
         return row
 
     def apply(self, topic: str, payload: bytes, now: float) -> None:
-        """Take one message. Never raises for bad input: counts it in ``dropped``."""
+        """Take one message. Never raises for bad input: counts it in ``dropped`` by the
+        protocol's refusal reason (:data:`~edgepack_core.protocol.bounds.Refusal`)."""
         parsed = self._topics.parse(topic)
         if parsed is None:
             self._drop("bad_topic")
             return
         if parsed.kind not in ("state", "telemetry") or parsed.device is None:
             return
-        if len(payload) > MAX_PAYLOAD_BYTES:
-            self._drop("too_large")
-            return
-        if parsed.kind == "state" and payload == b"":
-            self.devices.pop(parsed.device, None)  # retained state cleared: device decommissioned
-            return
-        try:
-            doc = json.loads(payload)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            self._drop("not_json")
-            return
-        if not isinstance(doc, dict):
-            self._drop("bad_schema")
-            return
-        if parsed.kind == "state":
-            self._apply_state(parsed.device, doc, now)
+        message = (parse_state if parsed.kind == "state" else parse_telemetry)(parsed.device, payload)
+        if isinstance(message, str):
+            self._drop(message)
+        elif isinstance(message, Decommissioned):
+            self.devices.pop(message.device, None)  # retained state cleared: device decommissioned
+        elif isinstance(message, DeviceState):
+            self._apply_state(message, now)
         else:
-            self._apply_telemetry(parsed.device, doc, now)
+            self._apply_telemetry(message, now)
 
-    def _apply_state(self, device: str, doc: dict[str, Any], now: float) -> None:
-        status = doc.get("status")
-        if doc.get("schema") != STATE_SCHEMA or status not in ("online", "offline"):
-            self._drop("bad_schema")
-            return
-        row = self._row(device)
+    def _apply_state(self, state: DeviceState, now: float) -> None:
+        row = self._row(state.device)
         if row is None:
             return
-        row.status = status
-        row.status_reason = str(doc.get("reason", "")) if status == "offline" else ""
+        row.status = state.status
+        row.status_reason = state.reason
         row.last_seen = now
-        if isinstance(doc.get("model"), dict) or doc.get("model") is None:
-            row.model = doc.get("model") or row.model
-        caps = doc.get("capabilities")
-        if isinstance(caps, dict):
-            row.capabilities = caps
-            row.profile = caps.get("profile") if isinstance(caps.get("profile"), str) else row.profile
-        groups = doc.get("groups")
-        if isinstance(groups, list):
-            row.groups = [g for g in groups if isinstance(g, str)]
-        if isinstance(doc.get("provider"), str):
-            row.provider = doc["provider"]
+        row.model = state.model or row.model  # a last will names no model: keep what it ran
+        if state.capabilities is not None:
+            row.capabilities = state.capabilities_dict()
+            row.profile = state.profile or row.profile
+        if state.groups is not None:
+            row.groups = list(state.groups)
+        row.provider = state.provider or row.provider
 
-    def _apply_telemetry(self, device: str, doc: dict[str, Any], now: float) -> None:
-        if doc.get("schema") != TELEMETRY_SCHEMA:
-            self._drop("bad_schema")
-            return
-        row = self._row(device)
+    def _apply_telemetry(self, sample: Telemetry, now: float) -> None:
+        row = self._row(sample.device)
         if row is None:
             return
-        row.telemetry = doc
+        row.telemetry = sample
         row.telemetry_count += 1
         row.last_seen = now
         if row.status in ("unknown", "silent"):
             row.status = "online"
-        if isinstance(doc.get("model"), dict):
-            row.model = doc["model"]
-        if isinstance(doc.get("provider"), str):
-            row.provider = doc["provider"]
-        seq = doc.get("seq")
-        if isinstance(seq, int):
+        row.model = sample.model or row.model
+        row.provider = sample.provider or row.provider
+        seq = sample.seq
+        if seq is not None:
             if row.last_seq is not None and seq < row.last_seq:
                 row.restarts += 1  # the agent restarted and began a new sequence
             elif row.last_seq is not None and seq > row.last_seq + 1:
@@ -193,12 +176,11 @@ def format_table(rows: list[DeviceRow], now: float) -> str:
              f"{'ERRORS':>6} {'LAST SEEN':>9}"
     lines = [header]
     for row in rows:
-        model = f"{row.model.get('name')} {row.model.get('version')}" if row.model else "-"
-        latency = (row.telemetry or {}).get("latency_ms") or {}
-        errors = (row.telemetry or {}).get("errors") or {}
-        total_errors = sum(v for v in errors.values() if isinstance(v, int)) if isinstance(errors, dict) else 0
+        model = f"{row.model.name} {row.model.version}" if row.model else "-"
+        sample = row.telemetry
+        total_errors = (sample.errors_total or 0) if sample is not None else 0
         seen = f"{now - row.last_seen:.0f}s ago" if row.last_seen else "-"
-        p50, p99 = latency.get("p50"), latency.get("p99")
+        p50, p99 = (sample.latency_p50, sample.latency_p99) if sample is not None else (None, None)
         lines.append(
             f"{row.device[:20]:<20} {row.status:<8} {model[:24]:<24} {(row.provider or '-')[:26]:<26} "
             f"{p50 if p50 is not None else '-':>7} {p99 if p99 is not None else '-':>7} {total_errors:>6} {seen:>9}"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
+from edgepack_core.protocol.messages import ModelRef
 from sdk.fleet import FleetView, format_table
 from tests.conftest import run_cli
 
@@ -17,7 +18,8 @@ ROOT = "edgepack/v1"
 
 
 def _state(device: str, status: str, **extra) -> bytes:
-    return json.dumps({"schema": "edgepack.state/1", "device": device, "status": status, **extra}).encode()
+    return json.dumps({"schema": "edgepack.state/1", "device": device, "status": status, "ts": 1.0,
+                       **extra}).encode()
 
 
 def _telemetry(device: str, seq: int, p50: float = 1.5) -> bytes:
@@ -34,7 +36,7 @@ def test_state_and_telemetry_make_one_row_per_device():
     view.apply(f"{ROOT}/dev/pi-2/state", _state("pi-2", "offline", reason="last will"), now=102)
     rows = {r.device: r for r in view.rows(now=103)}
     assert rows["pi-1"].status == "online" and rows["pi-1"].profile == "rpi" and rows["pi-1"].groups == ["kitchen"]
-    assert rows["pi-1"].model == {"name": "digits", "version": "1.0.0"}
+    assert rows["pi-1"].model == ModelRef("digits", "1.0.0")
     assert rows["pi-2"].status == "offline" and rows["pi-2"].status_reason == "last will"
     table = format_table(view.rows(now=103), now=103)
     assert "pi-1" in table and "digits 1.0.0" in table and "2 device(s), 1 online" in table
@@ -68,11 +70,13 @@ def test_hostile_payloads_are_dropped_and_counted_never_raised():
     view.apply(f"{ROOT}/dev/d/telemetry", b"[1, 2, 3]", now=1)
     view.apply(f"{ROOT}/dev/d/telemetry", json.dumps({"schema": "other"}).encode(), now=1)
     view.apply(f"{ROOT}/dev/d/state", b"{" + b"x" * (300 * 1024) + b"}", now=1)
-    view.apply(f"{ROOT}/dev/d/state", json.dumps({"schema": "edgepack.state/1", "status": "maybe"}).encode(), now=1)
+    view.apply(f"{ROOT}/dev/d/state", _state("d", "maybe"), now=1)
     view.apply(f"{ROOT}/dev/bad+name/state", _state("x", "online"), now=1)
-    view.apply(f"{ROOT}/dev/d/state", json.dumps({"schema": "edgepack.state/1", "status": "online",
-                                                  "groups": "not-a-list", "model": 7}).encode(), now=1)
-    assert view.dropped == {"not_json": 1, "bad_schema": 3, "too_large": 1, "bad_topic": 1}
+    view.apply(f"{ROOT}/dev/d/state", _state("other", "online"), now=1)
+    view.apply(f"{ROOT}/dev/d/state", _state("d", "online", provider="a\ud800"), now=1)
+    view.apply(f"{ROOT}/dev/d/state", _state("d", "online", groups="not-a-list", model=7), now=1)
+    assert view.dropped == {"not_json": 1, "bad_schema": 3, "too_large": 1, "bad_topic": 1, "device_mismatch": 1,
+                            "bad_text": 1}
     assert list(view.devices) == ["d"] and view.devices["d"].groups == []
 
 
@@ -94,10 +98,11 @@ def test_fleet_status_reads_retained_states_and_last_will_from_a_real_broker(mos
     script.write_text(
         "import json, sys, time, paho.mqtt.client as mqtt\n"
         "c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id='pi-2', protocol=mqtt.MQTTv5)\n"
-        f"c.will_set('{ROOT}/dev/pi-2/state', json.dumps({{'schema': 'edgepack.state/1', 'status': 'offline',"
-        " 'reason': 'last will'}), qos=1, retain=True)\n"
+        f"c.will_set('{ROOT}/dev/pi-2/state', json.dumps({{'schema': 'edgepack.state/1', 'device': 'pi-2',"
+        " 'status': 'offline', 'ts': time.time(), 'reason': 'last will'}), qos=1, retain=True)\n"
         f"c.connect('127.0.0.1', {mosquitto_broker.port}, keepalive=5)\n"
-        f"c.publish('{ROOT}/dev/pi-2/state', json.dumps({{'schema': 'edgepack.state/1', 'status': 'online'}}),"
+        f"c.publish('{ROOT}/dev/pi-2/state', json.dumps({{'schema': 'edgepack.state/1', 'device': 'pi-2',"
+        " 'status': 'online', 'ts': time.time()}),"
         " qos=1, retain=True).wait_for_publish(5) if c.loop_start() is None else None\n"
         "print('up', flush=True); time.sleep(60)\n"
     )

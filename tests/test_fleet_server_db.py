@@ -12,12 +12,12 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import func, inspect, select
 
+from edgepack_core.protocol.messages import parse_job_event, parse_state, parse_telemetry
 from sdk.errors import FleetServerError, ServerConfigError
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database, normalise_url, open_database
 from sdk.fleet_server.driver import Lease
 from sdk.fleet_server.ingest import Writer
-from sdk.fleet_server.records import parse_job, parse_state, parse_telemetry
 from sdk.fleet_server.retention import Pruner, RetentionPolicy
 from tests.postgres import postgres_server, postgres_url  # noqa: F401  (fixtures)
 
@@ -176,7 +176,7 @@ def _seed_rollout(database: Database) -> None:
 
 def _write_jobs(database: Database, *events: bytes) -> int:
     with database.write() as connection:
-        return Writer(database).jobs(connection, [(parse_job("d1", e), time.time()) for e in events])
+        return Writer(database).jobs(connection, [(parse_job_event("d1", e), time.time()) for e in events])
 
 
 def _rollout_device(database: Database):

@@ -14,18 +14,19 @@ import paho.mqtt.client as mqtt
 import pytest
 from sqlalchemy import func, select
 
+from edgepack_core.protocol import bounds
+from edgepack_core.protocol.bounds import BIG
+from edgepack_core.protocol.messages import DeviceState, parse_job_event, parse_state, parse_telemetry
 from sdk.broker import BrokerOptions
 from sdk.errors import ApiError
 from sdk.fleet_server import db as db_module
 from sdk.fleet_server import db as tables
 from sdk.fleet_server import ingest as ingest_module
-from sdk.fleet_server import records
 from sdk.fleet_server.budgets import Buckets, DropLedger, Rate, parse_rate
 from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.driver import Driver
 from sdk.fleet_server.ingest import ByteQueue, Ingest, Writer, _Item
 from sdk.fleet_server.queries import DeviceFilter, RolloutRequest, create_rollout, dead_letters, list_devices
-from sdk.fleet_server.records import BIG, parse_job, parse_state, parse_telemetry
 from sdk.fleet_server.retention import MAX_BIGINT, Pruner, RetentionPolicy
 from tests.fleet_server_process import FleetServerProcess, make_keys, wait_for
 from tests.postgres import postgres_server, postgres_url  # noqa: F401  (fixtures)
@@ -274,8 +275,8 @@ def test_a_message_with_too_many_strings_is_refused():
             {"schema": "edgepack.state/1", "device": "d", "status": "online", "ts": 1, "x": ["s"] * (strings - 8)}
         ).encode()
 
-    assert isinstance(parse_state("d", state(records.MAX_STRINGS)), records.StateRecord)
-    assert parse_state("d", state(records.MAX_STRINGS + 1)) == "bad_text"
+    assert isinstance(parse_state("d", state(bounds.MAX_STRINGS)), DeviceState)
+    assert parse_state("d", state(bounds.MAX_STRINGS + 1)) == "bad_text"
 
 
 # ------------------------------------------------------------------ the dead-letter table
@@ -286,8 +287,8 @@ def test_a_message_that_still_fails_to_store_is_a_dead_letter_and_the_batch_goes
     """With the parse guards off, the poison reaches the database and fails there: the batch is
     split until that message is alone, it becomes a dead letter, the rest is stored. (SQLite
     stores a NUL: there it is no poison.)"""
-    monkeypatch.setattr(records, "has_bad_text", lambda _doc: False)
-    monkeypatch.setattr(records, "BIG", 2**70)  # counters and their sums unbounded
+    monkeypatch.setattr(bounds, "has_bad_text", lambda _doc: False)
+    monkeypatch.setattr(bounds, "BIG", 2**70)  # counters and their sums unbounded
     ingest = _ingest(database)
     now = time.time()
     evil = {
@@ -312,7 +313,7 @@ def test_a_message_that_still_fails_to_store_is_a_dead_letter_and_the_batch_goes
 
 
 def test_the_dead_letter_table_keeps_only_the_newest(database, monkeypatch):
-    monkeypatch.setattr(records, "has_bad_text", lambda _doc: False)
+    monkeypatch.setattr(bounds, "has_bad_text", lambda _doc: False)
     monkeypatch.setattr(ingest_module, "MAX_DEAD_LETTERS", 3)
     ingest = _ingest(database)
     for n in range(5):
@@ -487,8 +488,8 @@ def test_job_events_kept_per_device_are_capped_by_retention(database):
     with database.write() as connection:
         Writer(database).jobs(
             connection,
-            [(parse_job("flood", _job("flood", "j", "downloading", False, n)), now) for n in range(1, 13)]
-            + [(parse_job("good", _job("good", "j", "active", True, 1)), now)],
+            [(parse_job_event("flood", _job("flood", "j", "downloading", False, n)), now) for n in range(1, 13)]
+            + [(parse_job_event("good", _job("good", "j", "active", True, 1)), now)],
         )
     Pruner(database, RetentionPolicy(), job_rows_per_device=10).run_once(now)
     with database.read() as connection:

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from edgepack_core.protocol.bounds import MAX_MESSAGE_BYTES
 from edgepack_core.protocol.ids import is_valid_id
+from edgepack_core.protocol.messages import (
+    Decommissioned,
+    DeviceState,
+    JobEvent,
+    parse_job_event,
+    parse_state,
+    parse_telemetry,
+)
 from sdk.deploy.policy import (
     DeviceJob,
     RolloutError,
@@ -22,15 +31,6 @@ from sdk.deploy.policy import (
 )
 from sdk.errors import ApiError, ServerConfigError
 from sdk.fleet_server import auth
-from sdk.fleet_server.records import (
-    MAX_MESSAGE_BYTES,
-    Decommissioned,
-    JobRecord,
-    StateRecord,
-    parse_job,
-    parse_state,
-    parse_telemetry,
-)
 from sdk.fleet_server.retention import (
     MAX_POINTS,
     Bucket,
@@ -385,8 +385,8 @@ def _state(**changes) -> bytes:
 
 def test_state_records_keep_only_safe_names():
     record = parse_state("pi-1", _state())
-    assert isinstance(record, StateRecord)
-    assert record.groups == ("g",) and record.profile == "rpi" and record.model_version == "1.0.0"
+    assert isinstance(record, DeviceState)
+    assert record.groups == ("g",) and record.profile == "rpi" and record.model.version == "1.0.0"
     assert parse_state("pi-1", b"") == Decommissioned("pi-1")
     assert parse_state("pi-1", _state(groups="g")).groups is None
 
@@ -407,7 +407,7 @@ def test_a_state_for_another_device_is_refused():
 def test_message_size_limit_at_the_boundary():
     base = _state(reason="")
     padded = base[:-1] + b', "pad": "' + b"x" * (MAX_MESSAGE_BYTES - len(base) - 11) + b'"}'
-    assert len(padded) == MAX_MESSAGE_BYTES and isinstance(parse_state("pi-1", padded), StateRecord)
+    assert len(padded) == MAX_MESSAGE_BYTES and isinstance(parse_state("pi-1", padded), DeviceState)
     over = padded[:-2] + b'x"}'
     assert len(over) == MAX_MESSAGE_BYTES + 1 and parse_state("pi-1", over) == "too_large"
 
@@ -433,11 +433,11 @@ def test_telemetry_figures_are_typed_and_finite():
 def test_job_records():
     event = {"schema": "edgepack.job/1", "device": "pi-1", "ts": 5.0, "job": "ro-1-d0-ab", "type": "deploy",
              "state": "rolled_back", "final": True, "reason": "r" * 900}
-    record = parse_job("pi-1", json.dumps(event).encode())
-    assert isinstance(record, JobRecord) and len(record.reason) == 500 and record.final is True
+    record = parse_job_event("pi-1", json.dumps(event).encode())
+    assert isinstance(record, JobEvent) and len(record.reason) == 500 and record.final is True
     for change in ({"job": "../x"}, {"state": "Active"}, {"state": ""}, {"final": "yes"}, {"ts": None},
                    {"schema": "edgepack.job/2"}):
-        assert parse_job("pi-1", json.dumps({**event, **change}).encode()) == "bad_schema", change
+        assert parse_job_event("pi-1", json.dumps({**event, **change}).encode()) == "bad_schema", change
 
 
 # ------------------------------------------------------------------ tokens

@@ -13,7 +13,6 @@ from device_agent.telemetry.metrics import (
     BUCKETS,
     MAX_ERROR_KINDS,
     MAX_RELATIVE_ERROR,
-    SCHEMA_ID,
     TELEMETRY_SCHEMA,
     LatencyHistogram,
     ModelInfo,
@@ -22,6 +21,7 @@ from device_agent.telemetry.metrics import (
     read_system,
 )
 from edgepack_core.errors import SchemaError, UsageError
+from edgepack_core.protocol.payloads import TELEMETRY_SCHEMA_ID
 from edgepack_core.protocol.topics import InvalidNameError, Topics, validate_device_id
 from edgepack_core.schema import validate
 
@@ -103,7 +103,7 @@ def test_aggregator_builds_a_valid_payload_with_interval_and_cumulative_counts()
     payload = aggregator.build(now=110.0, ts=1_700_000_000.123456, model=model, provider="CPUExecutionProvider",
                                system=system, queue=_queue())
     validate(payload, TELEMETRY_SCHEMA, document="telemetry")
-    assert payload["schema"] == SCHEMA_ID and payload["device"] == "pi-07" and payload["seq"] == 1
+    assert payload["schema"] == TELEMETRY_SCHEMA_ID and payload["device"] == "pi-07" and payload["seq"] == 1
     assert payload["model"] == {"name": "ocr-cls", "version": "1.2.0", "sha256": "ab" * 32}
     assert payload["inferences"] == {"interval": 100, "total": 100}
     assert payload["errors"] == {"preprocess": 2, "runtime": 1}

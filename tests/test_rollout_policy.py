@@ -3,16 +3,23 @@ Range parsing, at their boundaries."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from edgepack_core.protocol.messages import JobEvent, parse_job_event
 from sdk.deploy.policy import JobBoard, RolloutError, all_active, plan_waves, wave_verdict
 from sdk.deploy.server import parse_range
 
 DEVICES = [f"d{i}" for i in range(10)]
 
 
-def _event(job: str = "c-1", state: str = "active", final: bool = True, **extra: object) -> dict:
-    return {"job": job, "state": state, "final": final, **extra}
+def _event(job: str = "c-1", state: object = "active", final: object = True, device: str = "a",
+           **extra: object) -> JobEvent | str:
+    """A job event as the device sends it, through the one parser every host reader uses."""
+    doc = {"schema": "edgepack.job/1", "device": device, "ts": 1.0, "job": job, "type": "deploy", "state": state,
+           "final": final, **extra}
+    return parse_job_event(device, json.dumps({k: v for k, v in doc.items() if v is not None}).encode())
 
 
 # ------------------------------------------------------------------ plan_waves
@@ -52,42 +59,38 @@ def test_empty_target_list_is_refused():
 
 def test_board_folds_events_of_its_command_from_its_devices_only():
     board = JobBoard("c-1", ["a", "b"])
-    assert board.fold("a", _event(state="downloading", final=False))
-    assert not board.fold("a", _event(job="c-2"))          # another command
-    assert not board.fold("stranger", _event())            # not in this rollout
-    assert not board.fold(None, _event())
-    assert not board.fold("a", ["not", "a", "dict"])
-    assert not board.fold("a", _event(state=7))            # wrong types are ignored, not raised
-    assert not board.fold("a", _event(final="yes"))
-    assert not board.fold("a", _event(state="x" * 33))
-    assert not board.fold("a", _event(state=""))
-    assert not board.fold("a", {"job": "c-1", "state": "active"})  # no final: not a job event
+    assert board.fold(_event(state="downloading", final=False))
+    assert not board.fold(_event(job="c-2"))                   # another command
+    assert not board.fold(_event(device="stranger"))           # not in this rollout
     assert board.jobs["a"].state == "downloading" and not board.jobs["a"].final
     assert board.jobs["b"].state == "sent"
+
+
+@pytest.mark.parametrize("change", [{"state": 7}, {"final": "yes"}, {"state": "x" * 33}, {"state": ""},
+                                    {"final": None}, {"state": "Active"}, {"job": "../x"}])
+def test_a_job_event_with_fields_of_the_wrong_type_is_refused_by_the_parser(change):
+    assert _event(**change) == "bad_schema"
 
 
 @pytest.mark.parametrize("state", ["x", "s" * 32])
 def test_state_length_boundaries_are_accepted(state):
     board = JobBoard("c-1", ["a"])
     event = _event(state=state, final=False, reason="r")
-    assert board.fold("a", event)
+    assert board.fold(event)
     assert (board.jobs["a"].state, board.jobs["a"].events) == (state, [event])
 
 
 @pytest.mark.parametrize("reason", [None, 5, ["x"]])
 def test_missing_or_non_text_reason_reads_as_empty(reason):
     board = JobBoard("c-1", ["a"])
-    event = {"job": "c-1", "state": "failed", "final": True}
-    if reason is not None:
-        event["reason"] = reason
-    assert board.fold("a", event)
+    assert board.fold(_event(state="failed", reason=reason))
     assert board.jobs["a"].reason == ""
 
 
 def test_a_final_state_is_kept_against_later_duplicates():
     board = JobBoard("c-1", ["a"])
-    board.fold("a", _event(state="failed", reason="smoke test"))
-    board.fold("a", _event(state="active", duplicate=True))
+    board.fold(_event(state="failed", reason="smoke test"))
+    board.fold(_event(state="active", duplicate=True))
     assert (board.jobs["a"].state, board.jobs["a"].reason, board.jobs["a"].final) == ("failed", "smoke test", True)
     assert len(board.jobs["a"].events) == 2
 
@@ -95,21 +98,21 @@ def test_a_final_state_is_kept_against_later_duplicates():
 def test_event_list_and_reason_are_bounded():
     board = JobBoard("c-1", ["a"])
     for _ in range(200):
-        board.fold("a", _event(state="downloading", final=False, reason="r" * 10_000))
+        board.fold(_event(state="downloading", final=False, reason="r" * 10_000))
     assert len(board.jobs["a"].events) == 64
     assert len(board.jobs["a"].reason) == 500
 
 
 def test_finished_and_all_active():
     board = JobBoard("c-1", ["a", "b"])
-    board.fold("a", _event())
+    board.fold(_event())
     assert board.finished(["a"]) and not board.finished(["a", "b"])
     assert not all_active(board.jobs)
-    board.fold("b", _event())
+    board.fold(_event(device="b"))
     assert all_active(board.jobs)
     assert not all_active({})
     failed = JobBoard("c-1", ["a"])
-    failed.fold("a", _event(state="failed"))
+    failed.fold(_event(state="failed"))
     assert not all_active(failed.jobs)
 
 
@@ -118,33 +121,33 @@ def test_finished_and_all_active():
 
 def test_wave_passes_only_when_every_device_is_final_and_active():
     board = JobBoard("c-1", ["a", "b"])
-    board.fold("a", _event())
+    board.fold(_event())
     assert wave_verdict(board, ["a", "b"], timed_out=False).outcome == "pending"
-    board.fold("b", _event(state="active", final=False))   # swapped, health window still open
+    board.fold(_event(device="b", state="active", final=False))   # swapped, health window still open
     assert wave_verdict(board, ["a", "b"], timed_out=False).outcome == "pending"
-    board.fold("b", _event())
+    board.fold(_event(device="b"))
     assert wave_verdict(board, ["a", "b"], timed_out=False).outcome == "passed"
 
 
 def test_one_failure_fails_the_wave_without_waiting_for_the_others():
     board = JobBoard("c-1", ["a", "b", "c"])
-    board.fold("b", _event(state="rolled_back", reason="error rate"))
+    board.fold(_event(device="b", state="rolled_back", reason="error rate"))
     verdict = wave_verdict(board, ["a", "b", "c"], timed_out=False)
     assert (verdict.outcome, verdict.failed, verdict.timed_out) == ("failed", ("b",), False)
     assert verdict.reason == "b: rolled_back (error rate)"
-    board.fold("c", _event(state="failed", reason="smoke"))
+    board.fold(_event(device="c", state="failed", reason="smoke"))
     assert wave_verdict(board, ["a", "b", "c"], timed_out=False).reason == "b, c: rolled_back (error rate)"
 
 
 def test_timeout_fails_the_wave_naming_the_silent_devices():
     board = JobBoard("c-1", ["a", "b"])
-    board.fold("a", _event())
+    board.fold(_event())
     verdict = wave_verdict(board, ["a", "b"], timed_out=True)
     assert (verdict.outcome, verdict.failed, verdict.timed_out) == ("failed", ("b",), True)
     assert verdict.reason == "no final answer from b"
     three = JobBoard("c-1", ["a", "b", "c"])
     assert wave_verdict(three, ["a", "b", "c"], timed_out=True).reason == "no final answer from a, b, c"
-    board.fold("b", _event())
+    board.fold(_event(device="b"))
     assert wave_verdict(board, ["a", "b"], timed_out=True).outcome == "passed"  # all in: time does not matter
 
 

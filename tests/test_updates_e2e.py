@@ -116,7 +116,7 @@ def test_update_over_mqtt_chunks_survives_a_broker_restart_mid_transfer(agent, a
     def run() -> None:
         outcome["result"] = deploy(arts["big"], broker=mosquitto_broker.address, devices=["pi-07"], transfer="mqtt",
                                    chunk_size=4096, timeout=90, trust=trust,
-                                   on_event=lambda d, e: seen_states.append(e["state"]))
+                                   on_event=lambda d, e: seen_states.append(e.state))
 
     thread = threading.Thread(target=run)
     thread.start()

@@ -9,7 +9,7 @@ import pytest
 
 from device_agent.updates import jobs as J
 from device_agent.updates.jobs import InvalidTransition, Job, advance, on_restart
-from device_agent.updates.xfer import chunk_count, decode_chunk, encode_chunk, parse_request, request_payload
+from edgepack_core.protocol.codec import chunk_count, decode_chunk, encode_chunk, parse_request, request_payload
 from edgepack_core.protocol.commands import Command, Rejection, parse_command
 
 NOW = 1_000_000.0

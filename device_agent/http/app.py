@@ -382,7 +382,7 @@ class AgentApp:
     async def v2_ready(self, request: Request) -> Response:
         return Response(status_code=200 if self.service.model is not None else 400)
 
-    def _v2_model(self, request: Request) -> Any:
+    def _v2_model(self, request: Request) -> LoadedModel:
         """The active model if the URL names it (and its version, when given)."""
         model = self.service.model
         name, version = request.path_params["name"], request.path_params.get("version")

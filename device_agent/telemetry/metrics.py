@@ -23,8 +23,6 @@ from typing import Any
 
 from edgepack_core.protocol.payloads import TELEMETRY_SCHEMA_ID, load_schema
 
-SCHEMA_ID = TELEMETRY_SCHEMA_ID
-
 LOW_S = 1e-6  # first bucket edge: 1 µs
 HIGH_S = 100.0  # last bucket edge: 100 s
 PER_DECADE = 25
@@ -238,7 +236,7 @@ class TelemetryAggregator:
             self._interval_start = now
             seq, self._next_seq = self._next_seq, self._next_seq + 1
         return {
-            "schema": SCHEMA_ID,
+            "schema": TELEMETRY_SCHEMA_ID,
             "device": self.device_id,
             "seq": seq,
             "ts": round(ts, 3),

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from device_agent.config import AgentConfig
-from device_agent.errors import StoreError
+from device_agent.errors import AdmissionRefused, StoreError
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.smoke import compare_outputs
 from device_agent.store import InstalledModel, ModelStore, simulate_power_cut_if_testing
@@ -56,7 +56,6 @@ from device_agent.updates.jobs import Job, advance, on_restart, restart_reason
 from device_agent.updates.journal import Journal, JournalError
 from device_agent.updates.replay import UNSIGNED, ReplayError, ReplayGuard
 from device_agent.updates.xfer import Receiver, TransferError, XferSpec
-from edgepack_core.artifact import verify_artifact
 from edgepack_core.command_auth import authorize_command, requires_signature
 from edgepack_core.errors import ArtifactError, CommandSignatureError, EdgepackError
 from edgepack_core.manifest import Manifest
@@ -169,20 +168,21 @@ class UpdateService:
         if job.final:
             self.journal.prune()
         if publish:
-            self._publish(job.event())
+            self._publish(job)
             log.info("job %s: %s (%s)", job.id, state, reason)
             simulate_power_cut_if_testing(f"job-{state}")
         return job
 
-    def _publish(self, event: dict[str, Any]) -> None:
-        """Publish a job event through the outbox, or straight to the broker when the disk is
+    def _publish(self, job: Job, *, duplicate: bool = False) -> None:
+        """Publish ``job``'s event through the outbox, or straight to the broker when the disk is
         full (or the outbox cannot take it): the sender hears back either way."""
+        event = job.event(self.device_id, time.time(), duplicate=duplicate)
         if not self.space.problem():
             try:
                 self.reporter.publish_job_event(event)
                 return
             except OutboxError as err:
-                log.warning("job event %s not queued (%s): publishing it without the outbox", event.get("job"), err)
+                log.warning("job event %s not queued (%s): publishing it without the outbox", event.job, err)
         self.reporter.publish_job_event(event, direct=True)
 
     def _new_job(self, command: Command) -> Job:
@@ -197,14 +197,14 @@ class UpdateService:
         if record:
             self.journal.save(job)
             self.journal.prune()
-        self._publish(job.event())
+        self._publish(job)
 
     def _refuse(self, ref: str, kind: str, reason: str, *, state: str = J.REJECTED) -> None:
         """A ``rejected`` (or ``failed``) event for a command that will not run. Not journaled,
         only counted: a flood of bad commands must not fill the disk, and a refused id stays
         usable for a proper command."""
         job = Job(id=ref, type=kind, reason="received")
-        self._publish(advance(job, state, reason, time.time()).event())
+        self._publish(advance(job, state, reason, time.time()))
         total = self.journal.count_rejected(reason)
         log.warning("refused command %s (%d so far): %s", ref, total, reason)
 
@@ -232,7 +232,7 @@ class UpdateService:
         if existing is not None:
             # A duplicate delivery (QoS 1 redelivery, a group and a device command with one
             # id, an operator retrying): answer with the job as it stands, never re-run.
-            self._publish({**existing.event(), "duplicate": True})
+            self._publish(existing, duplicate=True)
             return
         try:
             keyid = authorize_command(command.body, self.host.operator_trust, device_id=self.device_id,
@@ -282,7 +282,7 @@ class UpdateService:
             if kind == "rollback" and serving is not None:
                 job = dataclasses.replace(job, detail={"from_sha256": serving.manifest.model_sha256})
             self.journal.save(job)
-            self._publish(job.event())
+            self._publish(job)
             if kind == "rollback":
                 self._supersede_deploys(f"superseded by rollback {command.id}")
                 self._control.put(job)
@@ -343,7 +343,7 @@ class UpdateService:
             self._set(latest, J.FAILED, reason)
         except JournalError as journal_err:
             failed = advance(latest, J.FAILED, f"{reason}; {journal_err}", time.time())
-            self._publish(failed.event())
+            self._publish(failed)
 
     def _serving(self) -> str:
         model = self.host.service.model
@@ -457,32 +457,39 @@ class UpdateService:
         return None if model is None else model.manifest
 
     def _install_downloaded(self, job: Job, artifact: Path, running: _Running) -> None:
+        """Verify, admit and stage in one pass over the artifact: admission judges the signed
+        manifest before any member is read, and every member is hashed once, as it is written
+        into the store (so what is staged is exactly what was verified)."""
         job = self._set(job, J.VERIFYING, "checking signature, hashes, name, version, target and I/O contract")
         # Recorded before the verifier runs: if it kills the agent (memory), the restart fails
         # the job instead of verifying the same file again.
         job = self._set(job, J.VERIFYING, job.reason, publish=False, verify_started=True)
-        try:
-            verified = verify_artifact(artifact, self.host.trust, self.host.store.limits)
-        except ArtifactError as err:
-            self._set(job, J.REJECTED, str(err))
-            return
-        manifest = verified.manifest
-        reason = admit(manifest, self._active_manifest(), job.command, self._policy())
-        if reason is not None:
-            self._set(job, J.REJECTED, reason)
-            return
-        if running.stop.is_set():
-            self._end_cancelled(job, running)
-            return
-        job = self._set(job, J.STAGING, f"extracting {manifest.name} {manifest.version}")
+        active, policy, command = self._active_manifest(), self._policy(), job.command
+
+        def admission(manifest: Manifest) -> None:
+            reason = admit(manifest, active, command, policy)
+            if reason is not None:
+                raise AdmissionRefused(reason)
+
         try:
             with self._store_lock:
-                # admission already applied the version rules (within a name), so the store's
-                # own cross-name check is overridden here
-                staged = self.host.store.stage(artifact, force=True)
+                # admission applies the version rules (within a name), so the store's own
+                # cross-name check is overridden here
+                staged = self.host.store.stage(artifact, force=True, admit=admission)
+        except (ArtifactError, AdmissionRefused) as err:
+            self._set(job, J.REJECTED, str(err))
+            return
         except EdgepackError as err:
             self._set(job, J.FAILED, str(err))
             return
+        if running.stop.is_set():
+            self.host.store.discard(staged)
+            self._end_cancelled(job, running)
+            return
+        job = self._set(job, J.STAGING, f"staged {staged.name} {staged.version}")
+        self._test_and_activate(job, staged, running)
+
+    def _test_and_activate(self, job: Job, staged: InstalledModel, running: _Running) -> None:
         job = self._set(job, J.TESTING, "golden samples on a shadow session")
         try:
             loaded = self.host.load(staged)

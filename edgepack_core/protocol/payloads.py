@@ -47,7 +47,8 @@ def _schema_text(kind: PayloadKind) -> str:
 
 def load_schema(kind: PayloadKind) -> dict[str, Any]:
     """A fresh copy of the JSON Schema of ``kind`` (callers may not mutate a shared one)."""
-    return json.loads(_schema_text(kind))
+    schema: dict[str, Any] = json.loads(_schema_text(kind))
+    return schema
 
 
 @cache

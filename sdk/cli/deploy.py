@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from edgepack_core.protocol.messages import JobEvent
 from edgepack_core.signing import SigningKey, TrustStore
 from sdk.broker import BrokerOptions
 from sdk.cli import main
@@ -85,10 +86,9 @@ def deploy(artifact: Path, devices: tuple[str, ...], group: str | None, broker: 
         raise click.UsageError(f"the built-in {'HTTP server' if transfer == 'http' else 'chunk sender'} lives only "
                                "while deploy runs: use --wait, or --url where the artifact is hosted")
 
-    def show(device: str, event: dict[str, Any]) -> None:
+    def show(device: str, event: JobEvent) -> None:
         if not as_json:
-            click.echo(f"{device}: {event.get('state')} {'(final) ' if event.get('final') else ''}"
-                       f"{event.get('reason', '')}", err=True)
+            click.echo(f"{device}: {event.state} {'(final) ' if event.final else ''}{event.reason}", err=True)
 
     options = DeployOptions(
         artifact=artifact, broker=broker, devices=devices, group=group, wait=wait, timeout=timeout,
@@ -116,9 +116,9 @@ def _command(broker: BrokerOptions, device_id: str, kind: str, timeout: float, k
     _answer(event, seconds)
 
 
-def _answer(event: dict[str, Any], seconds: float) -> None:
-    click.echo(json.dumps({**event, "round_trip_ms": round(seconds * 1000, 3)}))
-    if event.get("state") not in ("done", "active", "cancelled"):
+def _answer(event: JobEvent, seconds: float) -> None:
+    click.echo(json.dumps({**event.to_json(), "round_trip_ms": round(seconds * 1000, 3)}))
+    if event.state not in ("done", "active", "cancelled"):
         sys.exit(1)
 
 

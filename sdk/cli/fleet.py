@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from edgepack_core.protocol.messages import ModelRef, Telemetry
 from sdk.broker import BrokerOptions
 from sdk.cli import main
 from sdk.cli.broker_options import broker_options
@@ -29,9 +30,15 @@ def server_rows(devices: list[dict[str, Any]]) -> list[DeviceRow]:
     rows = []
     for doc in devices:
         status = "online" if doc.get("online") else ("offline" if doc.get("status") == "offline" else "silent")
-        telemetry = {"latency_ms": doc.get("latency_ms") or {}, "errors": {"total": doc.get("errors_total") or 0}}
-        rows.append(DeviceRow(device=str(doc.get("id")), status=status, status_reason=doc.get("status_reason") or "",
-                              last_seen=doc.get("last_seen"), model=doc.get("model"), provider=doc.get("provider"),
+        device = str(doc.get("id"))
+        latency = doc.get("latency_ms") or {}
+        telemetry = Telemetry(device, latency_p50=latency.get("p50"), latency_p99=latency.get("p99"),
+                              errors_total=doc.get("errors_total") or 0)
+        model = doc.get("model")
+        rows.append(DeviceRow(device=device, status=status, status_reason=doc.get("status_reason") or "",
+                              last_seen=doc.get("last_seen"), provider=doc.get("provider"),
+                              model=ModelRef(model.get("name"), model.get("version"), model.get("sha256"))
+                              if isinstance(model, dict) else None,
                               profile=doc.get("profile"), groups=list(doc.get("groups") or []), telemetry=telemetry))
     return rows
 

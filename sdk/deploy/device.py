@@ -18,7 +18,8 @@ from typing import Any
 
 from edgepack_core.errors import UsageError
 from edgepack_core.protocol.ids import is_valid_id
-from edgepack_core.protocol.topics import ParsedTopic, Topics
+from edgepack_core.protocol.messages import JobEvent
+from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey
 from sdk.broker import BrokerOptions
 from sdk.deploy.messaging import DeployError, command_messages, listen_for_jobs, make_command, publish_acknowledged
@@ -28,7 +29,7 @@ DEVICE_COMMAND_TTL_S = 300.0
 
 def send_command(broker: BrokerOptions | str, device: str, command_type: str, *, root: str = "edgepack/v1",
                  timeout: float = 10.0, operator_key: SigningKey | None = None,
-                 **body: Any) -> tuple[dict[str, Any], float]:
+                 **body: Any) -> tuple[JobEvent, float]:
     """Send one command (ping, get-state, rollback, cancel, ...) and wait for its final job event.
     Returns (event, round-trip seconds)."""
     options = broker if isinstance(broker, BrokerOptions) else BrokerOptions(broker, topic_root=root)
@@ -36,11 +37,11 @@ def send_command(broker: BrokerOptions | str, device: str, command_type: str, *,
     command = make_command(command_type, device=device, operator_key=operator_key, ttl_s=DEVICE_COMMAND_TTL_S,
                            **body)
     done = threading.Event()
-    answer: dict[str, Any] = {}
+    answers: list[JobEvent] = []
 
-    def on_event(parsed: ParsedTopic, event: dict[str, Any]) -> None:
-        if parsed.device == device and event.get("job") == command["id"] and event.get("final") is True:
-            answer.update(event)
+    def on_event(event: JobEvent) -> None:
+        if event.device == device and event.job == command["id"] and event.final and not answers:
+            answers.append(event)
             done.set()
 
     transport = options.connect("edgepack-cmd")
@@ -50,7 +51,7 @@ def send_command(broker: BrokerOptions | str, device: str, command_type: str, *,
         publish_acknowledged(transport, command_messages(topics, [(topics.cmd(device), command)]), timeout)
         if not done.wait(max(0.0, timeout - (time.perf_counter() - started))):
             raise DeployError(f"{device} did not answer {command_type} within {timeout:g} s")
-        return answer, time.perf_counter() - started
+        return answers[0], time.perf_counter() - started
     finally:
         transport.close()
 
@@ -67,17 +68,16 @@ def serving_model(broker: BrokerOptions | str, device: str, *, root: str = "edge
                   timeout: float = 10.0) -> dict[str, str]:
     """The model ``device`` reports serving (``get-state``), as a rollback's ``from_version``."""
     event, _ = send_command(broker, device, "get-state", root=root, timeout=timeout)
-    detail = event.get("detail") if isinstance(event.get("detail"), dict) else {}
-    active = detail.get("active") if event.get("state") == "done" else None
+    active = event.detail.get("active") if event.state == "done" else None
     if not isinstance(active, dict) or not active.get("name") or not active.get("version"):
-        raise DeployError(f"{device} reports no model it serves ({event.get('state')}: "
-                          f"{str(event.get('reason'))[:200]}); name the model to roll back from")
+        raise DeployError(f"{device} reports no model it serves ({event.state}: "
+                          f"{event.reason[:200]}); name the model to roll back from")
     return {"name": str(active["name"]), "version": str(active["version"])}
 
 
 def send_rollback(broker: BrokerOptions | str, device: str, *, from_version: dict[str, str] | None = None,
                   root: str = "edgepack/v1", timeout: float = 10.0,
-                  operator_key: SigningKey | None = None) -> tuple[dict[str, Any], float]:
+                  operator_key: SigningKey | None = None) -> tuple[JobEvent, float]:
     """Roll ``device`` back from ``from_version`` (default: the model it reports serving)."""
     if from_version is None:
         from_version = serving_model(broker, device, root=root, timeout=timeout)

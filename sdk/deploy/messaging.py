@@ -8,7 +8,7 @@ says so in the PUBACK, which becomes an error here instead of a silent timeout.
 
 from __future__ import annotations
 
-import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,10 +18,11 @@ from edgepack_core.command_auth import sign_command
 from edgepack_core.errors import EdgepackError
 from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.commands import build_command, encode_command
-from edgepack_core.protocol.topics import ParsedTopic, Topics
+from edgepack_core.protocol.messages import JobEvent, parse_job_event
+from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey
 
-MAX_EVENT_BYTES = 64 * 1024
+log = logging.getLogger("edgepack.deploy")
 
 
 class DeployError(EdgepackError):
@@ -66,20 +67,21 @@ def command_messages(topics: Topics, commands: Sequence[tuple[str, dict[str, Any
 
 
 def listen_for_jobs(transport: MqttTransport, topic_filter: str, topics: Topics,
-                    on_event: Callable[[ParsedTopic, dict[str, Any]], None], timeout: float = 10.0) -> None:
+                    on_event: Callable[[JobEvent], None], timeout: float = 10.0) -> None:
     """Subscribe ``on_event`` to job events and wait until the broker granted the subscription
-    (a command sent before that could be answered before anyone listens)."""
+    (a command sent before that could be answered before anyone listens). Events are parsed by
+    :func:`~edgepack_core.protocol.messages.parse_job_event`; what it refuses is logged and
+    dropped."""
 
     def handler(message: Incoming) -> None:
         parsed = topics.parse(message.topic)
-        if parsed is None or parsed.kind != "job" or len(message.payload) > MAX_EVENT_BYTES:
+        if parsed is None or parsed.kind != "job" or parsed.device is None:
             return
-        try:
-            event = json.loads(message.payload)
-        except (UnicodeDecodeError, ValueError, RecursionError):
+        event = parse_job_event(parsed.device, message.payload)
+        if isinstance(event, str):
+            log.debug("dropped a job event on %s: %s", parsed.device, event)
             return
-        if isinstance(event, dict):
-            on_event(parsed, event)
+        on_event(event)
 
     transport.subscribe(topic_filter, 1, handler)
     deadline = time.monotonic() + timeout

@@ -28,7 +28,8 @@ from edgepack_core.artifact import verify_artifact
 from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.commands import new_command_id
 from edgepack_core.protocol.ids import validate_id
-from edgepack_core.protocol.topics import ParsedTopic, Topics
+from edgepack_core.protocol.messages import JobEvent
+from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey, TrustStore
 from sdk.broker import BrokerOptions
 from sdk.deploy.messaging import DeployError, command_messages, listen_for_jobs, make_command, publish_acknowledged
@@ -42,7 +43,7 @@ DEFAULT_CHUNK = 256 * 1024
 COMMAND_TTL_S = 24 * 3600
 SEND_TIMEOUT_S = 10.0
 
-EventCallback = Callable[[str, dict[str, Any]], None]
+EventCallback = Callable[[str, JobEvent], None]
 
 
 @dataclass(frozen=True)
@@ -154,12 +155,12 @@ class _Rollout:
         self.board = JobBoard(command_id, targets)
         self.changed = threading.Condition()
 
-    def on_event(self, parsed: ParsedTopic, event: dict[str, Any]) -> None:
+    def on_event(self, event: JobEvent) -> None:
         with self.changed:
-            taken = self.board.fold(parsed.device, event)
+            taken = self.board.fold(event)
             self.changed.notify_all()
-        if taken and self.options.on_event is not None and parsed.device is not None:
-            self.options.on_event(parsed.device, event)
+        if taken and self.options.on_event is not None:
+            self.options.on_event(event.device, event)
 
     def send(self, wave: list[str], via_group: bool) -> None:
         """One command per destination (each names its target, which the signature covers)."""

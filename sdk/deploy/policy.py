@@ -17,14 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from edgepack_core.errors import EdgepackError
+from edgepack_core.protocol.messages import JobEvent
 
 ACTIVE = "active"
 MAX_EVENTS_PER_DEVICE = 64
-MAX_STATE_CHARS = 32
-MAX_REASON_CHARS = 500
 MAX_WAVES = 20
 
 
@@ -40,7 +39,7 @@ class DeviceJob:
     state: str = "sent"
     reason: str = ""
     final: bool = False
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[JobEvent] = field(default_factory=list)
 
 
 def plan_waves(targets: Sequence[str], canary_percent: float | None) -> list[list[str]]:
@@ -119,30 +118,25 @@ def _reach(size: int, percents: Sequence[float]) -> list[int]:
 class JobBoard:
     """Folds job events for one command id into a :class:`DeviceJob` per target device.
 
-    Events come off the network: anything for another command, from a device outside the
-    rollout, or with fields of the wrong type is ignored; a device's row stops changing once
-    it has a final state (later duplicates only add to its bounded event list).
+    Events come parsed and bounded (:func:`~edgepack_core.protocol.messages.parse_job_event`);
+    one for another command or from a device outside the rollout is ignored; a device's row
+    stops changing once it has a final state (later duplicates only add to its bounded event
+    list).
     """
 
     def __init__(self, command_id: str, devices: Sequence[str]) -> None:
         self.command_id = command_id
         self.jobs: dict[str, DeviceJob] = {device: DeviceJob(device) for device in devices}
 
-    def fold(self, device: str | None, event: Any) -> bool:
-        """Take one event from ``device``; True if it was for this rollout and was recorded.
-        ``state`` (1 to 32 characters) and ``final`` (a boolean) are required, as in the job
-        schema; a missing or non-text ``reason`` reads as empty."""
-        job = self.jobs.get(device)  # type: ignore[arg-type]
-        if job is None or not isinstance(event, Mapping) or event.get("job") != self.command_id:
-            return False
-        state, final, reason = event.get("state"), event.get("final"), event.get("reason")
-        if not isinstance(state, str) or not 0 < len(state) <= MAX_STATE_CHARS or not isinstance(final, bool):
+    def fold(self, event: JobEvent) -> bool:
+        """Take one event; True if it was for this rollout and was recorded."""
+        job = self.jobs.get(event.device)
+        if job is None or event.job != self.command_id:
             return False
         if len(job.events) < MAX_EVENTS_PER_DEVICE:
-            job.events.append(dict(event))
+            job.events.append(event)
         if not job.final:
-            job.state, job.final = state, final
-            job.reason = reason[:MAX_REASON_CHARS] if isinstance(reason, str) else ""
+            job.state, job.final, job.reason = event.state, event.final, event.reason
         return True
 
     def finished(self, devices: Sequence[str]) -> bool:

@@ -6,8 +6,8 @@ One module per concern; the pure decisions are separate from the I/O around them
 | --- | --- |
 | :mod:`.db` | the tables (SQLAlchemy Core), engines for SQLite (WAL) and PostgreSQL, write transactions |
 | :mod:`.migrations` | Alembic environment and versions, run at start (:func:`.db.migrate`) |
-| :mod:`.records` | pure: what a state, telemetry or job message says, bounded and typed |
-| :mod:`.ingest` | the MQTT consumer: state and jobs on a persistent session acknowledged after commit, |
+| :mod:`.ingest` | the MQTT consumer (messages parsed by :mod:`edgepack_core.protocol.messages`): state and |
+| | jobs on a persistent session acknowledged after commit, |
 | | telemetry through an MQTT 5 shared subscription; batched writes; counters |
 | :mod:`.retention` | pure bucketing and rollups; the pruning job (raw window, rollups beyond) |
 | :mod:`.rollouts` | pure: the rollout state machine (:func:`~.rollouts.transition`), the next step and its gates |

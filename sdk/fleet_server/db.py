@@ -71,7 +71,7 @@ devices = Table(
     Column("model_sha256", String(64)),
     Column("provider", String(64)),
     Column("profile", String(64)),
-    Column("capabilities", Text),  # JSON, bounded by records.py
+    Column("capabilities", Text),  # JSON, bounded by edgepack_core.protocol.messages
     Column("first_seen", Float, nullable=False),
     Column("last_seen", Float, nullable=False),
     Column("state_ts", Float),  # the device's ts of the newest state applied, as the device reported it

@@ -19,7 +19,7 @@ threads); one writer thread drains the queue in batches of up to :data:`MAX_BATC
 transaction. The queue is bounded in items and in bytes (:data:`QUEUE_BYTES`): a stalled
 database costs at most that much memory, and what does not fit is dropped and counted.
 
-**No message stops the ingest.** :mod:`.records` bounds every value before it reaches a
+**No message stops the ingest.** :mod:`edgepack_core.protocol.messages` bounds every value before it reaches a
 statement; a batch that still fails with a data error (not an operational one: a database
 that is down or locked is waited for, the batch kept) is split in halves until the message
 that fails is alone, and that message goes to the ``dead_letters`` table (device, topic,
@@ -48,20 +48,21 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlch
 
 from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.ids import validate_id
+from edgepack_core.protocol.messages import (
+    Decommissioned,
+    DeviceState,
+    JobEvent,
+    ModelRef,
+    Telemetry,
+    parse_job_event,
+    parse_state,
+    parse_telemetry,
+)
 from edgepack_core.protocol.topics import Topics
 from sdk.broker import BrokerOptions
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.budgets import Buckets, DropLedger, IngestLimits
 from sdk.fleet_server.db import Database
-from sdk.fleet_server.records import (
-    Decommissioned,
-    JobRecord,
-    StateRecord,
-    TelemetryRecord,
-    parse_job,
-    parse_state,
-    parse_telemetry,
-)
 
 log = logging.getLogger("edgepack.fleet_server.ingest")
 
@@ -184,11 +185,16 @@ def ascii_text(value: str, limit: int) -> str:
     return "".join(c if " " <= c <= "~" else f"\\x{ord(c):02x}" for c in escaped)[:limit]
 
 
-def _device_values(record: StateRecord, heard: float) -> dict[str, Any]:
+def _model_values(model: ModelRef | None) -> dict[str, str | None]:
+    if model is None:
+        return {"model_name": None, "model_version": None, "model_sha256": None}
+    return {"model_name": model.name, "model_version": model.version, "model_sha256": model.sha256}
+
+
+def _device_values(record: DeviceState, heard: float) -> dict[str, Any]:
     return {"id": record.device, "status": record.status, "status_reason": record.reason, "first_seen": heard,
             "last_seen": heard, "state_ts": record.ts, "state_heard": heard, "provider": record.provider,
-            "profile": record.profile, "capabilities": record.capabilities, "model_name": record.model_name,
-            "model_version": record.model_version, "model_sha256": record.model_sha256,
+            "profile": record.profile, "capabilities": record.capabilities, **_model_values(record.model),
             "groups_enrolled_at": heard if record.groups is not None else None}
 
 
@@ -204,16 +210,16 @@ class Writer:
     def __init__(self, database: Database) -> None:
         self.database = database
 
-    def states(self, connection: Any, records: list[tuple[StateRecord | Decommissioned, float]]) -> None:
+    def states(self, connection: Any, records: list[tuple[DeviceState | Decommissioned, float]]) -> None:
         """Apply states, each with when the server heard it (``heard``: the receipt for a live
         message; for a retained one, replayed by the broker at every subscribe, no later than the
         device's own ts). States are ordered by ``heard``, never by the device's ts alone (a
         device clock 10 days ahead must not make every later state look older); ``last_seen``
         only ever moves forward. Groups: see :meth:`_groups`."""
         gone = [r.device for r, _ in records if isinstance(r, Decommissioned)]
-        latest: dict[str, tuple[StateRecord, float]] = {}
+        latest: dict[str, tuple[DeviceState, float]] = {}
         for record, heard in records:
-            if isinstance(record, StateRecord):
+            if isinstance(record, DeviceState):
                 if record.device not in latest or heard >= latest[record.device][1]:
                     latest[record.device] = (record, heard)
             else:
@@ -245,7 +251,7 @@ class Writer:
         unenrolled = {d for d in latest if d not in stored or stored[d].groups_enrolled_at is None}
         self._groups(connection, [r for r, _ in fresh if r.groups is not None], unenrolled)
 
-    def _groups(self, connection: Any, claiming: list[StateRecord], unenrolled: set[str]) -> None:
+    def _groups(self, connection: Any, claiming: list[DeviceState], unenrolled: set[str]) -> None:
         """A device's claimed groups are recorded, never used: rollouts target the groups the
         server enrolled. The claim of a device's first state with groups is enrolled (trust on
         first use); later claims change only ``device_claimed_groups`` (an operator enrolls
@@ -262,7 +268,7 @@ class Writer:
             if rows:
                 connection.execute(self.database.insert(table).on_conflict_do_nothing(), rows)
 
-    def telemetry(self, connection: Any, records: list[tuple[TelemetryRecord, float]]) -> None:
+    def telemetry(self, connection: Any, records: list[tuple[Telemetry, float]]) -> None:
         """Store every sample (raw, at its receipt) and make the newest by the device's ``seq``
         the device's latest figures (see :func:`newer_seq`); ``last_seen`` is the receipt."""
         if not records:
@@ -272,20 +278,19 @@ class Writer:
              "latency_mean": r.latency_mean, "throughput_per_s": r.throughput_per_s,
              "inferences": r.inferences_interval, "errors": r.errors_interval, "cpu_percent": r.cpu_percent,
              "memory_rss_bytes": r.memory_rss_bytes} for r, at in records])
-        latest: dict[str, tuple[TelemetryRecord, float]] = {}
+        latest: dict[str, tuple[Telemetry, float]] = {}
         heard: dict[str, float] = {}
         for record, at in records:
             heard[record.device] = max(at, heard.get(record.device, at))
             if record.device not in latest or newer_seq(record.seq, latest[record.device][0].seq):
                 latest[record.device] = (record, at)
-        devices = tables.devices  # (every integer below 2^62: records.py bounds and clamps them)
+        devices = tables.devices  # (every integer below 2^62: the protocol's bounds clamp them)
         stmt = self.database.insert(devices)
         rows = []
         for record, at in latest.values():
             row = {"id": record.device, "status": "online", "status_reason": "", "first_seen": at,
                    "last_seen": heard[record.device], "telemetry_at": at, "telemetry_seq": record.seq,
-                   "model_name": record.model_name, "model_version": record.model_version,
-                   "model_sha256": record.model_sha256, "provider": record.provider}
+                   **_model_values(record.model), "provider": record.provider}
             row.update({name: getattr(record, name) for name in _TELEMETRY_FIELDS})
             rows.append(row)
         new, old = stmt.excluded, devices.c
@@ -300,7 +305,7 @@ class Writer:
             updates[name] = case((applies, _coalesce(new[name], old[name])), else_=old[name])
         connection.execute(stmt.on_conflict_do_update(index_elements=["id"], set_=updates), rows)
 
-    def jobs(self, connection: Any, records: list[tuple[JobRecord, float]]) -> int:
+    def jobs(self, connection: Any, records: list[tuple[JobEvent, float]]) -> int:
         """Store job events (a repeat is ignored) and fold them into the rollouts they belong
         to. Returns how many were repeats."""
         if not records:
@@ -513,19 +518,19 @@ class Ingest:
     def flush(self, batch: Iterable[_Item]) -> None:
         """Parse, store in one transaction, then acknowledge the control messages in order."""
         items = list(batch)
-        states: list[tuple[StateRecord | Decommissioned, float]] = []
-        telemetry: list[tuple[TelemetryRecord, float]] = []
-        jobs: list[tuple[JobRecord, float]] = []
+        states: list[tuple[DeviceState | Decommissioned, float]] = []
+        telemetry: list[tuple[Telemetry, float]] = []
+        jobs: list[tuple[JobEvent, float]] = []
         dropped: list[tuple[str, str]] = []
         for item in items:
             record: Any
             if item.kind == "state":
                 record = parse_state(item.device, item.payload)
                 target: list[Any] = states
-                retained = item.message is not None and item.message.retain and isinstance(record, StateRecord)
+                retained = item.message is not None and item.message.retain and isinstance(record, DeviceState)
                 value: Any = (record, min(item.received_at, record.ts) if retained else item.received_at)
             elif item.kind == "job":
-                record = parse_job(item.device, item.payload)
+                record = parse_job_event(item.device, item.payload)
                 target, value = jobs, (record, item.received_at)
             else:
                 record = parse_telemetry(item.device, item.payload)

@@ -7,7 +7,7 @@ minutes at full resolution); older samples are folded into one row per device an
 events and finished rollouts' history stay with the rollups' window. So under a constant
 load the row count, and with it the database, stops growing (a test measures it).
 
-Sums cannot overflow: every stored counter is below 2^62 (records.py), and a rollup's integer
+Sums cannot overflow: every stored counter is below 2^62 (edgepack_core.protocol.bounds), and a rollup's integer
 sums saturate at :data:`MAX_BIGINT` (its sample counts at :data:`MAX_INT`), the largest values
 their columns hold on both backends; float sums of values below 1e15 stay finite.
 
