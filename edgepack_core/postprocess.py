@@ -184,7 +184,7 @@ def decode_boxes_scores(boxes: np.ndarray, scores: np.ndarray,
 
 def to_original(boxes: np.ndarray, geometry: Mapping[str, Any] | None) -> np.ndarray:
     """Boxes in model-input pixels -> the original image's pixels, clipped to the image
-    (the inverse of the preprocessor's resize; see :func:`edgepack_core.preprocess.image_geometry`)."""
+    (the inverse of the preprocessor's resize; see :func:`edgepack_core.geometry.image_geometry`)."""
     if geometry is None:
         return boxes
     height, width = geometry["original_size"]

@@ -99,12 +99,13 @@ def _orientation(image: Image.Image) -> int:
 
 
 class Preprocessor:
-    """Turns one raw input into one model input tensor, following a spec (see module docs).
+    """Turns one raw input into one model input tensor, following a typed spec (docs/packager.md).
 
-    The spec is normalized on construction, so a manifest written before a default existed
-    still runs, and ``self.spec`` is the complete spec actually executed. ``reference=True``
-    runs images through the literal steps of the module docs (full decode, resize then crop,
-    float32 step by step) instead of the fast path: the yardstick of the parity test.
+    ``spec`` is the :class:`PreprocessSpec` the recipe or the verified manifest was parsed into
+    (a mapping is parsed here, for tools and tests); ``self.spec`` is the complete spec actually
+    executed. ``reference=True`` runs images through the literal steps of docs/packager.md
+    ("Image preprocessing": full decode, resize then crop, float32 step by step) instead of the
+    fast path: the yardstick of the parity test.
     """
 
     def __init__(self, spec: PreprocessSpec | Mapping[str, Any] | None, *, max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -471,7 +472,7 @@ class Preprocessor:
         except ValueError as err:
             raise PreprocessError(f"cannot convert a {image.mode} image to {wanted} ({err})") from None
 
-    # ---- the reference path: the literal steps of the module docs
+    # ---- the reference path: the literal steps of docs/packager.md
 
     def _resize(self, image: Image.Image) -> Image.Image:
         from PIL import Image
