@@ -15,6 +15,7 @@ from device_agent.config import BrokerSettings
 from device_agent.telemetry.metrics import TELEMETRY_SCHEMA, ModelInfo
 from device_agent.telemetry.outbox import Outbox
 from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
+from edgepack_core.protocol.messages import JobEvent, parse_job_event
 from edgepack_core.schema import validate
 from tests.agent_process import Observer
 
@@ -53,9 +54,11 @@ def test_birth_telemetry_job_event_and_clean_offline(mosquitto_broker, tmp_path)
         assert first["inferences"] == {"interval": 3, "total": 3} and first["errors"] == {"bad_input": 1}
         assert 1.8 <= first["latency_ms"]["p50"] <= 2.2
         assert [d["seq"] for d in telemetry] == list(range(1, len(telemetry) + 1))
-        reporter.publish_job_event({"job": "j1", "state": "active", "reason": "smoke test passed"})
+        event = JobEvent("pi-07", "j1", "deploy", "active", True, 1.5, reason="smoke test passed")
+        reporter.publish_job_event(event)
         assert listener.wait_for(lambda: listener.of("/dev/pi-07/job"))
-        assert listener.of("/dev/pi-07/job")[0]["state"] == "active"
+        assert listener.of("/dev/pi-07/job")[0] == event.to_json()
+        assert parse_job_event("pi-07", event.encode()) == event
     finally:
         reporter.stop()
     assert listener.wait_for(lambda: listener.of("/state")[-1]["status"] == "offline")

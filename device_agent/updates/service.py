@@ -169,20 +169,21 @@ class UpdateService:
         if job.final:
             self.journal.prune()
         if publish:
-            self._publish(job.event())
+            self._publish(job)
             log.info("job %s: %s (%s)", job.id, state, reason)
             faults.point(f"job-{state}")
         return job
 
-    def _publish(self, event: dict[str, Any]) -> None:
-        """Publish a job event through the outbox, or straight to the broker when the disk is
+    def _publish(self, job: Job, *, duplicate: bool = False) -> None:
+        """Publish ``job``'s event through the outbox, or straight to the broker when the disk is
         full (or the outbox cannot take it): the sender hears back either way."""
+        event = job.event(self.device_id, time.time(), duplicate=duplicate)
         if not self.space.problem():
             try:
                 self.reporter.publish_job_event(event)
                 return
             except OutboxError as err:
-                log.warning("job event %s not queued (%s): publishing it without the outbox", event.get("job"), err)
+                log.warning("job event %s not queued (%s): publishing it without the outbox", event.job, err)
         self.reporter.publish_job_event(event, direct=True)
 
     def _new_job(self, command: Command) -> Job:
@@ -197,14 +198,14 @@ class UpdateService:
         if record:
             self.journal.save(job)
             self.journal.prune()
-        self._publish(job.event())
+        self._publish(job)
 
     def _refuse(self, ref: str, kind: str, reason: str, *, state: str = J.REJECTED) -> None:
         """A ``rejected`` (or ``failed``) event for a command that will not run. Not journaled,
         only counted: a flood of bad commands must not fill the disk, and a refused id stays
         usable for a proper command."""
         job = Job(id=ref, type=kind, reason="received")
-        self._publish(advance(job, state, reason, time.time()).event())
+        self._publish(advance(job, state, reason, time.time()))
         total = self.journal.count_rejected(reason)
         log.warning("refused command %s (%d so far): %s", ref, total, reason)
 
@@ -232,7 +233,7 @@ class UpdateService:
         if existing is not None:
             # A duplicate delivery (QoS 1 redelivery, a group and a device command with one
             # id, an operator retrying): answer with the job as it stands, never re-run.
-            self._publish({**existing.event(), "duplicate": True})
+            self._publish(existing, duplicate=True)
             return
         try:
             keyid = authorize_command(command.body, self.host.operator_trust, device_id=self.device_id,
@@ -282,7 +283,7 @@ class UpdateService:
             if kind == "rollback" and serving is not None:
                 job = dataclasses.replace(job, detail={"from_sha256": serving.manifest.model_sha256})
             self.journal.save(job)
-            self._publish(job.event())
+            self._publish(job)
             if kind == "rollback":
                 self._supersede_deploys(f"superseded by rollback {command.id}")
                 self._control.put(job)
@@ -343,7 +344,7 @@ class UpdateService:
             self._set(latest, J.FAILED, reason)
         except JournalError as journal_err:
             failed = advance(latest, J.FAILED, f"{reason}; {journal_err}", time.time())
-            self._publish(failed.event())
+            self._publish(failed)
 
     def _serving(self) -> str:
         model = self.host.service.model
