@@ -26,6 +26,7 @@ from sdk.deploy import deploy
 from tests.agent_process import AgentProcess, LoadGenerator, Observer
 from tests.artifacts import build_artifact, resign_with_changes, wrong_golden_outputs
 from tests.conftest import run_cli
+from tests.fleet_server_process import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -99,9 +100,9 @@ def _deploy_cli(artifact: Path, broker, *extra: str):
 
 def test_update_under_continuous_load_fails_no_request(agent, arts, mosquitto_broker):
     with LoadGenerator(agent) as load:
-        time.sleep(0.5)
+        assert wait_for(lambda: load.ok > 0, 30), load.failures  # the load is running
         result = _deploy_cli(arts["v2"], mosquitto_broker)
-        time.sleep(0.5)
+        assert wait_for(lambda: "1.1.0" in load.versions, 30), load.failures  # ... and reaches the new model
     assert result.returncode == 0, result.stderr
     assert agent.version() == "1.1.0"
     assert load.failures == []
@@ -257,7 +258,11 @@ def test_staged_rollout_stops_at_the_canaries_when_they_fail(tmp_path, mosquitto
     agents = [AgentProcess(tmp_path, device=f"k-{i}", broker_port=mosquitto_broker.port, trust=keypair[1],
                            artifact=arts["v1"], groups=["kitchen"]).start() for i in range(2)]
     try:
-        time.sleep(0.5)  # retained birth messages reach the broker
+        births = Observer(mosquitto_broker.port)  # the agents' retained births reached the broker
+        try:
+            assert births.wait_for(lambda: births.of("/dev/k-0/state") and births.of("/dev/k-1/state"), 30)
+        finally:
+            births.close()
         failed = run_cli("edgepack", "deploy", str(arts["wrong_golden"]), "--group", "kitchen", "--canary", "50%",
                          "--broker", mosquitto_broker.address, "--wait", "--timeout", "60", "--json")
         assert failed.returncode == 1
