@@ -343,7 +343,7 @@ def _section(cls: type[_Section], values: Mapping[str, Any]) -> _Section:
 def _typed(kind: Any, value: Any) -> Any:
     if isinstance(value, list):
         return tuple(value)
-    if kind == "float" and isinstance(value, int) and not isinstance(value, bool):
+    if kind in ("float", float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
 
@@ -426,21 +426,21 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         raise ConfigError("<root>", "must be a mapping of keys", config=name)
     validate(document, CONFIG_SCHEMA, document=name)
     base = path.parent if path else Path.cwd()
-    artifact = document.get("artifact")
+    values: dict[str, Any] = {key: document[key] for key in ("profile", "threads", "log_level") if key in document}
+    if "operator_keys" in document:
+        values["operator_keys"] = tuple(_resolve(base, k) for k in document["operator_keys"])
+    if "artifact" in document:
+        values["artifact"] = _resolve(base, document["artifact"])
     return AgentConfig(
         path=path,
         device_id=document["device_id"],
         store=_resolve(base, document["store"]),
         trust=tuple(_resolve(base, t) for t in document["trust"]),
-        operator_keys=tuple(_resolve(base, k) for k in document.get("operator_keys", [])),
-        profile=document.get("profile", "x86"),
-        threads=document.get("threads", 0),
-        artifact=_resolve(base, artifact) if artifact else None,
-        log_level=document.get("log_level", "info"),
-        api=_api(document.get("api") or {}, name),
-        limits=_section(LimitSettings, document.get("limits") or {}),
-        mqtt=_broker(document["mqtt"], base, name) if document.get("mqtt") else None,
-        updates=_updates(document.get("updates") or {}, base, name),
+        api=_api(document.get("api", {}), name),
+        limits=_section(LimitSettings, document.get("limits", {})),
+        mqtt=_broker(document["mqtt"], base, name) if "mqtt" in document else None,
+        updates=_updates(document.get("updates", {}), base, name),
+        **values,
     )
 
 

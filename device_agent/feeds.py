@@ -158,7 +158,7 @@ def batch_refusal(model: LoadedModel) -> str | None:
     if model.states:
         return "the model carries state from call to call"
     pre = model.preprocessor
-    if pre.tensor_shape() is None or not pre.spec.get("batch"):
+    if pre.tensor_shape() is None or not pre.spec.batch:
         return "its preprocessing gives no fixed-size tensor with a batch dimension"
     if list(model.input_specs) != [name]:
         return "the model takes other inputs besides the image"

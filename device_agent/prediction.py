@@ -72,5 +72,5 @@ class PredictResult:
     result: Any
     model: LoadedModel
     latency_s: float
-    # What the image preprocessing did (edgepack_core.preprocess.image_geometry); None for tensors.
+    # What the image preprocessing did (edgepack_core.geometry.image_geometry); None for tensors.
     geometry: dict[str, Any] | None = None

@@ -83,7 +83,7 @@ class LoadedModel:
     def audio_input(self) -> str | None:
         if self.preprocessor.kind != "audio":
             return None
-        return (self.manifest.preprocess or {}).get("input") or next(iter(self.input_specs), None)
+        return self.manifest.preprocess.input or next(iter(self.input_specs), None)
 
     @property
     def label(self) -> str:
@@ -93,7 +93,7 @@ class LoadedModel:
     def image_input(self) -> str | None:
         if self.preprocessor.kind != "image":
             return None
-        return (self.manifest.preprocess or {}).get("input") or self.manifest.inputs[0].name
+        return self.manifest.preprocess.input or self.manifest.inputs[0].name
 
     def run(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.states:  # a golden sample may leave a state input out: it starts from init
@@ -216,13 +216,12 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
     constants = constant_inputs(manifest)
     states = state_inputs(manifest)
     labels = None
-    post = dict(manifest.postprocess or {"kind": "raw"})
-    if post.get("labels"):
-        labels = load_labels((root / post["labels"]).read_text(encoding="utf-8"))
+    post = manifest.postprocess
+    if post.labels:
+        labels = load_labels((root / post.labels).read_text(encoding="utf-8"))
     charset = None
-    if post.get("charset"):
-        charset = load_charset((root / post["charset"]).read_text(encoding="utf-8"),
-                               append_space=bool(post.get("append_space")))
+    if post.charset:
+        charset = load_charset((root / post.charset).read_text(encoding="utf-8"), append_space=post.append_space)
     template = LoadedModel(
         root=root, manifest=manifest, session=None, provider="", fallbacks=[],
         preprocessor=Preprocessor(manifest.preprocess), postprocessor=Postprocessor(post, labels, charset),

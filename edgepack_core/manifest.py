@@ -9,14 +9,15 @@ and never re-serializes before checking.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from edgepack_core.errors import ManifestError, SchemaError
-from edgepack_core.postprocess import POSTPROCESS_SCHEMA
-from edgepack_core.preprocess import PREPROCESS_SCHEMA
+from edgepack_core.postprocess_spec import POSTPROCESS_SCHEMA, PostprocessSpec, parse_postprocess
+from edgepack_core.preprocess_spec import PREPROCESS_SCHEMA, PreprocessSpec, parse_preprocess
 from edgepack_core.schema import Validator, validate
 from edgepack_core.versions import VERSION_PATTERN, Version
 
@@ -181,13 +182,15 @@ class Manifest:
     def outputs(self) -> list[TensorSpec]:
         return [TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in self.raw["outputs"]]
 
-    @property
-    def preprocess(self) -> Mapping[str, Any] | None:
-        return self.raw.get("preprocess")
+    @functools.cached_property
+    def preprocess(self) -> PreprocessSpec:
+        """The typed spec (raw tensors when the manifest has none), parsed once per manifest."""
+        return parse_preprocess(self.raw.get("preprocess"), document="manifest.json", path="preprocess")
 
-    @property
-    def postprocess(self) -> Mapping[str, Any] | None:
-        return self.raw.get("postprocess")
+    @functools.cached_property
+    def postprocess(self) -> PostprocessSpec:
+        """The typed spec (``raw`` when the manifest has none), parsed once per manifest."""
+        return parse_postprocess(self.raw.get("postprocess"), document="manifest.json", path="postprocess")
 
     @property
     def targets(self) -> Mapping[str, Any]:
@@ -232,7 +235,17 @@ def check_manifest(document: Any) -> Manifest:
     for ref in referenced:
         if ref not in files:
             raise ManifestError(f"manifest.json: {ref} is referenced but not listed in files")
-    return Manifest(document)
+    return _with_specs(Manifest(document))
+
+
+def _with_specs(manifest: Manifest) -> Manifest:
+    """Parse the pre/postprocessing specs now, once: their cross-field rules (a mean per
+    channel, in_graph's dtype, detection outputs) refuse the manifest at verification."""
+    try:
+        _ = manifest.preprocess, manifest.postprocess
+    except SchemaError as err:
+        raise ManifestError(str(err)) from err
+    return manifest
 
 
 def parse_manifest(data: bytes) -> Manifest:

@@ -63,131 +63,12 @@ from typing import Any
 
 import numpy as np
 
-from edgepack_core.errors import PostprocessError, SchemaError
-from edgepack_core.schema import validate_by_kind
+from edgepack_core.errors import PostprocessError
+from edgepack_core.postprocess_spec import PostprocessSpec, parse_postprocess
 
-SPEC_VERSION = 1
-DEFAULT_K = 5
-DETECTION_FORMATS = ["yolov8", "yolov5", "boxes_scores"]
-DETECTION_DEFAULTS: dict[str, Any] = {"format": "yolov8", "score_threshold": 0.25, "iou_threshold": 0.45,
-                                      "max_detections": 100}
-MAX_DETECTIONS = 10_000
-
-_NAME = {"type": "string", "minLength": 1}
-_PROPERTIES: dict[str, Any] = {
-    "kind": {"enum": ["raw", "softmax", "topk", "detection", "ctc"]},
-    "version": {"type": "integer", "const": SPEC_VERSION, "default": SPEC_VERSION},
-    "output": {**_NAME, "description": "the model output to read (default: first)"},
-    "k": {"type": "integer", "minimum": 1, "default": DEFAULT_K, "description": "topk: how many classes"},
-    "labels": {"type": ["string", "null"], "minLength": 1,
-               "description": "topk, detection: labels file, one per line (recipe: a path; manifest: "
-               "assets/labels.txt)"},
-    "apply_softmax": {"type": "boolean",
-                      "description": "topk, ctc: score with softmax probabilities (false: the output's own "
-                      "values); default false when the graph's output comes from a Softmax, else true"},
-    "format": {"enum": DETECTION_FORMATS, "default": DETECTION_DEFAULTS["format"],
-               "description": "detection: yolov8 [batch, 4+classes, anchors]; yolov5 [batch, anchors, "
-               "5+classes]; boxes_scores: decoded boxes, scores and classes outputs"},
-    "score_threshold": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.25,
-                        "description": "detection: keep boxes whose score is above this"},
-    "iou_threshold": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.45,
-                      "description": "detection: NMS drops a box whose IoU with a better box of its class is "
-                      "above this"},
-    "max_detections": {"type": "integer", "minimum": 1, "maximum": MAX_DETECTIONS, "default": 100,
-                       "description": "detection: at most this many boxes per image"},
-    "outputs": {"type": "object", "additionalProperties": False, "required": ["boxes", "scores"],
-                "description": "detection, format boxes_scores: the model outputs holding boxes [N, 4] "
-                "(x1, y1, x2, y2), scores [N] and, optionally, classes [N]",
-                "properties": {"boxes": _NAME, "scores": _NAME, "classes": _NAME}},
-    "blank": {"type": "integer", "minimum": 0, "default": 0, "description": "ctc: the blank class index"},
-    "charset": {"type": ["string", "null"], "minLength": 1,
-                "description": "ctc: charset file, one symbol per line, the blank excluded (recipe: a path; "
-                "manifest: assets/charset.txt)"},
-    "append_space": {"type": "boolean", "default": False,
-                     "description": "ctc: a space is the last symbol after the charset's lines (PaddleOCR "
-                     "use_space_char)"},
-    "layout": {"enum": ["NTC", "TNC"], "default": "NTC",
-               "description": "ctc: [batch, steps, classes] or [steps, batch, classes]"},
-}
-_KIND_KEYS: dict[str, list[str]] = {
-    "raw": ["kind", "version", "output"],
-    "softmax": ["kind", "version", "output"],
-    "topk": ["kind", "version", "output", "k", "labels", "apply_softmax"],
-    "detection": ["kind", "version", "output", "format", "score_threshold", "iou_threshold", "max_detections",
-                  "labels", "outputs"],
-    "ctc": ["kind", "version", "output", "blank", "charset", "append_space", "layout", "apply_softmax"],
-}
-
-POSTPROCESS_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "title": "Edgepack postprocessing spec",
-    "description": "How the model's outputs become the 'result' of a prediction.",
-    "additionalProperties": False,
-    "required": ["kind"],
-    "properties": _PROPERTIES,
-    # Each kind takes its own keys; k on a softmax spec, blank on a detection spec are mistakes.
-    "oneOf": [
-        {"additionalProperties": False, "properties": {**{key: {} for key in keys}, "kind": {"const": kind}}}
-        for kind, keys in _KIND_KEYS.items()
-    ],
-}
-
-# One complete schema per kind, so that once the kind is known an error names the key
-# itself (``k`` on a softmax spec) instead of whichever oneOf branch failed deepest.
-_KIND_SCHEMAS: dict[str, dict[str, Any]] = {
-    kind: {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {**{key: _PROPERTIES[key] for key in keys}, "kind": {"const": kind}},
-    }
-    for kind, keys in _KIND_KEYS.items()
-}
-
-
-def normalize_postprocess(spec: Mapping[str, Any] | None, *, document: str = "", path: str = "") -> dict[str, Any]:
-    """Validate ``spec`` and return a new, complete spec with every default written out.
-
-    ``None`` means ``raw``. ``document`` and ``path`` prefix error messages (e.g.
-    ``path="postprocess"`` inside a recipe). Raises :class:`SchemaError`. Idempotent.
-    """
-    raw = validate_by_kind({"kind": "raw"} if spec is None else spec, _KIND_SCHEMAS, POSTPROCESS_SCHEMA,
-                           document=document, path=path)
-    kind = raw["kind"]
-    out: dict[str, Any] = {"kind": kind, "version": raw.get("version", SPEC_VERSION)}
-    if kind == "topk":
-        out.update(k=raw.get("k", DEFAULT_K), apply_softmax=raw.get("apply_softmax", True),
-                   labels=raw.get("labels"))
-    elif kind == "detection":
-        out.update({key: raw.get(key, value) for key, value in DETECTION_DEFAULTS.items()})
-        out["labels"] = raw.get("labels")
-        _check_detection_outputs(raw, out["format"], document, path)
-        if "outputs" in raw:
-            out["outputs"] = dict(raw["outputs"])
-    elif kind == "ctc":
-        out.update(blank=raw.get("blank", 0), charset=raw.get("charset"),
-                   append_space=raw.get("append_space", False), layout=raw.get("layout", "NTC"),
-                   apply_softmax=raw.get("apply_softmax", True))
-    if "output" in raw:
-        out["output"] = raw["output"]
-    return out
-
-
-def _check_detection_outputs(raw: Mapping[str, Any], fmt: str, document: str, path: str) -> None:
-    """boxes_scores reads three named outputs; the YOLO formats read one (``output``)."""
-    def where(key: str) -> str:
-        return f"{path}.{key}" if path else key
-
-    if fmt == "boxes_scores":
-        if "outputs" not in raw:
-            raise SchemaError(where("outputs"), "format boxes_scores needs outputs: {boxes: NAME, scores: NAME, "
-                              "classes: NAME}", document=document)
-        if "output" in raw:
-            raise SchemaError(where("output"), "format boxes_scores reads outputs.boxes/scores/classes, not "
-                              "output", document=document)
-    elif "outputs" in raw:
-        raise SchemaError(where("outputs"), f"only format boxes_scores takes outputs (format {fmt} reads one "
-                          "output)", document=document)
-
+__all__ = ["PostprocessSpec", "Postprocessor", "box_iou", "class_rows", "ctc_collapse", "ctc_greedy",
+           "decode_boxes_scores", "decode_yolo", "load_charset", "load_labels", "nms", "select_detections", "softmax",
+           "to_original", "top_k"]
 
 def load_labels(text: str) -> list[str]:
     """One label per line; line numbers are class indices, so blank lines inside are kept
@@ -303,7 +184,7 @@ def decode_boxes_scores(boxes: np.ndarray, scores: np.ndarray,
 
 def to_original(boxes: np.ndarray, geometry: Mapping[str, Any] | None) -> np.ndarray:
     """Boxes in model-input pixels -> the original image's pixels, clipped to the image
-    (the inverse of the preprocessor's resize; see :func:`edgepack_core.preprocess.image_geometry`)."""
+    (the inverse of the preprocessor's resize; see :func:`edgepack_core.geometry.image_geometry`)."""
     if geometry is None:
         return boxes
     height, width = geometry["original_size"]
@@ -379,10 +260,10 @@ def top_k(rows: np.ndarray, k: int) -> np.ndarray:
 class Postprocessor:
     """Turns the model's outputs into the ``result`` of a prediction (see module docs)."""
 
-    def __init__(self, spec: Mapping[str, Any] | None, labels: Sequence[str] | None = None,
+    def __init__(self, spec: PostprocessSpec | Mapping[str, Any] | None, labels: Sequence[str] | None = None,
                  charset: Sequence[str] | None = None) -> None:
-        self.spec = normalize_postprocess(spec)
-        self.kind: str = self.spec["kind"]
+        self.spec = parse_postprocess(spec)
+        self.kind: str = self.spec.kind
         self.labels = list(labels) if labels is not None else None
         self.charset = list(charset) if charset is not None else None
 
@@ -399,14 +280,14 @@ class Postprocessor:
         if self.kind == "softmax":
             probabilities = softmax(rows, axis=1).tolist()
             return probabilities[0] if single else probabilities
-        scores = softmax(rows, axis=1) if self.spec["apply_softmax"] else rows
+        scores = softmax(rows, axis=1) if self.spec.softmax else rows
         results = [self._topk(row) for row in scores]
         return results[0] if single else results
 
     def _select(self, outputs: Mapping[str, np.ndarray], name: str | None = None) -> np.ndarray:
         if not outputs:
             raise PostprocessError("the model returned no outputs")
-        name = name or self.spec.get("output")
+        name = name or self.spec.output
         if name is None:
             return np.asarray(next(iter(outputs.values())))
         if name not in outputs:
@@ -418,35 +299,35 @@ class Postprocessor:
         return labels[index] if 0 <= index < len(labels) else None
 
     def _topk(self, scores: np.ndarray) -> list[dict[str, Any]]:
-        order = top_k(scores[None], self.spec["k"])[0]
+        order = top_k(scores[None], self.spec.k)[0]
         return [{"index": int(i), "label": self._label(int(i)), "score": float(scores[i])} for i in order]
 
     def _detection(self, outputs: Mapping[str, np.ndarray], geometry: Mapping[str, Any] | None) -> Any:
         spec = self.spec
-        if spec["format"] == "boxes_scores":
-            names = spec["outputs"]
-            classes = self._select(outputs, names["classes"]) if "classes" in names else None
-            images = decode_boxes_scores(self._select(outputs, names["boxes"]),
-                                         self._select(outputs, names["scores"]), classes)
+        if spec.outputs is not None:  # format boxes_scores
+            names = spec.outputs
+            classes = self._select(outputs, names.classes) if names.classes else None
+            images = decode_boxes_scores(self._select(outputs, names.boxes), self._select(outputs, names.scores),
+                                         classes)
         else:
-            images = decode_yolo(self._select(outputs), spec["format"])
+            images = decode_yolo(self._select(outputs), spec.format)
         results = [self._detections(*image, geometry) for image in images]
         return results[0] if len(results) == 1 else results
 
     def _detections(self, boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray,
                     geometry: Mapping[str, Any] | None) -> list[dict[str, Any]]:
-        kept = select_detections(boxes, scores, classes, score_threshold=self.spec["score_threshold"],
-                                 iou_threshold=self.spec["iou_threshold"], max_detections=self.spec["max_detections"])
+        kept = select_detections(boxes, scores, classes, score_threshold=self.spec.score_threshold,
+                                 iou_threshold=self.spec.iou_threshold, max_detections=self.spec.max_detections)
         mapped = to_original(boxes[kept], geometry)
         return [{"box": [float(v) for v in box], "score": float(scores[i]), "index": int(classes[i]),
                  "label": self._label(int(classes[i]))} for box, i in zip(mapped, kept, strict=True)]
 
     def _ctc(self, output: np.ndarray) -> Any:
         if output.ndim == 2:
-            output = output[None] if self.spec["layout"] == "NTC" else output[:, None]
+            output = output[None] if self.spec.layout == "NTC" else output[:, None]
         if output.ndim != 3:
             raise PostprocessError(f"a ctc output must be [batch, steps, classes], got shape {list(output.shape)}")
-        samples = output if self.spec["layout"] == "NTC" else output.transpose(1, 0, 2)
-        results = [ctc_greedy(sample, self.spec["blank"], self.charset, apply_softmax=self.spec["apply_softmax"])
+        samples = output if self.spec.layout == "NTC" else output.transpose(1, 0, 2)
+        results = [ctc_greedy(sample, self.spec.blank, self.charset, apply_softmax=self.spec.softmax)
                    for sample in samples]
         return results[0] if len(results) == 1 else results

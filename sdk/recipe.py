@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgepack_core.postprocess import POSTPROCESS_SCHEMA, normalize_postprocess
-from edgepack_core.preprocess import PREPROCESS_SCHEMA, normalize_preprocess
+from edgepack_core.postprocess_spec import POSTPROCESS_SCHEMA, PostprocessSpec, parse_postprocess
+from edgepack_core.preprocess_spec import PREPROCESS_SCHEMA, PreprocessSpec, parse_preprocess
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
 from edgepack_core.versions import VERSION_PATTERN
@@ -75,8 +75,8 @@ class Recipe:
     description: str | None = None
     inputs: Mapping[str, InputOptions] = option(_NO_KEYS, description="Per input name: shape, dtype, synthetic "
                                                 "range, role (tensor, constant, image, audio, state).")
-    preprocess: Mapping[str, Any] | None = option(None, schema=PREPROCESS_SCHEMA, parse=dict)
-    postprocess: Mapping[str, Any] | None = option(None, schema=POSTPROCESS_SCHEMA, parse=dict)
+    preprocess: PreprocessSpec = option(PreprocessSpec(), schema=PREPROCESS_SCHEMA, parse=parse_preprocess)
+    postprocess: PostprocessSpec = option(PostprocessSpec(), schema=POSTPROCESS_SCHEMA, parse=parse_postprocess)
     optimize: OptimizeOptions = field(default_factory=OptimizeOptions)
     quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
     validate: ValidateOptions = field(default_factory=ValidateOptions)
@@ -97,6 +97,9 @@ RECIPE_SCHEMA: dict[str, Any] = {
     **schema_of(Recipe),
 }
 
+
+# The sections parsed by edgepack_core's own spec parsers (with the recipe's name in their errors).
+_SPECS = ("preprocess", "postprocess")
 
 # The sections that hold a data source, and the key of the source inside each.
 DATA_SOURCES: tuple[tuple[str, str], ...] = (("golden", "data"), ("validate", "data"), ("quantize", "calibration"))
@@ -207,9 +210,6 @@ def check_recipe(document: Any, path: Path, *, allow_external_paths: bool = Fals
     ``path`` (every path must stay inside it unless ``allow_external_paths``)."""
     recipe = str(path)
     validate(document, RECIPE_SCHEMA, document=recipe)
-    # The spec normalizers check what a schema cannot (e.g. one mean/std value per channel).
-    normalize_preprocess(document.get("preprocess"), document=recipe, path="preprocess")
-    normalize_postprocess(document.get("postprocess"), document=recipe, path="postprocess")
     data = copy.deepcopy(document)
     model = data["model"]
     if ("path" in model) == ("pytorch" in model):
@@ -219,11 +219,16 @@ def check_recipe(document: Any, path: Path, *, allow_external_paths: bool = Fals
     _resolve_paths(data, base, recipe, root)
     _check_inputs(data.get("inputs") or {}, recipe)
     _check_roles(data, recipe)
+    # Parsed once, with the paths resolved and the role's input in: the typed parsers check what a
+    # schema cannot (one mean/std value per channel, detection outputs), naming the recipe's key.
+    preprocess = parse_preprocess(data.get("preprocess"), document=recipe, path="preprocess")
+    postprocess = parse_postprocess(data.get("postprocess"), document=recipe, path="postprocess")
     _check_data_consent(data, recipe)
     quantize = data.get("quantize") or {}
     if quantize.get("mode") == "static" and "calibration" not in quantize:
         raise RecipeError("quantize.calibration", "static quantization needs calibration data", recipe=recipe)
-    return Recipe(path=path.resolve(), data=data, root=root, **parse_fields(Recipe, data))
+    fields = parse_fields(Recipe, {key: value for key, value in data.items() if key not in _SPECS})
+    return Recipe(path=path.resolve(), data=data, root=root, preprocess=preprocess, postprocess=postprocess, **fields)
 
 
 def load_recipe(path: str | Path, *, allow_external_paths: bool = False) -> Recipe:

@@ -11,7 +11,8 @@ import pytest
 
 from edgepack_core import audio
 from edgepack_core.errors import PreprocessError, SchemaError
-from edgepack_core.preprocess import Preprocessor, normalize_preprocess
+from edgepack_core.preprocess import Preprocessor
+from edgepack_core.preprocess_spec import normalize_preprocess
 from tools.demos.vad import write_wav
 
 RNG = np.random.default_rng(7)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from edgepack_core.errors import PostprocessError, SchemaError
-from edgepack_core.postprocess import Postprocessor, ctc_greedy, load_charset, normalize_postprocess
+from edgepack_core.postprocess import Postprocessor, ctc_greedy, load_charset
+from edgepack_core.postprocess_spec import normalize_postprocess
 
 # Classes: 0 blank, 1 "a", 2 "b", 3 "c" (PaddleOCR's convention). Argmax per step:
 # a a blank a b blank -> "a" (repeat collapsed) "a" (after a blank) "b" = "aab"

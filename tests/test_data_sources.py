@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
+from edgepack_core.preprocess_spec import PreprocessSpec
 from edgepack_core.signing import TrustStore, load_public_key
 from sdk.errors import BuildError, RecipeError, ValidationFailed
 from sdk.packager.data import split_samples, synthetic_samples
@@ -308,7 +309,8 @@ def test_synthetic_indices_stay_within_the_table_they_index_and_declared_ranges_
         [table, depth, numpy_helper.from_array(np.float32([0, 1]), "vals")])
     other_inputs = [i for i in graph_io(helper.make_model(other))[0] if i.name in ("nd", "col", "hot")]
     assert index_ranges(helper.make_model(other), other_inputs) == {"nd": (0, 4), "col": (0, 9), "hot": (0, 7)}
-    samples = synthetic_samples(16, {}, inputs, declared={"scale": InputOptions(range=(2.0, 3.0))}, graph=model)
+    samples = synthetic_samples(16, PreprocessSpec(), inputs, declared={"scale": InputOptions(range=(2.0, 3.0))},
+                                graph=model)
     ids = np.stack([f["ids"] for f in samples.feeds])
     scale = np.stack([f["scale"] for f in samples.feeds])
     assert ids.min() >= 0 and ids.max() == 4, "every row reachable, none past the table"

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 from edgepack_core.errors import PostprocessError, SchemaError
-from edgepack_core.postprocess import Postprocessor, box_iou, nms, normalize_postprocess, to_original
-from edgepack_core.preprocess import Preprocessor, image_geometry
+from edgepack_core.geometry import image_geometry
+from edgepack_core.postprocess import Postprocessor, box_iou, nms, to_original
+from edgepack_core.postprocess_spec import normalize_postprocess
+from edgepack_core.preprocess import Preprocessor
+from edgepack_core.preprocess_spec import Resize
 
 LABELS = ["cat", "dog"]
 
@@ -186,21 +189,21 @@ def test_outputs_that_do_not_fit_the_format_are_one_error(spec: dict, outputs: d
 
 
 def test_geometry_of_each_mode_hand_computed() -> None:
-    letterbox = {"size": [64, 64], "mode": "letterbox", "pad": "center"}
+    letterbox = Resize((64, 64), mode="letterbox", pad="center")
     # 100 high, 50 wide: scale 0.64, resized 64 x 32, pasted at x = (64 - 32) // 2 = 16
     assert image_geometry(100, 50, letterbox) == {"original_size": [100, 50], "input_size": [64, 64],
                                                   "scale_x": 0.64, "scale_y": 0.64, "pad_x": 16.0, "pad_y": 0.0}
-    top_left = image_geometry(100, 50, {**letterbox, "pad": "top-left"})
+    top_left = image_geometry(100, 50, Resize((64, 64), mode="letterbox", pad="top-left"))
     assert (top_left["pad_x"], top_left["pad_y"]) == (0.0, 0.0)
-    stretch = image_geometry(100, 50, {"size": [64, 64], "mode": "stretch"})
+    stretch = image_geometry(100, 50, Resize((64, 64), mode="stretch"))
     assert (stretch["scale_x"], stretch["scale_y"], stretch["pad_x"]) == (64 / 50, 0.64, 0.0)
-    crop = image_geometry(100, 50, {"size": [64, 64], "mode": "keep-aspect"})  # 128 x 64, crop top 32
+    crop = image_geometry(100, 50, Resize((64, 64), mode="keep-aspect"))  # 128 x 64, crop top 32
     assert (crop["scale_y"], crop["pad_x"], crop["pad_y"]) == (1.28, 0.0, -32.0)
     assert image_geometry(7, 9, None)["scale_x"] == 1.0
 
 
 def test_boxes_map_back_to_the_original_and_clip_to_it() -> None:
-    geometry = image_geometry(100, 50, {"size": [64, 64], "mode": "letterbox"})
+    geometry = image_geometry(100, 50, Resize((64, 64), mode="letterbox"))
     boxes = np.array([[16.0, 0.0, 48.0, 64.0], [0.0, -5.0, 80.0, 70.0]])
     np.testing.assert_allclose(to_original(boxes, geometry), [[0, 0, 50, 100], [0, 0, 50, 100]])
     np.testing.assert_allclose(to_original(np.array([[24.0, 16.0, 32.0, 32.0]]), geometry), [[12.5, 25, 25, 50]])
@@ -244,7 +247,7 @@ def test_geometry_of_encoded_bytes_is_that_of_the_upright_image() -> None:
 
 
 def test_letterbox_pad_is_refused_with_another_mode() -> None:
-    from edgepack_core.preprocess import normalize_preprocess
+    from edgepack_core.preprocess_spec import normalize_preprocess
 
     with pytest.raises(SchemaError) as info:
         normalize_preprocess({"kind": "image", "resize": {"size": [4, 4], "mode": "stretch", "pad": "center"}},

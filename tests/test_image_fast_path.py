@@ -25,6 +25,7 @@ from PIL import Image
 import edgepack_core.preprocess as preprocess
 from edgepack_core.errors import PreprocessError
 from edgepack_core.preprocess import Preprocessor, fused_scale_bias, reduction_factor
+from edgepack_core.preprocess_spec import Resize
 from tests.test_preprocess import _png, _spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -300,8 +301,7 @@ def test_a_reduced_frame_is_the_whole_frame_reduced_then_resampled(mode: str, si
     Pillow's float32 coordinates (one level on a few values, as for any window)."""
     frame = np.random.default_rng(8).integers(0, 256, (721, 1283, 3), dtype=np.uint8)
     resize = {"size": size, "mode": mode, "interpolation": "bicubic"}
-    box, (out_h, out_w), _ = preprocess.source_region(721, 1283, preprocess.normalize_preprocess(
-        {"kind": "image", "resize": resize})["resize"])
+    box, (out_h, out_w), _ = preprocess.source_region(721, 1283, Resize.parse(resize))
     assert preprocess.array_reduction(box, out_h, out_w, "bicubic") == factor
     expected = np.asarray(Image.fromarray(frame).reduce(factor).resize(
         (out_w, out_h), Image.Resampling.BICUBIC, box=tuple(v / factor for v in box))).astype(int)

@@ -3,6 +3,7 @@ records, restart decisions and the reasons given, and the persisted/published fo
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -158,10 +159,14 @@ def test_job_json_without_optional_fields_reads_the_defaults():
 
 
 def test_job_event_carries_version_and_detail_only_when_present():
+    """The wire bytes are those the agent sent before the typed builder (key order included)."""
+    head = {"schema": "edgepack.job/1", "device": "d", "ts": 1.234}
     bare = Job("j", "ping", state=J.DONE, reason="pong", final=True)
-    assert bare.event() == {"job": "j", "type": "ping", "state": J.DONE, "reason": "pong", "final": True}
+    assert bare.event("d", 1.2341).encode() == json.dumps(
+        {**head, "job": "j", "type": "ping", "state": J.DONE, "reason": "pong", "final": True}).encode()
     full = Job("k", "deploy", state=J.DOWNLOADING, reason="fetching", command={"version": "1.2.0"},
                detail={"bytes": 3})
-    assert full.event() == {"job": "k", "type": "deploy", "state": J.DOWNLOADING, "reason": "fetching",
-                            "final": False, "version": "1.2.0", "detail": {"bytes": 3}}
-    assert "version" not in Job("k", "deploy", command={"version": ""}).event()
+    assert full.event("d", 1.2341, duplicate=True).encode() == json.dumps(
+        {**head, "job": "k", "type": "deploy", "state": J.DOWNLOADING, "reason": "fetching", "final": False,
+         "version": "1.2.0", "detail": {"bytes": 3}, "duplicate": True}).encode()
+    assert "version" not in Job("k", "deploy", command={"version": ""}).event("d", 1.0).to_json()

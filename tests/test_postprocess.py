@@ -9,12 +9,11 @@ import pytest
 
 from edgepack_core.errors import SchemaError
 from edgepack_core.postprocess import (
-    POSTPROCESS_SCHEMA,
     PostprocessError,
     Postprocessor,
     load_labels,
-    normalize_postprocess,
 )
+from edgepack_core.postprocess_spec import POSTPROCESS_SCHEMA, normalize_postprocess
 from edgepack_core.schema import validate
 
 RNG = np.random.default_rng(7)

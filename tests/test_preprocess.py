@@ -22,7 +22,9 @@ import pytest
 from PIL import Image
 
 from edgepack_core.errors import PreprocessError, SchemaError
-from edgepack_core.preprocess import PREPROCESS_SCHEMA, Preprocessor, normalize_preprocess, resize_plan
+from edgepack_core.geometry import resize_plan
+from edgepack_core.preprocess import Preprocessor
+from edgepack_core.preprocess_spec import PREPROCESS_SCHEMA, normalize_preprocess, parse_preprocess
 from edgepack_core.schema import validate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,7 +210,7 @@ def test_letterbox_centers_the_image_and_pads_with_pad_value(interpolation: str)
     spec = _spec(resize={"size": [33, 32], "mode": "letterbox", "pad_value": 114, "interpolation": interpolation})
     out = Preprocessor(spec).from_array(_blocks(20, 40, color))
     # factor min(33/20, 32/40) = 0.8 -> 16 x 32; 17 rows of padding: 8 above, 9 below.
-    assert resize_plan(20, 40, normalize_preprocess(spec)["resize"]) == ((16, 32), None, (0, 8))
+    assert resize_plan(20, 40, parse_preprocess(spec).resize) == ((16, 32), None, (0, 8))
     np.testing.assert_array_equal(out[:8], 114)
     np.testing.assert_array_equal(out[8:24], np.broadcast_to(np.array(color, np.float32), (16, 32, 3)))
     np.testing.assert_array_equal(out[24:], 114)
@@ -239,7 +241,7 @@ def test_keep_aspect_covers_the_target_and_crops_the_overflow() -> None:
 
 
 def test_center_crop_resizes_the_shorter_side_to_size_over_fraction_then_crops() -> None:
-    resize = normalize_preprocess(_spec(resize={"size": [224, 224], "mode": "center-crop"}))["resize"]
+    resize = parse_preprocess(_spec(resize={"size": [224, 224], "mode": "center-crop"})).resize
     assert resize_plan(375, 500, resize) == ((256, 341), (58, 16, 282, 240), None)
     assert resize_plan(500, 375, resize)[0] == (341, 256)
     # Coordinate-coded pixels: R = row, G = column. 64x80 -> short side round(28/0.875) = 32,
@@ -254,8 +256,8 @@ def test_center_crop_resizes_the_shorter_side_to_size_over_fraction_then_crops()
 
 
 def test_center_crop_with_a_non_square_target_still_covers_it() -> None:
-    resize = normalize_preprocess(_spec(resize={"size": [48, 192], "mode": "center-crop", "crop_fraction": 0.5}))
-    (height, width), crop, _ = resize_plan(100, 100, resize["resize"])
+    resize = parse_preprocess(_spec(resize={"size": [48, 192], "mode": "center-crop", "crop_fraction": 0.5}))
+    (height, width), crop, _ = resize_plan(100, 100, resize.resize)
     assert height >= 48 and width >= 192
     assert crop is not None and crop[2] - crop[0] == 192 and crop[3] - crop[1] == 48
 

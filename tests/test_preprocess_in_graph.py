@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,8 @@ from onnx import TensorProto, helper
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.errors import SchemaError
-from edgepack_core.preprocess import Preprocessor, normalize_preprocess
+from edgepack_core.preprocess import Preprocessor
+from edgepack_core.preprocess_spec import normalize_preprocess, parse_preprocess
 from edgepack_core.signing import TrustStore, load_public_key
 from sdk.errors import RecipeError
 from sdk.packager.passes.preprocess_graph import lower_preprocessing
@@ -79,7 +81,7 @@ def _identity_model(shape: list, dtype: int = TensorProto.FLOAT, *, subgraph: bo
 def test_the_lowered_graph_computes_the_python_path_bit_for_bit(layout: str, batch: bool, color: str,
                                                                 dtype: str) -> None:
     channels = 1 if color == "gray" else 3
-    spec = normalize_preprocess({"kind": "image", "color": color, "resize": {"size": [12, 10]}, "layout": layout,
+    spec = parse_preprocess({"kind": "image", "color": color, "resize": {"size": [12, 10]}, "layout": layout,
                                  "dtype": dtype, "batch": batch, "scale": 1 / 255,
                                  "mean": [0.485, 0.456, 0.406][:channels], "std": [0.229, 0.224, 0.225][:channels]})
     hw = [12, 10]
@@ -91,7 +93,7 @@ def test_the_lowered_graph_computes_the_python_path_bit_for_bit(layout: str, bat
     assert lowered.dtype == "uint8" and list(lowered.shape) == (["batch", *hw, channels] if batch else [*hw, channels])
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     image = np.random.default_rng(0).integers(0, 256, (37, 29, 3), dtype=np.uint8)
-    pixels = Preprocessor({**spec, "in_graph": True}).from_array(image)
+    pixels = Preprocessor(replace(spec, in_graph=True)).from_array(image)
     assert pixels.dtype == np.uint8 and list(pixels.shape) == [1 if d == "batch" else d for d in lowered.shape]
     got = session.run(None, {"x": pixels})[0]
     want = Preprocessor(spec).from_array(image)
@@ -100,9 +102,9 @@ def test_the_lowered_graph_computes_the_python_path_bit_for_bit(layout: str, bat
 
 
 def test_subgraphs_are_rewired_and_taken_names_are_not_reused() -> None:
-    spec = normalize_preprocess({"kind": "image", "resize": {"size": [4, 4]}, "scale": 0.5})
+    spec = parse_preprocess({"kind": "image", "resize": {"size": [4, 4]}, "scale": 0.5})
     image = np.random.default_rng(1).integers(0, 256, (4, 4, 3), dtype=np.uint8)
-    pixels, want = Preprocessor({**spec, "in_graph": True}).from_array(image), Preprocessor(spec).from_array(image)
+    pixels, want = Preprocessor(replace(spec, in_graph=True)).from_array(image), Preprocessor(spec).from_array(image)
     for model in (_identity_model(["n", 3, 4, 4], subgraph=True),
                   _identity_model(["n", 3, 4, 4], taken="edgepack_pre/x_normalized")):
         lower_preprocessing(model, "x", spec)
@@ -171,7 +173,7 @@ def test_mobilenet_in_graph_answers_as_the_python_path_on_the_demo_images(worksp
         assert [r["index"] for r in a.result] == [r["index"] for r in b.result]
         np.testing.assert_allclose(b.outputs["logits"], a.outputs["logits"], rtol=0, atol=1e-5)
     # A camera pipeline feeds its resized uint8 frame as the model's own input.
-    frame = Preprocessor({**in_graph.model.manifest.preprocess}).from_image_bytes(images[0].read_bytes())
+    frame = Preprocessor(in_graph.model.manifest.preprocess).from_image_bytes(images[0].read_bytes())
     direct = in_graph.predict_tensors({"input": frame})
     np.testing.assert_array_equal(direct.outputs["logits"], in_graph.predict(images[0].read_bytes()).outputs["logits"])
 
@@ -184,7 +186,7 @@ def test_a_static_qdq_model_keeps_the_lowered_arithmetic_float_in_front_of_its_f
     pixels answers exactly as the QDQ model fed the Python path."""
     from onnxruntime.quantization import QuantFormat, quantize_static
 
-    spec = normalize_preprocess(yaml.safe_load((REPO / "recipes" / "digits-int8.yaml").read_text())["preprocess"])
+    spec = parse_preprocess(yaml.safe_load((REPO / "recipes" / "digits-int8.yaml").read_text())["preprocess"])
     images = sorted((workspace / "demo" / "digits" / "val").glob("*.png"))[:40]
     floats = [Preprocessor(spec).from_path(p) for p in images]
 
@@ -206,7 +208,7 @@ def test_a_static_qdq_model_keeps_the_lowered_arithmetic_float_in_front_of_its_f
     assert [n.op_type for n in model.graph.node if lowered[-1].output[0] in n.input] == ["QuantizeLinear"]
     before = ort.InferenceSession(str(qdq), providers=["CPUExecutionProvider"])
     after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    pixels = Preprocessor({**spec, "in_graph": True})
+    pixels = Preprocessor(replace(spec, in_graph=True))
     for path, tensor in zip(images, floats, strict=True):
         np.testing.assert_array_equal(after.run(None, {"image": pixels.from_path(path)})[0],
                                       before.run(None, {"image": tensor})[0])

@@ -84,8 +84,8 @@ def test_the_agents_state_job_and_xfer_payloads_match_their_schemas():
     validate_payload("state", online)
     validate_payload("state", offline)
     event = Job(id="deploy-1", type="deploy", state="active", reason="ok", final=True,
-                command={"version": "1.2.0"}, detail={"requests": 3}).event()
-    validate_payload("job", {"schema": SCHEMA_IDS["job"], "device": "pi-07", "ts": NOW, **event})
+                command={"version": "1.2.0"}, detail={"requests": 3}).event("pi-07", NOW, duplicate=True)
+    validate_payload("job", event.to_json())
     validate_payload("xfer", json.loads(codec.request_payload([0, 5, 9])))
     with pytest.raises(SchemaError, match="status"):
         validate_payload("state", {**online, "status": "maybe"})

@@ -13,12 +13,16 @@ from device_agent.telemetry.reporter import AgentStatus, state_document
 from device_agent.updates.jobs import Job, advance
 from edgepack_core.protocol import bounds
 from edgepack_core.protocol.bounds import BIG, MAX_MESSAGE_BYTES
+from edgepack_core.protocol.ids import ID_PATTERN
 from edgepack_core.protocol.messages import (
+    JOB_STATE,
     MAX_CAPABILITIES_BYTES,
     MAX_ERROR_KINDS,
     MAX_GROUPS,
     MAX_JOB_REASON,
+    MAX_JOB_TYPE_CHARS,
     MAX_STATE_REASON,
+    MAX_VERSION_CHARS,
     Decommissioned,
     DeviceState,
     JobEvent,
@@ -29,6 +33,7 @@ from edgepack_core.protocol.messages import (
     parse_state,
     parse_telemetry,
 )
+from edgepack_core.protocol.payloads import load_schema
 from sdk.fleet import FleetView, format_table
 
 ROOT = "edgepack/v1"
@@ -93,12 +98,12 @@ def test_the_agents_telemetry_parses_into_typed_figures():
 
 def test_the_agents_job_events_parse_and_render_back_to_the_same_document():
     job = advance(Job("c-1", "deploy", command={"version": "1.2.0"}), "downloading", "", 1.0, bytes=10)
-    doc = {"schema": "edgepack.job/1", "device": "pi-07", "ts": 3.5, **job.event()}
-    event = parse_job_event("pi-07", _encode(doc))
+    doc = job.event("pi-07", 3.5).to_json()
+    event = parse_job_event("pi-07", job.event("pi-07", 3.5).encode())
     assert isinstance(event, JobEvent)
     assert (event.state, event.final, event.version, dict(event.detail)) == ("downloading", False, "1.2.0",
                                                                              {"bytes": 10})
-    assert event.to_json() == doc
+    assert event.to_json() == doc and event == job.event("pi-07", 3.5)
 
 
 # ------------------------------------------------------------------ bounds, at their boundaries
@@ -181,6 +186,16 @@ def _strings(doc: object):
             yield from _strings(item)
     elif isinstance(doc, str):
         yield doc
+
+
+def test_the_parsers_bounds_are_the_json_schemas_bounds():
+    """One definition: where the parser and the shipped JSON Schema bound the same field, they
+    agree (the parser cuts some texts shorter, for storage: those are not schema bounds)."""
+    state, job = load_schema("state")["properties"], load_schema("job")["properties"]
+    assert state["groups"]["maxItems"] == MAX_GROUPS
+    assert job["state"]["pattern"] == f"^{JOB_STATE.pattern}$"
+    assert job["type"]["maxLength"] == MAX_JOB_TYPE_CHARS and job["version"]["maxLength"] == MAX_VERSION_CHARS
+    assert job["job"]["pattern"] == state["device"]["pattern"] == ID_PATTERN
 
 
 def test_an_empty_state_decommissions():

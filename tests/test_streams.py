@@ -202,7 +202,7 @@ def test_manifest_records_the_roles(service):
     assert inputs["input"]["role"] == "audio"
     assert (inputs["state"]["role"], inputs["state"]["output"], inputs["state"]["init"]) == ("state", "stateN", "zeros")
     assert inputs["sr"]["role"] == "constant"
-    assert service.model.manifest.preprocess["input"] == "input"
+    assert service.model.manifest.preprocess.input == "input"
     assert set(service.model.input_specs) == {"input"}  # callers pass only the audio
 
 

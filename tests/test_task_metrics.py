@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from edgepack_core.postprocess import Postprocessor, ctc_greedy
+from edgepack_core.postprocess_spec import PostprocessSpec
 from sdk.packager.task_metrics import (
     Detections,
     MetricInputError,
@@ -344,7 +345,7 @@ def test_integer_outputs_must_match_exactly_and_a_shape_change_is_a_miss():
     ("max_abs", "detection", False, "max_abs"),
 ])
 def test_the_metric_follows_the_task_unless_the_recipe_names_one(named, kind, labels, expected):
-    assert task_metric(named, {"kind": kind}, labels) == expected
+    assert task_metric(named, PostprocessSpec(kind=kind), labels) == expected
 
 
 def test_a_tnc_ctc_output_is_read_with_time_first():

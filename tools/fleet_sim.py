@@ -56,7 +56,8 @@ sys.path.insert(0, str(ROOT))
 from edgepack_core.command_auth import authorize_command  # noqa: E402
 from edgepack_core.errors import CommandSignatureError  # noqa: E402
 from edgepack_core.protocol.commands import Command, parse_command  # noqa: E402
-from edgepack_core.protocol.payloads import JOB_SCHEMA_ID, STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID  # noqa: E402
+from edgepack_core.protocol.messages import JobEvent  # noqa: E402
+from edgepack_core.protocol.payloads import STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID  # noqa: E402
 from edgepack_core.protocol.topics import Topics  # noqa: E402
 from edgepack_core.signing import TrustStore  # noqa: E402
 
@@ -194,13 +195,9 @@ class SimDevice:
         self._publish(self.topics.telemetry(self.device), json.dumps(doc).encode())
 
     def _event(self, job: SimJob, *, duplicate: bool = False) -> None:
-        doc: dict[str, Any] = {"schema": JOB_SCHEMA_ID, "device": self.device, "ts": time.time(), "job": job.id,
-                               "type": job.type, "state": job.state, "reason": job.reason, "final": job.final}
-        if job.version:
-            doc["version"] = job.version
-        if duplicate:
-            doc["duplicate"] = True
-        self._publish(self.topics.job(self.device), json.dumps(doc).encode())
+        event = JobEvent(self.device, job.id, job.type, job.state, job.final, time.time(), reason=job.reason,
+                         version=job.version or None, duplicate=duplicate)
+        self._publish(self.topics.job(self.device), event.encode())
 
     def _set(self, job: SimJob, state: str, reason: str, final: bool = False) -> None:
         job.state, job.reason, job.final = state, reason, final

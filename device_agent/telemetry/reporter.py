@@ -15,7 +15,7 @@ import logging
 import platform
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,8 @@ from device_agent.telemetry.metrics import ModelInfo, SystemReading, TelemetryAg
 from device_agent.telemetry.outbox import Forwarder, Outbox
 from edgepack_core import __version__ as edgepack_version
 from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, Will
-from edgepack_core.protocol.payloads import JOB_SCHEMA_ID, STATE_SCHEMA_ID
+from edgepack_core.protocol.messages import JobEvent
+from edgepack_core.protocol.payloads import STATE_SCHEMA_ID
 from edgepack_core.protocol.topics import Topics
 
 log = logging.getLogger("edgepack.agent.telemetry")
@@ -189,15 +190,14 @@ class TelemetryReporter:
         doc = state_document(self.device_id, True, self.status(), self.groups)
         self.transport.publish(self.topics.state(self.device_id), json.dumps(doc).encode(), qos=1, retain=True)
 
-    def publish_job_event(self, event: Mapping[str, Any], *, direct: bool = False) -> int:
+    def publish_job_event(self, event: JobEvent, *, direct: bool = False) -> int:
         """Queue a job event on ``dev/{d}/job``; job events are never dropped before telemetry.
         ``direct``: hand it to the MQTT client without the on-disk outbox (a full disk), so it
         is lost if the agent stops before the broker has it; returns 0 then."""
-        doc = {"schema": JOB_SCHEMA_ID, "device": self.device_id, "ts": round(time.time(), 3), **event}
         if direct:
-            self.transport.publish(self.topics.job(self.device_id), json.dumps(doc).encode(), 1)
+            self.transport.publish(self.topics.job(self.device_id), event.encode(), 1)
             return 0
-        return self.outbox.put(self.topics.job(self.device_id), json.dumps(doc).encode(), 1, "job")
+        return self.outbox.put(self.topics.job(self.device_id), event.encode(), 1, "job")
 
     def publish_telemetry_now(self) -> None:
         status = self.status()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from edgepack_core.errors import InvalidTransition
+from edgepack_core.protocol.messages import JobEvent
 
 QUEUED, DOWNLOADING, VERIFYING, STAGING, TESTING, ACTIVE = "queued", "downloading", "verifying", "staging", \
     "testing", "active"
@@ -58,15 +59,13 @@ class Job:
     detail: dict[str, Any] = field(default_factory=dict)
     history: tuple[tuple[str, float], ...] = ()
 
-    def event(self) -> dict[str, Any]:
-        """The job event payload (the reporter adds schema, device and ts)."""
-        doc: dict[str, Any] = {"job": self.id, "type": self.type, "state": self.state, "reason": self.reason,
-                               "final": self.final}
-        if self.command.get("version"):
-            doc["version"] = self.command["version"]
-        if self.detail:
-            doc["detail"] = self.detail
-        return doc
+    def event(self, device: str, ts: float, *, duplicate: bool = False) -> JobEvent:
+        """The job event ``device`` publishes at ``ts``: the protocol's own type, so the agent
+        builds with the definition every host reader parses with."""
+        version = self.command.get("version")
+        return JobEvent(device=device, job=self.id, type=self.type, state=self.state, final=self.final,
+                        ts=round(ts, 3), reason=self.reason, version=str(version) if version else None,
+                        duplicate=duplicate, detail=dict(self.detail))
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "type": self.type, "state": self.state, "reason": self.reason, "final": self.final,

@@ -38,7 +38,7 @@ from device_agent.config import AgentConfig
 from device_agent.errors import AdmissionRefused, StoreError
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.smoke import compare_outputs
-from device_agent.store import InstalledModel, ModelStore, simulate_power_cut_if_testing
+from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates.admission import DevicePolicy, admit, policy_names, rollback_refusal
@@ -56,6 +56,7 @@ from device_agent.updates.jobs import Job, advance, on_restart, restart_reason
 from device_agent.updates.journal import Journal, JournalError
 from device_agent.updates.replay import UNSIGNED, ReplayError, ReplayGuard
 from device_agent.updates.xfer import Receiver, TransferError, XferSpec
+from edgepack_core import faults
 from edgepack_core.command_auth import authorize_command, requires_signature
 from edgepack_core.errors import ArtifactError, CommandSignatureError, EdgepackError
 from edgepack_core.manifest import Manifest
@@ -168,20 +169,21 @@ class UpdateService:
         if job.final:
             self.journal.prune()
         if publish:
-            self._publish(job.event())
+            self._publish(job)
             log.info("job %s: %s (%s)", job.id, state, reason)
-            simulate_power_cut_if_testing(f"job-{state}")
+            faults.point(f"job-{state}")
         return job
 
-    def _publish(self, event: dict[str, Any]) -> None:
-        """Publish a job event through the outbox, or straight to the broker when the disk is
+    def _publish(self, job: Job, *, duplicate: bool = False) -> None:
+        """Publish ``job``'s event through the outbox, or straight to the broker when the disk is
         full (or the outbox cannot take it): the sender hears back either way."""
+        event = job.event(self.device_id, time.time(), duplicate=duplicate)
         if not self.space.problem():
             try:
                 self.reporter.publish_job_event(event)
                 return
             except OutboxError as err:
-                log.warning("job event %s not queued (%s): publishing it without the outbox", event.get("job"), err)
+                log.warning("job event %s not queued (%s): publishing it without the outbox", event.job, err)
         self.reporter.publish_job_event(event, direct=True)
 
     def _new_job(self, command: Command) -> Job:
@@ -196,14 +198,14 @@ class UpdateService:
         if record:
             self.journal.save(job)
             self.journal.prune()
-        self._publish(job.event())
+        self._publish(job)
 
     def _refuse(self, ref: str, kind: str, reason: str, *, state: str = J.REJECTED) -> None:
         """A ``rejected`` (or ``failed``) event for a command that will not run. Not journaled,
         only counted: a flood of bad commands must not fill the disk, and a refused id stays
         usable for a proper command."""
         job = Job(id=ref, type=kind, reason="received")
-        self._publish(advance(job, state, reason, time.time()).event())
+        self._publish(advance(job, state, reason, time.time()))
         total = self.journal.count_rejected(reason)
         log.warning("refused command %s (%d so far): %s", ref, total, reason)
 
@@ -231,7 +233,7 @@ class UpdateService:
         if existing is not None:
             # A duplicate delivery (QoS 1 redelivery, a group and a device command with one
             # id, an operator retrying): answer with the job as it stands, never re-run.
-            self._publish({**existing.event(), "duplicate": True})
+            self._publish(existing, duplicate=True)
             return
         try:
             keyid = authorize_command(command.body, self.host.operator_trust, device_id=self.device_id,
@@ -281,7 +283,7 @@ class UpdateService:
             if kind == "rollback" and serving is not None:
                 job = dataclasses.replace(job, detail={"from_sha256": serving.manifest.model_sha256})
             self.journal.save(job)
-            self._publish(job.event())
+            self._publish(job)
             if kind == "rollback":
                 self._supersede_deploys(f"superseded by rollback {command.id}")
                 self._control.put(job)
@@ -342,7 +344,7 @@ class UpdateService:
             self._set(latest, J.FAILED, reason)
         except JournalError as journal_err:
             failed = advance(latest, J.FAILED, f"{reason}; {journal_err}", time.time())
-            self._publish(failed.event())
+            self._publish(failed)
 
     def _serving(self) -> str:
         model = self.host.service.model

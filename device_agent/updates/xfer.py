@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from device_agent.errors import TransferError
-from device_agent.store import atomic_write
+from edgepack_core.fsutil import atomic_write
 from edgepack_core.protocol.codec import chunk_count, decode_chunk, request_payload
 from edgepack_core.protocol.topics import Topics
 
@@ -64,7 +64,7 @@ class Receiver:
         self._arrived = threading.Event()
         self._received: set[int] = set()
         self._unsynced = 0
-        self._handle = None
+        self._handle: IO[bytes] | None = None
 
     def _load_progress(self) -> None:
         if self.partial.exists() and self.partial.stat().st_size == self.size and self.progress_file.exists():
@@ -124,15 +124,7 @@ class Receiver:
                 if time.monotonic() > deadline or cancelled():
                     raise TransferError(f"transfer {self.spec.id}: {len(missing)} of {self.spec.chunks} chunks "
                                         "missing at the deadline")
-                now = time.monotonic()
-                for index in list(in_flight):
-                    if index not in missing or now - in_flight[index] > 3.0:  # arrived, or lost: ask again
-                        in_flight.pop(index)
-                wanted = [i for i in missing if i not in in_flight][: max(0, WINDOW - len(in_flight))]
-                if wanted and self.transport.connected:
-                    self.transport.publish(self.req_topic, request_payload(wanted), qos=1)
-                    for index in wanted:
-                        in_flight[index] = now
+                self._request(missing, in_flight)
                 self._arrived.wait(0.5)
                 self._arrived.clear()
                 if progress is not None:
@@ -144,6 +136,22 @@ class Receiver:
             with self._lock:
                 self._handle.close()
                 self._handle = None
+        return self._assembled()
+
+    def _request(self, missing: list[int], in_flight: dict[int, float]) -> None:
+        """Ask for the next window of missing chunks; one in flight for 3 s is lost and asked again."""
+        now = time.monotonic()
+        for index in list(in_flight):
+            if index not in missing or now - in_flight[index] > 3.0:  # arrived, or lost: ask again
+                in_flight.pop(index)
+        wanted = [i for i in missing if i not in in_flight][: max(0, WINDOW - len(in_flight))]
+        if wanted and self.transport.connected:
+            self.transport.publish(self.req_topic, request_payload(wanted), qos=1)
+            for index in wanted:
+                in_flight[index] = now
+
+    def _assembled(self) -> Path:
+        """The whole file checked against the announced sha256 and moved into ``target``."""
         digest = hashlib.sha256()
         with open(self.partial, "rb") as handle:
             while block := handle.read(1 << 20):

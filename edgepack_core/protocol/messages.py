@@ -140,16 +140,21 @@ class JobEvent:
     detail: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def to_json(self) -> dict[str, Any]:
-        """The event as a JSON object (what ``edgepack device`` prints)."""
+        """The event's wire document: what the agent publishes and ``edgepack device`` prints.
+        Optional keys only when set, in the order the agent has always sent them."""
         doc: dict[str, Any] = {"schema": JOB_SCHEMA_ID, "device": self.device, "ts": self.ts, "job": self.job,
                                "type": self.type, "state": self.state, "reason": self.reason, "final": self.final}
-        if self.version is not None:
+        if self.version:
             doc["version"] = self.version
-        if self.duplicate:
-            doc["duplicate"] = True
         if self.detail:
             doc["detail"] = dict(self.detail)
+        if self.duplicate:
+            doc["duplicate"] = True
         return doc
+
+    def encode(self) -> bytes:
+        """The wire bytes the agent publishes (the builder side of :func:`parse_job_event`)."""
+        return json.dumps(self.to_json()).encode()
 
 
 # --------------------------------------------------------------------------- shared pieces

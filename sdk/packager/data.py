@@ -35,6 +35,7 @@ import numpy as np
 from edgepack_core.errors import PreprocessError
 from edgepack_core.manifest import TensorSpec
 from edgepack_core.preprocess import Preprocessor
+from edgepack_core.preprocess_spec import PreprocessSpec
 from sdk.errors import RecipeError
 from sdk.packager.onnx_graph import index_ranges
 from sdk.packager.sources import DataSource, InputOptions
@@ -99,8 +100,8 @@ def _fixed_shape(spec: TensorSpec) -> tuple[int, ...]:
     return tuple(d if isinstance(d, int) and d >= 0 else 1 for d in spec.shape)
 
 
-def _target_input(preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec]) -> str:
-    return preprocess.get("input") or inputs[0].name
+def _target_input(preprocess: PreprocessSpec, inputs: Sequence[TensorSpec]) -> str:
+    return preprocess.input or inputs[0].name
 
 
 def shape_fits(shape: Sequence[int], declared: Sequence[int | str]) -> bool:
@@ -247,7 +248,7 @@ def context_options(ctx: Any) -> dict[str, Any]:
 
 
 def load_samples(
-    source: DataSource, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec], *, key: str,
+    source: DataSource, preprocess: PreprocessSpec, inputs: Sequence[TensorSpec], *, key: str,
     limit: int | None = None, declared: Declared | None = None, outputs: Sequence[TensorSpec] = (),
     root: Path | None = None, graph: Any = None,
 ) -> Samples:
@@ -298,10 +299,10 @@ def _read_labels_csv(path: Path, key: str) -> dict[str, int]:
     return labels
 
 
-def _load_images(source: DataSource, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec],
+def _load_images(source: DataSource, preprocess: PreprocessSpec, inputs: Sequence[TensorSpec],
                  declared: Declared, key: str, limit: int | None, root: Path | None) -> Samples:
     folder = Path(str(source.path))
-    if preprocess.get("kind") != "image":
+    if preprocess.kind != "image":
         raise RecipeError(f"{key}.images", "image data needs an image preprocessing spec (preprocess.kind: image)")
     name = _target_input(preprocess, inputs)
     others = [s.name for s in tensor_inputs(inputs, declared) if s.name != name]
@@ -328,12 +329,12 @@ def _load_images(source: DataSource, preprocess: Mapping[str, Any], inputs: Sequ
     return Samples(feeds, labels if labels_map is not None else None, names=[f.name for f in files])
 
 
-def _load_audio(source: DataSource, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec],
+def _load_audio(source: DataSource, preprocess: PreprocessSpec, inputs: Sequence[TensorSpec],
                 declared: Declared, key: str, limit: int | None, root: Path | None) -> Samples:
     """Every frame of every .wav file (sorted by name) is one sample, until ``limit``; each
     file's frames are one sequence (a stream, as the agent runs a file)."""
     folder, where = Path(str(source.path)), f"{key}.audio"
-    if preprocess.get("kind") != "audio":
+    if preprocess.kind != "audio":
         raise RecipeError(where, "audio data needs an audio preprocessing spec (preprocess.kind: audio)")
     name = _target_input(preprocess, inputs)
     others = [s.name for s in tensor_inputs(inputs, declared) if s.name != name]
@@ -556,7 +557,7 @@ def _synthetic_value(spec: TensorSpec, decl: InputOptions, index_range: tuple[in
 
 
 def synthetic_samples(
-    count: int, preprocess: Mapping[str, Any], inputs: Sequence[TensorSpec], seed: int = 0, *,
+    count: int, preprocess: PreprocessSpec, inputs: Sequence[TensorSpec], seed: int = 0, *,
     declared: Declared | None = None, graph: Any = None,
 ) -> Samples:
     """Deterministic made-up inputs (the recipe consented to them). Image models get random
@@ -564,7 +565,7 @@ def synthetic_samples(
     declared ranges and constants are honoured, index inputs stay in range."""
     declared = declared or {}
     rng = np.random.default_rng(seed)
-    image_input = _target_input(preprocess, inputs) if preprocess.get("kind") == "image" else None
+    image_input = _target_input(preprocess, inputs) if preprocess.kind == "image" else None
     pre = Preprocessor(preprocess) if image_input else None
     constants = {**constant_feeds(inputs, declared), **state_feeds(inputs, (), declared)}
     indices = index_ranges(graph, inputs)
@@ -575,7 +576,7 @@ def synthetic_samples(
             if spec.name in constants:
                 feed[spec.name] = constants[spec.name]
             elif spec.name == image_input and pre is not None:
-                height, width = preprocess.get("resize", {}).get("size", (64, 64))
+                height, width = preprocess.resize.size if preprocess.resize is not None else (64, 64)
                 image = rng.integers(0, 256, size=(int(height) + 7, int(width) + 5, 3), dtype=np.uint8)
                 feed[spec.name] = pre.from_array(image)
             else:

@@ -22,6 +22,7 @@ import numpy as np
 
 from edgepack_core.errors import PostprocessError
 from edgepack_core.postprocess import box_iou, class_rows, ctc_collapse, decode_yolo, select_detections, top_k
+from edgepack_core.postprocess_spec import PostprocessSpec
 from sdk.errors import MetricInputError
 from sdk.packager.fidelity import cosine, json_number, top1
 
@@ -516,13 +517,13 @@ def evaluate(
     return Evaluation(metric, len(reference), scores)
 
 
-def task_metric(named: str | None, postprocess: Mapping[str, Any], has_labels: bool) -> str:
+def task_metric(named: str | None, postprocess: PostprocessSpec, has_labels: bool) -> str:
     """The metric a lossy build is judged by: the recipe's, else the task's: ``detection`` for a
     detection postprocess, ``sequence`` for ``ctc``, ``top1`` for classifiers (``topk``,
     ``softmax``), ``cosine`` per output for ``raw`` (``top1`` whenever the data has labels)."""
     if named:
         return named
-    kind = postprocess.get("kind", "raw")
+    kind = postprocess.kind
     if kind == "detection":
         return "detection"
     if kind == "ctc":

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from edgepack_core.mqtt_transport import Incoming, MqttSettings, MqttTransport  # noqa: E402
+from edgepack_core.protocol.messages import parse_job_event  # noqa: E402
 from edgepack_core.protocol.topics import Topics  # noqa: E402
 from sdk.deploy import deploy  # noqa: E402
 from sdk.keys import write_keypair  # noqa: E402
@@ -45,8 +46,8 @@ def ping_round_trips(port: int, device: str, count: int) -> list[float]:
     waiting: dict[str, str] = {}
 
     def on_job(message: Incoming) -> None:
-        event = json.loads(message.payload)
-        if event.get("job") == waiting.get("id"):
+        event = parse_job_event(device, message.payload)
+        if not isinstance(event, str) and event.job == waiting.get("id"):
             answered.set()
 
     transport.subscribe(topics.job(device), 1, on_job)

@@ -79,10 +79,12 @@ def draw_scene(rng: np.random.Generator) -> tuple[Image.Image, list[list[float]]
 
 def to_input(image: Image.Image, boxes: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
     """The model input the device computes for ``image`` and the boxes in input pixels."""
-    from edgepack_core.preprocess import Preprocessor, image_geometry
+    from edgepack_core.geometry import image_geometry
+    from edgepack_core.preprocess import Preprocessor
 
-    tensor = Preprocessor(SPEC).from_image(image)[0]
-    geometry = image_geometry(image.height, image.width, SPEC["resize"])
+    pre = Preprocessor(SPEC)
+    tensor = pre.from_image(image)[0]
+    geometry = image_geometry(image.height, image.width, pre.spec.resize)
     mapped = np.array([[b[0] * geometry["scale_x"] + geometry["pad_x"], b[1] * geometry["scale_y"] + geometry["pad_y"],
                         b[2] * geometry["scale_x"] + geometry["pad_x"], b[3] * geometry["scale_y"] + geometry["pad_y"],
                         b[4]] for b in boxes], np.float32).reshape(-1, 5)

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import onnx
 
 from edgepack_core.manifest import TensorSpec
+from edgepack_core.postprocess_spec import PostprocessSpec
+from edgepack_core.preprocess_spec import PreprocessSpec
 from sdk.packager.ort_worker import holds_float16
 
 if TYPE_CHECKING:  # sdk.recipe imports the passes for their options; the results are the passes' own types
@@ -38,8 +40,9 @@ class BuildContext:
     other are typed fields, each set by one pass and read by the later ones and by
     ``pipeline.assemble_manifest``, the one place the manifest is written:
 
-    - ``inputs``/``outputs``, ``preprocess``/``postprocess``: the I/O spec (io_spec; fix_shapes
-      and preprocess_graph change it);
+    - ``inputs``/``outputs``, ``preprocess``/``postprocess``: the I/O spec, the specs typed as
+      the recipe parsed them (io_spec bundles the assets and resolves ``apply_softmax``;
+      fix_shapes and preprocess_graph change it);
     - ``lossy``: the precision a lossy pass shipped (fp16, or quantize's decision: int8/fp16),
       None while the model computes what the original did;
     - ``lowering``: ``preprocess.in_graph`` planned (preprocess_graph_plan), then done
@@ -56,8 +59,8 @@ class BuildContext:
     original: onnx.ModelProto | None = None
     inputs: list[TensorSpec] = field(default_factory=list)
     outputs: list[TensorSpec] = field(default_factory=list)
-    preprocess: dict[str, Any] = field(default_factory=dict)
-    postprocess: dict[str, Any] = field(default_factory=dict)
+    preprocess: PreprocessSpec = field(default_factory=PreprocessSpec)
+    postprocess: PostprocessSpec = field(default_factory=PostprocessSpec)
     files: dict[str, bytes] = field(default_factory=dict)
     lossy: LossyPrecision | None = None
     lowering: PreprocessLowering | None = None

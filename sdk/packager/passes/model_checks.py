@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,8 @@ from edgepack_core.ort_compat import (
     target_shortfalls,
     unsupported_domains,
 )
-from edgepack_core.postprocess import load_charset, normalize_postprocess
-from edgepack_core.preprocess import normalize_preprocess
+from edgepack_core.postprocess import load_charset
+from edgepack_core.postprocess_spec import PostprocessSpec
 from edgepack_core.targets import profile_onnxruntime
 from sdk.errors import BuildError, ModelError, RecipeError
 from sdk.packager import ort_host
@@ -312,55 +312,58 @@ def _softmax_producer(model: onnx.ModelProto, output: str) -> onnx.NodeProto | N
     return node if node is not None and node.op_type == "Softmax" else None
 
 
-def resolve_apply_softmax(model: onnx.ModelProto, post: dict[str, Any]) -> dict[str, Any] | None:
-    """topk/ctc: write the resolved ``apply_softmax`` into ``post`` and say why (for the report).
+def resolve_apply_softmax(model: onnx.ModelProto, post: PostprocessSpec) -> tuple[PostprocessSpec,
+                                                                                  dict[str, Any] | None]:
+    """topk/ctc: ``post`` with ``apply_softmax`` resolved, and why (for the report).
 
     Why: a classifier that already ends in Softmax scored by a second softmax reports 0.45
     where the model says 0.92; the recipe's explicit value always wins."""
-    if post.get("kind") not in ("topk", "ctc"):
-        return None
-    output = post.get("output") or model.graph.output[0].name
-    if "apply_softmax" in post:
-        return {"value": post["apply_softmax"], "output": output, "why": "set in the recipe"}
+    if post.kind not in ("topk", "ctc"):
+        return post, None
+    output = post.output or model.graph.output[0].name
+    if post.apply_softmax is not None:
+        return post, {"value": post.apply_softmax, "output": output, "why": "set in the recipe"}
     node = _softmax_producer(model, output)
-    post["apply_softmax"] = node is None
     why = (f"output {output} comes from Softmax node {node.name or '(unnamed)'}: scores are its probabilities"
            if node is not None else f"output {output} does not come from a Softmax: scores are its softmax")
-    return {"value": post["apply_softmax"], "output": output, "why": why}
+    return replace(post, apply_softmax=node is None), {"value": node is None, "output": output, "why": why}
 
 
-def _bundle_assets(ctx: BuildContext, post: dict[str, Any], recipe: str) -> dict[str, Any]:
+def _bundle_assets(ctx: BuildContext, post: PostprocessSpec, recipe: str) -> PostprocessSpec:
     """Labels and charset files travel in the artifact; the spec names them by member path."""
+    members: dict[str, str] = {}
     for key, member in (("labels", "assets/labels.txt"), ("charset", "assets/charset.txt")):
-        if not post.get(key):
+        source = getattr(post, key)
+        if not source:
             continue
-        with open(post[key], "rb") as handle:
+        with open(source, "rb") as handle:
             data = handle.read()
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise RecipeError(f"postprocess.{key}", f"{post[key]} is not UTF-8 text ({err.reason} at byte "
-                              f"{err.start})", recipe=recipe) from None
+            raise RecipeError(f"postprocess.{key}", f"{source} is not UTF-8 text ({err.reason} at byte "
+                              f"{err.start})", recipe=recipe) from err
         ctx.files[member] = data
-        post[key] = member
-    return post
+        members[key] = member
+    return replace(post, labels=members.get("labels", post.labels), charset=members.get("charset", post.charset))
 
 
 def _check_postprocess_outputs(ctx: BuildContext, recipe: str) -> None:
     """Named outputs exist; a ctc charset has one symbol per class but the blank."""
     post, outputs = ctx.postprocess, {o.name: o for o in ctx.outputs}
-    for role, name in (post.get("outputs") or {}).items():
+    named = post.outputs.to_json() if post.outputs is not None else {}
+    for role, name in named.items():
         if name not in outputs:
             raise RecipeError(f"postprocess.outputs.{role}", f"no model output named {name!r} (outputs: "
                               f"{', '.join(outputs)})", recipe=recipe)
-    if post.get("kind") != "ctc" or not post.get("charset"):
+    if post.kind != "ctc" or not post.charset:
         return
-    symbols = load_charset(ctx.files["assets/charset.txt"].decode("utf-8"), append_space=post["append_space"])
-    output = outputs[post.get("output") or ctx.outputs[0].name]
+    symbols = load_charset(ctx.files["assets/charset.txt"].decode("utf-8"), append_space=post.append_space)
+    output = outputs[post.output or ctx.outputs[0].name]
     classes = output.shape[-1] if output.shape else None
     if isinstance(classes, int) and classes != len(symbols) + 1:
         raise RecipeError("postprocess.charset", f"has {len(symbols)} symbols"
-                          f"{' with the appended space' if post['append_space'] else ''}, but output "
+                          f"{' with the appended space' if post.append_space else ''}, but output "
                           f"{output.name} has {classes} classes: the charset plus the blank must be {classes}",
                           recipe=recipe)
 
@@ -374,18 +377,17 @@ class IoSpecPass(Pass):
     def run(self, ctx: BuildContext) -> None:
         ctx.inputs, ctx.outputs = graph_io(ctx.require_model(), model_label(ctx))
         recipe = str(ctx.recipe.path)
-        ctx.preprocess = normalize_preprocess(ctx.recipe.preprocess)
-        post = _bundle_assets(ctx, dict(ctx.recipe.postprocess or {"kind": "raw"}), recipe)
-        softmax_note = resolve_apply_softmax(ctx.require_model(), post)
-        ctx.postprocess = normalize_postprocess(post)
+        ctx.preprocess = ctx.recipe.preprocess
+        post = _bundle_assets(ctx, ctx.recipe.postprocess, recipe)
+        ctx.postprocess, softmax_note = resolve_apply_softmax(ctx.require_model(), post)
         names = [i.name for i in ctx.inputs]
-        target = ctx.preprocess.get("input")
+        target = ctx.preprocess.input
         if target is not None and target not in names:
             raise RecipeError("preprocess.input", f"no model input named {target!r} (inputs: {', '.join(names)})",
                               recipe=recipe)
-        if ctx.preprocess.get("kind") == "image":
+        if ctx.preprocess.kind == "image":
             self._check_image_input(ctx, target or names[0], recipe)
-        output = ctx.postprocess.get("output")
+        output = ctx.postprocess.output
         if output is not None and output not in [o.name for o in ctx.outputs]:
             raise RecipeError("postprocess.output", f"no model output named {output!r}", recipe=recipe)
         _check_postprocess_outputs(ctx, recipe)
@@ -399,14 +401,14 @@ class IoSpecPass(Pass):
     def _check_image_input(ctx: BuildContext, name: str, recipe: str) -> None:
         spec = ctx.preprocess
         model_input = next(i for i in ctx.inputs if i.name == name)
-        height, width = spec["resize"]["size"] if spec.get("resize") else (None, None)
-        channels = 1 if spec.get("color") == "gray" else 3
-        if spec.get("layout", "NCHW") == "NCHW":
+        height, width = spec.resize.size if spec.resize is not None else (None, None)
+        channels = spec.channels
+        if spec.layout == "NCHW":
             expected: list[int | None] = [channels, height, width]
         else:
             expected = [height, width, channels]
         shape = list(model_input.shape)
-        if spec.get("batch", True):
+        if spec.batch:
             shape = shape[1:]
         if len(shape) != 3:
             raise RecipeError("preprocess", f"input {name} has shape {list(model_input.shape)}, "

@@ -29,7 +29,7 @@ then add), so the tensors they compute are the same to the bit on onnxruntime's 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,6 +38,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgepack_core.manifest import TensorSpec
 from edgepack_core.preprocess import fused_scale_bias
+from edgepack_core.preprocess_spec import PreprocessSpec
 from sdk.errors import BuildError, ModelError, RecipeError
 from sdk.packager.data import context_options, load_samples
 from sdk.packager.fidelity import check_fidelity
@@ -54,13 +55,13 @@ class PreprocessLowering:
     """``preprocess.in_graph``, planned by preprocess_graph_plan: the spec to lower (with
     ``in_graph``) into ``input``; ``done`` once preprocess_graph rewrote the validated model."""
 
-    spec: Mapping[str, Any]
+    spec: PreprocessSpec
     input: str
     done: bool = False
 
 
-def image_input_name(preprocess: Mapping[str, Any], inputs: list[TensorSpec]) -> str:
-    return preprocess.get("input") or inputs[0].name
+def image_input_name(preprocess: PreprocessSpec, inputs: list[TensorSpec]) -> str:
+    return preprocess.input or inputs[0].name
 
 
 def _subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
@@ -92,7 +93,7 @@ def _taken_names(graph: onnx.GraphProto) -> set[str]:
     return names
 
 
-def lower_preprocessing(model: onnx.ModelProto, name: str, spec: Mapping[str, Any]) -> TensorSpec:
+def lower_preprocessing(model: onnx.ModelProto, name: str, spec: PreprocessSpec) -> TensorSpec:
     """Rewrite ``model`` in place so that input ``name`` takes uint8 NHWC pixels and the graph
     applies the spec's scale, mean/std, layout and dtype; returns the new input's spec.
 
@@ -102,10 +103,10 @@ def lower_preprocessing(model: onnx.ModelProto, name: str, spec: Mapping[str, An
     position = next(i for i, value in enumerate(graph.input) if value.name == name)
     original = graph.input[position]
     dims = list(original.type.tensor_type.shape.dim)
-    nchw = spec["layout"] == "NCHW"
-    to_nhwc = ([0, 2, 3, 1] if spec["batch"] else [1, 2, 0]) if nchw else list(range(len(dims)))
-    to_planes = [0, 3, 1, 2] if spec["batch"] else [2, 0, 1]  # NHWC -> NCHW (or HWC -> CHW)
-    to_pixels = [0, 2, 3, 1] if spec["batch"] else [1, 2, 0]  # and back
+    nchw = spec.layout == "NCHW"
+    to_nhwc = ([0, 2, 3, 1] if spec.batch else [1, 2, 0]) if nchw else list(range(len(dims)))
+    to_planes = [0, 3, 1, 2] if spec.batch else [2, 0, 1]  # NHWC -> NCHW (or HWC -> CHW)
+    to_pixels = [0, 2, 3, 1] if spec.batch else [1, 2, 0]  # and back
     taken = _taken_names(graph)
 
     def fresh(base: str) -> str:
@@ -131,7 +132,7 @@ def lower_preprocessing(model: onnx.ModelProto, name: str, spec: Mapping[str, An
                                                           ("Mul", {}, [gain_name]), ("Add", {}, [bias_name])]
     if not nchw:
         chain.append(("Transpose", {"perm": to_pixels}, []))
-    if spec["dtype"] == "float16":
+    if spec.dtype == "float16":
         chain.append(("Cast", {"to": TensorProto.FLOAT16}, []))
     current = name
     for index, (op, attributes, constants) in enumerate(chain):
@@ -161,16 +162,16 @@ class PreprocessGraphPlanPass(Pass):
     name = "preprocess_graph_plan"
 
     def applies(self, ctx: BuildContext) -> bool:
-        return bool(ctx.preprocess.get("in_graph"))
+        return ctx.preprocess.in_graph
 
     def run(self, ctx: BuildContext) -> None:
         recipe = str(ctx.recipe.path)
         model = ctx.require_model()
         name = image_input_name(ctx.preprocess, ctx.inputs)
         spec = next(i for i in ctx.inputs if i.name == name)
-        if spec.dtype != ctx.preprocess["dtype"]:
+        if spec.dtype != ctx.preprocess.dtype:
             raise RecipeError("preprocess.in_graph", f"input {name} is {spec.dtype} but the spec's dtype is "
-                              f"{ctx.preprocess['dtype']}: the lowered arithmetic must end in the input's dtype",
+                              f"{ctx.preprocess.dtype}: the lowered arithmetic must end in the input's dtype",
                               recipe=recipe)
         opset = next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
         if opset < MIN_OPSET:
@@ -183,8 +184,8 @@ class PreprocessGraphPlanPass(Pass):
             raise RecipeError("preprocess.in_graph", f"golden samples come from {key} ({source.kind}), "
                               "float tensors the lowered uint8 input cannot take: give golden.data as "
                               "{images: DIR}", recipe=recipe)
-        ctx.lowering = PreprocessLowering(dict(ctx.preprocess), name)
-        ctx.preprocess = {k: v for k, v in ctx.preprocess.items() if k != "in_graph"}
+        ctx.lowering = PreprocessLowering(ctx.preprocess, name)
+        ctx.preprocess = replace(ctx.preprocess, in_graph=False)
         ctx.report[self.name] = {"input": name}
 
 
@@ -199,7 +200,7 @@ class PreprocessGraphPass(Pass):
 
     def run(self, ctx: BuildContext) -> None:
         assert ctx.lowering is not None  # applies() said so
-        graph_spec, name = dict(ctx.lowering.spec), ctx.lowering.input
+        graph_spec, name = ctx.lowering.spec, ctx.lowering.input
         float_spec, float_inputs = ctx.preprocess, list(ctx.inputs)
         before = ctx.model_bytes()
         model = ctx.require_model()

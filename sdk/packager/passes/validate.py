@@ -25,6 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from edgepack_core.postprocess import Postprocessor
+from edgepack_core.postprocess_spec import PostprocessSpec
 from edgepack_core.targets import PROFILES
 from sdk.errors import RecipeError, ValidationFailed
 from sdk.packager.data import Samples, context_options, load_samples
@@ -122,16 +123,16 @@ def checked_outputs(ctx: BuildContext, options: ValidateOptions) -> list[str]:
                 raise RecipeError("validate.outputs", f"the model has no output named {name!r} (outputs: "
                                   f"{', '.join(names) or 'none'})", recipe=str(ctx.recipe.path))
         return list(dict.fromkeys(asked))
-    if ctx.postprocess.get("kind", "raw") == "raw" or not names:
+    if ctx.postprocess.kind == "raw" or not names:
         return names
-    return [ctx.postprocess.get("output") or names[0]]
+    return [ctx.postprocess.output or names[0]]
 
 
-def detection_decoder(postprocess: Mapping[str, Any]) -> DetectionDecoder | None:
+def detection_decoder(postprocess: PostprocessSpec) -> DetectionDecoder | None:
     """The shared postprocessor's decoder when the recipe declares ``kind: detection`` (its
     format, thresholds and NMS, so validation sees what the device serves); None leaves the
     metric's own YOLOv8 decoder for a recipe that names ``metric: detection`` on a raw model."""
-    if postprocess.get("kind") != "detection":
+    if postprocess.kind != "detection":
         return None
     processor = Postprocessor(postprocess)
 
@@ -149,17 +150,17 @@ def judge(ctx: BuildContext, options: ValidateOptions, reference: Sequence[Mappi
     """A candidate against the fp32 reference by the task metric on every checked output:
     the one judgement of the validate pass and of the quantization search."""
     post = ctx.postprocess
-    ctc = post.get("kind") == "ctc"
+    ctc = post.kind == "ctc"
     metric = task_metric(options.metric, post, labels is not None)
     outputs = checked_outputs(ctx, options)
     if options.min_string_match is not None and not (ctc and metric == "sequence"):
         raise RecipeError("validate.min_string_match", f"gates the decoded strings of metric sequence with a ctc "
                           f"postprocess; this build is judged by {metric} with postprocess "
-                          f"{post.get('kind', 'raw')}", recipe=str(ctx.recipe.path))
+                          f"{post.kind}", recipe=str(ctx.recipe.path))
     try:
         return evaluate(reference, candidate, metric=metric, outputs=outputs, budget=options.budget(), labels=labels,
-                        decode=detection_decoder(post), blank=int(post.get("blank", 0)) if ctc else None,
-                        layout=str(post.get("layout", "NTC")))
+                        decode=detection_decoder(post), blank=post.blank if ctc else None,
+                        layout=post.layout)
     except MetricInputError as err:  # e.g. metric: detection on an output that is no detection head
         key = "validate.metric" if options.metric else "postprocess.kind"
         raise RecipeError(key, f"metric {metric} cannot read output {', '.join(outputs)}: {err}",
@@ -196,7 +197,7 @@ class ValidatePass(Pass):
         candidate = run_samples(ctx.model_bytes(), samples)
         precision = ctx.lossy or "fp32"
         lossless = ctx.lossy is None
-        result = compare(reference, candidate, output=ctx.postprocess.get("output"), labels=samples.labels)
+        result = compare(reference, candidate, output=ctx.postprocess.output, labels=samples.labels)
         report: dict[str, Any] = {**result.to_json(), "precision": precision, "source": kind, **state_report(samples)}
         failures: list[tuple[str, float, float, str]] = []
         summaries: list[str] = []
