@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from edgepack_core.errors import SchemaError
 from edgepack_core.schema import validate_by_kind
@@ -94,6 +94,10 @@ _KIND_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
+Kind = Literal["raw", "softmax", "topk", "detection", "ctc"]
+DetectionFormat = Literal["yolov8", "yolov5", "boxes_scores"]
+CtcLayout = Literal["NTC", "TNC"]
+
 
 @dataclass(frozen=True)
 class DetectionOutputs:
@@ -115,13 +119,13 @@ class PostprocessSpec:
     resolves it from the graph; an executor reads None as true, as a manifest without the key
     means."""
 
-    kind: str = "raw"
+    kind: Kind = "raw"
     version: int = SPEC_VERSION
     output: str | None = None
     k: int = DEFAULT_K
     apply_softmax: bool | None = None
     labels: str | None = None
-    format: str = DETECTION_DEFAULTS["format"]
+    format: DetectionFormat = DETECTION_DEFAULTS["format"]
     score_threshold: float = DETECTION_DEFAULTS["score_threshold"]
     iou_threshold: float = DETECTION_DEFAULTS["iou_threshold"]
     max_detections: int = DETECTION_DEFAULTS["max_detections"]
@@ -129,7 +133,7 @@ class PostprocessSpec:
     blank: int = 0
     charset: str | None = None
     append_space: bool = False
-    layout: str = "NTC"
+    layout: CtcLayout = "NTC"
 
     @property
     def softmax(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from edgepack_core.errors import SchemaError
 from edgepack_core.schema import validate_by_kind
@@ -131,6 +131,12 @@ _KIND_SCHEMAS: dict[str, dict[str, Any]] = {
 
 
 Dim = int | str | None  # a tensor spec's dim: an integer, or a symbolic one that matches anything
+Kind = Literal["image", "tensor", "audio"]
+Color = Literal["rgb", "bgr", "gray"]
+Layout = Literal["NCHW", "NHWC"]
+ResizeMode = Literal["stretch", "keep-aspect", "letterbox", "center-crop"]
+Interpolation = Literal["nearest", "bilinear", "bicubic", "area"]
+PadPlace = Literal["center", "top-left"]
 
 
 @dataclass(frozen=True)
@@ -140,10 +146,10 @@ class Resize:
     only (the JSON form writes them for that mode alone, as the schema takes them)."""
 
     size: tuple[int, int]
-    mode: str = "stretch"
-    interpolation: str = "bilinear"
+    mode: ResizeMode = "stretch"
+    interpolation: Interpolation = "bilinear"
     pad_value: int = 0
-    pad: str = "center"
+    pad: PadPlace = "center"
     crop_fraction: float = DEFAULT_CROP_FRACTION
 
     @classmethod
@@ -174,18 +180,18 @@ class PreprocessSpec:
     ``mean``, ``std`` (one per channel), ``layout``, ``in_graph``. Audio: ``sample_rate``,
     ``frame``, ``hop``, ``context``."""
 
-    kind: str = "tensor"
+    kind: Kind = "tensor"
     version: int = SPEC_VERSION
     input: str | None = None
     batch: bool = False
     dtype: str | None = None
     shape: tuple[Dim, ...] | None = None
-    color: str = "rgb"
+    color: Color = "rgb"
     resize: Resize | None = None
     scale: float = 1.0
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
-    layout: str = "NCHW"
+    layout: Layout = "NCHW"
     in_graph: bool = False
     sample_rate: int = 0
     frame: int = 0

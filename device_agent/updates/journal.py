@@ -22,8 +22,8 @@ import threading
 from pathlib import Path
 
 from device_agent.errors import AgentError
-from device_agent.store import atomic_write
 from device_agent.updates.jobs import Job, resumes
+from edgepack_core.fsutil import atomic_write
 from edgepack_core.protocol.ids import is_valid_id
 
 log = logging.getLogger("edgepack.agent.updates")

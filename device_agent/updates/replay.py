@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 
 from device_agent.errors import AgentError
-from device_agent.store import atomic_write
+from edgepack_core.fsutil import atomic_write
 
 log = logging.getLogger("edgepack.agent.updates")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from device_agent.errors import AgentError
-from device_agent.store import atomic_write
+from edgepack_core.fsutil import atomic_write
 from edgepack_core.protocol.codec import chunk_count, decode_chunk, request_payload
 from edgepack_core.protocol.topics import Topics
 
