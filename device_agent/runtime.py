@@ -377,7 +377,7 @@ class InferenceService:
             try:
                 StreamTable.check_id(stream)
             except InvalidNameError as err:
-                raise BadRequest("bad_stream", str(err)) from None
+                raise BadRequest("bad_stream", str(err)) from err
 
     def _infer(self, model: LoadedModel, feed: Mapping[str, np.ndarray], stream: str | None) -> list[np.ndarray]:
         """One session run, or one per frame of a ``Frames`` feed (outputs stacked), with the
@@ -412,7 +412,7 @@ class InferenceService:
         except Exception as err:
             self._fail("runtime", client=False)
             raise BadRequest("runtime", f"inference failed: {str(err).splitlines()[0][:200]}",
-                             http_status=500) from None
+                             http_status=500) from err
 
     def _finish(self, model: LoadedModel, outputs: dict[str, np.ndarray], geometry: dict[str, Any] | None,
                 elapsed: float, postprocess: bool) -> PredictResult:
@@ -425,7 +425,7 @@ class InferenceService:
                 result = model.postprocessor(outputs, geometry)
             except PostprocessError as err:
                 self._fail("postprocess", client=False)
-                raise BadRequest("postprocess", str(err), http_status=500) from None
+                raise BadRequest("postprocess", str(err), http_status=500) from err
         self.stats.ok(elapsed)
         for observer in self.observers:
             observer(elapsed, None)

@@ -275,7 +275,7 @@ class AgentApp:
             try:
                 return Tensors(bodies.json_to_feed(model.input_specs, inputs, self.limits))
             except BadRequest as err:
-                raise _JsonInputError(err) from None
+                raise _JsonInputError(err) from err
         if kind == "numpy":
             decoded = bodies.decode_numpy(body, model.input_specs, self.limits, image_input=model.image_input)
             return Array(decoded) if isinstance(decoded, np.ndarray) else Tensors(decoded)
@@ -346,7 +346,7 @@ class AgentApp:
             if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation was ours, and is handled
                 task.uncancel()
             raise BadRequest("timeout", f"the body did not arrive within {timeout:g} s (api.read_timeout_s)",
-                             http_status=408) from None
+                             http_status=408) from None  # the cancellation has nothing more to say
         finally:
             timer.cancel()
 

@@ -148,7 +148,7 @@ class LoadPass(Pass):
             try:
                 ctx.model = onnx.load(path)
             except Exception as err:  # onnx raises DecodeError, OSError, ValueError...
-                raise ModelError(path, f"cannot be loaded as ONNX ({type(err).__name__}: {err})") from None
+                raise ModelError(path, f"cannot be loaded as ONNX ({type(err).__name__}: {err})") from err
         ctx.original = onnx.ModelProto()
         ctx.original.CopyFrom(ctx.model)
         dropped = drop_initializer_inputs(ctx.model)
@@ -172,12 +172,12 @@ class CheckPass(Pass):
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
             finding = _checker_text(err)
             if ctx.recipe.model.strict_check:
-                raise ModelError(label, f"onnx.checker refused it (model.strict_check is on): {finding}") from None
+                raise ModelError(label, f"onnx.checker refused it (model.strict_check is on): {finding}") from err
             try:
                 ort_host.describe(ctx.model_bytes(), label=label)
             except BuildError as ort_err:
                 raise ModelError(label, f"onnx.checker refused it ({finding}) and onnxruntime cannot load it "
-                                        f"({ort_err.problem})") from None
+                                        f"({ort_err.problem})") from ort_err
             ctx.warn(f"onnx.checker: {finding} (onnxruntime loads {label}; model.strict_check: true makes this "
                      "an error)")
             ctx.report[self.name] = {"ok": False, "finding": finding, "onnxruntime_loads": True}
@@ -210,7 +210,7 @@ class ConvertOpsetPass(Pass):
             onnx.checker.check_model(converted)
         except Exception as err:  # the converter raises RuntimeError, ValidationError, IndexError...
             raise ModelError(label, f"onnx.version_converter cannot convert opset {source} to {target}: "
-                                    f"{_checker_text(err)}") from None
+                                    f"{_checker_text(err)}") from err
         ctx.model = converted
         ctx.report[self.name] = {"from": source, "to": target}
 
@@ -239,7 +239,7 @@ class OpsetPass(Pass):
         try:
             version, reason = graph_requirement(model)
         except RuntimeTooOld as err:
-            raise ModelError(label, str(err)) from None
+            raise ModelError(label, str(err)) from err
         default = opsets.get(DEFAULT_DOMAIN)
         if default is not None and default < GUARANTEED_MIN_OPSET:
             ctx.warn(f"{label} uses ai.onnx opset {default}; onnxruntime guarantees opsets "
@@ -290,7 +290,7 @@ class ShapeInferencePass(Pass):
             label = model_label(ctx)
             if ctx.recipe.model.strict_check:
                 raise ModelError(label, f"shape inference failed (model.strict_check is on): "
-                                        f"{_checker_text(err)}") from None
+                                        f"{_checker_text(err)}") from err
             ctx.warn(f"ONNX shape inference: {_checker_text(err)}; keeping {label}'s declared shapes")
             try:
                 ctx.model = onnx.shape_inference.infer_shapes(model)
@@ -439,7 +439,7 @@ class RuntimeCompatPass(Pass):
             version, reason = graph_requirement(model, ort_format=ort_bytes is not None,
                                                 ort_format_version=ort_format_version(ort_bytes or b""))
         except RuntimeTooOld as err:
-            raise ModelError(label, str(err)) from None
+            raise ModelError(label, str(err)) from err
         declared = ctx.recipe.target_onnxruntime
         runtimes = {t: declared.get(t) or profile_onnxruntime(t, format_version(parse_version(ort.__version__)))
                     for t in ctx.recipe.targets}
