@@ -9,8 +9,9 @@ from __future__ import annotations
 from edgepack_core.errors import EdgepackError, UsageError
 
 __all__ = [
-    "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "ConfigError", "NoModelError", "ProviderError",
-    "SmokeTestError", "StoreError",
+    "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "ConfigError", "DownloadCancelled",
+    "DownloadError", "JournalError", "MessageTooLargeError", "NoModelError", "OutboxError", "ProviderError",
+    "ReplayError", "SmokeTestError", "StoreError", "TransferError",
 ]
 
 
@@ -22,7 +23,7 @@ class BackgroundError(AgentError):
     """predict's forked verification ended without an answer (killed, crashed, or garbled)."""
 
 
-class ConfigError(UsageError):
+class ConfigError(AgentError, UsageError):
     """agent.yaml cannot be used (beyond schema errors, which are ``edgepack_core.errors.SchemaError``)."""
 
     def __init__(self, key: str, problem: str, *, config: str = "") -> None:
@@ -76,3 +77,50 @@ class BadRequest(AgentError):
         super().__init__(problem)
         self.kind = kind
         self.http_status = http_status
+
+
+# --------------------------------------------------------------------------- updates
+
+
+class DownloadError(AgentError):
+    """The artifact could not be fetched completely and intact. The message is one of a few fixed
+    texts (plus numbers the agent computed), never bytes from the remote side."""
+
+
+class DownloadCancelled(DownloadError):
+    """The job was cancelled or superseded while downloading."""
+
+
+class TransferError(AgentError):
+    """A chunked transfer (``updates/xfer.py``) could not complete."""
+
+
+class JournalError(AgentError):
+    """A job cannot be written to the journal (read-only or full medium, permissions). The
+    command it belongs to must not run; its sender is told with a ``failed`` event."""
+
+
+class ReplayError(AgentError):
+    """A command id was used before, or its bucket is full, or the ledger cannot be written."""
+
+
+# --------------------------------------------------------------------------- telemetry
+
+
+class OutboxError(AgentError):
+    """The telemetry outbox database cannot be opened or used (corrupt file, disk full, wrong
+    permissions)."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"outbox {path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class MessageTooLargeError(AgentError, UsageError):
+    """A single message is larger than the outbox's whole byte bound for its kind."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"a {size}-byte message cannot fit an outbox bounded to {limit} bytes")
+        self.size = size
+        self.limit = limit

@@ -30,9 +30,9 @@ from device_agent.providers import ModelTraits, choose_providers, create_session
 from device_agent.request_stats import RequestStats
 from device_agent.smoke import SmokeReport, run_smoke_test
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S, StreamTable
-from edgepack_core.errors import PostprocessError
+from edgepack_core.errors import PostprocessError, RuntimeTooOldError
 from edgepack_core.manifest import Manifest
-from edgepack_core.ort_compat import RuntimeTooOldError, runtime_refusal
+from edgepack_core.ort_compat import runtime_refusal
 from edgepack_core.ort_workarounds import disabled_optimizers
 from edgepack_core.postprocess import Postprocessor, load_charset, load_labels
 from edgepack_core.preprocess import Preprocessor

@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,8 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from device_agent.errors import StoreError
+from edgepack_core import faults
 from edgepack_core.artifact import Admit, Limits, VerifiedArtifact, extract_artifact, read_extracted
 from edgepack_core.errors import ArtifactError
+from edgepack_core.fsutil import atomic_write
 from edgepack_core.signing import TrustStore
 from edgepack_core.versions import Version, check_upgrade
 
@@ -49,35 +50,6 @@ log = logging.getLogger("edgepack.agent.store")
 
 STATE_FILE = "state.json"
 MAX_STATE_BYTES = 64 * 1024
-TEST_CRASH_ENV = "EDGEPACK_TEST_CRASH_AT"
-
-
-def simulate_power_cut_if_testing(name: str) -> None:
-    """TEST ONLY: if EDGEPACK_TEST_CRASH_AT names this point, die at once with SIGKILL, as a
-    power cut would. Lets the crash-safety tests kill a real process at exact points."""
-    if os.environ.get(TEST_CRASH_ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically: temp file in the same dir, fsync, rename, fsync dir."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 @dataclass(frozen=True)
 class InstalledModel:
     """A verified model directory in the store."""
@@ -274,7 +246,7 @@ class ModelStore:
                 shutil.rmtree(target)  # a leftover nobody refers to
                 self._remove_cache(key)
             os.rename(tmp / "x", target)
-            simulate_power_cut_if_testing("after-extract")
+            faults.point("after-extract")
             return InstalledModel(target, VerifiedArtifact(verified.path, verified.manifest, verified.manifest_bytes,
                                                            verified.key_id, target))
         finally:
@@ -284,9 +256,9 @@ class ModelStore:
         """Make ``model`` active (one atomic state write); the old active becomes previous."""
         self._require_writable()
         state = self._read_state()
-        simulate_power_cut_if_testing("before-switch")
+        faults.point("before-switch")
         self._write_state(model.key, state["active"] if state["active"] != model.key else state["previous"])
-        simulate_power_cut_if_testing("after-switch")
+        faults.point("after-switch")
         self.prune()
 
     def install(self, artifact: Path, *, force: bool = False,
@@ -300,7 +272,7 @@ class ModelStore:
             except BaseException:
                 self.discard(model)
                 raise
-        simulate_power_cut_if_testing("after-smoke")
+        faults.point("after-smoke")
         self.activate(model)
         return model
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from device_agent.errors import AgentError
 from edgepack_core.errors import UsageError
+from edgepack_core.fsutil import atomic_write
 
 UNIT_NAME = "edgepack-agent.service"
 GPU_DROPIN_NAME = "gpu.conf"
@@ -96,8 +97,6 @@ def install_unit(plan: list[tuple[Path, str]], *, force: bool) -> list[tuple[Pat
 
     Every file is checked before any is written: one that exists with other contents (a local
     edit) stops the install unless ``force``, and nothing is touched."""
-    from device_agent.store import atomic_write
-
     differing = [path for path, text in plan if path.is_file() and path.read_text(encoding="utf-8") != text]
     if differing and not force:
         raise AgentError(f"{differing[0]} exists and differs from the shipped file (a local edit?); "
@@ -109,8 +108,7 @@ def install_unit(plan: list[tuple[Path, str]], *, force: bool) -> list[tuple[Pat
             continue
         try:
             path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-            atomic_write(path, text.encode("utf-8"))
-            path.chmod(0o644)
+            atomic_write(path, text.encode("utf-8"), mode=0o644)
         except OSError as err:
             raise AgentError(f"cannot write {path}: {err.strerror or err} (run it with sudo)") from err
         results.append((path, True))

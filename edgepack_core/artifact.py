@@ -61,6 +61,7 @@ from edgepack_core.errors import (
     UnsafeMemberError,
     UnsignedBytesError,
 )
+from edgepack_core.fsutil import fsync_dir
 from edgepack_core.manifest import MANIFEST_NAME, SIGNATURE_NAME, Manifest, parse_manifest
 from edgepack_core.signing import MAX_SIGNATURE_BYTES, TrustStore, check_signature_layout
 
@@ -609,14 +610,6 @@ def verify_artifact(path: str | os.PathLike[str], trust: TrustStore, limits: Lim
         raise
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def extract_artifact(
     path: str | os.PathLike[str],
     dest: str | os.PathLike[str],
@@ -645,10 +638,10 @@ def extract_artifact(
         verified = _walk(path, trust, limits or Limits(), staging, durable, admit)
         if durable:
             for directory in sorted({p for p in staging.rglob("*") if p.is_dir()} | {staging}, reverse=True):
-                _fsync_dir(directory)
+                fsync_dir(directory)
         os.rename(staging, dest)
         if durable:
-            _fsync_dir(dest.parent)
+            fsync_dir(dest.parent)
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(err, ArtifactError):

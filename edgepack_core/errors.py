@@ -158,3 +158,86 @@ class PostprocessError(EdgepackError):
 
 class PreprocessError(EdgepackError):
     """Input that the preprocessing spec cannot turn into a tensor (corrupt image, wrong shape)."""
+
+
+class WireEncodingError(EdgepackError):
+    """A value has no JSON encoding under the wire convention (e.g. a complex tensor)."""
+
+
+# --------------------------------------------------------------------------- onnxruntime
+
+
+class RuntimeTooOld(EdgepackError):
+    """No onnxruntime Edgepack knows runs what a graph holds (e.g. an opset newer than every
+    release): the build cannot name a minimum onnxruntime for it."""
+
+
+class RuntimeTooOldError(ArtifactError):
+    """The device's onnxruntime is older than the artifact's ``min_onnxruntime``."""
+
+
+# --------------------------------------------------------------------------- state machines
+
+
+class InvalidTransition(EdgepackError):
+    """A state machine (an update job on the device, a rollout on the host) was asked for a move
+    its table does not allow. The pure machines raise it; the fleet server's HTTP layer answers
+    it with 409 ``conflict``. ``state`` is the state it was in, ``move`` the refused event or
+    target state."""
+
+    def __init__(self, message: str, *, state: str, move: str) -> None:
+        super().__init__(message)
+        self.state = state
+        self.move = move
+
+
+# --------------------------------------------------------------------------- protocol and MQTT
+
+
+class InvalidNameError(SchemaError):
+    """An id or name that fails ``edgepack_core.protocol.ids.ID_PATTERN``. ``path`` names the
+    field (``device_id``, ``group``, ``id``, ...) so it reads like any other schema error;
+    ``value`` is a printable, shortened form of the rejected value (for messages only, never
+    for paths)."""
+
+    def __init__(self, field: str, value: str, problem: str) -> None:
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        super().__init__(field, f"{shown!r} {problem}")
+        self.value = shown
+
+
+class CommandBuildError(SchemaError):
+    """The host tried to build a command that the protocol does not allow (a bug or bad input,
+    caught before it reaches a device)."""
+
+
+class MqttSettingsError(SchemaError):
+    """An MQTT setting out of range; ``path`` is ``mqtt.<field>`` as in agent.yaml."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"mqtt.{field}", problem)
+
+
+class InvalidPublishError(UsageError):
+    """A message that cannot be published: wildcard or empty topic, unencodable or oversized payload."""
+
+    def __init__(self, topic: str, problem: str) -> None:
+        super().__init__(f"cannot publish to {topic!r}: {problem}")
+        self.topic = topic
+        self.problem = problem
+
+
+class BrokerConnectError(EdgepackError):
+    """A client that must connect now (a host command) could not."""
+
+
+class BrokerLoginRefused(BrokerConnectError):
+    """The broker answered the CONNECT with "bad user name or password" or "not authorised"."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"broker refused the login at {address} ({reason})")
+        self.reason = reason
+
+
+class BrokerUnreachable(BrokerConnectError):
+    """No CONNACK within the time allowed: nothing listens, TLS failed, or the network is down."""

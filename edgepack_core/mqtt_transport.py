@@ -45,7 +45,14 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from edgepack_core.errors import EdgepackError, SchemaError, UsageError
+from edgepack_core.errors import (  # the broker errors are named here too (re-exported)
+    BrokerConnectError,
+    BrokerLoginRefused,
+    BrokerUnreachable,
+    InvalidPublishError,
+    MqttSettingsError,
+    UsageError,
+)
 from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
 
 log = logging.getLogger("edgepack.mqtt")
@@ -58,38 +65,6 @@ _MAX_PACKET = 268435455  # the largest remaining length MQTT can encode
 
 Payload = bytes | bytearray | str | Mapping[str, Any] | Sequence[Any]
 PublishCallback = Callable[[bool], None]
-
-
-class MqttSettingsError(SchemaError):
-    """An MQTT setting out of range; ``path`` is ``mqtt.<field>`` as in agent.yaml."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"mqtt.{field}", problem)
-
-
-class InvalidPublishError(UsageError):
-    """A message that cannot be published: wildcard or empty topic, unencodable or oversized payload."""
-
-    def __init__(self, topic: str, problem: str) -> None:
-        super().__init__(f"cannot publish to {topic!r}: {problem}")
-        self.topic = topic
-        self.problem = problem
-
-
-class BrokerConnectError(EdgepackError):
-    """A client that must connect now (a host command) could not."""
-
-
-class BrokerLoginRefused(BrokerConnectError):
-    """The broker answered the CONNECT with "bad user name or password" or "not authorised"."""
-
-    def __init__(self, address: str, reason: str) -> None:
-        super().__init__(f"broker refused the login at {address} ({reason})")
-        self.reason = reason
-
-
-class BrokerUnreachable(BrokerConnectError):
-    """No CONNACK within the time allowed: nothing listens, TLS failed, or the network is down."""
 
 
 # CONNACK reason codes (MQTT 5 numbering; paho maps the 3.1.1 return codes 4 and 5 onto them).

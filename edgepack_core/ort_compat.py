@@ -17,7 +17,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from edgepack_core.errors import ArtifactError
+from edgepack_core.errors import RuntimeTooOld
+from edgepack_core.errors import RuntimeTooOldError as RuntimeTooOldError  # the old import path
 
 DEFAULT_DOMAIN = "ai.onnx"
 ML_DOMAIN = "ai.onnx.ml"
@@ -41,7 +42,7 @@ class RuntimeRow:
 # onnxruntime's compatibility table, oldest first: up to 1.20 as its docs give it
 # (docs/reference/compatibility.md); from 1.21 as each release answers itself (a model stamped
 # opset/IR 999 is refused naming the newest it runs; asked of the PyPI wheels the way
-# ``sdk.packager.passes.model_checks.host_runtime_row`` asks the build host's, which also adds
+# ``sdk.packager.passes.runtime_compat.host_runtime_row`` asks the build host's, which also adds
 # releases newer than the last row). Where a release's own answer is wider than its docs (1.15
 # says IR 9, 1.18-1.20 say ai.onnx.ml 5), the docs' narrower row stays: kernels may lag the
 # schemas a release knows. A release absent here runs what the previous row says.
@@ -126,14 +127,6 @@ def satisfies(installed: str, required: str) -> bool:
 def normalize_domain(domain: str) -> str:
     """ONNX writes the default domain as "" or "ai.onnx"; one name for both."""
     return DEFAULT_DOMAIN if domain in ("", DEFAULT_DOMAIN) else domain
-
-
-class RuntimeTooOld(ValueError):
-    """No known onnxruntime runs what the graph holds (e.g. an opset newer than every release)."""
-
-
-class RuntimeTooOldError(ArtifactError):
-    """The device's onnxruntime is older than the artifact's ``min_onnxruntime``."""
 
 
 def _rows(extra: Iterable[RuntimeRow]) -> list[RuntimeRow]:

@@ -27,15 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from edgepack_core.errors import EdgepackError
+from edgepack_core.errors import WireEncodingError
 
 NAN, POS_INF, NEG_INF = "NaN", "Infinity", "-Infinity"
 _NON_FINITE = {NAN: math.nan, POS_INF: math.inf, NEG_INF: -math.inf}
 NPZ_MEDIA_TYPE = "application/x-npz"
-
-
-class WireEncodingError(EdgepackError):
-    """A value has no JSON encoding under the convention (e.g. a complex tensor)."""
 
 
 def _float(value: float) -> float | str:

@@ -1,9 +1,9 @@
 """Writing ``.edgepkg`` artifacts (host side only): manifest first, signature second, files after.
 
 The reader (``edgepack_core.artifact``) relies on this order to verify the signature before
-it reads any other byte, so the writer is the one place that fixes it. Output is written to a
-temporary file beside the target and renamed into place, so a crash never leaves a partial
-artifact under the final name.
+it reads any other byte, so the writer is the one place that fixes it. Output is written
+through ``edgepack_core.fsutil.atomic_writer``, so a crash never leaves a partial artifact under
+the final name.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import hashlib
 import io
 import os
 import tarfile
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from edgepack_core.fsutil import atomic_writer
 from edgepack_core.manifest import MANIFEST_NAME, SIGNATURE_NAME, canonical_bytes, check_manifest
 from edgepack_core.signing import SigningKey, signature_document
 
@@ -57,22 +57,14 @@ def write_artifact(
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            # gzip with mtime=0 keeps the bytes reproducible.
-            sink: Any = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if compress else raw
-            with tarfile.open(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for name, data in [(MANIFEST_NAME, manifest_bytes), (SIGNATURE_NAME, signature),
-                                   *sorted(files.items())]:
-                    tar.addfile(_tar_info(name, len(data)), io.BytesIO(data))
-            if compress:
-                sink.close()
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.chmod(tmp_name, 0o644)  # mkstemp makes 0600; an artifact is signed, not secret
-        os.replace(tmp_name, output)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    # An artifact is signed, not secret: 0644.
+    with atomic_writer(output, mode=0o644) as raw:
+        # gzip with mtime=0 keeps the bytes reproducible.
+        sink: Any = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if compress else raw
+        with tarfile.open(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for name, data in [(MANIFEST_NAME, manifest_bytes), (SIGNATURE_NAME, signature),
+                               *sorted(files.items())]:
+                tar.addfile(_tar_info(name, len(data)), io.BytesIO(data))
+        if compress:
+            sink.close()
     return manifest_bytes

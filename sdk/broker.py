@@ -16,9 +16,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgepack_core.errors import UsageError
 from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, TlsSettings
 from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
+from sdk.errors import BrokerOptionError
 
 MAX_PASSWORD_FILE_BYTES = 4096
 
@@ -26,10 +26,6 @@ MAX_PASSWORD_FILE_BYTES = 4096
 # handler, Python's last-resort handler would print the transport's own warnings as a second,
 # unformatted copy. Whoever configures logging (-v, an embedding program) still gets them.
 logging.getLogger("edgepack.mqtt").addHandler(logging.NullHandler())
-
-
-class BrokerOptionError(UsageError):
-    """A broker address, password file or TLS file that cannot be used."""
 
 
 def parse_broker(text: str) -> tuple[str, int]:

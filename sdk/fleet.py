@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from edgepack_core.errors import EdgepackError
 from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.ids import validate_id
 from edgepack_core.protocol.messages import (
@@ -29,17 +28,14 @@ from edgepack_core.protocol.messages import (
     parse_telemetry,
 )
 from edgepack_core.protocol.topics import DEFAULT_ROOT, Topics
-from sdk.broker import BrokerOptions, parse_broker
+from sdk.broker import BrokerOptions
+from sdk.errors import FleetError
 
-__all__ = ["DeviceRow", "FleetError", "FleetView", "collect", "format_table", "parse_broker", "stream_messages"]
+__all__ = ["DeviceRow", "FleetError", "FleetView", "collect", "format_table", "stream_messages"]
 
 log = logging.getLogger("edgepack.fleet")
 
 MAX_DEVICES = 1_000_000
-
-
-class FleetError(EdgepackError):
-    """The broker could not be reached or the fleet could not be read."""
 
 
 @dataclass

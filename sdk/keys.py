@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from edgepack_core.errors import KeyFileError
+from edgepack_core.fsutil import atomic_write
 from edgepack_core.signing import (
     SigningKey,
     generate_private_key,
@@ -16,28 +17,13 @@ from edgepack_core.signing import (
 
 
 def _write_new(path: Path, data: bytes, mode: int, force: bool) -> None:
-    """Write ``data`` with ``mode`` from the first byte (no window where a key is readable),
-    atomically: temp file beside the target, fsync, rename."""
+    """Write ``data`` with ``mode`` from the first byte, atomically; never over an existing file
+    (even one that appeared meanwhile) unless ``force``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)  # umask may have narrowed it; never widened beyond ``mode``
-        if force:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # fails if ``path`` appeared meanwhile: no silent overwrite
-            os.unlink(tmp)
-    except FileExistsError:
-        os.unlink(tmp)
-        raise KeyFileError(str(path), "already exists (use --force to overwrite)") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        atomic_write(path, data, mode=mode, overwrite=force)
+    except FileExistsError as err:
+        raise KeyFileError(str(path), "already exists (use --force to overwrite)") from err
 
 
 def write_keypair(private_path: Path, public_path: Path, *, force: bool = False) -> str:

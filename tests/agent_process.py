@@ -123,13 +123,13 @@ class Observer:
         self.lock = threading.Lock()
         self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"observer-{free_port()}",
                                   protocol=mqtt.MQTTv5)
-        ready = threading.Event()
-        self.client.on_connect = lambda c, *_: (c.subscribe(f"{ROOT}/#", qos=1), ready.set())
+        subscribed = threading.Event()  # the broker's SUBACK: every message published after it reaches us
+        self.client.on_connect = lambda c, *_: c.subscribe(f"{ROOT}/#", qos=1)
+        self.client.on_subscribe = lambda *_: subscribed.set()
         self.client.on_message = self._on_message
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
-        assert ready.wait(5)
-        time.sleep(0.2)
+        assert subscribed.wait(10), "the observer's subscription was not acknowledged"
 
     def _on_message(self, _c: Any, _u: Any, message: Any) -> None:
         try:

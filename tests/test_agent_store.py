@@ -10,7 +10,8 @@ import pytest
 
 from device_agent.errors import SmokeTestError, StoreError
 from device_agent.runtime import load_model
-from device_agent.store import TEST_CRASH_ENV, ModelStore
+from device_agent.store import ModelStore
+from edgepack_core import faults
 from edgepack_core.artifact import read_extracted
 from edgepack_core.errors import DowngradeError, IntegrityError
 from edgepack_core.signing import TrustStore, load_public_key
@@ -106,7 +107,7 @@ def test_power_cut_during_install_leaves_old_or_new_model_valid(tmp_path, artifa
     store.install(artifacts["v1"], smoke_test=_smoke)
     script = _INSTALL_SCRIPT.format(repo=str(Path(__file__).resolve().parent.parent), store=str(store_dir),
                                     pub=str(keypair[1]), artifact=str(artifacts["v2"]))
-    proc = subprocess.run([sys.executable, "-c", script], env={**_env(), TEST_CRASH_ENV: point},
+    proc = subprocess.run([sys.executable, "-c", script], env={**_env(), **faults.switch(point)},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == -9, f"expected SIGKILL at {point}: {proc.stderr}"
     recovered = ModelStore(store_dir, trust).recover()
@@ -144,4 +145,4 @@ def test_kill_9_at_random_moments_of_an_install_never_breaks_the_store(tmp_path,
 def _env() -> dict[str, str]:
     import os
 
-    return {k: v for k, v in os.environ.items() if k != TEST_CRASH_ENV}
+    return {k: v for k, v in os.environ.items() if k != faults.ENV}

@@ -153,12 +153,13 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
 
     got: list[list[str]] = [[], []]
     stop = threading.Event()
-    ready = [threading.Event(), threading.Event()]
+    subscribed = [threading.Event(), threading.Event()]  # a probe reached this consumer
 
     def consume(index: int) -> None:
         for topic, payload, _ in stream_messages(mosquitto_broker.address, share="exporters"):
-            ready[index].set()
-            if topic.endswith("/telemetry"):
+            if topic.endswith("/probe/telemetry"):
+                subscribed[index].set()
+            elif topic.endswith("/telemetry"):
                 got[index].append(json.loads(payload)["device"] + f":{json.loads(payload)['seq']}")
             if stop.is_set():
                 return
@@ -166,10 +167,13 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
     threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(2)]
     for thread in threads:
         thread.start()
-    for event in ready:
-        assert event.wait(10)
-    time.sleep(0.3)  # let both subscriptions settle on the broker
     pub = _publisher(mosquitto_broker.port)
+    # Probes until each consumer got one: then both are in the share group, whatever the timing.
+    deadline = time.monotonic() + 10
+    while not all(event.is_set() for event in subscribed) and time.monotonic() < deadline:
+        pub.publish(f"{ROOT}/dev/probe/telemetry", _telemetry("probe", 0), qos=1).wait_for_publish(5)
+        subscribed[0].wait(0.05)
+    assert all(event.is_set() for event in subscribed), "a consumer never joined the share group"
     sent = [f"d{i % 5}:{i}" for i in range(200)]
     for i in range(200):
         pub.publish(f"{ROOT}/dev/d{i % 5}/telemetry", _telemetry(f"d{i % 5}", i), qos=1).wait_for_publish(5)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from edgepack_core import faults
 from edgepack_core.signing import TrustStore
 from tests.artifacts import build_artifact
 from tests.fleet_server_process import CommandCounter, FleetServerProcess, edgepack, make_keys, wait_for
@@ -130,7 +131,7 @@ def test_a_crash_between_recording_and_publishing_a_wave_sends_it_once_after_res
     they reach the broker. After the restart it finds them unacknowledged and unanswered, and
     publishes them (the same bytes) once the grace has passed: every device gets one command."""
     server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys, extra=("--resend-after", "2s"))
-    server.start(env={"EDGEPACK_TEST_CRASH_AT": "fleet-recorded-wave-2"})
+    server.start(env=faults.switch("fleet-recorded-wave-2"))
     try:
         with SimFleet(broker.host, broker.port, 20, rate=1, behaviour=_signed_behaviour(keys)) as fleet:
             assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 20)

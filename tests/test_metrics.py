@@ -101,7 +101,7 @@ def test_aggregator_builds_a_valid_payload_with_interval_and_cumulative_counts()
     model = ModelInfo("ocr-cls", "1.2.0", "ab" * 32)
     system = SystemReading(1.0, 1.0, 12.5, 50_000_000, 48.2)
     payload = aggregator.build(now=110.0, ts=1_700_000_000.123456, model=model, provider="CPUExecutionProvider",
-                               system=system, queue=_queue())
+                               system=system, queue=_queue()).to_json()
     validate(payload, TELEMETRY_SCHEMA, document="telemetry")
     assert payload["schema"] == TELEMETRY_SCHEMA_ID and payload["device"] == "pi-07" and payload["seq"] == 1
     assert payload["model"] == {"name": "ocr-cls", "version": "1.2.0", "sha256": "ab" * 32}
@@ -118,32 +118,32 @@ def test_aggregator_builds_a_valid_payload_with_interval_and_cumulative_counts()
     # The next interval starts empty; cumulative totals carry on.
     aggregator.record_inference(0.5)
     aggregator.record_error("runtime")
-    second = aggregator.build(now=115.0, ts=1.0, model=None, provider=None, system=None, queue=None)
+    second = aggregator.build(now=115.0, ts=1.0, model=None, provider=None, system=None, queue=None).to_json()
     validate(second, TELEMETRY_SCHEMA, document="telemetry")
     assert second["inferences"] == {"interval": 1, "total": 101} and second["seq"] == 2
     assert second["errors"] == {"preprocess": 2, "runtime": 2}
     assert second["errors_interval"] == {"runtime": 1}
     assert second["latency_ms"]["p50"] == 500.0 and second["interval_s"] == 5.0
-    idle = aggregator.build(now=120.0, ts=2.0, model=None, provider=None, system=None, queue=None)
+    idle = aggregator.build(now=120.0, ts=2.0, model=None, provider=None, system=None, queue=None).to_json()
     validate(idle, TELEMETRY_SCHEMA, document="telemetry")
     assert idle["latency_ms"] == {"p50": None, "p90": None, "p99": None, "max": None, "mean": None}
     assert idle["throughput_per_s"] == 0.0
     resumed = TelemetryAggregator("pi-07", started=0.0, first_seq=42)
-    assert resumed.build(now=1.0, ts=1.0, model=None, provider=None, system=None, queue=None)["seq"] == 42
+    assert resumed.build(now=1.0, ts=1.0, model=None, provider=None, system=None, queue=None).seq == 42
 
 
 def test_error_kinds_are_bounded_so_memory_stays_fixed() -> None:
     aggregator = TelemetryAggregator("d1", started=0.0)
     for i in range(MAX_ERROR_KINDS + 10):
         aggregator.record_error(f"kind-{i}")
-    payload = aggregator.build(now=1.0, ts=1.0, model=None, provider=None, system=None, queue=None)
+    payload = aggregator.build(now=1.0, ts=1.0, model=None, provider=None, system=None, queue=None).to_json()
     assert len(payload["errors"]) == MAX_ERROR_KINDS + 1
     assert payload["errors"]["other"] == 10
 
 
 def test_schema_rejects_a_payload_with_an_unknown_key() -> None:
     aggregator = TelemetryAggregator("d1", started=0.0)
-    payload = aggregator.build(now=1.0, ts=1.0, model=None, provider=None, system=None, queue=None)
+    payload = aggregator.build(now=1.0, ts=1.0, model=None, provider=None, system=None, queue=None).to_json()
     payload["surprise"] = 1
     with pytest.raises(SchemaError) as info:
         validate(payload, TELEMETRY_SCHEMA, document="telemetry")

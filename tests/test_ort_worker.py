@@ -2,7 +2,7 @@
 
 Crashes are real: a model whose STFT kernel divides by zero (frame_length 0) kills onnxruntime
 with SIGFPE; the other signals come from the worker killing itself with the real signal
-(``EDGEPACK_SIMULATE_CRASH_IF_TESTING``), as a segfault, an abort or the OOM killer would.
+(``EDGEPACK_TEST_FAULT=ort-worker:SIGNAL``, edgepack_core.faults), as a segfault, an abort or the OOM killer would.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from edgepack_core import faults
 from sdk.errors import BuildError
 from sdk.packager import ort_host, ort_worker
 from sdk.packager.ort_host import OrtCrashError, in_pass, run_feeds
@@ -142,7 +143,7 @@ def test_call_in_worker_refuses_targets_outside_the_package():
 
 @pytest.mark.parametrize("name", ["SIGSEGV", "SIGABRT", "SIGKILL"])
 def test_every_crash_signal_is_named(name, monkeypatch, fresh_worker):
-    monkeypatch.setenv(ort_worker.SIMULATE_CRASH_ENV, name)
+    monkeypatch.setenv(faults.ENV, f"ort-worker:{name}")
     with in_pass("golden", model="relu.onnx"), pytest.raises(OrtCrashError) as caught:
         run_feeds(relu_model().SerializeToString(), [{"x": np.ones(3, np.float32)}])
     assert caught.value.signal_name == name
@@ -181,7 +182,7 @@ def test_quantization_runs_inside_the_worker(tmp_path, keypair, monkeypatch, fre
                                                 [weight]), opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     recipe = _crash_project(tmp_path, model, "quantize: {mode: static, calibration: {npz: data.npz}}\n")
-    monkeypatch.setenv(ort_worker.SIMULATE_CRASH_ENV, "SIGSEGV")
+    monkeypatch.setenv(faults.ENV, "ort-worker:SIGSEGV")
     with pytest.raises(OrtCrashError) as caught:
         build(load_recipe(recipe), key_paths=[str(keypair[0])], output=tmp_path / "q.edgepkg")
     assert str(caught.value).startswith("quantize: onnxruntime crashed with SIGSEGV")
@@ -191,7 +192,7 @@ def test_quantization_runs_inside_the_worker(tmp_path, keypair, monkeypatch, fre
 @pytest.mark.parametrize("name", ["SIGSEGV", "SIGABRT"])
 def test_edgepack_bench_crash_is_one_line_without_traceback(tmp_path, name, monkeypatch):
     onnx.save(relu_model(), tmp_path / "relu.onnx")
-    monkeypatch.setenv(ort_worker.SIMULATE_CRASH_ENV, name)
+    monkeypatch.setenv(faults.ENV, f"ort-worker:{name}")
     result = run_cli("edgepack", "bench", str(tmp_path / "relu.onnx"), "--runs", "2")
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr

@@ -87,13 +87,32 @@ def test_the_agents_telemetry_parses_into_typed_figures():
                            system=SystemReading(cpu_percent=12.5, memory_rss_bytes=1000, temperature_c=None,
                                                 cpu_seconds=1.0, monotonic=2.0),
                            queue={"queued": 1, "dropped": 0, "produced": 5, "delivered": 4})
-    sample = parse_telemetry("pi-07", _encode(doc))
-    assert isinstance(sample, Telemetry)
+    sample = parse_telemetry("pi-07", doc.encode())
+    assert isinstance(sample, Telemetry) and sample == doc
     assert (sample.seq, sample.ts, sample.inferences_interval, sample.inferences_total) == (1, 100.0, 4, 4)
     assert sample.errors_total == 1 and sample.error_kinds == (("preprocess", 1),)
     assert sample.latency_p50 is not None and abs(sample.latency_p50 - 2.0) < 0.1
     assert sample.queue == QueueCounters(1, 0, 5, 4) and sample.cpu_percent == 12.5
     assert sample.temperature_c is None and sample.uptime_s == 2.0
+
+
+def test_the_agents_telemetry_wire_bytes_are_those_it_sent_before_the_typed_builder():
+    aggregator = TelemetryAggregator("pi-07", started=0.0)
+    aggregator.record_inference(0.002)
+    aggregator.record_error("runtime")
+    sample = aggregator.build(now=4.0, ts=100.12345, model=ModelInfo("m", "1", "ab" * 32), provider="CPU",
+                              system=None, queue={"queued": 0, "dropped": 1, "produced": 2, "delivered": 3})
+    latency = sample.latency_ms()
+    before = {  # the dict TelemetryAggregator.build returned, key for key
+        "schema": "edgepack.telemetry/1", "device": "pi-07", "seq": 1, "ts": 100.123,
+        "model": {"name": "m", "version": "1", "sha256": "ab" * 32}, "provider": "CPU", "interval_s": 4.0,
+        "inferences": {"interval": 1, "total": 1}, "errors": {"runtime": 1}, "errors_interval": {"runtime": 1},
+        "latency_ms": {"p50": latency["p50"], "p90": latency["p90"], "p99": latency["p99"], "max": 2.0,
+                       "mean": 2.0},
+        "throughput_per_s": 0.25, "cpu_percent": None, "memory_rss_bytes": None, "temperature_c": None,
+        "uptime_s": 4.0, "queue": {"depth": 0, "dropped": 1, "produced": 2, "delivered": 3},
+    }
+    assert sample.encode() == json.dumps(before).encode()
 
 
 def test_the_agents_job_events_parse_and_render_back_to_the_same_document():

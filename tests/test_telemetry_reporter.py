@@ -131,11 +131,11 @@ def test_queue_survives_kill_9_while_offline_and_drains_after_restart(mosquitto_
         "from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config\n"
         f"s = settings_from_config(BrokerSettings('127.0.0.1', {mosquitto_broker.port}), 'pi-08')\n"
         f"r = TelemetryReporter('pi-08', s, {str(db)!r}, AgentStatus, interval=0.05).start()\n"
-        "print('up', flush=True); time.sleep(60)\n"
+        "while r.outbox.counters()['queued'] < 5: time.sleep(0.01)\n"
+        "print('queued', flush=True); time.sleep(60)\n"
     )
     agent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    assert agent.stdout.readline().strip() == "up"
-    time.sleep(1.0)
+    assert agent.stdout.readline().strip() == "queued"  # five messages in the outbox, none sent
     agent.kill()
     agent.wait(5)
     queued = Outbox(db).counters()
@@ -160,7 +160,7 @@ def test_set_interval_takes_effect_without_waiting_out_the_old_period(mosquitto_
     listener = Observer(mosquitto_broker.port)
     reporter = _reporter(mosquitto_broker, tmp_path, interval=3600).start()
     try:
-        time.sleep(0.5)
+        assert listener.wait_for(lambda: listener.of("/dev/pi-07/state"), 10)  # online and publishing
         assert listener.of("/telemetry") == []
         reporter.set_interval(0.1)
         assert listener.wait_for(lambda: len(listener.of("/telemetry")) >= 3, 5)

@@ -20,12 +20,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from device_agent.store import TEST_CRASH_ENV
+from edgepack_core import faults
 from edgepack_core.signing import TrustStore, load_public_key
-from sdk.deploy import deploy
+from sdk.broker import BrokerOptions
+from sdk.deploy import DeployOptions, deploy
 from tests.agent_process import AgentProcess, LoadGenerator, Observer
 from tests.artifacts import build_artifact, resign_with_changes, wrong_golden_outputs
 from tests.conftest import run_cli
+from tests.fleet_server_process import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -99,9 +101,9 @@ def _deploy_cli(artifact: Path, broker, *extra: str):
 
 def test_update_under_continuous_load_fails_no_request(agent, arts, mosquitto_broker):
     with LoadGenerator(agent) as load:
-        time.sleep(0.5)
+        assert wait_for(lambda: load.ok > 0, 30), load.failures  # the load is running
         result = _deploy_cli(arts["v2"], mosquitto_broker)
-        time.sleep(0.5)
+        assert wait_for(lambda: "1.1.0" in load.versions, 30), load.failures  # ... and reaches the new model
     assert result.returncode == 0, result.stderr
     assert agent.version() == "1.1.0"
     assert load.failures == []
@@ -114,9 +116,9 @@ def test_update_over_mqtt_chunks_survives_a_broker_restart_mid_transfer(agent, a
     seen_states: list[str] = []
 
     def run() -> None:
-        outcome["result"] = deploy(arts["big"], broker=mosquitto_broker.address, devices=["pi-07"], transfer="mqtt",
-                                   chunk_size=4096, timeout=90, trust=trust,
-                                   on_event=lambda d, e: seen_states.append(e.state))
+        outcome["result"] = deploy(DeployOptions(arts["big"], BrokerOptions(mosquitto_broker.address),
+                                                 devices=("pi-07",), transfer="mqtt", chunk_size=4096, timeout=90,
+                                                 trust=trust, on_event=lambda d, e: seen_states.append(e.state)))
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -205,15 +207,15 @@ def test_kill_9_in_each_job_state_then_restart_ends_consistent(tmp_path, mosquit
                                                                expected):
     agent = AgentProcess(tmp_path, device="pi-09", broker_port=mosquitto_broker.port, trust=keypair[1],
                          artifact=arts["v1"], health_window_s=0.5)
-    agent.start(env={TEST_CRASH_ENV: f"job-{state}"})
+    agent.start(env=faults.switch(f"job-{state}"))
     watch = Observer(mosquitto_broker.port)
     holder: dict = {}
     try:
-        thread = threading.Thread(target=lambda: holder.update(result=deploy(
-            arts["v2"], broker=mosquitto_broker.address, devices=["pi-09"], timeout=60)))
+        thread = threading.Thread(target=lambda: holder.update(result=deploy(DeployOptions(
+            arts["v2"], BrokerOptions(mosquitto_broker.address), devices=("pi-09",), timeout=60))))
         thread.start()
         assert agent.wait_exit(30) == -9, "the agent should have been killed at the crash point"
-        env = {k: v for k, v in os.environ.items() if k != TEST_CRASH_ENV}
+        env = {k: v for k, v in os.environ.items() if k != faults.ENV}
         agent.start(env=env)
         thread.join(90)
         final = [e for e in watch.jobs("pi-09") if e.get("final") and e.get("type") == "deploy"]
@@ -257,7 +259,11 @@ def test_staged_rollout_stops_at_the_canaries_when_they_fail(tmp_path, mosquitto
     agents = [AgentProcess(tmp_path, device=f"k-{i}", broker_port=mosquitto_broker.port, trust=keypair[1],
                            artifact=arts["v1"], groups=["kitchen"]).start() for i in range(2)]
     try:
-        time.sleep(0.5)  # retained birth messages reach the broker
+        births = Observer(mosquitto_broker.port)  # the agents' retained births reached the broker
+        try:
+            assert births.wait_for(lambda: births.of("/dev/k-0/state") and births.of("/dev/k-1/state"), 30)
+        finally:
+            births.close()
         failed = run_cli("edgepack", "deploy", str(arts["wrong_golden"]), "--group", "kitchen", "--canary", "50%",
                          "--broker", mosquitto_broker.address, "--wait", "--timeout", "60", "--json")
         assert failed.returncode == 1

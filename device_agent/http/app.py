@@ -53,7 +53,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from device_agent.config import ApiSettings
-from device_agent.errors import BadRequest, NoModelError
+from device_agent.errors import AgentError, BadRequest, NoModelError
 from device_agent.http import admission, bodies, oip, openapi
 from device_agent.http.answers import error_response, json_response
 from device_agent.http.guards import Guard
@@ -445,7 +445,7 @@ class AgentApp:
         return Response(body, 200, headers, media)
 
 
-class _JsonInputError(Exception):
+class _JsonInputError(AgentError):
     """A JSON body's inputs that do not fit the model (counted apart from other client errors)."""
 
     def __init__(self, error: BadRequest) -> None:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edgepack_core.protocol.payloads import TELEMETRY_SCHEMA_ID, load_schema
+from edgepack_core.protocol.messages import ModelRef, QueueCounters, Telemetry
+from edgepack_core.protocol.payloads import load_schema
 
 LOW_S = 1e-6  # first bucket edge: 1 µs
 HIGH_S = 100.0  # last bucket edge: 100 s
@@ -224,9 +225,10 @@ class TelemetryAggregator:
         provider: str | None,
         system: SystemReading | None,
         queue: Mapping[str, Any] | None,
-    ) -> dict[str, Any]:
-        """The ``edgepack.telemetry/1`` payload for the interval ending at ``now`` (monotonic
-        seconds, same clock as ``started``); ``ts`` is the wall-clock time to stamp it with."""
+    ) -> Telemetry:
+        """The ``edgepack.telemetry/1`` sample for the interval ending at ``now`` (monotonic
+        seconds, same clock as ``started``); ``ts`` is the wall-clock time to stamp it with. The
+        protocol's own type: the host parses the same definition (``Telemetry.encode()``)."""
         with self._lock:
             histogram = self._interval.snapshot_and_reset()
             errors_interval, self._errors_interval = self._errors_interval, {}
@@ -235,36 +237,24 @@ class TelemetryAggregator:
             interval_s = max(0.0, now - self._interval_start)
             self._interval_start = now
             seq, self._next_seq = self._next_seq, self._next_seq + 1
-        return {
-            "schema": TELEMETRY_SCHEMA_ID,
-            "device": self.device_id,
-            "seq": seq,
-            "ts": round(ts, 3),
-            "model": None if model is None else {"name": model.name, "version": model.version, "sha256": model.sha256},
-            "provider": provider,
-            "interval_s": round(interval_s, 3),
-            "inferences": {"interval": histogram.count, "total": total},
-            "errors": errors_total,
-            "errors_interval": errors_interval,
-            "latency_ms": {
-                "p50": _ms(histogram.percentile(50)),
-                "p90": _ms(histogram.percentile(90)),
-                "p99": _ms(histogram.percentile(99)),
-                "max": _ms(histogram.maximum if histogram.count else None),
-                "mean": _ms(histogram.mean),
-            },
-            "throughput_per_s": round(histogram.count / interval_s, 3) if interval_s > 0 else 0.0,
-            "cpu_percent": None if system is None else system.cpu_percent,
-            "memory_rss_bytes": None if system is None else system.memory_rss_bytes,
-            "temperature_c": None if system is None else system.temperature_c,
-            "uptime_s": round(max(0.0, now - self.started), 3),
-            "queue": None if queue is None else {
-                "depth": int(queue["queued"]),
-                "dropped": int(queue["dropped"]),
-                "produced": int(queue["produced"]),
-                "delivered": int(queue["delivered"]),
-            },
-        }
+        return Telemetry(
+            device=self.device_id, seq=seq, ts=round(ts, 3),
+            model=None if model is None else ModelRef(model.name, model.version, model.sha256),
+            provider=provider, interval_s=round(interval_s, 3),
+            inferences_interval=histogram.count, inferences_total=total,
+            error_kinds=tuple(errors_total.items()), error_kinds_interval=tuple(errors_interval.items()),
+            errors_total=sum(errors_total.values()), errors_interval=sum(errors_interval.values()),
+            latency_p50=_ms(histogram.percentile(50)), latency_p90=_ms(histogram.percentile(90)),
+            latency_p99=_ms(histogram.percentile(99)), latency_max=_ms(histogram.maximum if histogram.count else None),
+            latency_mean=_ms(histogram.mean),
+            throughput_per_s=round(histogram.count / interval_s, 3) if interval_s > 0 else 0.0,
+            cpu_percent=None if system is None else system.cpu_percent,
+            memory_rss_bytes=None if system is None else system.memory_rss_bytes,
+            temperature_c=None if system is None else system.temperature_c,
+            uptime_s=round(max(0.0, now - self.started), 3),
+            queue=None if queue is None else QueueCounters(int(queue["queued"]), int(queue["dropped"]),
+                                                           int(queue["produced"]), int(queue["delivered"])),
+        )
 
 
 # The payload's JSON Schema is part of the shared protocol (schemas/telemetry.schema.json).

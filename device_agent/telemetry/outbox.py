@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from device_agent.errors import MessageTooLargeError, OutboxError
 from edgepack_core.errors import EdgepackError, UsageError
 from edgepack_core.mqtt_transport import InvalidPublishError, MqttTransport
 
@@ -71,24 +72,6 @@ CREATE TABLE IF NOT EXISTS counters (
 );
 """
 _COUNTERS = ("produced", "delivered", "dropped", "refused", *(f"dropped.{k}" for k in KINDS))
-
-
-class OutboxError(EdgepackError):
-    """The outbox database cannot be opened or used (corrupt file, disk full, wrong permissions)."""
-
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"outbox {path}: {problem}")
-        self.path = path
-        self.problem = problem
-
-
-class MessageTooLargeError(UsageError):
-    """A single message is larger than the outbox's whole byte bound for its kind."""
-
-    def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"a {size}-byte message cannot fit an outbox bounded to {limit} bytes")
-        self.size = size
-        self.limit = limit
 
 
 @dataclass(frozen=True)

@@ -202,9 +202,9 @@ class TelemetryReporter:
     def publish_telemetry_now(self) -> None:
         status = self.status()
         self._system = read_system(self._system)
-        doc = self.aggregator.build(now=time.monotonic(), ts=time.time(), model=status.model,
-                                    provider=status.provider, system=self._system, queue=self.outbox.counters())
-        self.outbox.put(self.topics.telemetry(self.device_id), json.dumps(doc).encode(), 1, "telemetry")
+        sample = self.aggregator.build(now=time.monotonic(), ts=time.time(), model=status.model,
+                                       provider=status.provider, system=self._system, queue=self.outbox.counters())
+        self.outbox.put(self.topics.telemetry(self.device_id), sample.encode(), 1, "telemetry")
 
     # ---------------------------------------------------------------- thread
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from device_agent.errors import AgentError
+from device_agent.errors import DownloadCancelled, DownloadError
 
 log = logging.getLogger("edgepack.agent.download")
 
@@ -49,15 +49,6 @@ RATE_GRACE_S = 10.0
 """The minimum rate is enforced over the download so far, after this much time."""
 MAX_REDIRECTS = 3
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-class DownloadError(AgentError):
-    """The artifact could not be fetched completely and intact. The message is one of a few fixed
-    texts (plus numbers the agent computed), never bytes from the remote side."""
-
-
-class DownloadCancelled(DownloadError):
-    """The job was cancelled or superseded while downloading."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from edgepack_core.errors import InvalidTransition
 from edgepack_core.protocol.messages import JobEvent
 
 QUEUED, DOWNLOADING, VERIFYING, STAGING, TESTING, ACTIVE = "queued", "downloading", "verifying", "staging", \
@@ -43,10 +44,6 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 CANCELLABLE = frozenset({QUEUED, DOWNLOADING, VERIFYING, STAGING, TESTING})
 """States a ``cancel`` (or a newer deploy) can end; past the switch only a rollback undoes a job."""
-
-
-class InvalidTransition(RuntimeError):
-    """A programming error: the executor tried a transition the machine does not allow."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +82,7 @@ def advance(job: Job, state: str, reason: str, now: float, *, final: bool | None
             **detail: Any) -> Job:
     """The job after moving to ``state``; raises InvalidTransition for a move the table forbids."""
     if state not in TRANSITIONS[job.state]:
-        raise InvalidTransition(f"job {job.id}: {job.state} -> {state} is not allowed")
+        raise InvalidTransition(f"job {job.id}: {job.state} -> {state} is not allowed", state=job.state, move=state)
     is_final = state in TERMINAL if final is None else final
     return replace(job, state=state, reason=reason, final=is_final, detail={**job.detail, **detail},
                    history=(*job.history, (state, round(now, 3))))

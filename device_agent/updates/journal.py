@@ -21,9 +21,9 @@ import logging
 import threading
 from pathlib import Path
 
-from device_agent.errors import AgentError
-from device_agent.store import atomic_write
+from device_agent.errors import JournalError
 from device_agent.updates.jobs import Job, resumes
+from edgepack_core.fsutil import atomic_write
 from edgepack_core.protocol.ids import is_valid_id
 
 log = logging.getLogger("edgepack.agent.updates")
@@ -32,11 +32,6 @@ MAX_JOBS_KEPT = 500
 MAX_JOB_FILE_BYTES = 1024 * 1024
 MAX_REJECTION_REASONS = 32
 _SUFFIX = ".json"
-
-
-class JournalError(AgentError):
-    """A job cannot be written to the journal (read-only or full medium, permissions). The
-    command it belongs to must not run; its sender is told with a ``failed`` event."""
 
 
 def job_file_name(job_id: str) -> str:

@@ -26,8 +26,8 @@ import math
 import threading
 from pathlib import Path
 
-from device_agent.errors import AgentError
-from device_agent.store import atomic_write
+from device_agent.errors import ReplayError
+from edgepack_core.fsutil import atomic_write
 
 log = logging.getLogger("edgepack.agent.updates")
 
@@ -41,10 +41,6 @@ until they expire, never added to."""
 _FORMAT = 2
 
 Bucket = dict[str, float]  # command id -> its expiry, in the order the ids were recorded
-
-
-class ReplayError(AgentError):
-    """The id was used before, or its bucket is full, or the ledger cannot be written."""
 
 
 def live_ids(ids: Bucket, now: float) -> Bucket:

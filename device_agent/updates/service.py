@@ -38,7 +38,7 @@ from device_agent.config import AgentConfig
 from device_agent.errors import AdmissionRefused, StoreError
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.smoke import compare_outputs
-from device_agent.store import InstalledModel, ModelStore, simulate_power_cut_if_testing
+from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates.admission import DevicePolicy, admit, policy_names, rollback_refusal
@@ -56,6 +56,7 @@ from device_agent.updates.jobs import Job, advance, on_restart, restart_reason
 from device_agent.updates.journal import Journal, JournalError
 from device_agent.updates.replay import UNSIGNED, ReplayError, ReplayGuard
 from device_agent.updates.xfer import Receiver, TransferError, XferSpec
+from edgepack_core import faults
 from edgepack_core.command_auth import authorize_command, requires_signature
 from edgepack_core.errors import ArtifactError, CommandSignatureError, EdgepackError
 from edgepack_core.manifest import Manifest
@@ -170,7 +171,7 @@ class UpdateService:
         if publish:
             self._publish(job)
             log.info("job %s: %s (%s)", job.id, state, reason)
-            simulate_power_cut_if_testing(f"job-{state}")
+            faults.point(f"job-{state}")
         return job
 
     def _publish(self, job: Job, *, duplicate: bool = False) -> None:

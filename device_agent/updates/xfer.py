@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from device_agent.errors import AgentError
-from device_agent.store import atomic_write
+from device_agent.errors import TransferError
+from edgepack_core.fsutil import atomic_write
 from edgepack_core.protocol.codec import chunk_count, decode_chunk, request_payload
 from edgepack_core.protocol.topics import Topics
 
@@ -34,10 +34,6 @@ log = logging.getLogger("edgepack.agent.xfer")
 
 WINDOW = 32
 PERSIST_EVERY = 16
-
-
-class TransferError(AgentError):
-    """A chunked transfer could not complete."""
 
 
 @dataclass

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from edgepack_core.errors import SchemaError
+from edgepack_core.errors import CommandBuildError, SchemaError
 from edgepack_core.protocol.ids import digest_ref, is_valid_id, safe_id
 from edgepack_core.protocol.payloads import CMD_SCHEMA_ID, load_schema, validate_payload
 
@@ -65,11 +65,6 @@ class Rejection:
     id: str | None
     reason: str
     ref: str
-
-
-class CommandBuildError(SchemaError):
-    """The host tried to build a command that the protocol does not allow (a bug or bad input,
-    caught before it reaches a device)."""
 
 
 # --------------------------------------------------------------------------- building (host)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from edgepack_core.errors import SchemaError
+from edgepack_core.errors import InvalidNameError
 
 MAX_ID_LENGTH = 64
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -21,17 +21,6 @@ ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 up to 63 characters that are safe in a topic level, a file name and an ACL pattern alike."""
 
 _ID = re.compile(ID_PATTERN)
-
-
-class InvalidNameError(SchemaError):
-    """An id or name that fails :data:`ID_PATTERN`. ``path`` names the field (``device_id``,
-    ``group``, ``id``, ...) so it reads like any other schema error; ``value`` is a printable,
-    shortened form of the rejected value (for messages only, never for paths)."""
-
-    def __init__(self, field: str, value: str, problem: str) -> None:
-        shown = value if len(value) <= 80 else value[:77] + "..."
-        super().__init__(field, f"{shown!r} {problem}")
-        self.value = shown
 
 
 def is_valid_id(value: object) -> bool:

@@ -90,9 +90,10 @@ class QueueCounters:
 
 @dataclass(frozen=True)
 class Telemetry:
-    """One telemetry sample. ``errors_total`` and ``errors_interval`` are the sums of the
-    per-kind error maps, clamped to 2^62 (``clamped`` names those that were); ``error_kinds``
-    keeps the first :data:`MAX_ERROR_KINDS` kinds of the totals map, for display."""
+    """One telemetry sample, as the agent builds it (:meth:`encode`) and a host parses it.
+    ``error_kinds`` and ``error_kinds_interval`` are the per-kind error maps (the first
+    :data:`MAX_ERROR_KINDS` kinds when parsed); ``errors_total`` and ``errors_interval`` are their
+    sums, clamped to 2^62 (``clamped`` names those that were)."""
 
     device: str
     seq: int | None = None
@@ -111,6 +112,7 @@ class Telemetry:
     errors_total: int | None = None
     errors_interval: int | None = None
     error_kinds: tuple[tuple[str, int], ...] = ()
+    error_kinds_interval: tuple[tuple[str, int], ...] = ()
     cpu_percent: float | None = None
     memory_rss_bytes: int | None = None
     temperature_c: float | None = None
@@ -121,6 +123,26 @@ class Telemetry:
     def latency_ms(self) -> dict[str, float | None]:
         return {"p50": self.latency_p50, "p90": self.latency_p90, "p99": self.latency_p99,
                 "max": self.latency_max, "mean": self.latency_mean}
+
+    def to_json(self) -> dict[str, Any]:
+        """The sample's wire document, every key in the order the agent has always sent them."""
+        queue = self.queue
+        return {
+            "schema": TELEMETRY_SCHEMA_ID, "device": self.device, "seq": self.seq, "ts": self.ts,
+            "model": None if self.model is None else self.model.to_json(), "provider": self.provider,
+            "interval_s": self.interval_s,
+            "inferences": {"interval": self.inferences_interval, "total": self.inferences_total},
+            "errors": dict(self.error_kinds), "errors_interval": dict(self.error_kinds_interval),
+            "latency_ms": self.latency_ms(), "throughput_per_s": self.throughput_per_s,
+            "cpu_percent": self.cpu_percent, "memory_rss_bytes": self.memory_rss_bytes,
+            "temperature_c": self.temperature_c, "uptime_s": self.uptime_s,
+            "queue": None if queue is None else {"depth": queue.depth, "dropped": queue.dropped,
+                                                 "produced": queue.produced, "delivered": queue.delivered},
+        }
+
+    def encode(self) -> bytes:
+        """The wire bytes the agent publishes (the builder side of :func:`parse_telemetry`)."""
+        return json.dumps(self.to_json()).encode()
 
 
 @dataclass(frozen=True)
@@ -237,7 +259,8 @@ def _error_figures(doc: dict[str, Any]) -> dict[str, Any]:
     flags = (("errors_total", total_clamped), ("errors_interval", interval_clamped))
     return {"errors_total": total, "errors_interval": interval,
             "clamped": tuple(name for name, flag in flags if flag),
-            "error_kinds": counter_map(doc.get("errors"), MAX_ERROR_KINDS, MAX_NAME_CHARS)}
+            "error_kinds": counter_map(doc.get("errors"), MAX_ERROR_KINDS, MAX_NAME_CHARS),
+            "error_kinds_interval": counter_map(doc.get("errors_interval"), MAX_ERROR_KINDS, MAX_NAME_CHARS)}
 
 
 def parse_telemetry(device: str, payload: bytes) -> Telemetry | Refusal:

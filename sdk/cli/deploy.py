@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from sdk.cli import main
 from sdk.cli.broker_options import broker_options
 from sdk.deploy import DeployOptions, parse_model_ref, send_command, send_rollback
 from sdk.deploy import deploy as run_deploy
+from sdk.errors import CommandFailed
 from sdk.keys import load_operator_key
 
 _OPERATOR_KEY = click.option(
@@ -100,9 +100,8 @@ def deploy(artifact: Path, devices: tuple[str, ...], group: str | None, broker: 
     result = run_deploy(options)
     _print_result(result, wait, as_json)
     if wait and not result.succeeded:
-        click.echo(f"edgepack: error: deployment {result.command_id} did not end active everywhere"
-                   f"{': ' + result.aborted if result.aborted else ''}", err=True)
-        sys.exit(1)
+        raise CommandFailed(f"deployment {result.command_id} did not end active everywhere"
+                            f"{': ' + result.aborted if result.aborted else ''}")
 
 
 @main.group()
@@ -119,7 +118,8 @@ def _command(broker: BrokerOptions, device_id: str, kind: str, timeout: float, k
 def _answer(event: JobEvent, seconds: float) -> None:
     click.echo(json.dumps({**event.to_json(), "round_trip_ms": round(seconds * 1000, 3)}))
     if event.state not in ("done", "active", "cancelled"):
-        sys.exit(1)
+        why = f": {event.reason}" if event.reason else ""
+        raise CommandFailed(f"{event.device}: job {event.job} ended {event.state}{why}")
 
 
 _TIMEOUT = click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the answer.")

@@ -9,7 +9,6 @@ and every device ended ``active``.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import click
 
 from sdk.cli import main
 from sdk.deploy.orchestrator import sha256_file
-from sdk.errors import FleetServerError
+from sdk.errors import CommandFailed, FleetServerError
 from sdk.fleet_server.auth import client_token
 from sdk.fleet_server.client import FleetClient
 
@@ -151,9 +150,8 @@ def create(artifact: Path, server: str, token_file: Path | None, group: str | No
                     show=None if as_json else (lambda d: click.echo(_line(d), err=True)))
     click.echo(json.dumps(final) if as_json else _table(final))
     if not _everyone_active(final):
-        click.echo(f"edgepack: error: rollout {final['id']} ended {final['state']}: not every device is active"
-                   f"{': ' + final['reason'] if final.get('reason') else ''}", err=True)
-        sys.exit(1)
+        raise CommandFailed(f"rollout {final['id']} ended {final['state']}: not every device is active"
+                            f"{': ' + final['reason'] if final.get('reason') else ''}")
 
 
 @rollout.command()

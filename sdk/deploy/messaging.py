@@ -15,18 +15,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from edgepack_core.command_auth import sign_command
-from edgepack_core.errors import EdgepackError
 from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.commands import build_command, encode_command
 from edgepack_core.protocol.messages import JobEvent, parse_job_event
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey
+from sdk.errors import DeployError
 
 log = logging.getLogger("edgepack.deploy")
-
-
-class DeployError(EdgepackError):
-    """The deployment or command could not be started or did not reach every device."""
 
 
 def make_command(command_type: str, *, device: str | None = None, group: str | None = None,

@@ -19,16 +19,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.messages import JobEvent
+from sdk.errors import RolloutError
 
 ACTIVE = "active"
 MAX_EVENTS_PER_DEVICE = 64
 MAX_WAVES = 20
-
-
-class RolloutError(EdgepackError):
-    """A rollout that cannot be planned (an empty target list, a canary share out of range)."""
 
 
 @dataclass

@@ -43,7 +43,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from edgepack_core.errors import SchemaError
+from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError
@@ -105,9 +105,23 @@ _HTTP_CODES = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_
                413: "too_large", 415: "unsupported_media_type"}
 
 
+_DOMAIN_ANSWERS: dict[type[Exception], tuple[int, str]] = {InvalidTransition: (409, "conflict")}
+"""The domain errors the pure modules raise, as HTTP answers (status, code): this layer alone
+decides the status."""
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """``exc`` as the API's refusal: an :class:`ApiError` as it is, a domain error by
+    :data:`_DOMAIN_ANSWERS`, its message kept."""
+    if isinstance(exc, ApiError):
+        return exc
+    status, code = next(answer for kind, answer in _DOMAIN_ANSWERS.items() if isinstance(exc, kind))
+    return ApiError(status, code, str(exc))
+
+
 async def _api_error(_request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.code, exc.message)
+    refusal = as_api_error(exc)
+    return error_response(refusal.status, refusal.code, refusal.message)
 
 
 def allowed_methods(app: Any, path: str) -> list[str]:
@@ -291,11 +305,13 @@ class Routes:
                 return await handler(request, actor)
             try:
                 return await handler(request, actor)
-            except ApiError as err:
+            except (ApiError, *_DOMAIN_ANSWERS) as err:
+                refusal = as_api_error(err)
                 params = request.path_params
                 target = str(params.get("rollout_id") or params.get("sha256") or params.get("device_id") or "")
                 await run_in_threadpool(audit.record_refusal, context.database, actor=actor, action=write_action,
-                                        target=target, reason=f"{err.status} {err.message}", remote=_remote(request))
+                                        target=target, reason=f"{refusal.status} {refusal.message}",
+                                        remote=_remote(request))
                 raise
         return endpoint
 
@@ -485,5 +501,6 @@ def build_app(context: ApiContext) -> Starlette:
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]
     return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)],
-                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, DBAPIError: _database_error,
+                     exception_handlers={ApiError: _api_error, InvalidTransition: _api_error,
+                                         HTTPException: _http_error, DBAPIError: _database_error,
                                          Exception: _internal_error})

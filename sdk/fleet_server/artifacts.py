@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from edgepack_core.artifact import Limits, verify_artifact
-from edgepack_core.artifact import _fsync_dir as fsync_dir  # the verifier's own: rename, then fsync the folder
 from edgepack_core.errors import ArtifactError
+from edgepack_core.fsutil import atomic_write, fsync_dir
 from edgepack_core.signing import TrustStore
 from sdk.deploy.server import parse_range
 from sdk.errors import ApiError
@@ -223,9 +223,7 @@ class ArtifactStore:
     def _quarantine(self, sha256: str, reason: str) -> None:
         self.quarantine.mkdir(exist_ok=True)
         note = self.quarantine / f"{sha256}.reason"
-        partial = note.with_suffix(".reason.tmp")
-        partial.write_text(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {reason}\n")
-        os.replace(partial, note)
+        atomic_write(note, f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {reason}\n".encode())
         os.replace(self.path_of(sha256), self.quarantine / f"{sha256}.edgepkg")
         fsync_dir(self.quarantine)
         fsync_dir(self.directory)

@@ -25,8 +25,6 @@ it holds no release key, so it can only point devices to artifacts a release key
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +34,7 @@ from typing import Any
 from sqlalchemy import Float, and_, case, cast, func, select, update
 from sqlalchemy.engine import Connection
 
+from edgepack_core import faults
 from edgepack_core.command_auth import sign_command
 from edgepack_core.errors import EdgepackError
 from edgepack_core.mqtt_transport import MqttTransport
@@ -62,16 +61,6 @@ from sdk.fleet_server.rollouts import (
 log = logging.getLogger("edgepack.fleet_server.driver")
 
 LEASE_NAME = "driver"
-TEST_CRASH_ENV = "EDGEPACK_TEST_CRASH_AT"
-
-
-def crash_point(name: str) -> None:
-    """TEST ONLY: if EDGEPACK_TEST_CRASH_AT names this point, die at once with SIGKILL (what the
-    crash-safety tests use to kill the server between two exact steps)."""
-    if os.environ.get(TEST_CRASH_ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 @dataclass(frozen=True)
 class DriverConfig:
     tick_s: float = 0.5
@@ -379,7 +368,7 @@ class Driver:
                                                                                    updated_at=now))
                 if recorded is not None:
                     to_publish.append(recorded)
-        crash_point(f"fleet-recorded-wave-{row['wave'] + 1}")
+        faults.point(f"fleet-recorded-wave-{row['wave'] + 1}")
         self._publish(to_publish, now)
         log.info("rollout %s: wave %d sent to %d device(s)", row["id"], row["wave"] + 1, len(to_publish))
 

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from edgepack_core.errors import InvalidTransition
 from sdk.deploy.policy import ACTIVE, DeviceJob, required_successes, wave_verdict
 from sdk.errors import ApiError
 
@@ -53,14 +54,10 @@ NOT_SENT, SENT = "not_sent", "sent"
 MAX_REASON = 2000
 
 
-class InvalidTransition(ApiError):
-    """An event the rollout's state does not allow (pause a finished rollout, resume a running one)."""
-
-    def __init__(self, state: str, event: str) -> None:
-        allowed = ", ".join(TRANSITIONS.get(state, {})) or "nothing"
-        super().__init__(409, "conflict", f"cannot {event} a rollout that is {state} (allowed: {allowed})")
-        self.state = state
-        self.event = event
+def _refused(state: str, event: str) -> InvalidTransition:
+    """The domain error for ``event`` in ``state`` (the fleet server's API answers it with 409)."""
+    allowed = ", ".join(TRANSITIONS.get(state, {})) or "nothing"
+    return InvalidTransition(f"cannot {event} a rollout that is {state} (allowed: {allowed})", state=state, move=event)
 
 
 @dataclass(frozen=True)
@@ -93,7 +90,7 @@ def transition(rollout: Rollout, event: Event, now: float, reason: str = "") -> 
     """The one way a rollout changes state. Raises :class:`InvalidTransition`."""
     target = TRANSITIONS.get(rollout.state, {}).get(event)
     if target is None:
-        raise InvalidTransition(rollout.state, event)
+        raise _refused(rollout.state, event)
     reason = reason[:MAX_REASON]
     if event == "start":
         return replace(rollout, state=target, wave=0, started_at=now, wave_started_at=now, soak_started_at=None)
@@ -101,7 +98,7 @@ def transition(rollout: Rollout, event: Event, now: float, reason: str = "") -> 
         return replace(rollout, soak_started_at=now)
     if event == "advance":
         if rollout.wave + 1 >= rollout.wave_count:
-            raise InvalidTransition(rollout.state, "advance past the last wave")
+            raise _refused(rollout.state, "advance past the last wave")
         return replace(rollout, wave=rollout.wave + 1, wave_started_at=now, soak_started_at=None)
     if event == "pause":
         return replace(rollout, state=target, paused_at=now, reason=reason or rollout.reason)

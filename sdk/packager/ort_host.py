@@ -20,7 +20,6 @@ import contextlib
 import contextvars
 import hashlib
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -36,7 +35,7 @@ try:
 except ImportError:  # not on Windows
     fcntl = None  # type: ignore[assignment]
 
-from sdk.errors import BuildError
+from sdk.errors import BuildError, OrtCrashError
 from sdk.packager.ort_worker import ort_message, read_message, write_message
 
 __all__ = ["ModelIO", "OrtCrashError", "OrtWorker", "call_in_worker", "describe", "in_pass",
@@ -46,41 +45,6 @@ __all__ = ["ModelIO", "OrtCrashError", "OrtWorker", "call_in_worker", "describe"
 _PASS: contextvars.ContextVar[str] = contextvars.ContextVar("edgepack_ort_pass", default="onnxruntime")
 _MODEL: contextvars.ContextVar[str] = contextvars.ContextVar("edgepack_ort_model", default="")
 _ROOT = Path(__file__).resolve().parents[2]
-_SIGNAL_MEANING = {
-    "SIGSEGV": "invalid memory access",
-    "SIGFPE": "arithmetic error such as an integer division by zero",
-    "SIGABRT": "aborted",
-    "SIGKILL": "killed from outside, often by the out-of-memory killer",
-    "SIGBUS": "bus error",
-    "SIGILL": "illegal instruction, a build for another CPU?",
-}
-
-
-class OrtCrashError(BuildError):
-    """The onnxruntime worker died (a signal or an exit) while running ``doing`` for a pass."""
-
-    def __init__(self, pass_name: str, model: str, doing: str, returncode: int | None) -> None:
-        self.signal_name = _signal_name(returncode)
-        self.model = model
-        self.doing = doing
-        self.returncode = returncode
-        if self.signal_name:
-            meaning = _SIGNAL_MEANING.get(self.signal_name, "")
-            how = f"crashed with {self.signal_name}" + (f" ({meaning})" if meaning else "")
-        else:
-            how = f"exited with status {returncode}"
-        super().__init__(pass_name, f"onnxruntime {how} on {doing} of {model}")
-
-
-def _signal_name(returncode: int | None) -> str:
-    if returncode is None or returncode >= 0:
-        return ""
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
-
-
 @contextlib.contextmanager
 def in_pass(name: str, *, model: str | None = None) -> Iterator[None]:
     """Name the pass (and optionally the model) that crash and error messages mention."""

@@ -44,17 +44,15 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import IO, Any
 
+from edgepack_core import faults
 from edgepack_core.ort_workarounds import disabled_optimizers
+from sdk.errors import HostError
 
 HEADER = struct.Struct(">Q")
 MAX_SESSIONS = 8
 MAX_CACHED_BYTES = 1 << 30
 # The parent only sends calls into its own package; anything else is refused.
 CALLABLE_PREFIX = "sdk."
-# Test-only: when this variable names a signal (e.g. SIGSEGV), the worker kills itself with that
-# real signal on its next inference run. Named loudly so nobody sets it by accident.
-SIMULATE_CRASH_ENV = "EDGEPACK_SIMULATE_CRASH_IF_TESTING"
-LEVELS = ("disable", "basic", "extended", "all")
 FLOAT16 = 10  # onnx.TensorProto.FLOAT16
 
 
@@ -143,14 +141,6 @@ def write_message(stream: IO[bytes], message: Any) -> None:
     stream.flush()
 
 
-def simulate_crash_if_testing() -> None:
-    """Kill this worker with the real signal named in ``EDGEPACK_SIMULATE_CRASH_IF_TESTING``
-    (tests only: proves the parent's crash handling with SIGSEGV, SIGABRT, SIGKILL...)."""
-    name = os.environ.get(SIMULATE_CRASH_ENV)
-    if name:
-        os.kill(os.getpid(), signal.Signals[name].value)
-
-
 def ort_message(err: BaseException) -> str:
     """Every line of onnxruntime's text that says what is wrong, joined on one line.
 
@@ -165,7 +155,7 @@ def ort_message(err: BaseException) -> str:
     return message if len(message) <= 4000 else message[:4000] + " …"
 
 
-class _Missing(Exception):
+class _Missing(HostError):
     """The session key is not cached (never loaded, or evicted): the parent loads and retries."""
 
 
@@ -248,7 +238,7 @@ class Worker:
         for index, (feed, reset) in enumerate(zip(request["feeds"], resets, strict=True), start=first):
             if self.answers is not None:
                 write_message(self.answers, ("progress", index))
-            simulate_crash_if_testing()
+            faults.point("ort-worker")
             if slots and results and not reset:
                 feed = {**feed, **{name: results[-1][slot] for name, slot in slots.items()}}
             try:
@@ -260,7 +250,7 @@ class Worker:
     def op_bench(self, request: dict[str, Any]) -> tuple[Any, ...]:
         """Latencies measured here, next to the session, so the pipe never enters the timing."""
         session = self._session(request["key"])
-        simulate_crash_if_testing()
+        faults.point("ort-worker")
         feed, names = request["feed"], [o.name for o in session.get_outputs()]
         times = []
         try:
@@ -310,7 +300,7 @@ class Worker:
         if not module_name.startswith(CALLABLE_PREFIX) or not function_name:
             return ("error", "protocol", f"refused call target {target!r}")
         function = getattr(importlib.import_module(module_name), function_name)
-        simulate_crash_if_testing()
+        faults.point("ort-worker")
         try:
             return ("ok", function(*request.get("args", ()), **request.get("kwargs", {})))
         except Exception as err:  # reported to the parent, which raises a typed error

@@ -23,6 +23,7 @@ import numpy as np
 from edgepack_core.errors import PostprocessError
 from edgepack_core.postprocess import box_iou, class_rows, ctc_collapse, decode_yolo, select_detections, top_k
 from edgepack_core.postprocess_spec import PostprocessSpec
+from sdk.errors import MetricInputError
 from sdk.packager.fidelity import cosine, json_number, top1
 
 TASK_METRICS = ("top1", "agreement", "cosine", "max_abs", "detection", "sequence")
@@ -127,10 +128,6 @@ def detection_agreement(ref: Sequence[Detections], cand: Sequence[Detections], i
     return DetectionAgreement(
         sum(len(r) for r in ref), sum(len(c) for c in cand), matched, float(np.mean(diffs)) if diffs else None
     )
-
-
-class MetricInputError(ValueError):
-    """An output the metric cannot read (a detection metric on something that is no detection head)."""
 
 
 def decode_yolov8(
