@@ -62,12 +62,24 @@ def image_geometry(height: int, width: int, resize: Resize | None) -> dict[str, 
     ``scale`` is per axis because resized sizes are rounded. Pure; the detection
     postprocessing (:func:`edgepack_core.postprocess.to_original`) inverts it."""
     if resize is None:
-        return {"original_size": [height, width], "input_size": [height, width],
-                "scale_x": 1.0, "scale_y": 1.0, "pad_x": 0.0, "pad_y": 0.0}
+        return {
+            "original_size": [height, width],
+            "input_size": [height, width],
+            "scale_x": 1.0,
+            "scale_y": 1.0,
+            "pad_x": 0.0,
+            "pad_y": 0.0,
+        }
     (new_h, new_w), crop, paste = resize_plan(height, width, resize)
     pad_x, pad_y = paste if paste is not None else (-crop[0], -crop[1]) if crop is not None else (0, 0)
-    return {"original_size": [height, width], "input_size": list(resize.size),
-            "scale_x": new_w / width, "scale_y": new_h / height, "pad_x": float(pad_x), "pad_y": float(pad_y)}
+    return {
+        "original_size": [height, width],
+        "input_size": list(resize.size),
+        "scale_x": new_w / width,
+        "scale_y": new_h / height,
+        "pad_x": float(pad_x),
+        "pad_y": float(pad_y),
+    }
 
 
 def source_region(

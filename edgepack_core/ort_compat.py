@@ -42,7 +42,7 @@ class RuntimeRow:
 # onnxruntime's compatibility table, oldest first: up to 1.20 as its docs give it
 # (docs/reference/compatibility.md); from 1.21 as each release answers itself (a model stamped
 # opset/IR 999 is refused naming the newest it runs; asked of the PyPI wheels the way
-# ``sdk.packager.passes.model_checks.host_runtime_row`` asks the build host's, which also adds
+# ``sdk.packager.passes.runtime_compat.host_runtime_row`` asks the build host's, which also adds
 # releases newer than the last row). Where a release's own answer is wider than its docs (1.15
 # says IR 9, 1.18-1.20 say ai.onnx.ml 5), the docs' narrower row stays: kernels may lag the
 # schemas a release knows. A release absent here runs what the previous row says.

@@ -19,8 +19,12 @@ from edgepack_core.schema import validate_by_kind
 SPEC_VERSION = 1
 DEFAULT_K = 5
 DETECTION_FORMATS = ["yolov8", "yolov5", "boxes_scores"]
-DETECTION_DEFAULTS: dict[str, Any] = {"format": "yolov8", "score_threshold": 0.25, "iou_threshold": 0.45,
-                                      "max_detections": 100}
+DETECTION_DEFAULTS: dict[str, Any] = {
+    "format": "yolov8",
+    "score_threshold": 0.25,
+    "iou_threshold": 0.45,
+    "max_detections": 100,
+}
 MAX_DETECTIONS = 10_000
 
 _NAME = {"type": "string", "minLength": 1}
@@ -29,42 +33,84 @@ _PROPERTIES: dict[str, Any] = {
     "version": {"type": "integer", "const": SPEC_VERSION, "default": SPEC_VERSION},
     "output": {**_NAME, "description": "the model output to read (default: first)"},
     "k": {"type": "integer", "minimum": 1, "default": DEFAULT_K, "description": "topk: how many classes"},
-    "labels": {"type": ["string", "null"], "minLength": 1,
-               "description": "topk, detection: labels file, one per line (recipe: a path; manifest: "
-               "assets/labels.txt)"},
-    "apply_softmax": {"type": "boolean",
-                      "description": "topk, ctc: score with softmax probabilities (false: the output's own "
-                      "values); default false when the graph's output comes from a Softmax, else true"},
-    "format": {"enum": DETECTION_FORMATS, "default": DETECTION_DEFAULTS["format"],
-               "description": "detection: yolov8 [batch, 4+classes, anchors]; yolov5 [batch, anchors, "
-               "5+classes]; boxes_scores: decoded boxes, scores and classes outputs"},
-    "score_threshold": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.25,
-                        "description": "detection: keep boxes whose score is above this"},
-    "iou_threshold": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.45,
-                      "description": "detection: NMS drops a box whose IoU with a better box of its class is "
-                      "above this"},
-    "max_detections": {"type": "integer", "minimum": 1, "maximum": MAX_DETECTIONS, "default": 100,
-                       "description": "detection: at most this many boxes per image"},
-    "outputs": {"type": "object", "additionalProperties": False, "required": ["boxes", "scores"],
-                "description": "detection, format boxes_scores: the model outputs holding boxes [N, 4] "
-                "(x1, y1, x2, y2), scores [N] and, optionally, classes [N]",
-                "properties": {"boxes": _NAME, "scores": _NAME, "classes": _NAME}},
+    "labels": {
+        "type": ["string", "null"],
+        "minLength": 1,
+        "description": "topk, detection: labels file, one per line (recipe: a path; manifest: assets/labels.txt)",
+    },
+    "apply_softmax": {
+        "type": "boolean",
+        "description": "topk, ctc: score with softmax probabilities (false: the output's own "
+        "values); default false when the graph's output comes from a Softmax, else true",
+    },
+    "format": {
+        "enum": DETECTION_FORMATS,
+        "default": DETECTION_DEFAULTS["format"],
+        "description": "detection: yolov8 [batch, 4+classes, anchors]; yolov5 [batch, anchors, "
+        "5+classes]; boxes_scores: decoded boxes, scores and classes outputs",
+    },
+    "score_threshold": {
+        "type": "number",
+        "minimum": 0,
+        "maximum": 1,
+        "default": 0.25,
+        "description": "detection: keep boxes whose score is above this",
+    },
+    "iou_threshold": {
+        "type": "number",
+        "minimum": 0,
+        "maximum": 1,
+        "default": 0.45,
+        "description": "detection: NMS drops a box whose IoU with a better box of its class is above this",
+    },
+    "max_detections": {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": MAX_DETECTIONS,
+        "default": 100,
+        "description": "detection: at most this many boxes per image",
+    },
+    "outputs": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["boxes", "scores"],
+        "description": "detection, format boxes_scores: the model outputs holding boxes [N, 4] "
+        "(x1, y1, x2, y2), scores [N] and, optionally, classes [N]",
+        "properties": {"boxes": _NAME, "scores": _NAME, "classes": _NAME},
+    },
     "blank": {"type": "integer", "minimum": 0, "default": 0, "description": "ctc: the blank class index"},
-    "charset": {"type": ["string", "null"], "minLength": 1,
-                "description": "ctc: charset file, one symbol per line, the blank excluded (recipe: a path; "
-                "manifest: assets/charset.txt)"},
-    "append_space": {"type": "boolean", "default": False,
-                     "description": "ctc: a space is the last symbol after the charset's lines (PaddleOCR "
-                     "use_space_char)"},
-    "layout": {"enum": ["NTC", "TNC"], "default": "NTC",
-               "description": "ctc: [batch, steps, classes] or [steps, batch, classes]"},
+    "charset": {
+        "type": ["string", "null"],
+        "minLength": 1,
+        "description": "ctc: charset file, one symbol per line, the blank excluded (recipe: a path; "
+        "manifest: assets/charset.txt)",
+    },
+    "append_space": {
+        "type": "boolean",
+        "default": False,
+        "description": "ctc: a space is the last symbol after the charset's lines (PaddleOCR use_space_char)",
+    },
+    "layout": {
+        "enum": ["NTC", "TNC"],
+        "default": "NTC",
+        "description": "ctc: [batch, steps, classes] or [steps, batch, classes]",
+    },
 }
 _KIND_KEYS: dict[str, list[str]] = {
     "raw": ["kind", "version", "output"],
     "softmax": ["kind", "version", "output"],
     "topk": ["kind", "version", "output", "k", "labels", "apply_softmax"],
-    "detection": ["kind", "version", "output", "format", "score_threshold", "iou_threshold", "max_detections",
-                  "labels", "outputs"],
+    "detection": [
+        "kind",
+        "version",
+        "output",
+        "format",
+        "score_threshold",
+        "iou_threshold",
+        "max_detections",
+        "labels",
+        "outputs",
+    ],
     "ctc": ["kind", "version", "output", "blank", "charset", "append_space", "layout", "apply_softmax"],
 }
 
@@ -146,64 +192,95 @@ class PostprocessSpec:
         if self.kind == "topk":
             out.update(k=self.k, apply_softmax=self.softmax, labels=self.labels)
         elif self.kind == "detection":
-            out.update(format=self.format, score_threshold=self.score_threshold, iou_threshold=self.iou_threshold,
-                       max_detections=self.max_detections, labels=self.labels)
+            out.update(
+                format=self.format,
+                score_threshold=self.score_threshold,
+                iou_threshold=self.iou_threshold,
+                max_detections=self.max_detections,
+                labels=self.labels,
+            )
             if self.outputs is not None:
                 out["outputs"] = self.outputs.to_json()
         elif self.kind == "ctc":
-            out.update(blank=self.blank, charset=self.charset, append_space=self.append_space, layout=self.layout,
-                       apply_softmax=self.softmax)
+            out.update(
+                blank=self.blank,
+                charset=self.charset,
+                append_space=self.append_space,
+                layout=self.layout,
+                apply_softmax=self.softmax,
+            )
         if self.output is not None:
             out["output"] = self.output
         return out
 
 
-def parse_postprocess(spec: PostprocessSpec | Mapping[str, Any] | None, *, document: str = "",
-                      path: str = "") -> PostprocessSpec:
+def parse_postprocess(
+    spec: PostprocessSpec | Mapping[str, Any] | None, *, document: str = "", path: str = ""
+) -> PostprocessSpec:
     """Validate ``spec`` and return it typed, every default filled in (``apply_softmax`` as the
     spec gives it). ``None`` means ``raw``; a :class:`PostprocessSpec` is returned as it is.
     ``document`` and ``path`` prefix error messages (e.g. ``path="postprocess"`` inside a
     recipe). Raises :class:`SchemaError`."""
     if isinstance(spec, PostprocessSpec):
         return spec
-    raw = validate_by_kind({"kind": "raw"} if spec is None else spec, _KIND_SCHEMAS, POSTPROCESS_SCHEMA,
-                           document=document, path=path)
+    raw = validate_by_kind(
+        {"kind": "raw"} if spec is None else spec, _KIND_SCHEMAS, POSTPROCESS_SCHEMA, document=document, path=path
+    )
     kind = raw["kind"]
     common: dict[str, Any] = {"kind": kind, "version": raw.get("version", SPEC_VERSION), "output": raw.get("output")}
     if kind == "topk":
-        return PostprocessSpec(**common, k=raw.get("k", DEFAULT_K), apply_softmax=raw.get("apply_softmax"),
-                               labels=raw.get("labels"))
+        return PostprocessSpec(
+            **common, k=raw.get("k", DEFAULT_K), apply_softmax=raw.get("apply_softmax"), labels=raw.get("labels")
+        )
     if kind == "detection":
         _check_detection_outputs(raw, raw.get("format", DETECTION_DEFAULTS["format"]), document, path)
         names = raw.get("outputs")
         outputs = None if names is None else DetectionOutputs(names["boxes"], names["scores"], names.get("classes"))
-        return PostprocessSpec(**common, **{key: raw.get(key, value) for key, value in DETECTION_DEFAULTS.items()},
-                               labels=raw.get("labels"), outputs=outputs)
+        return PostprocessSpec(
+            **common,
+            **{key: raw.get(key, value) for key, value in DETECTION_DEFAULTS.items()},
+            labels=raw.get("labels"),
+            outputs=outputs,
+        )
     if kind == "ctc":
-        return PostprocessSpec(**common, blank=raw.get("blank", 0), charset=raw.get("charset"),
-                               append_space=raw.get("append_space", False), layout=raw.get("layout", "NTC"),
-                               apply_softmax=raw.get("apply_softmax"))
+        return PostprocessSpec(
+            **common,
+            blank=raw.get("blank", 0),
+            charset=raw.get("charset"),
+            append_space=raw.get("append_space", False),
+            layout=raw.get("layout", "NTC"),
+            apply_softmax=raw.get("apply_softmax"),
+        )
     return PostprocessSpec(**common)
 
 
-def normalize_postprocess(spec: PostprocessSpec | Mapping[str, Any] | None, *, document: str = "",
-                          path: str = "") -> dict[str, Any]:
+def normalize_postprocess(
+    spec: PostprocessSpec | Mapping[str, Any] | None, *, document: str = "", path: str = ""
+) -> dict[str, Any]:
     """:func:`parse_postprocess`'s value in its JSON form (what a manifest stores). Idempotent."""
     return parse_postprocess(spec, document=document, path=path).to_json()
 
 
 def _check_detection_outputs(raw: Mapping[str, Any], fmt: str, document: str, path: str) -> None:
     """boxes_scores reads three named outputs; the YOLO formats read one (``output``)."""
+
     def where(key: str) -> str:
         return f"{path}.{key}" if path else key
 
     if fmt == "boxes_scores":
         if "outputs" not in raw:
-            raise SchemaError(where("outputs"), "format boxes_scores needs outputs: {boxes: NAME, scores: NAME, "
-                              "classes: NAME}", document=document)
+            raise SchemaError(
+                where("outputs"),
+                "format boxes_scores needs outputs: {boxes: NAME, scores: NAME, classes: NAME}",
+                document=document,
+            )
         if "output" in raw:
-            raise SchemaError(where("output"), "format boxes_scores reads outputs.boxes/scores/classes, not "
-                              "output", document=document)
+            raise SchemaError(
+                where("output"), "format boxes_scores reads outputs.boxes/scores/classes, not output", document=document
+            )
     elif "outputs" in raw:
-        raise SchemaError(where("outputs"), f"only format boxes_scores takes outputs (format {fmt} reads one "
-                          "output)", document=document)
+        raise SchemaError(
+            where("outputs"),
+            f"only format boxes_scores takes outputs (format {fmt} reads one output)",
+            document=document,
+        )

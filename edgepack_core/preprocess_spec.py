@@ -32,64 +32,130 @@ _RESIZE_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
     "required": ["size"],
     "properties": {
-        "size": {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer", "minimum": 1},
-                 "description": "[height, width] of the result"},
-        "mode": {"enum": _RESIZE_MODES, "default": "stretch",
-                 "description": "stretch: ignore aspect; letterbox: fit inside and pad; keep-aspect: cover and "
-                 "center-crop; center-crop: cover enlarged by 1/crop_fraction and center-crop"},
+        "size": {
+            "type": "array",
+            "minItems": 2,
+            "maxItems": 2,
+            "items": {"type": "integer", "minimum": 1},
+            "description": "[height, width] of the result",
+        },
+        "mode": {
+            "enum": _RESIZE_MODES,
+            "default": "stretch",
+            "description": "stretch: ignore aspect; letterbox: fit inside and pad; keep-aspect: cover and "
+            "center-crop; center-crop: cover enlarged by 1/crop_fraction and center-crop",
+        },
         "interpolation": {"enum": _INTERPOLATIONS, "default": "bilinear"},
-        "pad_value": {"type": "integer", "minimum": 0, "maximum": 255, "default": 0,
-                      "description": "letterbox only: the value of every channel of the padding"},
-        "pad": {"enum": ["center", "top-left"], "default": "center",
-                "description": "letterbox only: where the image sits in the padded canvas"},
-        "crop_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": DEFAULT_CROP_FRACTION,
-                          "description": "center-crop only: the fraction of the resized image that is kept"},
+        "pad_value": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 255,
+            "default": 0,
+            "description": "letterbox only: the value of every channel of the padding",
+        },
+        "pad": {
+            "enum": ["center", "top-left"],
+            "default": "center",
+            "description": "letterbox only: where the image sits in the padded canvas",
+        },
+        "crop_fraction": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": 1,
+            "default": DEFAULT_CROP_FRACTION,
+            "description": "center-crop only: the fraction of the resized image that is kept",
+        },
     },
     # pad_value and crop_fraction belong to one mode each; naming them with another mode is
     # a mistake the user should hear about rather than a silently ignored key.
     "oneOf": [
-        {"additionalProperties": False,
-         "properties": {"size": {}, "interpolation": {}, "mode": {"enum": ["stretch", "keep-aspect"]}}},
-        {"additionalProperties": False, "required": ["mode"],
-         "properties": {"size": {}, "interpolation": {}, "mode": {"const": "letterbox"}, "pad_value": {},
-                        "pad": {}}},
-        {"additionalProperties": False, "required": ["mode"],
-         "properties": {"size": {}, "interpolation": {}, "mode": {"const": "center-crop"}, "crop_fraction": {}}},
+        {
+            "additionalProperties": False,
+            "properties": {"size": {}, "interpolation": {}, "mode": {"enum": ["stretch", "keep-aspect"]}},
+        },
+        {
+            "additionalProperties": False,
+            "required": ["mode"],
+            "properties": {"size": {}, "interpolation": {}, "mode": {"const": "letterbox"}, "pad_value": {}, "pad": {}},
+        },
+        {
+            "additionalProperties": False,
+            "required": ["mode"],
+            "properties": {"size": {}, "interpolation": {}, "mode": {"const": "center-crop"}, "crop_fraction": {}},
+        },
     ],
 }
 
 _PER_CHANNEL = {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "number"}}
 _PROPERTIES: dict[str, Any] = {
-    "kind": {"enum": ["image", "tensor", "audio"],
-             "description": "image: decode and transform; audio: WAV to frames; tensor: raw tensors"},
-    "sample_rate": {"type": "integer", "minimum": 1000, "maximum": 384000,
-                    "description": "audio: the rate the model expects; files are resampled to it"},
+    "kind": {
+        "enum": ["image", "tensor", "audio"],
+        "description": "image: decode and transform; audio: WAV to frames; tensor: raw tensors",
+    },
+    "sample_rate": {
+        "type": "integer",
+        "minimum": 1000,
+        "maximum": 384000,
+        "description": "audio: the rate the model expects; files are resampled to it",
+    },
     "frame": {"type": "integer", "minimum": 1, "maximum": 1_048_576, "description": "audio: samples per frame"},
-    "hop": {"type": "integer", "minimum": 1, "maximum": 1_048_576,
-            "description": "audio: samples from one frame's start to the next (default: frame)"},
-    "context": {"type": "integer", "minimum": 0, "maximum": 1_048_576,
-                "description": "audio: samples before each frame prepended to it (zeros before the first)"},
+    "hop": {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 1_048_576,
+        "description": "audio: samples from one frame's start to the next (default: frame)",
+    },
+    "context": {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": 1_048_576,
+        "description": "audio: samples before each frame prepended to it (zeros before the first)",
+    },
     "version": {"type": "integer", "const": SPEC_VERSION, "default": SPEC_VERSION},
     "color": {"enum": list(CHANNELS), "default": "rgb"},
     "resize": _RESIZE_SCHEMA,
     "scale": {"type": "number", "default": 1.0, "description": "multiplies pixel values after resize"},
     "mean": {**_PER_CHANNEL, "description": "per output channel, subtracted after scale"},
-    "std": {**_PER_CHANNEL, "items": {"type": "number", "exclusiveMinimum": 0},
-            "description": "per output channel, divides after the mean is subtracted"},
+    "std": {
+        **_PER_CHANNEL,
+        "items": {"type": "number", "exclusiveMinimum": 0},
+        "description": "per output channel, divides after the mean is subtracted",
+    },
     "layout": {"enum": ["NCHW", "NHWC"], "default": "NCHW"},
     "dtype": {"enum": TENSOR_DTYPES, "description": f"image: one of {', '.join(IMAGE_DTYPES)}"},
-    "batch": {"type": "boolean", "description": "add a leading batch dimension (default: true for images, "
-              "false for tensors, whose shape then includes the batch)"},
+    "batch": {
+        "type": "boolean",
+        "description": "add a leading batch dimension (default: true for images, "
+        "false for tensors, whose shape then includes the batch)",
+    },
     "input": {"type": "string", "minLength": 1, "description": "the model input this feeds (default: first)"},
-    "shape": {"type": "array", "items": {"type": ["integer", "string", "null"], "minimum": 0},
-              "description": "tensor: the expected shape; strings and nulls are symbolic dims"},
-    "in_graph": {"type": "boolean", "default": False,
-                 "description": "image: the packager lowers scale, mean/std, layout and the cast into the model, "
-                 "whose input becomes the resized pixels as uint8 NHWC; the agent only decodes and resizes"},
+    "shape": {
+        "type": "array",
+        "items": {"type": ["integer", "string", "null"], "minimum": 0},
+        "description": "tensor: the expected shape; strings and nulls are symbolic dims",
+    },
+    "in_graph": {
+        "type": "boolean",
+        "default": False,
+        "description": "image: the packager lowers scale, mean/std, layout and the cast into the model, "
+        "whose input becomes the resized pixels as uint8 NHWC; the agent only decodes and resizes",
+    },
 }
 _KIND_KEYS = {
-    "image": ["kind", "version", "color", "resize", "scale", "mean", "std", "layout", "dtype", "batch", "input",
-              "in_graph"],
+    "image": [
+        "kind",
+        "version",
+        "color",
+        "resize",
+        "scale",
+        "mean",
+        "std",
+        "layout",
+        "dtype",
+        "batch",
+        "input",
+        "in_graph",
+    ],
     "tensor": ["kind", "version", "shape", "dtype", "batch", "input"],
     "audio": ["kind", "version", "sample_rate", "frame", "hop", "context", "dtype", "batch", "input"],
 }
@@ -110,8 +176,10 @@ PREPROCESS_SCHEMA: dict[str, Any] = {
     # Which keys each kind takes. Tensor first: when both branches fail at equally long key
     # paths, the validator reports the first, and "mean"/"std" on a tensor spec tie with "kind".
     "oneOf": [
-        {"additionalProperties": False,
-         "properties": {**{key: {} for key in _KIND_KEYS[kind]}, **_KIND_OVERRIDES[kind]}}
+        {
+            "additionalProperties": False,
+            "properties": {**{key: {} for key in _KIND_KEYS[kind]}, **_KIND_OVERRIDES[kind]},
+        }
         for kind in ("tensor", "image", "audio")
     ],
 }
@@ -123,8 +191,10 @@ _KIND_SCHEMAS: dict[str, dict[str, Any]] = {
     kind: {
         "type": "object",
         "additionalProperties": False,
-        "properties": {**{key: _PROPERTIES[key] for key in keys},
-                       **{key: {**_PROPERTIES[key], **rule} for key, rule in _KIND_OVERRIDES[kind].items()}},
+        "properties": {
+            **{key: _PROPERTIES[key] for key in keys},
+            **{key: {**_PROPERTIES[key], **rule} for key, rule in _KIND_OVERRIDES[kind].items()},
+        },
     }
     for kind, keys in _KIND_KEYS.items()
 }
@@ -156,9 +226,14 @@ class Resize:
     def parse(cls, raw: Mapping[str, Any]) -> Resize:
         """A validated ``resize`` mapping, defaults filled."""
         height, width = (int(v) for v in raw["size"])
-        return cls(size=(height, width), mode=raw.get("mode", "stretch"),
-                   interpolation=raw.get("interpolation", "bilinear"), pad_value=raw.get("pad_value", 0),
-                   pad=raw.get("pad", "center"), crop_fraction=float(raw.get("crop_fraction", DEFAULT_CROP_FRACTION)))
+        return cls(
+            size=(height, width),
+            mode=raw.get("mode", "stretch"),
+            interpolation=raw.get("interpolation", "bilinear"),
+            pad_value=raw.get("pad_value", 0),
+            pad=raw.get("pad", "center"),
+            crop_fraction=float(raw.get("crop_fraction", DEFAULT_CROP_FRACTION)),
+        )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"size": list(self.size), "mode": self.mode, "interpolation": self.interpolation}
@@ -210,8 +285,14 @@ class PreprocessSpec:
         if self.kind == "image":
             out.update(self._image_json())
         elif self.kind == "audio":
-            out.update(sample_rate=self.sample_rate, frame=self.frame, hop=self.hop, context=self.context,
-                       dtype=self.dtype, batch=self.batch)
+            out.update(
+                sample_rate=self.sample_rate,
+                frame=self.frame,
+                hop=self.hop,
+                context=self.context,
+                dtype=self.dtype,
+                batch=self.batch,
+            )
         else:
             out["batch"] = self.batch
             if self.shape is not None:
@@ -229,13 +310,20 @@ class PreprocessSpec:
         out: dict[str, Any] = {"color": self.color}
         if self.resize is not None:
             out["resize"] = self.resize.to_json()
-        out.update(scale=self.scale, mean=list(self.mean), std=list(self.std), layout=self.layout, dtype=self.dtype,
-                   batch=self.batch)
+        out.update(
+            scale=self.scale,
+            mean=list(self.mean),
+            std=list(self.std),
+            layout=self.layout,
+            dtype=self.dtype,
+            batch=self.batch,
+        )
         return out
 
 
-def parse_preprocess(spec: PreprocessSpec | Mapping[str, Any] | None, *, document: str = "",
-                     path: str = "") -> PreprocessSpec:
+def parse_preprocess(
+    spec: PreprocessSpec | Mapping[str, Any] | None, *, document: str = "", path: str = ""
+) -> PreprocessSpec:
     """Validate ``spec`` and return it typed, every default filled in.
 
     ``None`` (a recipe without a preprocess section) means raw tensors; a
@@ -244,20 +332,28 @@ def parse_preprocess(spec: PreprocessSpec | Mapping[str, Any] | None, *, documen
     offending key."""
     if isinstance(spec, PreprocessSpec):
         return spec
-    raw = validate_by_kind({"kind": "tensor"} if spec is None else spec, _KIND_SCHEMAS, PREPROCESS_SCHEMA,
-                           document=document, path=path)
+    raw = validate_by_kind(
+        {"kind": "tensor"} if spec is None else spec, _KIND_SCHEMAS, PREPROCESS_SCHEMA, document=document, path=path
+    )
     version: int = raw.get("version", SPEC_VERSION)
     if raw["kind"] == "audio":
         return _parse_audio(raw, version, document, path)
     if raw["kind"] == "tensor":
         shape = raw.get("shape")
-        return PreprocessSpec(kind="tensor", version=version, input=raw.get("input"), batch=raw.get("batch", False),
-                              dtype=raw.get("dtype"), shape=None if shape is None else tuple(shape))
+        return PreprocessSpec(
+            kind="tensor",
+            version=version,
+            input=raw.get("input"),
+            batch=raw.get("batch", False),
+            dtype=raw.get("dtype"),
+            shape=None if shape is None else tuple(shape),
+        )
     return _parse_image(raw, version, document, path)
 
 
-def normalize_preprocess(spec: PreprocessSpec | Mapping[str, Any] | None, *, document: str = "",
-                         path: str = "") -> dict[str, Any]:
+def normalize_preprocess(
+    spec: PreprocessSpec | Mapping[str, Any] | None, *, document: str = "", path: str = ""
+) -> dict[str, Any]:
     """:func:`parse_preprocess`'s value in its JSON form (what a manifest stores). Idempotent."""
     return parse_preprocess(spec, document=document, path=path).to_json()
 
@@ -273,25 +369,50 @@ def _parse_image(raw: Mapping[str, Any], version: int, document: str, path: str)
     for key, fill in (("mean", 0.0), ("std", 1.0)):
         values = raw.get(key, [fill] * channels)
         if len(values) != channels:
-            raise SchemaError(_where(path, key), f"has {len(values)} value(s) but color {color} has {channels} "
-                              "channel(s)", document=document)
+            raise SchemaError(
+                _where(path, key),
+                f"has {len(values)} value(s) but color {color} has {channels} channel(s)",
+                document=document,
+            )
         per_channel[key] = tuple(float(v) for v in values)
     dtype = raw.get("dtype", "float32")
     in_graph = bool(raw.get("in_graph", False))
     if in_graph and dtype not in ("float32", "float16"):
-        raise SchemaError(_where(path, "in_graph"), f"lowers the float arithmetic into the model; dtype {dtype} "
-                          "has none (use in_graph with float32 or float16)", document=document)
+        raise SchemaError(
+            _where(path, "in_graph"),
+            f"lowers the float arithmetic into the model; dtype {dtype} "
+            "has none (use in_graph with float32 or float16)",
+            document=document,
+        )
     resize = Resize.parse(raw["resize"]) if "resize" in raw else None
-    return PreprocessSpec(kind="image", version=version, input=raw.get("input"), batch=raw.get("batch", True),
-                          dtype=dtype, color=color, resize=resize, scale=float(raw.get("scale", 1.0)),
-                          mean=per_channel["mean"], std=per_channel["std"], layout=raw.get("layout", "NCHW"),
-                          in_graph=in_graph)
+    return PreprocessSpec(
+        kind="image",
+        version=version,
+        input=raw.get("input"),
+        batch=raw.get("batch", True),
+        dtype=dtype,
+        color=color,
+        resize=resize,
+        scale=float(raw.get("scale", 1.0)),
+        mean=per_channel["mean"],
+        std=per_channel["std"],
+        layout=raw.get("layout", "NCHW"),
+        in_graph=in_graph,
+    )
 
 
 def _parse_audio(raw: Mapping[str, Any], version: int, document: str, path: str) -> PreprocessSpec:
     for key in ("sample_rate", "frame"):
         if key not in raw:
             raise SchemaError(_where(path, key), "an audio spec needs it", document=document)
-    return PreprocessSpec(kind="audio", version=version, input=raw.get("input"), batch=raw.get("batch", True),
-                          dtype="float32", sample_rate=raw["sample_rate"], frame=raw["frame"],
-                          hop=raw.get("hop", raw["frame"]), context=raw.get("context", 0))
+    return PreprocessSpec(
+        kind="audio",
+        version=version,
+        input=raw.get("input"),
+        batch=raw.get("batch", True),
+        dtype="float32",
+        sample_rate=raw["sample_rate"],
+        frame=raw["frame"],
+        hop=raw.get("hop", raw["frame"]),
+        context=raw.get("context", 0),
+    )

@@ -28,10 +28,10 @@ from edgepack_core.protocol.messages import (
     parse_telemetry,
 )
 from edgepack_core.protocol.topics import DEFAULT_ROOT, Topics
-from sdk.broker import BrokerOptions, parse_broker
+from sdk.broker import BrokerOptions
 from sdk.errors import FleetError
 
-__all__ = ["DeviceRow", "FleetError", "FleetView", "collect", "format_table", "parse_broker", "stream_messages"]
+__all__ = ["DeviceRow", "FleetError", "FleetView", "collect", "format_table", "stream_messages"]
 
 log = logging.getLogger("edgepack.fleet")
 

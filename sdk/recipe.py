@@ -27,8 +27,8 @@ from edgepack_core.yamlfile import read_yaml_file
 from sdk.errors import RecipeError, SchemaError
 from sdk.packager.options import option, parse_fields, schema_of
 from sdk.packager.passes.golden import GoldenOptions
-from sdk.packager.passes.model_checks import ModelOptions
-from sdk.packager.passes.optimize import OptimizeOptions
+from sdk.packager.passes.load import ModelOptions
+from sdk.packager.passes.optimize_options import OptimizeOptions
 from sdk.packager.passes.quantize import QuantizeOptions
 from sdk.packager.passes.validate import ValidateOptions
 from sdk.packager.sources import InputOptions

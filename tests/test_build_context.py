@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from sdk.packager.passes.base import BuildContext
 from sdk.packager.passes.golden import GoldenSample, GoldenSet
-from sdk.packager.passes.model_checks import RuntimeRequirement
+from sdk.packager.passes.runtime_compat import RuntimeRequirement
 from sdk.packager.pipeline import PIPELINE, assemble_manifest, run_passes
 from sdk.recipe import recipe_from_dict
 

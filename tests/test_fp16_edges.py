@@ -22,7 +22,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from sdk.packager.passes.optimize import _to_fp16_graph
+from sdk.packager.passes.fp16 import _to_fp16_graph
 from sdk.packager.pipeline import build
 from sdk.recipe import load_recipe
 

@@ -18,8 +18,8 @@ from edgepack_core.artifact import extract_artifact
 from edgepack_core.signing import TrustStore, load_public_key
 from sdk.errors import BuildError, ModelError
 from sdk.packager.onnx_graph import graph_io, lower_ir_version, prune_opset_imports
-from sdk.packager.passes.model_checks import host_runtime_row
-from sdk.packager.passes.optimize import check_optimized, dangling_inputs, outputs_differ, probe_feeds
+from sdk.packager.passes.ort_optimize import check_optimized, dangling_inputs, outputs_differ, probe_feeds
+from sdk.packager.passes.runtime_compat import host_runtime_row
 from sdk.packager.pipeline import build
 from sdk.recipe import recipe_from_dict
 

@@ -35,7 +35,7 @@ from edgepack_core.signing import TrustStore
 from edgepack_core.targets import CPU
 from sdk.packager import ort_host
 from sdk.packager.ort_worker import holds_float16, session_workarounds
-from sdk.packager.passes.optimize import _to_fp16_graph
+from sdk.packager.passes.fp16 import _to_fp16_graph
 from tests.artifacts import build_artifact, resign_with_changes
 from tests.conftest import run_cli
 from tests.fake_ort import FakeGpuOrt

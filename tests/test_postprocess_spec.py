@@ -18,8 +18,7 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
 def test_a_spec_is_frozen_and_a_typed_spec_parses_to_itself() -> None:
-    spec = parse_postprocess({"kind": "detection", "format": "boxes_scores",
-                              "outputs": {"boxes": "b", "scores": "s"}})
+    spec = parse_postprocess({"kind": "detection", "format": "boxes_scores", "outputs": {"boxes": "b", "scores": "s"}})
     assert spec.outputs == DetectionOutputs("b", "s")
     assert parse_postprocess(spec) is spec and Postprocessor(spec).spec is spec
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -29,9 +28,17 @@ def test_a_spec_is_frozen_and_a_typed_spec_parses_to_itself() -> None:
 def test_values_keep_their_json_type_so_the_manifest_bytes_do_not_change() -> None:
     """A threshold written as 0 stays the integer 0 in the manifest (as before the typed spec)."""
     stored = normalize_postprocess({"kind": "detection", "score_threshold": 0, "iou_threshold": 1})
-    assert canonical_bytes(stored) == canonical_bytes({
-        "kind": "detection", "version": 1, "format": "yolov8", "score_threshold": 0, "iou_threshold": 1,
-        "max_detections": 100, "labels": None})
+    assert canonical_bytes(stored) == canonical_bytes(
+        {
+            "kind": "detection",
+            "version": 1,
+            "format": "yolov8",
+            "score_threshold": 0,
+            "iou_threshold": 1,
+            "max_detections": 100,
+            "labels": None,
+        }
+    )
 
 
 def test_an_unresolved_apply_softmax_is_none_and_reads_as_true() -> None:

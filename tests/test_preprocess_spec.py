@@ -21,10 +21,17 @@ RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
 def _manifest(preprocess: dict[str, Any]) -> dict[str, Any]:
-    return {"format": 1, "name": "m", "version": "1.0.0", "created": "2026-01-01T00:00:00Z",
-            "files": {"model.onnx": {"size": 1, "sha256": "0" * 64}}, "model": {"path": "model.onnx"},
-            "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 3, 4, 4]}],
-            "outputs": [{"name": "y", "dtype": "float32", "shape": [1, 2]}], "preprocess": preprocess}
+    return {
+        "format": 1,
+        "name": "m",
+        "version": "1.0.0",
+        "created": "2026-01-01T00:00:00Z",
+        "files": {"model.onnx": {"size": 1, "sha256": "0" * 64}},
+        "model": {"path": "model.onnx"},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [1, 3, 4, 4]}],
+        "outputs": [{"name": "y", "dtype": "float32", "shape": [1, 2]}],
+        "preprocess": preprocess,
+    }
 
 
 def test_a_spec_is_frozen() -> None:
@@ -56,8 +63,14 @@ def test_every_shipped_recipe_spec_is_its_own_normal_form(recipe: Path) -> None:
 
 def test_a_recipe_holds_the_typed_spec(tmp_path: Path) -> None:
     (tmp_path / "m.onnx").write_bytes(b"x")
-    document = {"name": "m", "version": "1.0.0", "model": {"path": "m.onnx"}, "validate": {"data": "synthetic"},
-                "inputs": {"x": {"role": "image"}}, "preprocess": {"kind": "image", "scale": 0.5}}
+    document = {
+        "name": "m",
+        "version": "1.0.0",
+        "model": {"path": "m.onnx"},
+        "validate": {"data": "synthetic"},
+        "inputs": {"x": {"role": "image"}},
+        "preprocess": {"kind": "image", "scale": 0.5},
+    }
     recipe = recipe_from_dict(document, tmp_path)
     assert isinstance(recipe.preprocess, PreprocessSpec)
     assert (recipe.preprocess.scale, recipe.preprocess.input) == (0.5, "x")  # the role's input filled in once

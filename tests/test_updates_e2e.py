@@ -22,7 +22,8 @@ from onnx import TensorProto, helper
 
 from edgepack_core import faults
 from edgepack_core.signing import TrustStore, load_public_key
-from sdk.deploy import deploy
+from sdk.broker import BrokerOptions
+from sdk.deploy import DeployOptions, deploy
 from tests.agent_process import AgentProcess, LoadGenerator, Observer
 from tests.artifacts import build_artifact, resign_with_changes, wrong_golden_outputs
 from tests.conftest import run_cli
@@ -115,9 +116,9 @@ def test_update_over_mqtt_chunks_survives_a_broker_restart_mid_transfer(agent, a
     seen_states: list[str] = []
 
     def run() -> None:
-        outcome["result"] = deploy(arts["big"], broker=mosquitto_broker.address, devices=["pi-07"], transfer="mqtt",
-                                   chunk_size=4096, timeout=90, trust=trust,
-                                   on_event=lambda d, e: seen_states.append(e.state))
+        outcome["result"] = deploy(DeployOptions(arts["big"], BrokerOptions(mosquitto_broker.address),
+                                                 devices=("pi-07",), transfer="mqtt", chunk_size=4096, timeout=90,
+                                                 trust=trust, on_event=lambda d, e: seen_states.append(e.state)))
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -187,7 +188,6 @@ def test_same_deploy_command_delivered_twice_installs_once(agent, arts, mosquitt
         observer.publish("edgepack/v1/dev/pi-07/cmd", json.dumps(command))
         observer.publish("edgepack/v1/grp/kitchen/cmd", json.dumps(command))
         assert observer.wait_for(lambda: any(e.get("final") for e in observer.jobs("pi-07", "dup-1")), 30)
-        time.sleep(1.0)
         observer.publish("edgepack/v1/dev/pi-07/cmd", json.dumps(command))
         assert observer.wait_for(lambda: sum(1 for e in observer.jobs("pi-07", "dup-1") if e.get("duplicate")) >= 2)
     finally:
@@ -210,8 +210,8 @@ def test_kill_9_in_each_job_state_then_restart_ends_consistent(tmp_path, mosquit
     watch = Observer(mosquitto_broker.port)
     holder: dict = {}
     try:
-        thread = threading.Thread(target=lambda: holder.update(result=deploy(
-            arts["v2"], broker=mosquitto_broker.address, devices=["pi-09"], timeout=60)))
+        thread = threading.Thread(target=lambda: holder.update(result=deploy(DeployOptions(
+            arts["v2"], BrokerOptions(mosquitto_broker.address), devices=("pi-09",), timeout=60))))
         thread.start()
         assert agent.wait_exit(30) == -9, "the agent should have been killed at the crash point"
         env = {k: v for k, v in os.environ.items() if k != faults.ENV}

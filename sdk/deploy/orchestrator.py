@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -212,13 +212,8 @@ def _run_waves(rollout: _Rollout, waves: list[list[str]]) -> str:
     return ""
 
 
-def deploy(artifact: Path | DeployOptions, **legacy: Any) -> DeployResult:
-    """Deploy an artifact as ``options`` say; with ``wait``, follow every job to its end.
-
-    Takes a :class:`DeployOptions`, or (older call sites) the artifact path and keyword
-    arguments: ``broker`` as ``HOST:PORT`` with ``root``, ``username``, ``password``.
-    """
-    options = artifact if isinstance(artifact, DeployOptions) else _legacy_options(artifact, **legacy)
+def deploy(options: DeployOptions) -> DeployResult:
+    """Deploy an artifact as ``options`` say; with ``wait``, follow every job to its end."""
     manifest = _manifest(options)
     targets = _targets(options)
     sha = sha256_file(options.artifact)
@@ -234,13 +229,3 @@ def deploy(artifact: Path | DeployOptions, **legacy: Any) -> DeployResult:
             return DeployResult(command_id, rollout.board.jobs, aborted=aborted)
     finally:
         transport.close()
-
-
-def _legacy_options(artifact: Path, *, broker: str | BrokerOptions, root: str = "edgepack/v1",
-                    username: str | None = None, password: str | None = None,
-                    devices: list[str] | None = None, **rest: Any) -> DeployOptions:
-    if not isinstance(broker, BrokerOptions):
-        broker = BrokerOptions(broker, username=username, password=password, topic_root=root)
-    options = DeployOptions(artifact=artifact, broker=broker, devices=tuple(devices or ()),
-                            group=rest.pop("group", None))
-    return replace(options, **rest)

@@ -42,7 +42,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
-from sqlalchemy.pool import NullPool
 
 from sdk.errors import FleetServerError, ServerConfigError
 
@@ -496,8 +495,3 @@ def migrate(database: Database) -> None:
             if not database.is_sqlite:
                 connection.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK})")
                 connection.commit()
-
-
-def single_use_engine(url: str) -> Engine:
-    """An engine without a pool, for tools and tests that open, look and close."""
-    return create_engine(normalise_url(url), poolclass=NullPool)

@@ -242,3 +242,18 @@ def index_ranges(graph: Any, inputs: Sequence[TensorSpec]) -> dict[str, tuple[in
         low, high = ranges.get(name, (0, size))
         ranges[name] = (low, min(high, size))
     return ranges
+
+
+def checker_text(err: Exception) -> str:
+    """The lines of an onnx.checker/shape-inference error that say what is wrong, on one line."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return "; ".join(lines[:4]) or type(err).__name__
+
+
+def rename_uses(graph: onnx.GraphProto, old: str, new: str, field: str) -> None:
+    """Point every node's ``field`` ("input" or "output") that names ``old`` at ``new``."""
+    for node in graph.node:
+        names = getattr(node, field)
+        for i, name in enumerate(names):
+            if name == old:
+                names[i] = new

@@ -53,7 +53,6 @@ MAX_SESSIONS = 8
 MAX_CACHED_BYTES = 1 << 30
 # The parent only sends calls into its own package; anything else is refused.
 CALLABLE_PREFIX = "sdk."
-LEVELS = ("disable", "basic", "extended", "all")
 FLOAT16 = 10  # onnx.TensorProto.FLOAT16
 
 

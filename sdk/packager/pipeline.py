@@ -26,12 +26,15 @@ from sdk.errors import RecipeError
 from sdk.packager import ort_host
 from sdk.packager.data import manifest_inputs
 from sdk.packager.passes import base
-from sdk.packager.passes.base import BuildContext, Progress
-from sdk.packager.passes.model_checks import model_label
+from sdk.packager.passes.base import BuildContext, Progress, model_label
 from sdk.recipe import Recipe
 
 # Importing the pass modules registers them.
-from sdk.packager.passes import golden, model_checks, optimize, preprocess_graph, quantize, validate  # noqa: F401  isort: skip
+from sdk.packager.passes import (  # noqa: F401  isort: skip
+    check, convert_opset, eliminate_identity, export_pytorch, fix_shapes, fold_batchnorm, fp16, golden, io_spec, load,
+    opset, ort_format, ort_optimize, preprocess_graph, quantize, runtime_compat, shape_inference, target_report,
+    validate,
+)
 
 MODEL_MEMBER = "model/model.onnx"
 

@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 from edgepack_core.mqtt_transport import Incoming, MqttSettings, MqttTransport  # noqa: E402
 from edgepack_core.protocol.messages import parse_job_event  # noqa: E402
 from edgepack_core.protocol.topics import Topics  # noqa: E402
-from sdk.deploy import deploy  # noqa: E402
+from sdk.broker import BrokerOptions  # noqa: E402
+from sdk.deploy import DeployOptions, deploy  # noqa: E402
 from sdk.keys import write_keypair  # noqa: E402
 from tests.agent_process import AgentProcess  # noqa: E402
 from tests.artifacts import build_artifact, resign_with_changes  # noqa: E402
@@ -101,8 +102,8 @@ def main() -> int:
                                                replace={"assets/blob.bin": blob},
                                                manifest_changes={"version": f"1.{version[1]}.0"})
                 started = time.perf_counter()
-                result = deploy(artifact, broker=broker.address, devices=["bench-01"], transfer=transfer, timeout=120,
-                                health_window_s=0)
+                result = deploy(DeployOptions(artifact, BrokerOptions(broker.address), devices=("bench-01",),
+                                              transfer=transfer, timeout=120, health_window_s=0))
                 elapsed = time.perf_counter() - started
                 if not result.succeeded:
                     raise RuntimeError(f"deploy failed: {result.jobs}")
@@ -130,7 +131,8 @@ def main() -> int:
         thread = threading.Thread(target=lambda: during.extend(load(2.0)))
         thread.start()
         time.sleep(0.3)
-        deploy(small, broker=broker.address, devices=["bench-01"], timeout=60, health_window_s=0)
+        deploy(DeployOptions(small, BrokerOptions(broker.address), devices=("bench-01",), timeout=60,
+                             health_window_s=0))
         thread.join()
         p99_steady, p99_swap = float(np.percentile(steady, 99)), float(np.percentile(during, 99))
         results["swap_p99_ms"] = {"steady": round(p99_steady * 1000, 3), "during_swap": round(p99_swap * 1000, 3),

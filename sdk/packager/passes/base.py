@@ -26,8 +26,8 @@ from sdk.packager.ort_worker import holds_float16
 
 if TYPE_CHECKING:  # sdk.recipe imports the passes for their options; the results are the passes' own types
     from sdk.packager.passes.golden import GoldenSet
-    from sdk.packager.passes.model_checks import RuntimeRequirement
     from sdk.packager.passes.preprocess_graph import PreprocessLowering
+    from sdk.packager.passes.runtime_compat import RuntimeRequirement
     from sdk.recipe import Recipe
 
 Progress = Callable[[str], None]
@@ -122,3 +122,8 @@ def register(cls: type[Pass]) -> type[Pass]:
 def get_pass(name: str) -> Pass:
     return _REGISTRY[name]()
 
+
+def model_label(ctx: BuildContext) -> str:
+    """The model's name in messages: its file name, or the recipe's name for an export."""
+    path = ctx.recipe.model.path
+    return Path(path).name if path else ctx.recipe.name

@@ -52,7 +52,7 @@ from sdk.packager.onnx_graph import default_opset
 from sdk.packager.options import given, option
 from sdk.packager.ort_host import OrtCrashError, call_in_worker, measure_latency
 from sdk.packager.passes.base import BuildContext, Pass, register
-from sdk.packager.passes.optimize import FP16_MAX, _to_fp16_graph  # the fp16 pass's own conversion
+from sdk.packager.passes.fp16 import FP16_MAX, _to_fp16_graph  # the fp16 pass's own conversion
 from sdk.packager.passes.validate import checked_outputs, judge, state_report
 from sdk.packager.quant_search import Candidate, QuantConfig
 from sdk.packager.sequences import calibration_feeds, run_samples

@@ -26,7 +26,6 @@ import numpy as np
 
 from edgepack_core.postprocess import Postprocessor
 from edgepack_core.postprocess_spec import PostprocessSpec
-from edgepack_core.targets import PROFILES
 from sdk.errors import RecipeError, ValidationFailed
 from sdk.packager.data import Samples, context_options, load_samples
 from sdk.packager.fidelity import check_fidelity, compare
@@ -248,40 +247,3 @@ class ValidatePass(Pass):
             ratio = worst["ratio"] if isinstance(worst["ratio"], float) else float("inf")
             failures.append(("expected", ratio, 1.0, f"the {expected['against']} model does not give the test "
                              f"data's expected outputs: {expected['summary']}"))
-
-
-@register
-class TargetReportPass(Pass):
-    """For every target, the ops its accelerator cannot run; for android/apple, onnxruntime's
-    own NNAPI/CoreML partitioning check."""
-
-    name = "target_report"
-
-    def run(self, ctx: BuildContext) -> None:
-        model = ctx.require_model()
-        report: dict[str, Any] = {}
-        for target in ctx.recipe.targets:
-            entry: dict[str, Any] = {"providers": list(PROFILES[target])}
-            checker = {"android": "nnapi", "apple": "coreml"}.get(target)
-            if checker is not None:
-                try:
-                    from onnxruntime.tools.mobile_helpers import usability_checker as usability
-
-                    if checker == "nnapi":
-                        info = usability.check_nnapi_partitions(model, require_fixed_input_sizes=True)
-                    else:
-                        info = usability.check_coreml_partitions(model, True, "coreml_supported_mlprogram_ops.md")
-                    entry.update({
-                        "accelerated_nodes": info.num_supported_nodes, "nodes": info.num_nodes,
-                        "partitions": info.num_partitions, "unsupported_ops": sorted(info.unsupported_ops),
-                    })
-                    if info.unsupported_ops or info.num_partitions > 1:
-                        ctx.warn(f"target {target}: {checker.upper()} runs {info.num_supported_nodes} of "
-                                 f"{info.num_nodes} nodes in {info.num_partitions} partition(s); unsupported ops: "
-                                 f"{', '.join(sorted(info.unsupported_ops)) or 'none'}")
-                except Exception as err:  # the checker is a tool script: report, do not fail the build
-                    entry["check_error"] = f"{type(err).__name__}: {str(err)[:200]}"
-            else:
-                entry["unsupported_ops"] = []  # the CPU provider runs every default-domain op
-            report[target] = entry
-        ctx.report[self.name] = report
