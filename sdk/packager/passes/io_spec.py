@@ -24,7 +24,7 @@ from sdk.packager.probabilities import Producer, is_distribution, producer
 def _graph_decision(output: str, found: Producer | None) -> tuple[bool, str]:
     """apply_softmax as the graph shows it, and why."""
     if found is None:
-        return True, f"output {output} does not come from a Softmax or a written-out softmax: scores are its softmax"
+        return True, f"output {output} does not come from a Softmax: scores are its softmax"
     if found.kind == "log":
         return True, (f"output {output} comes from {found.pattern} node {found.node}: log-probabilities, whose "
                       "softmax is the probabilities")
