@@ -116,44 +116,40 @@ def test_a_real_shape_keeps_a_declared_dim_symbolic_where_it_varies_and_names_it
     assert real_output_shape("y", [2, 3], [(2, 3)], {}) == [2, 3]
 
 
-def test_a_softmax_written_out_as_exp_reducesum_div_answers_the_models_own_probability(tmp_path, keypair):
-    model = shapes.handwritten_softmax_classifier()
-    rng = np.random.default_rng(2)
-    result, artifact = _build(
-        tmp_path, model, {"x": rng.standard_normal((4, 1, 8)).astype(np.float32)}, {"kind": "topk", "k": 2}, keypair
-    )
+def _classify(
+    tmp_path: Path, keypair: tuple[Path, Path], model: onnx.ModelProto, seed: int
+) -> tuple[Path, np.ndarray, dict[str, Any]]:
+    """Build a topk classifier from 4 validation samples; (artifact, bare onnxruntime's output on
+    a new sample, the artifact's top answer for it through ``edgepack-agent predict``)."""
+    rng = np.random.default_rng(seed)
+    data = {"x": rng.standard_normal((4, 1, 8)).astype(np.float32)}
+    result, artifact = _build(tmp_path, model, data, {"kind": "topk", "k": 2}, keypair)
     assert result.returncode == 0, result.stderr
     value = rng.standard_normal((1, 8)).astype(np.float32)
-    (probs,) = _bare(model, {"x": value})
-    top = _predict(artifact, keypair, tmp_path, value)["result"][0]
+    (bare,) = _bare(model, {"x": value})
+    return artifact, bare, _predict(artifact, keypair, tmp_path, value)["result"][0]
+
+
+def test_a_softmax_written_out_as_exp_reducesum_div_answers_the_models_own_probability(tmp_path, keypair):
+    artifact, probs, top = _classify(tmp_path, keypair, shapes.handwritten_softmax_classifier(), 2)
     assert top["index"] == 0 and probs[0, 0] > 0.9999
-    assert top["score"] == pytest.approx(float(probs[0, 0]), abs=1e-6)
+    assert top["score"] == pytest.approx(float(probs[0, 0]), abs=1e-6)  # main answered 0.0135
     note = _report(artifact)["passes"]["io_spec"]["apply_softmax"]
     assert note["value"] is False and "Exp/ReduceSum/Div" in note["why"]
 
 
 def test_a_distribution_no_pattern_names_is_recognised_from_the_validation_outputs(tmp_path, keypair):
-    model = shapes.reciprocal_softmax_classifier()
-    rng = np.random.default_rng(3)
-    result, artifact = _build(
-        tmp_path, model, {"x": rng.standard_normal((4, 1, 8)).astype(np.float32)}, {"kind": "topk", "k": 1}, keypair
-    )
-    assert result.returncode == 0, result.stderr
+    artifact, probs, top = _classify(tmp_path, keypair, shapes.reciprocal_softmax_classifier(), 3)
     assert _manifest(artifact)["postprocess"]["apply_softmax"] is False
-    value = rng.standard_normal((1, 8)).astype(np.float32)
-    (probs,) = _bare(model, {"x": value})
-    top = _predict(artifact, keypair, tmp_path, value)["result"][0]
     assert top["score"] == pytest.approx(float(probs[0, 0]), abs=1e-6)
+    assert "validation data" in _report(artifact)["passes"]["io_spec"]["apply_softmax"]["why"]
 
 
 def test_logits_still_get_their_softmax(tmp_path, keypair):
-    model = shapes.logits_classifier()
-    rng = np.random.default_rng(4)
-    result, artifact = _build(
-        tmp_path, model, {"x": rng.standard_normal((4, 1, 8)).astype(np.float32)}, {"kind": "topk", "k": 1}, keypair
-    )
-    assert result.returncode == 0, result.stderr
+    artifact, logits, top = _classify(tmp_path, keypair, shapes.logits_classifier(), 4)
     assert _manifest(artifact)["postprocess"]["apply_softmax"] is True
+    exp = np.exp(logits[0].astype(np.float64) - logits[0].max())
+    assert top["score"] == pytest.approx(float(exp[0] / exp.sum()), abs=1e-6)
 
 
 @pytest.mark.parametrize("make", [shapes.handwritten_softmax_classifier, shapes.reciprocal_softmax_classifier])
