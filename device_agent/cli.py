@@ -46,7 +46,7 @@ def _read_input(path: Path) -> bytes | np.ndarray | dict[str, np.ndarray]:
         try:
             loaded = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as err:
-            raise UsageError(f"{path}: not a readable {suffix} file ({err})") from None
+            raise UsageError(f"{path}: not a readable {suffix} file ({err})") from err
         if isinstance(loaded, np.ndarray):
             return loaded
         with loaded:

@@ -125,7 +125,7 @@ class Daemon:
             self.store.rollback()
         except EdgepackError as err:
             log.error("the previous model cannot serve either (%s)", err)
-            raise failure from None
+            raise failure from err
         self.service.swap(loaded)
         log.warning("serving %s %s after rolling back from %s", previous.name, previous.version, active.key)
 

@@ -1,7 +1,9 @@
 """The device side's error hierarchy, extending ``edgepack_core.errors``.
 
 ``edgepack-agent`` turns any :class:`EdgepackError` into one line on stderr and its exit
-code; the HTTP API turns a :class:`BadRequest` into a 4xx JSON answer and keeps serving.
+code; the HTTP API answers a :class:`BadRequest` (the client's mistake) with its 4xx, an
+:class:`InferenceError` (the model's failure) with 500, :class:`Busy` and :class:`NoModelError`
+with 503, and keeps serving.
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from __future__ import annotations
 from edgepack_core.errors import EdgepackError, UsageError
 
 __all__ = [
-    "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "ConfigError", "DownloadCancelled",
-    "DownloadError", "JournalError", "MessageTooLargeError", "NoModelError", "OutboxError", "ProviderError",
-    "ReplayError", "SmokeTestError", "StoreError", "TransferError",
+    "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "Busy", "ConfigError", "DownloadCancelled",
+    "DownloadError", "InferenceError", "JournalError", "MessageTooLargeError", "NoModelError", "OutboxError",
+    "ProviderError", "ReplayError", "RequestError", "SmokeTestError", "StoreError", "TransferError",
 ]
 
 
@@ -64,19 +66,43 @@ class ProviderError(AgentError):
 
 
 class NoModelError(AgentError):
-    """A request arrived while no model is active."""
-
-    http_status = 503
+    """A request arrived while no model is active (the HTTP layer answers 503)."""
 
 
-class BadRequest(AgentError):
-    """A request the model cannot take: wrong shape, dtype or input name, corrupt image,
-    oversized body. ``kind`` names the problem for metrics; ``http_status`` is the answer."""
+class RequestError(AgentError):
+    """Base of an inference request's failures; ``kind`` names the problem for metrics. The
+    class says whose failure it is, and the HTTP layer alone turns it into a status
+    (``device_agent/http/answers.py``: :func:`~device_agent.http.answers.status_of`)."""
 
-    def __init__(self, kind: str, problem: str, *, http_status: int = 400) -> None:
+    def __init__(self, kind: str, problem: str) -> None:
         super().__init__(problem)
         self.kind = kind
+
+
+class BadRequest(RequestError):
+    """The client's mistake: wrong shape, dtype or input name, corrupt image, oversized body.
+    ``http_status`` is the 4xx that names it (400 unless 404, 406, 408, 413, 415 say more);
+    a failure that is not the client's is an :class:`InferenceError` or :class:`Busy`."""
+
+    def __init__(self, kind: str, problem: str, *, http_status: int = 400) -> None:
+        if not 400 <= http_status <= 499:
+            raise ValueError(f"a client's refusal is a 4xx, not {http_status}")
+        super().__init__(kind, problem)
         self.http_status = http_status
+
+
+class InferenceError(RequestError):
+    """A request the contract admits that the model could not answer: onnxruntime failed on it,
+    or the postprocessing could not read the outputs. The model's failure, answered 500 and
+    counted against the model (the health window), never against the client."""
+
+
+class Busy(RequestError):
+    """The agent cannot take the request now (workers, queue or body budget taken): 503 with
+    ``Retry-After``, for the client to try again."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__("busy", problem)
 
 
 # --------------------------------------------------------------------------- updates

@@ -90,7 +90,7 @@ def _image(model: LoadedModel, data: bytes | np.ndarray, header: Any = None) -> 
     try:
         return ImageFeed(model.image_input, *model.preprocessor.image_with_geometry(data, opened=header))
     except PreprocessError as err:
-        raise BadRequest("bad_image", str(err)) from None
+        raise BadRequest("bad_image", str(err)) from err
 
 
 def _frames(model: LoadedModel, data: bytes) -> Frames:
@@ -100,7 +100,7 @@ def _frames(model: LoadedModel, data: bytes) -> Frames:
     try:
         return Frames(name, model.preprocessor.from_audio_bytes(data))
     except PreprocessError as err:
-        raise BadRequest("bad_audio", str(err)) from None
+        raise BadRequest("bad_audio", str(err)) from err
 
 
 def _array_feed(model: LoadedModel, array: np.ndarray) -> Mapping[str, np.ndarray]:
@@ -200,5 +200,5 @@ def batch_feed(model: LoadedModel, items: list[Any], content_type: str | None) -
         try:
             geometries.append(pre.image_with_geometry(image, out=tensor[index:index + 1])[1])
         except PreprocessError as err:
-            raise BadRequest("bad_image", f"item {index}: {err}") from None
+            raise BadRequest("bad_image", f"item {index}: {err}") from err
     return BatchFeed(model.image_input, tensor, geometries)

@@ -23,7 +23,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from device_agent.errors import BadRequest, NoModelError
+from device_agent.errors import BadRequest, InferenceError, NoModelError
 from device_agent.feeds import Frames, batch_feed, batch_refusal, input_feed, input_of
 from device_agent.prediction import PredictRequest, PredictResult, Tensors
 from device_agent.providers import ModelTraits, choose_providers, create_session
@@ -377,7 +377,7 @@ class InferenceService:
             try:
                 StreamTable.check_id(stream)
             except InvalidNameError as err:
-                raise BadRequest("bad_stream", str(err)) from None
+                raise BadRequest("bad_stream", str(err)) from err
 
     def _infer(self, model: LoadedModel, feed: Mapping[str, np.ndarray], stream: str | None) -> list[np.ndarray]:
         """One session run, or one per frame of a ``Frames`` feed (outputs stacked), with the
@@ -411,8 +411,7 @@ class InferenceService:
             return call()
         except Exception as err:
             self._fail("runtime", client=False)
-            raise BadRequest("runtime", f"inference failed: {str(err).splitlines()[0][:200]}",
-                             http_status=500) from None
+            raise InferenceError("runtime", f"inference failed: {str(err).splitlines()[0][:200]}") from err
 
     def _finish(self, model: LoadedModel, outputs: dict[str, np.ndarray], geometry: dict[str, Any] | None,
                 elapsed: float, postprocess: bool) -> PredictResult:
@@ -425,7 +424,7 @@ class InferenceService:
                 result = model.postprocessor(outputs, geometry)
             except PostprocessError as err:
                 self._fail("postprocess", client=False)
-                raise BadRequest("postprocess", str(err), http_status=500) from None
+                raise InferenceError("postprocess", str(err)) from err
         self.stats.ok(elapsed)
         for observer in self.observers:
             observer(elapsed, None)

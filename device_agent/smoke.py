@@ -82,11 +82,11 @@ def run_smoke_test(
             inputs = _load_npz(root / sample["inputs"])
             expected = _load_npz(root / sample["outputs"])
         except (OSError, ValueError) as err:
-            raise SmokeTestError(label, index, f"golden data unreadable: {err}") from None
+            raise SmokeTestError(label, index, f"golden data unreadable: {err}") from err
         try:
             got = run(inputs)
         except Exception as err:  # a session that cannot run its own golden inputs fails the test
-            raise SmokeTestError(label, index, f"inference failed: {str(err).splitlines()[0][:200]}") from None
+            raise SmokeTestError(label, index, f"inference failed: {str(err).splitlines()[0][:200]}") from err
         problem, diff = compare_outputs(got, expected, manifest.outputs, rtol=rtol, atol=atol)
         worst = max(worst, diff)
         if problem:

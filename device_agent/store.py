@@ -133,7 +133,7 @@ class ModelStore:
             self.models.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             if not self.models.is_dir():
-                raise StoreError(f"{self.models} cannot be created: {err.strerror or err}") from None
+                raise StoreError(f"{self.models} cannot be created: {err.strerror or err}") from err
         self.check_writable()
 
     # ---------------------------------------------------------------- medium

@@ -164,8 +164,8 @@ def _octal(field: bytes, what: str) -> int:
 def _text(raw: bytes, what: str) -> str:
     try:
         return raw.decode()
-    except UnicodeDecodeError:
-        raise UnsafeMemberError(repr(raw)[:80], f"{what} is not UTF-8") from None
+    except UnicodeDecodeError as err:
+        raise UnsafeMemberError(repr(raw)[:80], f"{what} is not UTF-8") from err
 
 
 def parse_header(block: bytes) -> MemberHeader:
@@ -573,7 +573,7 @@ def _walk(
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise ArtifactError(f"{path}: no such artifact") from None
+        raise ArtifactError(f"{path}: no such artifact") from None  # the message names the missing file
     if size > limits.max_archive_bytes:
         raise LimitExceededError("archive", size, limits.max_archive_bytes)
     try:
@@ -594,9 +594,9 @@ def _walk(
                 (staging / MANIFEST_NAME).write_bytes(manifest_bytes)
                 (staging / SIGNATURE_NAME).write_bytes(signature)
     except (zlib.error, lzma.LZMAError, EOFError) as err:
-        raise TruncatedArchiveError(f"not a valid compressed stream ({err or type(err).__name__})") from None
+        raise TruncatedArchiveError(f"not a valid compressed stream ({err or type(err).__name__})") from err
     except OSError as err:
-        raise ArtifactError(f"{path}: cannot read or write: {err.strerror or err}") from None
+        raise ArtifactError(f"{path}: cannot read or write: {err.strerror or err}") from err
     return VerifiedArtifact(path=path, manifest=manifest, manifest_bytes=manifest_bytes, key_id=key)
 
 
@@ -666,7 +666,7 @@ def read_extracted(root: str | os.PathLike[str], trust: TrustStore) -> VerifiedA
     try:
         manifest_bytes = (root / MANIFEST_NAME).read_bytes()
     except FileNotFoundError:
-        raise ArtifactError(f"{root}: no {MANIFEST_NAME}") from None
+        raise ArtifactError(f"{root}: no {MANIFEST_NAME}") from None  # the message names the missing file
     try:
         signature: bytes | None = (root / SIGNATURE_NAME).read_bytes()
     except FileNotFoundError:
@@ -680,10 +680,10 @@ def read_extracted(root: str | os.PathLike[str], trust: TrustStore) -> VerifiedA
                 digest = _copy_hashed(_file_pieces(stream, entry["size"]), None)
                 if stream.read(1):
                     raise IntegrityError(name, "larger than the signed size")
-        except FileNotFoundError:
+        except FileNotFoundError:  # from None: the message names the missing file
             raise IntegrityError(name, "missing from the installed copy") from None
-        except TruncatedArchiveError:
-            raise IntegrityError(name, "smaller than the signed size") from None
+        except TruncatedArchiveError as err:
+            raise IntegrityError(name, "smaller than the signed size") from err
         if digest != entry["sha256"]:
             raise IntegrityError(name, "sha256 differs from the signed manifest")
     return VerifiedArtifact(path=root, manifest=manifest, manifest_bytes=manifest_bytes, key_id=key, root=root)

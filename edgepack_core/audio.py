@@ -153,7 +153,7 @@ def _read_with_wave(data: bytes, fmt: WavFormat) -> bytes:
                 raise _fail("the wave module reads a different format")
             return reader.readframes(reader.getnframes())
     except (wave.Error, EOFError, struct.error) as err:
-        raise _fail(str(err)) from None
+        raise _fail(str(err)) from err
 
 
 def decode_wav(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[np.ndarray, int]:

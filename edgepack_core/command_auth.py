@@ -63,7 +63,7 @@ def canonical_bytes(command: Mapping[str, Any]) -> bytes:
     try:
         text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     except (TypeError, ValueError) as err:
-        raise CommandSignatureError(f"command cannot be signed: {err}") from None
+        raise CommandSignatureError(f"command cannot be signed: {err}") from err
     return DOMAIN + text.encode("ascii")
 
 
@@ -113,14 +113,14 @@ def verify_command(command: Mapping[str, Any], trust: TrustStore) -> str:
                            "signatures": [{"key_id": keyid, "algorithm": ALGORITHM, "signature": sig}]})
     try:
         return trust.verify(data, document.encode("ascii"))
-    except UntrustedKeyError:
+    except UntrustedKeyError as err:
         raise CommandSignatureError(f"signed by key id {keyid}, which is not an operator key of this device") \
-            from None
-    except BadSignatureError:
+            from err
+    except BadSignatureError as err:
         raise CommandSignatureError(f"signature by operator key {keyid} does not match the command "
-                                    "(changed after signing?)") from None
-    except SignatureError:
-        raise CommandSignatureError("signature is malformed") from None
+                                    "(changed after signing?)") from err
+    except SignatureError as err:
+        raise CommandSignatureError("signature is malformed") from err
 
 
 def check_scope(command: Mapping[str, Any], *, device_id: str, groups: Iterable[str], now: float,

@@ -222,15 +222,15 @@ def check_manifest(document: Any) -> Manifest:
     try:
         validate(document, MANIFEST_SCHEMA, document="manifest.json")
     except SchemaError as err:
-        raise ManifestError(str(err)) from None
+        raise ManifestError(str(err)) from err
     Version(document["version"])  # already pattern-checked; parse for ordering later
     files = document["files"]
     member = Validator({"type": "string", "pattern": MEMBER_PATTERN}, document="manifest.json")
     for name in files:
         try:
             member.validate(name, path=f"files.{name}")
-        except SchemaError:
-            raise ManifestError(f"manifest.json: files: unsafe path {name!r}") from None
+        except SchemaError as cause:
+            raise ManifestError(f"manifest.json: files: unsafe path {name!r}") from cause
         if name in (MANIFEST_NAME, SIGNATURE_NAME):
             raise ManifestError(f"manifest.json: files: {name} cannot list itself")
     referenced = [document["model"]["path"]]
@@ -261,5 +261,5 @@ def parse_manifest(data: bytes) -> Manifest:
     try:
         document = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ManifestError(f"manifest.json is not valid UTF-8 JSON: {err}") from None
+        raise ManifestError(f"manifest.json is not valid UTF-8 JSON: {err}") from err
     return check_manifest(document)

@@ -91,7 +91,7 @@ def _orientation(image: Image.Image) -> int:
     try:
         value = image.getexif().get(_EXIF_ORIENTATION, 1)
     except Exception as err:  # a damaged EXIF block: the reference path refuses it the same way
-        raise PreprocessError(f"cannot apply the EXIF orientation ({type(err).__name__}: {err})") from None
+        raise PreprocessError(f"cannot apply the EXIF orientation ({type(err).__name__}: {err})") from err
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
@@ -135,7 +135,7 @@ class Preprocessor:
             try:
                 array = np.load(path, allow_pickle=False)
             except (OSError, ValueError, EOFError) as err:
-                raise PreprocessError(f"{path}: not a readable .npy file ({err})") from None
+                raise PreprocessError(f"{path}: not a readable .npy file ({err})") from err
             if not isinstance(array, np.ndarray):
                 raise PreprocessError(f"{path}: holds several arrays; a tensor spec takes one .npy array")
             return self.from_array(array)
@@ -143,7 +143,7 @@ class Preprocessor:
             with open(path, "rb") as handle:
                 data = handle.read()
         except OSError as err:
-            raise PreprocessError(f"{path}: cannot read ({err.strerror or err})") from None
+            raise PreprocessError(f"{path}: cannot read ({err.strerror or err})") from err
         return self.from_audio_bytes(data) if self.kind == "audio" else self.from_image_bytes(data)
 
     def from_audio_bytes(self, data: bytes) -> np.ndarray:
@@ -218,11 +218,11 @@ class Preprocessor:
         try:
             image = Image.open(io.BytesIO(data))
         except Image.DecompressionBombError as err:
-            raise PreprocessError(f"image refused as a decompression bomb: {err}") from None
+            raise PreprocessError(f"image refused as a decompression bomb: {err}") from err
         except Exception as err:
             # Pillow's format plugins raise a zoo of types (OSError, SyntaxError, struct.error,
             # ValueError, ...) for hostile or damaged bytes; to the caller they all mean one thing.
-            raise PreprocessError(f"cannot decode image ({type(err).__name__}: {err})") from None
+            raise PreprocessError(f"cannot decode image ({type(err).__name__}: {err})") from err
         self._check_pixels(image.width, image.height)
         return image
 
@@ -231,7 +231,7 @@ class Preprocessor:
         try:
             image.load()
         except Exception as err:
-            raise PreprocessError(f"cannot decode image ({type(err).__name__}: {err})") from None
+            raise PreprocessError(f"cannot decode image ({type(err).__name__}: {err})") from err
 
     def _decode(self, data: bytes, opened: Image.Image | None = None) -> Image.Image:
         image = self._open(data, opened)
@@ -297,7 +297,7 @@ class Preprocessor:
         try:
             image = ImageOps.exif_transpose(image)
         except Exception as err:
-            raise PreprocessError(f"cannot apply the EXIF orientation ({type(err).__name__}: {err})") from None
+            raise PreprocessError(f"cannot apply the EXIF orientation ({type(err).__name__}: {err})") from err
         return self._convert_color(image)
 
     def from_array(self, array: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
@@ -470,7 +470,7 @@ class Preprocessor:
                 image = image.convert("RGB")
             return image.convert(wanted) if image.mode != wanted else image
         except ValueError as err:
-            raise PreprocessError(f"cannot convert a {image.mode} image to {wanted} ({err})") from None
+            raise PreprocessError(f"cannot convert a {image.mode} image to {wanted} ({err})") from err
 
     # ---- the reference path: the literal steps of docs/packager.md
 

@@ -87,7 +87,7 @@ def check_signature_layout(signature_bytes: bytes) -> None:
     try:
         doc = json.loads(signature_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise SignatureLayoutError(f"manifest.sig is not valid JSON: {err}") from None
+        raise SignatureLayoutError(f"manifest.sig is not valid JSON: {err}") from err
     entries = doc.get("signatures") if isinstance(doc, dict) else None
     shaped = (
         isinstance(doc, dict)
@@ -155,7 +155,7 @@ class TrustStore:
         try:
             doc = json.loads(signature_bytes)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise SignatureError(f"manifest.sig is not valid JSON: {err}") from None
+            raise SignatureError(f"manifest.sig is not valid JSON: {err}") from err
         if not isinstance(doc, dict) or doc.get("schema") != SIGNATURE_SCHEMA:
             raise SignatureError(f"manifest.sig schema is not {SIGNATURE_SCHEMA}")
         signatures = doc.get("signatures")
@@ -178,10 +178,10 @@ class TrustStore:
             try:
                 raw = base64.b64decode(sig, validate=True)
                 public.verify(raw, data)
-            except (InvalidSignature, binascii.Error, ValueError):
+            except (InvalidSignature, binascii.Error, ValueError) as cause:
                 raise BadSignatureError(
                     f"signature by trusted key {kid} does not match manifest.json (manifest changed?)"
-                ) from None
+                ) from cause
             return kid
         raise UntrustedKeyError(seen)
 
@@ -212,9 +212,9 @@ def _read_key_file(path: Path) -> bytes:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise KeyFileError(str(path), "no such key file") from None
+        raise KeyFileError(str(path), "no such key file") from None  # the message names the missing file
     except OSError as err:
-        raise KeyFileError(str(path), f"cannot read: {err.strerror}") from None
+        raise KeyFileError(str(path), f"cannot read: {err.strerror}") from err
     if len(data) > 64 * 1024:
         raise KeyFileError(str(path), "too large to be a key file")
     return data
@@ -227,10 +227,10 @@ def load_private_key(path: str | os.PathLike[str], password: bytes | None = None
     data = _read_key_file(path)
     try:
         key = serialization.load_pem_private_key(data, password=password)
-    except TypeError:
-        raise KeyFileError(str(path), "key is encrypted: set EDGEPACK_KEY_PASSWORD") from None
-    except ValueError:
-        raise KeyFileError(str(path), "not a PEM private key (or wrong password)") from None
+    except TypeError as err:
+        raise KeyFileError(str(path), "key is encrypted: set EDGEPACK_KEY_PASSWORD") from err
+    except ValueError as err:
+        raise KeyFileError(str(path), "not a PEM private key (or wrong password)") from err
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(str(path), "not an Ed25519 private key")
     return SigningKey(key)
@@ -272,10 +272,10 @@ def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
 
     try:
         key = serialization.load_pem_public_key(data)
-    except ValueError:
+    except ValueError as err:
         if b"PRIVATE KEY" in data:
-            raise KeyFileError(str(path), "this is a private key; trust the public key instead") from None
-        raise KeyFileError(str(path), "not a PEM public key") from None
+            raise KeyFileError(str(path), "this is a private key; trust the public key instead") from err
+        raise KeyFileError(str(path), "not a PEM public key") from err
     if not isinstance(key, Ed25519PublicKey):
         raise KeyFileError(str(path), "not an Ed25519 public key")
     return key

@@ -16,9 +16,9 @@ def read_yaml_file(path: Path, max_bytes: int, fail: Callable[[str], EdgepackErr
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise fail(f"no such {kind} file") from None
+        raise fail(f"no such {kind} file") from None  # the message names the missing file
     except OSError as err:
-        raise fail(f"cannot read: {err.strerror}") from None
+        raise fail(f"cannot read: {err.strerror}") from err
     if len(raw) > max_bytes:
         raise fail(f"larger than {max_bytes} bytes")
     try:
@@ -26,4 +26,4 @@ def read_yaml_file(path: Path, max_bytes: int, fail: Callable[[str], EdgepackErr
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
-        raise fail(f"not valid YAML{where}") from None
+        raise fail(f"not valid YAML{where}") from err

@@ -72,8 +72,8 @@ def parse_shape(text: str) -> tuple[str | None, tuple[int, ...]]:
         return name or None, ()
     try:
         shape = tuple(int(d) for d in dims.lower().split("x"))
-    except ValueError:
-        raise UsageError(f"--shape {text}: dims are integers joined by x, e.g. x=1x3x224x224") from None
+    except ValueError as err:
+        raise UsageError(f"--shape {text}: dims are integers joined by x, e.g. x=1x3x224x224") from err
     if any(d < 0 for d in shape):
         raise UsageError(f"--shape {text}: dims cannot be negative")
     return name or None, shape
@@ -218,7 +218,7 @@ def _read_unverified(artifact: Path) -> Packaged:
             model = _member_bytes(tar, model_path, limits.max_member_bytes)
             golden = _member_bytes(tar, samples[0]["inputs"], limits.max_member_bytes) if samples else None
     except (tarfile.TarError, KeyError, OSError, ValueError, TypeError, AttributeError) as err:
-        raise BuildError("bench", f"{artifact}: not a readable artifact ({err})") from None
+        raise BuildError("bench", f"{artifact}: not a readable artifact ({err})") from err
     return Packaged(model, _golden_feed(golden))
 
 
@@ -265,4 +265,4 @@ def _read(path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as err:
-        raise BuildError("bench", f"{path}: {err.strerror}") from None
+        raise BuildError("bench", f"{path}: {err.strerror}") from err

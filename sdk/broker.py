@@ -42,13 +42,13 @@ def read_password_file(path: Path) -> str:
         with open(path, "rb") as handle:
             data = handle.read(MAX_PASSWORD_FILE_BYTES + 1)
     except OSError as err:
-        raise BrokerOptionError(f"cannot read the password file {path}: {err.strerror or err}") from None
+        raise BrokerOptionError(f"cannot read the password file {path}: {err.strerror or err}") from err
     if len(data) > MAX_PASSWORD_FILE_BYTES:
         raise BrokerOptionError(f"the password file {path} is over {MAX_PASSWORD_FILE_BYTES} bytes")
     try:
         password = data.decode("utf-8").splitlines()[0] if data.strip() else ""
-    except UnicodeDecodeError:
-        raise BrokerOptionError(f"the password file {path} is not UTF-8 text") from None
+    except UnicodeDecodeError as cause:
+        raise BrokerOptionError(f"the password file {path} is not UTF-8 text") from cause
     if not password:
         raise BrokerOptionError(f"the password file {path} is empty")
     return password

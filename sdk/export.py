@@ -25,9 +25,9 @@ MAX_ABS_DIFF = 1e-5
 def _torch() -> Any:
     try:
         import torch
-    except ImportError:
+    except ImportError as err:
         raise BuildError("export_pytorch", "PyTorch is not installed: pip install torch (a CPU build is enough), "
-                                           "or give model.path to an .onnx file") from None
+                                           "or give model.path to an .onnx file") from err
     return torch
 
 
@@ -38,7 +38,7 @@ def load_factory(spec: str) -> Any:
         module = importlib.import_module(module_name)
         return getattr(module, attribute)
     except (ImportError, AttributeError) as err:
-        raise RecipeError("model.pytorch.factory", f"cannot import {spec}: {err}") from None
+        raise RecipeError("model.pytorch.factory", f"cannot import {spec}: {err}") from err
 
 
 def export_pytorch(module: Any, input_shape: Sequence[int], path: Path, *, opset: int = DEFAULT_OPSET,
@@ -59,7 +59,7 @@ def export_pytorch(module: Any, input_shape: Sequence[int], path: Path, *, opset
             torch.onnx.export(module, (example,), str(path), opset_version=opset, input_names=[input_name],
                               output_names=list(output_names), dynamic_axes=axes, dynamo=False)
         except Exception as err:  # torch.onnx raises many unrelated types
-            raise BuildError("export_pytorch", f"torch.onnx.export failed: {str(err).splitlines()[0]}") from None
+            raise BuildError("export_pytorch", f"torch.onnx.export failed: {str(err).splitlines()[0]}") from err
     expected_list = [expected] if not isinstance(expected, (tuple, list)) else list(expected)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = session.run(None, {input_name: example.numpy()})

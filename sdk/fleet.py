@@ -189,17 +189,7 @@ def format_table(rows: list[DeviceRow], now: float) -> str:
 # --------------------------------------------------------------------------- I/O
 
 
-def _options(broker: str | BrokerOptions, **given: Any) -> BrokerOptions:
-    """Accept a ready :class:`BrokerOptions` or a bare ``HOST:PORT`` plus keyword options."""
-    if isinstance(broker, BrokerOptions):
-        return broker
-    return BrokerOptions(broker, **{key: value for key, value in given.items() if value is not None})
-
-
-def stream_messages(
-    broker: str | BrokerOptions, *, root: str = DEFAULT_ROOT, share: str | None = None, protocol: str = "5",
-    username: str | None = None, password: str | None = None, connect_timeout: float = 5.0,
-) -> Iterator[tuple[str, bytes, float]]:
+def stream_messages(options: BrokerOptions, *, share: str | None = None) -> Iterator[tuple[str, bytes, float]]:
     """Yield (topic, payload, receive time) from the state and telemetry topics until closed;
     an empty topic is a tick (every 0.1 s without a message) so callers can stop on time.
 
@@ -207,8 +197,6 @@ def stream_messages(
     ``$share/<share>/...`` so several consumers split the load; state stays a normal
     subscription, since every consumer needs every device's retained state.
     """
-    options = _options(broker, topic_root=root, protocol=protocol, username=username, password=password,
-                       connect_timeout=connect_timeout)
     topics = Topics(options.topic_root)
     inbox: queue.Queue[tuple[str, bytes, float]] = queue.Queue(maxsize=100_000)
 
@@ -233,16 +221,13 @@ def stream_messages(
         transport.close(timeout=0.5)
 
 
-def collect(broker: str | BrokerOptions, *, wait_s: float = 2.0, quiet_s: float = 0.5, silence_s: float = 60.0,
-            root: str = DEFAULT_ROOT, on_tick: Callable[[FleetView], None] | None = None,
-            **kwargs: Any) -> FleetView:
+def collect(options: BrokerOptions, *, wait_s: float = 2.0, quiet_s: float = 0.5, silence_s: float = 60.0,
+            on_tick: Callable[[FleetView], None] | None = None, share: str | None = None) -> FleetView:
     """Read the fleet for up to ``wait_s`` seconds, ending early once retained states have
     arrived and the stream has been quiet for ``quiet_s``."""
-    if isinstance(broker, BrokerOptions):
-        root = broker.topic_root
-    view = FleetView(root=root, silence_s=silence_s)
+    view = FleetView(root=options.topic_root, silence_s=silence_s)
     started = last = time.time()
-    for topic, payload, received in stream_messages(broker, root=root, **kwargs):
+    for topic, payload, received in stream_messages(options, share=share):
         if topic:
             view.apply(topic, payload, received)
             last = received

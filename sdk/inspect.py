@@ -47,9 +47,9 @@ def read_unverified_for_display(path: Path, limits: Limits | None = None) -> Art
                     assert stream is not None
                     found[member.name] = stream.read()
     except FileNotFoundError:
-        raise ArtifactError(f"{path}: no such artifact") from None
+        raise ArtifactError(f"{path}: no such artifact") from None  # the message names the missing file
     except (tarfile.TarError, EOFError, OSError) as err:
-        raise TruncatedArchiveError(f"{path}: not a complete tar archive ({err})") from None
+        raise TruncatedArchiveError(f"{path}: not a complete tar archive ({err})") from err
     if MANIFEST_NAME not in found:
         raise ManifestError(f"{path}: no {MANIFEST_NAME}")
     try:
@@ -57,7 +57,7 @@ def read_unverified_for_display(path: Path, limits: Limits | None = None) -> Art
         signature = json.loads(found.get(SIGNATURE_NAME, b"{}"))
         report = json.loads(found[REPORT_NAME]) if REPORT_NAME in found else None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ManifestError(f"{path}: unreadable JSON ({err})") from None
+        raise ManifestError(f"{path}: unreadable JSON ({err})") from err
     key_ids = [s.get("key_id", "?") for s in signature.get("signatures", []) if isinstance(s, dict)]
     return ArtifactView(path, manifest, key_ids, report, None)
 
@@ -137,12 +137,12 @@ def load_model_for_display(path: Path, trust: TrustStore | None = None) -> Any:
         try:
             data = path.read_bytes()
         except OSError as err:
-            raise ModelError(str(path), f"cannot read: {err.strerror}") from None
+            raise ModelError(str(path), f"cannot read: {err.strerror}") from err
         source = str(path)
     try:
         return onnx.load_model_from_string(data)
     except Exception as err:  # protobuf's DecodeError and friends: not an ONNX model
-        raise ModelError(source, f"not an ONNX model ({type(err).__name__}: {str(err)[:200]})") from None
+        raise ModelError(source, f"not an ONNX model ({type(err).__name__}: {str(err)[:200]})") from err
 
 
 def _artifact_model_bytes(path: Path, trust: TrustStore | None) -> bytes:
@@ -165,7 +165,7 @@ def _artifact_model_bytes(path: Path, trust: TrustStore | None) -> bytes:
                     assert stream is not None
                     return stream.read()
     except (tarfile.TarError, EOFError, OSError) as err:
-        raise TruncatedArchiveError(f"{path}: not a complete tar archive ({err})") from None
+        raise TruncatedArchiveError(f"{path}: not a complete tar archive ({err})") from err
     raise ArtifactError(f"{path}: no {member} inside within the size limit")
 
 

@@ -53,9 +53,9 @@ def load_operator_key(path: Path) -> SigningKey:
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
-        raise KeyFileError(str(path), "no such key file") from None
+        raise KeyFileError(str(path), "no such key file") from None  # the message names the missing file
     except OSError as err:
-        raise KeyFileError(str(path), f"cannot read: {err.strerror}") from None
+        raise KeyFileError(str(path), f"cannot read: {err.strerror}") from err
     if mode & 0o077:
         raise KeyFileError(str(path), f"operator key is readable by others (mode {mode & 0o777:o}); chmod 600 it")
     password = os.environ.get("EDGEPACK_KEY_PASSWORD")

@@ -145,3 +145,57 @@ def test_hot_swap_under_concurrent_load_fails_no_request(scale_models):
     assert failures == []
     assert answers == {2.0, 3.0}
     assert sum(counts) > 100
+
+
+def _fixed_batch_model(path: Path) -> Path:
+    """y = Reshape(x * 2, [1, 4]) behind the scale model's contract (x, y float32 [batch, 4]):
+    batch 1 runs (its golden samples pass), batch 2 makes onnxruntime fail at run time."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
+    inits = [helper.make_tensor("k", TensorProto.FLOAT, [1], [2.0]),
+             helper.make_tensor("shape", TensorProto.INT64, [2], [1, 4])]
+    nodes = [helper.make_node("Mul", ["x", "k"], ["m"]), helper.make_node("Reshape", ["m", "shape"], ["y"])]
+    model = helper.make_model(helper.make_graph(nodes, "scale", [x], [y], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, path)
+    return path
+
+
+def test_a_failed_inference_is_an_inference_error_not_a_client_refusal(tmp_path, keypair, trust):
+    """A request the contract admits that onnxruntime fails on is the model's failure:
+    InferenceError (answered 500), counted against the model, never a BadRequest (a 4xx)."""
+    from device_agent.errors import InferenceError, RequestError
+    from tests.artifacts import resign_with_changes
+
+    built = build_artifact(tmp_path / "build", keypair[0])
+    model = _fixed_batch_model(tmp_path / "fixed.onnx").read_bytes()
+    artifact = resign_with_changes(built, tmp_path / "fixed.edgepkg", keypair[0], replace={"model/model.onnx": model})
+    verified = extract_artifact(artifact, tmp_path / "x", trust)
+    service = InferenceService(load_model(verified.root, verified.manifest))
+    assert service.predict({"x": np.ones((1, 4), np.float32)}).outputs["y"].tolist() == [[2.0] * 4]
+    with pytest.raises(InferenceError) as caught:
+        service.predict({"x": np.ones((2, 4), np.float32)})
+    assert isinstance(caught.value, RequestError) and not isinstance(caught.value, BadRequest)
+    assert caught.value.kind == "runtime" and str(caught.value).startswith("inference failed: ")
+    assert caught.value.__cause__ is not None  # onnxruntime's own error, for -v and the logs
+    assert service.stats.snapshot()["errors"] == {"runtime": 1}
+
+
+def test_the_http_layer_picks_the_status_from_the_class():
+    """A client's refusal carries its own 4xx (400 to 499, nothing else); the model's failure
+    is 500; busy and no model are 503."""
+    from device_agent.errors import Busy, InferenceError
+    from device_agent.http.answers import status_of
+
+    assert status_of(BadRequest("bad_input", "x")) == 400
+    assert status_of(BadRequest("too_large", "x", http_status=413)) == 413
+    assert status_of(BadRequest("edge", "x", http_status=499)) == 499
+    for outside in (399, 500, 503):
+        with pytest.raises(ValueError, match="4xx"):
+            BadRequest("bad_input", "x", http_status=outside)
+    assert status_of(InferenceError("runtime", "x")) == 500
+    assert status_of(Busy("retry later")) == 503 and status_of(NoModelError("no model")) == 503

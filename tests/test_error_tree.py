@@ -49,3 +49,43 @@ def test_the_two_sides_share_one_root_and_one_invalid_transition():
 
     assert JobTransition is RolloutTransition is core.InvalidTransition
     assert not issubclass(core.InvalidTransition, host.ApiError)
+
+
+def test_edgepack_v_shows_the_cause_chain_of_a_failing_command(tmp_path):
+    """``-v`` prints what caused the one-line error (here the PEM loader's own complaint about a
+    trust key that is not a key); without ``-v`` the error stays one line."""
+    from tests.conftest import run_cli
+
+    junk = tmp_path / "junk.pub"
+    junk.write_text("not a key\n")
+    artifact = tmp_path / "a.edgepkg"
+    artifact.write_bytes(b"\0" * 1024)
+    quiet = run_cli("edgepack", "verify", str(artifact), "--trust", str(junk))
+    loud = run_cli("edgepack", "-v", "verify", str(artifact), "--trust", str(junk))
+    assert quiet.returncode == loud.returncode == 1
+    assert quiet.stderr.splitlines() == [f"edgepack: error: {junk}: not a PEM public key"]
+    first, *causes = loud.stderr.splitlines()
+    assert first == quiet.stderr.splitlines()[0] and "Traceback" not in loud.stderr
+    assert len(causes) == 1 and causes[0].startswith("edgepack:   caused by ValueError: ")
+
+
+def test_every_raise_from_none_says_why_the_cause_is_dropped():
+    """``raise ... from err`` is the rule (``-v`` shows the chain); ``from None`` only where the
+    cause is noise (a missing file the message names, a disconnect), and the line says so."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    silent = []
+    for package in ("edgepack_core", "device_agent", "sdk"):
+        for path in sorted((root / package).rglob("*.py")):
+            lines = path.read_text().splitlines()
+            for handler in ast.walk(ast.parse("\n".join(lines))):
+                if not isinstance(handler, ast.ExceptHandler):
+                    continue
+                for node in ast.walk(handler):
+                    if isinstance(node, ast.Raise) and ast.unparse(node.cause or ast.Constant(0)) == "None":
+                        said = lines[handler.lineno - 1:node.end_lineno]  # from the except line to the raise
+                        if not any("  # " in line for line in said):
+                            silent.append(f"{path.relative_to(root)}:{node.end_lineno}")
+    assert silent == []

@@ -149,6 +149,7 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
     """Two fleet consumers in one MQTT 5 share group each get part of the telemetry, together all."""
     import threading
 
+    from sdk.broker import BrokerOptions
     from sdk.fleet import stream_messages
 
     got: list[list[str]] = [[], []]
@@ -156,7 +157,7 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
     subscribed = [threading.Event(), threading.Event()]  # a probe reached this consumer
 
     def consume(index: int) -> None:
-        for topic, payload, _ in stream_messages(mosquitto_broker.address, share="exporters"):
+        for topic, payload, _ in stream_messages(BrokerOptions(mosquitto_broker.address), share="exporters"):
             if topic.endswith("/probe/telemetry"):
                 subscribed[index].set()
             elif topic.endswith("/telemetry"):

@@ -65,7 +65,7 @@ def test_two_servers_split_telemetry_and_lose_none(pair, broker):
     alpha, beta = pair
     with SimFleet(broker.host, broker.port, 20, rate=5) as fleet:
         assert wait_for(lambda: alpha.get("/api/devices?online=true")["total"] == 20, 30)
-        time.sleep(6)
+        assert wait_for(lambda: fleet.telemetry_sent >= 500, 60)  # about 5 s of 20 devices at 5 a second
         sent = fleet.telemetry_sent
     assert wait_for(lambda: _stored(alpha) + _stored(beta) >= sent, 20)
     split = (_stored(alpha), _stored(beta))

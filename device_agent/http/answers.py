@@ -8,6 +8,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from device_agent.errors import BadRequest, InferenceError, NoModelError, RequestError
 from device_agent.http.negotiation import JSON_MEDIA_TYPE
 from edgepack_core import wire_json
 
@@ -19,6 +20,13 @@ def clean_message(message: str) -> str:
     """An error message for the wire: one line, bounded, no Python object reprs (pure)."""
     return _REPR.sub("<object>", " ".join(str(message).split()))[:MAX_MESSAGE_CHARS]
 
+
+def status_of(err: RequestError | NoModelError) -> int:
+    """The HTTP status of a request's failure, decided here from its class (pure): a client's
+    mistake its own 4xx, the model's failure 500, busy or no model 503 (retry later)."""
+    if isinstance(err, BadRequest):
+        return err.http_status
+    return 500 if isinstance(err, InferenceError) else 503
 
 
 def json_response(status: int, document: Any, headers: dict[str, str] | None = None) -> Response:

@@ -53,9 +53,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from device_agent.config import ApiSettings
-from device_agent.errors import AgentError, BadRequest, NoModelError
+from device_agent.errors import AgentError, BadRequest, Busy, NoModelError, RequestError
 from device_agent.http import admission, bodies, oip, openapi
-from device_agent.http.answers import error_response, json_response
+from device_agent.http.answers import error_response, json_response, status_of
 from device_agent.http.guards import Guard
 from device_agent.http.negotiation import (
     ANSWER_TYPES,
@@ -155,13 +155,13 @@ class AgentApp:
         log.error("request to %s failed", request.url.path, exc_info=exc)
         return error_response(500, "internal", f"{type(exc).__name__}: {exc}", v2=request.url.path.startswith("/v2"))
 
-    def _refuse(self, err: BadRequest | NoModelError, *, v2: bool = False, counted: bool = False,
+    def _refuse(self, err: RequestError | NoModelError, *, v2: bool = False, counted: bool = False,
                 metric_kind: str | None = None, peer: str = "") -> Response:
         """An inference request's error answer; counted in the request metrics (as
         ``metric_kind`` when given) unless the runtime already counted it. A contract error's
         ``peer`` is remembered: the health window counts distinct clients (updates/health.py)."""
-        status = getattr(err, "http_status", 503)
-        kind = err.kind if isinstance(err, BadRequest) else "no_model"
+        status = status_of(err)
+        kind = err.kind if isinstance(err, RequestError) else "no_model"
         if not counted:
             self.service.stats.error(metric_kind or kind, client=status < 500)
         if peer and (metric_kind or kind) in CONTRACT_ERROR_KINDS:
@@ -239,7 +239,7 @@ class AgentApp:
                     result = self.service.predict(request)
             else:
                 result = self.service.predict(request)
-        except BadRequest as err:  # the runtime counted its own
+        except RequestError as err:  # the runtime counted its own
             return self._refuse(err, counted=True, peer=exchange.peer)
         except NoModelError as err:
             return self._refuse(err)
@@ -275,7 +275,7 @@ class AgentApp:
             try:
                 return Tensors(bodies.json_to_feed(model.input_specs, inputs, self.limits))
             except BadRequest as err:
-                raise _JsonInputError(err) from None
+                raise _JsonInputError(err) from err
         if kind == "numpy":
             decoded = bodies.decode_numpy(body, model.input_specs, self.limits, image_input=model.image_input)
             return Array(decoded) if isinstance(decoded, np.ndarray) else Tensors(decoded)
@@ -311,14 +311,14 @@ class AgentApp:
         if size is not None and size > settings.max_body_bytes:
             return self._refuse(bodies.too_large("body", size, settings.max_body_bytes), v2=v2)
         if self._admitted >= settings.workers + settings.max_queue:
-            return self._refuse(BadRequest("busy", "the agent is busy (api.workers and api.max_queue are taken): "
-                                           "retry later", http_status=503), v2=v2)
+            return self._refuse(Busy("the agent is busy (api.workers and api.max_queue are taken): retry later"),
+                                v2=v2)
         self._admitted += 1
         held = [0]  # body bytes this request holds in the budget, counted as they arrive
         try:
             body = await self._read_body(request, held)
             return await asyncio.get_running_loop().run_in_executor(self.pool, work, exchange, body)
-        except BadRequest as err:
+        except RequestError as err:  # a body refused or too many held (Busy)
             return self._refuse(err, v2=v2)
         finally:
             self._admitted -= 1
@@ -346,7 +346,7 @@ class AgentApp:
             if hasattr(task, "uncancel"):  # Python 3.11+: this cancellation was ours, and is handled
                 task.uncancel()
             raise BadRequest("timeout", f"the body did not arrive within {timeout:g} s (api.read_timeout_s)",
-                             http_status=408) from None
+                             http_status=408) from None  # the cancellation has nothing more to say
         finally:
             timer.cancel()
 
@@ -364,8 +364,7 @@ class AgentApp:
             if size > limit:
                 raise bodies.too_large("body", size, limit)
             if not self.buffered.take(len(chunk)):
-                raise BadRequest("busy", "the agent holds api.max_buffered_bytes of request bodies: retry later",
-                                 http_status=503)
+                raise Busy("the agent holds api.max_buffered_bytes of request bodies: retry later")
             held[0] += len(chunk)
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -428,7 +427,7 @@ class AgentApp:
             return self._refuse(err, v2=True, peer=exchange.peer)
         try:
             result = service.predict(PredictRequest(Tensors(parsed.inputs), exchange.stream, postprocess=False))
-        except BadRequest as err:
+        except RequestError as err:
             return self._refuse(err, v2=True, counted=True, peer=exchange.peer)
         except NoModelError as err:
             return self._refuse(err, v2=True)

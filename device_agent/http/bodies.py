@@ -178,7 +178,7 @@ def parse_json(data: bytes, limits: BodyLimits) -> Any:
     try:
         return json.loads(data, parse_int=_INT_PARSER)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:  # JSONDecodeError is a ValueError
-        raise BadRequest("bad_json", f"body is not JSON: {str(err)[:200]}") from None
+        raise BadRequest("bad_json", f"body is not JSON: {str(err)[:200]}") from err
 
 
 def json_to_feed(specs: InputSpecs, inputs: Any, limits: BodyLimits | None = None) -> dict[str, np.ndarray]:
@@ -196,7 +196,7 @@ def json_to_feed(specs: InputSpecs, inputs: Any, limits: BodyLimits | None = Non
         try:
             feed[name] = np.asarray(value, dtype=spec[0])
         except (ValueError, TypeError, OverflowError) as err:
-            raise BadRequest("dtype", f"input {name}: cannot convert to {spec[0].name}: {err}") from None
+            raise BadRequest("dtype", f"input {name}: cannot convert to {spec[0].name}: {err}") from err
         check_batch(name, feed[name].nbytes, spec, limits)
     return feed
 
@@ -245,8 +245,8 @@ def read_npy_header(stream: Any) -> NpyHeader:
         dtype = np.dtype(fields["descr"] if isinstance(fields["descr"], str) else "V")
         shape = tuple(int(d) for d in fields["shape"])
         fortran = bool(fields["fortran_order"])
-    except (ValueError, TypeError, SyntaxError, KeyError, MemoryError, RecursionError):
-        raise BadRequest("bad_input", "unreadable .npy header") from None
+    except (ValueError, TypeError, SyntaxError, KeyError, MemoryError, RecursionError) as err:
+        raise BadRequest("bad_input", "unreadable .npy header") from err
     if dtype.hasobject or dtype.names is not None or dtype.kind == "V" or any(d < 0 for d in shape):
         raise BadRequest("bad_input", f".npy of dtype {dtype} cannot be taken (no pickles, no records)")
     return NpyHeader(dtype, shape, fortran, 8 + width + size)
@@ -378,7 +378,7 @@ def decode_npz(data: bytes, specs: InputSpecs, limits: BodyLimits) -> dict[str, 
                 feed[name] = _array(payload, header)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, OSError, EOFError, ValueError,
             NotImplementedError, struct.error) as err:  # zipfile's and zlib's zoo for damaged archives
-        raise BadRequest("bad_input", f"not a readable .npz body ({type(err).__name__}: {str(err)[:120]})") from None
+        raise BadRequest("bad_input", f"not a readable .npz body ({type(err).__name__}: {str(err)[:120]})") from err
     return feed
 
 
@@ -406,13 +406,13 @@ def open_image(data: bytes, max_pixels: int) -> Any:
     try:
         jpeg_scans.count_scans(data)
     except PreprocessError as err:
-        raise BadRequest("bad_image", str(err)) from None
+        raise BadRequest("bad_image", str(err)) from err
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-    except Image.DecompressionBombError:
-        raise BadRequest("image_too_large", "image refused as a decompression bomb", http_status=413) from None
-    except Exception:  # Pillow's plugins raise a zoo (OSError, SyntaxError, struct.error, ...)
-        raise BadRequest("bad_image", f"not a readable image (formats: {', '.join(IMAGE_FORMATS)})") from None
+    except Image.DecompressionBombError as cause:
+        raise BadRequest("image_too_large", "image refused as a decompression bomb", http_status=413) from cause
+    except Exception as cause:  # Pillow's plugins raise a zoo (OSError, SyntaxError, struct.error, ...)
+        raise BadRequest("bad_image", f"not a readable image (formats: {', '.join(IMAGE_FORMATS)})") from cause
     width, height = image.size
     if width * height > max_pixels:
         image.close()

@@ -118,8 +118,8 @@ def _bytes_elements(data: memoryview, count: int, name: str) -> np.ndarray:
             raise _bad(f"input {name}: a BYTES element of {size} bytes runs past the data")
         try:
             elements.append(bytes(data[offset:offset + size]).decode("utf-8"))
-        except UnicodeDecodeError:
-            raise _bad(f"input {name}: a BYTES element is not UTF-8 text") from None
+        except UnicodeDecodeError as err:
+            raise _bad(f"input {name}: a BYTES element is not UTF-8 text") from err
         offset += size
     if offset != len(data):
         raise _bad(f"input {name}: {len(data) - offset} bytes after its {count} BYTES elements")
@@ -145,7 +145,7 @@ def _json_tensor(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str) 
     try:
         array = np.asarray(data, dtype=object if dtype.kind == "O" else dtype)
     except (ValueError, TypeError, OverflowError) as err:
-        raise _bad(f"input {name}: cannot convert data to {datatype_of(dtype)}: {str(err)[:200]}") from None
+        raise _bad(f"input {name}: cannot convert data to {datatype_of(dtype)}: {str(err)[:200]}") from err
     count = int(np.prod(shape, dtype=object))
     if array.size != count:
         raise _bad(f"input {name}: {array.size} values for shape {list(shape)} ({count} values)")

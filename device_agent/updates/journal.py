@@ -81,7 +81,7 @@ class Journal:
         try:
             atomic_write(self._path(job.id), json.dumps(job.to_json()).encode())
         except OSError as err:
-            raise JournalError(f"cannot write the job journal: {err.strerror or err}") from None
+            raise JournalError(f"cannot write the job journal: {err.strerror or err}") from err
 
     def attempts(self, job_id: str) -> int:
         """How many times the job was started: its first queueing plus every restart that sent

@@ -159,4 +159,4 @@ class ReplayGuard:
         try:
             atomic_write(self.path, json.dumps({"format": _FORMAT, "ids": ids}, separators=(",", ":")).encode())
         except OSError as err:
-            raise ReplayError(f"cannot record the command id: {err.strerror}") from None
+            raise ReplayError(f"cannot record the command id: {err.strerror}") from err

@@ -418,9 +418,9 @@ class UpdateService:
                             sha256=command["sha256"], target=target)
         try:
             return receiver.run(timeout=self.bounds.deadline_s, cancelled=running.stop.is_set)
-        except TransferError:
+        except TransferError as err:
             if running.stop.is_set():
-                raise DownloadCancelled("transfer cancelled") from None
+                raise DownloadCancelled("transfer cancelled") from err
             raise
 
     def _deploy(self, job: Job, running: _Running) -> None:

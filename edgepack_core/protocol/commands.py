@@ -118,7 +118,7 @@ def build_command(
     try:
         check_command(command, issued)
     except SchemaError as err:
-        raise CommandBuildError(err.path, err.problem) from None
+        raise CommandBuildError(err.path, err.problem) from err
     return command
 
 
@@ -175,8 +175,8 @@ def _decode(payload: bytes) -> Any:
     """JSON without NaN/Infinity, with nesting errors turned into ValueError."""
     try:
         return json.loads(payload, parse_constant=_refuse_constant)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
+    except RecursionError as err:
+        raise ValueError("nested too deeply") from err
 
 
 def _short(reason: str) -> str:

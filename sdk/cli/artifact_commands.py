@@ -183,9 +183,9 @@ def _inspect_model(path: Path, trust: TrustStore | None, as_json: bool, nodes: b
 def _open_in_netron_file(model: Path) -> None:
     try:
         import netron  # type: ignore[import-not-found]
-    except ImportError:
+    except ImportError as err:
         raise EdgepackError("Netron is not installed: pip install netron (then run inspect --netron again)") \
-            from None
+            from err
     netron.start(str(model))
     netron.wait()
 
@@ -193,9 +193,9 @@ def _open_in_netron_file(model: Path) -> None:
 def _open_in_netron(artifact: Path, member: str) -> None:
     try:
         import netron  # type: ignore[import-not-found]
-    except ImportError:
+    except ImportError as err:
         raise EdgepackError("Netron is not installed: pip install netron (then run inspect --netron again)") \
-            from None
+            from err
     import tarfile
     import tempfile
 

@@ -30,8 +30,8 @@ def _percent(value: str | None) -> float | None:
     text = value.rstrip("%")
     try:
         number = float(text)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a percentage like 10%") from None
+    except ValueError as err:
+        raise click.BadParameter(f"{value!r} is not a percentage like 10%") from err
     if not 0 < number <= 100:
         raise click.BadParameter("must be between 0 and 100%")
     return number

@@ -32,7 +32,7 @@ def _duration(text: str) -> float:
     try:
         return parse_duration(text)
     except ServerConfigError as err:
-        raise click.BadParameter(str(err)) from None
+        raise click.BadParameter(str(err)) from err
 
 
 def _rate(text: str, flag: str) -> Any:
@@ -41,7 +41,7 @@ def _rate(text: str, flag: str) -> Any:
     try:
         return parse_rate(text, flag)
     except ValueError as err:
-        raise click.BadParameter(str(err)) from None
+        raise click.BadParameter(str(err)) from err
 
 
 @fleet.command()
@@ -120,7 +120,7 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
         from sdk.fleet_server.server import serve as run_server
     except ImportError as err:
         raise ServerConfigError(f"edgepack fleet serve needs the server extra (pip install 'edgepack[server]'): "
-                                f"{err}") from None
+                                f"{err}") from err
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("edgepack.mqtt").setLevel(logging.WARNING)
     retention = RetentionPolicy(raw_s=_duration(retention_raw), rollup_s=_duration(retention_rollups),

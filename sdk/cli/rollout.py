@@ -41,8 +41,8 @@ def _server_options(func: Any) -> Any:
 def _waves(text: str) -> list[float]:
     try:
         waves = [float(part.strip().rstrip("%")) for part in text.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a list of percentages like 5,25,100") from None
+    except ValueError as err:
+        raise click.BadParameter(f"{text!r} is not a list of percentages like 5,25,100") from err
     return waves
 
 

@@ -99,10 +99,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def group_members(broker: BrokerOptions | str, group: str, root: str | None = None, wait_s: float = 2.0) -> list[str]:
+def group_members(broker: BrokerOptions, group: str, wait_s: float = 2.0) -> list[str]:
     """Online devices whose retained birth message lists ``group``."""
-    options = broker if isinstance(broker, BrokerOptions) else BrokerOptions(broker, topic_root=root or "edgepack/v1")
-    view = collect(options, wait_s=wait_s, quiet_s=0.5)
+    view = collect(broker, wait_s=wait_s, quiet_s=0.5)
     return sorted(r.device for r in view.rows(time.time()) if group in r.groups and r.status == "online")
 
 

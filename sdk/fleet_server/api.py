@@ -197,14 +197,14 @@ async def read_json(request: Request, limit: int = MAX_JSON_BYTES, *, optional: 
             body += chunk
             if len(body) > limit:
                 raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes")
-    except ClientDisconnect:
+    except ClientDisconnect:  # from None: a disconnect has nothing more to say
         raise ApiError(400, "invalid", "the client went away before the body was complete") from None
     if not body and optional:
         return {}
     try:
         document = json.loads(bytes(body), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise ApiError(400, "invalid", f"the body is not JSON: {str(err)[:200]}") from None
+        raise ApiError(400, "invalid", f"the body is not JSON: {str(err)[:200]}") from err
     if not isinstance(document, dict):
         raise ApiError(400, "invalid", "the body must be a JSON object")
     return document
@@ -214,7 +214,7 @@ def _validate(validator: Validator, document: dict[str, Any]) -> None:
     try:
         validator.validate(document)
     except SchemaError as err:
-        raise ApiError(400, "invalid", str(err)) from None
+        raise ApiError(400, "invalid", str(err)) from err
 
 
 class Params:
@@ -378,7 +378,7 @@ class Routes:
         try:
             sha = check_sha256(request.path_params["sha256"])
         except ApiError:
-            raise ApiError(404, "not_found", "no such artifact") from None
+            raise ApiError(404, "not_found", "no such artifact") from None  # our own refusal, reworded
         row = await run_in_threadpool(queries.get_artifact, self.database, sha)
         return JSONResponse(queries.artifact_doc(row, self.context.artifact_url(sha)))
 
@@ -437,7 +437,7 @@ class Routes:
         try:
             async for chunk in request.stream():
                 pending.write(chunk)
-        except ClientDisconnect:
+        except ClientDisconnect:  # from None: a disconnect has nothing more to say
             pending.discard()
             raise ApiError(400, "invalid", "the client went away before the upload was complete") from None
         except BaseException:

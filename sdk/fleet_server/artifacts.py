@@ -130,7 +130,7 @@ class Upload:
             try:
                 verified = verify_artifact(self.path, self.store.trust, self.store.limits)
             except ArtifactError as err:
-                raise ApiError(422, "refused", f"artifact refused: {err.message}") from None
+                raise ApiError(422, "refused", f"artifact refused: {err.message}") from err
             sha = self._digest.hexdigest()
             final = self.store.path_of(sha)
             os.replace(self.path, final)  # verified bytes: they also replace a copy damaged on disk
@@ -209,7 +209,7 @@ class ArtifactStore:
             try:
                 identity = _identity(path)
             except FileNotFoundError:  # quarantined meanwhile by another request
-                raise self.gone(sha256) from None
+                raise self.gone(sha256) from None  # the message names the missing file
             checked = self._checked.get(sha256)
             if checked is not None and checked[0] == identity and time.time() - checked[1] < self.recheck_s:
                 return

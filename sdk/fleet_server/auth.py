@@ -72,15 +72,15 @@ def read_token_file(path: Path, *, check_mode: bool = True) -> list[Token]:
         with open(path, "rb") as handle:
             data = handle.read(MAX_TOKEN_FILE_BYTES + 1)
     except OSError as err:
-        raise ServerConfigError(f"cannot read the token file {path}: {err.strerror or err}") from None
+        raise ServerConfigError(f"cannot read the token file {path}: {err.strerror or err}") from err
     if check_mode and mode & 0o077:
         raise ServerConfigError(f"the token file {path} is readable by others (mode {mode & 0o777:o}); chmod 600 it")
     if len(data) > MAX_TOKEN_FILE_BYTES:
         raise ServerConfigError(f"the token file {path} is over {MAX_TOKEN_FILE_BYTES} bytes")
     try:
         text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ServerConfigError(f"the token file {path} is not UTF-8 text") from None
+    except UnicodeDecodeError as cause:
+        raise ServerConfigError(f"the token file {path} is not UTF-8 text") from cause
     return parse_tokens(text, str(path))
 
 
@@ -92,7 +92,7 @@ def client_token(path: Path) -> str:
         text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ServerConfigError(f"cannot read the token file {path}: {getattr(err, 'strerror', None) or err}") \
-            from None
+            from err
     for raw in text.splitlines():
         line = raw.strip()
         if line and not line.startswith("#"):

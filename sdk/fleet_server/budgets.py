@@ -39,9 +39,9 @@ def parse_rate(text: str, what: str = "rate") -> Rate:
         if not sep:
             raise ValueError
         rate = Rate(float(per_s), float(burst))
-    except ValueError:
+    except ValueError as err:
         raise ValueError(f"{what} {text!r} must be PER_SECOND/BURST with per second above 0 and a burst of at "
-                         "least 1 (e.g. 10/200)") from None
+                         "least 1 (e.g. 10/200)") from err
     if not (rate.per_s <= 1e6 and rate.burst <= 1e9):
         raise ValueError(f"{what} {text!r}: at most 1000000 a second and a burst of 1000000000")
     return rate

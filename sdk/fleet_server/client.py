@@ -51,10 +51,10 @@ class FleetClient:
             with urllib.request.urlopen(request, timeout=timeout) as answer:
                 return self._decode(answer.read(MAX_ANSWER_BYTES + 1), answer.status)
         except urllib.error.HTTPError as err:
-            raise self._error(err) from None
+            raise self._error(err) from err
         except (TimeoutError, urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", None) or err
-            raise FleetServerError(f"cannot reach the fleet server at {self.server}: {reason}") from None
+            raise FleetServerError(f"cannot reach the fleet server at {self.server}: {reason}") from err
 
     @staticmethod
     def _decode(raw: bytes, status: int) -> Any:
@@ -62,8 +62,8 @@ class FleetClient:
             raise FleetServerError(f"the server's answer is over {MAX_ANSWER_BYTES} bytes")
         try:
             return json.loads(raw) if raw else None
-        except (UnicodeDecodeError, ValueError):
-            raise FleetServerError(f"the server answered {status} with something that is not JSON") from None
+        except (UnicodeDecodeError, ValueError) as err:
+            raise FleetServerError(f"the server answered {status} with something that is not JSON") from err
 
     @staticmethod
     def _error(err: urllib.error.HTTPError) -> ApiError:

@@ -277,9 +277,9 @@ def normalise_url(url: str) -> str:
     only. :class:`ServerConfigError` for anything else."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except ArgumentError as err:
         raise ServerConfigError(f"--db {url!r} is not a database URL (sqlite:///fleet.db, "
-                                "postgresql://user@host/db)") from None
+                                "postgresql://user@host/db)") from err
     backend = parsed.get_backend_name()
     if backend == "postgresql":
         if parsed.drivername in ("postgresql", "postgresql+psycopg"):
@@ -466,7 +466,7 @@ def open_database(url: str, *, migrate_schema: bool = True, stored_artifacts: in
         database.dispose()
         reason = str(getattr(err, "orig", None) or err).strip().splitlines()[0][:300]
         raise FleetServerError(f"cannot use the database {make_url(database.url).render_as_string()}: "
-                               f"{reason}") from None
+                               f"{reason}") from err
     return database
 
 

@@ -271,7 +271,7 @@ def telemetry(database: Database, device: str, *, since: float, until: float, st
     try:
         check_step(since, until, step)
     except ValueError as err:  # how since, until and step relate: beyond what a schema can say
-        raise ApiError(422, "invalid", str(err)) from None
+        raise ApiError(422, "invalid", str(err)) from err
     raw_cutoff = now - policy.raw_s
     step = effective_step(step, since, raw_cutoff, policy.step_s)
     raw, rollup = tables.telemetry_raw, tables.telemetry_rollup
@@ -395,7 +395,7 @@ def create_rollout(database: Database, request: RolloutRequest, *, actor: str, r
         try:
             waves = plan_wave_shares(_targets(connection, request, now, silence_s), request.waves)
         except RolloutError as err:  # the shares' order: beyond what a schema can say
-            raise ApiError(422, "invalid", str(err)) from None
+            raise ApiError(422, "invalid", str(err)) from err
         gates = request.gates
         connection.execute(tables.rollouts.insert().values(
             id=rollout_id, artifact_sha256=request.artifact, name=artifact["name"], version=artifact["version"],

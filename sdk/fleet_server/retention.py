@@ -84,8 +84,8 @@ def parse_duration(text: str) -> float:
     number = value[:-1] if unit is not None else value
     try:
         seconds = float(number) * (unit or 1)
-    except ValueError:
-        raise ServerConfigError(f"{text!r} is not a duration (90, 90s, 15m, 1h, 30d)") from None
+    except ValueError as err:
+        raise ServerConfigError(f"{text!r} is not a duration (90, 90s, 15m, 1h, 30d)") from err
     if not (math.isfinite(seconds) and seconds > 0):
         raise ServerConfigError(f"{text!r} is not a positive duration")
     return seconds

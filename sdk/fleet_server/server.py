@@ -301,7 +301,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host or "0.0.0.0", port))
     except OSError as err:
         sock.close()
-        raise ServerConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+        raise ServerConfigError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
     sock.listen(ACCEPT_BACKLOG)
     sock.set_inheritable(True)
     return sock

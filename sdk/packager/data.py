@@ -125,8 +125,8 @@ def as_input_dtype(array: Any, spec: TensorSpec, where: str) -> np.ndarray:
             try:
                 return np.vectorize(lambda v: v.decode() if isinstance(v, bytes) else str(v), otypes=[str])(array) \
                     if array.size else array.astype(str)
-            except UnicodeDecodeError:
-                raise RecipeError(where, f"input {spec.name}: strings must be UTF-8") from None
+            except UnicodeDecodeError as err:
+                raise RecipeError(where, f"input {spec.name}: strings must be UTF-8") from err
         raise RecipeError(where, f"input {spec.name} takes strings, the data is {array.dtype.name}")
     target = _numpy_dtype(spec.dtype)
     if array.dtype == target:
@@ -157,7 +157,7 @@ def constant_feeds(inputs: Sequence[TensorSpec], declared: Declared) -> Feed:
         try:
             raw = np.asarray(decl.value)
         except ValueError as err:
-            raise RecipeError(key, f"not a regular nested list ({err})") from None
+            raise RecipeError(key, f"not a regular nested list ({err})") from err
         value = as_input_dtype(raw, spec, key)
         if not shape_fits(value.shape, spec.shape):
             raise RecipeError(key, f"has shape {list(value.shape)}, input {name} has shape {list(spec.shape)}")
@@ -294,8 +294,8 @@ def _read_labels_csv(path: Path, key: str) -> dict[str, int]:
         for row in csv.DictReader(handle):
             try:
                 labels[row["file"]] = int(row["label"])
-            except (KeyError, ValueError):
-                raise RecipeError(key, f"{path}: needs columns file,label with integer labels") from None
+            except (KeyError, ValueError) as err:
+                raise RecipeError(key, f"{path}: needs columns file,label with integer labels") from err
     return labels
 
 
@@ -321,7 +321,7 @@ def _load_images(source: DataSource, preprocess: PreprocessSpec, inputs: Sequenc
         try:
             feeds.append({name: pre.from_path(_inside(file, root, f"{key}.images"))})
         except PreprocessError as err:
-            raise RecipeError(f"{key}.images", f"{file.name}: {err}") from None
+            raise RecipeError(f"{key}.images", f"{file.name}: {err}") from err
         if labels_map is not None:
             if file.name not in labels_map:
                 raise RecipeError(f"{key}.labels", f"no label for {file.name}")
@@ -352,7 +352,7 @@ def _load_audio(source: DataSource, preprocess: PreprocessSpec, inputs: Sequence
         try:
             frames = pre.from_path(_inside(file, root, where))
         except PreprocessError as err:
-            raise RecipeError(where, f"{file.name}: {err}") from None
+            raise RecipeError(where, f"{file.name}: {err}") from err
         first = len(feeds)
         for index, frame in enumerate(frames):
             if limit and len(feeds) >= limit:
@@ -401,7 +401,7 @@ def _read_npz(path: Path, key: str) -> dict[str, np.ndarray]:
                 raise ValueError("a single .npy array, not an .npz archive")
             return {name: archive[name] for name in archive.files}
     except (OSError, ValueError, EOFError) as err:
-        raise RecipeError(key, f"{path}: not a readable .npz without pickles ({err})") from None
+        raise RecipeError(key, f"{path}: not a readable .npz without pickles ({err})") from err
 
 
 def _split_npz(arrays: Mapping[str, np.ndarray], wanted: Sequence[TensorSpec], declared: Declared,
@@ -480,7 +480,7 @@ def read_tensor_pb(path: Path) -> tuple[str, np.ndarray]:
     try:
         tensor.ParseFromString(path.read_bytes())
     except Exception as err:  # protobuf's DecodeError
-        raise ValueError(f"not a serialized TensorProto ({type(err).__name__}: {err})") from None
+        raise ValueError(f"not a serialized TensorProto ({type(err).__name__}: {err})") from err
     if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.external_data:
         # Its values would be read from a path the file names: a test data set must not make
         # the build read (and sign into golden samples) a file outside the recipe's folder.
@@ -488,7 +488,7 @@ def read_tensor_pb(path: Path) -> tuple[str, np.ndarray]:
     try:
         array = numpy_helper.to_array(tensor)
     except Exception as err:  # protobuf's DecodeError and onnx's ValueError/TypeError
-        raise ValueError(f"not a serialized TensorProto ({type(err).__name__}: {err})") from None
+        raise ValueError(f"not a serialized TensorProto ({type(err).__name__}: {err})") from err
     if tensor.data_type == onnx.TensorProto.STRING:
         array = np.vectorize(lambda v: v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v),
                              otypes=[str])(array) if array.size else array.astype(str)
@@ -504,7 +504,7 @@ def _match_tensors(files: list[Path], specs: Sequence[TensorSpec], where: str, r
         try:
             name, array = read_tensor_pb(_inside(file, root, where))
         except (OSError, ValueError) as err:
-            raise RecipeError(where, f"{file}: {err}") from None
+            raise RecipeError(where, f"{file}: {err}") from err
         if name not in by_name:
             if position >= len(specs):
                 raise RecipeError(where, f"{file}: the model has only {len(specs)} of these")

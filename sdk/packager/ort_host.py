@@ -86,7 +86,7 @@ class OrtWorker:
                                     stderr=None if self.verbose else subprocess.DEVNULL, env=env)
         except OSError as err:
             raise BuildError(_PASS.get(), f"cannot start the onnxruntime worker ({sys.executable}): "
-                                          f"{err.strerror or err}") from None
+                                          f"{err.strerror or err}") from err
         for stream in (proc.stdin, proc.stdout):
             _widen_pipe(stream)
         self._proc, self._owner, self._greeted = proc, os.getpid(), False
@@ -161,8 +161,8 @@ class OrtWorker:
                 try:
                     assert proc.stdin is not None
                     write_message(proc.stdin, message)
-                except ConnectionError:  # BrokenPipeError: the worker is gone
-                    raise OrtCrashError(pass_name, model, doing, self._reap(proc)) from None
+                except ConnectionError as err:  # BrokenPipeError: the worker is gone
+                    raise OrtCrashError(pass_name, model, doing, self._reap(proc)) from err
                 answer: tuple[Any, ...] = self._receive(proc, pass_name, model, doing)
                 while answer[0] == "progress":
                     doing = progress.format(answer[1]) if progress else doing
@@ -229,7 +229,7 @@ def model_key(model: bytes | str | os.PathLike[str], threads: int = 0) -> str:
         try:
             stat = path.stat()
         except OSError as err:
-            raise BuildError(_PASS.get(), f"cannot read model {path}: {err.strerror}") from None
+            raise BuildError(_PASS.get(), f"cannot read model {path}: {err.strerror}") from err
         digest = f"path:{path}:{stat.st_size}:{stat.st_mtime_ns}"
     return f"{digest}:t{threads}"
 

@@ -27,13 +27,13 @@ class CheckPass(Pass):
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as err:
             finding = checker_text(err)
             if ctx.recipe.model.strict_check:
-                raise ModelError(label, f"onnx.checker refused it (model.strict_check is on): {finding}") from None
+                raise ModelError(label, f"onnx.checker refused it (model.strict_check is on): {finding}") from err
             try:
                 ort_host.describe(ctx.model_bytes(), label=label)
             except BuildError as ort_err:
                 raise ModelError(
                     label, f"onnx.checker refused it ({finding}) and onnxruntime cannot load it ({ort_err.problem})"
-                ) from None
+                ) from ort_err
             ctx.warn(
                 f"onnx.checker: {finding} (onnxruntime loads {label}; model.strict_check: true makes this an error)"
             )

@@ -39,6 +39,6 @@ class ConvertOpsetPass(Pass):
         except Exception as err:  # the converter raises RuntimeError, ValidationError, IndexError...
             raise ModelError(
                 label, f"onnx.version_converter cannot convert opset {source} to {target}: {checker_text(err)}"
-            ) from None
+            ) from err
         ctx.model = converted
         ctx.report[self.name] = {"from": source, "to": target}

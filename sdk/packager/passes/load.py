@@ -45,7 +45,7 @@ class LoadPass(Pass):
             try:
                 ctx.model = onnx.load(path)
             except Exception as err:  # onnx raises DecodeError, OSError, ValueError...
-                raise ModelError(path, f"cannot be loaded as ONNX ({type(err).__name__}: {err})") from None
+                raise ModelError(path, f"cannot be loaded as ONNX ({type(err).__name__}: {err})") from err
         ctx.original = onnx.ModelProto()
         ctx.original.CopyFrom(ctx.model)
         dropped = drop_initializer_inputs(ctx.model)

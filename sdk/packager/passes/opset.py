@@ -46,7 +46,7 @@ class OpsetPass(Pass):
         try:
             version, reason = graph_requirement(model)
         except RuntimeTooOld as err:
-            raise ModelError(label, str(err)) from None
+            raise ModelError(label, str(err)) from err
         default = opsets.get(DEFAULT_DOMAIN)
         if default is not None and default < GUARANTEED_MIN_OPSET:
             ctx.warn(

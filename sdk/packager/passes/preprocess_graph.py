@@ -208,7 +208,7 @@ class PreprocessGraphPass(Pass):
         try:
             onnx.checker.check_model(model)
         except onnx.checker.ValidationError as err:  # a bug here, not in the user's model
-            raise ModelError(name, f"the lowered preprocessing does not check: {str(err).splitlines()[0]}") from None
+            raise ModelError(name, f"the lowered preprocessing does not check: {str(err).splitlines()[0]}") from err
         ctx.inputs = [lowered if spec.name == name else spec for spec in float_inputs]
         ctx.preprocess = graph_spec
         ctx.lowering = replace(ctx.lowering, done=True)

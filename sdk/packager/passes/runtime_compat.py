@@ -127,7 +127,7 @@ class RuntimeCompatPass(Pass):
                 model, ort_format=ort_bytes is not None, ort_format_version=ort_format_version(ort_bytes or b"")
             )
         except RuntimeTooOld as err:
-            raise ModelError(label, str(err)) from None
+            raise ModelError(label, str(err)) from err
         declared = ctx.recipe.target_onnxruntime
         runtimes = {
             t: declared.get(t) or profile_onnxruntime(t, format_version(parse_version(ort.__version__)))

@@ -62,7 +62,7 @@ class ShapeInferencePass(Pass):
             if ctx.recipe.model.strict_check:
                 raise ModelError(
                     label, f"shape inference failed (model.strict_check is on): {checker_text(err)}"
-                ) from None
+                ) from err
             ctx.warn(f"ONNX shape inference: {checker_text(err)}; keeping {label}'s declared shapes")
             try:
                 ctx.model = onnx.shape_inference.infer_shapes(model)
