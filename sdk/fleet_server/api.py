@@ -108,6 +108,7 @@ _HTTP_CODES = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_
 _DOMAIN_ANSWERS: dict[type[Exception], tuple[int, str]] = {InvalidTransition: (409, "conflict")}
 """The domain errors the pure modules raise, as HTTP answers (status, code): this layer alone
 decides the status."""
+_REFUSALS: tuple[type[Exception], ...] = (ApiError, *_DOMAIN_ANSWERS)
 
 
 def as_api_error(exc: Exception) -> ApiError:
@@ -305,7 +306,7 @@ class Routes:
                 return await handler(request, actor)
             try:
                 return await handler(request, actor)
-            except (ApiError, *_DOMAIN_ANSWERS) as err:
+            except _REFUSALS as err:
                 refusal = as_api_error(err)
                 params = request.path_params
                 target = str(params.get("rollout_id") or params.get("sha256") or params.get("device_id") or "")
