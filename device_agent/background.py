@@ -123,11 +123,7 @@ def _child(write_end: int, call: Callable[..., Any], args: tuple[Any, ...]) -> N
             answer: tuple[bool, Any] = (True, call(*args))
         except BaseException as err:  # handed to the parent, which raises it
             answer = (False, _portable(err))
-        try:
-            data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as err:  # something that does not pickle: keep its line
-            line = f"{type(answer[1][0]).__name__}: {answer[1][1]}" if not answer[0] else f"unpicklable answer: {err}"
-            data = pickle.dumps((False, _portable(BackgroundError(line))))
+        data = _pickled(answer)
         view = memoryview(data)
         while view:
             view = view[os.write(write_end, view):]
@@ -137,22 +133,43 @@ def _child(write_end: int, call: Callable[..., Any], args: tuple[Any, ...]) -> N
         os._exit(code)
 
 
-def _portable(err: BaseException) -> tuple[type[BaseException], tuple[Any, ...], dict[str, Any]]:
-    """An error as its class, arguments and attributes: pickling the error itself calls its
-    ``__init__`` again with ``args`` only, which fails for errors with required keyword
-    arguments."""
-    return type(err), err.args, dict(vars(err))
+_MAX_CAUSES = 8
+"""Causes carried back with an error (``raise ... from err``), for ``-v``; deeper ones are dropped."""
+
+
+def _pickled(answer: tuple[bool, Any]) -> bytes:
+    """The answer's bytes. An error whose cause does not pickle goes without its cause; one
+    that does not pickle itself (or a value) becomes a BackgroundError keeping its line."""
+    tries = [answer] if answer[0] else [answer, (False, answer[1][:3])]
+    problem: Exception | None = None
+    for attempt in tries:
+        try:
+            return pickle.dumps(attempt, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # something that does not pickle: try the next, then keep its line
+            problem = err
+    line = f"{answer[1][0].__name__}: {answer[1][1]}" if not answer[0] else f"unpicklable answer: {problem}"
+    return pickle.dumps((False, _portable(BackgroundError(line))))
+
+
+def _portable(err: BaseException, depth: int = 0) -> tuple[Any, ...]:
+    """An error as its class, arguments, attributes and (taken apart the same way) its cause:
+    pickling the error itself calls its ``__init__`` again with ``args`` only, which fails for
+    errors with required keyword arguments, and drops ``__cause__``."""
+    cause = err.__cause__ if depth < _MAX_CAUSES else None
+    return type(err), err.args, dict(vars(err)), None if cause is None else _portable(cause, depth + 1)
 
 
 def _rebuilt(portable: Any) -> BaseException:
     """The error :func:`_portable` took apart, without calling its ``__init__``."""
-    cls, args, state = portable
+    cls, args, state, *cause = portable
     if not (isinstance(cls, type) and issubclass(cls, BaseException) and isinstance(args, tuple)
             and isinstance(state, dict)):
         return BackgroundError("the verifying process's answer is garbled")
     err = cls.__new__(cls, *args)
     err.args = args
     err.__dict__.update(state)
+    if cause and isinstance(cause[0], tuple) and len(cause[0]) == 4:
+        err.__cause__ = _rebuilt(cause[0])
     return err
 
 
@@ -184,6 +201,6 @@ def _decode(data: bytes, status: int) -> tuple[bool, Any]:
         return False, BackgroundError("the verifying process's answer is garbled")
     if answer[0]:
         return answer
-    if not (isinstance(answer[1], tuple) and len(answer[1]) == 3):
+    if not (isinstance(answer[1], tuple) and len(answer[1]) in (3, 4)):
         return False, BackgroundError("the verifying process's answer is garbled")
     return False, _rebuilt(answer[1])

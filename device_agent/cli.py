@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgepack_core import __version__
-from edgepack_core.errors import EdgepackError, UsageError
+from edgepack_core.errors import EdgepackError, UsageError, cause_chain
 from edgepack_core.targets import PROFILES
 
 if TYPE_CHECKING:
@@ -289,6 +289,8 @@ def _run_command(args: argparse.Namespace) -> int:
         return int(args.func(args))
     except EdgepackError as err:
         print(f"edgepack-agent: error: {err}", file=sys.stderr)
+        for line in cause_chain(err) if args.verbose else ():
+            print(f"edgepack-agent:   {line}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("edgepack-agent: interrupted", file=sys.stderr)

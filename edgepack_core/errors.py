@@ -22,6 +22,19 @@ class EdgepackError(Exception):
         return self.message
 
 
+def cause_chain(err: BaseException) -> list[str]:
+    """``caused by Type: message`` for each cause behind ``err``, nearest first: what the CLIs
+    print under ``-v`` (the explicit ``__cause__`` of ``raise ... from``, else the implicit
+    context unless suppressed; a cycle ends the chain)."""
+    lines, seen = [], {id(err)}
+    cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        lines.append(f"caused by {type(cause).__name__}: {cause}")
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    return lines
+
+
 class UsageError(EdgepackError):
     """Bad input from the user: a config or recipe that does not validate, a wrong flag value."""
 

@@ -170,3 +170,21 @@ def test_on_thread_hands_back_the_value_or_the_error():
     assert OnThread(lambda a, b: a + b, 2, 3).result() == 5
     with pytest.raises(ArtifactError, match="bad"):
         OnThread(lambda: (_ for _ in ()).throw(ArtifactError("bad"))).result()
+
+
+def test_an_error_comes_back_with_its_cause_and_one_whose_cause_does_not_pickle_without_it():
+    """The forked call's error keeps its ``raise ... from`` cause (what ``edgepack-agent -v``
+    prints); a cause that cannot cross the pipe is left behind, never the error itself."""
+    try:
+        try:
+            raise ValueError("Unable to load PEM file")
+        except ValueError as err:
+            raise NeedsKeyword("key.pub: not a PEM public key", member="key.pub") from err
+    except NeedsKeyword as caught:
+        sent = caught
+    ok, error = background._decode(background._pickled((False, background._portable(sent))), 0)
+    assert ok is False and type(error) is NeedsKeyword and error.member == "key.pub"
+    assert type(error.__cause__) is ValueError and str(error.__cause__) == "Unable to load PEM file"
+    sent.__cause__ = ValueError(lambda: None)  # a cause that does not pickle
+    ok, error = background._decode(background._pickled((False, background._portable(sent))), 0)
+    assert type(error) is NeedsKeyword and error.__cause__ is None and str(error) == "key.pub: not a PEM public key"

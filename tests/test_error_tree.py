@@ -89,3 +89,23 @@ def test_every_raise_from_none_says_why_the_cause_is_dropped():
                         if not any("  # " in line for line in said):
                             silent.append(f"{path.relative_to(root)}:{node.end_lineno}")
     assert silent == []
+
+
+def test_edgepack_agent_v_shows_the_cause_chain_even_from_the_forked_verification(tmp_path):
+    """``edgepack-agent predict`` verifies in a forked child; its error comes back with its
+    cause, so ``-v`` prints it as ``edgepack -v`` does."""
+    from tests.conftest import run_cli
+
+    junk = tmp_path / "junk.pub"
+    junk.write_text("not a key\n")
+    artifact, data = tmp_path / "a.edgepkg", tmp_path / "in.json"
+    artifact.write_bytes(b"\0" * 1024)
+    data.write_text("{}")
+    args = ("predict", "--artifact", str(artifact), "--trust", str(junk), "--input", str(data))
+    quiet = run_cli("edgepack-agent", *args)
+    loud = run_cli("edgepack-agent", "-v", *args)
+    assert quiet.returncode == loud.returncode == 1
+    assert quiet.stderr.splitlines() == [f"edgepack-agent: error: {junk}: not a PEM public key"]
+    first, *causes = loud.stderr.splitlines()
+    assert first == quiet.stderr.splitlines()[0] and "Traceback" not in loud.stderr
+    assert len(causes) == 1 and causes[0].startswith("edgepack-agent:   caused by ValueError: ")

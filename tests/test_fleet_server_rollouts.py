@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +123,12 @@ def test_kill_9_of_the_server_mid_wave_resumes_where_it_was_without_sending_twic
     assert server.get("/api/status")["driver"]["resent"] == 0
 
 
+
+def _wait_ticks(server: FleetServerProcess, rounds: int) -> None:
+    """Until the driver has gone ``rounds`` more rounds (counted by the server, not timed here)."""
+    start = server.get("/api/status")["driver"]["ticks"]
+    assert wait_for(lambda: server.get("/api/status")["driver"]["ticks"] >= start + rounds, 60)
+
 @pytest.mark.slow
 def test_a_crash_between_recording_and_publishing_a_wave_sends_it_once_after_restart(tmp_path, broker, keys,
                                                                                       artifact, counter):
@@ -187,7 +192,7 @@ def test_pause_resume_and_abort_from_the_cli(server, broker, keys, artifact, cou
         rollout_id = created.stdout.split()[1].rstrip(":")
         paused = edgepack("rollout", "pause", rollout_id, "--reason", "lunch", env=env)
         assert paused.returncode == 0 and " paused " in paused.stdout and "lunch" in paused.stdout
-        time.sleep(3.0)  # nothing to wait for: 30 driver ticks (0.1 s) in which a paused rollout must send nothing
+        _wait_ticks(server, 30)  # 30 rounds of the driver in which a paused rollout must send nothing
         sent_while_paused = sum(counter.by_device.values())
         assert sent_while_paused <= 1 and _rollout(server, rollout_id)["state"] == "paused"
         resumed = edgepack("rollout", "resume", rollout_id, env=env)
@@ -195,7 +200,7 @@ def test_pause_resume_and_abort_from_the_cli(server, broker, keys, artifact, cou
         assert wait_for(lambda: _rollout(server, rollout_id)["wave"] == 1, 60)
         aborted = edgepack("rollout", "abort", rollout_id, env=env)
         assert aborted.returncode == 0 and " aborted " in aborted.stdout
-        time.sleep(1.5)  # 15 ticks in which an aborted rollout must not send wave 3
+        _wait_ticks(server, 15)  # 15 rounds in which an aborted rollout must not send wave 3
         doc = _rollout(server, rollout_id)
         assert doc["state"] == "aborted" and doc["waves"][2]["not_sent"] == 5
         again = edgepack("rollout", "resume", rollout_id, env=env)

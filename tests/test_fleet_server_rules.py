@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from edgepack_core.errors import SchemaError
 from edgepack_core.protocol.bounds import MAX_MESSAGE_BYTES
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.protocol.messages import (
@@ -243,9 +244,9 @@ def test_command_ids_are_derived_distinct_and_within_the_id_pattern():
                                               ("soak_s", -1.0), ("soak_s", math.inf), ("wave_timeout_s", 0.5),
                                               ("max_error_rate", 1.5), ("max_error_rate", math.nan)])
 def test_gates_out_of_range_are_refused_naming_the_field(field, value):
-    with pytest.raises(ApiError) as refused:
+    with pytest.raises(SchemaError) as refused:  # a domain error: the API answers it 400 "invalid"
         check_gates(Gates(**{field: value}))
-    assert refused.value.status == 400 and field in str(refused.value)
+    assert refused.value.path == field and str(refused.value).startswith(f"{field}: ")
 
 
 def test_gates_at_their_bounds_are_accepted():
@@ -504,3 +505,18 @@ def test_a_rollout_the_driver_cannot_drive_fails_at_once_or_after_the_bounded_re
     assert fails_after_error(MAX_DRIVER_ERRORS, permanent=False)
     failed = transition(_rollout(PENDING, started_at=None), "fail", 5.0, "cannot start")
     assert failed.state == "failed" and failed.finished_at == 5.0 and failed.reason == "cannot start"
+
+
+def test_the_api_answers_the_pure_modules_domain_errors_by_class():
+    """The rollout machine and the gate check raise domain errors, never HTTP ones; the API
+    layer alone turns them into a status (409 conflict, 400 invalid), the message kept."""
+    from sdk.fleet_server.api import as_api_error
+
+    refused = InvalidTransition("cannot resume a rollout that is aborted", state="aborted", move="resume")
+    conflict = as_api_error(refused)
+    assert (conflict.status, conflict.code, conflict.message) == (409, "conflict", str(refused))
+    invalid = as_api_error(SchemaError("soak_s", "-1.0 is outside [0, 604800]"))
+    assert (invalid.status, invalid.code, invalid.message) == (400, "invalid", "soak_s: -1.0 is outside [0, 604800]")
+    refusal = ApiError(404, "not_found", "no rollout")
+    assert as_api_error(refusal) is refusal
+    assert not issubclass(InvalidTransition, ApiError) and not issubclass(SchemaError, ApiError)

@@ -2,7 +2,8 @@
 # Run the test suite (unit and integration on real parts: mosquitto, onnxruntime, subprocesses).
 #
 #   bash tools/test.sh            everything, in one pytest run (README's command)
-#   bash tools/test.sh --quick    the inner loop: every test but the slow ones, stop at the first failure
+#   bash tools/test.sh --quick    the inner loop: every test but the slow ones, last run's failures
+#                                 first, stop at the first failure
 #   bash tools/test.sh --no-slow  every test but the ones marked slow (CI's "tests" step)
 #   bash tools/test.sh --slow     only the tests marked slow: the conformance run, the long broker
 #                                 outage, the end-to-end updates... (CI's "slow tests" step)
@@ -14,14 +15,14 @@ cd "$(dirname "$0")/.."
 mode=all
 case "${1:-}" in
   --quick | --no-slow | --slow) mode=${1#--}; shift ;;
-  -h | --help) sed -n '2,11p' "$0" | cut -c3-; exit 0 ;;
+  -h | --help) sed -n '2,12p' "$0" | cut -c3-; exit 0 ;;
 esac
 [ -x .venv/bin/python ] || bash tools/setup_venv.sh
 command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || {
   echo "mosquitto is not installed: sudo apt-get install -y mosquitto" >&2; exit 2; }
 case "$mode" in
   all) .venv/bin/ruff check . && exec .venv/bin/python -m pytest -q "$@" ;;
-  quick) .venv/bin/ruff check . && exec .venv/bin/python -m pytest -q -x -m "not slow" "$@" ;;
+  quick) .venv/bin/ruff check . && exec .venv/bin/python -m pytest -q -x --failed-first -m "not slow" "$@" ;;
   no-slow) .venv/bin/ruff check . && exec .venv/bin/python -m pytest -q -m "not slow" "$@" ;;
   slow) exec .venv/bin/python -m pytest -q -m slow "$@" ;;
 esac

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from edgepack_core.errors import EdgepackError
+from edgepack_core.errors import EdgepackError, cause_chain
 
 
 def _set_verbose(ctx: click.Context, _param: click.Parameter, value: bool) -> bool:
@@ -28,16 +28,6 @@ VERBOSE = click.option("-v", "--verbose", is_flag=True, expose_value=False, is_e
                        help="Show onnxruntime's own log lines and an error's cause chain.")
 
 
-def _cause_chain(err: BaseException) -> list[str]:
-    lines, seen = [], {id(err)}
-    cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        lines.append(f"edgepack:   caused by {type(cause).__name__}: {cause}")
-        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
-    return lines
-
-
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -45,8 +35,8 @@ class _Group(click.Group):
         except EdgepackError as err:
             click.echo(f"edgepack: error: {err}", err=True)
             if ctx.meta.get("edgepack.verbose"):
-                for line in _cause_chain(err):
-                    click.echo(line, err=True)
+                for line in cause_chain(err):
+                    click.echo(f"edgepack:   {line}", err=True)
             sys.exit(err.exit_code)
         except KeyboardInterrupt:
             click.echo("edgepack: interrupted", err=True)

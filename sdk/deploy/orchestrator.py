@@ -32,10 +32,11 @@ from edgepack_core.protocol.messages import JobEvent
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey, TrustStore
 from sdk.broker import BrokerOptions
-from sdk.deploy.messaging import DeployError, command_messages, listen_for_jobs, make_command, publish_acknowledged
+from sdk.deploy.messaging import command_messages, listen_for_jobs, make_command, publish_acknowledged
 from sdk.deploy.policy import DeviceJob, JobBoard, WaveVerdict, all_active, plan_waves, wave_verdict
 from sdk.deploy.sender import XferSender
 from sdk.deploy.server import ArtifactServer
+from sdk.errors import DeployError
 from sdk.fleet import collect
 from sdk.inspect import read_unverified_for_display
 

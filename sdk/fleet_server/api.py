@@ -105,7 +105,8 @@ _HTTP_CODES = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_
                413: "too_large", 415: "unsupported_media_type"}
 
 
-_DOMAIN_ANSWERS: dict[type[Exception], tuple[int, str]] = {InvalidTransition: (409, "conflict")}
+_DOMAIN_ANSWERS: dict[type[Exception], tuple[int, str]] = {InvalidTransition: (409, "conflict"),
+                                                             SchemaError: (400, "invalid")}
 """The domain errors the pure modules raise, as HTTP answers (status, code): this layer alone
 decides the status."""
 _REFUSALS: tuple[type[Exception], ...] = (ApiError, *_DOMAIN_ANSWERS)
@@ -502,6 +503,6 @@ def build_app(context: ApiContext) -> Starlette:
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]
     return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)],
-                     exception_handlers={ApiError: _api_error, InvalidTransition: _api_error,
+                     exception_handlers={ApiError: _api_error, InvalidTransition: _api_error, SchemaError: _api_error,
                                          HTTPException: _http_error, DBAPIError: _database_error,
                                          Exception: _internal_error})

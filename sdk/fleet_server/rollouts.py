@@ -29,9 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from edgepack_core.errors import InvalidTransition
+from edgepack_core.errors import InvalidTransition, SchemaError
 from sdk.deploy.policy import ACTIVE, DeviceJob, required_successes, wave_verdict
-from sdk.errors import ApiError
 
 PENDING, RUNNING, PAUSED, SUCCEEDED, FAILED, ABORTED = "pending", "running", "paused", "succeeded", "failed", \
     "aborted"
@@ -270,7 +269,7 @@ def fails_after_error(consecutive: int, *, permanent: bool) -> bool:
 
 
 def check_gates(gates: Gates) -> Gates:
-    """Gates from an API request, bounded (:class:`ApiError` 400 naming the field)."""
+    """Gates from an API request, bounded (:class:`SchemaError` naming the field: the API's 400)."""
     checks = (
         ("min_success_share", gates.min_success_share, 0.0, 1.0, False),
         ("soak_s", gates.soak_s, 0.0, 7 * 86400.0, True),
@@ -278,9 +277,8 @@ def check_gates(gates: Gates) -> Gates:
     )
     for name, value, low, high, closed_low in checks:
         if not math.isfinite(value) or value > high or value < low or (not closed_low and value <= low):
-            raise ApiError(400, "invalid", f"{name}: {value!r} is outside {'[' if closed_low else '('}{low:g}, "
-                                           f"{high:g}]")
+            raise SchemaError(name, f"{value!r} is outside {'[' if closed_low else '('}{low:g}, {high:g}]")
     if gates.max_error_rate is not None and not (math.isfinite(gates.max_error_rate)
                                                   and 0 <= gates.max_error_rate <= 1):
-        raise ApiError(400, "invalid", f"max_error_rate: {gates.max_error_rate!r} is outside [0, 1]")
+        raise SchemaError("max_error_rate", f"{gates.max_error_rate!r} is outside [0, 1]")
     return gates
