@@ -259,3 +259,21 @@ def test_concurrent_wrong_sizes_leave_the_model_serving(built, tmp_path):
         thread.join()
     assert len(errors) == 4
     assert service.predict(png(tmp_path / "64.png", 64).read_bytes()).outputs["y"].shape == (1, 4, 32)
+
+
+def test_wrong_size_images_in_a_health_window_do_not_roll_back_the_release(built, tmp_path):
+    """The health rule counts server errors against a new model: one client's wrong-size images
+    are client errors (the contract rule needs several clients), never model errors."""
+    from device_agent.updates.health import HealthPolicy, Probes, judge, traffic_between
+
+    service = InferenceService(built[2]["wide"])
+    before = service.stats.snapshot()
+    good, bad = png(tmp_path / "64.png", 64).read_bytes(), png(tmp_path / "37.png", 37).read_bytes()
+    with serving(service) as base:
+        statuses = [post(f"{base}/predict", good, "image/png")[0] for _ in range(20)]
+        statuses += [post(f"{base}/predict", bad, "image/png")[0] for _ in range(10)]
+    assert statuses == [200] * 20 + [400] * 10
+    window = traffic_between(before, service.stats.snapshot())
+    assert (window.model_errors, window.contract_errors, window.contract_clients) == (0, 10, 1)
+    verdict = judge(window, traffic_between(before, before), Probes(), HealthPolicy(min_requests=20))
+    assert verdict.healthy, verdict.reason
