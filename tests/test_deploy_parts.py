@@ -18,7 +18,8 @@ from edgepack_core.protocol.commands import Command, CommandBuildError, encode_c
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import TrustStore, generate_private_key
 from sdk.broker import BrokerOptionError, BrokerOptions, read_password_file
-from sdk.deploy import DeployError, DeployOptions, XferSender, make_command
+from sdk.deploy import DeployOptions, XferSender, make_command
+from sdk.errors import DeployError
 
 TOPICS = Topics()
 
