@@ -30,13 +30,12 @@ from device_agent.providers import ModelTraits, choose_providers, create_session
 from device_agent.request_stats import RequestStats
 from device_agent.smoke import SmokeReport, run_smoke_test
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S, StreamTable
-from edgepack_core.errors import PostprocessError, RuntimeTooOldError
+from edgepack_core.errors import InvalidNameError, PostprocessError, RuntimeTooOldError
 from edgepack_core.manifest import Manifest
 from edgepack_core.ort_compat import runtime_refusal
 from edgepack_core.ort_workarounds import disabled_optimizers
 from edgepack_core.postprocess import Postprocessor, load_charset, load_labels
 from edgepack_core.preprocess import Preprocessor
-from edgepack_core.protocol.ids import InvalidNameError
 from edgepack_core.targets import CPU
 
 log = logging.getLogger("edgepack.agent.runtime")

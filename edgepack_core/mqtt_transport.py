@@ -308,7 +308,7 @@ class MqttTransport:
         client.on_message = self._on_message
         properties = None
         if v5:
-            properties = Properties(PacketTypes.CONNECT)
+            properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]  # paho leaves __init__ unannotated
             properties.MaximumPacketSize = min(_MAX_PACKET, s.max_incoming_bytes + _PACKET_OVERHEAD)
             if s.session_expiry:
                 properties.SessionExpiryInterval = s.session_expiry
@@ -377,11 +377,11 @@ class MqttTransport:
     def tcp_nodelay_active(self) -> bool | None:
         """Whether the live socket has TCP_NODELAY set; None while there is no socket."""
         sock = self._client.socket()
-        if sock is None:
+        if not isinstance(sock, socket.socket):  # None, or a websocket wrapper without socket options
             return None
         try:
             return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
-        except (OSError, AttributeError):
+        except OSError:
             return None
 
     def on_connected(self, hook: Callable[[], None]) -> None:
@@ -598,7 +598,7 @@ class MqttTransport:
             subscription = self._subscriptions[topic_filter]
             properties = None
             if self.settings.protocol == "5":
-                properties = Properties(PacketTypes.SUBSCRIBE)
+                properties = Properties(PacketTypes.SUBSCRIBE)  # type: ignore[no-untyped-call]  # as in _connect
                 properties.SubscriptionIdentifier = subscription.identifier
             rc, mid = self._client.subscribe(topic_filter, subscription.qos, properties=properties)
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and mid is not None:

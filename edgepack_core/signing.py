@@ -98,7 +98,7 @@ def check_signature_layout(signature_bytes: bytes) -> None:
             for e in entries
         )
     )
-    if not shaped or _layout(doc) != signature_bytes:
+    if not shaped or not isinstance(entries, list) or _layout(doc) != signature_bytes:
         raise SignatureLayoutError("manifest.sig is not laid out as Edgepack writes it (keys, spacing or padding)")
     if not all(_canonical_base64(entry["signature"]) for entry in entries):
         raise SignatureLayoutError("manifest.sig holds a signature in non-canonical base64 (padding bits set)")

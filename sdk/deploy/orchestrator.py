@@ -19,7 +19,7 @@ import hashlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -106,7 +106,7 @@ def group_members(broker: BrokerOptions, group: str, wait_s: float = 2.0) -> lis
     return sorted(r.device for r in view.rows(time.time()) if group in r.groups and r.status == "online")
 
 
-def _manifest(options: DeployOptions) -> dict[str, Any]:
+def _manifest(options: DeployOptions) -> Mapping[str, Any]:
     if options.trust is not None:
         return verify_artifact(options.artifact, options.trust).manifest.raw
     return read_unverified_for_display(options.artifact).manifest
@@ -184,7 +184,7 @@ class _Rollout:
                 self.changed.wait(min(remaining, 0.5))
 
 
-def _fields(options: DeployOptions, manifest: dict[str, Any], sha: str) -> dict[str, Any]:
+def _fields(options: DeployOptions, manifest: Mapping[str, Any], sha: str) -> dict[str, Any]:
     return {"name": manifest["name"], "version": manifest["version"], "size": options.artifact.stat().st_size,
             "sha256": sha, "force_downgrade": options.force_downgrade or None,
             "health_window_s": options.health_window_s,
