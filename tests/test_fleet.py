@@ -126,6 +126,7 @@ def test_fleet_status_reads_retained_states_and_last_will_from_a_real_broker(mos
         assert "junk" not in rows
     finally:
         device.kill()
+        pub.disconnect()
         pub.loop_stop()
 
 
@@ -187,6 +188,7 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
     stop.set()
     for thread in threads:
         thread.join(5)
+    pub.disconnect()
     pub.loop_stop()
     assert sorted(got[0] + got[1]) == sorted(sent), "every message delivered exactly once across the group"
     assert got[0] and got[1], "the broker should hand messages to both consumers"
@@ -195,6 +197,7 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
 def test_fleet_watch_draws_the_live_table_and_stops_after_its_duration(mosquitto_broker):
     pub = _publisher(mosquitto_broker.port)
     pub.publish(f"{ROOT}/dev/pi-3/state", _state("pi-3", "online"), qos=1, retain=True).wait_for_publish(5)
+    pub.disconnect()
     pub.loop_stop()
     result = run_cli("edgepack", "fleet", "watch", "--broker", mosquitto_broker.address, "--duration", "1.5",
                      "--interval", "0.2")
