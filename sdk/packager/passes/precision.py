@@ -1,5 +1,6 @@
-"""The ``precision`` pass: what the final graph holds in int8 and in float (``quant_facts``),
-so a manifest's ``int8`` comes with its split (``int8``, or ``mixed`` with the float ops named)."""
+"""The ``precision`` pass: what a model that came quantized holds in int8 and in float
+(``quant_facts``), so a manifest's ``int8`` comes with its split (``int8``, or ``mixed`` with the
+float ops named). A build's own int8 is described by the quantize pass's report instead."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from sdk.packager.quant_facts import quant_facts
 
 @register
 class PrecisionPass(Pass):
-    """Records the manifest's precision and, for a quantized graph, its int8/float split."""
+    """Records, for a graph quantized before the build, its int8/float split."""
 
     name = "precision"
 
+    def applies(self, ctx: BuildContext) -> bool:
+        return ctx.lossy is None
+
     def run(self, ctx: BuildContext) -> None:
         facts = quant_facts(ctx.require_model())
-        ctx.report[self.name] = {**facts.to_json(), "precision": ctx.precision(),
-                                 "quantized_by": "quantize" if ctx.lossy == "int8" else
-                                 ("the model" if facts.precision else None)}
+        if facts.precision is not None:
+            ctx.report[self.name] = {**facts.to_json(), "quantized_by": "the model"}
