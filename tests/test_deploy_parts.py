@@ -12,7 +12,8 @@ import pytest
 
 from edgepack_core.command_auth import authorize_command, verify_command
 from edgepack_core.errors import CommandSignatureError
-from edgepack_core.mqtt_transport import Incoming, MqttSettings, MqttTransport
+from edgepack_core.mqtt_settings import MqttSettings
+from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.codec import decode_chunk, request_payload
 from edgepack_core.protocol.commands import Command, CommandBuildError, encode_command, parse_command
 from edgepack_core.protocol.topics import Topics

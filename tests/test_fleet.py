@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -146,10 +147,17 @@ def test_fleet_sim_small_run_loses_nothing_and_status_sees_every_device(mosquitt
     assert summary["fleet_status_devices"] == 50 and summary["fleet_status_online"] == 50
 
 
+def _probe_until_joined(pub: mqtt.Client, subscribed: list[threading.Event]) -> bool:
+    """Publish probes until each consumer got one: then both are in the share group, whatever the timing."""
+    deadline = time.monotonic() + 10
+    while not all(event.is_set() for event in subscribed) and time.monotonic() < deadline:
+        pub.publish(f"{ROOT}/dev/probe/telemetry", _telemetry("probe", 0), qos=1).wait_for_publish(5)
+        subscribed[0].wait(0.05)
+    return all(event.is_set() for event in subscribed)
+
+
 def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker):
     """Two fleet consumers in one MQTT 5 share group each get part of the telemetry, together all."""
-    import threading
-
     from sdk.broker import BrokerOptions
     from sdk.fleet import stream_messages
 
@@ -170,12 +178,7 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
     for thread in threads:
         thread.start()
     pub = _publisher(mosquitto_broker.port)
-    # Probes until each consumer got one: then both are in the share group, whatever the timing.
-    deadline = time.monotonic() + 10
-    while not all(event.is_set() for event in subscribed) and time.monotonic() < deadline:
-        pub.publish(f"{ROOT}/dev/probe/telemetry", _telemetry("probe", 0), qos=1).wait_for_publish(5)
-        subscribed[0].wait(0.05)
-    assert all(event.is_set() for event in subscribed), "a consumer never joined the share group"
+    assert _probe_until_joined(pub, subscribed), "a consumer never joined the share group"
     sent = [f"d{i % 5}:{i}" for i in range(200)]
     for i in range(200):
         pub.publish(f"{ROOT}/dev/d{i % 5}/telemetry", _telemetry(f"d{i % 5}", i), qos=1).wait_for_publish(5)
