@@ -184,7 +184,7 @@ def test_a_model_that_fails_on_its_own_golden_shapes_is_still_a_server_error(bui
     model = built[2]["wide"]
 
     class Broken:
-        def run(self, names, feed):
+        def run(self, names, feed, options=None):
             raise RuntimeError(RESHAPE_ERROR)
 
     service = InferenceService(type(model)(**{**model.__dict__, "session": Broken()}))
@@ -238,7 +238,7 @@ def test_the_cli_words_a_wrong_size_image_like_http(built, tmp_path, keypair):
         str(png(tmp_path / "37.png", 37)),
     )
     assert cli.returncode == 1 and "input x: index 3 got 37, expected 32 or 64" in cli.stderr
-    assert "Traceback" not in cli.stderr
+    assert cli.stderr.count("\n") == 1  # one line: onnxruntime's own log of the failed kernel is off
 
 
 def test_concurrent_wrong_sizes_leave_the_model_serving(built, tmp_path):
