@@ -14,6 +14,7 @@ from sdk.errors import BuildError
 from sdk.packager import ort_host
 from sdk.packager.onnx_graph import prune_opset_imports
 from sdk.packager.passes.base import BuildContext, Pass, model_label, register
+from sdk.packager.quant_facts import int8_weight_bytes
 
 # Targets whose providers share one CPU family, so "extended" offline optimizations (fusions
 # written for the CPU execution provider) stay valid on every one of them.
@@ -53,21 +54,41 @@ class OrtOptimizePass(Pass):
         level = self.level(ctx)
         model = ctx.require_model()
         before = len(model.graph.node)
-        label = model_label(ctx)
         report: dict[str, Any] = {"level": level, "nodes_before": before}
-        try:
-            optimized = onnx.load_from_string(ort_host.optimize_offline(ctx.model_bytes(), level, label=label))
-        except BuildError as err:  # the optimizer failed (or crashed): the graph itself may still run
-            problem: str | None = f"onnxruntime's optimizer failed: {err.problem}"
-        else:
-            prune_opset_imports(optimized)
-            problem = check_optimized(model, optimized, ctx.inputs)
-        if problem is not None:
+        optimized, problem = self._optimize(ctx, level, ())
+        if optimized is not None and problem is None and folds_quantized_weights(model, optimized):
+            # Constant folding made float weights of int8 ones (Cast/Mul of an int8 initializer):
+            # 4x the bytes and no longer int8. Optimize again without it; the device's
+            # onnxruntime may still fold them in memory when it loads the model, the file stays small.
+            optimized, problem = self._optimize(ctx, level, (CONSTANT_FOLDING,))
+            report["quantized_weights_kept"] = True
+            report["disabled"] = [CONSTANT_FOLDING]
+        if problem is not None or optimized is None:
             ctx.warn(f"ort_optimize: kept the unoptimized graph: {problem}")
             ctx.report[self.name] = {**report, "applied": False, "reason": problem}
             return
         ctx.model = optimized
         ctx.report[self.name] = {**report, "applied": True, "nodes_after": len(optimized.graph.node)}
+
+    @staticmethod
+    def _optimize(ctx: BuildContext, level: str, disabled: tuple[str, ...]
+                  ) -> tuple[onnx.ModelProto | None, str | None]:
+        """The optimized graph and why it must not ship (None when proven)."""
+        try:
+            optimized = onnx.load_from_string(ort_host.optimize_offline(ctx.model_bytes(), level,
+                                                                        label=model_label(ctx), disabled=disabled))
+        except BuildError as err:  # the optimizer failed (or crashed): the graph itself may still run
+            return None, f"onnxruntime's optimizer failed: {err.problem}"
+        prune_opset_imports(optimized)
+        return optimized, check_optimized(ctx.require_model(), optimized, ctx.inputs)
+
+
+CONSTANT_FOLDING = "ConstantFolding"
+
+
+def folds_quantized_weights(original: onnx.ModelProto, optimized: onnx.ModelProto) -> bool:
+    """Whether the optimizer turned int8 weights into float ones: fewer int8 weight bytes after."""
+    return int8_weight_bytes(optimized) < int8_weight_bytes(original)
 
 
 # The optimizer's result must reproduce its input graph on made-up inputs within these bounds
