@@ -14,6 +14,7 @@ from sdk.errors import BuildError
 from sdk.packager import ort_host
 from sdk.packager.onnx_graph import prune_opset_imports
 from sdk.packager.passes.base import BuildContext, Pass, model_label, register
+from sdk.packager.self_check import MADE_UP, check_feeds
 
 # Targets whose providers share one CPU family, so "extended" offline optimizations (fusions
 # written for the CPU execution provider) stay valid on every one of them.
@@ -61,7 +62,8 @@ class OrtOptimizePass(Pass):
             problem: str | None = f"onnxruntime's optimizer failed: {err.problem}"
         else:
             prune_opset_imports(optimized)
-            problem = check_optimized(model, optimized, ctx.inputs)
+            feeds, report["checked_on"] = check_feeds(ctx, CHECK_SAMPLES, _made_up(ctx.inputs))
+            problem = check_optimized(model, optimized, ctx.inputs, feeds, report["checked_on"])
         if problem is not None:
             ctx.warn(f"ort_optimize: kept the unoptimized graph: {problem}")
             ctx.report[self.name] = {**report, "applied": False, "reason": problem}
@@ -127,19 +129,31 @@ def outputs_differ(reference: dict[str, np.ndarray], candidate: dict[str, np.nda
     return None
 
 
-def check_optimized(original: onnx.ModelProto, optimized: onnx.ModelProto, inputs: list[TensorSpec]) -> str | None:
+def _made_up(inputs: list[TensorSpec]) -> list[dict[str, np.ndarray]]:
+    """Made-up feeds, or none when numpy cannot make one (bfloat16): the check then says so."""
+    try:
+        return probe_feeds(inputs, CHECK_SAMPLES)
+    except ValueError:
+        return []
+
+
+def check_optimized(original: onnx.ModelProto, optimized: onnx.ModelProto, inputs: list[TensorSpec],
+                    feeds: list[dict[str, np.ndarray]] | None = None, checked_on: str = MADE_UP) -> str | None:
     """Why the optimized graph must not replace the original (one line), or None when it is
-    proven: every input fed or initialised, and the same outputs on a few made-up inputs."""
+    proven: every input fed or initialised, and the same outputs on ``feeds`` (the recipe's
+    validation data; made-up inputs when None)."""
     missing = dangling_inputs(optimized, {spec.name for spec in inputs})
     if missing:
         return f"the optimized graph reads {', '.join(missing[:3])}, which nothing feeds or initialises"
     if [o.name for o in optimized.graph.output] != [o.name for o in original.graph.output]:
         return "the optimized graph's outputs differ from the original's"
     try:
-        feeds = probe_feeds(inputs, CHECK_SAMPLES)
+        feeds = probe_feeds(inputs, CHECK_SAMPLES) if feeds is None else feeds
+        if not feeds:
+            raise ValueError("no inputs numpy can make")
         reference = ort_host.run_feeds(original.SerializeToString(), feeds)
     except (BuildError, ValueError) as err:
-        return f"it could not be compared with the original on made-up inputs ({err})"
+        return f"it could not be compared with the original on {checked_on} ({err})"
     try:
         candidate = ort_host.run_feeds(optimized.SerializeToString(), feeds)
     except BuildError as err:
@@ -147,5 +161,5 @@ def check_optimized(original: onnx.ModelProto, optimized: onnx.ModelProto, input
     for index, (want, got) in enumerate(zip(reference, candidate, strict=True)):
         problem = outputs_differ(want, got)
         if problem is not None:
-            return f"{problem} on made-up sample {index}"
+            return f"{problem} on sample {index} of the {checked_on}"
     return None
