@@ -27,6 +27,8 @@ from edgepack_core.targets import PROFILES
 if TYPE_CHECKING:
     import numpy as np
 
+IMAGE_MEDIA_TYPES = {".jpg": "image/jpeg", ".ppm": "image/x-portable-pixmap", ".pgm": "image/x-portable-graymap",
+                     ".tif": "image/tiff"}
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
 
 
@@ -52,6 +54,15 @@ def _read_input(path: Path) -> bytes | np.ndarray | dict[str, np.ndarray]:
         with loaded:
             return {name: loaded[name] for name in loaded.files}
     return path.read_bytes()
+
+
+def input_media_type(path: Path) -> str | None:
+    """The media type an input file's suffix names (None: told apart by its first bytes), so a
+    wrong kind of input is worded as HTTP's 415 words it ("does not take image/png"). Pure."""
+    suffix = path.suffix.lower()
+    if suffix in IMAGE_SUFFIXES:
+        return IMAGE_MEDIA_TYPES.get(suffix, f"image/{suffix[1:]}")
+    return "audio/wav" if suffix in (".wav", ".wave") else None
 
 
 def _extract_for_predict(artifact: str, dest: Path, trust: Sequence[str]) -> Any:
@@ -99,7 +110,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         model = load_model(verified.root, verified.manifest, profile=args.profile,
                            threads=args.threads)
         service = InferenceService(model)
-        result = service.predict(data)
+        result = service.predict(data, content_type=input_media_type(Path(args.input)))
         answer = prediction_json(result, outputs=args.outputs == "raw" or None)
     import numpy as np
 

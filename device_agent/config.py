@@ -23,8 +23,9 @@ from device_agent.telemetry.outbox import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGE
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES
 from device_agent.updates.health import HealthPolicy
 from edgepack_core.artifact import Limits
-from edgepack_core.mqtt_transport import TlsSettings
-from edgepack_core.protocol.topics import DEFAULT_ROOT, InvalidNameError, validate_root
+from edgepack_core.errors import InvalidNameError
+from edgepack_core.mqtt_settings import TlsSettings
+from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
 from edgepack_core.yamlfile import read_yaml_file

@@ -24,19 +24,19 @@ from typing import Any, overload
 import numpy as np
 
 from device_agent.errors import BadRequest, InferenceError, NoModelError
-from device_agent.feeds import Frames, batch_feed, batch_refusal, input_feed, input_of
+from device_agent.feeds import BatchFeed, Frames, batch_feed, batch_refusal, input_feed, input_of
 from device_agent.prediction import PredictRequest, PredictResult, Tensors
 from device_agent.providers import ModelTraits, choose_providers, create_session
 from device_agent.request_stats import RequestStats
+from device_agent.run_failures import batch_symbols, judge_run_failure
 from device_agent.smoke import SmokeReport, run_smoke_test
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S, StreamTable
-from edgepack_core.errors import PostprocessError, RuntimeTooOldError
+from edgepack_core.errors import InvalidNameError, PostprocessError, RuntimeTooOldError
 from edgepack_core.manifest import Manifest
 from edgepack_core.ort_compat import runtime_refusal
 from edgepack_core.ort_workarounds import disabled_optimizers
 from edgepack_core.postprocess import Postprocessor, load_charset, load_labels
 from edgepack_core.preprocess import Preprocessor
-from edgepack_core.protocol.ids import InvalidNameError
 from edgepack_core.targets import CPU
 
 log = logging.getLogger("edgepack.agent.runtime")
@@ -112,6 +112,20 @@ class LoadedModel:
 
     def fallbacks_json(self) -> list[dict[str, str]]:
         return [{"provider": p, "reason": r} for p, r in self.fallbacks]
+
+    @property
+    def proven_shapes(self) -> tuple[dict[str, tuple[int, ...]], ...]:
+        """The input shapes the golden samples ran at load (none without a smoke test)."""
+        return self.smoke.input_shapes if self.smoke is not None else ()
+
+
+def feed_shapes(feed: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+    """The shapes of one session call's feed: a frame's for audio frames, a row's for a batch."""
+    if isinstance(feed, Frames):
+        return {feed.name: tuple(feed[feed.name].shape[1:])}
+    if isinstance(feed, BatchFeed):
+        return {name: (1, *np.shape(value)[1:]) for name, value in feed.items()}
+    return {name: tuple(np.shape(value)) for name, value in feed.items()}
 
 
 def constant_inputs(manifest: Manifest) -> dict[str, np.ndarray]:
@@ -401,17 +415,27 @@ class InferenceService:
     def _run(self, model: LoadedModel, feed: Mapping[str, np.ndarray], postprocess: bool,
              stream: str | None = None) -> PredictResult:
         started = time.perf_counter()
-        values = self._session_call(model, lambda: self._infer(model, feed, stream))
+        values = self._session_call(model, lambda: self._infer(model, feed, stream), feed)
         elapsed = time.perf_counter() - started
         return self._finish(model, dict(zip(model.output_names, values, strict=True)),
                             getattr(feed, "geometry", None), elapsed, postprocess)
 
-    def _session_call(self, model: LoadedModel, call: Callable[[], list[np.ndarray]]) -> list[np.ndarray]:
+    def _session_call(self, model: LoadedModel, call: Callable[[], list[np.ndarray]],
+                      feed: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Run ``call``; a failure is the client's (400 ``shape``) or the model's (500
+        ``runtime``) as :func:`device_agent.run_failures.judge_run_failure` decides from the
+        request's shapes against the declared inputs and the golden samples'."""
         try:
             return call()
         except Exception as err:
+            declared = {name: shape for name, (_, shape) in model.input_specs.items()}
+            batch = batch_symbols(declared, [o.shape for o in model.manifest.outputs])
+            verdict = judge_run_failure(str(err), feed_shapes(feed), declared, model.proven_shapes, batch)
+            if verdict.client:
+                self._fail("shape", client=True)
+                raise BadRequest("shape", verdict.message) from err
             self._fail("runtime", client=False)
-            raise InferenceError("runtime", f"inference failed: {str(err).splitlines()[0][:200]}") from err
+            raise InferenceError("runtime", verdict.message) from err
 
     def _finish(self, model: LoadedModel, outputs: dict[str, np.ndarray], geometry: dict[str, Any] | None,
                 elapsed: float, postprocess: bool) -> PredictResult:
@@ -441,7 +465,7 @@ class InferenceService:
             raise
         started = time.perf_counter()
         call = {**feed, **model.constants} if model.constants else dict(feed)
-        values = self._session_call(model, lambda: model.session.run(model.output_names, call))
+        values = self._session_call(model, lambda: model.session.run(model.output_names, call), feed)
         elapsed = time.perf_counter() - started
         count = len(items)
         if any(np.ndim(v) == 0 or v.shape[0] != count for v in values):

@@ -21,6 +21,9 @@ from edgepack_core.tensor_compare import same_non_finite
 class SmokeReport:
     samples: int
     max_abs_diff: float
+    # The golden samples' input shapes: sizes the model is proven to run (``run_failures.py``
+    # tells a client's wrong size from a model bug by them).
+    input_shapes: tuple[dict[str, tuple[int, ...]], ...] = ()
 
     def to_json(self) -> dict[str, float | int]:
         return {"samples": self.samples, "max_abs_diff": self.max_abs_diff}
@@ -77,6 +80,7 @@ def run_smoke_test(
     rtol, atol = float(golden.get("rtol", 1e-3)), float(golden.get("atol", 1e-4))
     label = f"{manifest.name} {manifest.version}"
     worst = 0.0
+    shapes = []
     for index, sample in enumerate(samples):
         try:
             inputs = _load_npz(root / sample["inputs"])
@@ -87,8 +91,9 @@ def run_smoke_test(
             got = run(inputs)
         except Exception as err:  # a session that cannot run its own golden inputs fails the test
             raise SmokeTestError(label, index, f"inference failed: {str(err).splitlines()[0][:200]}") from err
+        shapes.append({name: tuple(value.shape) for name, value in inputs.items()})
         problem, diff = compare_outputs(got, expected, manifest.outputs, rtol=rtol, atol=atol)
         worst = max(worst, diff)
         if problem:
             raise SmokeTestError(label, index, problem)
-    return SmokeReport(samples=len(samples), max_abs_diff=worst)
+    return SmokeReport(samples=len(samples), max_abs_diff=worst, input_shapes=tuple(shapes))

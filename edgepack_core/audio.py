@@ -179,7 +179,8 @@ def resample(samples: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
         raise PreprocessError(f"{samples.size} samples at {rate_in} Hz resample to {count} at {rate_out} Hz, "
                               f"over the limit of {MAX_SAMPLES}")
     positions = np.arange(count, dtype=np.float64) * (rate_in / rate_out)
-    return np.interp(positions, np.arange(samples.size, dtype=np.float64), samples).astype(np.float32)
+    resampled: np.ndarray = np.interp(positions, np.arange(samples.size, dtype=np.float64), samples)
+    return resampled.astype(np.float32)
 
 
 def frame_count(samples: int, frame: int, hop: int) -> int:
@@ -200,4 +201,5 @@ def cut_frames(samples: np.ndarray, frame: int, hop: int, context: int) -> np.nd
     padded[context:context + samples.size] = samples[:total - context]
     starts = np.arange(count) * hop
     index = starts[:, None] + np.arange(context + frame)[None, :]
-    return padded[index]
+    frames: np.ndarray = padded[index]
+    return frames

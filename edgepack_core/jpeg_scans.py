@@ -58,9 +58,10 @@ def count_scans(data: bytes | memoryview, *, max_scans: int = MAX_SCANS, max_seg
 
 def _marker_at(data: bytes, position: int) -> int:
     """Where the marker at ``position`` starts, past its fill bytes (at most ``MAX_FILL``)."""
-    if data[position] != 0xFF:
+    run = _FILL.match(data, position)
+    if run is None:  # no 0xFF at position
         raise PreprocessError(f"not a well-formed JPEG: bytes outside its segments at offset {position}")
-    fill = _FILL.match(data, position).end() - 1 - position  # the last 0xFF of a run precedes the marker
+    fill = run.end() - 1 - position  # the last 0xFF of a run precedes the marker
     if fill > MAX_FILL:
         raise PreprocessError(f"not a well-formed JPEG: {fill} fill bytes before a marker at offset {position}")
     return position + fill

@@ -156,23 +156,28 @@ class Manifest:
 
     @property
     def name(self) -> str:
-        return self.raw["name"]
+        name: str = self.raw["name"]  # the schema checked the types of raw's fields
+        return name
 
     @property
     def version(self) -> str:
-        return self.raw["version"]
+        version: str = self.raw["version"]
+        return version
 
     @property
     def files(self) -> Mapping[str, Mapping[str, Any]]:
-        return self.raw["files"]
+        files: Mapping[str, Mapping[str, Any]] = self.raw["files"]
+        return files
 
     @property
     def model_path(self) -> str:
-        return self.raw["model"]["path"]
+        path: str = self.raw["model"]["path"]
+        return path
 
     @property
     def model_sha256(self) -> str:
-        return self.files[self.model_path]["sha256"]
+        digest: str = self.files[self.model_path]["sha256"]
+        return digest
 
     @property
     def inputs(self) -> list[TensorSpec]:
@@ -194,14 +199,17 @@ class Manifest:
 
     @property
     def targets(self) -> Mapping[str, Any]:
-        return self.raw.get("targets", {})
+        targets: Mapping[str, Any] = self.raw.get("targets", {})
+        return targets
 
     @property
     def golden(self) -> Mapping[str, Any]:
-        return self.raw.get("golden", {"samples": []})
+        golden: Mapping[str, Any] = self.raw.get("golden", {"samples": []})
+        return golden
 
     def to_json(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self.raw))
+        copy: dict[str, Any] = json.loads(json.dumps(self.raw))  # a deep copy the caller may change
+        return copy
 
 
 def canonical_bytes(document: Mapping[str, Any]) -> bytes:

@@ -28,16 +28,15 @@ its socket pair instead of writing on the caller's thread.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
@@ -53,121 +52,20 @@ from edgepack_core.errors import (  # the broker errors are named here too (re-e
     MqttSettingsError,
     UsageError,
 )
-from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
+from edgepack_core.mqtt_settings import MqttSettings, Payload, backoff_delay, encode_payload
 
 log = logging.getLogger("edgepack.mqtt")
 
-DEFAULT_MAX_INCOMING_BYTES = 1 << 20
 # Room for the fixed header, a topic of up to 64 KiB and v5 properties on top of the payload
 # limit, when the limit is announced to the broker as MQTT 5's Maximum Packet Size.
 _PACKET_OVERHEAD = 65536 + 1024
 _MAX_PACKET = 268435455  # the largest remaining length MQTT can encode
 
-Payload = bytes | bytearray | str | Mapping[str, Any] | Sequence[Any]
 PublishCallback = Callable[[bool], None]
 
 
 # CONNACK reason codes (MQTT 5 numbering; paho maps the 3.1.1 return codes 4 and 5 onto them).
 _LOGIN_REFUSED = frozenset({134, 135})  # bad user name or password, not authorized
-
-
-@dataclass(frozen=True)
-class TlsSettings:
-    """TLS for the broker connection. ``ca`` None means the system's CA store; ``cert``/``key``
-    are the client certificate for brokers that authenticate devices by certificate;
-    ``insecure`` skips the host name check (never in production: it allows a MITM)."""
-
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    insecure: bool = False
-
-
-@dataclass(frozen=True)
-class Will:
-    """The last will the broker publishes if the connection dies without a DISCONNECT.
-
-    ``payload`` may be a callable: it is called again before every connection attempt, so a
-    will can carry the time of the connection whose loss it reports (the broker stores the
-    will at CONNECT and publishes it unchanged, so that is the latest time a will can hold).
-    """
-
-    topic: str
-    payload: Payload | Callable[[], Payload]
-    qos: int = 1
-    retain: bool = True
-
-    def encoded(self) -> bytes:
-        """The payload's bytes now (the callable's result, if it is one)."""
-        payload = self.payload() if callable(self.payload) else self.payload
-        return encode_payload(self.topic, payload)
-
-
-@dataclass(frozen=True)
-class MqttSettings:
-    """Everything :class:`MqttTransport` needs to connect. Times are seconds.
-
-    ``max_queued`` bounds paho's in-memory queue of unacknowledged QoS>0 messages (paho's
-    default 0 means unlimited, which lets a long outage grow memory without bound; durable
-    buffering is the outbox's job, not paho's). ``session_expiry`` > 0 asks the broker to keep
-    the session (subscriptions and queued QoS 1 messages) that long after a disconnect: MQTT 5
-    Session Expiry Interval with clean start off, or clean session off on 3.1.1; it needs a
-    fixed ``client_id``. ``max_incoming_bytes`` drops larger incoming messages; on MQTT 5 it
-    is also announced to the broker as Maximum Packet Size so they are not even sent.
-    ``manual_ack`` makes the handlers' owner acknowledge each QoS 1 message itself
-    (:meth:`MqttTransport.ack`), e.g. only once it is committed to a database: with a
-    persistent session the broker then redelivers whatever a crash left unacknowledged.
-    """
-
-    host: str
-    port: int = 1883
-    keepalive: int = 30
-    protocol: Literal["5", "3.1.1"] = "5"
-    client_id: str = ""
-    username: str | None = None
-    password: str | None = None
-    tls: TlsSettings | None = None
-    topic_root: str = DEFAULT_ROOT
-    reconnect_min: float = 0.5
-    reconnect_max: float = 30.0
-    will: Will | None = None
-    max_inflight: int = 20
-    max_queued: int = 1000
-    max_incoming_bytes: int = DEFAULT_MAX_INCOMING_BYTES
-    session_expiry: int = 0
-    manual_ack: bool = False
-    tcp_nodelay: bool = True
-    connect_timeout: float = 5.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host:
-            raise MqttSettingsError("host", "must be a non-empty host name or address")
-        if not isinstance(self.port, int) or not 0 < self.port < 65536:
-            raise MqttSettingsError("port", f"{self.port!r} is not a TCP port (1-65535)")
-        if not isinstance(self.keepalive, int) or not 1 <= self.keepalive <= 65535:
-            raise MqttSettingsError("keepalive", f"{self.keepalive!r} must be 1..65535 seconds")
-        if self.protocol not in ("5", "3.1.1"):
-            raise MqttSettingsError("protocol", f"{self.protocol!r} is not one of '5', '3.1.1'")
-        validate_root(self.topic_root)
-        if not 0 < self.reconnect_min <= self.reconnect_max:
-            raise MqttSettingsError(
-                "reconnect_min",
-                f"needs 0 < reconnect_min ({self.reconnect_min}) <= reconnect_max ({self.reconnect_max})",
-            )
-        for name in ("max_inflight", "max_queued", "max_incoming_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise MqttSettingsError(name, f"{value!r} must be a positive integer (an explicit bound)")
-        if not isinstance(self.session_expiry, int) or self.session_expiry < 0:
-            raise MqttSettingsError("session_expiry", f"{self.session_expiry!r} must be >= 0 seconds")
-        if self.session_expiry and not self.client_id:
-            raise MqttSettingsError("client_id", "a persistent session (session_expiry > 0) needs a fixed client_id")
-        if self.password is not None and self.username is None:
-            raise MqttSettingsError("password", "is set without a username")
-        if self.connect_timeout <= 0:
-            raise MqttSettingsError("connect_timeout", "must be positive")
-        if self.will is not None and self.will.qos not in (0, 1, 2):
-            raise MqttSettingsError("will.qos", f"{self.will.qos!r} is not 0, 1 or 2")
 
 
 @dataclass(frozen=True)
@@ -184,32 +82,6 @@ class Incoming:
 
 
 Handler = Callable[[Incoming], None]
-
-
-def backoff_delay(attempt: int, minimum: float, maximum: float, jitter: float) -> float:
-    """Seconds to wait before reconnect attempt number ``attempt`` (0 = first retry).
-
-    The cap doubles from ``minimum`` per failed attempt up to ``maximum``; the wait is drawn
-    from [cap/2, cap] ("equal jitter") with ``jitter`` in [0, 1). Half the cap is guaranteed
-    so retries never hammer a broker that is down, the random half spreads a fleet that lost
-    the same broker at the same moment so it does not reconnect in one burst.
-    """
-    if attempt < 0 or not 0.0 <= jitter <= 1.0:
-        raise ValueError("attempt must be >= 0 and jitter in [0, 1]")
-    cap = min(maximum, minimum * 2.0 ** min(attempt, 64))
-    return cap * (0.5 + 0.5 * jitter)
-
-
-def encode_payload(topic: str, payload: Payload) -> bytes:
-    """bytes as they are, str as UTF-8, anything else as compact JSON (NaN refused: not JSON)."""
-    if isinstance(payload, (bytes, bytearray)):
-        return bytes(payload)
-    if isinstance(payload, str):
-        return payload.encode("utf-8")
-    try:
-        return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    except (TypeError, ValueError) as err:
-        raise InvalidPublishError(topic, f"payload is not JSON-serialisable: {err}") from err
 
 
 def _filter_for_matching(topic_filter: str) -> str:
@@ -308,7 +180,7 @@ class MqttTransport:
         client.on_message = self._on_message
         properties = None
         if v5:
-            properties = Properties(PacketTypes.CONNECT)
+            properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]  # paho leaves __init__ unannotated
             properties.MaximumPacketSize = min(_MAX_PACKET, s.max_incoming_bytes + _PACKET_OVERHEAD)
             if s.session_expiry:
                 properties.SessionExpiryInterval = s.session_expiry
@@ -377,11 +249,11 @@ class MqttTransport:
     def tcp_nodelay_active(self) -> bool | None:
         """Whether the live socket has TCP_NODELAY set; None while there is no socket."""
         sock = self._client.socket()
-        if sock is None:
+        if not isinstance(sock, socket.socket):  # None, or a websocket wrapper without socket options
             return None
         try:
             return bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
-        except (OSError, AttributeError):
+        except OSError:
             return None
 
     def on_connected(self, hook: Callable[[], None]) -> None:
@@ -598,7 +470,7 @@ class MqttTransport:
             subscription = self._subscriptions[topic_filter]
             properties = None
             if self.settings.protocol == "5":
-                properties = Properties(PacketTypes.SUBSCRIBE)
+                properties = Properties(PacketTypes.SUBSCRIBE)  # type: ignore[no-untyped-call]  # as in _connect
                 properties.SubscriptionIdentifier = subscription.identifier
             rc, mid = self._client.subscribe(topic_filter, subscription.qos, properties=properties)
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and mid is not None:

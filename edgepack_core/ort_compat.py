@@ -170,12 +170,12 @@ def required_onnxruntime(
     :class:`RuntimeTooOld` when no known release runs it."""
     rows = _rows(extra_rows)
     found: list[tuple[str, str]] = []
-    for domain, version in sorted(opsets.items()):
+    for domain, opset in sorted(opsets.items()):
         domain = normalize_domain(domain)
         if domain == DEFAULT_DOMAIN:
-            found.append(_first_row(rows, f"opset {version} ({DEFAULT_DOMAIN})", version, "opset"))
+            found.append(_first_row(rows, f"opset {opset} ({DEFAULT_DOMAIN})", opset, "opset"))
         elif domain == ML_DOMAIN:
-            found.append(_first_row(rows, f"opset {version} ({ML_DOMAIN})", version, "ml_opset"))
+            found.append(_first_row(rows, f"opset {opset} ({ML_DOMAIN})", opset, "ml_opset"))
     if ir_version is not None:
         found.append(_first_row(rows, f"IR version {ir_version}", ir_version, "ir_version"))
     for domain, op_type in sorted(op_types):

@@ -94,7 +94,8 @@ def softmax(scores: np.ndarray, axis: int = -1) -> np.ndarray:
     values = np.asarray(scores, dtype=np.float64)
     shifted = values - np.max(values, axis=axis, keepdims=True)
     exps = np.exp(shifted)
-    return exps / np.sum(exps, axis=axis, keepdims=True)
+    probabilities: np.ndarray = exps / np.sum(exps, axis=axis, keepdims=True)
+    return probabilities
 
 
 # ----------------------------------------------------------------------------- detection
@@ -108,7 +109,8 @@ def box_iou(box: np.ndarray, boxes: np.ndarray) -> np.ndarray:
     area = max(box[2] - box[0], 0) * max(box[3] - box[1], 0)
     areas = np.clip(boxes[:, 2] - boxes[:, 0], 0, None) * np.clip(boxes[:, 3] - boxes[:, 1], 0, None)
     union = area + areas - inter
-    return np.divide(inter, union, out=np.zeros_like(inter, dtype=np.float64), where=union > 0)
+    ious: np.ndarray = np.divide(inter, union, out=np.zeros_like(inter, dtype=np.float64), where=union > 0)
+    return ious
 
 
 def nms(boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray, iou_threshold: float,
@@ -136,7 +138,9 @@ def select_detections(boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray
     through class-wise :func:`nms`, best first. The device's answer and the packager's
     detection metric both decode with this."""
     candidates = np.flatnonzero(np.asarray(scores) > score_threshold)
-    return candidates[nms(boxes[candidates], scores[candidates], classes[candidates], iou_threshold, max_detections)]
+    kept: np.ndarray = candidates[nms(boxes[candidates], scores[candidates], classes[candidates], iou_threshold,
+                                      max_detections)]
+    return kept
 
 
 def _xywh_to_xyxy(xywh: np.ndarray) -> np.ndarray:
@@ -224,7 +228,7 @@ def ctc_collapse(best: np.ndarray, blank: int) -> np.ndarray:
     blank and not a repeat of the step before. The shared rule of the device's ``ctc`` result
     and the packager's sequence metric."""
     best = np.asarray(best)
-    keep = best != blank
+    keep: np.ndarray = best != blank
     keep[1:] &= best[1:] != best[:-1]
     return keep
 

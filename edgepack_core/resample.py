@@ -29,6 +29,7 @@ and first passes too small to pay for the hand-off run in one call on the caller
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -180,9 +181,11 @@ def resample(region: Region, size: tuple[int, int], box: Box, out_size: tuple[in
     if across:  # horizontal pass on stripes of rows, then the vertical pass
         first, last = reach(box[1], box[3], height, out_h, interpolation)  # the rows the vertical pass reads
         stripes = spans(first, last, threads)
-        parts = run_split([lambda top=top, bottom=bottom: _horizontal_pass(region(0, top, width, bottom), box, out_w,
-                                                                           resampling)
-                           for top, bottom in stripes])
+
+        def rows(top: int, bottom: int) -> Image.Image:
+            return _horizontal_pass(region(0, top, width, bottom), box, out_w, resampling)
+
+        parts = run_split([functools.partial(rows, top, bottom) for top, bottom in stripes])
         # The vertical pass's weights depend on the source height: it runs over the full height,
         # whose rows outside [first, last) nothing reads.
         middle = Image.new(parts[0].mode, (out_w, height))
@@ -191,9 +194,11 @@ def resample(region: Region, size: tuple[int, int], box: Box, out_size: tuple[in
         return np.asarray(_vertical_pass(middle, box, out_h, resampling))
     first, last = reach(box[0], box[2], width, out_w, interpolation)  # the columns the horizontal pass reads
     stripes = spans(first, last, threads)
-    parts = run_split([lambda left=left, right=right: _vertical_pass(region(left, 0, right, height), box, out_h,
-                                                                     resampling)
-                       for left, right in stripes])
+
+    def columns(left: int, right: int) -> Image.Image:
+        return _vertical_pass(region(left, 0, right, height), box, out_h, resampling)
+
+    parts = run_split([functools.partial(columns, left, right) for left, right in stripes])
     middle = Image.new(parts[0].mode, (width, out_h))
     for (left, _), part in zip(stripes, parts, strict=True):
         middle.paste(part, (left, 0))

@@ -110,17 +110,7 @@ class Validator:
         schema = self.root if schema is None else schema
         if "$ref" in schema:
             schema = self._resolve(schema["$ref"])
-
-        if "type" in schema:
-            names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-            if not any(_type_ok(value, n) for n in names):
-                raise self._fail(path, f"expected {' or '.join(names)}, got {_describe(value)}")
-        if "const" in schema and value != schema["const"]:
-            raise self._fail(path, f"must be {schema['const']!r}")
-        if "enum" in schema and value not in schema["enum"]:
-            choices = ", ".join(repr(c) for c in schema["enum"])
-            raise self._fail(path, f"{value!r} is not one of {choices}")
-
+        self._check_kind(value, schema, path)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             self._check_number(value, schema, path)
         elif isinstance(value, str):
@@ -132,6 +122,18 @@ class Validator:
 
         if "oneOf" in schema or "anyOf" in schema:
             self._check_options(value, schema.get("oneOf", []) or schema.get("anyOf", []), path)
+
+    def _check_kind(self, value: Any, schema: Mapping[str, Any], path: str) -> None:
+        """``type``, ``const`` and ``enum``: what any value is held to before its own kind's rules."""
+        if "type" in schema:
+            names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            if not any(_type_ok(value, n) for n in names):
+                raise self._fail(path, f"expected {' or '.join(names)}, got {_describe(value)}")
+        if "const" in schema and value != schema["const"]:
+            raise self._fail(path, f"must be {schema['const']!r}")
+        if "enum" in schema and value not in schema["enum"]:
+            choices = ", ".join(repr(c) for c in schema["enum"])
+            raise self._fail(path, f"{value!r} is not one of {choices}")
 
     def _check_number(self, value: float, schema: Mapping[str, Any], path: str) -> None:
         # JSON has no NaN or infinity, but Python's json and YAML's .nan/.inf produce them,

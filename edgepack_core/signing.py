@@ -22,6 +22,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -98,7 +99,7 @@ def check_signature_layout(signature_bytes: bytes) -> None:
             for e in entries
         )
     )
-    if not shaped or _layout(doc) != signature_bytes:
+    if not shaped or not isinstance(entries, list) or _layout(doc) != signature_bytes:
         raise SignatureLayoutError("manifest.sig is not laid out as Edgepack writes it (keys, spacing or padding)")
     if not all(_canonical_base64(entry["signature"]) for entry in entries):
         raise SignatureLayoutError("manifest.sig holds a signature in non-canonical base64 (padding bits set)")
@@ -148,42 +149,57 @@ class TrustStore:
         trusted key that does not verify is an attack or corruption, so it fails outright even
         if another signature would pass.
         """
-        if signature_bytes is None:
-            raise MissingSignatureError("manifest.sig is missing: the artifact is unsigned")
-        if len(signature_bytes) > MAX_SIGNATURE_BYTES:
-            raise SignatureError("manifest.sig is too large")
-        try:
-            doc = json.loads(signature_bytes)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise SignatureError(f"manifest.sig is not valid JSON: {err}") from err
-        if not isinstance(doc, dict) or doc.get("schema") != SIGNATURE_SCHEMA:
-            raise SignatureError(f"manifest.sig schema is not {SIGNATURE_SCHEMA}")
-        signatures = doc.get("signatures")
-        if not isinstance(signatures, list) or not signatures:
-            raise MissingSignatureError("manifest.sig holds no signatures")
-
         seen: list[str] = []
-        for entry in signatures:
-            if not isinstance(entry, dict):
-                raise SignatureError("manifest.sig entry is not an object")
-            kid, algorithm, sig = entry.get("key_id"), entry.get("algorithm"), entry.get("signature")
-            if not isinstance(kid, str) or not isinstance(sig, str):
-                raise SignatureError("manifest.sig entry needs key_id and signature strings")
+        for entry in _signature_entries(signature_bytes):
+            kid, algorithm, sig = _entry_fields(entry)
             seen.append(kid)
             public = self._keys.get(kid)
             if public is None:
                 continue
-            if algorithm != ALGORITHM:
-                raise SignatureError(f"unsupported signature algorithm {algorithm!r}")
-            try:
-                raw = base64.b64decode(sig, validate=True)
-                public.verify(raw, data)
-            except (InvalidSignature, binascii.Error, ValueError) as cause:
-                raise BadSignatureError(
-                    f"signature by trusted key {kid} does not match manifest.json (manifest changed?)"
-                ) from cause
+            _verify_entry(public, kid, algorithm, sig, data)
             return kid
         raise UntrustedKeyError(seen)
+
+
+def _signature_entries(signature_bytes: bytes | None) -> list[Any]:
+    """The ``signatures`` list of manifest.sig (bounded, parsed, at least one entry)."""
+    if signature_bytes is None:
+        raise MissingSignatureError("manifest.sig is missing: the artifact is unsigned")
+    if len(signature_bytes) > MAX_SIGNATURE_BYTES:
+        raise SignatureError("manifest.sig is too large")
+    try:
+        doc = json.loads(signature_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SignatureError(f"manifest.sig is not valid JSON: {err}") from err
+    if not isinstance(doc, dict) or doc.get("schema") != SIGNATURE_SCHEMA:
+        raise SignatureError(f"manifest.sig schema is not {SIGNATURE_SCHEMA}")
+    signatures = doc.get("signatures")
+    if not isinstance(signatures, list) or not signatures:
+        raise MissingSignatureError("manifest.sig holds no signatures")
+    return signatures
+
+
+def _entry_fields(entry: Any) -> tuple[str, Any, str]:
+    """(key id, algorithm, base64 signature) of one manifest.sig entry."""
+    if not isinstance(entry, dict):
+        raise SignatureError("manifest.sig entry is not an object")
+    kid, algorithm, sig = entry.get("key_id"), entry.get("algorithm"), entry.get("signature")
+    if not isinstance(kid, str) or not isinstance(sig, str):
+        raise SignatureError("manifest.sig entry needs key_id and signature strings")
+    return kid, algorithm, sig
+
+
+def _verify_entry(public: Ed25519PublicKey, kid: str, algorithm: Any, sig: str, data: bytes) -> None:
+    """Check one signature by a trusted key: a mismatch fails outright (attack or corruption)."""
+    if algorithm != ALGORITHM:
+        raise SignatureError(f"unsupported signature algorithm {algorithm!r}")
+    try:
+        raw = base64.b64decode(sig, validate=True)
+        public.verify(raw, data)
+    except (InvalidSignature, binascii.Error, ValueError) as cause:
+        raise BadSignatureError(
+            f"signature by trusted key {kid} does not match manifest.json (manifest changed?)"
+        ) from cause
 
 
 # --------------------------------------------------------------------------- key files

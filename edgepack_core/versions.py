@@ -25,7 +25,7 @@ class Version:
             (0, int(p)) if p.isdigit() else (1, p) for p in (match.group(4) or "").split(".") if p
         )
 
-    def _key(self) -> tuple:
+    def _key(self) -> tuple[tuple[int, ...], int, tuple[tuple[int, int | str], ...]]:
         # A release sorts after its pre-releases: give it an empty, "high" pre-release marker.
         return (self.release, 1 if not self.pre else 0, self.pre)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,12 +124,14 @@ def from_wire(value: Any) -> Any:
 
 def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
     """Exact tensors as ``np.savez`` bytes (no pickle: string tensors become unicode arrays)."""
+    # The archive np.savez writes, written here: savez(**arrays) would take an output named
+    # ``file`` or ``allow_pickle`` as its own argument.
     buffer = io.BytesIO()
-    plain = {}
-    for name, array in arrays.items():
-        array = np.asarray(array)
-        if array.dtype.kind == "O":
-            array = np.array(_text_array(array) if array.ndim else _text(array.item()), dtype=str)
-        plain[name] = array
-    np.savez(buffer, **plain)
+    with zipfile.ZipFile(buffer, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, value in arrays.items():
+            array = np.asarray(value)
+            if array.dtype.kind == "O":
+                array = np.array(_text_array(array) if array.ndim else _text(array.item()), dtype=str)
+            with archive.open(name + ".npy", mode="w", force_zip64=True) as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)
     return buffer.getvalue()

@@ -16,7 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, TlsSettings
+from edgepack_core.mqtt_settings import MqttSettings, TlsSettings
+from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
 from sdk.errors import BrokerOptionError
 

@@ -29,9 +29,8 @@ from edgepack_core.protocol.messages import (
 )
 from edgepack_core.protocol.topics import DEFAULT_ROOT, Topics
 from sdk.broker import BrokerOptions
-from sdk.errors import FleetError
 
-__all__ = ["DeviceRow", "FleetError", "FleetView", "collect", "format_table", "stream_messages"]
+__all__ = ["DeviceRow", "FleetView", "collect", "format_table", "stream_messages"]
 
 log = logging.getLogger("edgepack.fleet")
 

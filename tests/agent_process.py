@@ -161,8 +161,8 @@ class Observer:
         self.client.publish(topic, payload, qos=1).wait_for_publish(5)
 
     def close(self) -> None:
+        self.client.disconnect()  # first: the network thread sends it and ends; stopped first, it waits 1 s
         self.client.loop_stop()
-        self.client.disconnect()
 
 
 class LoadGenerator:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from edgepack_core.mqtt_transport import MqttSettings
+from edgepack_core.mqtt_settings import MqttSettings
 
 MOSQUITTO_CANDIDATES = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
 HOST = "127.0.0.1"

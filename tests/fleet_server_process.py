@@ -193,8 +193,8 @@ class CommandCounter:
             self.types[doc["id"]] = doc["type"]
 
     def close(self) -> None:
-        self.client.loop_stop()
         self.client.disconnect()
+        self.client.loop_stop()
 
 
 def edgepack(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:

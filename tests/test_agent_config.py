@@ -27,7 +27,7 @@ from device_agent.errors import ConfigError
 from device_agent.telemetry.reporter import settings_from_config
 from edgepack_core.artifact import Limits
 from edgepack_core.errors import SchemaError
-from edgepack_core.mqtt_transport import TlsSettings
+from edgepack_core.mqtt_settings import TlsSettings
 
 BASE = {"device_id": "pi-07", "store": "store", "trust": ["keys/release.pub"]}
 FULL_YAML = """\

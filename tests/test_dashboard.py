@@ -100,8 +100,8 @@ def _publish_hostile_devices(broker) -> None:
             info = client.publish(f"{TOPIC_ROOT}/dev/{device}/state", json.dumps(state), qos=1, retain=True)
             info.wait_for_publish(10)
     finally:
-        client.loop_stop()
         client.disconnect()
+        client.loop_stop()
 
 
 @pytest.fixture(scope="module")
@@ -471,8 +471,8 @@ def test_groups_a_device_claims_without_enrollment_are_shown_apart(browser, serv
             assert wait_for(lambda g=groups: (lambda status, d: status == 200 and d["groups"] + d["unenrolled_groups"]
                                               == g)(*server.call("GET", "/api/devices/claimer")), 15)
     finally:
-        client.loop_stop()
         client.disconnect()
+        client.loop_stop()
     _open(browser, server, "/fleet?group=kitchen", "#devices tbody tr[data-device='claimer'] .unenrolled")
     row = browser.find_element(By.CSS_SELECTOR, "#devices tbody tr[data-device='claimer']")
     assert row.find_element(By.CSS_SELECTOR, "td.groups").text == "kitchen claims sim"

@@ -12,13 +12,15 @@ import pytest
 
 from edgepack_core.command_auth import authorize_command, verify_command
 from edgepack_core.errors import CommandSignatureError
-from edgepack_core.mqtt_transport import Incoming, MqttSettings, MqttTransport
+from edgepack_core.mqtt_settings import MqttSettings
+from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.codec import decode_chunk, request_payload
 from edgepack_core.protocol.commands import Command, CommandBuildError, encode_command, parse_command
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import TrustStore, generate_private_key
 from sdk.broker import BrokerOptionError, BrokerOptions, read_password_file
-from sdk.deploy import DeployError, DeployOptions, XferSender, make_command
+from sdk.deploy import DeployOptions, XferSender, make_command
+from sdk.errors import DeployError
 
 TOPICS = Topics()
 

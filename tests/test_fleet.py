@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,6 +126,7 @@ def test_fleet_status_reads_retained_states_and_last_will_from_a_real_broker(mos
         assert "junk" not in rows
     finally:
         device.kill()
+        pub.disconnect()
         pub.loop_stop()
 
 
@@ -145,10 +147,17 @@ def test_fleet_sim_small_run_loses_nothing_and_status_sees_every_device(mosquitt
     assert summary["fleet_status_devices"] == 50 and summary["fleet_status_online"] == 50
 
 
+def _probe_until_joined(pub: mqtt.Client, subscribed: list[threading.Event]) -> bool:
+    """Publish probes until each consumer got one: then both are in the share group, whatever the timing."""
+    deadline = time.monotonic() + 10
+    while not all(event.is_set() for event in subscribed) and time.monotonic() < deadline:
+        pub.publish(f"{ROOT}/dev/probe/telemetry", _telemetry("probe", 0), qos=1).wait_for_publish(5)
+        subscribed[0].wait(0.05)
+    return all(event.is_set() for event in subscribed)
+
+
 def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker):
     """Two fleet consumers in one MQTT 5 share group each get part of the telemetry, together all."""
-    import threading
-
     from sdk.broker import BrokerOptions
     from sdk.fleet import stream_messages
 
@@ -169,12 +178,7 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
     for thread in threads:
         thread.start()
     pub = _publisher(mosquitto_broker.port)
-    # Probes until each consumer got one: then both are in the share group, whatever the timing.
-    deadline = time.monotonic() + 10
-    while not all(event.is_set() for event in subscribed) and time.monotonic() < deadline:
-        pub.publish(f"{ROOT}/dev/probe/telemetry", _telemetry("probe", 0), qos=1).wait_for_publish(5)
-        subscribed[0].wait(0.05)
-    assert all(event.is_set() for event in subscribed), "a consumer never joined the share group"
+    assert _probe_until_joined(pub, subscribed), "a consumer never joined the share group"
     sent = [f"d{i % 5}:{i}" for i in range(200)]
     for i in range(200):
         pub.publish(f"{ROOT}/dev/d{i % 5}/telemetry", _telemetry(f"d{i % 5}", i), qos=1).wait_for_publish(5)
@@ -184,6 +188,7 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
     stop.set()
     for thread in threads:
         thread.join(5)
+    pub.disconnect()
     pub.loop_stop()
     assert sorted(got[0] + got[1]) == sorted(sent), "every message delivered exactly once across the group"
     assert got[0] and got[1], "the broker should hand messages to both consumers"
@@ -192,6 +197,7 @@ def test_shared_subscription_splits_telemetry_between_consumers(mosquitto_broker
 def test_fleet_watch_draws_the_live_table_and_stops_after_its_duration(mosquitto_broker):
     pub = _publisher(mosquitto_broker.port)
     pub.publish(f"{ROOT}/dev/pi-3/state", _state("pi-3", "online"), qos=1, retain=True).wait_for_publish(5)
+    pub.disconnect()
     pub.loop_stop()
     result = run_cli("edgepack", "fleet", "watch", "--broker", mosquitto_broker.address, "--duration", "1.5",
                      "--interval", "0.2")

@@ -31,8 +31,8 @@ def _publish(port: int, messages: list[tuple[str, bytes]]) -> None:
         for topic, payload in messages:
             client.publish(topic, payload, qos=1).wait_for_publish(5)
     finally:
-        client.loop_stop()
         client.disconnect()
+        client.loop_stop()
 
 
 def test_manual_ack_unacknowledged_messages_come_back_to_a_persistent_session(broker):
@@ -180,8 +180,8 @@ def test_the_server_logs_in_as_the_shipped_acls_operator_over_tls(tmp_path, secu
                                    else None)(server.get("/api/devices")), 15)
         assert stored is not None and stored["devices"][0]["groups"] == ["kitchen"]
         assert server.get("/api/status")["ingest"]["stored"]["telemetry"] == 1
-        device.loop_stop()
         device.disconnect()
+        device.loop_stop()
     finally:
         server.stop()
 
@@ -195,8 +195,8 @@ def test_a_stale_retained_state_does_not_make_a_device_look_online(tmp_path, bro
     client.connect("127.0.0.1", broker.port)
     client.loop_start()
     client.publish("edgepack/v1/dev/old-1/state", json.dumps(state), qos=1, retain=True).wait_for_publish(5)
-    client.loop_stop()
     client.disconnect()
+    client.loop_stop()
     server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
     try:
         device = wait_for(lambda: (lambda d: d["devices"][0] if d["total"] == 1 else None)(

@@ -123,8 +123,8 @@ class Publisher:
         return info
 
     def close(self) -> None:
-        self.client.loop_stop()
         self.client.disconnect()
+        self.client.loop_stop()
 
 
 def _publish(port: int, *messages: tuple[str, bytes, bool]) -> None:

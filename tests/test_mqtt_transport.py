@@ -22,17 +22,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from edgepack_core.errors import SchemaError, UsageError
-from edgepack_core.mqtt_transport import (
-    Incoming,
-    InvalidPublishError,
-    MqttSettings,
-    MqttSettingsError,
-    MqttTransport,
-    TlsSettings,
-    Will,
-    backoff_delay,
-)
+from edgepack_core.errors import InvalidPublishError, MqttSettingsError, SchemaError, UsageError
+from edgepack_core.mqtt_settings import MqttSettings, TlsSettings, Will, backoff_delay
+from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.topics import Topics
 from tests.broker import Broker, free_port, port_accepts, start_mosquitto, wait_until
 
@@ -170,7 +162,8 @@ def test_broker_restart_subscription_is_restored_on_the_same_port(mosquitto_brok
 
 WILL_SCRIPT = textwrap.dedent("""
     import sys, time
-    from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, Will
+    from edgepack_core.mqtt_transport import MqttTransport
+    from edgepack_core.mqtt_settings import MqttSettings, Will
     port, state = int(sys.argv[1]), sys.argv[2]
     settings = MqttSettings(host="127.0.0.1", port=port, client_id="pi-07", keepalive=60,
                             will=Will(state, b"offline-will", qos=1, retain=True))

@@ -20,9 +20,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgepack_core import faults
-from sdk.errors import BuildError
+from sdk.errors import BuildError, OrtCrashError
 from sdk.packager import ort_host, ort_worker
-from sdk.packager.ort_host import OrtCrashError, in_pass, run_feeds
+from sdk.packager.ort_host import in_pass, run_feeds
 from sdk.packager.pipeline import build
 from sdk.recipe import load_recipe
 from tests.conftest import run_cli

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from device_agent.updates.xfer import WINDOW, Receiver, TransferError, XferSpec
-from edgepack_core.mqtt_transport import MqttSettings, MqttTransport
+from edgepack_core.mqtt_settings import MqttSettings
+from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.codec import chunk_count
 from edgepack_core.protocol.topics import Topics
 from sdk.deploy import XferSender

@@ -116,6 +116,16 @@ def test_npz_bytes_hold_the_exact_tensors_strings_included_without_pickle():
     assert got["scalar"].shape == () and got["scalar"].item() == "one"
 
 
+@pytest.mark.parametrize("name", ["allow_pickle", "file", "arr_0"])
+def test_an_output_named_like_a_savez_argument_is_kept_in_the_npz_answer(name):
+    # np.savez(buffer, **arrays) took an output named allow_pickle as its own argument and
+    # dropped it from the answer (found by mypy: numpy's stub types that keyword as bool).
+    arrays = {name: np.arange(3, dtype=np.int32), "other": np.ones(2, np.float32)}
+    with np.load(io.BytesIO(npz_bytes(arrays)), allow_pickle=False) as loaded:
+        assert sorted(loaded.files) == sorted(arrays)
+        assert loaded[name].tolist() == [0, 1, 2] and loaded[name].dtype == np.int32
+
+
 @pytest.mark.parametrize(
     ("accept", "expected"),
     [

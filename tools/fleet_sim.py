@@ -379,10 +379,7 @@ def drive(devices: list[SimDevice], rate: float, duration: float, *, stop: threa
         if now - started >= duration or (stop is not None and stop.is_set()):
             break
         if rate > 0:
-            for i, dev in enumerate(devices):
-                if now >= next_due[i]:
-                    dev.telemetry()
-                    next_due[i] += period
+            _publish_due(devices, next_due, period, now)
         if scheduler is not None:
             scheduler.run_due(time.time())
         _pump(devices, selector, 0.002)
@@ -390,12 +387,24 @@ def drive(devices: list[SimDevice], rate: float, duration: float, *, stop: threa
             for dev in devices:
                 dev.client.loop_misc()
             last_misc = now
-    # Drain: wait for every QoS 1 PUBACK.
+    _drain(devices, selector)
+    elapsed = time.monotonic() - started
+    return {"elapsed_s": elapsed}
+
+
+def _publish_due(devices: list[SimDevice], next_due: list[float], period: float, now: float) -> None:
+    """Telemetry from each device whose turn has come, and its next turn one period later."""
+    for i, dev in enumerate(devices):
+        if now >= next_due[i]:
+            dev.telemetry()
+            next_due[i] += period
+
+
+def _drain(devices: list[SimDevice], selector: selectors.BaseSelector) -> None:
+    """Wait (30 s at most) for every QoS 1 PUBACK."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(d.acked < d.expected_acks for d in devices):
         _pump(devices, selector, 0.01)
-    elapsed = time.monotonic() - started
-    return {"elapsed_s": elapsed}
 
 
 class SimFleet:

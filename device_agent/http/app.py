@@ -72,6 +72,7 @@ from device_agent.prediction import Array, Audio, EncodedImage, Input, PredictRe
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.updates.health import CONTRACT_ERROR_KINDS
 from edgepack_core import __version__, wire_json
+from edgepack_core.errors import WireEncodingError
 
 log = logging.getLogger("edgepack.agent.http")
 
@@ -293,7 +294,7 @@ class AgentApp:
                                               f"ask for them as npz (Accept: {wire_json.NPZ_MEDIA_TYPE})")
                 return json_response(200, prediction_json(result, outputs=exchange.raw_outputs))
             return Response(wire_json.npz_bytes(result.outputs), 200, npz_headers(result), wire_json.NPZ_MEDIA_TYPE)
-        except wire_json.WireEncodingError as err:
+        except WireEncodingError as err:
             self.service.stats.error("encoding", client=False)
             return error_response(500, "encoding", str(err))
         except BadRequest as err:

@@ -30,6 +30,7 @@ crash between the broker's PUBACK and the local delete sends it again on restart
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sqlite3
@@ -42,8 +43,8 @@ from pathlib import Path
 from typing import Literal
 
 from device_agent.errors import MessageTooLargeError, OutboxError
-from edgepack_core.errors import EdgepackError, UsageError
-from edgepack_core.mqtt_transport import InvalidPublishError, MqttTransport
+from edgepack_core.errors import EdgepackError, InvalidPublishError, UsageError
+from edgepack_core.mqtt_transport import MqttTransport
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +410,7 @@ class Forwarder:
             try:
                 accepted = self.transport.publish(
                     message.topic, message.payload, max(1, message.qos), message.retain,
-                    on_done=lambda ok, seq=message.seq: self._acknowledged(seq, ok),
+                    on_done=functools.partial(self._acknowledged, message.seq),
                 )
             except InvalidPublishError as err:  # e.g. a topic MQTT rejects: retrying cannot help
                 log.warning("outbox message %d cannot be published (%s); dropped", message.seq, err)

@@ -24,7 +24,8 @@ from device_agent.config import BrokerSettings, OutboxSettings
 from device_agent.telemetry.metrics import ModelInfo, SystemReading, TelemetryAggregator, read_system
 from device_agent.telemetry.outbox import Forwarder, Outbox
 from edgepack_core import __version__ as edgepack_version
-from edgepack_core.mqtt_transport import MqttSettings, MqttTransport, Will
+from edgepack_core.mqtt_settings import MqttSettings, Will
+from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.messages import JobEvent
 from edgepack_core.protocol.payloads import STATE_SCHEMA_ID
 from edgepack_core.protocol.topics import Topics

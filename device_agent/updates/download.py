@@ -33,6 +33,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from device_agent.errors import DownloadCancelled, DownloadError
 
@@ -97,21 +98,21 @@ class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
 
     max_redirections = MAX_REDIRECTS
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
+    def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str,
+                         headers: http.client.HTTPMessage, newurl: str) -> urllib.request.Request | None:
         if origin_of(newurl) != origin_of(req.full_url):
             raise DownloadError("the server redirected to another origin or scheme; refused")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-class _HeadDeadline:
+class _HeadDeadline(http.client.HTTPConnection):
     """For ``http.client`` connections: the whole head of the answer (connect, request, status
     line, headers) within ``timeout`` seconds. A socket timeout alone bounds each read, so a
     peer that drips one byte of a status line per read would hold the attempt for hours."""
 
-    timeout: float
-    sock: socket.socket | None
-
     def connect(self) -> None:
+        if not isinstance(self.timeout, (int, float)):
+            raise DownloadError("a download needs a timeout")  # every request here sets one
         self._expired = threading.Event()
         self._watchdog = threading.Timer(self.timeout, self._expire)
         self._watchdog.daemon = True
@@ -158,7 +159,8 @@ class _HTTPHandler(urllib.request.HTTPHandler):
 
 class _HTTPSHandler(urllib.request.HTTPSHandler):
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_BoundedHTTPSConnection, req, context=self._context)
+        # HTTPSHandler keeps the TLS context it was given in a private attribute typeshed omits.
+        return self.do_open(_BoundedHTTPSConnection, req, context=self._context)  # type: ignore[attr-defined]
 
 
 _OPENER = urllib.request.build_opener(_SameOriginRedirects, _HTTPHandler, _HTTPSHandler)

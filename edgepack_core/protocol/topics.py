@@ -19,7 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from edgepack_core.protocol.ids import MAX_ID_LENGTH, InvalidNameError, is_valid_id, validate_id
+from edgepack_core.errors import InvalidNameError
+from edgepack_core.protocol.ids import MAX_ID_LENGTH, is_valid_id, validate_id
 
 DEFAULT_ROOT = "edgepack/v1"
 MAX_NAME_LENGTH = MAX_ID_LENGTH

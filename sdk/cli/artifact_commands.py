@@ -182,7 +182,7 @@ def _inspect_model(path: Path, trust: TrustStore | None, as_json: bool, nodes: b
 
 def _open_in_netron_file(model: Path) -> None:
     try:
-        import netron  # type: ignore[import-not-found]
+        import netron
     except ImportError as err:
         raise EdgepackError("Netron is not installed: pip install netron (then run inspect --netron again)") \
             from err
@@ -192,7 +192,7 @@ def _open_in_netron_file(model: Path) -> None:
 
 def _open_in_netron(artifact: Path, member: str) -> None:
     try:
-        import netron  # type: ignore[import-not-found]
+        import netron
     except ImportError as err:
         raise EdgepackError("Netron is not installed: pip install netron (then run inspect --netron again)") \
             from err

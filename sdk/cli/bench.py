@@ -47,9 +47,9 @@ def bench(model_or_artifact: Path, original: Path | None, trust: tuple[Path, ...
     click.echo(f"{'MODEL':<40} {'P50 MS':>9} {'P95 MS':>9} {'PER S':>9} {'BYTES':>12}")
     for r in results:
         click.echo(f"{r.label[:40]:<40} {r.p50_ms:>9.3f} {r.p95_ms:>9.3f} {r.throughput_per_s:>9.1f} {r.bytes:>12,d}")
-    for shapes in {json.dumps(r.shapes, sort_keys=True): r.shapes for r in results}.values():
+    for measured in {json.dumps(r.shapes, sort_keys=True): r.shapes for r in results}.values():
         click.echo("inputs: " + ", ".join(f"{name}={'x'.join(str(d) for d in dims) or 'scalar'}"
-                                          for name, dims in shapes.items()))
+                                          for name, dims in measured.items()))
     if len(results) == 2:
         click.echo(f"packaged/original latency ratio: {results[1].p50_ms / results[0].p50_ms:.2f}x, "
                    f"size ratio: {results[0].bytes / results[1].bytes:.2f}x smaller")

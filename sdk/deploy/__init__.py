@@ -11,7 +11,7 @@
 """
 
 from sdk.deploy.device import parse_model_ref, send_command, send_rollback, serving_model
-from sdk.deploy.messaging import DeployError, make_command
+from sdk.deploy.messaging import make_command
 from sdk.deploy.orchestrator import (
     COMMAND_TTL_S,
     DEFAULT_CHUNK,
@@ -26,7 +26,7 @@ from sdk.deploy.sender import XferSender
 from sdk.deploy.server import ArtifactServer, parse_range
 
 __all__ = [
-    "COMMAND_TTL_S", "DEFAULT_CHUNK", "ArtifactServer", "DeployError", "DeployOptions", "DeployResult", "DeviceJob",
+    "COMMAND_TTL_S", "DEFAULT_CHUNK", "ArtifactServer", "DeployOptions", "DeployResult", "DeviceJob",
     "JobBoard", "WaveVerdict", "XferSender", "deploy", "group_members", "make_command", "parse_model_ref",
     "parse_range", "plan_waves", "send_command", "send_rollback", "serving_model", "sha256_file", "wave_verdict",
 ]

@@ -22,7 +22,8 @@ from edgepack_core.protocol.messages import JobEvent
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey
 from sdk.broker import BrokerOptions
-from sdk.deploy.messaging import DeployError, command_messages, listen_for_jobs, make_command, publish_acknowledged
+from sdk.deploy.messaging import command_messages, listen_for_jobs, make_command, publish_acknowledged
+from sdk.errors import DeployError
 
 DEVICE_COMMAND_TTL_S = 300.0
 

@@ -19,7 +19,7 @@ import hashlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,10 +32,11 @@ from edgepack_core.protocol.messages import JobEvent
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey, TrustStore
 from sdk.broker import BrokerOptions
-from sdk.deploy.messaging import DeployError, command_messages, listen_for_jobs, make_command, publish_acknowledged
+from sdk.deploy.messaging import command_messages, listen_for_jobs, make_command, publish_acknowledged
 from sdk.deploy.policy import DeviceJob, JobBoard, WaveVerdict, all_active, plan_waves, wave_verdict
 from sdk.deploy.sender import XferSender
 from sdk.deploy.server import ArtifactServer
+from sdk.errors import DeployError
 from sdk.fleet import collect
 from sdk.inspect import read_unverified_for_display
 
@@ -105,7 +106,7 @@ def group_members(broker: BrokerOptions, group: str, wait_s: float = 2.0) -> lis
     return sorted(r.device for r in view.rows(time.time()) if group in r.groups and r.status == "online")
 
 
-def _manifest(options: DeployOptions) -> dict[str, Any]:
+def _manifest(options: DeployOptions) -> Mapping[str, Any]:
     if options.trust is not None:
         return verify_artifact(options.artifact, options.trust).manifest.raw
     return read_unverified_for_display(options.artifact).manifest
@@ -183,7 +184,7 @@ class _Rollout:
                 self.changed.wait(min(remaining, 0.5))
 
 
-def _fields(options: DeployOptions, manifest: dict[str, Any], sha: str) -> dict[str, Any]:
+def _fields(options: DeployOptions, manifest: Mapping[str, Any], sha: str) -> dict[str, Any]:
     return {"name": manifest["name"], "version": manifest["version"], "size": options.artifact.stat().st_size,
             "sha256": sha, "force_downgrade": options.force_downgrade or None,
             "health_window_s": options.health_window_s,

@@ -51,6 +51,7 @@ class ArtifactServer(ThreadingHTTPServer):
 
     def __init__(self, artifact: Path, sha256: str, host: str = "127.0.0.1", port: int = 0) -> None:
         self.artifact = artifact
+        self.host = host
         self.path_name = f"/{sha256}.edgepkg"
         self.size = artifact.stat().st_size
         super().__init__((host, port), _ArtifactHandler)
@@ -58,8 +59,7 @@ class ArtifactServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}{self.path_name}"
+        return f"http://{self.host}:{self.server_port}{self.path_name}"
 
     def stop(self) -> None:
         self.shutdown()

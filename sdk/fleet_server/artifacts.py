@@ -120,7 +120,11 @@ class Upload:
         handle = self._handle
         assert handle is not None
         try:
-            _guard_space(lambda: (handle.flush(), os.fsync(handle.fileno())), self.discard)
+            def flush_to_disk() -> None:
+                handle.flush()
+                os.fsync(handle.fileno())
+
+            _guard_space(flush_to_disk, self.discard)
         finally:
             handle.close()
             self._handle = None

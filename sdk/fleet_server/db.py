@@ -40,7 +40,7 @@ from sqlalchemy import (
     event,
     select,
 )
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from sdk.errors import FleetServerError, ServerConfigError
@@ -313,7 +313,7 @@ class Database:
         parsed = make_url(self.url)
         self.dialect = parsed.get_backend_name()
         if self.dialect == "sqlite":
-            Path(parsed.database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+            _database_file(parsed).resolve().parent.mkdir(parents=True, exist_ok=True)
             self.engine: Engine = create_engine(self.url, connect_args={"check_same_thread": False, "timeout": 10},
                                                 pool_size=pool_size, max_overflow=8)
             event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -343,11 +343,9 @@ class Database:
 
     def insert(self, table: Table) -> Any:
         """The dialect's INSERT, which has ``on_conflict_do_nothing`` / ``on_conflict_do_update``."""
-        if self.is_sqlite:
-            from sqlalchemy.dialects.sqlite import insert
-        else:
-            from sqlalchemy.dialects.postgresql import insert
-        return insert(table)
+        from sqlalchemy.dialects import postgresql, sqlite
+
+        return sqlite.insert(table) if self.is_sqlite else postgresql.insert(table)
 
     def insert_new(self, connection: Connection, table: Table, values: dict[str, Any]) -> bool:
         """Insert one row unless its key (or a unique constraint) exists; True if it was new.
@@ -399,7 +397,14 @@ def is_disk_full(err: BaseException) -> bool:
 def sqlite_file(url: str) -> Path | None:
     """The file of a ``sqlite:///`` URL (None for other databases)."""
     parsed = make_url(normalise_url(url))
-    return Path(parsed.database).expanduser() if parsed.get_backend_name() == "sqlite" else None
+    return _database_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+
+
+def _database_file(parsed: URL) -> Path:
+    """The file of a SQLite URL (:func:`normalise_url` refuses one without a file)."""
+    if not parsed.database:
+        raise ServerConfigError("--db: an in-memory SQLite database would lose everything; give a file")
+    return Path(parsed.database).expanduser()
 
 
 def has_fleet_schema(database: Database) -> bool:

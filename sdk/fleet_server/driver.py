@@ -313,7 +313,7 @@ class Driver:
         if step.kind == "send":
             self._send_wave(row, step, now)
             return
-        after = transition(rollout, step.kind, now, step.reason)  # type: ignore[arg-type]  # the step names the event
+        after = transition(rollout, step.kind, now, step.reason)  # the step names the event
         published: list[dict[str, Any]] = []
         with self.database.write() as connection:
             if not save_rollout(connection, row, after, now):

@@ -243,6 +243,12 @@ def next_step(rollout: Rollout, devices: Sequence[DeviceStatus], now: float) -> 
         return failure(rollout, devices, f"{label} failed: {why}{verdict.reason}")
     if verdict.outcome == "pending":
         return Step("wait")
+    return _after_jobs(rollout, devices, wave, label, now)
+
+
+def _after_jobs(rollout: Rollout, devices: Sequence[DeviceStatus], wave: Sequence[DeviceStatus], label: str,
+                now: float) -> Step:
+    """The step of a running wave whose jobs passed their gate: soak, then advance or succeed."""
     if rollout.soak_started_at is None:
         return Step("soak")
     unhealthy = soak_verdict(wave, rollout.gates)

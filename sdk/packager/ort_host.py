@@ -36,11 +36,10 @@ except ImportError:  # not on Windows
     fcntl = None  # type: ignore[assignment]
 
 from sdk.errors import BuildError, OrtCrashError
-from sdk.packager.ort_worker import ort_message, read_message, write_message
+from sdk.packager.ort_worker import read_message, write_message
 
-__all__ = ["ModelIO", "OrtCrashError", "OrtWorker", "call_in_worker", "describe", "in_pass",
-           "measure_latency", "optimize_offline", "ort_message", "prestart", "release_sessions", "run_feeds",
-           "set_verbose", "shutdown", "worker"]
+__all__ = ["ModelIO", "OrtWorker", "call_in_worker", "describe", "in_pass", "measure_latency", "optimize_offline",
+           "prestart", "release_sessions", "run_feeds", "set_verbose", "shutdown", "worker"]
 
 _PASS: contextvars.ContextVar[str] = contextvars.ContextVar("edgepack_ort_pass", default="onnxruntime")
 _MODEL: contextvars.ContextVar[str] = contextvars.ContextVar("edgepack_ort_model", default="")

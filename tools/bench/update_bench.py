@@ -27,7 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from edgepack_core.mqtt_transport import Incoming, MqttSettings, MqttTransport  # noqa: E402
+from edgepack_core.mqtt_settings import MqttSettings  # noqa: E402
+from edgepack_core.mqtt_transport import Incoming, MqttTransport  # noqa: E402
 from edgepack_core.protocol.messages import parse_job_event  # noqa: E402
 from edgepack_core.protocol.topics import Topics  # noqa: E402
 from sdk.broker import BrokerOptions  # noqa: E402

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from edgepack_core.errors import RuntimeTooOld
 from edgepack_core.ort_compat import (
     DEFAULT_DOMAIN,
     GUARANTEED_MIN_OPSET,
     SUPPORTED_DOMAINS,
-    RuntimeTooOld,
     normalize_domain,
     unsupported_domains,
 )

@@ -44,13 +44,13 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from edgepack_core.targets import CPU, PROFILES
-from sdk.errors import BuildError, RecipeError
+from sdk.errors import BuildError, OrtCrashError, RecipeError
 from sdk.packager import quant_search as plan
 from sdk.packager import quant_sensitivity as sensitivity
 from sdk.packager.data import Samples, carried_feeds, context_options, load_samples, synthetic_samples
 from sdk.packager.onnx_graph import default_opset
 from sdk.packager.options import given, option
-from sdk.packager.ort_host import OrtCrashError, call_in_worker, measure_latency
+from sdk.packager.ort_host import call_in_worker, measure_latency
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.fp16 import FP16_MAX, _to_fp16_graph  # the fp16 pass's own conversion
 from sdk.packager.passes.validate import checked_outputs, judge, state_report

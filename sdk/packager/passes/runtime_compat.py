@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto, helper
 
+from edgepack_core.errors import RuntimeTooOld
 from edgepack_core.ort_compat import (
     DEFAULT_DOMAIN,
     ML_DOMAIN,
     RuntimeRow,
-    RuntimeTooOld,
     format_version,
     ort_format_version,
     parse_version,
