@@ -2,7 +2,7 @@
 inference service with hot-swap.
 
 Hot path: ``InferenceService.predict_tensors`` validates names, dtypes and shapes against
-tables computed once at load time, then calls ``session.run(output_names, feed)`` directly
+tables computed once at load time, then calls ``session.run(output_names, feed, run_options)`` directly
 (the plain ``run`` costs 6-8 µs per call here; the Python wrapper of ``run_with_ort_values``
 costs ~48 µs, so it is not used). Each request takes a reference to the model that is active
 when it starts and finishes on it; ``swap`` replaces that reference atomically, so requests in
@@ -74,6 +74,10 @@ class LoadedModel:
     warmup_s: float | None = None
     # Where the provider keeps its compiled engine/model (None: nothing to keep).
     cache_dir: Path | None = None
+    # onnxruntime's RunOptions for every call: its own log of a failed kernel off (the error is
+    # raised with the same text and judged by run_failures.py), so a client's wrong-size input
+    # writes no log line and the CLI's error stays one line. None (tests' fake sessions): defaults.
+    run_options: Any = None
 
     @property
     def init_state(self) -> dict[str, np.ndarray]:
@@ -100,7 +104,7 @@ class LoadedModel:
             feed = {**self.init_state, **feed}
         if self.constants:
             feed = {**feed, **self.constants}
-        return dict(zip(self.output_names, self.session.run(self.output_names, feed), strict=True))
+        return dict(zip(self.output_names, self.session.run(self.output_names, feed, self.run_options), strict=True))
 
     def describe(self) -> dict[str, Any]:
         """The model and the provider really serving it, each fallback with its reason
@@ -169,6 +173,13 @@ def engine_cache_dir(root: Path, manifest: Manifest, ort_version: str) -> Path:
 
     caches = root.parent.parent / "cache" if root.parent.name == "models" else root.parent / "cache"
     return caches / root.name / cache_key(manifest.model_sha256, ort_version, this_device())
+
+
+def quiet_run_options(ort: Any) -> Any:
+    """RunOptions that keep onnxruntime's own log of a failed run quiet (fatal only)."""
+    options = ort.RunOptions()
+    options.log_severity_level = 4
+    return options
 
 
 def _zeros_feed(model: LoadedModel) -> dict[str, np.ndarray]:
@@ -243,7 +254,7 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
                      if t.name not in constants and t.name not in states},
         constants=constants, states=states,
         non_finite_inputs=frozenset(s["name"] for s in manifest.raw["inputs"] if s.get("allow_non_finite")),
-        cache_dir=cache_dir,
+        cache_dir=cache_dir, run_options=quiet_run_options(ort),
     )
     ready: list[LoadedModel] = []
 
@@ -398,12 +409,12 @@ class InferenceService:
         state inputs fed from ``stream`` (or init) and carried from run to run."""
         names = model.output_names
         if not model.states and not isinstance(feed, Frames):
-            return model.session.run(names, {**feed, **model.constants} if model.constants else feed)
+            return model.session.run(names, {**feed, **model.constants} if model.constants else feed, model.run_options)
         feeds = feed.feeds() if isinstance(feed, Frames) else [feed]
         runs = []
         with self.streams.hold(stream, model.manifest.model_sha256, model.init_state) as state:
             for one in feeds:
-                values = model.session.run(names, {**one, **state, **model.constants})
+                values = model.session.run(names, {**one, **state, **model.constants}, model.run_options)
                 outputs = dict(zip(names, values, strict=True))
                 for input_name, (output_name, _) in model.states.items():
                     state[input_name] = outputs[output_name]
@@ -465,7 +476,7 @@ class InferenceService:
             raise
         started = time.perf_counter()
         call = {**feed, **model.constants} if model.constants else dict(feed)
-        values = self._session_call(model, lambda: model.session.run(model.output_names, call), feed)
+        values = self._session_call(model, lambda: model.session.run(model.output_names, call, model.run_options), feed)
         elapsed = time.perf_counter() - started
         count = len(items)
         if any(np.ndim(v) == 0 or v.shape[0] != count for v in values):

@@ -77,9 +77,9 @@ class CountingSession:
         self.session = session
         self.batches: list[int] = []
 
-    def run(self, names: list[str], feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, names: list[str], feed: dict[str, np.ndarray], *options: Any) -> list[np.ndarray]:
         self.batches.append(next(iter(feed.values())).shape[0])
-        return self.session.run(names, feed)
+        return self.session.run(names, feed, *options)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.session, name)

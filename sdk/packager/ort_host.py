@@ -351,13 +351,15 @@ def measure_latency(model: bytes | str, feed: dict[str, np.ndarray], *, runs: in
     return times
 
 
-def optimize_offline(model_bytes: bytes, level: str, *, label: str | None = None) -> bytes:
+def optimize_offline(model_bytes: bytes, level: str, *, label: str | None = None,
+                     disabled: tuple[str, ...] = ()) -> bytes:
     """onnxruntime's offline graph optimization (level disable|basic|extended|all), run in the
-    worker; the optimized model's bytes. Failures raise BuildError for the current pass."""
+    worker, without the optimizers named in ``disabled`` (``ConstantFolding``); the optimized
+    model's bytes. Failures raise BuildError for the current pass."""
     key = hashlib.sha256(model_bytes).hexdigest()
     name = _model_label(key, label)
-    optimized: bytes = worker().call({"op": "optimize", "model": model_bytes, "level": level}, model=name,
-                                     doing="graph optimization")
+    request = {"op": "optimize", "model": model_bytes, "level": level, "disabled": list(disabled)}
+    optimized: bytes = worker().call(request, model=name, doing="graph optimization")
     return optimized
 
 

@@ -286,9 +286,11 @@ class Worker:
         with tempfile.TemporaryDirectory(prefix="edgepack-ort-opt-") as folder:
             target = Path(folder) / "optimized.onnx"
             options.optimized_model_filepath = str(target)
+            workarounds = session_workarounds(request["model"])
+            disabled = sorted({*workarounds.pop("disabled_optimizers", ()), *request.get("disabled", ())})
             try:
                 ort.InferenceSession(request["model"], options, providers=["CPUExecutionProvider"],
-                                     **session_workarounds(request["model"]))
+                                     **workarounds, **({"disabled_optimizers": disabled} if disabled else {}))
             except Exception as err:
                 return ("error", "ort", ort_message(err))
             return ("ok", target.read_bytes())

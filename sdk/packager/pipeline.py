@@ -35,6 +35,7 @@ from sdk.packager.passes import (  # noqa: F401  isort: skip
     opset, ort_format, ort_optimize, preprocess_graph, quantize, runtime_compat, shape_inference, target_report,
     validate,
 )
+from sdk.packager.passes import artifact_size, precision  # noqa: F401  isort: skip
 
 MODEL_MEMBER = "model/model.onnx"
 
@@ -61,6 +62,8 @@ PIPELINE: list[str] = [
     "golden",
     "ort_format",
     "runtime_compat",
+    "precision",
+    "artifact_size",
 ]
 
 
@@ -120,6 +123,8 @@ def run_passes(ctx: BuildContext, names: list[str] | None = None) -> None:
         with ort_host.in_pass(name, model=model_name):  # names the pass in onnxruntime crash messages
             step.run(ctx)
         timings[name] = round(time.perf_counter() - started, 3)
+        if ctx.model is not None:  # artifact_size names the passes that grew the model
+            ctx.model_sizes[name] = ctx.model.ByteSize()
     ctx.report["timings_s"] = timings
 
 

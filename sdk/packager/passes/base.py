@@ -23,6 +23,7 @@ from edgepack_core.manifest import TensorSpec
 from edgepack_core.postprocess_spec import PostprocessSpec
 from edgepack_core.preprocess_spec import PreprocessSpec
 from sdk.packager.ort_worker import holds_float16
+from sdk.packager.quant_facts import quant_facts
 
 if TYPE_CHECKING:  # sdk.recipe imports the passes for their options; the results are the passes' own types
     from sdk.packager.passes.golden import GoldenSet
@@ -52,7 +53,9 @@ class BuildContext:
     - ``runtime``: opsets and the minimum onnxruntime of the final graph (runtime_compat);
     - ``original``: the reference validation compares with: the model as loaded, its
       initializers constant (load) and its inputs shaped as the recipe says (shape_inference),
-      so onnxruntime computes it as it computes the packaged form.
+      so onnxruntime computes it as it computes the packaged form;
+    - ``model_sizes``: the model's bytes after each pass that ran (the pipeline), which
+      artifact_size names when the model grew.
     """
 
     recipe: Recipe
@@ -71,6 +74,7 @@ class BuildContext:
     golden: GoldenSet | None = None
     runtime: RuntimeRequirement | None = None
     report: dict[str, Any] = field(default_factory=dict)
+    model_sizes: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def warn(self, message: str) -> None:
@@ -88,11 +92,14 @@ class BuildContext:
     def precision(self) -> str:
         """What the model computes in: the lossy pass that changed it says so (``int8``,
         ``fp16``); otherwise ``fp16`` when the graph itself holds float16 (a model exported in
-        fp16, or with float16 parts) and ``fp32`` else. The manifest records it, the agent picks
-        its session options by it, and golden tolerances widen for it."""
+        fp16, or with float16 parts) and ``fp32`` else; ``int8`` for a model that came quantized
+        (``quant_facts``: QDQ, QLinear*, *Integer, DynamicQuantize*, Cast of int8 weights). The
+        manifest records it, the agent picks its session options by it, and golden tolerances
+        widen for it."""
         if self.lossy is not None:
             return self.lossy
-        return "fp16" if holds_float16(self.require_model()) else "fp32"
+        model = self.require_model()
+        return quant_facts(model).precision or ("fp16" if holds_float16(model) else "fp32")
 
     def new_tempdir(self, prefix: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=prefix, dir=self.workdir))

@@ -12,8 +12,10 @@ import onnx
 from edgepack_core.manifest import TensorSpec
 from sdk.errors import BuildError
 from sdk.packager import ort_host
+from sdk.packager.data import Feed
 from sdk.packager.onnx_graph import prune_opset_imports
 from sdk.packager.passes.base import BuildContext, Pass, model_label, register
+from sdk.packager.quant_facts import int8_weight_bytes
 from sdk.packager.self_check import MADE_UP, check_feeds
 
 # Targets whose providers share one CPU family, so "extended" offline optimizations (fusions
@@ -54,22 +56,43 @@ class OrtOptimizePass(Pass):
         level = self.level(ctx)
         model = ctx.require_model()
         before = len(model.graph.node)
-        label = model_label(ctx)
         report: dict[str, Any] = {"level": level, "nodes_before": before}
-        try:
-            optimized = onnx.load_from_string(ort_host.optimize_offline(ctx.model_bytes(), level, label=label))
-        except BuildError as err:  # the optimizer failed (or crashed): the graph itself may still run
-            problem: str | None = f"onnxruntime's optimizer failed: {err.problem}"
-        else:
-            prune_opset_imports(optimized)
-            feeds, report["checked_on"] = check_feeds(ctx, CHECK_SAMPLES, _made_up(ctx.inputs))
-            problem = check_optimized(model, optimized, ctx.inputs, feeds, report["checked_on"])
-        if problem is not None:
+        feeds = check_feeds(ctx, CHECK_SAMPLES, _made_up(ctx.inputs))
+        report["checked_on"] = feeds[1]
+        optimized, problem = self._optimize(ctx, level, (), feeds)
+        if optimized is not None and problem is None and folds_quantized_weights(model, optimized):
+            # Constant folding made float weights of int8 ones (Cast/Mul of an int8 initializer):
+            # 4x the bytes and no longer int8. Optimize again without it; the device's
+            # onnxruntime may still fold them in memory when it loads the model, the file stays small.
+            optimized, problem = self._optimize(ctx, level, (CONSTANT_FOLDING,), feeds)
+            report["quantized_weights_kept"] = True
+            report["disabled"] = [CONSTANT_FOLDING]
+        if problem is not None or optimized is None:
             ctx.warn(f"ort_optimize: kept the unoptimized graph: {problem}")
             ctx.report[self.name] = {**report, "applied": False, "reason": problem}
             return
         ctx.model = optimized
         ctx.report[self.name] = {**report, "applied": True, "nodes_after": len(optimized.graph.node)}
+
+    @staticmethod
+    def _optimize(ctx: BuildContext, level: str, disabled: tuple[str, ...], feeds: tuple[list[Feed], str]
+                  ) -> tuple[onnx.ModelProto | None, str | None]:
+        """The optimized graph and why it must not ship (None when proven)."""
+        try:
+            optimized = onnx.load_from_string(ort_host.optimize_offline(ctx.model_bytes(), level,
+                                                                        label=model_label(ctx), disabled=disabled))
+        except BuildError as err:  # the optimizer failed (or crashed): the graph itself may still run
+            return None, f"onnxruntime's optimizer failed: {err.problem}"
+        prune_opset_imports(optimized)
+        return optimized, check_optimized(ctx.require_model(), optimized, ctx.inputs, *feeds)
+
+
+CONSTANT_FOLDING = "ConstantFolding"
+
+
+def folds_quantized_weights(original: onnx.ModelProto, optimized: onnx.ModelProto) -> bool:
+    """Whether the optimizer turned int8 weights into float ones: fewer int8 weight bytes after."""
+    return int8_weight_bytes(optimized) < int8_weight_bytes(original)
 
 
 # The optimizer's result must reproduce its input graph on made-up inputs within these bounds
@@ -129,7 +152,7 @@ def outputs_differ(reference: dict[str, np.ndarray], candidate: dict[str, np.nda
     return None
 
 
-def _made_up(inputs: list[TensorSpec]) -> list[dict[str, np.ndarray]]:
+def _made_up(inputs: list[TensorSpec]) -> list[Feed]:
     """Made-up feeds, or none when numpy cannot make one (bfloat16): the check then says so."""
     try:
         return probe_feeds(inputs, CHECK_SAMPLES)

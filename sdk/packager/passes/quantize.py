@@ -54,6 +54,7 @@ from sdk.packager.ort_host import call_in_worker, measure_latency
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.fp16 import FP16_MAX, _to_fp16_graph  # the fp16 pass's own conversion
 from sdk.packager.passes.validate import checked_outputs, judge, state_report
+from sdk.packager.quant_facts import quant_facts
 from sdk.packager.quant_search import Candidate, QuantConfig
 from sdk.packager.sequences import calibration_feeds, run_samples
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
@@ -356,6 +357,16 @@ class QuantizePass(Pass):
         return plan.preset_for_targets(ctx.recipe.targets, read_cpu_flags())
 
     def run(self, ctx: BuildContext) -> None:
+        facts = quant_facts(ctx.require_model())
+        if facts.precision is not None:  # quantizing a quantized graph again adds error, never speed
+            nodes = ", ".join(f"{count} {op}" for op, count in facts.int8_nodes.items())
+            reason = f"the model is already quantized ({nodes}); it is not quantized again"
+            ctx.warn(f"quantize: {reason}")
+            ctx.report[self.name] = {"applied": False, "already_quantized": True, "reason": reason}
+            return
+        self._search(ctx)
+
+    def _search(self, ctx: BuildContext) -> None:
         options = ctx.recipe.quantize
         preset, preset_why = self._preset(ctx, options)
         config = base_config(options, preset)

@@ -31,6 +31,7 @@ from sdk.packager.data import Samples, context_options, load_samples
 from sdk.packager.fidelity import check_fidelity, compare
 from sdk.packager.options import given, option
 from sdk.packager.passes.base import BuildContext, Pass, register
+from sdk.packager.passes.io_spec import settle_apply_softmax
 from sdk.packager.sequences import run_samples
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 from sdk.packager.task_metrics import DetectionDecoder, Detections, Evaluation, MetricInputError, evaluate, task_metric
@@ -210,6 +211,7 @@ class ValidatePass(Pass):
         samples, kind = self._samples(ctx, options)
         assert ctx.original is not None
         reference = run_samples(ctx.original.SerializeToString(), samples)
+        settle_apply_softmax(ctx, reference)
         candidate = run_samples(ctx.model_bytes(), samples)
         precision = ctx.lossy or "fp32"
         lossless = ctx.lossy is None
