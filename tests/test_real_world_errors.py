@@ -297,3 +297,18 @@ def test_at_most_four_mismatched_dims_are_named():
     five = judge_run_failure("e", {"x": (9, 9, 9, 9, 9)}, declared, ())
     assert four.message.count("got 9") == 4 and five.message.count("got 9") == 4
     assert "index 3 got 9" in five.message and "index 4" not in five.message
+
+
+def test_a_typed_image_to_an_audio_model_names_audio_wav_as_http_does(built, tmp_path):
+    """A library caller's typed image to an audio model is worded as HTTP's 415 (it used to say
+    "this model takes tensors")."""
+    from device_agent.prediction import EncodedImage, PredictRequest
+
+    with pytest.raises(BadRequest) as caught:
+        InferenceService(built[2]["audio"]).predict(
+            PredictRequest(EncodedImage(png(tmp_path / "a.png", 8).read_bytes()))
+        )
+    assert caught.value.http_status == 415
+    assert str(caught.value) == (
+        "this model does not take image/*: send application/json, application/x-npy, application/x-npz, audio/wav"
+    )
