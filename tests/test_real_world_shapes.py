@@ -153,18 +153,26 @@ def test_logits_still_get_their_softmax(tmp_path, keypair):
 
 
 @pytest.mark.parametrize("make", [shapes.handwritten_softmax_classifier, shapes.reciprocal_softmax_classifier])
-def test_an_explicit_apply_softmax_true_on_a_distribution_is_refused_naming_the_output(tmp_path, keypair, make):
+@pytest.mark.parametrize(
+    ("post", "key"),
+    [
+        ({"kind": "topk", "k": 1, "apply_softmax": True}, "postprocess.apply_softmax"),
+        ({"kind": "softmax"}, "postprocess.kind"),
+    ],
+)
+def test_an_explicit_softmax_on_a_distribution_is_refused_naming_the_output(tmp_path, keypair, make, post, key):
     rng = np.random.default_rng(5)
-    result, _ = _build(
-        tmp_path,
-        make(),
-        {"x": rng.standard_normal((4, 1, 8)).astype(np.float32)},
-        {"kind": "topk", "k": 1, "apply_softmax": True},
-        keypair,
-    )
+    result, _ = _build(tmp_path, make(), {"x": rng.standard_normal((4, 1, 8)).astype(np.float32)}, post, keypair)
     assert result.returncode == 2  # a recipe error
     assert result.stderr.strip().count("\n") == 0 and "output probs" in result.stderr
-    assert "postprocess.apply_softmax" in result.stderr and "already a probability distribution" in result.stderr
+    assert key in result.stderr and "already a probability distribution" in result.stderr
+
+
+def test_kind_softmax_on_logits_still_builds(tmp_path, keypair):
+    rng = np.random.default_rng(6)
+    data = {"x": rng.standard_normal((4, 1, 8)).astype(np.float32)}
+    result, _ = _build(tmp_path, shapes.logits_classifier(), data, {"kind": "softmax"}, keypair)
+    assert result.returncode == 0, result.stderr
 
 
 def test_a_distribution_sums_to_1_within_the_tolerance_and_no_further():

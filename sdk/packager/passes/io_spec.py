@@ -32,23 +32,36 @@ def _graph_decision(output: str, found: Producer | None) -> tuple[bool, str]:
     return False, f"output {output} comes from {found.pattern} node {found.node}: scores are its {what}"
 
 
+def second_softmax(post: PostprocessSpec, output: str, evidence: str, recipe: str) -> RecipeError:
+    """The one-line refusal of a softmax over an output that already is a distribution."""
+    if post.kind == "softmax":
+        key, what = "postprocess.kind", "is softmax"
+        remedy = "use kind: topk (it keeps the model's probabilities) or raw"
+    else:
+        key, what, remedy = "postprocess.apply_softmax", "is true", "leave apply_softmax out"
+    return RecipeError(key, f"{what} but output {output} is already a probability distribution ({evidence}): a "
+                       f"second softmax would flatten it; {remedy}", recipe=recipe)
+
+
 def resolve_apply_softmax(
     model: onnx.ModelProto, post: PostprocessSpec, recipe: str = "recipe"
 ) -> tuple[PostprocessSpec, dict[str, Any] | None]:
-    """topk/ctc: ``post`` with ``apply_softmax`` resolved, and why (for the report).
+    """topk/ctc: ``post`` with ``apply_softmax`` resolved, and why (for the report); softmax:
+    refused on an output the graph already normalises.
 
     Why: a classifier whose graph already computes probabilities (Softmax, or one written out
     as Exp/ReduceSum/Div) scored by a second softmax reports 0.0126 where the model says 0.9999.
     An explicit ``true`` on such an output is refused; the validate pass settles what no graph
     pattern names from the outputs themselves (:func:`settle_apply_softmax`)."""
-    if post.kind not in ("topk", "ctc"):
+    if post.kind not in ("topk", "ctc", "softmax"):
         return post, None
     output = post.output or model.graph.output[0].name
     found = producer(model, output)
-    if post.apply_softmax is True and found is not None and found.kind == "distribution":
-        raise RecipeError("postprocess.apply_softmax", f"is true but output {output} is already a probability "
-                          f"distribution ({found.pattern} node {found.node}): a second softmax would flatten it; "
-                          "leave apply_softmax out", recipe=recipe)
+    forced = post.kind == "softmax" or post.apply_softmax is True
+    if forced and found is not None and found.kind == "distribution":
+        raise second_softmax(post, output, f"{found.pattern} node {found.node}", recipe)
+    if post.kind == "softmax":
+        return post, None
     if post.apply_softmax is not None:
         return post, {"value": post.apply_softmax, "output": output, "why": "set in the recipe"}
     value, why = _graph_decision(output, found)
@@ -60,15 +73,13 @@ def settle_apply_softmax(ctx: BuildContext, outputs: Sequence[Mapping[str, np.nd
     (non-negative, each row summing to 1 along the class axis) gets no second softmax; an
     explicit ``apply_softmax: true`` on it is refused naming the output."""
     post = ctx.postprocess
-    if post.kind not in ("topk", "ctc") or post.apply_softmax is False or not ctx.outputs:
+    if post.kind not in ("topk", "ctc", "softmax") or post.apply_softmax is False or not ctx.outputs:
         return
     output = post.output or ctx.outputs[0].name
     if not is_distribution([sample[output] for sample in outputs if output in sample]):
         return
-    if ctx.recipe.postprocess.apply_softmax is True:
-        raise RecipeError("postprocess.apply_softmax", f"is true but output {output} is already a probability "
-                          "distribution on the validation data (non-negative, rows sum to 1): a second softmax "
-                          "would flatten it; leave apply_softmax out", recipe=str(ctx.recipe.path))
+    if post.kind == "softmax" or ctx.recipe.postprocess.apply_softmax is True:
+        raise second_softmax(post, output, "on the validation data: non-negative, rows sum to 1", str(ctx.recipe.path))
     if producer(ctx.require_model(), output) is not None:  # LogSoftmax: log-probabilities, never rows of 1
         return
     ctx.postprocess = replace(post, apply_softmax=False)
