@@ -167,6 +167,23 @@ def judge(ctx: BuildContext, options: ValidateOptions, reference: Sequence[Mappi
                           recipe=str(ctx.recipe.path)) from err
 
 
+def reference_note(ctx: BuildContext) -> dict[str, Any]:
+    """How the reference differs from the file the user gave, for the report: initializers it
+    listed as inputs held constant (as packaged: onnxruntime then folds BatchNorm and constants
+    at load in both), and input dims the recipe opened. Empty when it is the file as given."""
+    note: dict[str, Any] = {}
+    dropped = ctx.report.get("load", {}).get("initializer_inputs_dropped", 0)
+    if dropped:
+        note["initializer_inputs_constant"] = dropped
+        note["why"] = ("the original listed initializers as graph inputs; the packaged model holds them "
+                       "constant, so onnxruntime folds BatchNorm and constants at load in it: the reference "
+                       "holds them constant too, so like is compared with like")
+    opened = ctx.report.get("shape_inference", {}).get("opened")
+    if opened:
+        note["opened_dims"] = opened
+    return note
+
+
 @register
 class ValidatePass(Pass):
     name = "validate"
@@ -200,6 +217,9 @@ class ValidatePass(Pass):
         lossless = ctx.lossy is None
         result = compare(reference, candidate, output=ctx.postprocess.output, labels=samples.labels)
         report: dict[str, Any] = {**result.to_json(), "precision": precision, "source": kind, **state_report(samples)}
+        note = reference_note(ctx)
+        if note:
+            report["reference"] = note
         failures: list[tuple[str, float, float, str]] = []
         summaries: list[str] = []
         if lossless:
