@@ -13,7 +13,7 @@ import numpy as np
 
 from device_agent.errors import BadRequest
 from device_agent.http import bodies
-from device_agent.http.negotiation import body_kind
+from device_agent.http.negotiation import body_kind, unsupported_media
 from device_agent.prediction import Array, Audio, EncodedImage, Input, Tensors
 from device_agent.smoke import shape_matches
 from edgepack_core.errors import PreprocessError
@@ -86,7 +86,7 @@ def input_feed(model: LoadedModel, value: Input) -> Mapping[str, np.ndarray]:
 
 def _image(model: LoadedModel, data: bytes | np.ndarray, header: Any = None) -> ImageFeed:
     if model.image_input is None:
-        raise BadRequest("unsupported_media", "this model takes tensors: send .npy/.npz or JSON", http_status=415)
+        raise unsupported_media("image/*", image_model=False, audio_model=model.audio_input is not None)
     try:
         return ImageFeed(model.image_input, *model.preprocessor.image_with_geometry(data, opened=header))
     except PreprocessError as err:
@@ -96,7 +96,7 @@ def _image(model: LoadedModel, data: bytes | np.ndarray, header: Any = None) -> 
 def _frames(model: LoadedModel, data: bytes) -> Frames:
     name = model.audio_input
     if name is None:
-        raise BadRequest("unsupported_media", "this model takes no audio", http_status=415)
+        raise unsupported_media("audio/wav", image_model=model.image_input is not None, audio_model=False)
     try:
         return Frames(name, model.preprocessor.from_audio_bytes(data))
     except PreprocessError as err:

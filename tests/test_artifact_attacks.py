@@ -287,19 +287,18 @@ def test_upgrade_is_accepted_and_versions_order_semver():
 
 # --------------------------------------------------------------------------- bounded header parser
 
-from edgepack_core.artifact import (  # noqa: E402
+from edgepack_core.artifact import check_member_header, check_total  # noqa: E402
+from edgepack_core.errors import SignatureError  # noqa: E402
+from edgepack_core.manifest import Manifest, parse_manifest  # noqa: E402
+from edgepack_core.tar_headers import (  # noqa: E402
     MAX_EXTENDED_HEADER_BYTES,
     MAX_TRAILING_PADDING,
     MemberHeader,
     check_extended_header,
-    check_member_header,
-    check_total,
     parse_header,
     parse_pax_records,
     pax_fields,
 )
-from edgepack_core.errors import SignatureError  # noqa: E402
-from edgepack_core.manifest import Manifest, parse_manifest  # noqa: E402
 
 
 def _manifest_with(files: dict[str, bytes]):
@@ -488,7 +487,7 @@ def test_member_after_a_lone_zero_block_is_refused(good, trust, tmp_path):
 # Each refusal is checked by its whole message and each field by its exact bytes, so that a rule
 # that changes (a bound off by one, a field read from the wrong offset) fails a test.
 
-from edgepack_core.artifact import _octal, _text  # noqa: E402
+from edgepack_core.tar_headers import _octal, _text  # noqa: E402
 
 
 def _message(call, *args) -> str:

@@ -24,15 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edgepack_core.artifact import (
-    BLOCK,
-    check_gzip_header,
-    check_writer_fields,
-    extract_artifact,
-    pax_record,
-    verify_artifact,
-    writer_fields,
-)
+from edgepack_core.artifact import check_gzip_header, extract_artifact, verify_artifact
 from edgepack_core.errors import ArtifactError, SignatureLayoutError, UnsignedBytesError
 from edgepack_core.manifest import MANIFEST_NAME, SIGNATURE_NAME
 from edgepack_core.signing import (
@@ -42,6 +34,7 @@ from edgepack_core.signing import (
     generate_private_key,
     signature_document,
 )
+from edgepack_core.tar_headers import BLOCK, check_writer_fields, pax_record, writer_fields
 from sdk.artifact_writer import write_artifact
 
 MODEL = b"\x08\x07fake-onnx-model-bytes" * 10  # 210 bytes: 302 bytes of padding follow

@@ -277,3 +277,38 @@ def test_wrong_size_images_in_a_health_window_do_not_roll_back_the_release(built
     assert (window.model_errors, window.contract_errors, window.contract_clients) == (0, 10, 1)
     verdict = judge(window, traffic_between(before, before), Probes(), HealthPolicy(min_requests=20))
     assert verdict.healthy, verdict.reason
+
+
+def test_a_wrong_width_tensor_on_the_v2_infer_endpoint_is_a_400_with_the_useful_part(built):
+    service = InferenceService(built[2]["wide"])
+    body = {"inputs": [{"name": "x", "shape": [1, 1, 32, 37], "datatype": "FP32", "data": [0.5] * (32 * 37)}]}
+    with serving(service) as base:
+        status, answer = post(f"{base}/v2/models/wide/infer", json.dumps(body).encode(), "application/json")
+        good = dict(body, inputs=[dict(body["inputs"][0], shape=[1, 1, 32, 32], data=[0.5] * (32 * 32))])
+        ok, _ = post(f"{base}/v2/models/wide/infer", json.dumps(good).encode(), "application/json")
+    assert (status, ok) == (400, 200)
+    assert "input x: index 3 got 37, expected 32 or 64" in answer["error"]
+    assert service.stats.snapshot()["requests"] == {"ok": 1, "client_error": 1, "server_error": 0}
+
+
+def test_at_most_four_mismatched_dims_are_named():
+    declared = {"x": (1, 2, 3, 4, 5)}
+    four = judge_run_failure("e", {"x": (9, 9, 9, 9, 5)}, declared, ())
+    five = judge_run_failure("e", {"x": (9, 9, 9, 9, 9)}, declared, ())
+    assert four.message.count("got 9") == 4 and five.message.count("got 9") == 4
+    assert "index 3 got 9" in five.message and "index 4" not in five.message
+
+
+def test_a_typed_image_to_an_audio_model_names_audio_wav_as_http_does(built, tmp_path):
+    """A library caller's typed image to an audio model is worded as HTTP's 415 (it used to say
+    "this model takes tensors")."""
+    from device_agent.prediction import EncodedImage, PredictRequest
+
+    with pytest.raises(BadRequest) as caught:
+        InferenceService(built[2]["audio"]).predict(
+            PredictRequest(EncodedImage(png(tmp_path / "a.png", 8).read_bytes()))
+        )
+    assert caught.value.http_status == 415
+    assert str(caught.value) == (
+        "this model does not take image/*: send application/json, application/x-npy, application/x-npz, audio/wav"
+    )

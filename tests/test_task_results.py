@@ -179,9 +179,12 @@ def test_topk_of_a_graph_ending_in_softmax_scores_its_probabilities(tmp_path, ke
     result = _service(artifact, keypair, tmp_path / "m").predict(logits).result
     assert [r["index"] for r in result] == [1, 2]
     assert result[0]["score"] == pytest.approx(float(probabilities[0, 1]), rel=1e-5)  # 0.82, not softmax again
-    explicit = _build(tmp_path, keypair[0], base + "postprocess: {kind: topk, apply_softmax: true}\n", "cls2")
-    assert _artifact_json(explicit, "manifest.json")["postprocess"]["apply_softmax"] is True
+    explicit = _build(tmp_path, keypair[0], base + "postprocess: {kind: topk, apply_softmax: false}\n", "cls2")
+    assert _artifact_json(explicit, "manifest.json")["postprocess"]["apply_softmax"] is False
     assert _artifact_json(explicit, "report.json")["passes"]["io_spec"]["apply_softmax"]["why"] == "set in the recipe"
+    # issue 23: a second softmax over the graph's probabilities is refused, not shipped
+    with pytest.raises(RecipeError, match="output probs is already a probability distribution"):
+        _build(tmp_path, keypair[0], base + "postprocess: {kind: topk, apply_softmax: true}\n", "cls3")
 
 
 CTC_RECIPE = ("name: ocr\nversion: 1.0.0\nmodel: {path: ocr.onnx}\nvalidate: {data: synthetic}\n"

@@ -91,10 +91,16 @@ def body_kind(content_type: str, head: bytes, *, image_model: bool, audio_model:
         return "image"
     elif content_type in AUDIO_MEDIA_TYPES and audio_model:
         return "audio"
+    raise unsupported_media(content_type or "a body without a type", image_model=image_model, audio_model=audio_model)
+
+
+def unsupported_media(what: str, *, image_model: bool, audio_model: bool) -> BadRequest:
+    """The one 415 for an input of a kind the model cannot take, naming what it takes (pure):
+    the HTTP API, a library caller's typed input and ``edgepack-agent predict`` word it alike."""
     takes = ["application/json", *NUMPY_TYPES, *(["image/*"] if image_model else []),
              *(["audio/wav"] if audio_model else [])]
-    raise BadRequest("unsupported_media", f"this model does not take {content_type or 'a body without a type'}: "
-                     f"send {', '.join(takes)}", http_status=415)
+    return BadRequest("unsupported_media", f"this model does not take {what}: send {', '.join(takes)}",
+                      http_status=415)
 
 
 

@@ -32,18 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from device_agent.config import AgentConfig
 from device_agent.errors import AdmissionRefused, StoreError
 from device_agent.runtime import InferenceService, LoadedModel
-from device_agent.smoke import compare_outputs
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates.admission import DevicePolicy, admit, policy_names, rollback_refusal
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
+from device_agent.updates.golden_probe import probe
 from device_agent.updates.health import (
     Probes,
     check_window,
@@ -65,8 +63,6 @@ from edgepack_core.signing import TrustStore
 from edgepack_core.versions import Version
 
 log = logging.getLogger("edgepack.agent.updates")
-
-MAX_PROBES = 16
 
 
 class AgentHost(Protocol):
@@ -524,7 +520,7 @@ class UpdateService:
             traffic = traffic_between(before, after)
             probes = Probes()
             if not running.stop.is_set() and needs_probes(traffic, self.health):
-                probes = self._probe(loaded)
+                probes = probe(self.host.service, loaded)
         finally:
             service.check_finite = False
         self._close_window(job, running, old, traffic_of(before), traffic, probes)
@@ -558,27 +554,6 @@ class UpdateService:
                 self._set(job, J.FAILED, f"{verdict_reason}; rollback failed: {err}; serving {self._serving()}")
                 return
             self._set(job, J.ROLLED_BACK, f"{verdict_reason}; back on {target.name} {target.version}")
-
-    def _probe(self, model: LoadedModel) -> Probes:
-        """Replay the model's golden samples through the live service (the path users take)."""
-        golden = model.manifest.golden
-        samples = list(golden.get("samples", []))[:MAX_PROBES]
-        rtol, atol = float(golden.get("rtol", 1e-3)), float(golden.get("atol", 1e-4))
-        failed, first = 0, ""
-        for index, sample in enumerate(samples):
-            try:
-                with np.load(model.root / sample["inputs"], allow_pickle=False) as archive:
-                    inputs = {name: archive[name] for name in archive.files}
-                with np.load(model.root / sample["outputs"], allow_pickle=False) as archive:
-                    expected = {name: archive[name] for name in archive.files}
-                result = self.host.service.predict_tensors(inputs, postprocess=True)
-                problem, _ = compare_outputs(result.outputs, expected, model.manifest.outputs, rtol=rtol, atol=atol)
-            except (EdgepackError, OSError, ValueError) as err:
-                problem = f"probe {index} failed: {str(err)[:200]}"
-            if problem:
-                failed += 1
-                first = first or f"sample {index}: {problem}"
-        return Probes(sent=len(samples), failed=failed, first_problem=first)
 
     # ---------------------------------------------------------------- restart
 

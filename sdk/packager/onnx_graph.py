@@ -26,16 +26,36 @@ def default_opset(model: onnx.ModelProto) -> int:
     return opset_versions(model).get(DEFAULT_DOMAIN, 0)
 
 
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs a node holds as attributes (If branches, Loop/Scan bodies)."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
 def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """A graph and every subgraph (If/Loop/Scan bodies) inside it."""
     yield graph
     for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from _graphs(sub)
+        for sub in subgraphs(node):
+            yield from _graphs(sub)
+
+
+def all_graphs(model: onnx.ModelProto) -> list[onnx.GraphProto]:
+    """The main graph and every subgraph in it, outermost first."""
+    return list(_graphs(model.graph))
+
+
+def names_read(graph: onnx.GraphProto) -> set[str]:
+    """Every name a node of ``graph`` or of its subgraphs reads, and every output of them:
+    a subgraph reads outer-scope values (weights, activations) by name."""
+    read: set[str] = set()
+    for sub in _graphs(graph):
+        read |= {name for node in sub.node for name in node.input}
+        read |= {o.name for o in sub.output}
+    return read
 
 
 def all_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
@@ -251,9 +271,30 @@ def checker_text(err: Exception) -> str:
 
 
 def rename_uses(graph: onnx.GraphProto, old: str, new: str, field: str) -> None:
-    """Point every node's ``field`` ("input" or "output") that names ``old`` at ``new``."""
+    """Point every node's ``field`` ("input" or "output") that names ``old`` at ``new``; readers
+    inside subgraphs too (they read outer-scope values by name), unless a subgraph defines
+    ``old`` itself."""
     for node in graph.node:
         names = getattr(node, field)
         for i, name in enumerate(names):
             if name == old:
                 names[i] = new
+        if field == "input":
+            for sub in subgraphs(node):
+                if old not in _defined(sub):
+                    rename_uses(sub, old, new, field)
+                    _rename_outputs(sub, old, new)
+
+
+def _defined(graph: onnx.GraphProto) -> set[str]:
+    """Names a graph defines itself (its inputs, initializers and node outputs): they shadow
+    the outer scope's."""
+    return {i.name for i in graph.input} | {i.name for i in graph.initializer} | \
+        {o for node in graph.node for o in node.output}
+
+
+def _rename_outputs(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """A subgraph output that passes an outer-scope value through is renamed with it."""
+    for output in graph.output:
+        if output.name == old:
+            output.name = new

@@ -51,6 +51,9 @@ class BuildContext:
     - ``ort_member``: the ``.ort`` file's member (ort_format);
     - ``golden``: the golden samples and their tolerances (golden);
     - ``runtime``: opsets and the minimum onnxruntime of the final graph (runtime_compat);
+    - ``original``: the reference validation compares with: the model as loaded, its
+      initializers constant (load) and its inputs shaped as the recipe says (shape_inference),
+      so onnxruntime computes it as it computes the packaged form;
     - ``model_sizes``: the model's bytes after each pass that ran (the pipeline), which
       artifact_size names when the model grew.
     """

@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import io
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import onnx
 
 from edgepack_core.tensor_compare import same_non_finite
 from sdk.errors import BuildError, RecipeError
 from sdk.packager.data import Samples, context_options, load_samples
 from sdk.packager.options import option
 from sdk.packager.ort_host import run_feeds
+from sdk.packager.output_contract import ContractError, Repair, real_contract
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 
@@ -119,6 +121,36 @@ def golden_source(ctx: BuildContext) -> tuple[str, DataSource]:
                       "validate: {data: synthetic} to consent to made-up inputs", recipe=str(ctx.recipe.path))
 
 
+def declare_shape(model: onnx.ModelProto, name: str, shape: Sequence[int | str]) -> None:
+    """Write ``shape`` as graph output ``name``'s declared shape (dims by value or by name)."""
+    info = next(o for o in model.graph.output if o.name == name)
+    dims = info.type.tensor_type.shape
+    dims.ClearField("dim")
+    for dim in shape:
+        entry = dims.dim.add()
+        if isinstance(dim, str):
+            entry.dim_param = dim
+        else:
+            entry.dim_value = dim
+
+
+def settle_output_contract(ctx: BuildContext, feeds: Sequence[Mapping[str, np.ndarray]],
+                           results: Sequence[Mapping[str, np.ndarray]]) -> list[Repair]:
+    """Make the shipped graph and the manifest declare what the model really returned on the
+    golden data: a stale declared shape would be refused by every device's smoke test."""
+    try:
+        outputs, repairs = real_contract(ctx.outputs, ctx.inputs, feeds, results)
+    except ContractError as err:
+        raise BuildError("golden", f"{err}") from err
+    model = ctx.require_model()
+    for repair in repairs:
+        declare_shape(model, repair.output, repair.real)
+        ctx.warn(f"output {repair.output} is declared {list(repair.declared)} but the model returns "
+                 f"{list(repair.real)}: the shipped graph and the manifest declare the real shape")
+    ctx.outputs = outputs
+    return repairs
+
+
 @register
 class GoldenPass(Pass):
     """Run the final model on a few inputs; store inputs and outputs in the artifact."""
@@ -154,4 +186,6 @@ class GoldenPass(Pass):
             entries.append(GoldenSample(in_name, out_name))
         ctx.golden = GoldenSet(tuple(entries), float(rtol if options.rtol is None else options.rtol),
                                float(atol if options.atol is None else options.atol))
-        ctx.report[self.name] = {"count": len(entries), "source": "synthetic" if source.synthetic else key}
+        repairs = settle_output_contract(ctx, samples.feeds, outputs)
+        ctx.report[self.name] = {"count": len(entries), "source": "synthetic" if source.synthetic else key,
+                                 **({"repaired_outputs": [r.to_json() for r in repairs]} if repairs else {})}

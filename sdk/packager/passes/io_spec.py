@@ -4,9 +4,11 @@ checked against each other (softmax already in the graph, bundled assets, output
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import onnx
 
 from edgepack_core.postprocess import load_charset
@@ -16,39 +18,75 @@ from sdk.packager.onnx_graph import (
     graph_io,
 )
 from sdk.packager.passes.base import BuildContext, Pass, model_label, register
-
-# Ops that only move or reshape values: an output behind them still holds a Softmax's probabilities.
-_SHAPE_ONLY_OPS = {"Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"}
+from sdk.packager.probabilities import Producer, is_distribution, producer
 
 
-def _softmax_producer(model: onnx.ModelProto, output: str) -> onnx.NodeProto | None:
-    """The Softmax node whose values ``output`` carries (through shape-only ops), or None."""
-    producers = {name: node for node in model.graph.node for name in node.output}
-    node = producers.get(output)
-    while node is not None and node.op_type in _SHAPE_ONLY_OPS and node.input:
-        node = producers.get(node.input[0])
-    return node if node is not None and node.op_type == "Softmax" else None
+def _graph_decision(output: str, found: Producer | None) -> tuple[bool, str]:
+    """apply_softmax as the graph shows it, and why."""
+    if found is None:
+        return True, f"output {output} does not come from a Softmax: scores are its softmax"
+    if found.kind == "log":
+        return True, (f"output {output} comes from {found.pattern} node {found.node}: log-probabilities, whose "
+                      "softmax is the probabilities")
+    what = "probabilities" if found.kind == "distribution" else "independent probabilities"
+    return False, f"output {output} comes from {found.pattern} node {found.node}: scores are its {what}"
+
+
+def second_softmax(post: PostprocessSpec, output: str, evidence: str, recipe: str) -> RecipeError:
+    """The one-line refusal of a softmax over an output that already is a distribution."""
+    if post.kind == "softmax":
+        key, what = "postprocess.kind", "is softmax"
+        remedy = "use kind: topk (it keeps the model's probabilities) or raw"
+    else:
+        key, what, remedy = "postprocess.apply_softmax", "is true", "leave apply_softmax out"
+    return RecipeError(key, f"{what} but output {output} is already a probability distribution ({evidence}): a "
+                       f"second softmax would flatten it; {remedy}", recipe=recipe)
 
 
 def resolve_apply_softmax(
-    model: onnx.ModelProto, post: PostprocessSpec
+    model: onnx.ModelProto, post: PostprocessSpec, recipe: str = "recipe"
 ) -> tuple[PostprocessSpec, dict[str, Any] | None]:
-    """topk/ctc: ``post`` with ``apply_softmax`` resolved, and why (for the report).
+    """topk/ctc: ``post`` with ``apply_softmax`` resolved, and why (for the report); softmax:
+    refused on an output the graph already normalises.
 
-    Why: a classifier that already ends in Softmax scored by a second softmax reports 0.45
-    where the model says 0.92; the recipe's explicit value always wins."""
-    if post.kind not in ("topk", "ctc"):
+    Why: a classifier whose graph already computes probabilities (Softmax, or one written out
+    as Exp/ReduceSum/Div) scored by a second softmax reports 0.0126 where the model says 0.9999.
+    An explicit ``true`` on such an output is refused; the validate pass settles what no graph
+    pattern names from the outputs themselves (:func:`settle_apply_softmax`)."""
+    if post.kind not in ("topk", "ctc", "softmax"):
         return post, None
     output = post.output or model.graph.output[0].name
+    found = producer(model, output)
+    forced = post.kind == "softmax" or post.apply_softmax is True
+    if forced and found is not None and found.kind == "distribution":
+        raise second_softmax(post, output, f"{found.pattern} node {found.node}", recipe)
+    if post.kind == "softmax":
+        return post, None
     if post.apply_softmax is not None:
         return post, {"value": post.apply_softmax, "output": output, "why": "set in the recipe"}
-    node = _softmax_producer(model, output)
-    why = (
-        f"output {output} comes from Softmax node {node.name or '(unnamed)'}: scores are its probabilities"
-        if node is not None
-        else f"output {output} does not come from a Softmax: scores are its softmax"
-    )
-    return replace(post, apply_softmax=node is None), {"value": node is None, "output": output, "why": why}
+    value, why = _graph_decision(output, found)
+    return replace(post, apply_softmax=value), {"value": value, "output": output, "why": why}
+
+
+def settle_apply_softmax(ctx: BuildContext, outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
+    """After the graph: an output the model returns as a distribution on the validation data
+    (non-negative, each row summing to 1 along the class axis) gets no second softmax; an
+    explicit ``apply_softmax: true`` on it is refused naming the output."""
+    post = ctx.postprocess
+    if post.kind not in ("topk", "ctc", "softmax") or post.apply_softmax is False or not ctx.outputs:
+        return
+    output = post.output or ctx.outputs[0].name
+    if not is_distribution([sample[output] for sample in outputs if output in sample]):
+        return
+    if post.kind == "softmax" or ctx.recipe.postprocess.apply_softmax is True:
+        raise second_softmax(post, output, "on the validation data: non-negative, rows sum to 1", str(ctx.recipe.path))
+    if producer(ctx.require_model(), output) is not None:  # LogSoftmax: log-probabilities, never rows of 1
+        return
+    ctx.postprocess = replace(post, apply_softmax=False)
+    ctx.report.setdefault("io_spec", {})["apply_softmax"] = {
+        "value": False, "output": output,
+        "why": f"output {output} is non-negative and sums to 1 along its class axis on the validation data: "
+               "scores are its probabilities"}
 
 
 def _bundle_assets(ctx: BuildContext, post: PostprocessSpec, recipe: str) -> PostprocessSpec:
@@ -108,7 +146,7 @@ class IoSpecPass(Pass):
         recipe = str(ctx.recipe.path)
         ctx.preprocess = ctx.recipe.preprocess
         post = _bundle_assets(ctx, ctx.recipe.postprocess, recipe)
-        ctx.postprocess, softmax_note = resolve_apply_softmax(ctx.require_model(), post)
+        ctx.postprocess, softmax_note = resolve_apply_softmax(ctx.require_model(), post, recipe)
         names = [i.name for i in ctx.inputs]
         target = ctx.preprocess.input
         if target is not None and target not in names:

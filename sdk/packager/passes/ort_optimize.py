@@ -12,9 +12,11 @@ import onnx
 from edgepack_core.manifest import TensorSpec
 from sdk.errors import BuildError
 from sdk.packager import ort_host
+from sdk.packager.data import Feed
 from sdk.packager.onnx_graph import prune_opset_imports
 from sdk.packager.passes.base import BuildContext, Pass, model_label, register
 from sdk.packager.quant_facts import int8_weight_bytes
+from sdk.packager.self_check import MADE_UP, check_feeds
 
 # Targets whose providers share one CPU family, so "extended" offline optimizations (fusions
 # written for the CPU execution provider) stay valid on every one of them.
@@ -55,12 +57,14 @@ class OrtOptimizePass(Pass):
         model = ctx.require_model()
         before = len(model.graph.node)
         report: dict[str, Any] = {"level": level, "nodes_before": before}
-        optimized, problem = self._optimize(ctx, level, ())
+        feeds = check_feeds(ctx, CHECK_SAMPLES, _made_up(ctx.inputs))
+        report["checked_on"] = feeds[1]
+        optimized, problem = self._optimize(ctx, level, (), feeds)
         if optimized is not None and problem is None and folds_quantized_weights(model, optimized):
             # Constant folding made float weights of int8 ones (Cast/Mul of an int8 initializer):
             # 4x the bytes and no longer int8. Optimize again without it; the device's
             # onnxruntime may still fold them in memory when it loads the model, the file stays small.
-            optimized, problem = self._optimize(ctx, level, (CONSTANT_FOLDING,))
+            optimized, problem = self._optimize(ctx, level, (CONSTANT_FOLDING,), feeds)
             report["quantized_weights_kept"] = True
             report["disabled"] = [CONSTANT_FOLDING]
         if problem is not None or optimized is None:
@@ -71,7 +75,7 @@ class OrtOptimizePass(Pass):
         ctx.report[self.name] = {**report, "applied": True, "nodes_after": len(optimized.graph.node)}
 
     @staticmethod
-    def _optimize(ctx: BuildContext, level: str, disabled: tuple[str, ...]
+    def _optimize(ctx: BuildContext, level: str, disabled: tuple[str, ...], feeds: tuple[list[Feed], str]
                   ) -> tuple[onnx.ModelProto | None, str | None]:
         """The optimized graph and why it must not ship (None when proven)."""
         try:
@@ -80,7 +84,7 @@ class OrtOptimizePass(Pass):
         except BuildError as err:  # the optimizer failed (or crashed): the graph itself may still run
             return None, f"onnxruntime's optimizer failed: {err.problem}"
         prune_opset_imports(optimized)
-        return optimized, check_optimized(ctx.require_model(), optimized, ctx.inputs)
+        return optimized, check_optimized(ctx.require_model(), optimized, ctx.inputs, *feeds)
 
 
 CONSTANT_FOLDING = "ConstantFolding"
@@ -148,19 +152,31 @@ def outputs_differ(reference: dict[str, np.ndarray], candidate: dict[str, np.nda
     return None
 
 
-def check_optimized(original: onnx.ModelProto, optimized: onnx.ModelProto, inputs: list[TensorSpec]) -> str | None:
+def _made_up(inputs: list[TensorSpec]) -> list[Feed]:
+    """Made-up feeds, or none when numpy cannot make one (bfloat16): the check then says so."""
+    try:
+        return probe_feeds(inputs, CHECK_SAMPLES)
+    except ValueError:
+        return []
+
+
+def check_optimized(original: onnx.ModelProto, optimized: onnx.ModelProto, inputs: list[TensorSpec],
+                    feeds: list[dict[str, np.ndarray]] | None = None, checked_on: str = MADE_UP) -> str | None:
     """Why the optimized graph must not replace the original (one line), or None when it is
-    proven: every input fed or initialised, and the same outputs on a few made-up inputs."""
+    proven: every input fed or initialised, and the same outputs on ``feeds`` (the recipe's
+    validation data; made-up inputs when None)."""
     missing = dangling_inputs(optimized, {spec.name for spec in inputs})
     if missing:
         return f"the optimized graph reads {', '.join(missing[:3])}, which nothing feeds or initialises"
     if [o.name for o in optimized.graph.output] != [o.name for o in original.graph.output]:
         return "the optimized graph's outputs differ from the original's"
     try:
-        feeds = probe_feeds(inputs, CHECK_SAMPLES)
+        feeds = probe_feeds(inputs, CHECK_SAMPLES) if feeds is None else feeds
+        if not feeds:
+            raise ValueError("no inputs numpy can make")
         reference = ort_host.run_feeds(original.SerializeToString(), feeds)
     except (BuildError, ValueError) as err:
-        return f"it could not be compared with the original on made-up inputs ({err})"
+        return f"it could not be compared with the original on {checked_on} ({err})"
     try:
         candidate = ort_host.run_feeds(optimized.SerializeToString(), feeds)
     except BuildError as err:
@@ -168,5 +184,5 @@ def check_optimized(original: onnx.ModelProto, optimized: onnx.ModelProto, input
     for index, (want, got) in enumerate(zip(reference, candidate, strict=True)):
         problem = outputs_differ(want, got)
         if problem is not None:
-            return f"{problem} on made-up sample {index}"
+            return f"{problem} on sample {index} of the {checked_on}"
     return None

@@ -2,46 +2,85 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import onnx
 
-from sdk.errors import ModelError, RecipeError
-from sdk.packager.onnx_graph import (
-    checker_text,
-)
+from sdk.errors import BuildError, ModelError, RecipeError
+from sdk.packager import ort_host
+from sdk.packager.onnx_graph import checker_text, graph_io
 from sdk.packager.passes.base import BuildContext, Pass, model_label, register
+from sdk.packager.passes.ort_optimize import probe_feeds
 from sdk.packager.sources import InputOptions
 
 
-def _override_shapes(model: onnx.ModelProto, overrides: Mapping[str, InputOptions], recipe: str) -> None:
+def _override_input(name: str, tensor: onnx.TypeProto.Tensor, shape: Sequence[int | str], recipe: str
+                    ) -> list[str]:
+    """Set one input's dims to the recipe's; returns the fixed dims it opened (``NAME[i]: a -> b``)."""
+    if not tensor.HasField("shape"):  # unknown rank: the recipe's shape gives it
+        tensor.shape.dim.extend(onnx.TensorShapeProto.Dimension() for _ in shape)
+    if len(shape) != len(tensor.shape.dim):
+        raise RecipeError(f"inputs.{name}.shape",
+                          f"has rank {len(shape)}, the model input has rank {len(tensor.shape.dim)}", recipe=recipe)
+    opened = []
+    for index, (dim, value) in enumerate(zip(tensor.shape.dim, shape, strict=True)):
+        if dim.HasField("dim_value") and dim.dim_value != value:
+            opened.append(f"{name}[{index}]: {dim.dim_value} -> {value}")
+        if isinstance(value, int):
+            dim.dim_value = value
+        else:
+            dim.dim_param = value
+    return opened
+
+
+def _override_shapes(model: onnx.ModelProto, overrides: Mapping[str, InputOptions], recipe: str) -> list[str]:
+    """Apply the recipe's input shapes; returns the fixed dims they opened."""
     by_name = {i.name: i for i in model.graph.input}
+    opened: list[str] = []
     for name, override in overrides.items():
         if name not in by_name:
             known = ", ".join(sorted(by_name))
             raise RecipeError(f"inputs.{name}", f"the model has no such input (inputs: {known})", recipe=recipe)
-        tensor = by_name[name].type.tensor_type
         if override.shape is not None:
-            shape = override.shape
-            if not tensor.HasField("shape"):  # unknown rank: the recipe's shape gives it
-                tensor.shape.dim.extend(onnx.TensorShapeProto.Dimension() for _ in shape)
-            if len(shape) != len(tensor.shape.dim):
-                raise RecipeError(
-                    f"inputs.{name}.shape",
-                    f"has rank {len(shape)}, the model input has rank {len(tensor.shape.dim)}",
-                    recipe=recipe,
-                )
-            for dim, value in zip(tensor.shape.dim, shape, strict=True):
-                if isinstance(value, int):
-                    if dim.HasField("dim_value") and dim.dim_value != value:
-                        raise RecipeError(
-                            f"inputs.{name}.shape",
-                            f"dimension {dim.dim_value} of the model cannot become {value}",
-                            recipe=recipe,
-                        )
-                    dim.dim_value = value
-                else:
-                    dim.dim_param = value
+            opened += _override_input(name, by_name[name].type.tensor_type, override.shape, recipe)
+    if opened:  # shapes written for the fixed dims no longer hold: inference writes them anew
+        del model.graph.value_info[:]
+        for output in model.graph.output:
+            for dim in output.type.tensor_type.shape.dim:
+                dim.Clear()
+    return opened
+
+
+def _check_opened(model: onnx.ModelProto, opened: list[str], recipe: str) -> None:
+    """A fixed dim opens only when the graph stays valid with it (strict shape inference) and
+    onnxruntime runs it on inputs of the new shape; else the message names the dims and why."""
+    key = f"inputs.{opened[0].split('[')[0]}.shape"
+    try:
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as err:
+        raise RecipeError(key, f"{_dims_text(opened)}: shape inference says {checker_text(err)}",
+                          recipe=recipe) from err
+    inputs, _ = graph_io(model)
+    try:
+        feeds = probe_feeds(inputs, 1)
+    except ValueError:  # an input numpy cannot make (bfloat16): validation runs the real data
+        return
+    try:
+        ort_host.run_feeds(model.SerializeToString(), feeds)
+    except BuildError as err:
+        raise RecipeError(key, f"{_dims_text(opened)}: onnxruntime cannot run the graph so: {err.problem}",
+                          recipe=recipe) from err
+
+
+def _dims_text(opened: list[str]) -> str:
+    """``x[0]: 10 -> 1`` as ``dimension 0 of x (10 in the model) cannot become 1``, joined."""
+    parts = []
+    for entry in opened:
+        where, change = entry.split(": ")
+        name, index = where[:-1].split("[")
+        old, new = change.split(" -> ")
+        parts.append(f"dimension {index} of {name} ({old} in the model) cannot become {new}")
+    return "; ".join(parts)
 
 
 @register
@@ -52,7 +91,12 @@ class ShapeInferencePass(Pass):
 
     def run(self, ctx: BuildContext) -> None:
         model = ctx.require_model()
-        _override_shapes(model, ctx.recipe.inputs, str(ctx.recipe.path))
+        recipe = str(ctx.recipe.path)
+        opened = _override_shapes(model, ctx.recipe.inputs, recipe)
+        if opened:
+            _check_opened(model, opened, recipe)
+            if ctx.original is not None:  # the reference takes the same inputs
+                _override_shapes(ctx.original, ctx.recipe.inputs, recipe)
         try:
             ctx.model = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as err:
@@ -69,3 +113,5 @@ class ShapeInferencePass(Pass):
             except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
                 ctx.model = model
         ctx.report[self.name] = {"value_infos": len(ctx.model.graph.value_info)}
+        if opened:
+            ctx.report[self.name]["opened"] = opened

@@ -31,6 +31,7 @@ from sdk.packager.data import Samples, context_options, load_samples
 from sdk.packager.fidelity import check_fidelity, compare
 from sdk.packager.options import given, option
 from sdk.packager.passes.base import BuildContext, Pass, register
+from sdk.packager.passes.io_spec import settle_apply_softmax
 from sdk.packager.sequences import run_samples
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 from sdk.packager.task_metrics import DetectionDecoder, Detections, Evaluation, MetricInputError, evaluate, task_metric
@@ -166,6 +167,23 @@ def judge(ctx: BuildContext, options: ValidateOptions, reference: Sequence[Mappi
                           recipe=str(ctx.recipe.path)) from err
 
 
+def reference_note(ctx: BuildContext) -> dict[str, Any]:
+    """How the reference differs from the file the user gave, for the report: initializers it
+    listed as inputs held constant (as packaged: onnxruntime then folds BatchNorm and constants
+    at load in both), and input dims the recipe opened. Empty when it is the file as given."""
+    note: dict[str, Any] = {}
+    dropped = ctx.report.get("load", {}).get("initializer_inputs_dropped", 0)
+    if dropped:
+        note["initializer_inputs_constant"] = dropped
+        note["why"] = ("the original listed initializers as graph inputs; the packaged model holds them "
+                       "constant, so onnxruntime folds BatchNorm and constants at load in it: the reference "
+                       "holds them constant too, so like is compared with like")
+    opened = ctx.report.get("shape_inference", {}).get("opened")
+    if opened:
+        note["opened_dims"] = opened
+    return note
+
+
 @register
 class ValidatePass(Pass):
     name = "validate"
@@ -193,11 +211,15 @@ class ValidatePass(Pass):
         samples, kind = self._samples(ctx, options)
         assert ctx.original is not None
         reference = run_samples(ctx.original.SerializeToString(), samples)
+        settle_apply_softmax(ctx, reference)
         candidate = run_samples(ctx.model_bytes(), samples)
         precision = ctx.lossy or "fp32"
         lossless = ctx.lossy is None
         result = compare(reference, candidate, output=ctx.postprocess.output, labels=samples.labels)
         report: dict[str, Any] = {**result.to_json(), "precision": precision, "source": kind, **state_report(samples)}
+        note = reference_note(ctx)
+        if note:
+            report["reference"] = note
         failures: list[tuple[str, float, float, str]] = []
         summaries: list[str] = []
         if lossless:

@@ -1,0 +1,56 @@
+"""The inputs a pass checks itself on (ort_optimize's self-check, the graph-pass guard, ...): the
+recipe's real validation data whenever it gives some, made-up inputs only when it gives none.
+
+Made-up inputs set every named dim to 1, which a real graph may not run at all (a Reshape to
+``[-1, 4]``, a window of 512 samples) or run on a path the real data never takes; the real data
+is what the build's validation and the device will see."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sdk.errors import RecipeError
+from sdk.packager.data import context_options, load_samples
+from sdk.packager.passes.base import BuildContext
+
+REAL = "validation data"
+MADE_UP = "made-up inputs"
+
+
+def real_source(ctx: BuildContext) -> tuple[str, object] | None:
+    """The first real data source the recipe gives (validate.data, quantize.calibration,
+    golden.data) as (key, source); None when it gives none or only consents to synthetic."""
+    recipe = ctx.recipe
+    for key, source in (
+        ("validate.data", recipe.validate.data),
+        ("quantize.calibration", recipe.quantize.calibration),
+        ("golden.data", recipe.golden.data),
+    ):
+        if source is not None and not source.synthetic:
+            return key, source
+    return None
+
+
+def check_feeds(
+    ctx: BuildContext, count: int, made_up: list[dict[str, np.ndarray]]
+) -> tuple[list[dict[str, np.ndarray]], str]:
+    """Up to ``count`` feeds of the recipe's real data and ``REAL``; ``made_up`` and ``MADE_UP``
+    when the recipe gives no real data. Data the recipe names but that cannot be read here falls
+    back to ``made_up``: the validate pass reads it again and refuses it with the full message."""
+    found = real_source(ctx)
+    if found is None:
+        return made_up, MADE_UP
+    key, source = found
+    try:
+        samples = load_samples(
+            source,
+            ctx.preprocess,
+            ctx.inputs,
+            key=key,
+            limit=count,  # type: ignore[arg-type]
+            **context_options(ctx),
+        )
+    except (RecipeError, ValueError):
+        return made_up, MADE_UP
+    feeds = samples.feeds[:count]
+    return (feeds, REAL) if feeds else (made_up, MADE_UP)
