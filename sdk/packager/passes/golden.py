@@ -24,7 +24,7 @@ from sdk.errors import BuildError, RecipeError
 from sdk.packager.data import Samples, context_options, load_samples
 from sdk.packager.options import option
 from sdk.packager.ort_host import run_feeds
-from sdk.packager.output_contract import ContractError, Repair, real_contract
+from sdk.packager.output_contract import ContractError, real_contract
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 
@@ -135,20 +135,21 @@ def declare_shape(model: onnx.ModelProto, name: str, shape: Sequence[int | str])
 
 
 def settle_output_contract(ctx: BuildContext, feeds: Sequence[Mapping[str, np.ndarray]],
-                           results: Sequence[Mapping[str, np.ndarray]]) -> list[Repair]:
-    """Make the shipped graph and the manifest declare what the model really returned on the
-    golden data: a stale declared shape would be refused by every device's smoke test."""
+                           results: Sequence[Mapping[str, np.ndarray]], stage: str = "golden") -> dict[str, Any]:
+    """Make the shipped graph and the manifest declare what the model really returned on
+    ``feeds`` (the validate pass's data, then the golden samples): a stale declared shape would
+    be refused by every device's smoke test. The report's entry: the repairs, when any."""
     try:
         outputs, repairs = real_contract(ctx.outputs, ctx.inputs, feeds, results)
     except ContractError as err:
-        raise BuildError("golden", f"{err}") from err
+        raise BuildError(stage, str(err)) from err
     model = ctx.require_model()
     for repair in repairs:
         declare_shape(model, repair.output, repair.real)
         ctx.warn(f"output {repair.output} is declared {list(repair.declared)} but the model returns "
                  f"{list(repair.real)}: the shipped graph and the manifest declare the real shape")
     ctx.outputs = outputs
-    return repairs
+    return {"repaired_outputs": [r.to_json() for r in repairs]} if repairs else {}
 
 
 @register
@@ -186,6 +187,6 @@ class GoldenPass(Pass):
             entries.append(GoldenSample(in_name, out_name))
         ctx.golden = GoldenSet(tuple(entries), float(rtol if options.rtol is None else options.rtol),
                                float(atol if options.atol is None else options.atol))
-        repairs = settle_output_contract(ctx, samples.feeds, outputs)
+        repaired = settle_output_contract(ctx, samples.feeds, outputs)
         ctx.report[self.name] = {"count": len(entries), "source": "synthetic" if source.synthetic else key,
-                                 **({"repaired_outputs": [r.to_json() for r in repairs]} if repairs else {})}
+                                 **repaired}

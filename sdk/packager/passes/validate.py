@@ -31,6 +31,7 @@ from sdk.packager.data import Samples, context_options, load_samples
 from sdk.packager.fidelity import check_fidelity, compare
 from sdk.packager.options import given, option
 from sdk.packager.passes.base import BuildContext, Pass, register
+from sdk.packager.passes.golden import settle_output_contract
 from sdk.packager.passes.io_spec import settle_apply_softmax
 from sdk.packager.sequences import run_samples
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
@@ -216,7 +217,8 @@ class ValidatePass(Pass):
         precision = ctx.lossy or "fp32"
         lossless = ctx.lossy is None
         result = compare(reference, candidate, output=ctx.postprocess.output, labels=samples.labels)
-        report: dict[str, Any] = {**result.to_json(), "precision": precision, "source": kind, **state_report(samples)}
+        report: dict[str, Any] = {**result.to_json(), "precision": precision, "source": kind, **state_report(samples),
+                                  **settle_output_contract(ctx, samples.feeds, candidate, self.name)}
         note = reference_note(ctx)
         if note:
             report["reference"] = note
