@@ -29,8 +29,10 @@ pytestmark = pytest.mark.slow
 def _build(folder: Path, model: Path, key: Path, feeds: dict[str, np.ndarray], extra: str = ""):
     np.savez(folder / "val.npz", **feeds)
     recipe = folder / "r.yaml"
-    recipe.write_text(f"name: q\nversion: 1.0.0\nmodel: {{path: {model.name}}}\ntargets: [x86, rpi]\n"
-                      f"validate: {{data: {{npz: val.npz}}}}\n{extra}")
+    recipe.write_text(
+        f"name: q\nversion: 1.0.0\nmodel: {{path: {model.name}}}\ntargets: [x86, rpi]\n"
+        f"validate: {{data: {{npz: val.npz}}}}\n{extra}"
+    )
     return build(load_recipe(recipe), key_paths=[str(key)], output=folder / "q.edgepkg")
 
 
@@ -62,8 +64,11 @@ def test_int8_weights_dequantized_by_cast_mul_are_not_folded_back_to_fp32(tmp_pa
     # about the input's size: folding the three 256x256 int8 weights to float would add 589,824 bytes
     assert len(packaged) <= 1.1 * model.stat().st_size, (len(packaged), model.stat().st_size)
     kept = onnx.load_from_string(packaged)
-    assert sorted(i.name for i in kept.graph.initializer if i.data_type == onnx.TensorProto.INT8) == \
-        ["w0_q", "w1_q", "w2_q"]
+    assert sorted(i.name for i in kept.graph.initializer if i.data_type == onnx.TensorProto.INT8) == [
+        "w0_q",
+        "w1_q",
+        "w2_q",
+    ]
     assert result.manifest.raw["model"]["precision"] == "int8"
     report = json.loads(_member(result.output, "report.json"))
     assert report["passes"]["ort_optimize"]["quantized_weights_kept"] is True
@@ -99,8 +104,11 @@ def test_the_quantize_pass_does_not_requantize_an_already_quantized_model(tmp_pa
     feeds = {"x": models.images()}
     result = _build(tmp_path, model, keypair[0], feeds, extra="quantize: {mode: static, calibration: {npz: val.npz}}\n")
     report = json.loads(_member(result.output, "report.json"))
-    assert report["passes"]["quantize"] == {"applied": False, "already_quantized": True,
-                                            "reason": report["passes"]["quantize"]["reason"]}
+    assert report["passes"]["quantize"] == {
+        "applied": False,
+        "already_quantized": True,
+        "reason": report["passes"]["quantize"]["reason"],
+    }
     assert "already quantized" in report["passes"]["quantize"]["reason"]
     assert result.manifest.raw["model"]["precision"] == "int8"
     _answers_like_the_original(result.output, model, feeds)
@@ -142,3 +150,12 @@ def test_an_artifact_shipping_the_model_twice_warns_naming_the_ort_copy(tmp_path
     assert "model/model.ort" in warning and "optimize.ort_format" in warning
     report = json.loads(_member(result.output, "report.json"))
     assert report["passes"]["artifact_size"]["within"] is False
+
+
+def test_qoperator_and_dynamic_graphs_from_onnxruntime_quantization_are_int8_with_their_split(tmp_path: Path):
+    qop = quant_facts(onnx.load(models.qoperator_model(tmp_path)))
+    assert qop.precision == "int8" and qop.int8_nodes["QLinearConv"] == 1 and qop.int8_nodes["QLinearMatMul"] == 3
+    assert qop.to_json()["split"] == "int8"
+    dynamic = quant_facts(onnx.load(models.dynamic_model(tmp_path)))
+    assert dynamic.precision == "int8" and dynamic.int8_nodes["MatMulInteger"] == 3
+    assert dynamic.float_compute == {"Conv": 1} and dynamic.to_json()["split"] == "mixed"

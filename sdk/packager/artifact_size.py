@@ -32,8 +32,10 @@ def growth_by_pass(sizes: Mapping[str, int]) -> dict[str, int]:
 
 def _onnx_finding(original: int, size: int, growth: Mapping[str, int]) -> str:
     why = ", ".join(f"{name} +{grew:,} bytes" for name, grew in growth.items()) or "no pass grew it alone"
-    return (f"{MODEL_ONNX} is {size:,} bytes, {size / max(original, 1):.2f}x the model's {original:,} "
-            f"(more than {SIZE_RATIO:g}x + {SIZE_SLACK:,}): grown by {why}")
+    return (
+        f"{MODEL_ONNX} is {size:,} bytes, {size / max(original, 1):.2f}x the model's {original:,} "
+        f"(more than {SIZE_RATIO:g}x + {SIZE_SLACK:,}): grown by {why}"
+    )
 
 
 def size_findings(original: int, members: Mapping[str, int], *, growth: Mapping[str, int]) -> list[str]:
@@ -50,6 +52,8 @@ def size_findings(original: int, members: Mapping[str, int], *, growth: Mapping[
         findings.append(_onnx_finding(original, size, growth))
     copies = {name: size for name, size in model_members.items() if name != MODEL_ONNX}
     if copies:
-        findings.append(f"{', '.join(sorted(copies))} add {sum(copies.values()):,} bytes next to {MODEL_ONNX} "
-                        f"(the model's {original:,} bytes ship more than once: optimize.ort_format)")
+        findings.append(
+            f"{', '.join(sorted(copies))} add {sum(copies.values()):,} bytes next to {MODEL_ONNX} "
+            f"(the model's {original:,} bytes ship more than once: optimize.ort_format)"
+        )
     return findings

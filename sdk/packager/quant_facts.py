@@ -17,14 +17,39 @@ from dataclasses import dataclass
 import onnx
 
 # Nodes that compute or carry int8 (besides the QLinear*, DynamicQuantize* and *Integer* families).
-INT8_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "QGemm", "QAttention", "QOrderedMatMul",
-                      "MatMulIntegerToFloat", "MatMulNBits", "MatMulBnb4", "GatherBlockQuantized"})
+INT8_OPS = frozenset(
+    {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "QGemm",
+        "QAttention",
+        "QOrderedMatMul",
+        "MatMulIntegerToFloat",
+        "MatMulNBits",
+        "MatMulBnb4",
+        "GatherBlockQuantized",
+    }
+)
 INT8_PREFIXES = ("QLinear", "DynamicQuantize")
 # Heavy float ops: the ones whose weights a quantizer turns int8. Left float, they are the split.
-FLOAT_COMPUTE = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul", "LSTM", "GRU", "RNN", "Attention",
-                           "FusedConv", "FusedMatMul", "FusedGemm"})
-INT8_WEIGHT_TYPES = frozenset({onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT4,
-                               onnx.TensorProto.UINT4})
+FLOAT_COMPUTE = frozenset(
+    {
+        "Conv",
+        "ConvTranspose",
+        "Gemm",
+        "MatMul",
+        "LSTM",
+        "GRU",
+        "RNN",
+        "Attention",
+        "FusedConv",
+        "FusedMatMul",
+        "FusedGemm",
+    }
+)
+INT8_WEIGHT_TYPES = frozenset(
+    {onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
+)
 
 
 def is_int8_op(op_type: str) -> bool:
@@ -43,15 +68,23 @@ def graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
 
 
 def _int8_weight_names(model: onnx.ModelProto) -> set[str]:
-    return {init.name for graph in graphs(model) for init in graph.initializer
-            if init.data_type in INT8_WEIGHT_TYPES and len(init.dims) >= 1}
+    return {
+        init.name
+        for graph in graphs(model)
+        for init in graph.initializer
+        if init.data_type in INT8_WEIGHT_TYPES and len(init.dims) >= 1
+    }
 
 
 def int8_weight_bytes(model: onnx.ModelProto) -> int:
     """Bytes of int8/uint8 (and 4-bit) tensors with at least one axis: quantized weights (a
     zero point is a scalar). A rewrite that lowers this turned quantized weights into float."""
-    return sum(init.ByteSize() for graph in graphs(model) for init in graph.initializer
-               if init.data_type in INT8_WEIGHT_TYPES and len(init.dims) >= 1)
+    return sum(
+        init.ByteSize()
+        for graph in graphs(model)
+        for init in graph.initializer
+        if init.data_type in INT8_WEIGHT_TYPES and len(init.dims) >= 1
+    )
 
 
 @dataclass(frozen=True)
@@ -70,9 +103,13 @@ class QuantFacts:
 
     def to_json(self) -> dict[str, object]:
         split = "int8" if not self.float_compute else "mixed"
-        return {"precision": self.precision or "float", "split": split if self.int8_nodes else "float",
-                "int8_nodes": dict(self.int8_nodes), "float_compute": dict(self.float_compute),
-                "int8_weight_bytes": self.int8_weight_bytes}
+        return {
+            "precision": self.precision or "float",
+            "split": split if self.int8_nodes else "float",
+            "int8_nodes": dict(self.int8_nodes),
+            "float_compute": dict(self.float_compute),
+            "int8_weight_bytes": self.int8_weight_bytes,
+        }
 
 
 def _dequantized(graph: onnx.GraphProto, weights: set[str]) -> set[str]:

@@ -28,6 +28,10 @@ class ArtifactSizePass(Pass):
         for finding in findings:
             ctx.warn(f"artifact_size: {finding}")
         model_bytes = sum(size for name, size in members.items() if name.startswith("model/"))
-        ctx.report[self.name] = {"model_bytes": original, "shipped_model_bytes": model_bytes,
-                                 "ratio": round(model_bytes / max(original, 1), 3), "limit": SIZE_RATIO,
-                                 "within": False}
+        ctx.report[self.name] = {
+            "model_bytes": original,
+            "shipped_model_bytes": model_bytes,
+            "ratio": round(model_bytes / max(original, 1), 3),
+            "limit": SIZE_RATIO,
+            "within": False,
+        }

@@ -59,9 +59,8 @@ from sdk.packager.quant_search import Candidate, QuantConfig
 from sdk.packager.sequences import calibration_feeds, run_samples
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 
-# Nodes that hold integer arithmetic or quantized tensors: a graph with none of them is fp32,
-# whatever mode made it (dynamic quantization of a model without MatMul/Gemm changes nothing).
-QUANTIZED_OPS = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger")
+# A graph without int8 nodes (quant_facts) is fp32, whatever mode made it (dynamic
+# quantization of a model without MatMul/Gemm changes nothing).
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 # Side-by-side timing of each candidate against fp32: alternating blocks of about 30 ms (3 to
 # 200 runs), 5 rounds.
@@ -130,16 +129,8 @@ def base_config(options: QuantizeOptions, preset: str) -> QuantConfig:
 
 def quantized_nodes(model: onnx.ModelProto) -> int:
     """How many nodes of the graph (subgraphs included) compute or carry int8: QDQ pairs,
-    integer MatMul/Conv and every QLinear* op."""
-    count = 0
-    graphs = [model.graph]
-    while graphs:
-        graph = graphs.pop()
-        for node in graph.node:
-            count += node.op_type in QUANTIZED_OPS or node.op_type.startswith("QLinear")
-            for attr in node.attribute:
-                graphs.extend([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs)
-    return count
+    integer MatMul/Conv, every QLinear* op (``quant_facts``, which also labels the manifest)."""
+    return sum(quant_facts(model).int8_nodes.values())
 
 
 def expand_exclusions(patterns: tuple[str, ...], names: list[str], *, recipe: str = "") -> tuple[str, ...]:
