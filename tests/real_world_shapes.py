@@ -93,3 +93,19 @@ def logits_classifier(classes: int = 200, seed: int = 0) -> onnx.ModelProto:
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, FEATURES])]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, classes])]
     return _model(nodes, inputs, outputs, inits, "logits")
+
+
+def yolov8_head_without_sigmoid(anchors: int = 10, classes: int = 2, seed: int = 0) -> onnx.ModelProto:
+    """A YOLOv8-style head ``[1, 4 + classes, anchors]`` exported without its final Sigmoid:
+    the class rows are logits (negative and above 1), not the scores the format carries."""
+    rng = np.random.default_rng(seed)
+    width = (4 + classes) * anchors
+    weight = numpy_helper.from_array(rng.standard_normal((FEATURES, width)).astype(np.float32) * 3, "W")
+    shape = numpy_helper.from_array(np.array([1, 4 + classes, anchors], np.int64), "head_shape")
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["flat"], name="head"),
+        helper.make_node("Reshape", ["flat", "head_shape"], ["output0"], name="to_grid"),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, FEATURES])]
+    outputs = [helper.make_tensor_value_info("output0", TensorProto.FLOAT, [1, 4 + classes, anchors])]
+    return _model(nodes, inputs, outputs, [weight, shape], "yolov8_logits")

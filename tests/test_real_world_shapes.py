@@ -18,7 +18,7 @@ import yaml
 from edgepack_core.postprocess_spec import parse_postprocess
 from sdk.packager.output_contract import ContractError, real_contract, real_output_shape
 from sdk.packager.passes.io_spec import resolve_apply_softmax
-from sdk.packager.probabilities import is_distribution, producer
+from sdk.packager.probabilities import detection_scores, is_distribution, outside_unit_interval, producer
 from tests import real_world_shapes as shapes
 from tests.conftest import run_cli
 
@@ -259,3 +259,26 @@ def test_an_output_whose_dtype_or_rank_the_model_does_not_keep_is_refused_naming
             [spec], [], [{}, {}], [{"y": np.zeros((1, 2), np.float32)}, {"y": np.zeros((1, 2, 1), np.float32)}]
         )
     assert real_contract([spec], [], [{}], [{"y": np.zeros((1, 2), np.float32)}])[1] == []
+
+
+def test_a_detection_head_whose_scores_are_logits_is_refused_naming_the_output(tmp_path, keypair):
+    rng = np.random.default_rng(8)
+    data = {"x": rng.standard_normal((4, 1, 8)).astype(np.float32)}
+    post = {"kind": "detection", "format": "yolov8"}
+    result, _ = _build(tmp_path, shapes.yolov8_head_without_sigmoid(), data, post, keypair)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "postprocess.format" in result.stderr
+    assert "scores of output output0 are not probabilities" in result.stderr
+
+
+def test_scores_in_the_unit_interval_pass_and_a_step_outside_is_refused():
+    head = np.zeros((1, 6, 3))
+    head[:, 4:] = [[0.0, 0.5, 1.0], [1.0, 0.0, 0.25]]
+    head[:, :4] = 300.0  # box coordinates are pixels: never read as scores
+    assert outside_unit_interval([detection_scores("yolov8", head)]) is None
+    head[0, 5, 2] = 1.0001
+    assert outside_unit_interval([detection_scores("yolov8", head)]) == (0.0, 1.0001)
+    rows = np.full((1, 3, 7), 0.5)  # yolov5: objectness from column 4
+    rows[0, 0, 4] = -0.001
+    assert outside_unit_interval([detection_scores("yolov5", rows)]) == (-0.001, 0.5)
+    assert detection_scores("yolov8", np.zeros((2, 2, 2, 2))) is None

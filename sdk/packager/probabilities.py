@@ -85,3 +85,30 @@ def is_distribution(values: Sequence[np.ndarray], axis: int = -1, tolerance: flo
         if np.any(np.abs(as64.sum(axis=axis) - 1.0) > tolerance):
             return False
     return True
+
+
+def detection_scores(fmt: str, output: np.ndarray) -> np.ndarray | None:
+    """The score values of a ``yolov8`` (``[batch, 4 + classes, anchors]``) or ``yolov5``
+    (``[batch, anchors, 5 + classes]``: objectness and class scores) head, or of a decoded
+    ``boxes_scores`` scores output; None when the shape is not the format's (the decoder names
+    that). Pure."""
+    array = np.asarray(output)
+    if fmt == "boxes_scores":
+        return array
+    if array.ndim == 2:
+        array = array[None]
+    if array.ndim != 3 or array.dtype.kind != "f":
+        return None
+    scores = array[:, 4:, :] if fmt == "yolov8" else array[:, :, 4:]
+    return scores if scores.size else None
+
+
+def outside_unit_interval(values: Sequence[np.ndarray]) -> tuple[float, float] | None:
+    """(least, greatest) when some value lies outside [0, 1]: these are no probabilities
+    (logits of a head exported without its Sigmoid). None when every value is in [0, 1]. Pure."""
+    arrays = [np.asarray(v, np.float64).ravel() for v in values if np.asarray(v).size]
+    if not arrays:
+        return None
+    joined = np.concatenate(arrays)
+    least, greatest = float(np.nanmin(joined)), float(np.nanmax(joined))
+    return (least, greatest) if least < 0.0 or greatest > 1.0 else None

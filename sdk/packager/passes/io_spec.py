@@ -18,7 +18,7 @@ from sdk.packager.onnx_graph import (
     graph_io,
 )
 from sdk.packager.passes.base import BuildContext, Pass, model_label, register
-from sdk.packager.probabilities import Producer, is_distribution, producer
+from sdk.packager.probabilities import Producer, detection_scores, is_distribution, outside_unit_interval, producer
 
 
 def _graph_decision(output: str, found: Producer | None) -> tuple[bool, str]:
@@ -66,6 +66,25 @@ def resolve_apply_softmax(
         return post, {"value": post.apply_softmax, "output": output, "why": "set in the recipe"}
     value, why = _graph_decision(output, found)
     return replace(post, apply_softmax=value), {"value": value, "output": output, "why": why}
+
+
+def check_detection_scores(ctx: BuildContext, outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
+    """A detection head's scores must be probabilities on the validation data: the decoder
+    thresholds and ranks them as such, so logits (a head exported without its Sigmoid, an
+    undecoded grid) would ship wrong boxes without a word. Refused naming the output."""
+    post = ctx.postprocess
+    if post.kind != "detection" or not ctx.outputs:
+        return
+    name = post.outputs.scores if post.format == "boxes_scores" and post.outputs is not None else None
+    name = name or post.output or ctx.outputs[0].name
+    scores = [detection_scores(post.format, sample[name]) for sample in outputs if name in sample]
+    spread = outside_unit_interval([s for s in scores if s is not None])
+    if spread is None:
+        return
+    raise RecipeError("postprocess.format", f"{post.format}: the scores of output {name} are not probabilities: "
+                      f"they range over [{spread[0]:.4g}, {spread[1]:.4g}] on the validation data, and a "
+                      f"{post.format} head carries scores in [0, 1]; export the head with its final Sigmoid, or "
+                      "declare the format the output has", recipe=str(ctx.recipe.path))
 
 
 def settle_apply_softmax(ctx: BuildContext, outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
