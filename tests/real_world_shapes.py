@@ -28,7 +28,7 @@ def _model(
     return model
 
 
-def misdeclared_sequence_head(seed: int = 0) -> onnx.ModelProto:
+def misdeclared_sequence_head(seed: int = 0, declared: tuple[int | str, ...] = (1, "seqlen")) -> onnx.ModelProto:
     """A CRNN-style head exported with a stale output annotation: ``x [1, seqlen, 8]`` ->
     MatMul -> Transpose to time-major -> a Reshape whose target shape is computed from the
     tensor (so shape inference cannot see through it). It declares ``logits [1, seqlen]`` but
@@ -42,7 +42,7 @@ def misdeclared_sequence_head(seed: int = 0) -> onnx.ModelProto:
         helper.make_node("Reshape", ["time_major", "dynamic_shape"], ["logits"], name="reshape_back"),
     ]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seqlen", FEATURES])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "seqlen"])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, list(declared))]
     return _model(nodes, inputs, outputs, [weight], "crnn_head")
 
 

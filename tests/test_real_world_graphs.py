@@ -15,13 +15,14 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from sdk.errors import RecipeError
-from sdk.packager.pipeline import build
+from sdk.packager.passes.base import BuildContext, Pass, register
+from sdk.packager.pipeline import build, run_passes
 from sdk.recipe import load_recipe
 from tests import real_world_graphs as graphs
 
 
-def _build(folder: Path, key: Path, model: onnx.ModelProto, feeds: dict[str, np.ndarray], **sections):
-    """Build ``model`` with a first recipe: the model, its npz validation data, and ``sections``."""
+def _write_recipe(folder: Path, model: onnx.ModelProto, feeds: dict[str, np.ndarray], **sections) -> Path:
+    """The model, its npz validation data and a first recipe naming them (plus ``sections``)."""
     graphs.save_with_npz(model, folder, feeds)
     recipe = {
         "name": folder.name,
@@ -33,7 +34,13 @@ def _build(folder: Path, key: Path, model: onnx.ModelProto, feeds: dict[str, np.
         **sections,
     }
     (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    return build(load_recipe(folder / "recipe.yaml"), key_paths=[str(key)], output=folder / "out.edgepkg")
+    return folder / "recipe.yaml"
+
+
+def _build(folder: Path, key: Path, model: onnx.ModelProto, feeds: dict[str, np.ndarray], **sections):
+    """Build ``model`` with a first recipe: the model, its npz validation data, and ``sections``."""
+    recipe = _write_recipe(folder, model, feeds, **sections)
+    return build(load_recipe(recipe), key_paths=[str(key)], output=folder / "out.edgepkg")
 
 
 def _packaged(result) -> onnx.ModelProto:
@@ -147,3 +154,73 @@ def test_ort_optimize_checks_itself_on_the_real_validation_data_not_on_made_up_d
     assert optimize["applied"] is True, optimize
     assert optimize["checked_on"] == "validation data"
     assert not [w for w in result.warnings if "ort_optimize" in w]
+
+
+def test_fp16_of_an_if_reading_outer_scope_weights_builds_and_keeps_the_answers(tmp_path, keypair):
+    model = graphs.if_reading_outer_initializers()
+    samples = np.random.default_rng(5).normal(size=(6, 1, 8)).astype(np.float32)
+    result = _build(tmp_path / "fp16", keypair[0], model, {"x": samples}, optimize={"fp16": True})
+    packaged = _packaged(result)
+    onnx.checker.check_model(packaged, full_check=True)
+    for sample in samples:
+        want, got = _run(model, {"x": sample})[0], _run(packaged, {"x": sample})[0]
+        assert want.argmax() == got.argmax()
+    assert result.report["passes"]["validate"]["budget_met"] is True
+
+
+def _drop_a_weight_a_branch_reads(graph: onnx.GraphProto) -> None:
+    """A lossless rewrite gone wrong: drops the weight a subgraph reads (the old fold_batchnorm)."""
+    graph.initializer.remove(next(i for i in graph.initializer if i.name == "W1"))
+
+
+def _scale_the_branch_weights(graph: onnx.GraphProto) -> None:
+    """A lossless rewrite that is not: scales the branches' weights by 1.01."""
+    for init in graph.initializer:
+        if init.name in ("W1", "W2"):
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * 1.01, init.name))
+
+
+def _guarded_pass(name: str, rewrite) -> None:
+    """Register a lossless-guarded pass that applies ``rewrite`` to the main graph."""
+    register(
+        type(
+            name,
+            (Pass,),
+            {"name": name, "guard": "lossless", "run": lambda self, ctx: rewrite(ctx.require_model().graph)},
+        )
+    )
+
+
+_guarded_pass("test_drops_a_weight_a_branch_reads", _drop_a_weight_a_branch_reads)
+_guarded_pass("test_scales_a_weight", _scale_the_branch_weights)
+
+
+def _context(folder: Path, model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> BuildContext:
+    ctx = BuildContext(recipe=load_recipe(_write_recipe(folder, model, feeds)), workdir=folder)
+    run_passes(ctx, ["load", "check", "shape_inference", "io_spec"])
+    return ctx
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("test_drops_a_weight_a_branch_reads", "onnx.checker refuses the result"),
+        ("test_scales_a_weight", "differs by up to"),
+    ],
+)
+def test_a_graph_pass_that_breaks_the_graph_or_moves_an_output_is_skipped_with_one_warning(tmp_path, name, why):
+    model = graphs.if_reading_outer_initializers()
+    samples = np.random.default_rng(6).normal(size=(3, 1, 8)).astype(np.float32)
+    ctx = _context(tmp_path, model, {"x": samples})
+    before = ctx.model_bytes()
+    run_passes(ctx, [name])
+    assert ctx.model_bytes() == before  # the graph before the pass goes on
+    assert len(ctx.warnings) == 1 and ctx.warnings[0].startswith(f"{name}: skipped") and why in ctx.warnings[0]
+    assert "validation data" in ctx.warnings[0] or why.startswith("onnx.checker")
+    assert ctx.report[name]["applied"] is False
+
+
+def test_a_lossless_pass_within_tolerance_is_kept(tmp_path):
+    ctx = _context(tmp_path, graphs.if_reading_outer_initializers(), {"x": np.ones((2, 1, 8), np.float32)})
+    run_passes(ctx, ["eliminate_identity", "fold_batchnorm"])
+    assert ctx.warnings == [] and ctx.report["eliminate_identity"]["removed"] == 1

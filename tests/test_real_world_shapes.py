@@ -109,6 +109,36 @@ def test_an_output_declared_1_seqlen_that_returns_seqlen_1_c_builds_passes_the_s
     np.testing.assert_allclose(np.array(answer["outputs"]["logits"], np.float32), want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_dim_that_varies_over_the_validation_data_is_declared_symbolic_though_golden_saw_one_length(
+    tmp_path, keypair
+):
+    model = shapes.misdeclared_sequence_head(declared=(1, 5))  # an export that froze the wrong shape
+    onnx.save(model, tmp_path / "model.onnx")
+    rng = np.random.default_rng(7)
+    for n, length in enumerate((6, 9, 4)):
+        folder = tmp_path / "val" / f"test_data_set_{n}"
+        folder.mkdir(parents=True)
+        tensor = onnx.numpy_helper.from_array(rng.standard_normal((1, length, 8)).astype(np.float32), "x")
+        (folder / "input_0.pb").write_bytes(tensor.SerializeToString())
+    recipe = {
+        "name": "m",
+        "version": "1.0.0",
+        "model": {"path": "model.onnx"},
+        "postprocess": {"kind": "raw"},
+        "validate": {"data": {"test_data": "val"}},
+        "golden": {"count": 1},
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    artifact = tmp_path / "m.edgepkg"
+    result = run_cli("edgepack", "build", str(tmp_path / "recipe.yaml"), "--key", str(keypair[0]), "-o", str(artifact))
+    assert result.returncode == 0, result.stderr
+    assert _manifest(artifact)["outputs"][0]["shape"] == ["seqlen", 1, 5]
+    value = rng.standard_normal((1, 12, 8)).astype(np.float32)
+    (want,) = _bare(model, {"x": value})
+    answer = _predict(artifact, keypair, tmp_path, value)
+    np.testing.assert_allclose(np.array(answer["outputs"]["logits"], np.float32), want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_real_shape_keeps_a_declared_dim_symbolic_where_it_varies_and_names_it_when_new():
     seen = [(6, 1, 5), (9, 1, 5)]
     assert real_output_shape("logits", [1, "seqlen"], seen, {"seqlen": [6, 9]}) == ["seqlen", 1, 5]

@@ -25,6 +25,7 @@ from sdk.artifact_writer import write_artifact
 from sdk.errors import RecipeError
 from sdk.packager import ort_host
 from sdk.packager.data import manifest_inputs
+from sdk.packager.pass_guard import run_guarded
 from sdk.packager.passes import base
 from sdk.packager.passes.base import BuildContext, Progress, model_label
 from sdk.recipe import Recipe
@@ -121,7 +122,10 @@ def run_passes(ctx: BuildContext, names: list[str] | None = None) -> None:
         ctx.progress(f"{name} ...")
         started = time.perf_counter()
         with ort_host.in_pass(name, model=model_name):  # names the pass in onnxruntime crash messages
-            step.run(ctx)
+            if step.guard is None:
+                step.run(ctx)
+            else:
+                run_guarded(step, ctx)
         timings[name] = round(time.perf_counter() - started, 3)
         if ctx.model is not None:  # artifact_size names the passes that grew the model
             ctx.model_sizes[name] = ctx.model.ByteSize()

@@ -12,12 +12,13 @@ import numpy as np
 from sdk.errors import RecipeError
 from sdk.packager.data import context_options, load_samples
 from sdk.packager.passes.base import BuildContext
+from sdk.packager.sources import DataSource
 
 REAL = "validation data"
 MADE_UP = "made-up inputs"
 
 
-def real_source(ctx: BuildContext) -> tuple[str, object] | None:
+def real_source(ctx: BuildContext) -> tuple[str, DataSource] | None:
     """The first real data source the recipe gives (validate.data, quantize.calibration,
     golden.data) as (key, source); None when it gives none or only consents to synthetic."""
     recipe = ctx.recipe
@@ -47,7 +48,7 @@ def check_feeds(
             ctx.preprocess,
             ctx.inputs,
             key=key,
-            limit=count,  # type: ignore[arg-type]
+            limit=count,
             **context_options(ctx),
         )
     except (RecipeError, ValueError):

@@ -110,6 +110,9 @@ class Pass(ABC):
     options from its typed section of ``ctx.recipe`` (``ctx.recipe.optimize``)."""
 
     name: ClassVar[str]
+    # A graph rewrite the pipeline checks after it runs (sdk.packager.pass_guard): "lossless"
+    # must keep every output within tolerance, "lossy" must keep the graph valid and runnable.
+    guard: ClassVar[Literal["lossless", "lossy"] | None] = None
 
     def applies(self, ctx: BuildContext) -> bool:
         return True

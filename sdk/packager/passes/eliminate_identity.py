@@ -15,6 +15,7 @@ class EliminateIdentityPass(Pass):
     Identity that makes a graph's output stays: the output's name is the contract."""
 
     name = "eliminate_identity"
+    guard = "lossless"
 
     def applies(self, ctx: BuildContext) -> bool:
         return ctx.recipe.optimize.graph_pass()

@@ -90,6 +90,7 @@ class FoldBatchNormPass(Pass):
     block; If/Loop/Scan bodies are folded too, and a weight a subgraph reads stays."""
 
     name = "fold_batchnorm"
+    guard = "lossless"
 
     def applies(self, ctx: BuildContext) -> bool:
         return ctx.recipe.optimize.graph_pass(ctx.recipe.optimize.fold_batchnorm)

@@ -8,9 +8,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from sdk.packager.onnx_graph import rename_uses
+from sdk.packager.onnx_graph import all_graphs, rename_uses
 from sdk.packager.ort_worker import session_workarounds
 from sdk.packager.passes.base import BuildContext, Pass, register
+from sdk.packager.self_check import check_feeds
 
 FP16_MAX = 65504.0
 
@@ -88,18 +89,31 @@ def _cast_outputs(graph: onnx.GraphProto, taken: set[str]) -> list[onnx.NodeProt
     return casts
 
 
+def _subgraph_to_fp16(graph: onnx.GraphProto) -> None:
+    """An If/Loop/Scan body in float16 like the graph around it: its constants, and its float
+    inputs and outputs (what the outer graph, already float16, hands it and takes back)."""
+    _float_constants_to_fp16(graph)
+    del graph.value_info[:]
+    for value in [*graph.input, *graph.output]:
+        if _is_float(value):
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+
+
 def _to_fp16_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every float32 tensor becomes float16; Casts at the graph edges keep io types float32.
 
     Readers inside the graph always see the float16 tensor, also when it is a graph output
     (a recurrent state, a head's logits feeding its Softmax) or comes from a graph input or an
     initializer: only the graph's edges are float32, so no node mixes float and float16, and
-    the Casts at the start and the end keep the node list in topological order."""
+    the Casts at the start and the end keep the node list in topological order. If/Loop/Scan
+    bodies are float16 throughout too (they read the outer graph's float16 weights by name)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
     taken = _tensor_names(graph)
     _float_constants_to_fp16(graph)
+    for sub in all_graphs(out)[1:]:
+        _subgraph_to_fp16(sub)
     del graph.value_info[:]
     casts_in = _cast_inputs(graph, taken)
     casts_out = _cast_outputs(graph, taken)
@@ -136,6 +150,7 @@ class Fp16Pass(Pass):
     """Convert to fp16 keeping fp32 inputs and outputs, after checking nothing overflows."""
 
     name = "fp16"
+    guard = "lossy"
 
     def applies(self, ctx: BuildContext) -> bool:
         return ctx.recipe.optimize.fp16 and ctx.recipe.quantize.mode == "none"
@@ -152,7 +167,8 @@ class Fp16Pass(Pass):
             ),
             default=0.0,
         )
-        feeds = synthetic_samples(4, ctx.preprocess, ctx.inputs).feeds
+        # The recipe's real data when it gives some: made-up inputs may miss the range real ones reach.
+        feeds, checked_on = check_feeds(ctx, 4, synthetic_samples(4, ctx.preprocess, ctx.inputs).feeds)
         activations = activation_ranges(model, feeds)
         if max(weights, activations) >= FP16_MAX:
             ctx.warn(
@@ -163,4 +179,5 @@ class Fp16Pass(Pass):
             return
         ctx.model = _to_fp16_graph(model)
         ctx.lossy = "fp16"
-        ctx.report[self.name] = {"applied": True, "max_weight": weights, "max_activation": activations}
+        ctx.report[self.name] = {"applied": True, "max_weight": weights, "max_activation": activations,
+                                 "checked_on": checked_on}
