@@ -66,10 +66,15 @@ def test_an_if_whose_branch_reads_outer_scope_initializers_builds_with_the_defau
     assert result.report["passes"]["eliminate_identity"]["removed"] >= 1  # the subgraphs' Identities too
 
 
-def test_an_ir4_export_with_initializer_inputs_and_batchnorm_passes_its_default_fp32_validation(tmp_path, keypair):
+@pytest.mark.parametrize("optimize", [{}, {"level": "none"}])
+def test_an_ir4_export_with_initializer_inputs_and_batchnorm_passes_its_default_fp32_validation(
+    tmp_path, keypair, optimize
+):
     model = graphs.ir4_initializers_as_inputs()
     samples = np.random.default_rng(1).normal(size=(2, 10, 3, 32, 32)).astype(np.float32)
-    result = _build(tmp_path / "ir4", keypair[0], model, {"input": samples})
+    result = _build(
+        tmp_path / "ir4", keypair[0], model, {"input": samples}, **({"optimize": optimize} if optimize else {})
+    )
     validate = result.report["passes"]["validate"]
     assert validate["budget_met"] is True and validate["fidelity"]["ok"] is True
     # like with like: the reference is the original with its initializers constant, as packaged
@@ -96,13 +101,14 @@ def test_an_ir4_export_with_a_fixed_batch_of_10_opens_to_batch_1_from_the_recipe
     assert (want.argmax() == got.argmax()) and np.allclose(got, want, rtol=1e-3, atol=1e-2)
 
 
-def test_an_ir4_export_opens_its_batch_to_a_named_dim(tmp_path, keypair):
+@pytest.mark.parametrize(
+    ("shape", "sample"), [(["batch", 3, 32, 32], (3, 3, 32, 32)), ([1, 3, 48, 64], (1, 3, 48, 64))]
+)
+def test_an_ir4_export_opens_its_batch_to_a_named_dim_and_its_spatial_dims(tmp_path, keypair, shape, sample):
     model = graphs.ir4_initializers_as_inputs()
-    samples = np.random.default_rng(2).normal(size=(2, 3, 3, 32, 32)).astype(np.float32)
-    result = _build(
-        tmp_path / "dyn", keypair[0], model, {"input": samples}, inputs={"input": {"shape": ["batch", 3, 32, 32]}}
-    )
-    assert result.manifest.raw["inputs"][0]["shape"] == ["batch", 3, 32, 32]
+    samples = np.random.default_rng(2).normal(size=(2, *sample)).astype(np.float32)
+    result = _build(tmp_path / "dyn", keypair[0], model, {"input": samples}, inputs={"input": {"shape": shape}})
+    assert result.manifest.raw["inputs"][0]["shape"] == shape
     assert result.report["passes"]["validate"]["budget_met"] is True
 
 
