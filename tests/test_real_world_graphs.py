@@ -21,8 +21,8 @@ from sdk.recipe import load_recipe
 from tests import real_world_graphs as graphs
 
 
-def _build(folder: Path, key: Path, model: onnx.ModelProto, feeds: dict[str, np.ndarray], **sections):
-    """Build ``model`` with a first recipe: the model, its npz validation data, and ``sections``."""
+def _write_recipe(folder: Path, model: onnx.ModelProto, feeds: dict[str, np.ndarray], **sections) -> Path:
+    """The model, its npz validation data and a first recipe naming them (plus ``sections``)."""
     graphs.save_with_npz(model, folder, feeds)
     recipe = {
         "name": folder.name,
@@ -34,7 +34,13 @@ def _build(folder: Path, key: Path, model: onnx.ModelProto, feeds: dict[str, np.
         **sections,
     }
     (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    return build(load_recipe(folder / "recipe.yaml"), key_paths=[str(key)], output=folder / "out.edgepkg")
+    return folder / "recipe.yaml"
+
+
+def _build(folder: Path, key: Path, model: onnx.ModelProto, feeds: dict[str, np.ndarray], **sections):
+    """Build ``model`` with a first recipe: the model, its npz validation data, and ``sections``."""
+    recipe = _write_recipe(folder, model, feeds, **sections)
+    return build(load_recipe(recipe), key_paths=[str(key)], output=folder / "out.edgepkg")
 
 
 def _packaged(result) -> onnx.ModelProto:
@@ -60,10 +66,15 @@ def test_an_if_whose_branch_reads_outer_scope_initializers_builds_with_the_defau
     assert result.report["passes"]["eliminate_identity"]["removed"] >= 1  # the subgraphs' Identities too
 
 
-def test_an_ir4_export_with_initializer_inputs_and_batchnorm_passes_its_default_fp32_validation(tmp_path, keypair):
+@pytest.mark.parametrize("optimize", [{}, {"level": "none"}])
+def test_an_ir4_export_with_initializer_inputs_and_batchnorm_passes_its_default_fp32_validation(
+    tmp_path, keypair, optimize
+):
     model = graphs.ir4_initializers_as_inputs()
     samples = np.random.default_rng(1).normal(size=(2, 10, 3, 32, 32)).astype(np.float32)
-    result = _build(tmp_path / "ir4", keypair[0], model, {"input": samples})
+    result = _build(
+        tmp_path / "ir4", keypair[0], model, {"input": samples}, **({"optimize": optimize} if optimize else {})
+    )
     validate = result.report["passes"]["validate"]
     assert validate["budget_met"] is True and validate["fidelity"]["ok"] is True
     # like with like: the reference is the original with its initializers constant, as packaged
@@ -90,13 +101,14 @@ def test_an_ir4_export_with_a_fixed_batch_of_10_opens_to_batch_1_from_the_recipe
     assert (want.argmax() == got.argmax()) and np.allclose(got, want, rtol=1e-3, atol=1e-2)
 
 
-def test_an_ir4_export_opens_its_batch_to_a_named_dim(tmp_path, keypair):
+@pytest.mark.parametrize(
+    ("shape", "sample"), [(["batch", 3, 32, 32], (3, 3, 32, 32)), ([1, 3, 48, 64], (1, 3, 48, 64))]
+)
+def test_an_ir4_export_opens_its_batch_to_a_named_dim_and_its_spatial_dims(tmp_path, keypair, shape, sample):
     model = graphs.ir4_initializers_as_inputs()
-    samples = np.random.default_rng(2).normal(size=(2, 3, 3, 32, 32)).astype(np.float32)
-    result = _build(
-        tmp_path / "dyn", keypair[0], model, {"input": samples}, inputs={"input": {"shape": ["batch", 3, 32, 32]}}
-    )
-    assert result.manifest.raw["inputs"][0]["shape"] == ["batch", 3, 32, 32]
+    samples = np.random.default_rng(2).normal(size=(2, *sample)).astype(np.float32)
+    result = _build(tmp_path / "dyn", keypair[0], model, {"input": samples}, inputs={"input": {"shape": shape}})
+    assert result.manifest.raw["inputs"][0]["shape"] == shape
     assert result.report["passes"]["validate"]["budget_met"] is True
 
 
@@ -162,44 +174,35 @@ def test_fp16_of_an_if_reading_outer_scope_weights_builds_and_keeps_the_answers(
     assert result.report["passes"]["validate"]["budget_met"] is True
 
 
-@register
-class _BreaksTheGraph(Pass):
+def _drop_a_weight_a_branch_reads(graph: onnx.GraphProto) -> None:
     """A lossless rewrite gone wrong: drops the weight a subgraph reads (the old fold_batchnorm)."""
-
-    name = "test_drops_a_weight_a_branch_reads"
-    guard = "lossless"
-
-    def run(self, ctx: BuildContext) -> None:
-        graph = ctx.require_model().graph
-        graph.initializer.remove(next(i for i in graph.initializer if i.name == "W1"))
+    graph.initializer.remove(next(i for i in graph.initializer if i.name == "W1"))
 
 
-@register
-class _MovesTheNumbers(Pass):
-    """A lossless rewrite that is not: scales the last weights by 1.01."""
+def _scale_the_branch_weights(graph: onnx.GraphProto) -> None:
+    """A lossless rewrite that is not: scales the branches' weights by 1.01."""
+    for init in graph.initializer:
+        if init.name in ("W1", "W2"):
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * 1.01, init.name))
 
-    name = "test_scales_a_weight"
-    guard = "lossless"
 
-    def run(self, ctx: BuildContext) -> None:
-        graph = ctx.require_model().graph
-        for init in graph.initializer:
-            if init.name in ("W1", "W2"):
-                init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * 1.01, init.name))
+def _guarded_pass(name: str, rewrite) -> None:
+    """Register a lossless-guarded pass that applies ``rewrite`` to the main graph."""
+    register(
+        type(
+            name,
+            (Pass,),
+            {"name": name, "guard": "lossless", "run": lambda self, ctx: rewrite(ctx.require_model().graph)},
+        )
+    )
+
+
+_guarded_pass("test_drops_a_weight_a_branch_reads", _drop_a_weight_a_branch_reads)
+_guarded_pass("test_scales_a_weight", _scale_the_branch_weights)
 
 
 def _context(folder: Path, model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> BuildContext:
-    graphs.save_with_npz(model, folder, feeds)
-    recipe = {
-        "name": "guard",
-        "version": "1.0.0",
-        "model": {"path": "model.onnx"},
-        "preprocess": {"kind": "tensor"},
-        "validate": {"data": {"npz": "val.npz"}},
-        "targets": ["rpi"],
-    }
-    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    ctx = BuildContext(recipe=load_recipe(folder / "recipe.yaml"), workdir=folder)
+    ctx = BuildContext(recipe=load_recipe(_write_recipe(folder, model, feeds)), workdir=folder)
     run_passes(ctx, ["load", "check", "shape_inference", "io_spec"])
     return ctx
 

@@ -159,3 +159,12 @@ def test_qoperator_and_dynamic_graphs_from_onnxruntime_quantization_are_int8_wit
     dynamic = quant_facts(onnx.load(models.dynamic_model(tmp_path)))
     assert dynamic.precision == "int8" and dynamic.int8_nodes["MatMulInteger"] == 3
     assert dynamic.float_compute == {"Conv": 1} and dynamic.to_json()["split"] == "mixed"
+
+
+def test_a_dynamic_quantize_lstm_inside_a_loop_body_is_int8():
+    lstm = onnx.helper.make_node("DynamicQuantizeLSTM", ["x", "w", "r"], ["y"], domain="com.microsoft", hidden_size=4)
+    body = onnx.helper.make_graph([lstm], "body", [], [])
+    loop = onnx.helper.make_node("Loop", ["n", ""], [], body=body)
+    model = onnx.helper.make_model(onnx.helper.make_graph([loop], "g", [], []))
+    facts = quant_facts(model)
+    assert facts.precision == "int8" and facts.int8_nodes == {"DynamicQuantizeLSTM": 1}
