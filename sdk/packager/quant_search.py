@@ -20,7 +20,9 @@ models measured (``tools/bench/quant_search.py``) none met a budget the stages a
 
 An int8 candidate ships only when it keeps the accuracy budget *and* runs faster than fp32 by
 more than ``quantize.min_speedup`` (default 1.0) on the build host's CPU provider, the proxy for
-the target's; fp16 is judged on accuracy alone (the host CPU runs fp16 through casts, which says
+the target's, judged by :func:`speed_call` on interleaved rounds with an interval and a fixed tie
+rule (undecided keeps the float form), so a busy machine does not flip the choice between builds;
+fp16 is judged on accuracy alone (the host CPU runs fp16 through casts, which says
 nothing of a GPU or NPU that runs it natively).
 """
 
@@ -250,13 +252,49 @@ class Verdict:
     word: str  # meets the budget | misses the budget | is not faster than fp32
 
 
-def verdict(kind: str, accuracy_met: bool, speedup: float, min_speedup: float) -> Verdict:
-    """Whether one judged candidate may ship: it keeps the accuracy budget and, for int8, runs
-    faster than fp32 by more than ``min_speedup`` (0 lets any speed through)."""
+@dataclass(frozen=True)
+class SpeedCall:
+    """The speed gate's call on paired, interleaved timing rounds: ``speedup`` is the median of
+    the rounds' fp32/candidate ratios, ``low``/``high`` the lowest and highest ratio (a
+    distribution-free interval on the median: with n rounds it holds it with probability
+    1 - 2/2**n, 98% for the pass's 7), ``call`` faster | slower | undecided against the line."""
+
+    speedup: float
+    low: float
+    high: float
+    call: Literal["faster", "slower", "undecided"]
+
+    @property
+    def faster(self) -> bool:
+        """Undecided counts as not faster (the tie rule): int8 ships on speed only when every
+        round clears the line, so a gain near ``min_speedup`` keeps the float form in every build."""
+        return self.call == "faster"
+
+
+def speed_call(fp32_s: Sequence[float], candidate_s: Sequence[float], min_speedup: float) -> SpeedCall:
+    """Whether a candidate runs faster than fp32 by more than ``min_speedup``, judged on rounds
+    timed side by side (round i of each model back to back, so a load spike hits both): "faster"
+    only when the interval's lower bound is above the line, "slower" only when its upper bound is
+    at or below it, "undecided" in between. A candidate with no time is slower."""
+    ratios = sorted(f / c if c > 0 else 0.0 for f, c in zip(fp32_s, candidate_s, strict=True))
+    if not ratios:
+        return SpeedCall(0.0, 0.0, 0.0, "slower")
+    middle = len(ratios) // 2
+    median = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+    low, high = ratios[0], ratios[-1]
+    call: Literal["faster", "slower", "undecided"] = (
+        "faster" if low > min_speedup else "slower" if high <= min_speedup else "undecided")
+    return SpeedCall(round(median, 3), round(low, 3), round(high, 3), call)
+
+
+def verdict(kind: str, accuracy_met: bool, speed: SpeedCall) -> Verdict:
+    """Whether one judged candidate may ship: it keeps the accuracy budget and, for int8, the
+    speed gate calls it faster than fp32 by more than ``min_speedup`` (0 lets any speed through)."""
     if not accuracy_met:
         return Verdict(False, False, "misses the budget")
-    if kind == "int8" and not speedup > min_speedup:
-        return Verdict(False, True, "meets the budget but is not faster than fp32")
+    if kind == "int8" and not speed.faster:
+        why = "is not faster than fp32" if speed.call == "slower" else "is not clearly faster than fp32"
+        return Verdict(False, True, f"meets the budget but {why}")
     return Verdict(True, True, "meets the budget")
 
 

@@ -34,7 +34,7 @@ import contextlib
 import fnmatch
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -63,8 +63,8 @@ from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 # quantization of a model without MatMul/Gemm changes nothing).
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 # Side-by-side timing of each candidate against fp32: alternating blocks of about 30 ms (3 to
-# 200 runs), 5 rounds.
-LATENCY_ROUNDS, LATENCY_BLOCK_S, LATENCY_MIN_RUNS, LATENCY_MAX_RUNS = 5, 0.03, 3, 200
+# 200 runs), 7 rounds (the speed gate's interval, quant_search.speed_call).
+LATENCY_ROUNDS, LATENCY_BLOCK_S, LATENCY_MIN_RUNS, LATENCY_MAX_RUNS = 7, 0.03, 3, 200
 LATENCY_THREADS = 1
 # Calibration samples the activation capture runs (both models keep every intermediate tensor
 # of one sample in memory at a time).
@@ -263,13 +263,19 @@ def profile_activations(fp32_path: Path, qdq_path: Path | None, feeds: list[dict
     return {"ranges": ranges, "errors": errors}
 
 
-def time_side_by_side(fp32: Path, candidate: Path, feed: dict[str, np.ndarray]) -> tuple[float, float]:
+def _rounds(timing: float | Sequence[float]) -> tuple[float, ...]:
+    """One model's timing rounds; a single figure (a test's seam) is one round."""
+    return (float(timing),) if isinstance(timing, (int, float)) else tuple(float(t) for t in timing)
+
+
+def time_side_by_side(fp32: Path, candidate: Path, feed: dict[str, np.ndarray]
+                      ) -> tuple[Sequence[float], Sequence[float]]:
     """Seconds per run of the fp32 model and a candidate on the host's CPU provider, one thread
     (a ratio that a busy shared machine's thread scheduling does not swing), measured in the
     worker in alternating blocks of about ``LATENCY_BLOCK_S`` each, ``LATENCY_ROUNDS`` rounds;
-    each model's figure is its fastest block median (a load spike on a shared machine only ever
-    adds time, and hits both). The seam the tests use to play a target where int8 is slower or
-    faster."""
+    each round's block medians, paired (a load spike on a shared machine hits both of a round),
+    for :func:`quant_search.speed_call`. The seam the tests use to play a target where int8 is
+    slower or faster (a single figure per model is one round)."""
 
     def block(model: Path, runs: int, warmup: int = 0) -> float:
         return float(np.median(measure_latency(str(model), feed, runs=runs, warmup=warmup, threads=LATENCY_THREADS)))
@@ -281,7 +287,7 @@ def time_side_by_side(fp32: Path, candidate: Path, feed: dict[str, np.ndarray]) 
     for _ in range(LATENCY_ROUNDS):
         fp32_blocks.append(block(fp32, runs))
         candidate_blocks.append(block(candidate, runs))
-    return min(fp32_blocks), min(candidate_blocks)
+    return fp32_blocks, candidate_blocks
 
 
 def _synthetic_options(ctx: BuildContext) -> dict[str, Any]:
@@ -551,15 +557,18 @@ class _Search:
         evaluation = judge(self.ctx, self.ctx.recipe.validate, self.data.reference, outputs,
                            self.data.validation.labels)
         self._step(number, candidate, 0.7, "timing")
-        fp32_s, latency = time_side_by_side(self.data.source, out, self.data.validation.feeds[0])
-        speedup = round(fp32_s / latency, 3) if latency else 0.0
-        decision = plan.verdict(candidate.kind, evaluation.met, speedup, self.min_speedup)
+        fp32_rounds, rounds = map(_rounds, time_side_by_side(self.data.source, out, self.data.validation.feeds[0]))
+        fp32_s, latency = min(fp32_rounds), min(rounds)
+        speed = plan.speed_call(fp32_rounds, rounds, self.min_speedup)
+        speedup = speed.speedup
+        decision = plan.verdict(candidate.kind, evaluation.met, speed)
         if candidate.kind == "int8" and not entry["quantized_nodes"]:
             decision = plan.Verdict(False, evaluation.met, "changed no node of the graph")
         entry.update({"metric": evaluation.metric, "task": evaluation.to_json(), "budget_met": evaluation.met,
                       "why": evaluation.summary(), "bytes": out.stat().st_size,
                       "latency_ms": round(latency * 1000, 4), "latency_fp32_ms": round(fp32_s * 1000, 4),
-                      "speedup": speedup, "ships": decision.ships, "verdict": decision.word,
+                      "speedup": speedup, "speedup_interval": [speed.low, speed.high], "speed_call": speed.call,
+                      "ships": decision.ships, "verdict": decision.word,
                       "seconds": round(time.monotonic() - entry.pop("started"), 3)})
         self.ctx.progress(f"quantize: candidate {number} ({candidate.brief()}) {decision.word}: "
                           f"{evaluation.summary()}; {entry['bytes']:,d} bytes, {entry['latency_ms']:.3g} ms "
