@@ -50,7 +50,7 @@ PINNED = Path(__file__).resolve().parent / "pinned"
 PLAIN_RECIPES = ("digits", "digits-int8", "mobilenet", "mobilenet-dynamic", "mobilenet-int8", "tabular", "vad")
 TORCH_RECIPES = ("lstm-vad", "ocr-int8", "orientation-int8", "points", "yolo-int8")
 RECIPES = PLAIN_RECIPES + TORCH_RECIPES
-TIMING_KEYS = frozenset({"timings_s", "seconds", "search_s", "speedup", "tools"})
+TIMING_KEYS = frozenset({"timings_s", "seconds", "search_s", "speedup", "speedup_interval", "speed_call", "tools"})
 # Timing figures inside report strings ("0.238 ms", "(1.38x fp32)"): this machine's clock.
 TIMING_TEXT = re.compile(r"-?\d+(?:\.\d+)?(?:e-?\d+)?\s*(?:ms\b|x\b)")
 # Warnings the clock decides (int8 shipped while slower here, min_speedup 0).

@@ -9,7 +9,6 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from edgepack_core.signing import SigningKey, load_private_key
 from edgepack_core.targets import profile_providers
 from sdk.artifact_writer import write_artifact
 from sdk.errors import RecipeError
-from sdk.packager import ort_host
+from sdk.packager import ort_host, reproducible
 from sdk.packager.data import manifest_inputs
 from sdk.packager.pass_guard import run_guarded
 from sdk.packager.passes import base
@@ -74,13 +73,6 @@ class BuildResult:
     manifest: Manifest
     report: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
-
-
-def _created() -> str:
-    """Build time in UTC; SOURCE_DATE_EPOCH pins it for reproducible builds."""
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    moment = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
-    return moment.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 def tool_versions() -> dict[str, str]:
@@ -152,7 +144,7 @@ def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
         "format": FORMAT_VERSION,
         "name": ctx.recipe.name,
         "version": ctx.recipe.version,
-        "created": _created(),
+        "created": reproducible.created(reproducible.source_date_epoch(os.environ)),
         "model": model_section,
         "inputs": manifest_inputs(ctx.inputs, ctx.recipe.inputs),
         "outputs": [o.to_json() for o in ctx.outputs],
@@ -178,6 +170,7 @@ def build(
 ) -> BuildResult:
     """Build a signed artifact from a validated recipe. Raises EdgepackError subclasses."""
     keys = resolve_signing_keys(recipe, key_paths)  # fail on a bad key before any long work
+    epoch = reproducible.source_date_epoch(os.environ)  # and on a bad SOURCE_DATE_EPOCH
     target = resolve_output(recipe, output)
     workdir = Path(tempfile.mkdtemp(prefix="edgepack-build-"))
     ort_host.prestart()  # the onnxruntime worker starts while the first passes run
@@ -193,7 +186,8 @@ def build(
             "warnings": ctx.warnings,
             "tools": tool_versions(),
         }
-        ctx.files[REPORT_NAME] = json.dumps(report, indent=2, sort_keys=True, default=float).encode() + b"\n"
+        shipped = report if epoch is None else reproducible.without_clock(report)  # byte-identical rebuilds
+        ctx.files[REPORT_NAME] = json.dumps(shipped, indent=2, sort_keys=True, default=float).encode() + b"\n"
         manifest_bytes = write_artifact(target, assemble_manifest(ctx), ctx.files, keys)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
