@@ -43,14 +43,24 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _cli(root: Path, env: dict[str, str], *args: str) -> None:
     clean = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
     clean["PYTHONPATH"] = os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")])
-    subprocess.run([cli("edgepack"), *args], cwd=root, env={**clean, **env}, check=True, capture_output=True,
-                   timeout=600)
+    subprocess.run(
+        [cli("edgepack"), *args], cwd=root, env={**clean, **env}, check=True, capture_output=True, timeout=600
+    )
 
 
 def _build(root: Path, name: str, env: dict[str, str]) -> Path:
     out = root / "dist" / f"{name}.edgepkg"
-    _cli(root, env, "build", str(root / "recipes" / "digits-int8.yaml"), "--key", str(root / "key.pem"),
-         "--output", str(out), "--allow-external-paths")
+    _cli(
+        root,
+        env,
+        "build",
+        str(root / "recipes" / "digits-int8.yaml"),
+        "--key",
+        str(root / "key.pem"),
+        "--output",
+        str(out),
+        "--allow-external-paths",
+    )
     return out
 
 
@@ -80,8 +90,10 @@ def test_without_source_date_epoch_the_artifact_records_real_times(workspace: Pa
     assert any(v > 0 for v in report["timings_s"].values())
 
 
-@pytest.mark.parametrize(("raw", "epoch"), [("", None), ("0", 0), (" 1700000000 ", 1700000000),
-                                            (str(reproducible.MAX_EPOCH), reproducible.MAX_EPOCH)])
+@pytest.mark.parametrize(
+    ("raw", "epoch"),
+    [("", None), ("0", 0), (" 1700000000 ", 1700000000), (str(reproducible.MAX_EPOCH), reproducible.MAX_EPOCH)],
+)
 def test_source_date_epoch_is_whole_seconds(raw, epoch):
     assert reproducible.source_date_epoch({"SOURCE_DATE_EPOCH": raw}) == epoch
 
@@ -99,10 +111,28 @@ def test_created_is_the_epoch_when_set_and_the_clock_otherwise():
 
 
 def test_the_report_without_clock_keeps_every_figure_but_the_clock():
-    report = {"timings_s": {"quantize": 1.6}, "passes": {"quantize": {
-        "candidates": [{"latency_ms": 0.1, "latency_int8_ms": 0.2, "speedup": 0.66, "speedup_interval": [0.6, 0.7],
-                        "seconds": 0.1, "speed_call": "faster", "bytes": 9714, "max_search_s": 600}],
-        "search_s": 0.1}}, "warnings": ["the int8 model is slower than fp32 on this machine (0.66x); 1.9x"]}
-    assert reproducible.without_clock(report) == {"passes": {"quantize": {
-        "candidates": [{"speed_call": "faster", "bytes": 9714, "max_search_s": 600}]}},
-        "warnings": ["the int8 model is slower than fp32 on this machine (<clock>); <clock>"]}
+    report = {
+        "timings_s": {"quantize": 1.6},
+        "passes": {
+            "quantize": {
+                "candidates": [
+                    {
+                        "latency_ms": 0.1,
+                        "latency_int8_ms": 0.2,
+                        "speedup": 0.66,
+                        "speedup_interval": [0.6, 0.7],
+                        "seconds": 0.1,
+                        "speed_call": "faster",
+                        "bytes": 9714,
+                        "max_search_s": 600,
+                    }
+                ],
+                "search_s": 0.1,
+            }
+        },
+        "warnings": ["the int8 model is slower than fp32 on this machine (0.66x); 1.9x"],
+    }
+    assert reproducible.without_clock(report) == {
+        "passes": {"quantize": {"candidates": [{"speed_call": "faster", "bytes": 9714, "max_search_s": 600}]}},
+        "warnings": ["the int8 model is slower than fp32 on this machine (<clock>); <clock>"],
+    }

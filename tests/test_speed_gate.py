@@ -48,15 +48,15 @@ def test_a_single_timing_per_model_is_the_float_rule_of_before():
 def test_an_undecided_int8_candidate_keeps_the_float_form():
     undecided = _call([0.9, 1.1], 1.0)
     assert plan.verdict("int8", True, undecided) == plan.Verdict(
-        False, True, "meets the budget but is not clearly faster than fp32")
+        False, True, "meets the budget but is not clearly faster than fp32"
+    )
     assert plan.verdict("int8", True, _call([0.8, 0.9], 1.0)).word == "meets the budget but is not faster than fp32"
     assert plan.verdict("int8", True, _call([1.1, 1.2], 1.0)).ships
     assert plan.verdict("fp16", True, undecided).ships  # fp16 is judged on accuracy alone
     assert not plan.verdict("int8", False, _call([2.0], 1.0)).ships
 
 
-def _busy_build(rng: np.random.Generator, gain: float, rounds: int = LATENCY_ROUNDS
-                ) -> tuple[list[float], list[float]]:
+def _busy_build(rng: np.random.Generator, gain: float, rounds: int = LATENCY_ROUNDS) -> tuple[list[float], list[float]]:
     """One build's rounds on a busy machine: each model's block jitters (4%) and half the blocks
     are slowed by a load spike of up to 30%; the candidate is truly ``gain`` times faster."""
 
