@@ -177,7 +177,7 @@ def test_no_facts_leave_only_fp16_when_wanted():
     ("fp16", False, 2.0, 1.0, False, "misses the budget"),
 ])
 def test_a_candidate_ships_when_it_keeps_the_budget_and_int8_is_faster(kind, met, speedup, minimum, ships, word):
-    verdict = plan.verdict(kind, met, speedup, minimum)
+    verdict = plan.verdict(kind, met, plan.speed_call([speedup], [1.0], minimum))  # one round: the float rule
     assert (verdict.ships, verdict.accuracy_met, verdict.word) == (ships, met, word)
 
 
