@@ -14,6 +14,7 @@ import onnx
 from edgepack_core.postprocess import load_charset
 from edgepack_core.postprocess_spec import PostprocessSpec
 from sdk.errors import RecipeError
+from sdk.packager.declared import dtype_problem, shape_problem
 from sdk.packager.onnx_graph import (
     graph_io,
 )
@@ -154,6 +155,16 @@ def _check_postprocess_outputs(ctx: BuildContext, recipe: str) -> None:
         )
 
 
+def _check_declared_input(ctx: BuildContext, name: str, recipe: str) -> None:
+    """``preprocess.shape`` and ``preprocess.dtype`` fit the input they feed, refused here in
+    Edgepack's words before onnxruntime's (:mod:`sdk.packager.declared`)."""
+    model_input = next(i for i in ctx.inputs if i.name == name)
+    for key, problem in (("preprocess.shape", shape_problem(ctx.preprocess, model_input)),
+                         ("preprocess.dtype", dtype_problem(ctx.preprocess, model_input))):
+        if problem is not None:
+            raise RecipeError(key, problem, recipe=recipe)
+
+
 @register
 class IoSpecPass(Pass):
     """Record inputs/outputs and the normalized pre/postprocessing specs; check they fit."""
@@ -172,6 +183,7 @@ class IoSpecPass(Pass):
             raise RecipeError(
                 "preprocess.input", f"no model input named {target!r} (inputs: {', '.join(names)})", recipe=recipe
             )
+        _check_declared_input(ctx, target or names[0], recipe)
         if ctx.preprocess.kind == "image":
             self._check_image_input(ctx, target or names[0], recipe)
         output = ctx.postprocess.output
