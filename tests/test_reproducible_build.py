@@ -40,27 +40,22 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _cli(root: Path, env: dict[str, str], *args: str) -> None:
+def _build_run(root: Path, name: str, env: dict[str, str]) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """``edgepack build`` of the recipe as a subprocess, ``SOURCE_DATE_EPOCH`` only from ``env``."""
     clean = {k: v for k, v in os.environ.items() if k != "SOURCE_DATE_EPOCH"}
     clean["PYTHONPATH"] = os.pathsep.join([str(REPO), clean.get("PYTHONPATH", "")])
-    subprocess.run(
-        [cli("edgepack"), *args], cwd=root, env={**clean, **env}, check=True, capture_output=True, timeout=600
+    out = root / "dist" / f"{name}.edgepkg"
+    recipe, key = root / "recipes" / "digits-int8.yaml", root / "key.pem"
+    args = ["build", str(recipe), "--key", str(key), "--output", str(out), "--allow-external-paths"]
+    done = subprocess.run(
+        [cli("edgepack"), *args], cwd=root, env={**clean, **env}, capture_output=True, text=True, timeout=600
     )
+    return out, done
 
 
 def _build(root: Path, name: str, env: dict[str, str]) -> Path:
-    out = root / "dist" / f"{name}.edgepkg"
-    _cli(
-        root,
-        env,
-        "build",
-        str(root / "recipes" / "digits-int8.yaml"),
-        "--key",
-        str(root / "key.pem"),
-        "--output",
-        str(out),
-        "--allow-external-paths",
-    )
+    out, done = _build_run(root, name, env)
+    assert done.returncode == 0, done.stderr
     return out
 
 
@@ -136,3 +131,10 @@ def test_the_report_without_clock_keeps_every_figure_but_the_clock():
         "passes": {"quantize": {"candidates": [{"speed_call": "faster", "bytes": 9714, "max_search_s": 600}]}},
         "warnings": ["the int8 model is slower than fp32 on this machine (<clock>); <clock>"],
     }
+
+
+def test_a_bad_source_date_epoch_stops_the_build_with_one_line(workspace: Path) -> None:
+    out, done = _build_run(workspace, "bad", {"SOURCE_DATE_EPOCH": "2023-11-14"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "SOURCE_DATE_EPOCH" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not out.exists()
