@@ -14,7 +14,9 @@ import onnx
 from edgepack_core.postprocess import load_charset
 from edgepack_core.postprocess_spec import PostprocessSpec
 from sdk.errors import RecipeError
+from sdk.packager.ctc_blank import blank_range_problem, likely_blank_problem
 from sdk.packager.declared import dtype_problem, shape_problem
+from sdk.packager.detection_heads import declared_format_problem
 from sdk.packager.onnx_graph import (
     graph_io,
 )
@@ -86,6 +88,50 @@ def check_detection_scores(ctx: BuildContext, outputs: Sequence[Mapping[str, np.
                       f"they range over [{spread[0]:.4g}, {spread[1]:.4g}] on the validation data, and a "
                       f"{post.format} head carries scores in [0, 1]; export the head with its final Sigmoid, or "
                       "declare the format the output has", recipe=str(ctx.recipe.path))
+
+
+def _image_size(ctx: BuildContext, feeds: Sequence[Mapping[str, np.ndarray]]) -> tuple[int, int] | None:
+    """(height, width) of the image the model sees, from a validation feed; None for non-images."""
+    spec = ctx.preprocess
+    name = spec.input or (ctx.inputs[0].name if ctx.inputs else "")
+    if spec.kind != "image" or not feeds or name not in feeds[0]:
+        return None
+    shape = np.shape(feeds[0][name])
+    if len(shape) < 3:
+        return None
+    height, width = shape[-2:] if spec.layout == "NCHW" else shape[-3:-1]
+    return int(height), int(width)
+
+
+def check_detection_format(
+    ctx: BuildContext, outputs: Sequence[Mapping[str, np.ndarray]], feeds: Sequence[Mapping[str, np.ndarray]]
+) -> None:
+    """A YOLO ``format`` must be what the output holds on the validation data (boxes in input
+    pixels, scores in [0, 1]): a raw grid declared as a decoded head is refused, naming the
+    format that fits when one does (:mod:`sdk.packager.detection_heads`)."""
+    post = ctx.postprocess
+    if post.kind != "detection" or not ctx.outputs:
+        return
+    name = post.output or ctx.outputs[0].name
+    values = [sample[name] for sample in outputs if name in sample]
+    problem = declared_format_problem(post.format, values, _image_size(ctx, feeds))
+    if problem is not None:
+        raise RecipeError("postprocess.format", f"{post.format}: output {name} on the validation data has {problem}",
+                          recipe=str(ctx.recipe.path))
+
+
+def check_ctc_blank(ctx: BuildContext, outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
+    """A ctc ``blank`` must index the class axis of the output on the validation data and act
+    as a blank there (:mod:`sdk.packager.ctc_blank`); refused naming the likely blank."""
+    post = ctx.postprocess
+    if post.kind != "ctc" or not ctx.outputs:
+        return
+    name = post.output or ctx.outputs[0].name
+    values = [sample[name] for sample in outputs if name in sample and np.ndim(sample[name]) >= 1]
+    problem = blank_range_problem(post.blank, int(np.shape(values[0])[-1]), name) if values else None
+    problem = problem or likely_blank_problem(post.blank, values, name)
+    if problem is not None:
+        raise RecipeError("postprocess.blank", problem, recipe=str(ctx.recipe.path))
 
 
 def settle_apply_softmax(ctx: BuildContext, outputs: Sequence[Mapping[str, np.ndarray]]) -> None:

@@ -32,7 +32,12 @@ from sdk.packager.fidelity import check_fidelity, compare
 from sdk.packager.options import given, option
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.golden import settle_output_contract
-from sdk.packager.passes.io_spec import check_detection_scores, settle_apply_softmax
+from sdk.packager.passes.io_spec import (
+    check_ctc_blank,
+    check_detection_format,
+    check_detection_scores,
+    settle_apply_softmax,
+)
 from sdk.packager.sequences import run_samples
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 from sdk.packager.task_metrics import DetectionDecoder, Detections, Evaluation, MetricInputError, evaluate, task_metric
@@ -213,6 +218,8 @@ class ValidatePass(Pass):
         assert ctx.original is not None
         reference = run_samples(ctx.original.SerializeToString(), samples)
         settle_apply_softmax(ctx, reference)
+        check_detection_format(ctx, reference, samples.feeds)
+        check_ctc_blank(ctx, reference)
         check_detection_scores(ctx, reference)
         candidate = run_samples(ctx.model_bytes(), samples)
         precision = ctx.lossy or "fp32"
