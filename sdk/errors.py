@@ -95,6 +95,11 @@ def _signal_name(returncode: int | None) -> str:
         return f"signal {-returncode}"
 
 
+class ContractError(HostError, ValueError):
+    """An output the build cannot describe truthfully (dtype unlike the declared one, rank that
+    varies across samples); the message names the output."""
+
+
 class MetricInputError(HostError):
     """An output a task metric cannot read (a detection metric on something that is no detection head)."""
 

@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from edgepack_core.postprocess_spec import parse_postprocess
-from sdk.packager.output_contract import ContractError, real_contract, real_output_shape
+from sdk.errors import ContractError
+from sdk.packager.output_contract import real_contract, real_output_shape
 from sdk.packager.passes.io_spec import resolve_apply_softmax
 from sdk.packager.probabilities import detection_scores, is_distribution, outside_unit_interval, producer
 from tests import real_world_shapes as shapes

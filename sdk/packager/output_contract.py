@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgepack_core.manifest import TensorSpec
+from sdk.errors import ContractError
 
 Dim = int | str
 
@@ -29,11 +30,6 @@ class Repair:
 
     def to_json(self) -> dict[str, object]:
         return {"output": self.output, "declared": list(self.declared), "real": list(self.real)}
-
-
-class ContractError(ValueError):
-    """An output the build cannot describe truthfully (dtype unlike the declared one, rank that
-    varies across samples); the message names the output."""
 
 
 def fits(shape: Sequence[int], declared: Sequence[Dim]) -> bool:

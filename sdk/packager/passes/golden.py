@@ -20,11 +20,11 @@ import numpy as np
 import onnx
 
 from edgepack_core.tensor_compare import same_non_finite
-from sdk.errors import BuildError, RecipeError
+from sdk.errors import BuildError, ContractError, RecipeError
 from sdk.packager.data import Samples, context_options, load_samples
 from sdk.packager.options import option
 from sdk.packager.ort_host import run_feeds
-from sdk.packager.output_contract import ContractError, real_contract
+from sdk.packager.output_contract import real_contract
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 

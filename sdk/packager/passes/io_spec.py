@@ -229,9 +229,11 @@ class IoSpecPass(Pass):
             raise RecipeError(
                 "preprocess.input", f"no model input named {target!r} (inputs: {', '.join(names)})", recipe=recipe
             )
-        _check_declared_input(ctx, target or names[0], recipe)
-        if ctx.preprocess.kind == "image":
-            self._check_image_input(ctx, target or names[0], recipe)
+        fed = target or (names[0] if names else None)
+        if fed is not None:  # a graph without inputs (a Constant, a generator) has nothing to check
+            _check_declared_input(ctx, fed, recipe)
+            if ctx.preprocess.kind == "image":
+                self._check_image_input(ctx, fed, recipe)
         output = ctx.postprocess.output
         if output is not None and output not in [o.name for o in ctx.outputs]:
             raise RecipeError("postprocess.output", f"no model output named {output!r}", recipe=recipe)
