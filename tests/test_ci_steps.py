@@ -27,3 +27,10 @@ def test_ci_runs_the_slow_tests_in_their_own_step_after_the_others():
     assert steps == ["bash tools/test.sh --no-slow", "bash tools/test.sh --slow"]
     script = (REPO / "tools" / "test.sh").read_text(encoding="utf-8")
     assert '-m "not slow"' in script and "-m slow" in script
+
+
+def test_the_test_command_type_checks_the_three_packages_before_the_tests():
+    script = (REPO / "tools" / "test.sh").read_text(encoding="utf-8")
+    assert "check() { .venv/bin/ruff check . && .venv/bin/python -m mypy edgepack_core device_agent sdk; }" in script
+    runs = [line.strip() for line in script.splitlines() if "exec .venv/bin/python -m pytest" in line]
+    assert len(runs) == 4 and sum(line.split(")")[1].strip().startswith("check &&") for line in runs) == 3, runs

@@ -20,9 +20,11 @@ esac
 [ -x .venv/bin/python ] || bash tools/setup_venv.sh
 command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || {
   echo "mosquitto is not installed: sudo apt-get install -y mosquitto" >&2; exit 2; }
+# Lint and type-check first (mypy: 0 errors, strict for edgepack_core; see pyproject.toml).
+check() { .venv/bin/ruff check . && .venv/bin/python -m mypy edgepack_core device_agent sdk; }
 case "$mode" in
-  all) .venv/bin/ruff check . && exec .venv/bin/python -m pytest -q "$@" ;;
-  quick) .venv/bin/ruff check . && exec .venv/bin/python -m pytest -q -x --failed-first -m "not slow" "$@" ;;
-  no-slow) .venv/bin/ruff check . && exec .venv/bin/python -m pytest -q -m "not slow" "$@" ;;
+  all) check && exec .venv/bin/python -m pytest -q "$@" ;;
+  quick) check && exec .venv/bin/python -m pytest -q -x --failed-first -m "not slow" "$@" ;;
+  no-slow) check && exec .venv/bin/python -m pytest -q -m "not slow" "$@" ;;
   slow) exec .venv/bin/python -m pytest -q -m slow "$@" ;;
 esac
