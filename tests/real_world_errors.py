@@ -12,8 +12,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
-from sdk.packager.pipeline import build
-from sdk.recipe import load_recipe
+from tests.real_world_declared import build_recipe
 
 HEIGHT = 32
 BLOCK = 32  # the width must be a multiple of this
@@ -58,14 +57,6 @@ def png(path: Path, width: int, height: int = HEIGHT, seed: int = 0) -> Path:
     return path
 
 
-def _build(folder: Path, key: Path, name: str, body: str) -> Path:
-    recipe = folder / f"{name}.yaml"
-    recipe.write_text(f"name: {name}\nversion: 1.0.0\ntargets: [x86]\n{body}")
-    out = folder / f"{name}.edgepkg"
-    build(load_recipe(recipe), key_paths=[str(key)], output=out)
-    return out
-
-
 def build_dynamic_width(folder: Path, key: Path) -> Path:
     """The dynamic-width model packaged with gray images kept at their size, validated on
     images 32 and 64 wide."""
@@ -74,7 +65,7 @@ def build_dynamic_width(folder: Path, key: Path) -> Path:
     (folder / "val").mkdir(exist_ok=True)
     for seed, width in enumerate((32, 64)):
         png(folder / "val" / f"{width}.png", width, seed=seed)
-    return _build(
+    return build_recipe(
         folder,
         key,
         "wide",
@@ -88,7 +79,7 @@ def build_audio(folder: Path, key: Path) -> Path:
     """The audio model packaged with 16 kHz frames of 512 samples (synthetic validation)."""
     folder.mkdir(parents=True, exist_ok=True)
     audio_model(folder / "frames.onnx")
-    return _build(
+    return build_recipe(
         folder,
         key,
         "frames",
