@@ -27,7 +27,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from PIL import Image
 from selenium import webdriver  # the dev extra
-from selenium.common.exceptions import TimeoutException
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.select import Select
@@ -167,8 +167,11 @@ def browser(tmp_path_factory):
 
 
 def _wait(driver, condition, timeout: float = 30.0, message: str = ""):
+    """Poll ``condition`` until it is truthy. The pages re-render on their refresh timer, so an
+    element found one moment can be replaced before it is read: that is "not yet", read again."""
     try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: condition(d))
+        wait = WebDriverWait(driver, timeout, poll_frequency=0.1, ignored_exceptions=[StaleElementReferenceException])
+        return wait.until(lambda d: condition(d))
     except TimeoutException:
         raise AssertionError(f"timed out: {message}\n{_console(driver)}") from None
 
@@ -324,15 +327,17 @@ def test_the_device_page_charts_the_telemetry_the_server_stored(browser, server,
         assert value in facts, (value, facts)
     _wait(browser, lambda d: int(d.find_element(By.CSS_SELECTOR, "#charts svg.chart").get_attribute("data-count"))
           >= 4, message="latency points")
-    charts = browser.find_elements(By.CSS_SELECTOR, "#charts figure")
-    assert [c.find_element(By.TAG_NAME, "figcaption").text for c in charts] == [
-        "Latency (ms)", "Throughput (inferences/s)", "Errors (per 5 s)"]
+    captions = _wait(browser, lambda d: [c.find_element(By.TAG_NAME, "figcaption").text
+                                         for c in d.find_elements(By.CSS_SELECTOR, "#charts figure")],
+                     message="chart captions")
+    assert captions == ["Latency (ms)", "Throughput (inferences/s)", "Errors (per 5 s)"]
     assert browser.find_elements(By.CSS_SELECTOR, "#charts svg.chart path.line.s1")  # the p99 line
     now = time.time()
     points = server.get(f"/api/devices/{device}/telemetry?since={int(now - 900)}&until={int(now + 1)}&step=5")["points"]
     # the sim reports 20 inferences per second (10 per message at 2 Hz): the throughput chart's last figure
     assert {p["throughput_per_s"] for p in points} == {10.0}
-    legend = charts[1].find_element(By.CLASS_NAME, "legend").text
+    legend = _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#charts figure")[1]
+                   .find_element(By.CLASS_NAME, "legend").text, message="throughput legend")
     assert legend == "throughput: 10"
     _shot(browser, shots, "device")
 
