@@ -9,12 +9,22 @@ unless the caller says otherwise), so a private key is not readable by others ev
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The hex sha256 of a file's bytes, read a MiB at a time (artifacts are too big to read whole)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

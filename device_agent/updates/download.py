@@ -21,7 +21,6 @@ download prove that its two halves belong together.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import http.client
 import logging
 import socket
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from device_agent.errors import DownloadCancelled, DownloadError
+from edgepack_core.fsutil import sha256_file
 
 log = logging.getLogger("edgepack.agent.download")
 
@@ -166,14 +166,6 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
 _OPENER = urllib.request.build_opener(_SameOriginRedirects, _HTTPHandler, _HTTPSHandler)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _detail(err: BaseException) -> str:
     """Which way a fetch failed, for the local debug log only (never the remote side's bytes)."""
     if isinstance(err, urllib.error.HTTPError):
@@ -255,14 +247,14 @@ def download(
     if size > bounds.max_bytes:
         raise DownloadError(f"artifact of {size} bytes is over the download limit of {bounds.max_bytes}")
     partial = target.with_name(target.name + ".part")
-    if target.exists() and target.stat().st_size == size and file_sha256(target) == sha256:
+    if target.exists() and target.stat().st_size == size and sha256_file(target) == sha256:
         return target
     progress = _Progress(bounds, cancelled, clock)
     for attempt in range(attempts):
         progress.check(rate=False)
         started = clock()
         if _fetched(url, partial, size, progress, attempt):
-            if file_sha256(partial) != sha256:
+            if sha256_file(partial) != sha256:
                 partial.unlink()
                 raise DownloadError("downloaded file does not match the command's sha256")
             partial.replace(target)

@@ -15,8 +15,8 @@ from typing import Any
 
 import click
 
+from edgepack_core.fsutil import sha256_file
 from sdk.cli import main
-from sdk.deploy.orchestrator import sha256_file
 from sdk.errors import CommandFailed, FleetServerError
 from sdk.fleet_server.auth import client_token
 from sdk.fleet_server.client import FleetClient

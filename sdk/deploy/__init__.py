@@ -10,6 +10,7 @@
 | :mod:`.device` | :func:`send_command` and :func:`send_rollback` for ``edgepack device`` |
 """
 
+from edgepack_core.fsutil import sha256_file  # the deploy API's name for the one file hash
 from sdk.deploy.device import parse_model_ref, send_command, send_rollback, serving_model
 from sdk.deploy.messaging import make_command
 from sdk.deploy.orchestrator import (
@@ -19,7 +20,6 @@ from sdk.deploy.orchestrator import (
     DeployResult,
     deploy,
     group_members,
-    sha256_file,
 )
 from sdk.deploy.policy import DeviceJob, JobBoard, WaveVerdict, plan_waves, wave_verdict
 from sdk.deploy.sender import XferSender

@@ -15,7 +15,6 @@ canary ends ``active``; the same command id goes to everyone, so a device that g
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from edgepack_core.artifact import verify_artifact
+from edgepack_core.fsutil import sha256_file
 from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.commands import new_command_id
 from edgepack_core.protocol.ids import validate_id
@@ -90,14 +90,6 @@ class DeployResult:
     @property
     def succeeded(self) -> bool:
         return not self.aborted and all_active(self.jobs)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def group_members(broker: BrokerOptions, group: str, wait_s: float = 2.0) -> list[str]:

@@ -39,7 +39,7 @@ from typing import IO, Any
 
 from edgepack_core.artifact import Limits, verify_artifact
 from edgepack_core.errors import ArtifactError
-from edgepack_core.fsutil import atomic_write, fsync_dir
+from edgepack_core.fsutil import atomic_write, fsync_dir, sha256_file
 from edgepack_core.signing import TrustStore
 from sdk.deploy.server import parse_range
 from sdk.errors import ApiError
@@ -217,7 +217,7 @@ class ArtifactStore:
             checked = self._checked.get(sha256)
             if checked is not None and checked[0] == identity and time.time() - checked[1] < self.recheck_s:
                 return
-            digest = _sha256_of(path)
+            digest = sha256_file(path)
             if digest != sha256:
                 self._quarantine(sha256, f"its bytes hash to {digest[:16]}..., not to its name")
                 raise self.gone(sha256)
@@ -270,14 +270,6 @@ def _identity(path: Path) -> tuple[int, ...]:
     the periodic recheck too)."""
     info = path.stat()
     return (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-
-
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1024 * 1024):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _read_span(path: Path, start: int, length: int) -> Iterator[bytes]:
