@@ -182,6 +182,7 @@ CONFIG_SCHEMA: dict[str, Any] = {
                 "min_free_bytes": {"type": "integer", "minimum": 0, "maximum": 2**50},
                 "max_error_rate": {"type": "number", "minimum": 0, "maximum": 1},
                 "max_latency_factor": {"type": "number", "exclusiveMinimum": 0},
+                "min_latency_increase_ms": {"type": "number", "minimum": 0, "maximum": 3600000},
                 "download_dir": _PATH,
                 "max_download_bytes": _POSITIVE,
                 "allowed_names": {"type": "array", "minItems": 1, "items": _NAME},
@@ -299,6 +300,7 @@ class UpdateSettings:
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES
     max_error_rate: float = _HEALTH.max_error_rate
     max_latency_factor: float = _HEALTH.max_latency_factor
+    min_latency_increase_ms: float = _HEALTH.min_latency_increase_s * 1000
     download_dir: Path | None = None  # None: <store>/downloads
     max_download_bytes: int = 1024**3
     allowed_names: tuple[str, ...] | None = None  # None: the name the device runs
@@ -310,6 +312,7 @@ class UpdateSettings:
         return HealthPolicy(
             max_error_rate=self.max_error_rate,
             max_latency_factor=self.max_latency_factor,
+            min_latency_increase_s=self.min_latency_increase_ms / 1000,
             min_requests=self.health_min_requests,
             contract_error_min_clients=self.contract_error_min_clients,
         )

@@ -54,6 +54,7 @@ mqtt:
 updates:
   health_window_s: {default: 60}
   max_error_rate: 0
+  min_latency_increase_ms: 5
   allowed_origins: ["https://objects.example:443"]
   download_dir: dl
   min_free_bytes: 0
@@ -114,6 +115,7 @@ def test_a_full_agent_yaml_parses_into_typed_frozen_values(tmp_path):
     updates = config.updates
     assert updates.health_window_s == HealthWindow(default=60.0, min=5.0, max=3600.0)
     assert updates.health_policy().max_error_rate == 0.0 and type(updates.max_error_rate) is float
+    assert updates.health_policy().min_latency_increase_s == 0.005
     assert updates.allowed_origins == ("https://objects.example:443",) and updates.allowed_names is None
     assert (updates.download_dir, updates.min_free_bytes) == (root / "dl", 0)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -12,6 +12,7 @@ from device_agent.updates.health import (
     Traffic,
     check_window,
     judge,
+    latency_regressed,
     needs_probes,
     traffic_between,
     traffic_of,
@@ -300,3 +301,20 @@ def test_health_window_refusal_names_the_value_and_the_range(value, message):
     with pytest.raises(ValueError) as caught:
         check_window(value, low=1, high=3600)
     assert str(caught.value) == message
+
+
+def test_a_sub_millisecond_model_slowed_by_scheduler_noise_is_not_rolled_back():
+    """CI incident: 0.06 ms became 0.23 ms on a loaded 2-core machine (3.8x) and the release was
+    rolled back. A regression must also be min_latency_increase_s slower in absolute terms."""
+    before = Traffic(ok=100, latency_sum=100 * 0.00006)
+    assert judge(Traffic(ok=20, latency_sum=20 * 0.00023), before, Probes(), POLICY).healthy
+
+
+def test_latency_floor_boundary_is_inclusive():
+    before = Traffic(ok=100, latency_sum=100 * 0.0005)  # 0.5 ms; 3x is 1.5 ms
+    assert latency_regressed(0.0025, 0.0005, POLICY)  # 2.0 ms slower: counts
+    assert not latency_regressed(0.00249, 0.0005, POLICY)  # 1.99 ms slower: noise
+    assert not judge(Traffic(ok=20, latency_sum=20 * 0.0025), before, Probes(), POLICY).healthy
+    strict = HealthPolicy(min_latency_increase_s=0.0)
+    assert latency_regressed(0.0016, 0.0005, strict)
+    assert not latency_regressed(0.0015, 0.0005, strict)

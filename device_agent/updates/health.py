@@ -39,6 +39,7 @@ DEFAULT_CONTRACT_ERROR_MIN_CLIENTS = 3
 class HealthPolicy:
     max_error_rate: float = 0.05
     max_latency_factor: float = 3.0
+    min_latency_increase_s: float = 0.002
     min_requests: int = 20
     contract_error_min_clients: int = DEFAULT_CONTRACT_ERROR_MIN_CLIENTS
 
@@ -136,11 +137,18 @@ def judge(window: Traffic, before: Traffic, probes: Probes, policy: HealthPolicy
     baseline = before.latency_sum / before.ok if before.ok else None
     if baseline and window.ok >= MIN_REQUESTS_FOR_LATENCY:
         mean = window.latency_sum / window.ok
-        if mean > baseline * policy.max_latency_factor:
+        if latency_regressed(mean, baseline, policy):
             return HealthVerdict(False, f"mean latency {mean * 1000:.2f} ms is over {policy.max_latency_factor}x the "
                                         f"previous model's {baseline * 1000:.2f} ms")
     return HealthVerdict(True, f"{window.total} live requests and {probes.sent} probes, no problem found"
                                f"{_uncounted(window, policy)}")
+
+
+def latency_regressed(mean: float, baseline: float, policy: HealthPolicy) -> bool:
+    """Slower by the factor *and* by ``min_latency_increase_s``: a sub-millisecond model's mean
+    moves by several times on a busy machine (a scheduler tick, a GC pause), which is noise and
+    no reason to roll back a release; a real regression on such a model is also absolute. Pure."""
+    return mean > baseline * policy.max_latency_factor and mean - baseline >= policy.min_latency_increase_s
 
 
 def contract_broke(window: Traffic, before: Traffic, policy: HealthPolicy) -> str:
