@@ -6,8 +6,9 @@ A non-finite output is the model's failure unless its recipe declares the output
 outputs that hold it. Either way the answer is counted (``RequestStats.non_finite``), and the
 health window judges it (``device_agent/updates/health.py``).
 
-Cost on the hot path: one reduction per float output (no temporary array); only an output
-whose sum is not finite (a NaN/inf in it, or a sum that overflowed) gets the exact per-value
+Cost on the hot path: one ``isfinite().all()`` pass per float output (about 5-8 µs for a 1x4
+output, 0.2 ms for a detector's 1x84x8400 head on the 2-core development machine; a sum, a
+min/max pair or ``x * 0`` measured no faster); only an output holding a NaN/inf gets its exact
 count.
 """
 
@@ -25,13 +26,9 @@ def non_finite_counts(outputs: Mapping[str, np.ndarray]) -> dict[str, int]:
     for name, value in outputs.items():
         if value.dtype.kind not in "fc" or value.size == 0:
             continue
-        with np.errstate(over="ignore", invalid="ignore"):  # a sum of large finite values may overflow
-            total = value.sum(dtype=np.float64 if value.dtype.itemsize < 4 else None)
-        if np.isfinite(total):
-            continue
-        bad = int(value.size - np.count_nonzero(np.isfinite(value)))
-        if bad:
-            found[name] = bad
+        finite = np.isfinite(value)
+        if not finite.all():
+            found[name] = int(value.size - np.count_nonzero(finite))
     return found
 
 

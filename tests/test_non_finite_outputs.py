@@ -192,8 +192,8 @@ def test_a_batch_with_one_nan_answer_is_refused(tmp_path, keypair, refusing):
         service.predict_tensors({"x": np.array([[1.0, 4.0, 9.0, 16.0], [1.0, 1.0, -1.0, 1.0]], np.float32)})
 
 
-def test_non_finite_counts_overflowing_sums_are_not_counted_as_nan():
-    big = np.full(4, np.finfo(np.float32).max, np.float32)  # the sum overflows; every value is finite
+def test_non_finite_counts_name_each_output_and_count_only_nan_and_inf():
+    big = np.full(4, np.finfo(np.float32).max, np.float32)  # finite extremes
     assert non_finite_counts({"y": big}) == {}
     assert non_finite_counts({"y": np.array([1.0, np.inf, -np.inf, np.nan], np.float16)}) == {"y": 3}
     assert non_finite_counts({"labels": np.array([1, 2], np.int64), "e": np.zeros((0,), np.float32)}) == {}
