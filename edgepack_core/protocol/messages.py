@@ -53,6 +53,24 @@ class ModelRef:
 
 
 @dataclass(frozen=True)
+class SessionMark:
+    """Which MQTT connection of a device a state belongs to: ``epoch`` names the device's
+    connection counter (made afresh when its file is lost, e.g. a re-flashed card) and ``n``
+    counts connection attempts within it. A birth and the last will of one connection carry the
+    same mark, so a host can order them without trusting clocks or arrival order
+    (``sdk/fleet_server/liveness.py``)."""
+
+    epoch: str
+    n: int
+
+    def to_json(self) -> dict[str, str | int]:
+        return {"epoch": self.epoch, "n": self.n}
+
+
+SESSION_EPOCH = re.compile(r"[0-9a-f]{8,32}")
+
+
+@dataclass(frozen=True)
 class DeviceState:
     """A retained state: the birth ("online", with capabilities) or the last will ("offline")."""
 
@@ -65,6 +83,7 @@ class DeviceState:
     provider: str | None = None
     profile: str | None = None
     capabilities: str | None = None  # compact JSON with sorted keys; None when absent or too large
+    session: SessionMark | None = None  # None: an agent from before connection marks
 
     def capabilities_dict(self) -> dict[str, Any]:
         """The capabilities as a fresh dict (empty when the message had none)."""
@@ -208,6 +227,17 @@ def _groups(value: Any) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(g for g in value[:MAX_GROUPS] if is_valid_id(g)))
 
 
+def _session(value: Any) -> SessionMark | None:
+    """The connection mark, or None when absent or malformed (ordering then falls back to when
+    the state was heard)."""
+    if not isinstance(value, dict):
+        return None
+    epoch, n = value.get("epoch"), count(value.get("n"))
+    if not isinstance(epoch, str) or not SESSION_EPOCH.fullmatch(epoch) or n is None:
+        return None
+    return SessionMark(epoch, n)
+
+
 def _capabilities(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
@@ -237,7 +267,7 @@ def parse_state(device: str, payload: bytes) -> DeviceState | Decommissioned | R
     return DeviceState(device=device, status="online" if status == "online" else "offline", ts=ts, reason=reason,
                        groups=_groups(doc.get("groups")), model=_model(doc.get("model")),
                        provider=text(doc.get("provider"), MAX_NAME_CHARS), profile=text(profile, MAX_NAME_CHARS),
-                       capabilities=_capabilities(capabilities))
+                       capabilities=_capabilities(capabilities), session=_session(doc.get("session")))
 
 
 def _queue(value: Any) -> QueueCounters | None:
