@@ -141,3 +141,20 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                           http=http, init=init, artifact_recheck_s=_duration(artifact_recheck),
                           ingest_limits=limits, job_events_kept=job_events_kept, per_server_urls=per_server_urls)
     run_server(config)
+
+
+@fleet.command()
+@click.option("--db", "db_url", envvar="EDGEPACK_FLEET_DB", required=True,
+              help="The fleet server's database URL (as given to fleet serve; or EDGEPACK_FLEET_DB).")
+@click.argument("out", type=click.Path(dir_okay=False, writable=True, path_type=Path))
+def backup(db_url: str, out: Path) -> None:
+    """Write a consistent copy of the fleet's database to OUT while servers run.
+
+    SQLite: the online backup API (a plain copy of a WAL database can miss commits). PostgreSQL:
+    pg_dump --format=custom (restore with pg_restore; docs/fleet-server.md, "Backup and restore")."""
+    try:
+        from sdk.fleet_server.backup import backup as run_backup
+    except ImportError as err:
+        raise ServerConfigError(f"edgepack fleet backup needs the server extra (pip install 'edgepack[server]'): "
+                                f"{err}") from err
+    click.echo(run_backup(db_url, out))
