@@ -37,7 +37,7 @@ def test_migrations_build_exactly_the_tables_of_db_py(database: Database):
                                        tables.metadata)
         version = connection.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()
     assert differences == []
-    assert version == "0002"
+    assert version == "0003"
     assert set(inspect(database.engine).get_table_names()) == {*tables.metadata.tables, "alembic_version"}
 
 

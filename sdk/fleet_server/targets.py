@@ -34,9 +34,10 @@ from typing import Final, Literal
 ABSENT: Final = "absent"
 """A model that must not be on the device (in place of an artifact sha256)."""
 
-FLEET, GROUP, DEVICE = "fleet", "group", "device"
-Scope = Literal["fleet", "group", "device"]
-SCOPES: tuple[Scope, ...] = (FLEET, GROUP, DEVICE)
+FLEET: Final = "fleet"
+GROUP: Final = "group"
+DEVICE: Final = "device"
+SCOPES = (FLEET, GROUP, DEVICE)
 
 ALREADY_ACTIVE = "is already the active model"
 """The agent's answer to a deploy of the model it runs: the device is on target, not failed."""
