@@ -152,3 +152,53 @@ def test_a_server_killed_mid_reconcile_resumes_from_targets_and_sends_once(tmp_p
         assert server.get("/api/status")["driver"]["resent"] == 1
     finally:
         server.stop()
+
+
+def test_target_requests_are_validated_naming_the_field_and_audited_with_the_reason(tmp_path, broker, keys,
+                                                                                  versions):
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    try:
+        status, stored = server.call("POST", "/api/artifacts", data=versions["1.1.0"].read_bytes(),
+                                     headers={"Content-Type": "application/octet-stream"})
+        assert status == 201, stored
+        sha = stored["sha256"]
+        path = "/api/targets/groups/kitchen"
+        refusals = [
+            ({"models": {"scale": "zz"}}, 400, "models.scale"),
+            ({"models": {"scale": "0" * 64}}, 422, "models.scale: no artifact"),
+            ({"models": {"digits": sha}}, 422, "models.digits: artifact"),
+            ({"models": {"a/b": "absent"}}, 400, "models.a/b"),
+            ({"modles": {}}, 400, "modles"),
+            ({}, 422, "nothing to change"),
+            ({"models": {f"m{i}": "absent" for i in range(17)}}, 400, "at most 16"),
+            ({"hold": "yes"}, 400, "hold"),
+            ({"models": {"scale": sha}, "reason": "x" * 2001}, 400, "reason"),
+        ]
+        for body, code, text in refusals:
+            status, doc = server.call("PUT", path, body)
+            assert status == code and text in doc["error"]["message"], (body, doc)
+        status, doc = server.call("PUT", "/api/targets/devices/ghost-1", {"hold": True})
+        assert status == 404 and "no device ghost-1" in doc["error"]["message"]
+        assert server.call("GET", "/api/devices/ghost-1/target")[0] == 404
+        assert server.call("PUT", path, {"hold": True}, token=False)[0] == 401
+        # the limits pass: 16 models, a 2,000-character reason
+        status, doc = server.call("PUT", path, {"models": {f"m{i}": "absent" for i in range(16)},
+                                                "reason": "r" * 2000})
+        assert status == 200 and len(doc["models"]) == 16, doc
+        status, doc = server.call("PUT", path, {"models": {"scale": sha}})
+        assert status == 422 and "would hold 17 models; at most 16" in doc["error"]["message"], doc
+        assert server.call("PUT", path, {"models": {f"m{i}": None for i in range(16)}})[0] == 200
+        status, doc = server.call("PUT", path, {"models": {"scale": sha}, "reason": "back to 1.1.0"})
+        assert status == 200 and list(doc["models"]) == ["scale"], doc
+        assert doc["models"]["scale"]["revision"] == 1 and doc["models"]["scale"]["reason"] == "back to 1.1.0"
+        status, doc = server.call("PUT", path, {"models": {"scale": sha}, "reason": "again"})
+        assert doc["models"]["scale"]["revision"] == 2  # a new operator decision: a rejected artifact is retried
+        everything = server.get("/api/targets")
+        assert everything["groups"] == {"kitchen": {"models": {"scale": sha}, "hold": False}}
+        entries = [e for e in server.get("/api/audit?limit=1000")["entries"] if e["action"] == "target.set"]
+        assert sum(e["outcome"] == "refused" and e["target"] == "kitchen" for e in entries) == len(refusals) + 1
+        accepted = [e for e in entries if e["outcome"] == "ok"]
+        assert [e["detail"]["reason"] for e in accepted][:2] == ["again", "back to 1.1.0"]
+        assert accepted[0]["detail"]["before"] == {"scale": sha} and accepted[0]["target"] == "group:kitchen"
+    finally:
+        server.stop()

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
 from edgepack_core.errors import SchemaError
@@ -280,7 +280,7 @@ def parse_change(body: Mapping[str, Any]) -> TargetChange:
             raise SchemaError(f"models.{model[:64]}", "is not a model name (letters, digits, '.', '_', '-'; "
                                                       "at most 64)")
     if not models and "hold" not in body:
-        raise SchemaError("models", "nothing to change: give models or hold")
+        raise ApiError(422, "invalid", "models: nothing to change: give models or hold")
     return TargetChange(set={m: a for m, a in models.items() if a is not None},
                         clear=tuple(sorted(m for m, a in models.items() if a is None)),
                         hold=body.get("hold"), reason=body.get("reason", ""))
@@ -300,16 +300,16 @@ TARGET_REQUEST_SCHEMA: dict[str, Any] = {
 
 
 def _check_artifacts(connection: Connection, change: TargetChange) -> None:
-    """Each artifact named must be stored, and be a build of the model it is set for (400)."""
+    """Each artifact named must be stored, and be a build of the model it is set for (422)."""
     known = _artifacts(connection, set(change.set.values()))
     for model, sha in sorted(change.set.items()):
         if sha == ABSENT:
             continue
         info = known.get(sha)
         if info is None:
-            raise ApiError(400, "invalid", f"models.{model}: no artifact {sha} on this server (upload it first)")
+            raise ApiError(422, "invalid", f"models.{model}: no artifact {sha} on this server (upload it first)")
         if info.name != model:
-            raise ApiError(400, "invalid", f"models.{model}: artifact {sha[:12]} is model {info.name!r}, "
+            raise ApiError(422, "invalid", f"models.{model}: artifact {sha[:12]} is model {info.name!r}, "
                                            f"not {model!r}")
 
 
@@ -339,6 +339,9 @@ def set_target(database: Database, scope: str, name: str, change: TargetChange, 
             connection.execute(entries.insert().values(scope=scope, name=name, model=model, artifact=artifact,
                                                        revision=revision, reason=change.reason, set_by=actor,
                                                        set_at=now))
+        count = connection.execute(select(func.count()).select_from(entries).where(mine)).scalar_one()
+        if count > MAX_MODELS:
+            raise ApiError(422, "invalid", f"models: the {scope} would hold {count} models; at most {MAX_MODELS}")
         held = (holds.c.scope == scope) & (holds.c.name == name)
         was_held = connection.execute(select(holds.c.scope).where(held)).first() is not None
         if change.hold is not None and change.hold != was_held:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
-from sdk.fleet_server.desired import TARGET_REQUEST_SCHEMA
+from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
 from sdk.fleet_server.queries import (
     GROUPS_REQUEST_SCHEMA,
     MAX_DEAD_LETTER_PAGE,
@@ -155,7 +155,11 @@ SCHEMAS: dict[str, Any] = {
                                         "reason": _STRING_OR_NULL}}}}},
         },
     },
-    "TargetRequest": TARGET_REQUEST_SCHEMA,
+    # The schema the API validates with, plus what its own validator cannot say: model names and their count.
+    "TargetRequest": {**TARGET_REQUEST_SCHEMA, "properties": {
+        **TARGET_REQUEST_SCHEMA["properties"],
+        "models": {**TARGET_REQUEST_SCHEMA["properties"]["models"], "maxProperties": MAX_MODELS,
+                   "propertyNames": {"pattern": ID_PATTERN, "maxLength": 64}}}},
     "ScopeTarget": {
         "type": "object",
         "properties": {
@@ -273,7 +277,9 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                                 "parameters": params,
                                 "requestBody": {"required": True, "content": {"application/json": {
                                     "schema": _ref("TargetRequest")}}},
-                                "responses": {"200": _json("the target", _ref("ScopeTarget"))}}))],
+                                "responses": {"200": _json("the target", _ref("ScopeTarget")),
+                                              "422": _json("an artifact not stored or of another model, a scope "
+                                                           "over 16 models, nothing to change", _ref("Error"))}}))],
     ("get", "/api/dead-letters", {
         "summary": "Device messages that parsed but could not be stored, newest first (the newest 10,000 kept)",
         "parameters": [_query("limit", {"type": "integer", "minimum": 1, "maximum": MAX_DEAD_LETTER_PAGE,
