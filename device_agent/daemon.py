@@ -20,6 +20,7 @@ from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.metrics import ModelInfo
 from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
+from device_agent.telemetry.session import ConnectionCounter
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.rejected import for_state
 from device_agent.updates.service import UpdateService
@@ -94,10 +95,11 @@ class Daemon:
             self._load_active(active)
         mqtt = self.config.mqtt
         if mqtt is not None:
+            counter = ConnectionCounter(self.config.store / "mqtt_session.json")
             self.reporter = TelemetryReporter(
-                self.config.device_id, settings_from_config(mqtt, self.config.device_id),
+                self.config.device_id, settings_from_config(mqtt, self.config.device_id, counter),
                 mqtt.queue.path or self.config.store / "outbox.db", self.status, groups=list(mqtt.groups),
-                interval=mqtt.telemetry_interval, outbox_limits=mqtt.queue)
+                interval=mqtt.telemetry_interval, outbox_limits=mqtt.queue, counter=counter)
             self.service.observers.append(self._observe)
             self.reporter.start()
             self._start_updates()

@@ -147,14 +147,18 @@ class Preprocessor:
         return self.from_audio_bytes(data) if self.kind == "audio" else self.from_image_bytes(data)
 
     def from_audio_bytes(self, data: bytes) -> np.ndarray:
-        """WAV bytes -> the stack of model-ready frames ``[n_frames, 1, context + frame]``
-        (``[n_frames, context + frame]`` with ``batch: false``)."""
+        """WAV bytes -> the stack of model-ready frames ``[n_frames, *spec.frame_shape()]``
+        (``[n_frames, 1, context + frame]`` for the default layout ``[B, N]``): the one path
+        the host's data sources and the device's requests both take."""
         if self.kind != "audio":
             raise PreprocessError(f"this model takes {self.kind} input (preprocess kind: {self.kind}), not audio")
+        spec = self.spec
         samples, rate = audio.decode_wav(data, max_bytes=self.max_audio_bytes)
-        mono = audio.resample(audio.to_mono(samples), rate, self.spec.sample_rate)
-        frames = audio.cut_frames(mono, self.spec.frame, self.spec.hop, self.spec.context)
-        return np.ascontiguousarray(frames[:, None, :] if self.spec.batch else frames)
+        audio.check_rate(rate, spec.sample_rate, resample=spec.resample)
+        mono = audio.resample(audio.to_mono(samples), rate, spec.sample_rate)
+        frames = audio.cut_frames(mono, spec.frame, spec.hop, spec.context, spec.last_frame)
+        values = audio.to_values(frames, spec.scale, spec.dtype or "float32")
+        return np.ascontiguousarray(values.reshape(len(values), *spec.frame_shape()))
 
     def batch_from_paths(self, paths: Iterable[str | PathLike[str]]) -> np.ndarray:
         """Several files as one tensor with the samples along the first axis (for calibration).

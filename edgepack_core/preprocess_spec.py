@@ -21,6 +21,11 @@ SPEC_VERSION = 1
 DEFAULT_CROP_FRACTION = 0.875
 
 IMAGE_DTYPES = ["float32", "float16", "uint8", "int8"]
+AUDIO_DTYPES = ["float32", "float16", "float64", "int16", "int32"]
+# An audio frame's layout, named as the recipe writes it (``layout: [B, N, 1]``): B the batch
+# axis (dropped with ``batch: false``), N the samples (``context + frame``), 1 a channel axis.
+AudioLayout = Literal["BN", "BN1", "B1N"]
+AUDIO_LAYOUTS: dict[AudioLayout, list[str | int]] = {"BN": ["B", "N"], "BN1": ["B", "N", 1], "B1N": ["B", 1, "N"]}
 TENSOR_DTYPES = ["float32", "float16", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64", "bool"]
 _RESIZE_MODES = ["stretch", "keep-aspect", "letterbox", "center-crop"]
 _INTERPOLATIONS = ["nearest", "bilinear", "bicubic", "area"]
@@ -111,17 +116,40 @@ _PROPERTIES: dict[str, Any] = {
         "maximum": 1_048_576,
         "description": "audio: samples before each frame prepended to it (zeros before the first)",
     },
+    "last_frame": {
+        "enum": ["pad", "drop"],
+        "default": "pad",
+        "description": "audio: the last partial frame padded with zeros, or dropped",
+    },
+    "resample": {
+        "type": "boolean",
+        "default": True,
+        "description": "audio: resample a file of another rate to sample_rate (false: refuse it)",
+    },
+    "allow_gaps": {
+        "type": "boolean",
+        "default": False,
+        "description": "audio: hop may exceed frame (the samples between frames are skipped on purpose)",
+    },
     "version": {"type": "integer", "const": SPEC_VERSION, "default": SPEC_VERSION},
     "color": {"enum": list(CHANNELS), "default": "rgb"},
     "resize": _RESIZE_SCHEMA,
-    "scale": {"type": "number", "default": 1.0, "description": "multiplies pixel values after resize"},
+    "scale": {
+        "type": "number",
+        "default": 1.0,
+        "description": "image: multiplies pixel values after resize; audio: multiplies the samples in "
+        "[-1, 1) (32768: int16 scale)",
+    },
     "mean": {**_PER_CHANNEL, "description": "per output channel, subtracted after scale"},
     "std": {
         **_PER_CHANNEL,
         "items": {"type": "number", "exclusiveMinimum": 0},
         "description": "per output channel, divides after the mean is subtracted",
     },
-    "layout": {"enum": ["NCHW", "NHWC"], "default": "NCHW"},
+    "layout": {
+        "enum": ["NCHW", "NHWC", *AUDIO_LAYOUTS.values()],
+        "description": "image: NCHW (default) or NHWC; audio: [B, N] (default), [B, N, 1] or [B, 1, N]",
+    },
     "dtype": {"enum": TENSOR_DTYPES, "description": f"image: one of {', '.join(IMAGE_DTYPES)}"},
     "batch": {
         "type": "boolean",
@@ -157,12 +185,36 @@ _KIND_KEYS = {
         "in_graph",
     ],
     "tensor": ["kind", "version", "shape", "dtype", "batch", "input"],
-    "audio": ["kind", "version", "sample_rate", "frame", "hop", "context", "dtype", "batch", "input"],
+    "audio": [
+        "kind",
+        "version",
+        "sample_rate",
+        "frame",
+        "hop",
+        "context",
+        "last_frame",
+        "resample",
+        "allow_gaps",
+        "scale",
+        "layout",
+        "dtype",
+        "batch",
+        "input",
+    ],
 }
 _KIND_OVERRIDES: dict[str, dict[str, Any]] = {
-    "image": {"kind": {"const": "image"}, "dtype": {"enum": IMAGE_DTYPES}},
+    "image": {
+        "kind": {"const": "image"},
+        "dtype": {"enum": IMAGE_DTYPES},
+        "layout": {"enum": ["NCHW", "NHWC"], "default": "NCHW"},
+    },
     "tensor": {"kind": {"const": "tensor"}},
-    "audio": {"kind": {"const": "audio"}, "dtype": {"enum": ["float32"]}},
+    "audio": {
+        "kind": {"const": "audio"},
+        "dtype": {"enum": AUDIO_DTYPES, "default": "float32"},
+        "layout": {"enum": list(AUDIO_LAYOUTS.values()), "default": AUDIO_LAYOUTS["BN"]},
+        "scale": {"type": "number", "exclusiveMinimum": 0, "default": 1.0},
+    },
 }
 
 PREPROCESS_SCHEMA: dict[str, Any] = {
@@ -207,6 +259,7 @@ Layout = Literal["NCHW", "NHWC"]
 ResizeMode = Literal["stretch", "keep-aspect", "letterbox", "center-crop"]
 Interpolation = Literal["nearest", "bilinear", "bicubic", "area"]
 PadPlace = Literal["center", "top-left"]
+LastFrame = Literal["pad", "drop"]
 
 
 @dataclass(frozen=True)
@@ -253,7 +306,8 @@ class PreprocessSpec:
     ``batch``, ``dtype`` (None: a tensor spec that casts nothing). Tensor: ``shape`` (None: not
     checked). Image: ``color``, ``resize`` (None: the image keeps its size), ``scale``,
     ``mean``, ``std`` (one per channel), ``layout``, ``in_graph``. Audio: ``sample_rate``,
-    ``frame``, ``hop``, ``context``."""
+    ``frame``, ``hop``, ``context``, ``last_frame``, ``resample``, ``allow_gaps``, ``scale`` and
+    ``frame_layout`` (the recipe's ``layout``, named by :data:`AUDIO_LAYOUTS`' keys)."""
 
     kind: Kind = "tensor"
     version: int = SPEC_VERSION
@@ -272,11 +326,22 @@ class PreprocessSpec:
     frame: int = 0
     hop: int = 0
     context: int = 0
+    last_frame: LastFrame = "pad"
+    resample: bool = True
+    allow_gaps: bool = False
+    frame_layout: AudioLayout = "BN"
 
     @property
     def channels(self) -> int:
         """Channels of an image tensor: 1 for gray, else 3."""
         return CHANNELS[self.color]
+
+    def frame_shape(self) -> tuple[int, ...]:
+        """The shape of one audio frame as the model takes it (the layout with B = 1, N =
+        ``context + frame``, B dropped with ``batch: false``): what the executor produces and
+        the packager checks against the model input. Pure."""
+        dims = tuple(self.context + self.frame if d == "N" else 1 for d in AUDIO_LAYOUTS[self.frame_layout])
+        return dims if self.batch else dims[1:]
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's form: the keys of this kind, defaults explicit (the bytes every shipped
@@ -285,14 +350,7 @@ class PreprocessSpec:
         if self.kind == "image":
             out.update(self._image_json())
         elif self.kind == "audio":
-            out.update(
-                sample_rate=self.sample_rate,
-                frame=self.frame,
-                hop=self.hop,
-                context=self.context,
-                dtype=self.dtype,
-                batch=self.batch,
-            )
+            out.update(self._audio_json())
         else:
             out["batch"] = self.batch
             if self.shape is not None:
@@ -304,6 +362,29 @@ class PreprocessSpec:
         if self.in_graph:
             # Written only when true: a manifest without the key stays readable by older agents.
             out["in_graph"] = True
+        return out
+
+    def _audio_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "sample_rate": self.sample_rate,
+            "frame": self.frame,
+            "hop": self.hop,
+            "context": self.context,
+        }
+        # The keys added after the first audio specs are written only when they differ from
+        # what their absence means (the behaviour before they existed): a manifest that uses
+        # none of them keeps its bytes and stays readable by older agents.
+        if self.last_frame != "pad":
+            out["last_frame"] = self.last_frame
+        if not self.resample:
+            out["resample"] = False
+        if self.allow_gaps:
+            out["allow_gaps"] = True
+        if self.scale != 1.0:
+            out["scale"] = self.scale
+        if self.frame_layout != "BN":
+            out["layout"] = list(AUDIO_LAYOUTS[self.frame_layout])
+        out.update(dtype=self.dtype, batch=self.batch)
         return out
 
     def _image_json(self) -> dict[str, Any]:
@@ -405,14 +486,21 @@ def _parse_audio(raw: Mapping[str, Any], version: int, document: str, path: str)
     for key in ("sample_rate", "frame"):
         if key not in raw:
             raise SchemaError(_where(path, key), "an audio spec needs it", document=document)
+    layout = raw.get("layout", AUDIO_LAYOUTS["BN"])
+    frame_layout = next(name for name, dims in AUDIO_LAYOUTS.items() if dims == layout)
     return PreprocessSpec(
         kind="audio",
         version=version,
         input=raw.get("input"),
         batch=raw.get("batch", True),
-        dtype="float32",
+        dtype=raw.get("dtype", "float32"),
         sample_rate=raw["sample_rate"],
         frame=raw["frame"],
         hop=raw.get("hop", raw["frame"]),
         context=raw.get("context", 0),
+        last_frame=raw.get("last_frame", "pad"),
+        resample=raw.get("resample", True),
+        allow_gaps=raw.get("allow_gaps", False),
+        scale=float(raw.get("scale", 1.0)),
+        frame_layout=frame_layout,
     )

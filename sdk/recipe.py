@@ -25,6 +25,7 @@ from edgepack_core.targets import PROFILES
 from edgepack_core.versions import VERSION_PATTERN
 from edgepack_core.yamlfile import read_yaml_file
 from sdk.errors import RecipeError, SchemaError
+from sdk.packager.declared import gaps_problem
 from sdk.packager.options import option, parse_fields, schema_of
 from sdk.packager.passes.golden import GoldenOptions
 from sdk.packager.passes.load import ModelOptions
@@ -222,6 +223,9 @@ def check_recipe(document: Any, path: Path, *, allow_external_paths: bool = Fals
     # Parsed once, with the paths resolved and the role's input in: the typed parsers check what a
     # schema cannot (one mean/std value per channel, detection outputs), naming the recipe's key.
     preprocess = parse_preprocess(data.get("preprocess"), document=recipe, path="preprocess")
+    gaps = gaps_problem(preprocess)
+    if gaps is not None:
+        raise RecipeError("preprocess.hop", gaps, recipe=recipe)
     postprocess = parse_postprocess(data.get("postprocess"), document=recipe, path="postprocess")
     _check_data_consent(data, recipe)
     quantize = data.get("quantize") or {}

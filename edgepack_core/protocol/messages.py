@@ -71,6 +71,24 @@ class RejectedRef:
 
 
 @dataclass(frozen=True)
+class SessionMark:
+    """Which MQTT connection of a device a state belongs to: ``epoch`` names the device's
+    connection counter (made afresh when its file is lost, e.g. a re-flashed card) and ``n``
+    counts connection attempts within it. A birth and the last will of one connection carry the
+    same mark, so a host can order them without trusting clocks or arrival order
+    (``sdk/fleet_server/liveness.py``)."""
+
+    epoch: str
+    n: int
+
+    def to_json(self) -> dict[str, str | int]:
+        return {"epoch": self.epoch, "n": self.n}
+
+
+SESSION_EPOCH = re.compile(r"[0-9a-f]{8,32}")
+
+
+@dataclass(frozen=True)
 class DeviceState:
     """A retained state: the birth ("online", with capabilities) or the last will ("offline")."""
 
@@ -83,6 +101,7 @@ class DeviceState:
     provider: str | None = None
     profile: str | None = None
     capabilities: str | None = None  # compact JSON with sorted keys; None when absent or too large
+    session: SessionMark | None = None  # None: an agent from before connection marks
     rejected: tuple[RejectedRef, ...] = ()  # newest first; () also for an agent that does not report them
 
     def capabilities_dict(self) -> dict[str, Any]:
@@ -245,6 +264,17 @@ def _rejected(value: Any) -> tuple[RejectedRef, ...]:
     return tuple(ref for ref in map(_rejected_ref, value[:MAX_REJECTED]) if ref is not None)
 
 
+def _session(value: Any) -> SessionMark | None:
+    """The connection mark, or None when absent or malformed (ordering then falls back to when
+    the state was heard)."""
+    if not isinstance(value, dict):
+        return None
+    epoch, n = value.get("epoch"), count(value.get("n"))
+    if not isinstance(epoch, str) or not SESSION_EPOCH.fullmatch(epoch) or n is None:
+        return None
+    return SessionMark(epoch, n)
+
+
 def _capabilities(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
@@ -274,7 +304,8 @@ def parse_state(device: str, payload: bytes) -> DeviceState | Decommissioned | R
     return DeviceState(device=device, status="online" if status == "online" else "offline", ts=ts, reason=reason,
                        groups=_groups(doc.get("groups")), model=_model(doc.get("model")),
                        provider=text(doc.get("provider"), MAX_NAME_CHARS), profile=text(profile, MAX_NAME_CHARS),
-                       capabilities=_capabilities(capabilities), rejected=_rejected(doc.get("rejected")))
+                       capabilities=_capabilities(capabilities), session=_session(doc.get("session")),
+                       rejected=_rejected(doc.get("rejected")))
 
 
 def _queue(value: Any) -> QueueCounters | None:

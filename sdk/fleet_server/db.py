@@ -75,6 +75,8 @@ devices = Table(
     Column("last_seen", Float, nullable=False),
     Column("state_ts", Float),  # the device's ts of the newest state applied, as the device reported it
     Column("state_heard", Float),  # when the server heard that state: what orders states (device clocks lie)
+    Column("state_epoch", String(32)),  # the applied state's connection mark (liveness.py), None when unmarked
+    Column("state_session", BigInteger),
     Column("groups_enrolled_at", Float),  # None: the device's groups were never enrolled (see device_groups)
     Column("telemetry_at", Float),
     Column("telemetry_seq", BigInteger),

@@ -24,7 +24,9 @@ state values the model really meets (:mod:`sdk.packager.sequences`); other sourc
 from __future__ import annotations
 
 import csv
+import io
 import re
+import wave
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -247,6 +249,11 @@ def context_options(ctx: Any) -> dict[str, Any]:
             "graph": ctx.original if ctx.original is not None else ctx.model}
 
 
+def synthetic_options(ctx: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`synthetic_samples` for a build (its declarations and graph)."""
+    return {k: v for k, v in context_options(ctx).items() if k != "root"}
+
+
 def load_samples(
     source: DataSource, preprocess: PreprocessSpec, inputs: Sequence[TensorSpec], *, key: str,
     limit: int | None = None, declared: Declared | None = None, outputs: Sequence[TensorSpec] = (),
@@ -260,7 +267,7 @@ def load_samples(
     declared = declared or {}
     states = state_feeds(inputs, outputs, declared)
     if source.synthetic:
-        return synthetic_samples(limit or 16, preprocess, inputs, declared=declared, graph=graph)
+        return synthetic_samples(limit or 16, preprocess, inputs, declared=declared, graph=graph, outputs=outputs)
     limit = source.limit if source.limit is not None else limit
     constants = {**constant_feeds(inputs, declared), **states}
     if source.kind == "npz":
@@ -556,31 +563,72 @@ def _synthetic_value(spec: TensorSpec, decl: InputOptions, index_range: tuple[in
     return rng.integers(low, high, size=shape).astype(dtype)
 
 
+def _synthetic_audio(count: int, preprocess: PreprocessSpec, rng: np.random.Generator) -> np.ndarray:
+    """``count`` consecutive frames of one made-up stream, cut by the device's own audio code:
+    each is a frame plus its context, shaped as the spec shapes it (never 1 sample)."""
+    length = preprocess.frame + preprocess.hop * max(count - 1, 0)
+    t = np.arange(length) / float(preprocess.sample_rate)
+    wave_form = 0.3 * np.sin(2 * np.pi * 440.0 * t) + rng.uniform(-0.1, 0.1, length)
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as writer:  # PCM16 at the spec's rate: nothing to resample
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(preprocess.sample_rate)
+        writer.writeframes((np.clip(wave_form, -1, 1) * 32767).astype("<i2").tobytes())
+    frames: np.ndarray = Preprocessor(preprocess).from_audio_bytes(buffer.getvalue())[:count]
+    return frames
+
+
+def _synthetic_image(preprocess: PreprocessSpec, pre: Preprocessor, rng: np.random.Generator) -> np.ndarray:
+    """A random image a little larger than the resize's size, through the real preprocessing."""
+    height, width = preprocess.resize.size if preprocess.resize is not None else (64, 64)
+    image = rng.integers(0, 256, size=(int(height) + 7, int(width) + 5, 3), dtype=np.uint8)
+    tensor: np.ndarray = pre.from_array(image)
+    return tensor
+
+
+def _spec_values(count: int, preprocess: PreprocessSpec, rng: np.random.Generator) -> list[np.ndarray] | None:
+    """What the preprocessing spec feeds its input in ``count`` made-up samples; None for tensors."""
+    if preprocess.kind == "audio":
+        return list(_synthetic_audio(count, preprocess, rng))
+    if preprocess.kind == "image":
+        pre = Preprocessor(preprocess)
+        return [_synthetic_image(preprocess, pre, rng) for _ in range(count)]
+    return None
+
+
 def synthetic_samples(
     count: int, preprocess: PreprocessSpec, inputs: Sequence[TensorSpec], seed: int = 0, *,
-    declared: Declared | None = None, graph: Any = None,
+    declared: Declared | None = None, graph: Any = None, outputs: Sequence[TensorSpec] = (),
 ) -> Samples:
-    """Deterministic made-up inputs (the recipe consented to them). Image models get random
-    images pushed through the real preprocessing, so the golden samples exercise it too;
-    declared ranges and constants are honoured, index inputs stay in range."""
+    """Deterministic made-up inputs (the recipe consented to them) that follow the spec: the
+    preprocessed input gets what its preprocessing gives (random images through the real image
+    code; for audio, the consecutive frames of one made-up stream, each a frame plus its context);
+    the other inputs the recipe's dims, ranges and constants, index inputs kept in range; a
+    ``role: state`` input its init zeros, and on audio the output it is carried from, frame to
+    frame, as the agent runs a stream (``outputs`` checks the declaration)."""
     declared = declared or {}
     rng = np.random.default_rng(seed)
-    image_input = _target_input(preprocess, inputs) if preprocess.kind == "image" else None
-    pre = Preprocessor(preprocess) if image_input else None
-    constants = {**constant_feeds(inputs, declared), **state_feeds(inputs, (), declared)}
+    target = _target_input(preprocess, inputs) if preprocess.kind in ("image", "audio") and inputs else None
+    made = _spec_values(count, preprocess, rng) if target is not None else None
+    count = len(made) if made is not None else count
+    states = state_feeds(inputs, outputs, declared)
+    constants = {**constant_feeds(inputs, declared), **states}
     indices = index_ranges(graph, inputs)
     feeds: list[Feed] = []
-    for _ in range(count):
+    for index in range(count):
         feed: Feed = {}
         for spec in inputs:
             if spec.name in constants:
                 feed[spec.name] = constants[spec.name]
-            elif spec.name == image_input and pre is not None:
-                height, width = preprocess.resize.size if preprocess.resize is not None else (64, 64)
-                image = rng.integers(0, 256, size=(int(height) + 7, int(width) + 5, 3), dtype=np.uint8)
-                feed[spec.name] = pre.from_array(image)
+            elif spec.name == target and made is not None:
+                feed[spec.name] = made[index]
             else:
                 decl = declared.get(spec.name, _UNDECLARED)
                 feed[spec.name] = _synthetic_value(spec, decl, indices.get(spec.name), rng)
         feeds.append(feed)
-    return Samples(feeds, names=[f"synthetic sample {n}" for n in range(count)])
+    samples = Samples(feeds, names=[f"synthetic sample {n}" for n in range(count)])
+    if preprocess.kind == "audio" and target is not None and feeds:  # one stream's frames, in order
+        samples.sequences = [(0, len(feeds))]
+        samples.carry = carried_outputs(inputs, declared) if states else {}
+    return samples

@@ -7,9 +7,10 @@ Each function returns the one-line problem, or None when the declaration fits.""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from edgepack_core.manifest import TensorSpec
-from edgepack_core.preprocess_spec import PreprocessSpec
+from edgepack_core.preprocess_spec import AUDIO_LAYOUTS, AudioLayout, PreprocessSpec
 
 
 def _dims(dims: Sequence[object]) -> str:
@@ -41,4 +42,48 @@ def dtype_problem(spec: PreprocessSpec, model_input: TensorSpec) -> str | None:
     return (
         f"{spec.kind} preprocessing produces {spec.dtype} but input {model_input.name} is "
         f"{model_input.dtype}: declare dtype: {model_input.dtype}"
+    )
+
+
+def _fits(shape: Sequence[object], model_shape: Sequence[object]) -> bool:
+    return len(shape) == len(model_shape) and all(
+        not isinstance(got, int) or want == got for want, got in zip(shape, model_shape, strict=True)
+    )
+
+
+def _layout_name(layout: AudioLayout) -> str:
+    return "[" + ", ".join(str(d) for d in AUDIO_LAYOUTS[layout]) + "]"
+
+
+def audio_frame_problem(spec: PreprocessSpec, model_input: TensorSpec) -> tuple[str, str] | None:
+    """An audio spec's frames (``layout``, ``frame`` + ``context``, ``batch``) against the input
+    they feed: ``(key, problem)`` naming the layout that fits when one does, else None."""
+    if spec.kind != "audio" or not model_input.shape:
+        return None
+    frame = spec.frame_shape()
+    if _fits(frame, model_input.shape):
+        return None
+    what = f"input {model_input.name} is {_dims(model_input.shape)}"
+    given = f"frames {_dims(frame)} ({_layout_name(spec.frame_layout)}, context + frame = {spec.context + spec.frame})"
+    fitting = [
+        name for name in AUDIO_LAYOUTS if _fits(replace(spec, frame_layout=name).frame_shape(), model_input.shape)
+    ]
+    if fitting:
+        return "preprocess.layout", f"{given} but {what}: declare layout: {_layout_name(fitting[0])}"
+    ranks = [
+        name for name in AUDIO_LAYOUTS if len(replace(spec, frame_layout=name).frame_shape()) == len(model_input.shape)
+    ]
+    if ranks:
+        return "preprocess.frame", f"{given} but {what}: no frame + context of {spec.context + spec.frame} fits it"
+    return "preprocess.layout", f"{given} but {what}: no audio layout has its rank (batch: {str(spec.batch).lower()})"
+
+
+def gaps_problem(spec: PreprocessSpec) -> str | None:
+    """``hop`` above ``frame`` skips the samples between frames: a typo (hop and frame swapped)
+    far more often than a design, so it is refused unless ``allow_gaps`` declares it. Pure."""
+    if spec.kind != "audio" or spec.hop <= spec.frame or spec.allow_gaps:
+        return None
+    return (
+        f"{spec.hop} is larger than frame {spec.frame}, so {spec.hop - spec.frame} samples between frames are "
+        "never seen: declare allow_gaps: true if the model means that"
     )
