@@ -73,7 +73,7 @@ def test_power_loss_is_offline_with_the_wills_reason(tmp_path: Path, mosquitto_b
             topic = "edgepack/v1/dev/cam-01/state"
             assert wait_for(lambda: b"last will" in _retained(mosquitto_broker.port, topic), KEEPALIVE_S * 1.5 + 10)
             server = FleetServerProcess(tmp_path / "b", broker=mosquitto_broker.address, keys=keys, db_url=database,
-                                        server_id="b").start()
+                                        server_id="b", extra=("--per-server-urls",)).start()
         offline = wait_for(lambda: (lambda d: d if d.get("status") == "offline" else None)(_device(server, "cam-01")),
                            KEEPALIVE_S * 1.5 + 10)
         assert offline, _device(server, "cam-01")

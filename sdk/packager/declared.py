@@ -87,3 +87,30 @@ def gaps_problem(spec: PreprocessSpec) -> str | None:
         f"{spec.hop} is larger than frame {spec.frame}, so {spec.hop - spec.frame} samples between frames are "
         "never seen: declare allow_gaps: true if the model means that"
     )
+
+
+def height_resize_problem(spec: PreprocessSpec, model_input: TensorSpec) -> tuple[str, str] | None:
+    """A keep-aspect-height resize against the image input it feeds: ``(the recipe key to change,
+    the problem)``, or None. A fixed height must be ``height``; a fixed width must be what every
+    image gets, i.e. ``pad_to`` = ``max_width`` = that width (a recogniser exported for one width,
+    PaddleOCR's 320 say); a symbolic width takes any. Other input dims are io_spec's to check."""
+    resize = spec.resize
+    if spec.kind != "image" or resize is None or resize.mode != "keep-aspect-height":
+        return None
+    dims = list(model_input.shape[1:] if spec.batch else model_input.shape)
+    if len(dims) != 3:
+        return None
+    height, width = (dims[1], dims[2]) if spec.layout == "NCHW" else (dims[0], dims[1])
+    target_h, max_w = resize.size
+    what = f"input {model_input.name} is {_dims(model_input.shape)}"
+    if isinstance(height, int) and height != target_h:
+        return "preprocess.resize.height", f"is {target_h} but {what}, height {height}: declare height: {height}"
+    if not isinstance(width, int) or (not resize.variable_width and max_w == width):
+        return None
+    fix = f"declare max_width: {width} and pad_to: {width}, or export the model with a dynamic width"
+    if max_w != width:
+        return "preprocess.resize.max_width", f"is {max_w} but {what}, a fixed width of {width}: {fix}"
+    return (
+        "preprocess.resize.pad_to",
+        f"is {resize.pad_to}, so widths vary up to {max_w}, but {what}, a fixed width of {width}: {fix}",
+    )

@@ -15,7 +15,7 @@ from edgepack_core.postprocess import load_charset
 from edgepack_core.postprocess_spec import PostprocessSpec
 from sdk.errors import RecipeError
 from sdk.packager.ctc_blank import blank_range_problem, likely_blank_problem
-from sdk.packager.declared import audio_frame_problem, dtype_problem, shape_problem
+from sdk.packager.declared import audio_frame_problem, dtype_problem, height_resize_problem, shape_problem
 from sdk.packager.detection_heads import declared_format_problem
 from sdk.packager.onnx_graph import (
     graph_io,
@@ -252,7 +252,12 @@ class IoSpecPass(Pass):
     def _check_image_input(ctx: BuildContext, name: str, recipe: str) -> None:
         spec = ctx.preprocess
         model_input = next(i for i in ctx.inputs if i.name == name)
+        problem = height_resize_problem(spec, model_input)
+        if problem is not None:
+            raise RecipeError(*problem, recipe=recipe)
         height, width = spec.resize.size if spec.resize is not None else (None, None)
+        if spec.resize is not None and spec.resize.variable_width:
+            width = None  # keep-aspect-height: each image its own width (checked just above)
         channels = spec.channels
         if spec.layout == "NCHW":
             expected: list[int | None] = [channels, height, width]
