@@ -7,8 +7,8 @@
   ``commands`` whose ``rollout_id`` is now NULL-able.
 - ``artifacts.model_sha256``: the manifest's model file hash, what a device reports it runs.
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0003"
-down_revision = "0002"
+revision = "0004"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
