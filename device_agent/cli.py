@@ -124,6 +124,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
               f"({answer['latency_ms']} ms)")
         for fallback in answer["provider_fallbacks"]:
             print(f"  not using {fallback['provider']}: {fallback['reason']}")
+        if answer.get("non_finite_outputs"):
+            print(f"  NaN/inf in {', '.join(answer['non_finite_outputs'])} (the recipe allows it there)")
         print(json.dumps(wire_json.to_wire(answer["result"]), indent=2, allow_nan=False)
               if answer["result"] is not None else
               {k: np.asarray(v).shape for k, v in answer["outputs"].items()})

@@ -166,7 +166,8 @@ def test_unhealthy_model_is_rolled_back_after_the_health_window(agent, arts, mos
     assert result.returncode == 1
     assert "rolled_back" in result.stdout and "non-finite" in result.stdout
     assert agent.version() == "1.0.0"
-    assert load.failures == []
+    # the NaN answers of the window were model errors (issue 24, item 7), and nothing else failed
+    assert load.failures and all(f.startswith("500: ") and "non_finite_output" in f for f in load.failures)
     status = run_cli("edgepack-agent", "status", "--store", str(agent.folder / "pi-07-store"), "--trust",
                      str(keypair[1]), "--json")
     assert json.loads(status.stdout)["active"]["version"] == "1.0.0", "the rollback is persisted in the store"

@@ -513,16 +513,12 @@ class UpdateService:
         window = self._window_of(job)
         job = self._set(job, J.ACTIVE, f"hot-swapped; watching health for {window:g} s", final=False,
                         provider=loaded.provider)
-        service.check_finite = True
-        try:
-            running.stop.wait(window)
-            after = service.stats.snapshot()
-            traffic = traffic_between(before, after)
-            probes = Probes()
-            if not running.stop.is_set() and needs_probes(traffic, self.health):
-                probes = probe(self.host.service, loaded)
-        finally:
-            service.check_finite = False
+        running.stop.wait(window)
+        after = service.stats.snapshot()
+        traffic = traffic_between(before, after)
+        probes = Probes()
+        if not running.stop.is_set() and needs_probes(traffic, self.health):
+            probes = probe(self.host.service, loaded)
         self._close_window(job, running, old, traffic_of(before), traffic, probes)
 
     def _end_cancelled(self, job: Job, running: _Running) -> None:

@@ -40,7 +40,7 @@ from edgepack_core.preprocess import Preprocessor
 from edgepack_core.preprocess_spec import PreprocessSpec
 from sdk.errors import RecipeError
 from sdk.packager.onnx_graph import index_ranges
-from sdk.packager.sources import DataSource, InputOptions
+from sdk.packager.sources import DataSource, InputOptions, OutputOptions
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
 MAX_PB_BYTES = 1 << 30  # one test-data tensor file; bounded before it is read
@@ -233,6 +233,13 @@ def manifest_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[di
     return [{**spec.to_json(), **({"role": "constant", "value": constants[spec.name].tolist()}
                                   if spec.name in constants else _role_fields(declared.get(spec.name, _UNDECLARED))),
              **({"allow_non_finite": True} if spec.name in non_finite else {})} for spec in inputs]
+
+
+def manifest_outputs(outputs: Sequence[TensorSpec], declared: Mapping[str, OutputOptions]) -> list[dict[str, Any]]:
+    """The manifest's output specs: ``allow_non_finite`` where the recipe declares it (the agent
+    then serves NaN/inf there, flagged, instead of answering 500)."""
+    allowed = {name for name, decl in declared.items() if decl.allow_non_finite}
+    return [{**spec.to_json(), **({"allow_non_finite": True} if spec.name in allowed else {})} for spec in outputs]
 
 
 def tensor_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[TensorSpec]:

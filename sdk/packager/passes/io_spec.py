@@ -242,6 +242,11 @@ class IoSpecPass(Pass):
         if output is not None and output not in [o.name for o in ctx.outputs]:
             raise RecipeError("postprocess.output", f"no model output named {output!r}", recipe=recipe)
         _check_postprocess_outputs(ctx, recipe)
+        names = [o.name for o in ctx.outputs]
+        for name in ctx.recipe.outputs:
+            if name not in names:
+                raise RecipeError(f"outputs.{name}", f"the model has no output {name!r} (outputs: {', '.join(names)})",
+                                  recipe=recipe)
         ctx.report[self.name] = {
             "inputs": [i.to_json() for i in ctx.inputs],
             "outputs": [o.to_json() for o in ctx.outputs],
