@@ -7,7 +7,9 @@ the host's data sources and the device's requests give the same tensors."""
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 import urllib.error
 import urllib.request
 import wave
@@ -34,6 +36,7 @@ from sdk.packager.data import load_samples
 from sdk.packager.declared import audio_frame_problem, gaps_problem
 from sdk.recipe import load_recipe
 from tests.real_world_audio import FRAME, RATE, build_quality, quality_model, tone
+from tests.real_world_declared import build_recipe
 from tools.demos.vad import write_wav
 
 
@@ -112,6 +115,14 @@ def test_a_44k_wav_sent_to_a_16k_model_is_resampled_on_the_device(built, tmp_pat
     assert resampled.size == 1600 and answer.outputs["scores"].shape == (4, 1, 2)
     reference = _bare(tmp_path, "BN1", resampled.reshape(4, FRAME) * 32768)
     np.testing.assert_allclose(answer.outputs["scores"], reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_44k_validation_wav_for_a_16k_model_is_resampled_at_build_and_said_so(built):
+    folder, _ = built
+    with tarfile.open(folder / "bn1" / "quality-bn1.edgepkg") as tar:
+        report = json.loads(tar.extractfile("report.json").read())
+    assert report["passes"]["validate"]["resampled"] == {"to": RATE, "count": 1, "files": {"c-44k.wav": 44100}}
+    assert any("c-44k.wav (44100 Hz)" in warning and "16000 Hz" in warning for warning in report["warnings"])
 
 
 def test_a_44k_wav_sent_to_a_16k_model_without_resampling_is_a_400_naming_both_rates(built, tmp_path):
@@ -347,3 +358,20 @@ def test_bad_audio_keys_are_refused_naming_the_key(extra, key):
 def test_audio_only_keys_are_refused_on_an_image_spec(extra):
     with pytest.raises(SchemaError, match=f"preprocess.{next(iter(extra))}"):
         normalize_preprocess({"kind": "image", **extra}, path="preprocess")
+
+
+def test_made_up_validation_audio_follows_the_layout_and_scale(tmp_path, keypair):
+    """``validate: {data: synthetic}`` on a [B, N, 1] int16-scale model: the made-up frames are
+    cut by the same code, so they have the model's shape and scale."""
+    quality_model(tmp_path / "quality.onnx", "BN1")
+    artifact = build_recipe(
+        tmp_path,
+        keypair[0],
+        "made-up",
+        "model: {path: quality.onnx}\n"
+        f"preprocess: {{kind: audio, sample_rate: {RATE}, frame: {FRAME}, layout: [B, N, 1], scale: 32768, "
+        "last_frame: drop}\npostprocess: {kind: raw}\nvalidate: {data: synthetic}\n",
+    )
+    with tarfile.open(artifact) as tar:
+        golden = np.load(io.BytesIO(tar.extractfile("golden/000.inputs.npz").read()))["audio"]
+    assert golden.shape == (1, FRAME, 1) and np.abs(golden).max() > 1000  # int16 magnitudes, not [-1, 1)
