@@ -41,7 +41,12 @@ class StoreError(AgentError):
 
 class AdmissionRefused(AgentError):
     """A verified update this device must not run (name, version, profile or I/O contract;
-    ``updates/admission.py``): the job is rejected and nothing is extracted."""
+    ``updates/admission.py``): the job is rejected and nothing is extracted. ``rule`` names the
+    admission rule that refused it."""
+
+    def __init__(self, reason: str, rule: str = "") -> None:
+        super().__init__(reason)
+        self.rule = rule
 
 
 class SmokeTestError(AgentError):

@@ -20,7 +20,7 @@ from PIL import Image
 
 from device_agent import feeds
 from device_agent.prediction import EncodedImage
-from device_agent.runtime import load_model
+from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
 from edgepack_core.errors import SchemaError
 from edgepack_core.geometry import image_geometry, resize_plan
@@ -275,7 +275,7 @@ def _load(artifact: Path, folder: Path, keypair: tuple[Path, Path]):
 def test_host_and_device_give_identical_tensors_for_the_same_image(tmp_path, keypair):
     """The build's validation samples (host, from the recipe's spec) and the agent's image feed
     (device, from the signed manifest's spec) for the same files are the same tensors, and both
-    equal an independent computation of the documented steps."""
+    equal an independent computation of the documented steps; the device reads every line."""
     recipe_path = write_workspace(tmp_path, max_width=96, pad_to=8)
     recipe = load_recipe(recipe_path)
     build(recipe, key_paths=[str(keypair[0])], output=tmp_path / "crnn.edgepkg")
@@ -292,6 +292,10 @@ def test_host_and_device_give_identical_tensors_for_the_same_image(tmp_path, key
         assert np.allclose(feed["x"], reference_tensor(image, max_width=96, pad_to=8), atol=1e-6), name
         widths.add(feed["x"].shape[3])
     assert len(widths) > 2 and max(widths) == 96
+    # lines of different widths sent as one list: read one by one, each right
+    images = [(tmp_path / "val" / name).read_bytes() for name in host.names]
+    results = InferenceService(model).predict_batch(images)
+    assert [r.result["text"] for r in results] == [name.removesuffix(".png") for name in host.names]
 
 
 # ----------------------------------------------------------------------------- corpus, through the CLIs
