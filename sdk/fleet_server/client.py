@@ -88,6 +88,9 @@ class FleetClient:
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         return self._request("POST", path, body=body if body is not None else {})
 
+    def delete(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        return self._request("DELETE", path, body=body if body is not None else {})
+
     def artifact(self, sha256: str) -> dict[str, Any] | None:
         """The server's record of an artifact, or None when it does not have it."""
         try:
