@@ -24,6 +24,7 @@ from edgepack_core.geometry import (
     REDUCING_GAP,
     array_reduction,
     image_geometry,
+    padded_size,
     reduction_factor,
     resize_plan,
     source_region,
@@ -199,8 +200,8 @@ class Preprocessor:
 
     def tensor_shape(self) -> tuple[int, ...] | None:
         """The shape of every image tensor this spec gives, or None when it depends on the
-        image (no ``resize``)."""
-        if self.kind != "image" or self.spec.resize is None:
+        image (no ``resize``, or a keep-aspect-height one whose width varies)."""
+        if self.kind != "image" or self.spec.resize is None or self.spec.resize.variable_width:
             return None
         return self._shape(*self.spec.resize.size)
 
@@ -403,7 +404,9 @@ class Preprocessor:
             pixels = pixels[:, :, None]  # gray: broadcast to 3 channels for an rgb spec
         if self.spec.color == "bgr":
             pixels = pixels[:, :, ::-1]
-        height, width = self._target.size if paste is not None else pixels.shape[:2]
+        height, width = pixels.shape[:2]
+        if paste is not None:
+            height, width = padded_size(height, width, self._target)
         shape, dtype = self._shape(height, width), self.out_dtype
         if out is None:
             out = np.empty(shape, dtype=dtype)
@@ -489,7 +492,7 @@ class Preprocessor:
         if crop is not None:
             out = out.crop(crop)
         if paste is not None:
-            target_h, target_w = resize.size
+            target_h, target_w = padded_size(out.height, out.width, resize)
             fill = resize.pad_value if out.mode == "L" else (resize.pad_value,) * 3
             canvas = Image.new(out.mode, (target_w, target_h), fill)
             canvas.paste(out, paste)

@@ -27,15 +27,17 @@ AUDIO_DTYPES = ["float32", "float16", "float64", "int16", "int32"]
 AudioLayout = Literal["BN", "BN1", "B1N"]
 AUDIO_LAYOUTS: dict[AudioLayout, list[str | int]] = {"BN": ["B", "N"], "BN1": ["B", "N", 1], "B1N": ["B", 1, "N"]}
 TENSOR_DTYPES = ["float32", "float16", "float64", "int8", "uint8", "int16", "uint16", "int32", "int64", "bool"]
-_RESIZE_MODES = ["stretch", "keep-aspect", "letterbox", "center-crop"]
+_RESIZE_MODES = ["stretch", "keep-aspect", "letterbox", "center-crop", "keep-aspect-height"]
+MAX_RESIZE_HEIGHT = 8192  # keep-aspect-height: bounds on the result, so a file cannot ask for a huge tensor
+MAX_RESIZE_WIDTH = 65536
 _INTERPOLATIONS = ["nearest", "bilinear", "bicubic", "area"]
 CHANNELS = {"rgb": 3, "bgr": 3, "gray": 1}
 
 _RESIZE_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "description": "Resize to size [H, W]; mode says how the aspect ratio is kept.",
+    "description": "Resize to size [H, W], or (keep-aspect-height) to a height with the width following; "
+    "mode says how the aspect ratio is kept.",
     "additionalProperties": False,
-    "required": ["size"],
     "properties": {
         "size": {
             "type": "array",
@@ -48,7 +50,28 @@ _RESIZE_SCHEMA: dict[str, Any] = {
             "enum": _RESIZE_MODES,
             "default": "stretch",
             "description": "stretch: ignore aspect; letterbox: fit inside and pad; keep-aspect: cover and "
-            "center-crop; center-crop: cover enlarged by 1/crop_fraction and center-crop",
+            "center-crop; center-crop: cover enlarged by 1/crop_fraction and center-crop; keep-aspect-height: "
+            "scale to height, the width following (capped at max_width, padded up to a multiple of pad_to)",
+        },
+        "height": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": MAX_RESIZE_HEIGHT,
+            "description": "keep-aspect-height only: the height of the result",
+        },
+        "max_width": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": MAX_RESIZE_WIDTH,
+            "description": "keep-aspect-height only: the widest result; a wider image is squeezed to it",
+        },
+        "pad_to": {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": MAX_RESIZE_WIDTH,
+            "default": 1,
+            "description": "keep-aspect-height only: the width is padded on the right up to a multiple of it "
+            "(a divisor of max_width; pad_to = max_width gives every image that width)",
         },
         "interpolation": {"enum": _INTERPOLATIONS, "default": "bilinear"},
         "pad_value": {
@@ -56,7 +79,7 @@ _RESIZE_SCHEMA: dict[str, Any] = {
             "minimum": 0,
             "maximum": 255,
             "default": 0,
-            "description": "letterbox only: the value of every channel of the padding",
+            "description": "letterbox and keep-aspect-height only: the value of every channel of the padding",
         },
         "pad": {
             "enum": ["center", "top-left"],
@@ -76,17 +99,33 @@ _RESIZE_SCHEMA: dict[str, Any] = {
     "oneOf": [
         {
             "additionalProperties": False,
+            "required": ["size"],
             "properties": {"size": {}, "interpolation": {}, "mode": {"enum": ["stretch", "keep-aspect"]}},
         },
         {
             "additionalProperties": False,
-            "required": ["mode"],
+            "required": ["mode", "size"],
             "properties": {"size": {}, "interpolation": {}, "mode": {"const": "letterbox"}, "pad_value": {}, "pad": {}},
         },
         {
             "additionalProperties": False,
-            "required": ["mode"],
+            "required": ["mode", "size"],
             "properties": {"size": {}, "interpolation": {}, "mode": {"const": "center-crop"}, "crop_fraction": {}},
+        },
+        {
+            "additionalProperties": False,
+            "required": ["mode"],
+            # height and max_width are required once the mode matched (a nested option, checked
+            # after the mode's const): another mode's stray key is then reported against the mode.
+            "anyOf": [{"required": ["height", "max_width"]}],
+            "properties": {
+                "height": {},
+                "max_width": {},
+                "pad_to": {},
+                "pad_value": {},
+                "interpolation": {},
+                "mode": {"const": "keep-aspect-height"},
+            },
         },
     ],
 }
@@ -256,7 +295,7 @@ Dim = int | str | None  # a tensor spec's dim: an integer, or a symbolic one tha
 Kind = Literal["image", "tensor", "audio"]
 Color = Literal["rgb", "bgr", "gray"]
 Layout = Literal["NCHW", "NHWC"]
-ResizeMode = Literal["stretch", "keep-aspect", "letterbox", "center-crop"]
+ResizeMode = Literal["stretch", "keep-aspect", "letterbox", "center-crop", "keep-aspect-height"]
 Interpolation = Literal["nearest", "bilinear", "bicubic", "area"]
 PadPlace = Literal["center", "top-left"]
 LastFrame = Literal["pad", "drop"]
@@ -265,8 +304,13 @@ LastFrame = Literal["pad", "drop"]
 @dataclass(frozen=True)
 class Resize:
     """``resize``: the target ``size`` (H, W) and how the aspect ratio is handled. ``pad_value``
-    and ``pad`` mean something for ``letterbox`` only, ``crop_fraction`` for ``center-crop``
-    only (the JSON form writes them for that mode alone, as the schema takes them)."""
+    means something for ``letterbox`` and ``keep-aspect-height`` only, ``pad`` for ``letterbox``
+    only, ``crop_fraction`` for ``center-crop`` only, ``pad_to`` for ``keep-aspect-height`` only
+    (the JSON form writes them for their modes alone, as the schema takes them).
+
+    ``keep-aspect-height`` (text-line recognisers) has no fixed size: ``size`` holds its
+    ``height`` and its ``max_width``, the bounds of every result; the width of one image is
+    :func:`edgepack_core.geometry.resize_plan`'s."""
 
     size: tuple[int, int]
     mode: ResizeMode = "stretch"
@@ -274,10 +318,24 @@ class Resize:
     pad_value: int = 0
     pad: PadPlace = "center"
     crop_fraction: float = DEFAULT_CROP_FRACTION
+    pad_to: int = 1
+
+    @property
+    def variable_width(self) -> bool:
+        """True when results of one spec differ in width (keep-aspect-height not padded to max_width)."""
+        return self.mode == "keep-aspect-height" and self.pad_to != self.size[1]
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> Resize:
         """A validated ``resize`` mapping, defaults filled."""
+        if raw.get("mode") == "keep-aspect-height":
+            return cls(
+                size=(int(raw["height"]), int(raw["max_width"])),
+                mode="keep-aspect-height",
+                interpolation=raw.get("interpolation", "bilinear"),
+                pad_value=raw.get("pad_value", 0),
+                pad_to=int(raw.get("pad_to", 1)),
+            )
         height, width = (int(v) for v in raw["size"])
         return cls(
             size=(height, width),
@@ -289,6 +347,15 @@ class Resize:
         )
 
     def to_json(self) -> dict[str, Any]:
+        if self.mode == "keep-aspect-height":
+            return {
+                "mode": self.mode,
+                "height": self.size[0],
+                "max_width": self.size[1],
+                "pad_to": self.pad_to,
+                "pad_value": self.pad_value,
+                "interpolation": self.interpolation,
+            }
         out: dict[str, Any] = {"size": list(self.size), "mode": self.mode, "interpolation": self.interpolation}
         if self.mode == "letterbox":
             out.update(pad_value=self.pad_value, pad=self.pad)
@@ -466,6 +533,13 @@ def _parse_image(raw: Mapping[str, Any], version: int, document: str, path: str)
             document=document,
         )
     resize = Resize.parse(raw["resize"]) if "resize" in raw else None
+    if resize is not None and resize.size[1] % resize.pad_to:
+        raise SchemaError(
+            _where(path, "resize.pad_to"),
+            f"{resize.pad_to} does not divide max_width {resize.size[1]}: padding up to a multiple of it "
+            f"could pass max_width (use a divisor of {resize.size[1]}, or {resize.size[1]} for one fixed width)",
+            document=document,
+        )
     return PreprocessSpec(
         kind="image",
         version=version,

@@ -32,7 +32,7 @@ from sdk.packager.passes.load import ModelOptions
 from sdk.packager.passes.optimize_options import OptimizeOptions
 from sdk.packager.passes.quantize import QuantizeOptions
 from sdk.packager.passes.validate import ValidateOptions
-from sdk.packager.sources import InputOptions
+from sdk.packager.sources import InputOptions, OutputOptions
 
 MAX_RECIPE_BYTES = 1024 * 1024
 
@@ -76,6 +76,8 @@ class Recipe:
     description: str | None = None
     inputs: Mapping[str, InputOptions] = option(_NO_KEYS, description="Per input name: shape, dtype, synthetic "
                                                 "range, role (tensor, constant, image, audio, state).")
+    outputs: Mapping[str, OutputOptions] = option(_NO_KEYS, description="Per output name: whether NaN/inf are "
+                                                  "answers there (allow_non_finite).")
     preprocess: PreprocessSpec = option(PreprocessSpec(), schema=PREPROCESS_SCHEMA, parse=parse_preprocess)
     postprocess: PostprocessSpec = option(PostprocessSpec(), schema=POSTPROCESS_SCHEMA, parse=parse_postprocess)
     optimize: OptimizeOptions = field(default_factory=OptimizeOptions)

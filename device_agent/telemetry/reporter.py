@@ -36,6 +36,7 @@ log = logging.getLogger("edgepack.agent.telemetry")
 SESSION_EXPIRY_S = 24 * 3600  # the broker keeps queued commands for a device offline up to a day
 MAX_FALLBACKS = 16  # the state schema's bounds on provider_fallbacks
 MAX_REASON_CHARS = 1000
+MAX_REJECTED = 32  # the state schema's bound on rejected (updates.rejected.MAX_IN_STATE)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class AgentStatus:
     available_providers: list[str] = field(default_factory=list)
     # Each provider of the profile not serving the model, with why (``LoadedModel.fallbacks_json``).
     provider_fallbacks: list[dict[str, str]] = field(default_factory=list)
+    # The versions this device rejected, newest first (``updates.rejected.for_state``): the fleet
+    # server marks (device, artifact) rejected from them and never re-targets one automatically.
+    rejected: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,6 +94,7 @@ def state_document(device_id: str, online: bool, status: AgentStatus, groups: li
         doc["provider"] = status.provider
         doc["provider_fallbacks"] = [{"provider": f["provider"], "reason": f["reason"][:MAX_REASON_CHARS]}
                                      for f in status.provider_fallbacks[:MAX_FALLBACKS]]
+        doc["rejected"] = status.rejected[:MAX_REJECTED]
         doc.update(status.extra)
     else:
         doc["reason"] = reason

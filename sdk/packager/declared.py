@@ -6,8 +6,9 @@ Each function returns the one-line problem, or None when the declaration fits.""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from edgepack_core.manifest import TensorSpec
 from edgepack_core.preprocess_spec import AUDIO_LAYOUTS, AudioLayout, PreprocessSpec
@@ -87,3 +88,63 @@ def gaps_problem(spec: PreprocessSpec) -> str | None:
         f"{spec.hop} is larger than frame {spec.frame}, so {spec.hop - spec.frame} samples between frames are "
         "never seen: declare allow_gaps: true if the model means that"
     )
+
+
+def height_resize_problem(spec: PreprocessSpec, model_input: TensorSpec) -> tuple[str, str] | None:
+    """A keep-aspect-height resize against the image input it feeds: ``(the recipe key to change,
+    the problem)``, or None. A fixed height must be ``height``; a fixed width must be what every
+    image gets, i.e. ``pad_to`` = ``max_width`` = that width (a recogniser exported for one width,
+    PaddleOCR's 320 say); a symbolic width takes any. Other input dims are io_spec's to check."""
+    resize = spec.resize
+    if spec.kind != "image" or resize is None or resize.mode != "keep-aspect-height":
+        return None
+    dims = list(model_input.shape[1:] if spec.batch else model_input.shape)
+    if len(dims) != 3:
+        return None
+    height, width = (dims[1], dims[2]) if spec.layout == "NCHW" else (dims[0], dims[1])
+    target_h, max_w = resize.size
+    what = f"input {model_input.name} is {_dims(model_input.shape)}"
+    if isinstance(height, int) and height != target_h:
+        return "preprocess.resize.height", f"is {target_h} but {what}, height {height}: declare height: {height}"
+    if not isinstance(width, int) or (not resize.variable_width and max_w == width):
+        return None
+    fix = f"declare max_width: {width} and pad_to: {width}, or export the model with a dynamic width"
+    if max_w != width:
+        return "preprocess.resize.max_width", f"is {max_w} but {what}, a fixed width of {width}: {fix}"
+    return (
+        "preprocess.resize.pad_to",
+        f"is {resize.pad_to}, so widths vary up to {max_w}, but {what}, a fixed width of {width}: {fix}",
+    )
+
+
+RATE_NAMES = frozenset({"sr", "sample_rate", "sampling_rate", "samplerate"})
+
+
+def _rate(value: Any) -> int | None:
+    """A whole number of Hz from a constant's value or a metadata string, else None."""
+    while isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if number.is_integer() and number > 0 else None
+
+
+def model_rate_problem(spec: PreprocessSpec, constants: Mapping[str, Any], metadata: Mapping[str, str]) -> str | None:
+    """``sample_rate`` against the rate the model itself states: a constant input named like a
+    rate (``sr``, ``sample_rate``, ...: a Silero-style VAD takes one) or a metadata property of
+    that name. Files would be resampled to a wrong ``sample_rate`` without a word, and the model
+    would answer on audio at the wrong speed. Pure."""
+    if spec.kind != "audio":
+        return None
+    stated = [(f"constant input {name}", constants[name]) for name in sorted(constants) if name.lower() in RATE_NAMES]
+    stated += [(f"metadata property {key}", metadata[key]) for key in sorted(metadata) if key.lower() in RATE_NAMES]
+    for where, value in stated:
+        rate = _rate(value)
+        if rate is not None and rate != spec.sample_rate:
+            return (
+                f"is {spec.sample_rate} but the model's {where} is {rate}: declare sample_rate: {rate} "
+                "(files of other rates are resampled to it)"
+            )
+    return None

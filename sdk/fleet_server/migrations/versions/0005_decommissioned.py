@@ -3,8 +3,8 @@
 A decommissioned device is removed from the fleet's tables and its retained state cleared; its
 later messages are dropped until an operator enrolls it again (docs/fleet-server.md, "Devices").
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004"
-down_revision = "0003"
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 
