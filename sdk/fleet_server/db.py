@@ -75,6 +75,8 @@ devices = Table(
     Column("last_seen", Float, nullable=False),
     Column("state_ts", Float),  # the device's ts of the newest state applied, as the device reported it
     Column("state_heard", Float),  # when the server heard that state: what orders states (device clocks lie)
+    Column("state_epoch", String(32)),  # the applied state's connection mark (liveness.py), None when unmarked
+    Column("state_session", BigInteger),
     Column("groups_enrolled_at", Float),  # None: the device's groups were never enrolled (see device_groups)
     Column("telemetry_at", Float),
     Column("telemetry_seq", BigInteger),
@@ -483,6 +485,7 @@ def migrate(database: Database) -> None:
     servers starting together on PostgreSQL take turns through an advisory lock."""
     from alembic import command
     from alembic.config import Config
+    from alembic.util.exc import CommandError
 
     logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-plugin INFO lines are noise at start
 
@@ -494,7 +497,11 @@ def migrate(database: Database) -> None:
             connection.commit()
         try:
             config.attributes["connection"] = connection
-            command.upgrade(config, "head")
+            try:
+                command.upgrade(config, "head")
+            except CommandError as err:  # a revision this release does not know: a newer one migrated it
+                raise FleetServerError(f"the database's schema is from a newer Edgepack release ({err}): run the "
+                                       "release that migrated it, or restore a backup taken before") from err
             connection.commit()
         finally:
             if not database.is_sqlite:

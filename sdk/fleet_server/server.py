@@ -34,10 +34,11 @@ from sdk.fleet_server.artifacts import DEFAULT_MAX_UPLOAD, DEFAULT_RECHECK_S, Ar
 from sdk.fleet_server.auth import TokenCheck, read_token_file
 from sdk.fleet_server.budgets import IngestLimits
 from sdk.fleet_server.db import Database, open_database
-from sdk.fleet_server.driver import Driver, DriverConfig
+from sdk.fleet_server.driver import Driver, DriverConfig, Lease
 from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
 from sdk.fleet_server.retention import JOB_ROWS_PER_DEVICE, Pruner, RetentionPolicy
+from sdk.fleet_server.startup import joining_problem
 from sdk.keys import load_operator_key
 
 if TYPE_CHECKING:  # uvicorn (under http_guard) is imported by serve() only
@@ -97,6 +98,7 @@ class ServerConfig:
     artifact_recheck_s: float = DEFAULT_RECHECK_S
     ingest_limits: IngestLimits = field(default_factory=IngestLimits)
     job_events_kept: int = JOB_ROWS_PER_DEVICE  # per device, the newest
+    per_server_urls: bool = False  # several servers without --public-url: devices allow every server's origin
 
     def resolved_id(self) -> str:
         server_id = self.server_id or default_server_id(self.listen)
@@ -150,6 +152,12 @@ class FleetServer:
         """Open the database (migrating it), connect to the broker, start the loops."""
         self.database = open_database(self.config.db_url, stored_artifacts=self.store.count(),
                                       init=self.config.init)
+        holder = Lease(self.database, self.server_id, self.config.driver.lease_ttl_s).current()
+        problem = joining_problem(None if holder is None else holder["holder"], self.server_id,
+                                  public_url=self.public_url, per_server_urls=self.config.per_server_urls)
+        if problem:
+            self.database.close()
+            raise ServerConfigError(problem)
         self.pruner = Pruner(self.database, self.config.retention, job_rows_per_device=self.config.job_events_kept)
         self.ingest = Ingest(self.database, self.config.broker, server_id=self.server_id,
                              limits=self.config.ingest_limits,

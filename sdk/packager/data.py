@@ -34,13 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from edgepack_core import audio
 from edgepack_core.errors import PreprocessError
 from edgepack_core.manifest import TensorSpec
 from edgepack_core.preprocess import Preprocessor
 from edgepack_core.preprocess_spec import PreprocessSpec
 from sdk.errors import RecipeError
 from sdk.packager.onnx_graph import index_ranges
-from sdk.packager.sources import DataSource, InputOptions
+from sdk.packager.sources import DataSource, InputOptions, OutputOptions
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
 MAX_PB_BYTES = 1 << 30  # one test-data tensor file; bounded before it is read
@@ -67,6 +68,8 @@ class Samples:
     names: list[str] = field(default_factory=list)
     sequences: list[tuple[int, int]] | None = None
     carry: dict[str, str] = field(default_factory=dict)
+    # Audio files whose rate was not the spec's and that were resampled to it: name -> their rate.
+    resampled: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.feeds)
@@ -235,6 +238,13 @@ def manifest_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[di
              **({"allow_non_finite": True} if spec.name in non_finite else {})} for spec in inputs]
 
 
+def manifest_outputs(outputs: Sequence[TensorSpec], declared: Mapping[str, OutputOptions]) -> list[dict[str, Any]]:
+    """The manifest's output specs: ``allow_non_finite`` where the recipe declares it (the agent
+    then serves NaN/inf there, flagged, instead of answering 500)."""
+    allowed = {name for name, decl in declared.items() if decl.allow_non_finite}
+    return [{**spec.to_json(), **({"allow_non_finite": True} if spec.name in allowed else {})} for spec in outputs]
+
+
 def tensor_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[TensorSpec]:
     """The inputs data must supply: all but the constants and the state inputs."""
     return [s for s in inputs if declared.get(s.name, _UNDECLARED).role not in ("constant", "state")]
@@ -355,11 +365,11 @@ def _load_audio(source: DataSource, preprocess: PreprocessSpec, inputs: Sequence
     feeds: list[Feed] = []
     names: list[str] = []
     sequences: list[tuple[int, int]] = []
+    resampled: dict[str, int] = {}
     for file in files:
-        try:
-            frames = pre.from_path(_inside(file, root, where))
-        except PreprocessError as err:
-            raise RecipeError(where, f"{file.name}: {err}") from err
+        frames, rate = _read_wav(pre, _inside(file, root, where), where)
+        if rate != preprocess.sample_rate:
+            resampled[file.name] = rate
         first = len(feeds)
         for index, frame in enumerate(frames):
             if limit and len(feeds) >= limit:
@@ -368,7 +378,19 @@ def _load_audio(source: DataSource, preprocess: PreprocessSpec, inputs: Sequence
             names.append(f"{file.name} frame {index}")
         if len(feeds) > first:
             sequences.append((first, len(feeds)))
-    return Samples(feeds, names=names, sequences=sequences)
+    return Samples(feeds, names=names, sequences=sequences, resampled=resampled)
+
+
+def _read_wav(pre: Preprocessor, path: Path, where: str) -> tuple[np.ndarray, int]:
+    """A WAV file's frames through the device's code, and the file's own sample rate."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise RecipeError(where, f"{path.name}: cannot read ({err.strerror or err})") from err
+    try:
+        return pre.from_audio_bytes(data), audio.parse_wav_header(data, pre.max_audio_bytes)[0].rate
+    except PreprocessError as err:
+        raise RecipeError(where, f"{path.name}: {err}") from err
 
 
 # ---------------------------------------------------------------- npz

@@ -15,7 +15,7 @@ from edgepack_core.postprocess import load_charset
 from edgepack_core.postprocess_spec import PostprocessSpec
 from sdk.errors import RecipeError
 from sdk.packager.ctc_blank import blank_range_problem, likely_blank_problem
-from sdk.packager.declared import dtype_problem, shape_problem
+from sdk.packager.declared import audio_frame_problem, dtype_problem, height_resize_problem, shape_problem
 from sdk.packager.detection_heads import declared_format_problem, yolox_input_size
 from sdk.packager.onnx_graph import (
     graph_io,
@@ -219,11 +219,15 @@ def _with_yolox_grid(ctx: BuildContext, fed: str | None, recipe: str) -> Postpro
 
 
 def _check_declared_input(ctx: BuildContext, name: str, recipe: str) -> None:
-    """``preprocess.shape`` and ``preprocess.dtype`` fit the input they feed, refused here in
+    """``preprocess.shape``, ``preprocess.dtype`` and an audio spec's frames fit the input they feed, refused here in
     Edgepack's words before onnxruntime's (:mod:`sdk.packager.declared`)."""
     model_input = next(i for i in ctx.inputs if i.name == name)
-    for key, problem in (("preprocess.shape", shape_problem(ctx.preprocess, model_input)),
-                         ("preprocess.dtype", dtype_problem(ctx.preprocess, model_input))):
+    checks = [("preprocess.shape", shape_problem(ctx.preprocess, model_input)),
+              ("preprocess.dtype", dtype_problem(ctx.preprocess, model_input))]
+    frames = audio_frame_problem(ctx.preprocess, model_input)
+    if frames is not None:
+        checks.append(frames)
+    for key, problem in checks:
         if problem is not None:
             raise RecipeError(key, problem, recipe=recipe)
 
@@ -256,6 +260,11 @@ class IoSpecPass(Pass):
             raise RecipeError("postprocess.output", f"no model output named {output!r}", recipe=recipe)
         _check_postprocess_outputs(ctx, recipe)
         ctx.postprocess = _with_yolox_grid(ctx, fed, recipe)
+        names = [o.name for o in ctx.outputs]
+        for name in ctx.recipe.outputs:
+            if name not in names:
+                raise RecipeError(f"outputs.{name}", f"the model has no output {name!r} (outputs: {', '.join(names)})",
+                                  recipe=recipe)
         ctx.report[self.name] = {
             "inputs": [i.to_json() for i in ctx.inputs],
             "outputs": [o.to_json() for o in ctx.outputs],
@@ -266,7 +275,12 @@ class IoSpecPass(Pass):
     def _check_image_input(ctx: BuildContext, name: str, recipe: str) -> None:
         spec = ctx.preprocess
         model_input = next(i for i in ctx.inputs if i.name == name)
+        problem = height_resize_problem(spec, model_input)
+        if problem is not None:
+            raise RecipeError(*problem, recipe=recipe)
         height, width = spec.resize.size if spec.resize is not None else (None, None)
+        if spec.resize is not None and spec.resize.variable_width:
+            width = None  # keep-aspect-height: each image its own width (checked just above)
         channels = spec.channels
         if spec.layout == "NCHW":
             expected: list[int | None] = [channels, height, width]
