@@ -172,6 +172,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             entry = status.get(role)
             text = "-" if not entry else (entry.get("error") or f"{entry['name']} {entry['version']}")
             print(f"{role:<9} {text}")
+        for entry in status["rejected"]:
+            print(f"rejected  {entry['name']} {entry['version']} at {entry['stage']}: {entry['reason']}")
     return 0
 
 

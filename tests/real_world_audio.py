@@ -107,3 +107,25 @@ def build_quality(
         f"preprocess: {{kind: audio, sample_rate: {RATE}, frame: {FRAME}, layout: {written}, scale: 32768{extra}}}\n"
         "postprocess: {kind: raw}\nvalidate: {data: {audio: clips}}\n",
     )
+
+
+def rate_model(path: Path, rate_metadata: str | None = None) -> Path:
+    """A Silero-style VAD's signature: audio float32 [1, FRAME] and sr int64 (a scalar the
+    caller feeds, 16000 or 8000) -> a score [1, 1]; optionally a ``sample_rate`` metadata
+    property, as some exporters write one."""
+    x = helper.make_tensor_value_info("audio", TensorProto.FLOAT, [1, FRAME])
+    sr = helper.make_tensor_value_info("sr", TensorProto.INT64, [])
+    y = helper.make_tensor_value_info("score", TensorProto.FLOAT, [1, 1])
+    nodes = [
+        helper.make_node("ReduceMean", ["audio"], ["mean"], axes=[1], keepdims=1),
+        helper.make_node("Cast", ["sr"], ["sr_float"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["sr_float", "zero"], ["nothing"]),
+        helper.make_node("Add", ["mean", "nothing"], ["score"]),
+    ]
+    graph = helper.make_graph(nodes, "vad", [x, sr], [y], [numpy_helper.from_array(np.array(0, np.float32), "zero")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="pytorch")
+    model.ir_version = 8
+    if rate_metadata is not None:
+        helper.set_model_props(model, {"sample_rate": rate_metadata})
+    onnx.save(model, path)
+    return path

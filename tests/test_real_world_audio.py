@@ -33,9 +33,10 @@ from edgepack_core.preprocess_spec import normalize_preprocess, parse_preprocess
 from edgepack_core.signing import TrustStore, load_public_key
 from sdk.errors import RecipeError
 from sdk.packager.data import load_samples
-from sdk.packager.declared import audio_frame_problem, gaps_problem
+from sdk.packager.declared import audio_frame_problem, gaps_problem, model_rate_problem
 from sdk.recipe import load_recipe
-from tests.real_world_audio import FRAME, RATE, build_quality, quality_model, tone
+from tests.conftest import run_cli
+from tests.real_world_audio import FRAME, RATE, build_quality, quality_model, rate_model, tone
 from tests.real_world_declared import build_recipe
 from tools.demos.vad import write_wav
 
@@ -125,8 +126,8 @@ def test_a_44k_validation_wav_for_a_16k_model_is_resampled_at_build_and_said_so(
     assert any("c-44k.wav (44100 Hz)" in warning and "16000 Hz" in warning for warning in report["warnings"])
 
 
-def test_a_44k_wav_sent_to_a_16k_model_without_resampling_is_a_400_naming_both_rates(built, tmp_path):
-    _, models = built
+def test_a_44k_wav_sent_to_a_16k_model_without_resampling_is_a_400_naming_both_rates(built, tmp_path, keypair):
+    folder, models = built
     clip = write_wav(tmp_path / "44k.wav", tone(0.1, 44100, 2), 44100)
     service = InferenceService(models["B1N"])
     with pytest.raises(BadRequest, match=r"44100 Hz.*16000 Hz") as caught:
@@ -145,6 +146,18 @@ def test_a_44k_wav_sent_to_a_16k_model_without_resampling_is_a_400_naming_both_r
     finally:
         server.stop()
     assert service.stats.snapshot()["requests"]["server_error"] == 0
+    cli = run_cli(
+        "edgepack-agent",
+        "predict",
+        "--artifact",
+        str(folder / "b1n" / "quality-b1n.edgepkg"),
+        "--trust",
+        str(keypair[1]),
+        "--input",
+        str(clip),
+    )
+    assert cli.returncode == 1 and cli.stderr.count("\n") == 1
+    assert "44100 Hz" in cli.stderr and "16000 Hz" in cli.stderr
     ok = write_wav(tmp_path / "16k.wav", tone(0.1, RATE, 2), RATE)
     assert service.predict(ok.read_bytes()).outputs["scores"].shape == (4, 1, 2)
 
@@ -375,3 +388,50 @@ def test_made_up_validation_audio_follows_the_layout_and_scale(tmp_path, keypair
     with tarfile.open(artifact) as tar:
         golden = np.load(io.BytesIO(tar.extractfile("golden/000.inputs.npz").read()))["audio"]
     assert golden.shape == (1, FRAME, 1) and np.abs(golden).max() > 1000  # int16 magnitudes, not [-1, 1)
+
+
+@pytest.mark.parametrize(
+    ("constant", "metadata", "rate", "problem"),
+    [
+        ("sr: {role: constant, value: 16000}", None, 8000, "constant input sr is 16000"),
+        ("sr: {role: constant, value: 16000}", None, 16000, None),
+        ("sr: {role: constant, value: 8000}", "8000", 16000, "constant input sr is 8000"),
+        ("sr: {role: constant, value: 16000}", "8000", 16000, "metadata property sample_rate is 8000"),
+    ],
+)
+def test_a_sample_rate_unlike_the_one_the_model_states_is_refused_at_build(
+    tmp_path, keypair, constant, metadata, rate, problem
+):
+    rate_model(tmp_path / "vad.onnx", metadata)
+    body = (
+        f"model: {{path: vad.onnx}}\ninputs: {{audio: {{role: audio}}, {constant}}}\n"
+        f"preprocess: {{kind: audio, sample_rate: {rate}, frame: {FRAME}}}\npostprocess: {{kind: raw}}\n"
+        "validate: {data: synthetic}\n"
+    )
+    if problem is None:
+        assert build_recipe(tmp_path, keypair[0], "vad", body).exists()
+        return
+    with pytest.raises(RecipeError) as caught:
+        build_recipe(tmp_path, keypair[0], "vad", body)
+    assert caught.value.key == "preprocess.sample_rate" and problem in caught.value.problem
+    assert f"is {rate} but" in caught.value.problem and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("constants", "metadata", "fits"),
+    [
+        ({"sr": 16000}, {}, True),
+        ({"sr": [16000]}, {}, True),
+        ({"SR": 16001}, {}, False),
+        ({"sampling_rate": 15999}, {}, False),
+        ({"speed": 8000}, {}, True),  # not named like a rate: not read
+        ({}, {"sample_rate": "16000"}, True),
+        ({}, {"sample_rate": "8000"}, False),
+        ({}, {"sample_rate": "16 kHz"}, True),  # not a number: not read
+        ({"sr": 0.5}, {}, True),
+    ],
+)
+def test_the_model_rate_rule_at_its_boundaries(constants, metadata, fits):
+    spec = parse_preprocess({"kind": "audio", "sample_rate": 16000, "frame": 4})
+    assert (model_rate_problem(spec, constants, metadata) is None) is fits
+    assert model_rate_problem(parse_preprocess({"kind": "tensor"}), constants, metadata) is None

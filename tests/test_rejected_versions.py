@@ -345,3 +345,61 @@ def test_a_forged_rejected_entry_is_dropped_not_the_state():
     doc["rejected"] = [good, {**good, "sha256": "x"}, {**good, "stage": "whim"}, "junk", {**good, "ts": -1}]
     parsed = parse_state("pi-07", json.dumps(doc).encode())
     assert isinstance(parsed, DeviceState) and [r.sha256 for r in parsed.rejected] == [SHA]
+
+
+# ------------------------------------------------------------------ the store
+
+
+@pytest.fixture()
+def store_with_two(tmp_path, keypair, arts):
+    from device_agent.store import ModelStore
+    from edgepack_core.signing import TrustStore, load_public_key
+
+    store = ModelStore(tmp_path / "s", TrustStore([load_public_key(keypair[1])]))
+    store.install(arts["1.1.0"])
+    store.install(arts["1.3.0"])
+    return store
+
+
+def test_a_rejected_previous_version_from_an_older_agent_is_never_the_rollback_target(store_with_two):
+    from device_agent.errors import StoreError
+
+    store = store_with_two
+    store.rejected.add(R.record("scale", "1.1.0", SHA, "health_window", "unhealthy: NaN", 1.0))
+    state = (store.root / "state.json").read_bytes()
+    with pytest.raises(
+        StoreError,
+        match=r"the previous version scale 1\.1\.0 was rejected \(health_window: "
+        r"unhealthy: NaN\); no earlier version that passed",
+    ):
+        store.rollback()
+    assert (store.root / "state.json").read_bytes() == state
+
+
+def test_a_rollback_that_forgets_the_active_version_leaves_no_rollback_target(store_with_two):
+    from device_agent.errors import StoreError
+
+    store = store_with_two
+    target = store.rollback(forget_active=True)
+    assert target.version == "1.1.0" and json.loads((store.root / "state.json").read_text())["previous"] is None
+    assert [p.name for p in store.models.iterdir()] == [target.key], "the forgotten version was kept on disk"
+    with pytest.raises(StoreError, match=NO_GOOD_VERSION):
+        store.rollback_target()
+
+
+def test_a_damaged_state_is_rebuilt_on_a_version_the_device_did_not_reject(store_with_two):
+    store = store_with_two
+    store.rejected.add(R.record("scale", "1.3.0", SHA, "health_window", "unhealthy", 1.0))
+    (store.root / "state.json").write_bytes(b"garbage")
+    active = store.recover()
+    assert active is not None and active.version == "1.1.0", "the newest, rejected, version was chosen"
+
+
+def test_a_ledger_the_medium_refuses_keeps_the_record_in_memory(tmp_path):
+    from device_agent.errors import StoreError
+
+    (tmp_path / "file").write_text("not a folder")
+    ledger = R.RejectedLedger(tmp_path / "file" / R.FILE_NAME)
+    with pytest.raises(StoreError, match="cannot be written"):
+        ledger.add(_rec())
+    assert ledger.records() == (_rec(),)

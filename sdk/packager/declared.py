@@ -6,8 +6,9 @@ Each function returns the one-line problem, or None when the declaration fits.""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from edgepack_core.manifest import TensorSpec
 from edgepack_core.preprocess_spec import AUDIO_LAYOUTS, AudioLayout, PreprocessSpec
@@ -114,3 +115,36 @@ def height_resize_problem(spec: PreprocessSpec, model_input: TensorSpec) -> tupl
         "preprocess.resize.pad_to",
         f"is {resize.pad_to}, so widths vary up to {max_w}, but {what}, a fixed width of {width}: {fix}",
     )
+
+
+RATE_NAMES = frozenset({"sr", "sample_rate", "sampling_rate", "samplerate"})
+
+
+def _rate(value: Any) -> int | None:
+    """A whole number of Hz from a constant's value or a metadata string, else None."""
+    while isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if number.is_integer() and number > 0 else None
+
+
+def model_rate_problem(spec: PreprocessSpec, constants: Mapping[str, Any], metadata: Mapping[str, str]) -> str | None:
+    """``sample_rate`` against the rate the model itself states: a constant input named like a
+    rate (``sr``, ``sample_rate``, ...: a Silero-style VAD takes one) or a metadata property of
+    that name. Files would be resampled to a wrong ``sample_rate`` without a word, and the model
+    would answer on audio at the wrong speed. Pure."""
+    if spec.kind != "audio":
+        return None
+    stated = [(f"constant input {name}", constants[name]) for name in sorted(constants) if name.lower() in RATE_NAMES]
+    stated += [(f"metadata property {key}", metadata[key]) for key in sorted(metadata) if key.lower() in RATE_NAMES]
+    for where, value in stated:
+        rate = _rate(value)
+        if rate is not None and rate != spec.sample_rate:
+            return (
+                f"is {spec.sample_rate} but the model's {where} is {rate}: declare sample_rate: {rate} "
+                "(files of other rates are resampled to it)"
+            )
+    return None

@@ -15,7 +15,13 @@ from edgepack_core.postprocess import load_charset
 from edgepack_core.postprocess_spec import PostprocessSpec
 from sdk.errors import RecipeError
 from sdk.packager.ctc_blank import blank_range_problem, likely_blank_problem
-from sdk.packager.declared import audio_frame_problem, dtype_problem, height_resize_problem, shape_problem
+from sdk.packager.declared import (
+    audio_frame_problem,
+    dtype_problem,
+    height_resize_problem,
+    model_rate_problem,
+    shape_problem,
+)
 from sdk.packager.detection_heads import declared_format_problem, yolox_input_size
 from sdk.packager.onnx_graph import (
     graph_io,
@@ -219,14 +225,18 @@ def _with_yolox_grid(ctx: BuildContext, fed: str | None, recipe: str) -> Postpro
 
 
 def _check_declared_input(ctx: BuildContext, name: str, recipe: str) -> None:
-    """``preprocess.shape``, ``preprocess.dtype`` and an audio spec's frames fit the input they feed, refused here in
-    Edgepack's words before onnxruntime's (:mod:`sdk.packager.declared`)."""
+    """``preprocess.shape``, ``preprocess.dtype`` and an audio spec's frames fit the input they
+    feed, and its ``sample_rate`` the rate the model states, refused here in Edgepack's words
+    before onnxruntime's (:mod:`sdk.packager.declared`)."""
     model_input = next(i for i in ctx.inputs if i.name == name)
     checks = [("preprocess.shape", shape_problem(ctx.preprocess, model_input)),
               ("preprocess.dtype", dtype_problem(ctx.preprocess, model_input))]
     frames = audio_frame_problem(ctx.preprocess, model_input)
     if frames is not None:
         checks.append(frames)
+    constants = {key: decl.value for key, decl in ctx.recipe.inputs.items() if decl.role == "constant"}
+    metadata = {prop.key: prop.value for prop in ctx.require_model().metadata_props}
+    checks.append(("preprocess.sample_rate", model_rate_problem(ctx.preprocess, constants, metadata)))
     for key, problem in checks:
         if problem is not None:
             raise RecipeError(key, problem, recipe=recipe)
