@@ -216,7 +216,9 @@ class FleetServer:
                        "telemetry_connected": bool(self.ingest.telemetry and self.ingest.telemetry.connected)},
             "driver": {"ticks": self.driver.ticks, "sent": self.driver.sent, "resent": self.driver.resent,
                        "refused_by_broker": self.driver.refused_by_broker,
-                       "rollout_errors": self.driver.rollout_errors},
+                       "rollout_errors": self.driver.rollout_errors,
+                       "targets": {"sent": self.driver.target_sent, "converged": self.driver.converged,
+                                   "errors": self.driver.reconcile_errors}},
             "retention": {"raw_s": self.config.retention.raw_s, "rollup_s": self.config.retention.rollup_s,
                           "step_s": self.config.retention.step_s,
                           "runs": self.pruner.runs if self.pruner else 0,
@@ -296,7 +298,8 @@ class FleetServer:
         self._api = ApiContext(database=self.database, tokens=self.tokens, store=self.store,
                           retention=self.config.retention, artifact_url=self.artifact_url,
                           silence_s=self.config.silence_s, status=self.status, metrics=self.metrics,
-                          wake_driver=self.driver.wake if self.driver else (lambda: None))
+                          wake_driver=self.driver.wake if self.driver else (lambda: None),
+                          command_ttl_s=self.config.driver.command_ttl_s)
         return self._api
 
 
