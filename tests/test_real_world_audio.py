@@ -35,6 +35,7 @@ from sdk.errors import RecipeError
 from sdk.packager.data import load_samples
 from sdk.packager.declared import audio_frame_problem, gaps_problem, model_rate_problem
 from sdk.recipe import load_recipe
+from tests.conftest import run_cli
 from tests.real_world_audio import FRAME, RATE, build_quality, quality_model, rate_model, tone
 from tests.real_world_declared import build_recipe
 from tools.demos.vad import write_wav
@@ -125,8 +126,8 @@ def test_a_44k_validation_wav_for_a_16k_model_is_resampled_at_build_and_said_so(
     assert any("c-44k.wav (44100 Hz)" in warning and "16000 Hz" in warning for warning in report["warnings"])
 
 
-def test_a_44k_wav_sent_to_a_16k_model_without_resampling_is_a_400_naming_both_rates(built, tmp_path):
-    _, models = built
+def test_a_44k_wav_sent_to_a_16k_model_without_resampling_is_a_400_naming_both_rates(built, tmp_path, keypair):
+    folder, models = built
     clip = write_wav(tmp_path / "44k.wav", tone(0.1, 44100, 2), 44100)
     service = InferenceService(models["B1N"])
     with pytest.raises(BadRequest, match=r"44100 Hz.*16000 Hz") as caught:
@@ -145,6 +146,18 @@ def test_a_44k_wav_sent_to_a_16k_model_without_resampling_is_a_400_naming_both_r
     finally:
         server.stop()
     assert service.stats.snapshot()["requests"]["server_error"] == 0
+    cli = run_cli(
+        "edgepack-agent",
+        "predict",
+        "--artifact",
+        str(folder / "b1n" / "quality-b1n.edgepkg"),
+        "--trust",
+        str(keypair[1]),
+        "--input",
+        str(clip),
+    )
+    assert cli.returncode == 1 and cli.stderr.count("\n") == 1
+    assert "44100 Hz" in cli.stderr and "16000 Hz" in cli.stderr
     ok = write_wav(tmp_path / "16k.wav", tone(0.1, RATE, 2), RATE)
     assert service.predict(ok.read_bytes()).outputs["scores"].shape == (4, 1, 2)
 

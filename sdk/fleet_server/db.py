@@ -121,6 +121,14 @@ dead_letters = Table(  # device messages that parsed but could not be stored (bo
     Index(None, "received_at"),
 )
 
+decommissioned = Table(  # devices removed from the fleet: their messages are dropped until enrolled again
+    "decommissioned", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("at", Float, nullable=False),
+    Column("actor", String(128), nullable=False),
+    Column("reason", String(500), nullable=False),
+)
+
 telemetry_raw = Table(
     "telemetry_raw", metadata,
     Column("id", RowId, primary_key=True, autoincrement=True),
@@ -180,6 +188,7 @@ artifacts = Table(
     Column("targets", Text, nullable=False),  # JSON list of target profiles
     Column("created_at", Float, nullable=False),
     Column("created_by", String(ID), nullable=False),
+    Column("model_sha256", String(64)),  # the manifest's model file hash (what devices report); None: older rows
 )
 
 rollouts = Table(
@@ -235,7 +244,7 @@ rollout_devices = Table(
 commands = Table(
     "commands", metadata,
     Column("id", String(ID), primary_key=True),  # the command id: recorded once, by one server
-    Column("rollout_id", String(ID), ForeignKey("rollouts.id"), nullable=False),
+    Column("rollout_id", String(ID), ForeignKey("rollouts.id")),  # None: the reconciler's (target_commands)
     Column("device", String(ID), nullable=False),
     Column("kind", String(16), nullable=False),  # deploy | rollback | cancel
     Column("topic", String(300), nullable=False),
@@ -246,6 +255,40 @@ commands = Table(
     Column("attempts", Integer, nullable=False),
     Index(None, "published_at"),
     Index(None, "rollout_id"),
+)
+
+target_entries = Table(  # desired state: one row per (scope, model) the operator set (sdk/fleet_server/targets.py)
+    "target_entries", metadata,
+    Column("scope", String(8), primary_key=True),  # fleet | group | device
+    Column("name", String(ID), primary_key=True),  # the group or device ("" for the fleet)
+    Column("model", String(ID), primary_key=True),
+    Column("artifact", String(64), nullable=False),  # an artifact sha256, or "absent"
+    Column("revision", Integer, nullable=False),  # times the operator set this entry: a new decision
+    Column("reason", Text, nullable=False, default=""),
+    Column("set_by", String(ID), nullable=False),
+    Column("set_at", Float, nullable=False),
+)
+
+target_holds = Table(  # scopes whose devices get no reconciler command while held
+    "target_holds", metadata,
+    Column("scope", String(8), primary_key=True),
+    Column("name", String(ID), primary_key=True),
+    Column("reason", Text, nullable=False, default=""),
+    Column("set_by", String(ID), nullable=False),
+    Column("set_at", Float, nullable=False),
+)
+
+target_commands = Table(  # the reconciler's deploys (their signed bytes are in commands; job states in job_events)
+    "target_commands", metadata,
+    Column("id", String(ID), primary_key=True),  # derived: targets.target_command_id
+    Column("device", String(ID), nullable=False),
+    Column("model", String(ID), nullable=False),
+    Column("artifact", String(64), nullable=False),
+    Column("source", String(200), nullable=False),  # fleet | group:NAME[+NAME] | device
+    Column("revision", Integer, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Index(None, "device", "model"),
 )
 
 leases = Table(
