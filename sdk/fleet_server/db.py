@@ -121,6 +121,14 @@ dead_letters = Table(  # device messages that parsed but could not be stored (bo
     Index(None, "received_at"),
 )
 
+decommissioned = Table(  # devices removed from the fleet: their messages are dropped until enrolled again
+    "decommissioned", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("at", Float, nullable=False),
+    Column("actor", String(128), nullable=False),
+    Column("reason", String(500), nullable=False),
+)
+
 telemetry_raw = Table(
     "telemetry_raw", metadata,
     Column("id", RowId, primary_key=True, autoincrement=True),
