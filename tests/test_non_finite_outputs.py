@@ -347,7 +347,7 @@ def test_error_kinds_fold_into_buckets_and_rollups_bounded():
     stored = Bucket.from_row(minute[0].row())  # the rollup row's JSON text and back
     assert stored.error_kinds == minute[0].error_kinds and stored.row() == minute[0].row()
     assert rebucket([*minute], 300)[0].error_kinds == {"non_finite_output": 4, "runtime": 2}
-    assert fold([("a", 1.0, None, None, None, 1, 1)], 60)[0].error_kinds == {}  # a sample stored before 0005
+    assert fold([("a", 1.0, None, None, None, 1, 1)], 60)[0].error_kinds == {}  # a sample stored before 0006
     # the bound: 32 kinds are kept as they are, a 33rd sums under "other"
     many = Bucket("a", 0, 60)
     many.add_kinds({f"k{i:02d}": 1 for i in range(MAX_ERROR_KINDS)})
