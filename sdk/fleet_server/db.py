@@ -143,6 +143,7 @@ telemetry_raw = Table(
     Column("errors", BigInteger),  # in the device's interval
     Column("cpu_percent", Float),
     Column("memory_rss_bytes", BigInteger),
+    Column("error_kinds", Text),  # JSON {kind: count} of the interval's errors (None: none, or before 0005)
     Index(None, "device", "ts"),
     Index(None, "ts"),
 )
@@ -159,6 +160,7 @@ telemetry_rollup = Table(
     Column("throughput_sum", Float, nullable=False),
     Column("inferences", BigInteger, nullable=False),
     Column("errors", BigInteger, nullable=False),
+    Column("error_kinds", Text),  # JSON {kind: count} summed over the bucket (None: none)
     Index(None, "bucket"),
 )
 

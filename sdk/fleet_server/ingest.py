@@ -65,6 +65,7 @@ from sdk.fleet_server import db as tables
 from sdk.fleet_server.budgets import Buckets, DropLedger, IngestLimits
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.liveness import HeardState, supersedes
+from sdk.fleet_server.retention import kinds_json
 
 log = logging.getLogger("edgepack.fleet_server.ingest")
 
@@ -315,7 +316,8 @@ class Writer:
             {"device": r.device, "ts": at, "seq": r.seq, "latency_p50": r.latency_p50, "latency_p99": r.latency_p99,
              "latency_mean": r.latency_mean, "throughput_per_s": r.throughput_per_s,
              "inferences": r.inferences_interval, "errors": r.errors_interval, "cpu_percent": r.cpu_percent,
-             "memory_rss_bytes": r.memory_rss_bytes} for r, at in records])
+             "memory_rss_bytes": r.memory_rss_bytes, "error_kinds": kinds_json(dict(r.error_kinds_interval))}
+            for r, at in records])
         latest: dict[str, tuple[Telemetry, float]] = {}
         heard: dict[str, float] = {}
         for record, at in records:

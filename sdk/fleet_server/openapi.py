@@ -88,7 +88,12 @@ SCHEMAS: dict[str, Any] = {
                 "latency_p50_ms": {"type": ["number", "null"], "description": "mean of the samples' p50"},
                 "latency_p99_ms": {"type": ["number", "null"], "description": "largest p99 of the samples"},
                 "throughput_per_s": _NUMBER_OR_NULL, "inferences": {"type": "integer"},
-                "errors": {"type": "integer"}, "error_rate": _NUMBER_OR_NULL}}},
+                "errors": {"type": "integer"},
+                "error_kinds": {"type": "object", "additionalProperties": {"type": "integer"},
+                                "description": "the point's errors by the kind the device named (runtime, "
+                                               "non_finite_output, ...), at most 32 kinds and other (the rest); errors "
+                                               "stored before the server kept kinds have none"},
+                "error_rate": _NUMBER_OR_NULL}}},
         },
     },
     "Artifact": {

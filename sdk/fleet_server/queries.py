@@ -324,13 +324,13 @@ def telemetry(database: Database, device: str, *, since: float, until: float, st
             raise ApiError(404, "not_found", f"no device {device}")
         samples = connection.execute(
             select(raw.c.device, raw.c.ts, raw.c.latency_p50, raw.c.latency_p99, raw.c.throughput_per_s,
-                   raw.c.inferences, raw.c.errors)
+                   raw.c.inferences, raw.c.errors, raw.c.error_kinds)
             .where(raw.c.device == device, raw.c.ts >= since, raw.c.ts < until).order_by(raw.c.ts)).all()
         rolled = connection.execute(select(rollup).where(
             rollup.c.device == device, rollup.c.bucket >= since - policy.step_s, rollup.c.bucket < until)
         ).mappings().all()
     buckets = fold((tuple(sample) for sample in samples), step)
-    older = [Bucket(**dict(row)) for row in rolled]
+    older = [Bucket.from_row(row) for row in rolled]
     merged = rebucket([*older, *buckets], step) if older and step % policy.step_s == 0 else buckets
     return {"device": device, "since": since, "until": until, "step": step,
             "points": [bucket.point() for bucket in merged if since - step < bucket.bucket < until]}
