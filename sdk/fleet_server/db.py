@@ -143,7 +143,7 @@ telemetry_raw = Table(
     Column("errors", BigInteger),  # in the device's interval
     Column("cpu_percent", Float),
     Column("memory_rss_bytes", BigInteger),
-    Column("error_kinds", Text),  # JSON {kind: count} of the interval's errors (None: none, or before 0005)
+    Column("error_kinds", Text),  # JSON {kind: count} of the interval's errors (None: none, or before 0006)
     Index(None, "device", "ts"),
     Index(None, "ts"),
 )

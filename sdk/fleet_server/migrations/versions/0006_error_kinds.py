@@ -3,8 +3,8 @@
 kind (a model answering NaN shows as ``non_finite_output``, not as an anonymous count). Rows
 stored before this revision have none (their errors still count, under no kind).
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005"
-down_revision = "0004"
+revision = "0006"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
