@@ -355,3 +355,35 @@ def test_error_kinds_fold_into_buckets_and_rollups_bounded():
     many.add_kinds({"k99": 2, "k00": 1})
     assert many.error_kinds["other"] == 2 and many.error_kinds["k00"] == 2
     assert kinds_json({}) is None
+
+
+def test_a_refused_nan_answer_leaves_the_streams_state_as_it_was(tmp_path, keypair):
+    """y = Sqrt(x + h), h_out = x + h carried into h: a NaN answer is refused before the
+    stream keeps its state, so the stream's next call starts where it was, not from h = -5."""
+    folder = tmp_path / "state"
+    folder.mkdir()
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1])
+    h = helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, 1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])
+    h_out = helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [1, 1])
+    nodes = [helper.make_node("Add", ["x", "h"], ["h_out"]), helper.make_node("Sqrt", ["h_out"], ["y"])]
+    model = helper.make_model(
+        helper.make_graph(nodes, "acc", [x, h], [y, h_out]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    model.ir_version = 8
+    onnx.save(model, folder / "acc.onnx")
+    np.savez(folder / "x.npz", x=np.array([[1.0]], np.float32))
+    (folder / "acc.yaml").write_text(
+        "name: acc\nversion: 1.0.0\nmodel: {path: acc.onnx}\ninputs: {h: {role: state, output: h_out}}\n"
+        "validate: {data: {npz: x.npz}}\n"
+    )
+    artifact = build(load_recipe(folder / "acc.yaml"), key_paths=[str(keypair[0])], output=folder / "a.edgepkg")
+    service = _loaded(artifact.output, keypair, tmp_path / "m")
+    assert service.predict_tensors({"x": np.array([[9.0]], np.float32)}, stream="s").outputs["y"][0, 0] == 3.0
+    with pytest.raises(NonFiniteOutput, match="output y holds 1 NaN"):  # h = 9 - 25 = -16
+        service.predict_tensors({"x": np.array([[-25.0]], np.float32)}, stream="s")
+    # h is still 9: 9 + 7 = 16; had the refused call kept its state it would be sqrt(-16 + 7) = NaN
+    assert service.predict_tensors({"x": np.array([[7.0]], np.float32)}, stream="s").outputs["y"][0, 0] == 4.0
+    snapshot = service.stats.snapshot()
+    assert snapshot["errors"] == {"non_finite_output": 1} and snapshot["non_finite"] == 1
+    assert snapshot["requests"] == {"ok": 2, "client_error": 0, "server_error": 1}
