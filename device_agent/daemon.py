@@ -124,11 +124,11 @@ class Daemon:
         model = slots[0].service.model if slots else None
         info = None if model is None else ModelInfo(model.manifest.name, model.manifest.version,
                                                     model.manifest.model_sha256)
-        rejected = [record for slot in slots if slot.store is not self.store for record in slot.store.rejected.records()]
+        stores = [self.store, *(slot.store for slot in slots if slot.store is not self.store)]
         return AgentStatus(model=info, provider=None if model is None else model.provider,
                            profile=self.config.profile, available_providers=list(ort.get_available_providers()),
                            provider_fallbacks=[] if model is None else model.fallbacks_json(),
-                           rejected=for_state([*self.store.rejected.records(), *rejected]),
+                           rejected=for_state([r for store in stores for r in store.rejected.records()]),
                            models=[state_entry(slot) for slot in slots], extra=self.health_of_stores())
 
     def health_of_stores(self) -> dict[str, Any]:

@@ -25,7 +25,8 @@ from device_agent.store import ModelStore
 from edgepack_core.protocol.ids import is_valid_id
 
 SLOTS_DIR = "slots"
-__all__ = ["MAX_MODELS", "ModelSet", "ModelSlot", "choose", "deploy_refusal", "deploy_target", "slot_directory", "state_entry"]
+__all__ = ["MAX_MODELS", "ModelSet", "ModelSlot", "choose", "deploy_refusal", "deploy_target", "describe_service",
+           "model_bytes", "slot_directory", "state_entry"]
 
 
 @dataclass(frozen=True)
@@ -35,36 +36,6 @@ class ModelSlot:
     name: str
     store: ModelStore
     service: InferenceService
-
-    def describe(self) -> dict[str, Any]:
-        """What /healthz says about this model: its version, whether it serves and the bytes of
-        its files (:func:`model_bytes`)."""
-        model = self.service.model
-        if model is None:
-            return {"name": self.name, "state": "no model"}
-        return {**model.describe(), "state": "serving", "model_bytes": model_bytes(model.root)}
-
-
-def model_bytes(root: Path) -> int:
-    """Bytes of a model directory's files: the weights its session holds in memory. One process
-    serves every model, so this is the per-model figure (the process's RSS is in telemetry)."""
-    total = 0
-    for path in root.rglob("*"):
-        try:
-            if path.is_file():
-                total += path.stat().st_size
-        except OSError:
-            continue
-    return total
-
-
-def state_entry(slot: ModelSlot) -> dict[str, Any]:
-    """One model as the state message lists it (``models``: the state schema's item)."""
-    model = slot.service.model
-    if model is None:
-        return {"name": slot.name, "version": None, "sha256": None, "state": "no model"}
-    return {"name": slot.name, "version": model.manifest.version, "sha256": model.manifest.model_sha256,
-            "provider": model.provider, "state": "serving", "model_bytes": model_bytes(model.root)}
 
 
 @dataclass(frozen=True)
@@ -150,3 +121,34 @@ def deploy_target(held: tuple[str, ...], name: str | None) -> str | None:
     if name is not None:
         return name
     return held[0] if len(held) == 1 else None
+
+
+def describe_service(name: str, service: InferenceService) -> dict[str, Any]:
+    """One model as /healthz lists it: its name, version, provider, whether it serves and the
+    bytes of its files (:func:`model_bytes`)."""
+    model = service.model
+    if model is None:
+        return {"name": name, "state": "no model"}
+    return {**model.describe(), "state": "serving", "model_bytes": model_bytes(model.root)}
+
+
+def model_bytes(root: Path) -> int:
+    """Bytes of a model directory's files: the weights its session holds in memory. One process
+    serves every model, so this is the per-model figure (the process's RSS is in telemetry)."""
+    total = 0
+    for path in root.rglob("*"):
+        try:
+            if path.is_file():
+                total += path.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def state_entry(slot: ModelSlot) -> dict[str, Any]:
+    """One model as the state message lists it (``models``: the state schema's item)."""
+    model = slot.service.model
+    if model is None:
+        return {"name": slot.name, "version": None, "sha256": None, "state": "no model"}
+    return {"name": slot.name, "version": model.manifest.version, "sha256": model.manifest.model_sha256,
+            "provider": model.provider, "state": "serving", "model_bytes": model_bytes(model.root)}
