@@ -25,8 +25,18 @@ from device_agent.store import ModelStore
 from edgepack_core.protocol.ids import is_valid_id
 
 SLOTS_DIR = "slots"
-__all__ = ["MAX_MODELS", "ModelSet", "ModelSlot", "choose", "deploy_refusal", "deploy_target", "describe_service",
-           "model_bytes", "slot_directory", "state_entry"]
+__all__ = [
+    "MAX_MODELS",
+    "ModelSet",
+    "ModelSlot",
+    "choose",
+    "deploy_refusal",
+    "deploy_target",
+    "describe_service",
+    "model_bytes",
+    "slot_directory",
+    "state_entry",
+]
 
 
 @dataclass(frozen=True)
@@ -88,12 +98,17 @@ def choose(names: tuple[str, ...], wanted: str | None) -> str:
             return names[0]
         if not names:
             raise NoModelError("no model is active")
-        raise BadRequest("model_required", f"this agent serves several models ({installed_names(names)}): "
-                         "name one, as in POST /predict/{name}")
+        raise BadRequest(
+            "model_required",
+            f"this agent serves several models ({installed_names(names)}): name one, as in POST /predict/{{name}}",
+        )
     if wanted in names:
         return wanted
-    raise BadRequest("unknown_model", f"no model {wanted[:100]!r} on this agent (installed: "
-                     f"{installed_names(names)})", http_status=404)
+    raise BadRequest(
+        "unknown_model",
+        f"no model {wanted[:100]!r} on this agent (installed: {installed_names(names)})",
+        http_status=404,
+    )
 
 
 def deploy_refusal(held: tuple[str, ...], name: str | None, allowed: frozenset[str] | None) -> str | None:
@@ -111,8 +126,10 @@ def deploy_refusal(held: tuple[str, ...], name: str | None, allowed: frozenset[s
         return f"this device holds {len(held)} models, the most it takes"
     if allowed is not None and name in allowed:
         return None
-    return (f"model {name!r} is not installed on this device (installed: {installed_names(held)}) and "
-            "updates.allowed_names does not list it")
+    return (
+        f"model {name!r} is not installed on this device (installed: {installed_names(held)}) and "
+        "updates.allowed_names does not list it"
+    )
 
 
 def deploy_target(held: tuple[str, ...], name: str | None) -> str | None:
@@ -150,5 +167,11 @@ def state_entry(slot: ModelSlot) -> dict[str, Any]:
     model = slot.service.model
     if model is None:
         return {"name": slot.name, "version": None, "sha256": None, "state": "no model"}
-    return {"name": slot.name, "version": model.manifest.version, "sha256": model.manifest.model_sha256,
-            "provider": model.provider, "state": "serving", "model_bytes": model_bytes(model.root)}
+    return {
+        "name": slot.name,
+        "version": model.manifest.version,
+        "sha256": model.manifest.model_sha256,
+        "provider": model.provider,
+        "state": "serving",
+        "model_bytes": model_bytes(model.root),
+    }
