@@ -42,8 +42,9 @@ SCOPES = (FLEET, GROUP, DEVICE)
 ALREADY_ACTIVE = "is already the active model"
 """The agent's answer to a deploy of the model it runs: the device is on target, not failed."""
 
-MAX_ATTEMPTS = 1000
-"""Commands for one (device, model, artifact, target revision) before the reconciler stops."""
+MAX_ATTEMPTS = 5
+"""Commands for one (device, model, artifact, target revision) before the reconciler stops: a
+device that takes the deploy but keeps reporting something else is not sent it forever."""
 
 
 def _frozen(models: Mapping[str, str]) -> Mapping[str, str]:
