@@ -90,6 +90,7 @@ class ApiContext:
     status: Callable[[], dict[str, Any]] = dict
     metrics: Callable[[], str] = str
     wake_driver: Callable[[], None] = lambda: None
+    clear_retained_state: Callable[[str], None] = lambda _device: None  # publishes the empty retained state
     command_ttl_s: float = 24 * 3600.0
     auth_failures: int = 0
     requests: int = 0
@@ -433,6 +434,30 @@ class Routes:
         return JSONResponse(await run_in_threadpool(queries.get_device, self.database, device, now=time.time(),
                                                     silence_s=self.context.silence_s))
 
+    async def decommission(self, request: Request, actor: str) -> Response:
+        Params(request, set())
+        device = _path_id(request, "device_id")
+        body = await read_json(request, optional=True)
+        _validate(_ACTION_VALIDATOR, body)
+        done = await run_in_threadpool(queries.decommission_device, self.database, device,
+                                       reason=body.get("reason", ""), actor=actor, remote=_remote(request))
+        # After the commit: the cleared retained state the ingest then hears finds the mark.
+        self.context.clear_retained_state(device)
+        return JSONResponse(done)
+
+    async def enroll(self, request: Request, actor: str) -> Response:
+        Params(request, set())
+        device = _path_id(request, "device_id")
+        body = await read_json(request, optional=True)
+        _validate(_ACTION_VALIDATOR, body)
+        return JSONResponse(await run_in_threadpool(queries.enroll_device, self.database, device,
+                                                    reason=body.get("reason", ""), actor=actor,
+                                                    remote=_remote(request)))
+
+    async def decommissioned(self, request: Request, _actor: str) -> Response:
+        Params(request, set())
+        return JSONResponse({"devices": await run_in_threadpool(queries.decommissioned_devices, self.database)})
+
     async def upload(self, request: Request, actor: str) -> Response:
         store = self.context.store
         length = request.headers.get("content-length")
@@ -540,6 +565,9 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/status", guard(r.status), methods=["GET"]),
         Route("/api/devices", guard(r.devices), methods=["GET"]),
         Route("/api/devices/{device_id}", guard(r.device), methods=["GET"]),
+        Route("/api/devices/{device_id}", guard(r.decommission, "device.decommission"), methods=["DELETE"]),
+        Route("/api/devices/{device_id}/enroll", guard(r.enroll, "device.enroll"), methods=["POST"]),
+        Route("/api/decommissioned", guard(r.decommissioned), methods=["GET"]),
         Route("/api/devices/{device_id}/telemetry", guard(r.device_telemetry), methods=["GET"]),
         Route("/api/devices/{device_id}/groups", guard(r.set_groups, "device.groups"), methods=["PUT"]),
         Route("/api/devices/{device_id}/target", guard(r.device_target), methods=["GET"]),

@@ -88,6 +88,8 @@ class FleetClient:
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         return self._request("POST", path, body=body if body is not None else {})
 
+    def delete(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        return self._request("DELETE", path, body=body if body is not None else {})
     def put(self, path: str, body: dict[str, Any]) -> Any:
         return self._request("PUT", path, body=body)
 

@@ -121,6 +121,14 @@ dead_letters = Table(  # device messages that parsed but could not be stored (bo
     Index(None, "received_at"),
 )
 
+decommissioned = Table(  # devices removed from the fleet: their messages are dropped until enrolled again
+    "decommissioned", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("at", Float, nullable=False),
+    Column("actor", String(128), nullable=False),
+    Column("reason", String(500), nullable=False),
+)
+
 telemetry_raw = Table(
     "telemetry_raw", metadata,
     Column("id", RowId, primary_key=True, autoincrement=True),
@@ -135,6 +143,7 @@ telemetry_raw = Table(
     Column("errors", BigInteger),  # in the device's interval
     Column("cpu_percent", Float),
     Column("memory_rss_bytes", BigInteger),
+    Column("error_kinds", Text),  # JSON {kind: count} of the interval's errors (None: none, or before 0006)
     Index(None, "device", "ts"),
     Index(None, "ts"),
 )
@@ -151,6 +160,7 @@ telemetry_rollup = Table(
     Column("throughput_sum", Float, nullable=False),
     Column("inferences", BigInteger, nullable=False),
     Column("errors", BigInteger, nullable=False),
+    Column("error_kinds", Text),  # JSON {kind: count} summed over the bucket (None: none)
     Index(None, "bucket"),
 )
 

@@ -65,6 +65,7 @@ from sdk.fleet_server import db as tables
 from sdk.fleet_server.budgets import Buckets, DropLedger, IngestLimits
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.liveness import HeardState, supersedes
+from sdk.fleet_server.retention import kinds_json
 
 log = logging.getLogger("edgepack.fleet_server.ingest")
 
@@ -202,6 +203,11 @@ def _device_values(record: DeviceState, heard: float) -> dict[str, Any]:
             "groups_enrolled_at": heard if record.groups is not None else None}
 
 
+def _without(devices: set[str], records: list[Any], *, keep_clears: bool = False) -> list[Any]:
+    """``records`` less those of ``devices`` (an empty retained state, which clears one, stays)."""
+    return [(r, at) for r, at in records if r.device not in devices or (keep_clears and isinstance(r, Decommissioned))]
+
+
 def _heard(record: DeviceState, heard: float) -> HeardState:
     return HeardState(record.session, record.status, heard)
 
@@ -226,6 +232,18 @@ class Writer:
 
     def __init__(self, database: Database) -> None:
         self.database = database
+
+    @staticmethod
+    def decommissioned(connection: Any, devices: list[str]) -> set[str]:
+        """Which of ``devices`` were decommissioned: their messages are dropped until an
+        operator enrolls them again (``POST /api/devices/{id}/enroll``)."""
+        wanted = sorted(set(devices))
+        found: set[str] = set()
+        table = tables.decommissioned
+        for start in range(0, len(wanted), 500):
+            found.update(connection.execute(select(table.c.device).where(
+                table.c.device.in_(wanted[start:start + 500]))).scalars())
+        return found
 
     def states(self, connection: Any, records: list[tuple[DeviceState | Decommissioned, float]]) -> None:
         """Apply states, each with when the server heard it (``heard``: the receipt for a live
@@ -313,7 +331,8 @@ class Writer:
             {"device": r.device, "ts": at, "seq": r.seq, "latency_p50": r.latency_p50, "latency_p99": r.latency_p99,
              "latency_mean": r.latency_mean, "throughput_per_s": r.throughput_per_s,
              "inferences": r.inferences_interval, "errors": r.errors_interval, "cpu_percent": r.cpu_percent,
-             "memory_rss_bytes": r.memory_rss_bytes} for r, at in records])
+             "memory_rss_bytes": r.memory_rss_bytes, "error_kinds": kinds_json(dict(r.error_kinds_interval))}
+            for r, at in records])
         latest: dict[str, tuple[Telemetry, float]] = {}
         heard: dict[str, float] = {}
         for record, at in records:
@@ -576,6 +595,12 @@ class Ingest:
             else:
                 target.append(value)
         with self.database.write() as connection:
+            removed = self.writer.decommissioned(connection, [r.device for r, _ in (*states, *telemetry, *jobs)])
+            if removed:
+                dropped.extend((r.device, "decommissioned") for r, _ in (*states, *telemetry, *jobs)
+                               if r.device in removed and not isinstance(r, Decommissioned))
+                states, telemetry, jobs = (_without(removed, states, keep_clears=True), _without(removed, telemetry),
+                                           _without(removed, jobs))
             self.writer.states(connection, states)
             self.writer.telemetry(connection, telemetry)
             repeats = self.writer.jobs(connection, jobs)

@@ -88,7 +88,12 @@ SCHEMAS: dict[str, Any] = {
                 "latency_p50_ms": {"type": ["number", "null"], "description": "mean of the samples' p50"},
                 "latency_p99_ms": {"type": ["number", "null"], "description": "largest p99 of the samples"},
                 "throughput_per_s": _NUMBER_OR_NULL, "inferences": {"type": "integer"},
-                "errors": {"type": "integer"}, "error_rate": _NUMBER_OR_NULL}}},
+                "errors": {"type": "integer"},
+                "error_kinds": {"type": "object", "additionalProperties": {"type": "integer"},
+                                "description": "the point's errors by the kind the device named (runtime, "
+                                               "non_finite_output, ...), at most 32 kinds and other (the rest); errors "
+                                               "stored before the server kept kinds have none"},
+                "error_rate": _NUMBER_OR_NULL}}},
         },
     },
     "Artifact": {
@@ -218,6 +223,8 @@ def _path(name: str, pattern: str, description: str) -> dict[str, Any]:
 
 _DEVICE = _path("device_id", ID_PATTERN, "device id")
 _ROLLOUT = _path("rollout_id", ID_PATTERN, "rollout id")
+_REASON_BODY = {"type": "object", "additionalProperties": False,
+                "properties": {"reason": {"type": "string", "maxLength": 500}}}
 _ERRORS = {"default": _json("an error (one shape for every error)", _ref("Error"))}
 _LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}, "page size")
 _UNPROCESSABLE = "well-formed, but its values cannot be used together or with the fleet as it is (the message says why)"
@@ -261,6 +268,27 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
         "parameters": [_DEVICE],
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("GroupsRequest")}}},
         "responses": {"200": _json("the device", _ref("Device"))}}),
+    ("delete", "/api/devices/{device_id}", {
+        "summary": "Decommission a device (audited as device.decommission with the reason): its records and groups "
+                   "go, its retained state is cleared on the broker, its later messages are dropped (counted as "
+                   "decommissioned) until it is enrolled again",
+        "parameters": [_DEVICE],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": _REASON_BODY}}},
+        "responses": {"200": _json("decommissioned", {"type": "object", "properties": {
+            "device": {"type": "string"}, "decommissioned_at": {"type": "number"}, "reason": {"type": "string"}}}),
+                      "404": _json("no such device", _ref("Error"))}}),
+    ("post", "/api/devices/{device_id}/enroll", {
+        "summary": "Take a decommissioned device back (audited as device.enroll): its next message enrols it",
+        "parameters": [_DEVICE],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": _REASON_BODY}}},
+        "responses": {"200": _json("may join again", {"type": "object", "properties": {
+            "device": {"type": "string"}, "enrolled_at": {"type": "number"}, "reason": {"type": "string"}}}),
+                      "404": _json("the device is not decommissioned", _ref("Error"))}}),
+    ("get", "/api/decommissioned", {
+        "summary": "Decommissioned devices, newest first",
+        "responses": {"200": _json("devices", {"type": "object", "properties": {"devices": {"type": "array", "items": {
+            "type": "object", "properties": {"device": {"type": "string"}, "at": {"type": "number"},
+                                             "actor": {"type": "string"}, "reason": {"type": "string"}}}}}})}}),
     ("get", "/api/devices/{device_id}/target", {
         "summary": "A device's effective target, its reported state, the difference and why it persists",
         "parameters": [_DEVICE], "responses": {"200": _json("the device's target", _ref("DeviceTarget"))}}),
@@ -323,9 +351,7 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                                            "responses": {"200": _json("the rollout", _ref("Rollout"))}}),
     *[("post", f"/api/rollouts/{{rollout_id}}/{action}", {
         "summary": f"{action.capitalize()} a rollout ({what})", "parameters": [_ROLLOUT],
-        "requestBody": {"required": False, "content": {"application/json": {"schema": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"reason": {"type": "string", "maxLength": 500}}}}}},
+        "requestBody": {"required": False, "content": {"application/json": {"schema": _REASON_BODY}}},
         "responses": {"200": _json("the rollout", _ref("Rollout")),
                       "409": _json("the rollout's state does not allow it", _ref("Error"))}})
       for action, what in (("pause", "no new commands; jobs already sent go on"),

@@ -178,6 +178,13 @@ class FleetServer:
         log.info("fleet server %s: database %s, broker %s, artifacts %s", self.server_id, self.database.dialect,
                  self.config.broker.address, self.config.artifacts_dir)
 
+    def _clear_retained_state(self, device: str) -> None:
+        """Publish the empty retained state that removes a decommissioned device from the broker
+        (``fleet status --broker`` and every other reader then forget it); the shipped ACL lets
+        the operator account the server logs in as write ``dev/+/state`` for exactly this."""
+        assert self.ingest is not None and self.ingest.control is not None
+        self.ingest.control.publish(self.ingest.topics.state(device), b"", qos=1, retain=True)
+
     def _on_lead(self, now: float) -> None:
         """Called by the driver on each round it leads: the retention job runs there, on one server."""
         if now >= self._next_prune and self.pruner is not None:
@@ -300,6 +307,7 @@ class FleetServer:
                           retention=self.config.retention, artifact_url=self.artifact_url,
                           silence_s=self.config.silence_s, status=self.status, metrics=self.metrics,
                           wake_driver=self.driver.wake if self.driver else (lambda: None),
+                          clear_retained_state=self._clear_retained_state,
                           command_ttl_s=self.config.driver.command_ttl_s)
         return self._api
 

@@ -22,7 +22,7 @@ from sdk.packager.declared import (
     model_rate_problem,
     shape_problem,
 )
-from sdk.packager.detection_heads import declared_format_problem
+from sdk.packager.detection_heads import declared_format_problem, yolox_input_size
 from sdk.packager.onnx_graph import (
     graph_io,
 )
@@ -120,7 +120,8 @@ def check_detection_format(
         return
     name = post.output or ctx.outputs[0].name
     values = [sample[name] for sample in outputs if name in sample]
-    problem = declared_format_problem(post.format, values, _image_size(ctx, feeds))
+    image = post.input_size if post.format == "yolox" else _image_size(ctx, feeds)
+    problem = declared_format_problem(post.format, values, image or _image_size(ctx, feeds), post.strides)
     if problem is not None:
         raise RecipeError("postprocess.format", f"{post.format}: output {name} on the validation data has {problem}",
                           recipe=str(ctx.recipe.path))
@@ -207,6 +208,22 @@ def _check_postprocess_outputs(ctx: BuildContext, recipe: str) -> None:
         )
 
 
+def _with_yolox_grid(ctx: BuildContext, fed: str | None, recipe: str) -> PostprocessSpec:
+    """A ``yolox`` head decodes over grids laid on the model input: its ``input_size`` is the
+    resize's size or the input's fixed dims, written into the manifest; refused when neither says."""
+    post = ctx.postprocess
+    if post.kind != "detection" or post.format != "yolox" or post.input_size is not None:
+        return post
+    model_input = next((i for i in ctx.inputs if i.name == fed), None)
+    size = yolox_input_size(ctx.preprocess, model_input)
+    if size is None:
+        shape = list(model_input.shape) if model_input is not None else []
+        raise RecipeError("postprocess.input_size", f"format yolox decodes grids over the model input, whose size "
+                          f"input {fed} {shape} does not fix: give input_size: [height, width] (or an image "
+                          "resize)", recipe=recipe)
+    return replace(post, input_size=size)
+
+
 def _check_declared_input(ctx: BuildContext, name: str, recipe: str) -> None:
     """``preprocess.shape``, ``preprocess.dtype`` and an audio spec's frames fit the input they
     feed, and its ``sample_rate`` the rate the model states, refused here in Edgepack's words
@@ -252,6 +269,7 @@ class IoSpecPass(Pass):
         if output is not None and output not in [o.name for o in ctx.outputs]:
             raise RecipeError("postprocess.output", f"no model output named {output!r}", recipe=recipe)
         _check_postprocess_outputs(ctx, recipe)
+        ctx.postprocess = _with_yolox_grid(ctx, fed, recipe)
         names = [o.name for o in ctx.outputs]
         for name in ctx.recipe.outputs:
             if name not in names:

@@ -2,8 +2,8 @@
 kept in step with each device's newest online state, so the reconciler never re-sends an
 artifact a device refused (sdk/fleet_server/targets.py: device_rejected).
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0007
+Revises: 0006
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005"
-down_revision = "0004"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
