@@ -294,3 +294,23 @@ def test_the_same_detector_with_73_reference_detections_ships_int8_with_its_boun
 def test_evidence_is_a_pure_module():
     source = Path(evidence.__file__).read_text()
     assert "import onnx" not in source and "open(" not in source
+
+
+def test_the_fallback_line_names_the_thin_evidence_not_the_speed():
+    entries = [
+        {
+            "kind": "int8",
+            "budget_met": True,
+            "decided": False,
+            "quantized_nodes": 4,
+            "speedup": 2.0,
+            "evidence": "4 reference detections: recall cannot be judged >= 0.95; about 73 are needed",
+        }
+    ]
+    line = quant_search.fallback_reason(entries, 1.0, None)
+    assert line == (
+        "int8 kept the accuracy budget on too little validation data to show it: 4 reference "
+        "detections: recall cannot be judged >= 0.95; about 73 are needed; shipping fp32"
+    )
+    shown = [{**entries[0], "decided": True, "speedup": 0.8}]
+    assert "was not faster than fp32" in quant_search.fallback_reason(shown, 1.0, None)
