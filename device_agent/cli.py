@@ -124,6 +124,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
               f"({answer['latency_ms']} ms)")
         for fallback in answer["provider_fallbacks"]:
             print(f"  not using {fallback['provider']}: {fallback['reason']}")
+        if answer.get("non_finite_outputs"):
+            print(f"  NaN/inf in {', '.join(answer['non_finite_outputs'])} (the recipe allows it there)")
         print(json.dumps(wire_json.to_wire(answer["result"]), indent=2, allow_nan=False)
               if answer["result"] is not None else
               {k: np.asarray(v).shape for k, v in answer["outputs"].items()})
@@ -170,20 +172,19 @@ def cmd_status(args: argparse.Namespace) -> int:
             entry = status.get(role)
             text = "-" if not entry else (entry.get("error") or f"{entry['name']} {entry['version']}")
             print(f"{role:<9} {text}")
+        for entry in status["rejected"]:
+            print(f"rejected  {entry['name']} {entry['version']} at {entry['stage']}: {entry['reason']}")
     return 0
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     """Make the previous model active, but only once it has loaded and passed its smoke test
     on this device: a rollback to a model that cannot serve must leave state.json alone."""
-    from device_agent.errors import StoreError
     from device_agent.runtime import load_model
     from device_agent.store import ModelStore
 
     store = ModelStore(Path(args.store), _trust(args.trust))
-    target = store.previous()
-    if target is None:
-        raise StoreError("no previous model to roll back to")
+    target = store.rollback_target()  # never a version this device rejected
     load_model(target.directory, target.verified.manifest, profile=args.profile, threads=args.threads)
     model = store.rollback()
     print(f"active: {model.name} {model.version}")

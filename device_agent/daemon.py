@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from device_agent.config import AgentConfig
-from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.metrics import ModelInfo
 from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
+from device_agent.telemetry.session import ConnectionCounter
 from device_agent.updates.disk import FreeSpace
+from device_agent.updates.rejected import for_state
 from device_agent.updates.service import UpdateService
 from edgepack_core.errors import EdgepackError
 from edgepack_core.signing import TrustStore
@@ -80,6 +81,7 @@ class Daemon:
         return AgentStatus(model=info, provider=None if model is None else model.provider,
                            profile=self.config.profile, available_providers=list(ort.get_available_providers()),
                            provider_fallbacks=[] if model is None else model.fallbacks_json(),
+                           rejected=for_state(self.store.rejected.records()),
                            extra=self.store.health())
 
     # ---------------------------------------------------------------- lifecycle
@@ -93,10 +95,11 @@ class Daemon:
             self._load_active(active)
         mqtt = self.config.mqtt
         if mqtt is not None:
+            counter = ConnectionCounter(self.config.store / "mqtt_session.json")
             self.reporter = TelemetryReporter(
-                self.config.device_id, settings_from_config(mqtt, self.config.device_id),
+                self.config.device_id, settings_from_config(mqtt, self.config.device_id, counter),
                 mqtt.queue.path or self.config.store / "outbox.db", self.status, groups=list(mqtt.groups),
-                interval=mqtt.telemetry_interval, outbox_limits=mqtt.queue)
+                interval=mqtt.telemetry_interval, outbox_limits=mqtt.queue, counter=counter)
             self.service.observers.append(self._observe)
             self.reporter.start()
             self._start_updates()
@@ -118,9 +121,7 @@ class Daemon:
             failure = err
         log.error("active model %s does not load (%s); trying the previous one", active.key, failure)
         try:
-            previous = self.store.previous()
-            if previous is None:
-                raise StoreError("no previous model to roll back to")
+            previous = self.store.rollback_target()
             loaded = self.load(previous)
             self.store.rollback()
         except EdgepackError as err:

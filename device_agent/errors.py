@@ -12,8 +12,8 @@ from edgepack_core.errors import EdgepackError, UsageError
 
 __all__ = [
     "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "Busy", "ConfigError", "DownloadCancelled",
-    "DownloadError", "InferenceError", "JournalError", "MessageTooLargeError", "NoModelError", "OutboxError",
-    "ProviderError", "ReplayError", "RequestError", "SmokeTestError", "StoreError", "TransferError",
+    "DownloadError", "InferenceError", "JournalError", "MessageTooLargeError", "NoModelError", "NonFiniteOutput",
+    "OutboxError", "ProviderError", "ReplayError", "RequestError", "SmokeTestError", "StoreError", "TransferError",
 ]
 
 
@@ -41,7 +41,12 @@ class StoreError(AgentError):
 
 class AdmissionRefused(AgentError):
     """A verified update this device must not run (name, version, profile or I/O contract;
-    ``updates/admission.py``): the job is rejected and nothing is extracted."""
+    ``updates/admission.py``): the job is rejected and nothing is extracted. ``rule`` names the
+    admission rule that refused it."""
+
+    def __init__(self, reason: str, rule: str = "") -> None:
+        super().__init__(reason)
+        self.rule = rule
 
 
 class SmokeTestError(AgentError):
@@ -95,6 +100,18 @@ class InferenceError(RequestError):
     """A request the contract admits that the model could not answer: onnxruntime failed on it,
     or the postprocessing could not read the outputs. The model's failure, answered 500 and
     counted against the model (the health window), never against the client."""
+
+
+class NonFiniteOutput(InferenceError):
+    """The model answered NaN or infinity in an output its recipe does not declare
+    ``allow_non_finite``: a model error (500 ``non_finite_output``), never a 200 carrying
+    ``"NaN"`` that a client would read as a score. ``counts``: output name -> how many values."""
+
+    def __init__(self, counts: dict[str, int], sizes: dict[str, int]) -> None:
+        named = ", ".join(f"{name} holds {n} NaN/infinite value(s) of {sizes[name]}" for name, n in counts.items())
+        super().__init__("non_finite_output", f"output {named}; the recipe does not allow non-finite values "
+                         f"there (outputs.NAME.allow_non_finite)")
+        self.counts = dict(counts)
 
 
 class Busy(RequestError):

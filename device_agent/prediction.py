@@ -74,3 +74,5 @@ class PredictResult:
     latency_s: float
     # What the image preprocessing did (edgepack_core.geometry.image_geometry); None for tensors.
     geometry: dict[str, Any] | None = None
+    # The outputs holding NaN/inf that the recipe allows (``allow_non_finite``): served, flagged.
+    non_finite: tuple[str, ...] = ()

@@ -23,7 +23,9 @@ class RequestStats:
         self.errors: dict[str, int] = {}
         self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
-        self.non_finite = 0  # responses with NaN/inf outputs, counted while a health window watches
+        # Answers whose outputs held NaN/inf: refused (also the error kind ``non_finite_output``)
+        # or served flagged where the recipe allows them (device_agent/finiteness.py).
+        self.non_finite = 0
         # Which peers sent contract errors (the health window counts distinct ones): peer address ->
         # the sequence number of its latest contract error, the least recently seen forgotten first.
         self.contract_seq = 0

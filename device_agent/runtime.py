@@ -23,8 +23,9 @@ from typing import Any, overload
 
 import numpy as np
 
-from device_agent.errors import BadRequest, InferenceError, NoModelError
+from device_agent.errors import BadRequest, InferenceError, NoModelError, NonFiniteOutput
 from device_agent.feeds import BatchFeed, Frames, batch_feed, batch_refusal, input_feed, input_of
+from device_agent.finiteness import Finiteness, judge_outputs, non_finite_counts
 from device_agent.prediction import PredictRequest, PredictResult, Tensors
 from device_agent.providers import ModelTraits, choose_providers, create_session
 from device_agent.request_stats import RequestStats
@@ -64,6 +65,9 @@ class LoadedModel:
     constants: dict[str, np.ndarray] = field(default_factory=dict)
     # Inputs the manifest declares ``allow_non_finite``: NaN/inf there is data, not a malformed request.
     non_finite_inputs: frozenset[str] = frozenset()
+    # Outputs the manifest declares ``allow_non_finite``: NaN/inf there is served, flagged; in any
+    # other output it is the model's failure (500 ``non_finite_output``: device_agent/finiteness.py).
+    non_finite_outputs: frozenset[str] = frozenset()
     # Inputs the manifest declares ``role: state``: input name -> (the output carried into it,
     # its init value). Fed by the agent (per stream), never asked of callers.
     states: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
@@ -254,6 +258,7 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
                      if t.name not in constants and t.name not in states},
         constants=constants, states=states,
         non_finite_inputs=frozenset(s["name"] for s in manifest.raw["inputs"] if s.get("allow_non_finite")),
+        non_finite_outputs=frozenset(s["name"] for s in manifest.raw["outputs"] if s.get("allow_non_finite")),
         cache_dir=cache_dir, run_options=quiet_run_options(ort),
     )
     ready: list[LoadedModel] = []
@@ -299,9 +304,6 @@ class InferenceService:
         self._swap_lock = threading.Lock()
         self.stats = RequestStats()
         self.observers: list[Observer] = []  # e.g. telemetry: called with (latency, None) or (None, error kind)
-        # Set by an update's health window: check every output for NaN/inf (costs a pass over
-        # the outputs, so only while a new model is being watched).
-        self.check_finite = False
 
     @property
     def model(self) -> LoadedModel | None:
@@ -419,9 +421,11 @@ class InferenceService:
                 for input_name, (output_name, _) in model.states.items():
                     state[input_name] = outputs[output_name]
                 runs.append(values)
-        if not isinstance(feed, Frames):
-            return runs[0]
-        return [np.stack([values[i] for values in runs]) for i in range(len(names))]
+            answer = runs[0] if not isinstance(feed, Frames) else \
+                [np.stack([values[i] for values in runs]) for i in range(len(names))]
+            # refused inside the hold: a failed call leaves the stream's state as it was
+            self._check_finite(model, dict(zip(names, answer, strict=True)), refused_only=True)
+        return answer
 
     def _run(self, model: LoadedModel, feed: Mapping[str, np.ndarray], postprocess: bool,
              stream: str | None = None) -> PredictResult:
@@ -438,6 +442,8 @@ class InferenceService:
         request's shapes against the declared inputs and the golden samples'."""
         try:
             return call()
+        except NonFiniteOutput:  # judged and counted already (a stateful model's answer)
+            raise
         except Exception as err:
             declared = {name: shape for name, (_, shape) in model.input_specs.items()}
             batch = batch_symbols(declared, [o.shape for o in model.manifest.outputs])
@@ -450,9 +456,9 @@ class InferenceService:
 
     def _finish(self, model: LoadedModel, outputs: dict[str, np.ndarray], geometry: dict[str, Any] | None,
                 elapsed: float, postprocess: bool) -> PredictResult:
-        """One request's outputs -> its result: finiteness watch, postprocessing, counters."""
-        if self.check_finite and any(v.dtype.kind == "f" and not np.isfinite(v).all() for v in outputs.values()):
-            self.stats.count_non_finite()
+        """One request's outputs -> its result: finiteness (a NaN/inf where the recipe does not
+        allow it is the model's failure), postprocessing, counters."""
+        finite = self._check_finite(model, outputs)
         result = None
         if postprocess:
             try:
@@ -463,7 +469,20 @@ class InferenceService:
         self.stats.ok(elapsed)
         for observer in self.observers:
             observer(elapsed, None)
-        return PredictResult(outputs, result, model, elapsed, geometry)
+        return PredictResult(outputs, result, model, elapsed, geometry, non_finite=finite.flagged)
+
+    def _check_finite(self, model: LoadedModel, outputs: dict[str, np.ndarray], *,
+                      refused_only: bool = False) -> Finiteness:
+        """Judge an answer's NaN/inf (``device_agent/finiteness.py``): counted, and a refused one
+        raised as :class:`NonFiniteOutput`. ``refused_only``: act only on a refusal (a flagged
+        answer is counted once, when it is finished)."""
+        finite = judge_outputs(non_finite_counts(outputs), model.non_finite_outputs)
+        if finite.non_finite and not (refused_only and not finite.refused):
+            self.stats.count_non_finite()
+        if finite.refused:
+            self._fail("non_finite_output", client=False)
+            raise NonFiniteOutput(dict(finite.refused), {name: outputs[name].size for name in finite.refused})
+        return finite
 
     def _run_batch(self, model: LoadedModel, items: list[Any], content_type: str | None, postprocess: bool,
                    stream: str | None) -> list[PredictResult]:

@@ -7,12 +7,18 @@ Layout under the store root::
     cache/<name>-<version>-<sha12>/    its TensorRT engines / CoreML model, removed with it
     models/.<dir>.partial-*/           an extraction in progress (removed by recover())
     state.json                         {"active": dir, "previous": dir | null}: the commit point
+    rejected.json                      versions this device refused to keep (updates/rejected.py)
 
 Every change of the active model is one atomic rename of a new state.json (written to a temp
 file in the same directory and fsynced first). A kill -9 at any point therefore leaves
 either the old state or the new one; ``recover`` removes whatever a crash left half-done
 (partial extractions, directories no state refers to) and re-verifies the active model's
 signature and hashes, falling back to the previous model if the active one is damaged.
+
+``previous`` is the version to roll back to, so it only ever holds a version that passed its
+health window (or the first install): a rollback away from a model that failed its window, or
+was undone before the window closed, forgets it (``rollback(forget_active=True)``), and
+``rollback_target`` refuses a previous version the ledger of rejected versions names.
 
 The store survives its medium (SD cards corrupt files and go read-only):
 
@@ -39,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from device_agent.errors import StoreError
+from device_agent.updates.rejected import FILE_NAME as REJECTED_FILE
+from device_agent.updates.rejected import RejectedLedger, for_state
 from edgepack_core import faults
 from edgepack_core.artifact import Admit, Limits, VerifiedArtifact, extract_artifact, read_extracted
 from edgepack_core.errors import ArtifactError
@@ -50,6 +58,9 @@ log = logging.getLogger("edgepack.agent.store")
 
 STATE_FILE = "state.json"
 MAX_STATE_BYTES = 64 * 1024
+NO_GOOD_VERSION = "no earlier version that passed its health window is kept on this device"
+
+
 @dataclass(frozen=True)
 class InstalledModel:
     """A verified model directory in the store."""
@@ -135,6 +146,7 @@ class ModelStore:
             if not self.models.is_dir():
                 raise StoreError(f"{self.models} cannot be created: {err.strerror or err}") from err
         self.check_writable()
+        self.rejected = RejectedLedger(self.root / REJECTED_FILE)
 
     # ---------------------------------------------------------------- medium
 
@@ -284,16 +296,31 @@ class ModelStore:
             shutil.rmtree(model.directory, ignore_errors=True)
             self._remove_cache(model.key)
 
-    def rollback(self) -> InstalledModel:
-        """Swap active and previous. Raises StoreError when there is no previous model."""
+    def rollback_target(self) -> InstalledModel:
+        """The version a rollback goes to: the previous one, re-verified. Raises StoreError when
+        there is none, or when it is a version this device rejected (a store written by an older
+        agent kept the version a health window rolled back as previous)."""
+        previous = self.previous()
+        if previous is None:
+            raise StoreError(NO_GOOD_VERSION)
+        rejected = self.rejected.find(previous.name, previous.version)
+        if rejected is not None:
+            raise StoreError(f"the previous version {rejected.label} was rejected ({rejected.stage}: "
+                             f"{rejected.reason}); {NO_GOOD_VERSION}")
+        return previous
+
+    def rollback(self, *, forget_active: bool = False) -> InstalledModel:
+        """Make the rollback target active. The old active becomes previous (a rollback can be
+        undone), unless ``forget_active``: it failed or never finished its health window, so it
+        must never be rolled back to, and its directory is removed. Raises StoreError when there
+        is no target (:meth:`rollback_target`)."""
         self._require_writable()
         state = self._read_state()
-        if not state["previous"]:
-            raise StoreError("no previous model to roll back to")
-        previous = self._open(state["previous"])
-        assert previous is not None
-        self._write_state(state["previous"], state["active"])
-        return previous
+        target = self.rollback_target()
+        self._write_state(target.key, None if forget_active else state["active"])
+        if forget_active:
+            self.prune()
+        return target
 
     def prune(self) -> list[str]:
         """Delete model directories other than active and previous (never on a damaged state)."""
@@ -351,8 +378,9 @@ class ModelStore:
             if entry.name.startswith("."):
                 shutil.rmtree(entry, ignore_errors=True)
                 log.info("removed an unfinished extraction: %s", entry.name)
-        for stray in self.root.glob(f".{STATE_FILE}.*.tmp"):
-            stray.unlink(missing_ok=True)
+        for leftover in (STATE_FILE, REJECTED_FILE):
+            for stray in self.root.glob(f".{leftover}.*.tmp"):
+                stray.unlink(missing_ok=True)
 
     def verified_models(self) -> list[InstalledModel]:
         """Every model directory that verifies (signature and hashes), newest first."""
@@ -367,9 +395,11 @@ class ModelStore:
         return newest_first(found)
 
     def _rebuild_state(self, problem: str) -> InstalledModel | None:
-        """state.json is damaged: choose the newest verified model, keep the next one of the same
-        name as previous, delete nothing, and write the state again."""
-        models = self.verified_models()
+        """state.json is damaged: choose the newest verified model this device did not reject (any,
+        if it rejected them all), keep the next one of the same name as previous, delete nothing,
+        and write the state again."""
+        verified = self.verified_models()
+        models = [m for m in verified if self.rejected.find(m.name, m.version) is None] or verified
         active = models[0] if models else None
         previous = next((m for m in models[1:] if active and m.name == active.name), None)
         self._commit_recovered(active, previous, problem)
@@ -413,4 +443,5 @@ class ModelStore:
                 out[role] = model.to_json() if model else None
             except (ArtifactError, OSError, StoreError) as err:
                 out[role] = {"directory": state[role], "error": str(err)}
+        out["rejected"] = for_state(self.rejected.records())
         return out

@@ -21,8 +21,13 @@ anti-alias filter is applied when downsampling: content above the new Nyquist fo
 record or export at the model's rate where that matters.
 
 Framing: frame ``i`` holds samples ``[i*hop, i*hop + frame)`` with ``context`` samples before
-``i*hop`` prepended (zeros before the first sample), so each frame is ``context + frame`` long;
-the last partial frame is padded with zeros; a clip shorter than one frame gives one frame.
+``i*hop`` prepended (zeros before the first sample), so each frame is ``context + frame`` long.
+``last_frame="pad"`` (the default): the last partial frame is padded with zeros and a clip
+shorter than one frame gives one frame; ``"drop"``: only whole frames are cut (what a model's
+own windowing code usually computes), and a clip shorter than one frame is refused.
+
+Values: :func:`to_values` multiplies by ``scale`` (32768: int16 magnitudes) and casts; integer
+dtypes are rounded to nearest and clipped to their range.
 
 Growth is bounded before allocation: at most ``MAX_SAMPLES`` samples after resampling and
 ``MAX_FRAME_VALUES`` values in all frames of one file.
@@ -183,16 +188,41 @@ def resample(samples: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
     return resampled.astype(np.float32)
 
 
-def frame_count(samples: int, frame: int, hop: int) -> int:
-    """How many frames ``samples`` samples give (at least one; the last may be padded). Pure."""
+def frame_count(samples: int, frame: int, hop: int, last_frame: str = "pad") -> int:
+    """How many frames ``samples`` samples give. ``pad``: at least one, the last may be padded;
+    ``drop``: whole frames only (0 for a clip shorter than one frame). Pure."""
+    if last_frame == "drop":
+        return 0 if samples < frame else 1 + (samples - frame) // hop
     if samples <= frame:
         return 1
     return 1 + -(-(samples - frame) // hop)
 
 
-def cut_frames(samples: np.ndarray, frame: int, hop: int, context: int) -> np.ndarray:
+def check_rate(rate: int, sample_rate: int, *, resample: bool) -> None:
+    """A file's rate against the model's: refused when they differ and resampling is off. Pure."""
+    if rate != sample_rate and not resample:
+        raise PreprocessError(f"the WAV file is {rate} Hz but the model takes {sample_rate} Hz and resampling is "
+                              f"off (preprocess.resample: false): send {sample_rate} Hz audio")
+
+
+def to_values(frames: np.ndarray, scale: float, dtype: str) -> np.ndarray:
+    """Float32 frames in [-1, 1) -> ``frames * scale`` as ``dtype`` (integers rounded to nearest
+    and clipped to the dtype's range)."""
+    values = frames * np.float32(scale) if scale != 1.0 else frames
+    kind = np.dtype(dtype)
+    if kind.kind == "i":
+        info = np.iinfo(kind)
+        rounded: np.ndarray = np.clip(np.rint(values), info.min, info.max).astype(kind)
+        return rounded
+    return values.astype(kind, copy=False)
+
+
+def cut_frames(samples: np.ndarray, frame: int, hop: int, context: int, last_frame: str = "pad") -> np.ndarray:
     """Mono samples -> [n_frames, context + frame] float32 (see the module docs)."""
-    count = frame_count(samples.size, frame, hop)
+    count = frame_count(samples.size, frame, hop, last_frame)
+    if count == 0:
+        raise PreprocessError(f"a clip of {samples.size} samples is shorter than one frame of {frame} and "
+                              f"last_frame: drop drops it: send at least {frame} samples")
     if count * (context + frame) > MAX_FRAME_VALUES:
         raise PreprocessError(f"{samples.size} samples cut into {count} frames of {context + frame} would hold "
                               f"{count * (context + frame)} values, over the limit of {MAX_FRAME_VALUES}")

@@ -64,6 +64,30 @@ def atomic_writer(path: str | os.PathLike[str], *, mode: int = 0o600, overwrite:
     fsync_dir(path.parent)
 
 
+@contextmanager
+def staged_path(path: str | os.PathLike[str], *, mode: int = 0o600) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` for another program or library to write (a
+    database backup, a dump); when the block ends cleanly it is synced and renamed over ``path``,
+    else removed, so ``path`` is never left half-written."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, mode)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def atomic_write(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o600, overwrite: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically and durably (see :func:`atomic_writer`)."""
     with atomic_writer(path, mode=mode, overwrite=overwrite) as handle:

@@ -5,7 +5,8 @@ Pure maths on sizes, no pixels: the resized size, crop and letterbox paste of ea
 reductions it may take first (:func:`reduction_factor`, :func:`array_reduction`), and the
 numbers that map a model-input pixel back to the original image (:func:`image_geometry`,
 inverted by the detection postprocessing). Sizes are rounded half up; crops and pads are
-centered with the odd pixel at the bottom/right.
+centered with the odd pixel at the bottom/right; keep-aspect-height rounds its width up and pads
+on the right only.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def resize_plan(
     """
     target_h, target_w = resize.size
     mode = resize.mode
+    if mode == "keep-aspect-height":
+        return _height_plan(height, width, resize)
     if mode == "stretch":
         return (target_h, target_w), None, None
     if mode == "letterbox":
@@ -53,6 +56,27 @@ def resize_plan(
     new_w = max(target_w, _round_half_up(width * factor))
     left, top = (new_w - target_w) // 2, (new_h - target_h) // 2
     return (new_h, new_w), (left, top, left + target_w, top + target_h), None
+
+
+def _height_plan(height: int, width: int, resize: Resize) -> tuple[tuple[int, int], None, tuple[int, int] | None]:
+    """keep-aspect-height: the height becomes ``size[0]``, the width ``ceil(width * size[0] /
+    height)`` (integer arithmetic: exact; ceil as PaddleOCR's and EasyOCR's recognisers round),
+    at least 1 and at most ``size[1]`` (max_width: a wider line is squeezed to it). Padding to
+    a multiple of ``pad_to`` goes on the right: paste (0, 0), or None when none is needed."""
+    target_h, max_w = resize.size
+    new_w = min(max_w, max(1, -(-width * target_h // height)))
+    return (target_h, new_w), None, (0, 0) if padded_size(target_h, new_w, resize)[1] > new_w else None
+
+
+def padded_size(resized_h: int, resized_w: int, resize: Resize) -> tuple[int, int]:
+    """The size (h, w) of the canvas a resized ``resized_h`` x ``resized_w`` image is pasted into:
+    a letterbox's ``size``; keep-aspect-height's width rounded up to a multiple of ``pad_to``
+    (never past max_width, which ``pad_to`` divides); the image's own size otherwise. Pure."""
+    if resize.mode == "letterbox":
+        return resize.size
+    if resize.mode == "keep-aspect-height":
+        return resized_h, -(-resized_w // resize.pad_to) * resize.pad_to
+    return resized_h, resized_w
 
 
 def image_geometry(height: int, width: int, resize: Resize | None) -> dict[str, Any]:
@@ -74,7 +98,7 @@ def image_geometry(height: int, width: int, resize: Resize | None) -> dict[str, 
     pad_x, pad_y = paste if paste is not None else (-crop[0], -crop[1]) if crop is not None else (0, 0)
     return {
         "original_size": [height, width],
-        "input_size": list(resize.size),
+        "input_size": list(padded_size(new_h, new_w, resize) if crop is None else resize.size),
         "scale_x": new_w / width,
         "scale_y": new_h / height,
         "pad_x": float(pad_x),

@@ -52,8 +52,9 @@ _TENSOR = {
         "init": {"enum": ["zeros"], "description": "state inputs: the value of a stream's first call"},
         "value": {"description": "the value of a constant input: a scalar or nested list of its shape"},
         "allow_non_finite": {"type": "boolean",
-                             "description": "the input takes NaN/inf by design (IsNaN, missing values, -inf "
-                             "masks): the agent does not refuse them (inputs only)"},
+                             "description": "an input: takes NaN/inf by design (IsNaN, missing values, -inf "
+                             "masks), the agent does not refuse them; an output: NaN/inf are answers by design, "
+                             "served flagged (absent: a NaN/inf there is a 500 non_finite_output)"},
     },
 }
 

@@ -23,6 +23,12 @@ Kinds (one model output is read: ``output``, or the model's first output):
     then one (already sigmoid) score per class, no objectness;
   - ``yolov5``: one output ``[batch, anchors, 5 + classes]``: cx, cy, w, h, objectness,
     class scores; an anchor's score is objectness x class score;
+  - ``yolox``: YOLOX's own ONNX export (``decode_in_inference`` off, its default): one output
+    ``[batch, anchors, 5 + classes]`` whose anchors are the cells of one grid per stride
+    (``strides``, default 8, 16, 32) over the ``input_size`` (height, width), each level row by
+    row; per anchor grid offsets, log sizes, then objectness and class scores (already sigmoid).
+    Decoded as YOLOX's demo_postprocess does, ``cx = (x + col) * stride``, ``w = exp(w) * stride``,
+    then scored like ``yolov5``. A decoded YOLOX head is ``yolov5``;
   - ``boxes_scores``: the model already decodes: ``outputs.boxes`` ``[N, 4]`` (x1, y1, x2, y2
     in input pixels), ``outputs.scores`` ``[N]`` and optionally ``outputs.classes`` ``[N]``
     (class 0 without it), each with an optional leading batch axis.
@@ -66,9 +72,25 @@ import numpy as np
 from edgepack_core.errors import PostprocessError
 from edgepack_core.postprocess_spec import PostprocessSpec, parse_postprocess
 
-__all__ = ["PostprocessSpec", "Postprocessor", "box_iou", "class_rows", "ctc_collapse", "ctc_greedy",
-           "decode_boxes_scores", "decode_yolo", "load_charset", "load_labels", "nms", "select_detections", "softmax",
-           "to_original", "top_k"]
+__all__ = [
+    "PostprocessSpec",
+    "Postprocessor",
+    "box_iou",
+    "class_rows",
+    "ctc_collapse",
+    "ctc_greedy",
+    "decode_boxes_scores",
+    "decode_yolo",
+    "decode_yolox",
+    "load_charset",
+    "load_labels",
+    "nms",
+    "select_detections",
+    "softmax",
+    "to_original",
+    "top_k",
+    "yolox_grid",
+]
 
 def load_labels(text: str) -> list[str]:
     """One label per line; line numbers are class indices, so blank lines inside are kept
@@ -167,6 +189,40 @@ def decode_yolo(output: np.ndarray, fmt: str) -> list[tuple[np.ndarray, np.ndarr
         best = np.argmax(class_scores, axis=1)
         decoded.append((_xywh_to_xyxy(image[:, :4]), class_scores[np.arange(len(best)), best], best))
     return decoded
+
+
+def yolox_grid(input_size: Sequence[int], strides: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(cell [A, 2] as (col, row), stride [A, 1]) of every anchor of a YOLOX head over an input of
+    ``input_size`` (height, width): one grid per stride, ``size // stride`` cells a side, row by
+    row, the levels in order (YOLOX's demo_postprocess)."""
+    height, width = int(input_size[0]), int(input_size[1])
+    cells, steps = [], []
+    for stride in strides:
+        cols, rows = np.meshgrid(np.arange(width // stride), np.arange(height // stride))
+        cells.append(np.stack([cols, rows], axis=-1).reshape(-1, 2))
+        steps.append(np.full((cells[-1].shape[0], 1), stride))
+    return np.concatenate(cells).astype(np.float64), np.concatenate(steps).astype(np.float64)
+
+
+def decode_yolox(output: np.ndarray, strides: Sequence[int],
+                 input_size: Sequence[int] | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A raw YOLOX grid ``[batch, anchors, 5 + classes]`` decoded into input pixels, then read as
+    ``yolov5`` rows: per image (boxes x1y1x2y2, best score, best class)."""
+    output = np.asarray(output, dtype=np.float64)
+    shape = list(output.shape)
+    output = output[None] if output.ndim == 2 else output
+    if output.ndim != 3 or output.shape[2] < 6:
+        raise PostprocessError(f"a yolox output is [batch, anchors, 5 + classes], got shape {shape}")
+    if input_size is None:
+        raise PostprocessError("format yolox needs input_size: [height, width] of the model input")
+    cells, steps = yolox_grid(input_size, strides)
+    if output.shape[1] != cells.shape[0]:
+        raise PostprocessError(f"a yolox output over a {input_size[0]}x{input_size[1]} input with strides "
+                               f"{list(strides)} has {cells.shape[0]} anchors, got shape {shape}")
+    decoded = output.copy()
+    decoded[:, :, 0:2] = (output[:, :, 0:2] + cells) * steps
+    decoded[:, :, 2:4] = np.exp(np.minimum(output[:, :, 2:4], 80.0)) * steps  # exp(80) * stride: no overflow
+    return decode_yolo(decoded, "yolov5")
 
 
 def decode_boxes_scores(boxes: np.ndarray, scores: np.ndarray,
@@ -313,6 +369,8 @@ class Postprocessor:
             classes = self._select(outputs, names.classes) if names.classes else None
             images = decode_boxes_scores(self._select(outputs, names.boxes), self._select(outputs, names.scores),
                                          classes)
+        elif spec.format == "yolox":
+            images = decode_yolox(self._select(outputs), spec.strides, spec.input_size)
         else:
             images = decode_yolo(self._select(outputs), spec.format)
         results = [self._detections(*image, geometry) for image in images]

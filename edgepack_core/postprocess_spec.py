@@ -18,7 +18,9 @@ from edgepack_core.schema import validate_by_kind
 
 SPEC_VERSION = 1
 DEFAULT_K = 5
-DETECTION_FORMATS = ["yolov8", "yolov5", "boxes_scores"]
+DETECTION_FORMATS = ["yolov8", "yolov5", "yolox", "boxes_scores"]
+YOLOX_STRIDES = (8, 16, 32)
+MAX_INPUT_SIDE = 65_536
 DETECTION_DEFAULTS: dict[str, Any] = {
     "format": "yolov8",
     "score_threshold": 0.25,
@@ -47,7 +49,26 @@ _PROPERTIES: dict[str, Any] = {
         "enum": DETECTION_FORMATS,
         "default": DETECTION_DEFAULTS["format"],
         "description": "detection: yolov8 [batch, 4+classes, anchors]; yolov5 [batch, anchors, "
-        "5+classes]; boxes_scores: decoded boxes, scores and classes outputs",
+        "5+classes]; yolox: YOLOX's own export (decode_in_inference off): [batch, anchors, 5+classes] "
+        "of grid offsets, log sizes and scores, decoded over the strides' grids; boxes_scores: decoded "
+        "boxes, scores and classes outputs",
+    },
+    "strides": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 1, "maximum": 1024},
+        "minItems": 1,
+        "maxItems": 8,
+        "default": list(YOLOX_STRIDES),
+        "description": "detection, format yolox: the stride of each grid level, in the order the output "
+        "holds them (YOLOX: [8, 16, 32]; P6 models [8, 16, 32, 64])",
+    },
+    "input_size": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 1, "maximum": MAX_INPUT_SIDE},
+        "minItems": 2,
+        "maxItems": 2,
+        "description": "detection, format yolox: [height, width] of the model input the grids cover "
+        "(default: the image resize or the input's fixed dims; the manifest always states it)",
     },
     "score_threshold": {
         "type": "number",
@@ -110,6 +131,8 @@ _KIND_KEYS: dict[str, list[str]] = {
         "max_detections",
         "labels",
         "outputs",
+        "strides",
+        "input_size",
     ],
     "ctc": ["kind", "version", "output", "blank", "charset", "append_space", "layout", "apply_softmax"],
 }
@@ -141,7 +164,7 @@ _KIND_SCHEMAS: dict[str, dict[str, Any]] = {
 
 
 Kind = Literal["raw", "softmax", "topk", "detection", "ctc"]
-DetectionFormat = Literal["yolov8", "yolov5", "boxes_scores"]
+DetectionFormat = Literal["yolov8", "yolov5", "yolox", "boxes_scores"]
 CtcLayout = Literal["NTC", "TNC"]
 
 
@@ -176,6 +199,8 @@ class PostprocessSpec:
     iou_threshold: float = DETECTION_DEFAULTS["iou_threshold"]
     max_detections: int = DETECTION_DEFAULTS["max_detections"]
     outputs: DetectionOutputs | None = None
+    strides: tuple[int, ...] = YOLOX_STRIDES
+    input_size: tuple[int, int] | None = None
     blank: int = 0
     charset: str | None = None
     append_space: bool = False
@@ -201,6 +226,10 @@ class PostprocessSpec:
             )
             if self.outputs is not None:
                 out["outputs"] = self.outputs.to_json()
+            if self.format == "yolox":
+                out["strides"] = list(self.strides)
+                if self.input_size is not None:
+                    out["input_size"] = list(self.input_size)
         elif self.kind == "ctc":
             out.update(
                 blank=self.blank,
@@ -236,11 +265,14 @@ def parse_postprocess(
         _check_detection_outputs(raw, raw.get("format", DETECTION_DEFAULTS["format"]), document, path)
         names = raw.get("outputs")
         outputs = None if names is None else DetectionOutputs(names["boxes"], names["scores"], names.get("classes"))
+        size = raw.get("input_size")
         return PostprocessSpec(
             **common,
             **{key: raw.get(key, value) for key, value in DETECTION_DEFAULTS.items()},
             labels=raw.get("labels"),
             outputs=outputs,
+            strides=tuple(raw.get("strides", YOLOX_STRIDES)),
+            input_size=None if size is None else (int(size[0]), int(size[1])),
         )
     if kind == "ctc":
         return PostprocessSpec(
@@ -284,3 +316,6 @@ def _check_detection_outputs(raw: Mapping[str, Any], fmt: str, document: str, pa
             f"only format boxes_scores takes outputs (format {fmt} reads one output)",
             document=document,
         )
+    for key in ("strides", "input_size"):
+        if key in raw and fmt != "yolox":
+            raise SchemaError(where(key), f"only format yolox takes {key} (format {fmt} is decoded)", document=document)

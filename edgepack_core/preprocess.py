@@ -24,6 +24,7 @@ from edgepack_core.geometry import (
     REDUCING_GAP,
     array_reduction,
     image_geometry,
+    padded_size,
     reduction_factor,
     resize_plan,
     source_region,
@@ -147,14 +148,18 @@ class Preprocessor:
         return self.from_audio_bytes(data) if self.kind == "audio" else self.from_image_bytes(data)
 
     def from_audio_bytes(self, data: bytes) -> np.ndarray:
-        """WAV bytes -> the stack of model-ready frames ``[n_frames, 1, context + frame]``
-        (``[n_frames, context + frame]`` with ``batch: false``)."""
+        """WAV bytes -> the stack of model-ready frames ``[n_frames, *spec.frame_shape()]``
+        (``[n_frames, 1, context + frame]`` for the default layout ``[B, N]``): the one path
+        the host's data sources and the device's requests both take."""
         if self.kind != "audio":
             raise PreprocessError(f"this model takes {self.kind} input (preprocess kind: {self.kind}), not audio")
+        spec = self.spec
         samples, rate = audio.decode_wav(data, max_bytes=self.max_audio_bytes)
-        mono = audio.resample(audio.to_mono(samples), rate, self.spec.sample_rate)
-        frames = audio.cut_frames(mono, self.spec.frame, self.spec.hop, self.spec.context)
-        return np.ascontiguousarray(frames[:, None, :] if self.spec.batch else frames)
+        audio.check_rate(rate, spec.sample_rate, resample=spec.resample)
+        mono = audio.resample(audio.to_mono(samples), rate, spec.sample_rate)
+        frames = audio.cut_frames(mono, spec.frame, spec.hop, spec.context, spec.last_frame)
+        values = audio.to_values(frames, spec.scale, spec.dtype or "float32")
+        return np.ascontiguousarray(values.reshape(len(values), *spec.frame_shape()))
 
     def batch_from_paths(self, paths: Iterable[str | PathLike[str]]) -> np.ndarray:
         """Several files as one tensor with the samples along the first axis (for calibration).
@@ -195,8 +200,8 @@ class Preprocessor:
 
     def tensor_shape(self) -> tuple[int, ...] | None:
         """The shape of every image tensor this spec gives, or None when it depends on the
-        image (no ``resize``)."""
-        if self.kind != "image" or self.spec.resize is None:
+        image (no ``resize``, or a keep-aspect-height one whose width varies)."""
+        if self.kind != "image" or self.spec.resize is None or self.spec.resize.variable_width:
             return None
         return self._shape(*self.spec.resize.size)
 
@@ -399,7 +404,9 @@ class Preprocessor:
             pixels = pixels[:, :, None]  # gray: broadcast to 3 channels for an rgb spec
         if self.spec.color == "bgr":
             pixels = pixels[:, :, ::-1]
-        height, width = self._target.size if paste is not None else pixels.shape[:2]
+        height, width = pixels.shape[:2]
+        if paste is not None:
+            height, width = padded_size(height, width, self._target)
         shape, dtype = self._shape(height, width), self.out_dtype
         if out is None:
             out = np.empty(shape, dtype=dtype)
@@ -485,7 +492,7 @@ class Preprocessor:
         if crop is not None:
             out = out.crop(crop)
         if paste is not None:
-            target_h, target_w = resize.size
+            target_h, target_w = padded_size(out.height, out.width, resize)
             fill = resize.pad_value if out.mode == "L" else (resize.pad_value,) * 3
             canvas = Image.new(out.mode, (target_w, target_h), fill)
             canvas.paste(out, paste)

@@ -25,13 +25,14 @@ from edgepack_core.targets import PROFILES
 from edgepack_core.versions import VERSION_PATTERN
 from edgepack_core.yamlfile import read_yaml_file
 from sdk.errors import RecipeError, SchemaError
+from sdk.packager.declared import gaps_problem
 from sdk.packager.options import option, parse_fields, schema_of
 from sdk.packager.passes.golden import GoldenOptions
 from sdk.packager.passes.load import ModelOptions
 from sdk.packager.passes.optimize_options import OptimizeOptions
 from sdk.packager.passes.quantize import QuantizeOptions
 from sdk.packager.passes.validate import ValidateOptions
-from sdk.packager.sources import InputOptions
+from sdk.packager.sources import InputOptions, OutputOptions
 
 MAX_RECIPE_BYTES = 1024 * 1024
 
@@ -75,6 +76,8 @@ class Recipe:
     description: str | None = None
     inputs: Mapping[str, InputOptions] = option(_NO_KEYS, description="Per input name: shape, dtype, synthetic "
                                                 "range, role (tensor, constant, image, audio, state).")
+    outputs: Mapping[str, OutputOptions] = option(_NO_KEYS, description="Per output name: whether NaN/inf are "
+                                                  "answers there (allow_non_finite).")
     preprocess: PreprocessSpec = option(PreprocessSpec(), schema=PREPROCESS_SCHEMA, parse=parse_preprocess)
     postprocess: PostprocessSpec = option(PostprocessSpec(), schema=POSTPROCESS_SCHEMA, parse=parse_postprocess)
     optimize: OptimizeOptions = field(default_factory=OptimizeOptions)
@@ -222,6 +225,9 @@ def check_recipe(document: Any, path: Path, *, allow_external_paths: bool = Fals
     # Parsed once, with the paths resolved and the role's input in: the typed parsers check what a
     # schema cannot (one mean/std value per channel, detection outputs), naming the recipe's key.
     preprocess = parse_preprocess(data.get("preprocess"), document=recipe, path="preprocess")
+    gaps = gaps_problem(preprocess)
+    if gaps is not None:
+        raise RecipeError("preprocess.hop", gaps, recipe=recipe)
     postprocess = parse_postprocess(data.get("postprocess"), document=recipe, path="postprocess")
     _check_data_consent(data, recipe)
     quantize = data.get("quantize") or {}

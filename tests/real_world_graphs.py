@@ -142,3 +142,52 @@ def save_with_npz(model: onnx.ModelProto, folder: Path, feeds: dict[str, np.ndar
     onnx.save(model, folder / "model.onnx")
     np.savez(folder / "val.npz", **feeds)
     return folder / "model.onnx", folder / "val.npz"
+
+
+VAD_FRAME, VAD_CONTEXT, VAD_HIDDEN = 512, 64, 16
+
+
+def streaming_vad(seed: int = 0) -> onnx.ModelProto:
+    """A Silero-style streaming VAD: ``input [batch, samples]`` (one 512-sample frame after its
+    64 samples of context), ``state [2, batch, 16]`` carried from ``stateN``. The front end pads
+    the window by reflection (32 each side, as an STFT does) and cuts it into ten 64-sample
+    blocks: it runs on a window of exactly 576 samples and on nothing else (one made-up sample
+    fails the Pad, another length the Reshape)."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array(np.array([0, 32, 0, 32], np.int64), "pads"),
+        numpy_helper.from_array(np.array([0, 10, 64], np.int64), "blocks"),
+        _init("W_in", rng.normal(scale=0.5, size=(64, VAD_HIDDEN))),
+        _init("W_h", rng.normal(scale=0.3, size=(VAD_HIDDEN, VAD_HIDDEN))),
+        _init("V", rng.normal(scale=0.5, size=(VAD_HIDDEN, 1))),
+        numpy_helper.from_array(np.array(0, np.int64), "first"),
+    ]
+    nodes = [
+        helper.make_node("Pad", ["input", "pads"], ["padded"], mode="reflect", name="stft_pad"),
+        helper.make_node("Reshape", ["padded", "blocks"], ["framed"], name="to_blocks"),
+        helper.make_node("ReduceMean", ["framed"], ["energy"], axes=[1], keepdims=0, name="block_mean"),
+        helper.make_node("MatMul", ["energy", "W_in"], ["drive"], name="encoder"),
+        helper.make_node("MatMul", ["state", "W_h"], ["recurrent"], name="recurrence"),
+        helper.make_node("Add", ["recurrent", "drive"], ["pre"], name="mix"),
+        helper.make_node("Tanh", ["pre"], ["stateN"], name="squash"),
+        helper.make_node("Gather", ["stateN", "first"], ["top"], axis=0, name="layer0"),
+        helper.make_node("MatMul", ["top", "V"], ["logit"], name="decoder"),
+        helper.make_node("Sigmoid", ["logit"], ["output"], name="probability"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "silero_like",
+        [
+            helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", "samples"]),
+            helper.make_tensor_value_info("state", TensorProto.FLOAT, [2, "batch", VAD_HIDDEN]),
+        ],
+        [
+            helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", 1]),
+            helper.make_tensor_value_info("stateN", TensorProto.FLOAT, [2, "batch", VAD_HIDDEN]),
+        ],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="pytorch")
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model

@@ -319,3 +319,38 @@ def test_last_will_carries_the_time_of_the_lost_connection(secured_broker: Broke
     finally:
         agent.kill()
         operator.close()
+
+
+def test_the_operator_can_clear_a_decommissioned_devices_retained_state_and_a_device_cannot(
+        secured_broker: Broker) -> None:
+    """Issue 24: the documented empty retained payload could not be sent by the shipped operator
+    ACL (RC:135), so a decommissioned device stayed on the broker. Another device still cannot."""
+    device_a = up(login(secured_broker, "pi-07"))
+    device_b = login(secured_broker, "pi-08")
+    operator = login(secured_broker, "operator")
+    try:
+        device_a.publish(TOPICS.state("pi-07"), b'{"status": "online"}', qos=1, retain=True)
+        up(device_b)
+        refused: list[bool] = []
+        device_b.publish(TOPICS.state("pi-07"), b"", qos=1, retain=True, on_done=refused.append)
+        assert wait_until(lambda: refused == [False]), refused
+        inbox = Inbox()
+        operator.subscribe(TOPICS.state("pi-07"), 1, inbox)
+        up(operator, TOPICS.state("pi-07"))
+        assert wait_until(lambda: inbox.payloads() == [b'{"status": "online"}'])  # B's clear did nothing
+        accepted: list[bool] = []
+        operator.publish(TOPICS.state("pi-07"), b"", qos=1, retain=True, on_done=accepted.append)
+        assert wait_until(lambda: accepted == [True]), accepted
+        operator.close()  # the checker logs in under the same client id
+        late = Inbox()
+        checker = login(secured_broker, "operator")
+        checker.subscribe(TOPICS.state("pi-07"), 1, late)
+        checker.subscribe(TOPICS.cmd("pi-07"), 1, late)
+        up(checker, TOPICS.state("pi-07"), TOPICS.cmd("pi-07"))
+        checker.publish(TOPICS.cmd("pi-07"), b"marker", qos=1)  # arrives after anything retained
+        assert wait_until(lambda: b"marker" in late.payloads())
+        assert late.payloads() == [b"marker"]  # nothing retained any more
+        checker.close()
+    finally:
+        for transport in (device_a, device_b, operator):
+            transport.close()

@@ -484,3 +484,20 @@ def test_groups_a_device_claims_without_enrollment_are_shown_apart(browser, serv
     _open(browser, server, "/devices/claimer", "#device-facts")
     assert "Groups claimed, not enrolled\nsim" in _text(browser, "#device-facts")
     assert server.get("/api/devices?group=sim")["total"] == SIM_DEVICES  # the claim changed no group
+
+
+def test_the_device_page_charts_errors_by_kind(browser, server, broker):
+    """Issue 24, item 7: the error chart names what failed (a release answering NaN reads
+    ``non_finite_output``), beside the total, from what the devices' telemetry says."""
+    behaviour = Behaviour(groups=("nan",), model_name="scale", error_versions=frozenset({"1.0.0"}),
+                          error_kind="non_finite_output")
+    with SimFleet(broker.host, broker.port, 1, rate=2, prefix="nan", behaviour=behaviour) as sim:
+        assert sim.wait_ready(30)
+        device = "nan-00000"
+        _open(browser, server, f"/devices/{device}", "#charts svg.chart")
+        legend = _wait(browser, lambda d: (lambda text: text if "non_finite_output" in text else None)(
+            d.find_elements(By.CSS_SELECTOR, "#charts figure")[2].find_element(By.CLASS_NAME, "legend").text),
+            message="the error chart's kinds")
+        found = re.fullmatch(r"errors: ([\d.,]+)\s+non_finite_output: ([\d.,]+)", legend)
+        assert found and found[1] == found[2] and found[1] != "0", legend  # every error of the device is that kind
+        assert browser.find_elements(By.CSS_SELECTOR, "#charts figure:nth-of-type(3) svg.chart .s1")

@@ -359,7 +359,12 @@ def test_non_finite_golden_outputs_the_test_data_declares_are_signed_and_pass_th
     with np.errstate(divide="ignore", invalid="ignore"):
         y = np.log(x)  # [0, -inf, nan]: the answer the user's own test data states
     cases = _log_test_data(tmp_path, x, y)
-    result = _build(tmp_path, {"model": {"path": "m.onnx"}, "validate": {"data": {"test_data": cases}}}, keypair)
+    document = {"model": {"path": "m.onnx"}, "validate": {"data": {"test_data": cases}}}
+    # stated by the test data but not allowed in the output: the agent would refuse the answer (500)
+    with pytest.raises(BuildError, match=r"output y holds 2 non-finite value\(s\) \(NaN/inf\) \(as the test data "
+                                         r"expects\); .* declare outputs\.y\.allow_non_finite: true"):
+        _build(tmp_path, document, keypair)
+    result = _build(tmp_path, {**document, "outputs": {"y": {"allow_non_finite": True}}}, keypair)
     _, outputs = _golden(result.output)
     assert np.isneginf(outputs["y"][1]) and np.isnan(outputs["y"][2])
     loaded = _agent_loads(result.output, keypair, tmp_path)

@@ -166,10 +166,45 @@ def test_unhealthy_model_is_rolled_back_after_the_health_window(agent, arts, mos
     assert result.returncode == 1
     assert "rolled_back" in result.stdout and "non-finite" in result.stdout
     assert agent.version() == "1.0.0"
-    assert load.failures == []
+    # the NaN answers of the window were model errors (issue 24, item 7), and nothing else failed
+    assert load.failures and all(f.startswith("500: ") and "non_finite_output" in f for f in load.failures)
     status = run_cli("edgepack-agent", "status", "--store", str(agent.folder / "pi-07-store"), "--trust",
                      str(keypair[1]), "--json")
     assert json.loads(status.stdout)["active"]["version"] == "1.0.0", "the rollback is persisted in the store"
+
+
+def test_a_device_rollback_after_the_health_window_rejected_a_version_fails_and_changes_nothing(
+        agent, arts, mosquitto_broker, observer):
+    """Issue 24's incident through the real CLI: the health window rolls the NaN model back, the next
+    ``edgepack device rollback`` must not bring it back; the retained state names the rejected
+    artifact, also after an agent restart (``<store>/rejected.json``)."""
+    with LoadGenerator(agent, values=[-1.0, -2.0, 3.0, 4.0]):
+        result = _deploy_cli(arts["nan_on_negative"], mosquitto_broker, "--health-window", "1.5")
+    assert result.returncode == 1 and "rolled_back" in result.stdout
+    rollback = run_cli("edgepack", "device", "rollback", "pi-07", "--broker", mosquitto_broker.address,
+                       "--timeout", "30")
+    assert rollback.returncode == 1 and "Traceback" not in rollback.stderr, rollback.stderr
+    event = json.loads(rollback.stdout)
+    assert event["state"] == "failed" and event["reason"] == (
+        "rollback failed: no earlier version that passed its health window is kept on this device; "
+        "serving scale 1.0.0")
+    assert agent.version() == "1.0.0"
+
+    from edgepack_core.fsutil import sha256_file
+
+    agent.stop()
+    heard = len(observer.of("/dev/pi-07/state"))
+    agent.start()
+
+    def rejected_in_a_new_birth() -> list:
+        births = [d for d in observer.of("/dev/pi-07/state")[heard:] if d.get("status") == "online"]
+        return births[-1].get("rejected", []) if births else []
+
+    assert observer.wait_for(lambda: rejected_in_a_new_birth(), 30)
+    (entry,) = rejected_in_a_new_birth()
+    assert (entry["version"], entry["stage"], entry["sha256"]) == (
+        "1.3.0", "health_window", sha256_file(arts["nan_on_negative"]))
+    assert "non-finite outputs" in entry["reason"]
 
 
 def test_same_deploy_command_delivered_twice_installs_once(agent, arts, mosquitto_broker, observer, tmp_path):

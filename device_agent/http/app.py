@@ -438,7 +438,7 @@ class AgentApp:
             return error_response(500, "internal", f"{type(err).__name__}: {err}", v2=True)
         try:
             body, headers = oip.encode_infer_response(result.model.manifest.name, result.model.manifest.version,
-                                                      parsed, result.outputs, self.limits)
+                                                      parsed, result.outputs, self.limits, result.non_finite)
         except BadRequest as err:
             return self._refuse(err, v2=True)
         media = "application/octet-stream" if oip.HEADER_LENGTH_HEADER in headers else JSON_MEDIA_TYPE

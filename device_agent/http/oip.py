@@ -242,12 +242,14 @@ def _binary(array: np.ndarray) -> bytes:
 
 
 def encode_infer_response(model_name: str, model_version: str, request: InferRequest,
-                          outputs: Mapping[str, np.ndarray],
-                          limits: bodies.BodyLimits | None = None) -> tuple[bytes, dict[str, str]]:
+                          outputs: Mapping[str, np.ndarray], limits: bodies.BodyLimits | None = None,
+                          non_finite: Sequence[str] = ()) -> tuple[bytes, dict[str, str]]:
     """The answer's body and headers (``Inference-Header-Content-Length`` when any output goes
     binary). JSON data is flat, by the agent's wire convention (non-finite floats as
     ``"NaN"``/``"Infinity"``/``"-Infinity"``, which numpy and tritonclient read back). Outputs
-    answered as JSON are bounded by ``max_json_output_bytes`` first (413)."""
+    answered as JSON are bounded by ``max_json_output_bytes`` first (413). ``non_finite``: the
+    outputs the recipe allows to hold NaN/inf that do, said in the answer's ``parameters``
+    (``non_finite_outputs``), as ``/predict`` says them."""
     chosen = request.outputs if request.outputs is not None else [(n, request.binary_outputs) for n in outputs]
     bodies.check_json_outputs(sum(np.asarray(outputs[name]).nbytes for name, binary in chosen if not binary),
                               limits or bodies.BodyLimits(),
@@ -266,6 +268,8 @@ def encode_infer_response(model_name: str, model_version: str, request: InferReq
     document: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": described}
     if request.id is not None:
         document["id"] = request.id
+    if non_finite:
+        document["parameters"] = {"non_finite_outputs": ",".join(non_finite)}
     header = wire_json.dumps(document)
     if not tails:
         return header, {}

@@ -20,7 +20,8 @@ from edgepack_core.protocol.ids import ID_PATTERN
 
 _ERROR_KINDS = ("bad_input, bad_json, bad_query, bad_image, bad_stream, dtype, shape, unknown_input, "
                 "non_finite_input, too_large, image_too_large, timeout, unsupported_media, not_acceptable, "
-                "not_found, method_not_allowed, no_stream, no_model, busy, bad_http")
+                "not_found, method_not_allowed, no_stream, no_model, busy, bad_http; the model's failures (500): "
+                "runtime, postprocess, non_finite_output, encoding, internal")
 
 SCHEMAS: dict[str, Any] = {
     "Error": {
@@ -55,6 +56,9 @@ SCHEMAS: dict[str, Any] = {
                                                          "task result), at most api.max_json_output_bytes"},
             "result": {"description": "the task result (classification, detection, ...); null for raw models"},
             "geometry": {"type": "object", "description": "detection: model-input pixels to the image's"},
+            "non_finite_outputs": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                                   "description": "the outputs holding NaN/inf that the recipe allows "
+                                                  "(allow_non_finite); absent when every output is finite"},
             "latency_ms": {"type": "number"},
         },
     },

@@ -1,6 +1,6 @@
 """The agent's metrics in the Prometheus text exposition format (version 0.0.4): inference
-requests and errors, every HTTP answer by status class, the latency histogram, the active model
-and the API's load."""
+requests and errors, every HTTP answer by status class, answers with non-finite outputs, the
+latency histogram, the active model and the API's load."""
 
 from __future__ import annotations
 
@@ -48,6 +48,10 @@ def prometheus_text(service: InferenceService, http: HttpStats | None = None) ->
                   "# TYPE edgepack_http_responses_total counter"]
         for status_class, count in http.snapshot().items():
             lines.append(f'edgepack_http_responses_total{{class="{status_class}"}} {count}')
+    lines += ["# HELP edgepack_non_finite_outputs_total Answers whose outputs held NaN/inf (refused as "
+              "kind non_finite_output, or served flagged where the recipe allows them).",
+              "# TYPE edgepack_non_finite_outputs_total counter",
+              f"edgepack_non_finite_outputs_total {snap['non_finite']}"]
     lines += ["# HELP edgepack_inference_latency_seconds Model run time per request.",
               "# TYPE edgepack_inference_latency_seconds histogram"]
     cumulative = 0

@@ -19,7 +19,8 @@ def includes_outputs(result: PredictResult, outputs: bool | None) -> bool:
 def prediction_json(result: PredictResult, *, outputs: bool | None = None) -> dict[str, Any]:
     """The answer object: model, provider and fallbacks, the raw outputs when
     :func:`includes_outputs`, the task result, for a detector the geometry that maps
-    model-input pixels to the original image's, and the latency."""
+    model-input pixels to the original image's, ``non_finite_outputs`` when outputs the recipe
+    allows to (``allow_non_finite``) hold NaN/inf (absent otherwise), and the latency."""
     model = result.model
     answer: dict[str, Any] = {
         "model": {"name": model.manifest.name, "version": model.manifest.version},
@@ -31,6 +32,8 @@ def prediction_json(result: PredictResult, *, outputs: bool | None = None) -> di
     answer["result"] = result.result
     if result.geometry is not None and model.postprocessor.kind == "detection":
         answer["geometry"] = result.geometry
+    if result.non_finite:
+        answer["non_finite_outputs"] = list(result.non_finite)
     answer["latency_ms"] = latency_ms(result)
     return answer
 
@@ -40,7 +43,11 @@ def latency_ms(result: PredictResult) -> float:
 
 
 def npz_headers(result: PredictResult) -> dict[str, str]:
-    """What an npz answer (the exact outputs only) says of its model, provider and latency."""
+    """What an npz answer (the exact outputs only) says of its model, provider, latency and
+    allowed outputs holding NaN/inf (comma-separated, only when any do)."""
     manifest = result.model.manifest
-    return {"X-Edgepack-Model": f"{manifest.name} {manifest.version}", "X-Edgepack-Provider": result.model.provider,
-            "X-Edgepack-Latency-Ms": str(latency_ms(result))}
+    headers = {"X-Edgepack-Model": f"{manifest.name} {manifest.version}", "X-Edgepack-Provider": result.model.provider,
+               "X-Edgepack-Latency-Ms": str(latency_ms(result))}
+    if result.non_finite:
+        headers["X-Edgepack-Non-Finite-Outputs"] = ",".join(result.non_finite)
+    return headers

@@ -23,10 +23,11 @@ from typing import Any
 from device_agent.config import BrokerSettings, OutboxSettings
 from device_agent.telemetry.metrics import ModelInfo, SystemReading, TelemetryAggregator, read_system
 from device_agent.telemetry.outbox import Forwarder, Outbox
+from device_agent.telemetry.session import ConnectionCounter
 from edgepack_core import __version__ as edgepack_version
 from edgepack_core.mqtt_settings import MqttSettings, Will
 from edgepack_core.mqtt_transport import MqttTransport
-from edgepack_core.protocol.messages import JobEvent
+from edgepack_core.protocol.messages import MAX_REJECTED, JobEvent, SessionMark
 from edgepack_core.protocol.payloads import STATE_SCHEMA_ID
 from edgepack_core.protocol.topics import Topics
 
@@ -47,6 +48,9 @@ class AgentStatus:
     available_providers: list[str] = field(default_factory=list)
     # Each provider of the profile not serving the model, with why (``LoadedModel.fallbacks_json``).
     provider_fallbacks: list[dict[str, str]] = field(default_factory=list)
+    # The versions this device rejected, newest first (``updates.rejected.for_state``): the fleet
+    # server marks (device, artifact) rejected from them and never re-targets one automatically.
+    rejected: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -70,8 +74,9 @@ def capabilities(status: AgentStatus) -> dict[str, Any]:
 
 
 def state_document(device_id: str, online: bool, status: AgentStatus, groups: list[str], *,
-                   reason: str = "", ts: float | None = None) -> dict[str, Any]:
-    """The retained ``state`` payload: "online" birth with capabilities, or "offline"."""
+                   reason: str = "", ts: float | None = None, session: SessionMark | None = None) -> dict[str, Any]:
+    """The retained ``state`` payload: "online" birth with capabilities, or "offline"; ``session``
+    marks the connection it belongs to (device_agent/telemetry/session.py)."""
     doc: dict[str, Any] = {
         "schema": STATE_SCHEMA_ID,
         "device": device_id,
@@ -79,6 +84,8 @@ def state_document(device_id: str, online: bool, status: AgentStatus, groups: li
         "ts": round(time.time() if ts is None else ts, 3),
         "groups": groups,
     }
+    if session is not None:
+        doc["session"] = session.to_json()
     if online:
         doc["capabilities"] = capabilities(status)
         doc["model"] = None if status.model is None else {
@@ -86,21 +93,26 @@ def state_document(device_id: str, online: bool, status: AgentStatus, groups: li
         doc["provider"] = status.provider
         doc["provider_fallbacks"] = [{"provider": f["provider"], "reason": f["reason"][:MAX_REASON_CHARS]}
                                      for f in status.provider_fallbacks[:MAX_FALLBACKS]]
+        doc["rejected"] = status.rejected[:MAX_REJECTED]
         doc.update(status.extra)
     else:
         doc["reason"] = reason
     return doc
 
 
-def settings_from_config(mqtt: BrokerSettings, device_id: str) -> MqttSettings:
-    """MqttSettings from agent.yaml's ``mqtt`` section, with the device's last will."""
+def settings_from_config(mqtt: BrokerSettings, device_id: str,
+                         counter: ConnectionCounter | None = None) -> MqttSettings:
+    """MqttSettings from agent.yaml's ``mqtt`` section, with the device's last will; with a
+    ``counter``, each connection attempt advances it and the will carries the new mark."""
     topics = Topics(mqtt.topic_root)
     groups = list(mqtt.groups)
 
     def will() -> bytes:
         # Called before every connection attempt: the broker publishes the will unchanged, so
         # its ts is the time of the connection whose loss it reports (never 0).
-        doc = state_document(device_id, False, AgentStatus(), groups, reason="connection lost (last will)")
+        mark = None if counter is None else counter.advance()
+        doc = state_document(device_id, False, AgentStatus(), groups, reason="connection lost (last will)",
+                             session=mark)
         return json.dumps(doc).encode()
 
     return MqttSettings(
@@ -131,11 +143,13 @@ class TelemetryReporter:
         groups: list[str] | None = None,
         interval: float = 10.0,
         outbox_limits: OutboxSettings | None = None,
+        counter: ConnectionCounter | None = None,
     ) -> None:
         self.device_id = device_id
         self.groups = list(groups or [])
         self.topics = Topics(settings.topic_root)
         self.status = status
+        self.counter = counter
         self._interval = interval
         self.aggregator = TelemetryAggregator(device_id, started=time.monotonic())
         limits = outbox_limits or OutboxSettings()
@@ -165,7 +179,8 @@ class TelemetryReporter:
         if self._thread is not None:
             self._thread.join(5)
         self.forwarder.stop(flush_timeout=2.0)
-        offline = state_document(self.device_id, False, self.status(), self.groups, reason=reason)
+        offline = state_document(self.device_id, False, self.status(), self.groups, reason=reason,
+                                 session=self._session())
         self.transport.close(json.dumps(offline).encode(), topic=self.topics.state(self.device_id))
         self.outbox.close()
 
@@ -188,8 +203,11 @@ class TelemetryReporter:
 
     def publish_state(self) -> None:
         """Publish the retained "online" birth (on every connect, and when the model changes)."""
-        doc = state_document(self.device_id, True, self.status(), self.groups)
+        doc = state_document(self.device_id, True, self.status(), self.groups, session=self._session())
         self.transport.publish(self.topics.state(self.device_id), json.dumps(doc).encode(), qos=1, retain=True)
+
+    def _session(self) -> SessionMark | None:
+        return None if self.counter is None else self.counter.current
 
     def publish_job_event(self, event: JobEvent, *, direct: bool = False) -> int:
         """Queue a job event on ``dev/{d}/job``; job events are never dropped before telemetry.

@@ -43,10 +43,25 @@ class DevicePolicy:
 def admit(new_manifest: Manifest, active_manifest: Manifest | None, command: Mapping[str, Any],
           device_policy: DevicePolicy) -> str | None:
     """The first reason to refuse ``new_manifest`` on this device, or None to admit it."""
-    for rule in (_announced, _name_allowed, _version, _profile, _contract):
+    refused = refusal(new_manifest, active_manifest, command, device_policy)
+    return None if refused is None else refused[1]
+
+
+DEVICE_STATE_RULES = frozenset({"version"})
+"""Rules whose refusal says something about this device, not the artifact: not "newer than what
+the device holds" is no fault of the version, so it is not recorded as a rejected version
+(``updates/rejected.py``)."""
+
+
+def refusal(new_manifest: Manifest, active_manifest: Manifest | None, command: Mapping[str, Any],
+            device_policy: DevicePolicy) -> tuple[str, str] | None:
+    """The first rule that refuses ``new_manifest`` and its reason, or None. Pure."""
+    rules = (("announced", _announced), ("name", _name_allowed), ("version", _version), ("profile", _profile),
+             ("contract", _contract))
+    for name, rule in rules:
         reason = rule(new_manifest, active_manifest, command, device_policy)
         if reason is not None:
-            return reason
+            return name, reason
     return None
 
 

@@ -4,7 +4,9 @@ Counted against the model (from the HTTP/runtime error kinds, see ``device_agent
 
 - **model errors**: inference and postprocessing failures on well-formed input (kinds
   ``runtime``, ``postprocess``, ``internal``), and non-finite outputs (inputs with NaN/inf are
-  refused as 400 before inference, so a non-finite output is the model's doing);
+  refused as 400 before inference, so a non-finite output is the model's doing): those the
+  recipe does not allow are refused (500, kind ``non_finite_output``), those it allows are
+  served flagged; both count, once each (``non_finite`` in the stats counts both);
 - **contract errors**: client errors that a contract break produces (wrong shape, dtype,
   input names, unsupported media type: ``shape``, ``dtype``, ``unknown_input``,
   ``missing_input``, ``unsupported_media``), but only when their rate in the window rises
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MODEL_ERROR_KINDS = frozenset({"runtime", "postprocess", "internal"})
+NON_FINITE_KIND = "non_finite_output"  # a refused answer; counted as a non-finite output, not twice
 CONTRACT_ERROR_KINDS = frozenset({"shape", "dtype", "unknown_input", "missing_input", "unsupported_media"})
 MIN_REQUESTS_FOR_LATENCY = 20
 DEFAULT_CONTRACT_ERROR_MIN_CLIENTS = 3
@@ -51,18 +54,19 @@ class Traffic:
     ok: int = 0
     model_errors: int = 0
     contract_errors: int = 0
-    non_finite: int = 0
+    non_finite: int = 0  # answers with NaN/inf outputs: the refused ones and the flagged (ok) ones
+    non_finite_refused: int = 0  # of ``non_finite``, those answered 500 (not in ``ok``)
     latency_sum: float = 0.0
     contract_clients: int = 0  # distinct peer addresses that sent contract errors (windows only)
 
     @property
     def total(self) -> int:
-        return self.ok + self.model_errors + self.contract_errors
+        return self.answered + self.contract_errors
 
     @property
     def answered(self) -> int:
         """Requests that reached the model: evidence about it (a contract error never runs it)."""
-        return self.ok + self.model_errors
+        return self.ok + self.model_errors + self.non_finite_refused
 
     @property
     def contract_rate(self) -> float:
@@ -93,6 +97,7 @@ def traffic_of(snapshot: Mapping[str, Any]) -> Traffic:
     errors = snapshot.get("errors", {})
     return Traffic(ok=int(snapshot["requests"]["ok"]), model_errors=_count(errors, MODEL_ERROR_KINDS),
                    contract_errors=_count(errors, CONTRACT_ERROR_KINDS), non_finite=int(snapshot.get("non_finite", 0)),
+                   non_finite_refused=int(errors.get(NON_FINITE_KIND, 0)),
                    latency_sum=float(snapshot.get("latency_sum", 0.0)))
 
 
@@ -109,6 +114,7 @@ def traffic_between(before: Mapping[str, Any], after: Mapping[str, Any]) -> Traf
     a, b = traffic_of(before), traffic_of(after)
     return Traffic(ok=b.ok - a.ok, model_errors=b.model_errors - a.model_errors,
                    contract_errors=b.contract_errors - a.contract_errors, non_finite=b.non_finite - a.non_finite,
+                   non_finite_refused=b.non_finite_refused - a.non_finite_refused,
                    latency_sum=b.latency_sum - a.latency_sum, contract_clients=clients_since(before, after))
 
 

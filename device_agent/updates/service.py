@@ -38,7 +38,8 @@ from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
-from device_agent.updates.admission import DevicePolicy, admit, policy_names, rollback_refusal
+from device_agent.updates import rejected as R
+from device_agent.updates.admission import DEVICE_STATE_RULES, DevicePolicy, policy_names, refusal, rollback_refusal
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
 from device_agent.updates.golden_probe import probe
@@ -348,10 +349,14 @@ class UpdateService:
 
     # ---------------------------------------------------------------- rollback
 
-    def _safe_rollback(self, fallback: LoadedModel | None = None, *, from_sha256: str = "") -> InstalledModel | None:
-        """Go back to the store's previous model: load and smoke-test it (or reuse ``fallback``,
-        the same model still in memory) *before* the store's commit point changes, then commit,
-        then swap. Raises EdgepackError with nothing changed if the target does not load.
+    def _safe_rollback(self, fallback: LoadedModel | None = None, *, from_sha256: str = "",
+                       forget_active: bool = False) -> InstalledModel | None:
+        """Go back to the store's rollback target, the last version that passed its health window
+        (never a rejected one: ``ModelStore.rollback_target``): load and smoke-test it (or reuse
+        ``fallback``, the same model still in memory) *before* the store's commit point changes,
+        then commit, then swap. Raises EdgepackError with nothing changed if there is no target
+        or it does not load. ``forget_active``: the model rolled back from failed or never
+        finished its health window, so it does not become the next rollback target.
 
         With ``from_sha256``, roll back only if that model still serves (None otherwise): a
         rollback command racing a health-window rollback must not toggle back to the bad model."""
@@ -360,24 +365,23 @@ class UpdateService:
             serving = self.host.service.model
             if from_sha256 and (serving is None or serving.manifest.model_sha256 != from_sha256):
                 return None
-            target = store.previous()
-            if target is None:
-                raise StoreError("no previous model to roll back to")
+            target = store.rollback_target()
             if fallback is not None and fallback.manifest.model_sha256 == target.verified.manifest.model_sha256:
                 loaded = fallback
             else:
                 loaded = self.host.load(target)
-            store.rollback()
+            store.rollback(forget_active=forget_active)
             self.host.activate_loaded(loaded)
             return target
 
     def _rollback_command(self, job: Job) -> None:
         running = self._running
-        if running is not None and running.in_window:
+        in_window = running is not None and running.in_window
+        if running is not None and in_window:
             running.rolled_back_by = job.id
             running.cancel(f"rolled back by command {job.id}")
         try:
-            target = self._safe_rollback(from_sha256=str(job.detail.get("from_sha256", "")))
+            target = self._safe_rollback(from_sha256=str(job.detail.get("from_sha256", "")), forget_active=in_window)
         except (EdgepackError, OSError) as err:
             self._set(job, J.FAILED, f"rollback failed: {err}; serving {self._serving()}")
             return
@@ -437,12 +441,15 @@ class UpdateService:
             artifact.unlink(missing_ok=True)
 
     def _policy(self) -> DevicePolicy:
+        """The versions admission compares against: those the device really held (the previous
+        and the active model), never one it rejected (``updates/rejected.py``)."""
         known: dict[str, str] = {}
+        store = self.host.store
         try:
-            previous = self.host.store.previous()
+            previous = store.previous()
         except (EdgepackError, OSError):
             previous = None
-        if previous is not None:
+        if previous is not None and store.rejected.find(previous.name, previous.version) is None:
             known[previous.name] = previous.version
         active = self._active_manifest()
         if active is not None and (active.name not in known or Version(active.version) > Version(known[active.name])):
@@ -462,11 +469,13 @@ class UpdateService:
         # the job instead of verifying the same file again.
         job = self._set(job, J.VERIFYING, job.reason, publish=False, verify_started=True)
         active, policy, command = self._active_manifest(), self._policy(), job.command
+        signed_names: list[str] = []
 
         def admission(manifest: Manifest) -> None:
-            reason = admit(manifest, active, command, policy)
-            if reason is not None:
-                raise AdmissionRefused(reason)
+            signed_names.append(manifest.name)
+            refused = refusal(manifest, active, command, policy)
+            if refused is not None:
+                raise AdmissionRefused(refused[1], rule=refused[0])
 
         try:
             with self._store_lock:
@@ -474,7 +483,11 @@ class UpdateService:
                 # cross-name check is overridden here
                 staged = self.host.store.stage(artifact, force=True, admit=admission)
         except (ArtifactError, AdmissionRefused) as err:
-            self._set(job, J.REJECTED, str(err))
+            if getattr(err, "rule", "") in DEVICE_STATE_RULES:
+                self._set(job, J.REJECTED, str(err))
+                return
+            note = self._remember_rejected(job, "admission", str(err), name=next(iter(signed_names), None))
+            self._set(job, J.REJECTED, f"{err}{note}", rejected_at="admission")
             return
         except EdgepackError as err:
             self._set(job, J.FAILED, str(err))
@@ -492,7 +505,8 @@ class UpdateService:
             loaded = self.host.load(staged)
         except EdgepackError as err:
             self.host.store.discard(staged)
-            self._set(job, J.FAILED, f"{err} (the previous model keeps serving)")
+            note = self._remember_rejected(job, "smoke_test", str(err), name=staged.name)
+            self._set(job, J.FAILED, f"{err} (the previous model keeps serving){note}", rejected_at="smoke_test")
             return
         self._activate_and_watch(job, staged, loaded, running)
 
@@ -513,16 +527,12 @@ class UpdateService:
         window = self._window_of(job)
         job = self._set(job, J.ACTIVE, f"hot-swapped; watching health for {window:g} s", final=False,
                         provider=loaded.provider)
-        service.check_finite = True
-        try:
-            running.stop.wait(window)
-            after = service.stats.snapshot()
-            traffic = traffic_between(before, after)
-            probes = Probes()
-            if not running.stop.is_set() and needs_probes(traffic, self.health):
-                probes = probe(self.host.service, loaded)
-        finally:
-            service.check_finite = False
+        running.stop.wait(window)
+        after = service.stats.snapshot()
+        traffic = traffic_between(before, after)
+        probes = Probes()
+        if not running.stop.is_set() and needs_probes(traffic, self.health):
+            probes = probe(self.host.service, loaded)
         self._close_window(job, running, old, traffic_of(before), traffic, probes)
 
     def _end_cancelled(self, job: Job, running: _Running) -> None:
@@ -537,23 +547,70 @@ class UpdateService:
             return  # the agent is stopping: the restart rolls an unproven model back
         with self._store_lock:
             if running.rolled_back_by:
-                self._set(job, J.ROLLED_BACK, f"rolled back by command {running.rolled_back_by}")
+                reason = f"rolled back by command {running.rolled_back_by}"
+                note = self._remember_rejected(job, "health_window", f"{reason} before its health window closed")
+                self._set(job, J.ROLLED_BACK, reason + note, rejected_at="health_window")
                 return
             if running.stop.is_set():
                 verdict_reason = running.why
             else:
                 verdict = judge(traffic, before, probes, self.health)
                 if verdict.healthy:
+                    self._passed(job)
                     self._set(job, J.ACTIVE, f"health window passed: {verdict.reason}", final=True)
                     return
                 verdict_reason = f"unhealthy: {verdict.reason}"
-            try:
-                target = self._safe_rollback(fallback=old)
-                assert target is not None  # no from_sha256 given: it rolls back or raises
-            except (EdgepackError, OSError) as err:
-                self._set(job, J.FAILED, f"{verdict_reason}; rollback failed: {err}; serving {self._serving()}")
-                return
-            self._set(job, J.ROLLED_BACK, f"{verdict_reason}; back on {target.name} {target.version}")
+            self._roll_back_rejected(job, verdict_reason, old)
+
+    def _roll_back_rejected(self, job: Job, why: str, fallback: LoadedModel | None = None) -> None:
+        """Record the job's version as rejected at its health window, then roll back to the last
+        version that passed one, forgetting the rejected one (never a rollback target again)."""
+        note = self._remember_rejected(job, "health_window", why)
+        try:
+            target = self._safe_rollback(fallback=fallback, forget_active=True)
+            assert target is not None  # no from_sha256 given: it rolls back or raises
+        except (EdgepackError, OSError) as err:
+            self._set(job, J.FAILED, f"{why}; rollback failed: {err}; serving {self._serving()}{note}",
+                      rejected_at="health_window")
+            return
+        self._set(job, J.ROLLED_BACK, f"{why}; back on {target.name} {target.version}{note}",
+                  rejected_at="health_window")
+
+    # ---------------------------------------------------------------- rejected versions
+
+    def _remember_rejected(self, job: Job, stage: str, reason: str, *, name: str | None = None) -> str:
+        """Record the job's artifact as rejected at ``stage`` (``updates/rejected.py``) and publish
+        the state that lists it. Returns "" or a note for the job's reason when the record could
+        not be kept (a read-only store keeps it in memory; a command without an artifact, or an
+        empty device with no name to file it under, has nothing to record)."""
+        command = job.command
+        serving = self._active_manifest()
+        name = name or command.get("name") or (serving.name if serving is not None else None)
+        try:
+            entry = R.record(str(name), str(command.get("version")), str(command.get("sha256")), stage, reason,
+                             round(time.time(), 3))
+        except ValueError as err:
+            log.warning("job %s: rejected version not recorded: %s", job.id, err)
+            return ""
+        try:
+            self.host.store.rejected.add(entry)
+        except StoreError as err:
+            log.error("job %s: %s", job.id, err)
+            return f" (rejected version not persisted: {err})"
+        finally:
+            self.reporter.publish_state()
+        return ""
+
+    def _passed(self, job: Job) -> None:
+        """The job's version passed its health window: it is no longer a rejected version."""
+        model = self.host.service.model
+        if model is None:
+            return
+        try:
+            self.host.store.rejected.forget(model.manifest.name, model.manifest.version)
+        except StoreError as err:
+            log.error("job %s: %s", job.id, err)
+        self.reporter.publish_state()
 
     # ---------------------------------------------------------------- restart
 
@@ -577,11 +634,4 @@ class UpdateService:
     def _rollback_after_restart(self, job: Job) -> None:
         """The agent died while the new model was being tested or watched: it may be the cause,
         so go back to the previous model, loaded and tested before the store commits to it."""
-        reason = "agent restarted before the health window closed"
-        try:
-            target = self._safe_rollback()
-            assert target is not None  # no from_sha256 given: it rolls back or raises
-        except (EdgepackError, OSError) as err:
-            self._set(job, J.FAILED, f"{reason}; rollback failed: {err}; serving {self._serving()}")
-            return
-        self._set(job, J.ROLLED_BACK, f"{reason}; back on {target.name} {target.version}")
+        self._roll_back_rejected(job, "agent restarted before the health window closed")

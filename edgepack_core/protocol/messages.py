@@ -35,6 +35,9 @@ MAX_VERSION_CHARS = 128
 MAX_JOB_TYPE_CHARS = 32
 MAX_ERROR_KINDS = 64  # the agent sends at most 32 kinds and "other"
 JOB_STATE = re.compile(r"[a-z_]{1,32}")  # the job schema's pattern
+MAX_REJECTED = 32  # the state schema's maxItems for rejected
+REJECTION_STAGES = ("admission", "smoke_test", "health_window")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 Status = Literal["online", "offline"]
 
@@ -53,6 +56,47 @@ class ModelRef:
 
 
 @dataclass(frozen=True)
+class RejectedRef:
+    """A version the device refused to keep (``device_agent/updates/rejected.py`` keeps them as
+    this type): the fleet server marks (device, ``sha256``) rejected and never re-targets it
+    automatically. ``sha256`` is the artifact's; ``stage`` one of :data:`REJECTION_STAGES`;
+    ``reason`` cut to :data:`MAX_STATE_REASON`."""
+
+    name: str
+    version: str
+    sha256: str
+    stage: str
+    reason: str
+    ts: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.version}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "sha256": self.sha256, "stage": self.stage,
+                "reason": self.reason, "ts": self.ts}
+
+
+@dataclass(frozen=True)
+class SessionMark:
+    """Which MQTT connection of a device a state belongs to: ``epoch`` names the device's
+    connection counter (made afresh when its file is lost, e.g. a re-flashed card) and ``n``
+    counts connection attempts within it. A birth and the last will of one connection carry the
+    same mark, so a host can order them without trusting clocks or arrival order
+    (``sdk/fleet_server/liveness.py``)."""
+
+    epoch: str
+    n: int
+
+    def to_json(self) -> dict[str, str | int]:
+        return {"epoch": self.epoch, "n": self.n}
+
+
+SESSION_EPOCH = re.compile(r"[0-9a-f]{8,32}")
+
+
+@dataclass(frozen=True)
 class DeviceState:
     """A retained state: the birth ("online", with capabilities) or the last will ("offline")."""
 
@@ -65,6 +109,8 @@ class DeviceState:
     provider: str | None = None
     profile: str | None = None
     capabilities: str | None = None  # compact JSON with sorted keys; None when absent or too large
+    session: SessionMark | None = None  # None: an agent from before connection marks
+    rejected: tuple[RejectedRef, ...] = ()  # newest first; () also for an agent that does not report them
 
     def capabilities_dict(self) -> dict[str, Any]:
         """The capabilities as a fresh dict (empty when the message had none)."""
@@ -208,6 +254,35 @@ def _groups(value: Any) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(g for g in value[:MAX_GROUPS] if is_valid_id(g)))
 
 
+def _rejected_ref(value: Any) -> RejectedRef | None:
+    if not isinstance(value, dict):
+        return None
+    name, sha, stage, ts = value.get("name"), value.get("sha256"), value.get("stage"), number(value.get("ts"))
+    version = text(value.get("version"), MAX_VERSION_CHARS)
+    if not (is_valid_id(name) and version and isinstance(sha, str) and _SHA256.fullmatch(sha)
+            and stage in REJECTION_STAGES and ts is not None and ts >= 0):
+        return None
+    return RejectedRef(str(name), version, sha, str(stage), text(value.get("reason"), MAX_STATE_REASON) or "", ts)
+
+
+def _rejected(value: Any) -> tuple[RejectedRef, ...]:
+    """The valid records among the first :data:`MAX_REJECTED`; () for a non-list or an absent key."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(ref for ref in map(_rejected_ref, value[:MAX_REJECTED]) if ref is not None)
+
+
+def _session(value: Any) -> SessionMark | None:
+    """The connection mark, or None when absent or malformed (ordering then falls back to when
+    the state was heard)."""
+    if not isinstance(value, dict):
+        return None
+    epoch, n = value.get("epoch"), count(value.get("n"))
+    if not isinstance(epoch, str) or not SESSION_EPOCH.fullmatch(epoch) or n is None:
+        return None
+    return SessionMark(epoch, n)
+
+
 def _capabilities(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
@@ -237,7 +312,8 @@ def parse_state(device: str, payload: bytes) -> DeviceState | Decommissioned | R
     return DeviceState(device=device, status="online" if status == "online" else "offline", ts=ts, reason=reason,
                        groups=_groups(doc.get("groups")), model=_model(doc.get("model")),
                        provider=text(doc.get("provider"), MAX_NAME_CHARS), profile=text(profile, MAX_NAME_CHARS),
-                       capabilities=_capabilities(capabilities))
+                       capabilities=_capabilities(capabilities), session=_session(doc.get("session")),
+                       rejected=_rejected(doc.get("rejected")))
 
 
 def _queue(value: Any) -> QueueCounters | None:
@@ -309,6 +385,6 @@ def parse_job_event(device: str, payload: bytes) -> JobEvent | Refusal:
 
 
 __all__ = [
-    "Decommissioned", "DeviceState", "JobEvent", "ModelRef", "QueueCounters", "Refusal", "Telemetry",
+    "Decommissioned", "DeviceState", "JobEvent", "ModelRef", "QueueCounters", "Refusal", "RejectedRef", "Telemetry",
     "parse_job_event", "parse_state", "parse_telemetry",
 ]

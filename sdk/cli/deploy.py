@@ -164,3 +164,41 @@ def rollback(device_id: str, from_ref: str | None, broker: BrokerOptions, timeou
 def cancel(device_id: str, job_id: str, broker: BrokerOptions, timeout: float, operator_key: Path | None) -> None:
     """Stop a queued or running job (JOB_ID: the deploy's command id) on the device."""
     _command(broker, device_id, "cancel", timeout, operator_key, job=job_id)
+
+
+def _fleet_client(server: str, token_file: Path | None) -> Any:
+    from sdk.cli.rollout import client_for
+
+    return client_for(server, token_file)
+
+
+_SERVER = click.option("--server", required=True, envvar="EDGEPACK_SERVER",
+                       help="The fleet server's URL, e.g. http://127.0.0.1:8760 (or EDGEPACK_SERVER).")
+_TOKEN_FILE = click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                           envvar="EDGEPACK_SERVER_TOKEN_FILE",
+                           help="File holding the bearer token (or EDGEPACK_SERVER_TOKEN_FILE).")
+_REASON = click.option("--reason", default="", help="Why (kept in the audit; at most 500 characters).")
+
+
+@device.command(name="decommission")
+@click.argument("device_id")
+@_SERVER
+@_TOKEN_FILE
+@_REASON
+def decommission(device_id: str, server: str, token_file: Path | None, reason: str) -> None:
+    """Remove a device from the fleet through the fleet server: its records go, its retained state
+    is cleared on the broker, and its later messages are dropped until it is enrolled again.
+    Remove its broker account too (docs/fleet-server.md, "Devices")."""
+    done = _fleet_client(server, token_file).delete(f"/api/devices/{device_id}", {"reason": reason})
+    click.echo(f"{done['device']} decommissioned" + (f": {done['reason']}" if done.get("reason") else ""))
+
+
+@device.command(name="enroll")
+@click.argument("device_id")
+@_SERVER
+@_TOKEN_FILE
+@_REASON
+def enroll(device_id: str, server: str, token_file: Path | None, reason: str) -> None:
+    """Take a decommissioned device back: its next state enrols it as a new device."""
+    done = _fleet_client(server, token_file).post(f"/api/devices/{device_id}/enroll", {"reason": reason})
+    click.echo(f"{done['device']} may join again; its next state enrols it")

@@ -60,6 +60,9 @@ def _rate(text: str, flag: str) -> Any:
               help="Operator private key that signs the commands the server sends (edgepack keygen --operator).")
 @click.option("--public-url", help="Devices fetch artifacts from this base URL (a CDN or object store holding "
                                    "<sha256>.edgepkg) instead of this server.")
+@click.option("--per-server-urls", is_flag=True,
+              help="Start beside other servers on this database without --public-url: each server sends devices "
+                   "its own address (every device must allow every server's origin).")
 @click.option("--retention-raw", default="1h", show_default=True,
               help="How long raw telemetry samples are kept (90s, 15m, 1h, 2d).")
 @click.option("--retention-rollups", default="30d", show_default=True,
@@ -106,7 +109,7 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
           rollup_step: int, prune_interval: str, silence: str, server_id: str | None, share_group: str,
           max_upload: str, lease_ttl: str, tick: str, resend_after: str, head_timeout: str, body_min_rate: str,
           max_connections: int, init: bool, artifact_recheck: str, budget_job: str, budget_state: str,
-          budget_telemetry: str, job_events_kept: int) -> None:
+          budget_telemetry: str, job_events_kept: int, per_server_urls: bool) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
 
     Devices, telemetry and job events are kept in the database; rollouts run on the server and
@@ -136,5 +139,22 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                           server_id=server_id, share_group=share_group, silence_s=_duration(silence),
                           max_upload=parse_size(max_upload), driver=driver,
                           http=http, init=init, artifact_recheck_s=_duration(artifact_recheck),
-                          ingest_limits=limits, job_events_kept=job_events_kept)
+                          ingest_limits=limits, job_events_kept=job_events_kept, per_server_urls=per_server_urls)
     run_server(config)
+
+
+@fleet.command()
+@click.option("--db", "db_url", envvar="EDGEPACK_FLEET_DB", required=True,
+              help="The fleet server's database URL (as given to fleet serve; or EDGEPACK_FLEET_DB).")
+@click.argument("out", type=click.Path(dir_okay=False, writable=True, path_type=Path))
+def backup(db_url: str, out: Path) -> None:
+    """Write a consistent copy of the fleet's database to OUT while servers run.
+
+    SQLite: the online backup API (a plain copy of a WAL database can miss commits). PostgreSQL:
+    pg_dump --format=custom (restore with pg_restore; docs/fleet-server.md, "Backup and restore")."""
+    try:
+        from sdk.fleet_server.backup import backup as run_backup
+    except ImportError as err:
+        raise ServerConfigError(f"edgepack fleet backup needs the server extra (pip install 'edgepack[server]'): "
+                                f"{err}") from err
+    click.echo(run_backup(db_url, out))

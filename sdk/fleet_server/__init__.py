@@ -12,6 +12,9 @@ One module per concern; the pure decisions are separate from the I/O around them
 | :mod:`.retention` | pure bucketing and rollups; the pruning job (raw window, rollups beyond) |
 | :mod:`.rollouts` | pure: the rollout state machine (:func:`~.rollouts.transition`), the next step and its gates |
 | :mod:`.driver` | the loop that advances rollouts under a leader lease; commands recorded, then published |
+| | it also reconciles every device to its target (:mod:`.desired`) |
+| :mod:`.targets` | pure: targets, effective target (device > group > fleet), reconcile: converged, send, wait |
+| :mod:`.desired` | targets read and written (audited), each device's decision from the database |
 | :mod:`.artifacts` | the content-addressed store: bounded uploads verified before storing, Range downloads |
 | :mod:`.auth` | bearer tokens from a file, compared in constant time |
 | :mod:`.audit` | every write recorded: who, what, when, outcome |

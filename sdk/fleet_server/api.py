@@ -47,7 +47,7 @@ from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError
-from sdk.fleet_server import audit, openapi, queries
+from sdk.fleet_server import audit, desired, openapi, queries
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
@@ -72,6 +72,7 @@ SECURITY_HEADERS = [
 
 _ROLLOUT_VALIDATOR = Validator(queries.ROLLOUT_REQUEST_SCHEMA, document="rollout")
 _GROUPS_VALIDATOR = Validator(queries.GROUPS_REQUEST_SCHEMA, document="groups")
+_TARGET_VALIDATOR = Validator(desired.TARGET_REQUEST_SCHEMA, document="target")
 _ACTION_VALIDATOR = Validator({"type": "object", "additionalProperties": False,
                                "properties": {"reason": {"type": "string", "maxLength": 500}}}, document="request")
 
@@ -89,6 +90,8 @@ class ApiContext:
     status: Callable[[], dict[str, Any]] = dict
     metrics: Callable[[], str] = str
     wake_driver: Callable[[], None] = lambda: None
+    clear_retained_state: Callable[[str], None] = lambda _device: None  # publishes the empty retained state
+    command_ttl_s: float = 24 * 3600.0
     auth_failures: int = 0
     requests: int = 0
     ui_dir: Path = UI_DIR
@@ -310,7 +313,8 @@ class Routes:
             except _REFUSALS as err:
                 refusal = as_api_error(err)
                 params = request.path_params
-                target = str(params.get("rollout_id") or params.get("sha256") or params.get("device_id") or "")
+                target = str(params.get("rollout_id") or params.get("sha256") or params.get("device_id")
+                             or params.get("group") or "")
                 await run_in_threadpool(audit.record_refusal, context.database, actor=actor, action=write_action,
                                         target=target, reason=f"{refusal.status} {refusal.message}",
                                         remote=_remote(request))
@@ -430,6 +434,30 @@ class Routes:
         return JSONResponse(await run_in_threadpool(queries.get_device, self.database, device, now=time.time(),
                                                     silence_s=self.context.silence_s))
 
+    async def decommission(self, request: Request, actor: str) -> Response:
+        Params(request, set())
+        device = _path_id(request, "device_id")
+        body = await read_json(request, optional=True)
+        _validate(_ACTION_VALIDATOR, body)
+        done = await run_in_threadpool(queries.decommission_device, self.database, device,
+                                       reason=body.get("reason", ""), actor=actor, remote=_remote(request))
+        # After the commit: the cleared retained state the ingest then hears finds the mark.
+        self.context.clear_retained_state(device)
+        return JSONResponse(done)
+
+    async def enroll(self, request: Request, actor: str) -> Response:
+        Params(request, set())
+        device = _path_id(request, "device_id")
+        body = await read_json(request, optional=True)
+        _validate(_ACTION_VALIDATOR, body)
+        return JSONResponse(await run_in_threadpool(queries.enroll_device, self.database, device,
+                                                    reason=body.get("reason", ""), actor=actor,
+                                                    remote=_remote(request)))
+
+    async def decommissioned(self, request: Request, _actor: str) -> Response:
+        Params(request, set())
+        return JSONResponse({"devices": await run_in_threadpool(queries.decommissioned_devices, self.database)})
+
     async def upload(self, request: Request, actor: str) -> Response:
         store = self.context.store
         length = request.headers.get("content-length")
@@ -462,6 +490,56 @@ class Routes:
         self.context.wake_driver()
         return JSONResponse(await run_in_threadpool(queries.get_rollout, self.database, rollout_id), status_code=201)
 
+    # ---------------------------------------------------------------- targets
+
+    def _view(self) -> desired.View:
+        return desired.View(time.time(), self.context.silence_s, self.context.command_ttl_s)
+
+    @staticmethod
+    def _scope(request: Request, scope: str) -> str:
+        if scope == "fleet":
+            return ""
+        if scope == "group":
+            group = request.path_params["group"]
+            if not is_valid_id(group):
+                raise ApiError(404, "not_found", "no such group")
+            return str(group)
+        return _path_id(request, "device_id")
+
+    async def targets(self, request: Request, _actor: str) -> Response:
+        Params(request, set())
+        return JSONResponse(await run_in_threadpool(lambda: desired.targets_doc(self.database, self._view())))
+
+    def target(self, scope: str) -> Handler:
+        async def show(request: Request, _actor: str) -> Response:
+            Params(request, set())
+            name = self._scope(request, scope)
+            doc = await run_in_threadpool(desired.scope_doc, self.database, scope, name)
+            if scope == "group":
+                doc["devices"] = (await run_in_threadpool(
+                    lambda: desired.targets_doc(self.database, self._view(), group=name)))["states"]
+            return JSONResponse(doc)
+        return show
+
+    def set_target(self, scope: str) -> Handler:
+        async def put(request: Request, actor: str) -> Response:
+            Params(request, set())
+            name = self._scope(request, scope)
+            body = await read_json(request)
+            _validate(_TARGET_VALIDATOR, body)
+            change = desired.parse_change(body)
+            await run_in_threadpool(lambda: desired.set_target(self.database, scope, name, change, actor=actor,
+                                                               remote=_remote(request)))
+            self.context.wake_driver()
+            return JSONResponse(await run_in_threadpool(desired.scope_doc, self.database, scope, name))
+        return put
+
+    async def device_target(self, request: Request, _actor: str) -> Response:
+        Params(request, set())
+        device = _path_id(request, "device_id")
+        return JSONResponse(await run_in_threadpool(
+            lambda: desired.device_target(self.database, device, self._view())))
+
     def action(self, name: str) -> Handler:
         async def act(request: Request, actor: str) -> Response:
             Params(request, set())
@@ -487,8 +565,17 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/status", guard(r.status), methods=["GET"]),
         Route("/api/devices", guard(r.devices), methods=["GET"]),
         Route("/api/devices/{device_id}", guard(r.device), methods=["GET"]),
+        Route("/api/devices/{device_id}", guard(r.decommission, "device.decommission"), methods=["DELETE"]),
+        Route("/api/devices/{device_id}/enroll", guard(r.enroll, "device.enroll"), methods=["POST"]),
+        Route("/api/decommissioned", guard(r.decommissioned), methods=["GET"]),
         Route("/api/devices/{device_id}/telemetry", guard(r.device_telemetry), methods=["GET"]),
         Route("/api/devices/{device_id}/groups", guard(r.set_groups, "device.groups"), methods=["PUT"]),
+        Route("/api/devices/{device_id}/target", guard(r.device_target), methods=["GET"]),
+        Route("/api/targets", guard(r.targets), methods=["GET"]),
+        *[route for scope, path in (("fleet", "/api/targets/fleet"), ("group", "/api/targets/groups/{group}"),
+                                    ("device", "/api/targets/devices/{device_id}"))
+          for route in (Route(path, guard(r.target(scope)), methods=["GET"]),
+                        Route(path, guard(r.set_target(scope), "target.set"), methods=["PUT"]))],
         Route("/api/dead-letters", guard(r.dead_letters), methods=["GET"]),
         Route("/api/artifacts", guard(r.artifacts), methods=["GET"]),
         Route("/api/artifacts", guard(r.upload, "artifact.upload"), methods=["POST"]),

@@ -86,10 +86,12 @@ class StoredArtifact:
     key_id: str
     targets: list[str]
     path: Path
+    model_sha256: str | None = None  # the model file's hash, what a device reports it runs
 
     def to_row(self, *, actor: str, now: float) -> dict[str, Any]:
         return {"sha256": self.sha256, "name": self.name, "version": self.version, "size": self.size,
-                "key_id": self.key_id, "targets": json.dumps(self.targets), "created_at": now, "created_by": actor}
+                "key_id": self.key_id, "targets": json.dumps(self.targets), "created_at": now, "created_by": actor,
+                "model_sha256": self.model_sha256}
 
 
 class Upload:
@@ -142,7 +144,7 @@ class Upload:
             self.store.mark_checked(sha)
             manifest = verified.manifest
             return StoredArtifact(sha, manifest.name, manifest.version, self.size, verified.key_id,
-                                  sorted(manifest.targets), final)
+                                  sorted(manifest.targets), final, manifest.model_sha256)
         finally:
             self.path.unlink(missing_ok=True)
 

@@ -1,4 +1,4 @@
-"""The HTTP client of the ``rollout`` commands and ``fleet status --server``.
+"""The HTTP client of the ``rollout`` and ``target`` commands and ``fleet status --server``.
 
 Standard library only (``urllib``), so these commands work with the ``host`` extra alone: the
 operator's laptop does not need the server's database drivers. Every answer is bounded before
@@ -87,6 +87,11 @@ class FleetClient:
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         return self._request("POST", path, body=body if body is not None else {})
+
+    def delete(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        return self._request("DELETE", path, body=body if body is not None else {})
+    def put(self, path: str, body: dict[str, Any]) -> Any:
+        return self._request("PUT", path, body=body)
 
     def artifact(self, sha256: str) -> dict[str, Any] | None:
         """The server's record of an artifact, or None when it does not have it."""

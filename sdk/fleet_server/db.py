@@ -75,6 +75,8 @@ devices = Table(
     Column("last_seen", Float, nullable=False),
     Column("state_ts", Float),  # the device's ts of the newest state applied, as the device reported it
     Column("state_heard", Float),  # when the server heard that state: what orders states (device clocks lie)
+    Column("state_epoch", String(32)),  # the applied state's connection mark (liveness.py), None when unmarked
+    Column("state_session", BigInteger),
     Column("groups_enrolled_at", Float),  # None: the device's groups were never enrolled (see device_groups)
     Column("telemetry_at", Float),
     Column("telemetry_seq", BigInteger),
@@ -119,6 +121,14 @@ dead_letters = Table(  # device messages that parsed but could not be stored (bo
     Index(None, "received_at"),
 )
 
+decommissioned = Table(  # devices removed from the fleet: their messages are dropped until enrolled again
+    "decommissioned", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("at", Float, nullable=False),
+    Column("actor", String(128), nullable=False),
+    Column("reason", String(500), nullable=False),
+)
+
 telemetry_raw = Table(
     "telemetry_raw", metadata,
     Column("id", RowId, primary_key=True, autoincrement=True),
@@ -133,6 +143,7 @@ telemetry_raw = Table(
     Column("errors", BigInteger),  # in the device's interval
     Column("cpu_percent", Float),
     Column("memory_rss_bytes", BigInteger),
+    Column("error_kinds", Text),  # JSON {kind: count} of the interval's errors (None: none, or before 0006)
     Index(None, "device", "ts"),
     Index(None, "ts"),
 )
@@ -149,6 +160,7 @@ telemetry_rollup = Table(
     Column("throughput_sum", Float, nullable=False),
     Column("inferences", BigInteger, nullable=False),
     Column("errors", BigInteger, nullable=False),
+    Column("error_kinds", Text),  # JSON {kind: count} summed over the bucket (None: none)
     Index(None, "bucket"),
 )
 
@@ -178,6 +190,7 @@ artifacts = Table(
     Column("targets", Text, nullable=False),  # JSON list of target profiles
     Column("created_at", Float, nullable=False),
     Column("created_by", String(ID), nullable=False),
+    Column("model_sha256", String(64)),  # the manifest's model file hash (what devices report); None: older rows
 )
 
 rollouts = Table(
@@ -233,7 +246,7 @@ rollout_devices = Table(
 commands = Table(
     "commands", metadata,
     Column("id", String(ID), primary_key=True),  # the command id: recorded once, by one server
-    Column("rollout_id", String(ID), ForeignKey("rollouts.id"), nullable=False),
+    Column("rollout_id", String(ID), ForeignKey("rollouts.id")),  # None: the reconciler's (target_commands)
     Column("device", String(ID), nullable=False),
     Column("kind", String(16), nullable=False),  # deploy | rollback | cancel
     Column("topic", String(300), nullable=False),
@@ -244,6 +257,40 @@ commands = Table(
     Column("attempts", Integer, nullable=False),
     Index(None, "published_at"),
     Index(None, "rollout_id"),
+)
+
+target_entries = Table(  # desired state: one row per (scope, model) the operator set (sdk/fleet_server/targets.py)
+    "target_entries", metadata,
+    Column("scope", String(8), primary_key=True),  # fleet | group | device
+    Column("name", String(ID), primary_key=True),  # the group or device ("" for the fleet)
+    Column("model", String(ID), primary_key=True),
+    Column("artifact", String(64), nullable=False),  # an artifact sha256, or "absent"
+    Column("revision", Integer, nullable=False),  # times the operator set this entry: a new decision
+    Column("reason", Text, nullable=False, default=""),
+    Column("set_by", String(ID), nullable=False),
+    Column("set_at", Float, nullable=False),
+)
+
+target_holds = Table(  # scopes whose devices get no reconciler command while held
+    "target_holds", metadata,
+    Column("scope", String(8), primary_key=True),
+    Column("name", String(ID), primary_key=True),
+    Column("reason", Text, nullable=False, default=""),
+    Column("set_by", String(ID), nullable=False),
+    Column("set_at", Float, nullable=False),
+)
+
+target_commands = Table(  # the reconciler's deploys (their signed bytes are in commands; job states in job_events)
+    "target_commands", metadata,
+    Column("id", String(ID), primary_key=True),  # derived: targets.target_command_id
+    Column("device", String(ID), nullable=False),
+    Column("model", String(ID), nullable=False),
+    Column("artifact", String(64), nullable=False),
+    Column("source", String(200), nullable=False),  # fleet | group:NAME[+NAME] | device
+    Column("revision", Integer, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Index(None, "device", "model"),
 )
 
 leases = Table(
@@ -483,6 +530,7 @@ def migrate(database: Database) -> None:
     servers starting together on PostgreSQL take turns through an advisory lock."""
     from alembic import command
     from alembic.config import Config
+    from alembic.util.exc import CommandError
 
     logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-plugin INFO lines are noise at start
 
@@ -494,7 +542,11 @@ def migrate(database: Database) -> None:
             connection.commit()
         try:
             config.attributes["connection"] = connection
-            command.upgrade(config, "head")
+            try:
+                command.upgrade(config, "head")
+            except CommandError as err:  # a revision this release does not know: a newer one migrated it
+                raise FleetServerError(f"the database's schema is from a newer Edgepack release ({err}): run the "
+                                       "release that migrated it, or restore a backup taken before") from err
             connection.commit()
         finally:
             if not database.is_sqlite:

@@ -43,6 +43,7 @@ from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database
+from sdk.fleet_server.desired import View, load_plan
 from sdk.fleet_server.rollouts import (
     NOT_SENT,
     RUNNING,
@@ -57,8 +58,22 @@ from sdk.fleet_server.rollouts import (
     next_step,
     transition,
 )
+from sdk.fleet_server.targets import Decision
 
 log = logging.getLogger("edgepack.fleet_server.driver")
+
+
+class _Available(dict[str, bool]):
+    """sha256 -> whether this server's store can serve it, asked on first use."""
+
+    def __init__(self, check: Callable[[str], bool]) -> None:
+        super().__init__()
+        self.check = check
+
+    def get(self, key: str, default: Any = None) -> bool:
+        if key not in self:
+            self[key] = self.check(key)
+        return self[key]
 
 LEASE_NAME = "driver"
 @dataclass(frozen=True)
@@ -170,6 +185,9 @@ class Driver:
         self.refused_by_broker = 0
         self.ticks = 0
         self.rollout_errors = 0  # rounds of one rollout that raised (each is that rollout's alone)
+        self.reconcile_errors = 0  # rounds of the targets' reconciler that raised
+        self.target_sent = 0  # deploys the reconciler recorded
+        self.converged = 0  # devices on their effective target at the last round
         self._errors: dict[str, int] = {}  # rollout id: rounds in a row that raised
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -226,7 +244,58 @@ class Driver:
                 .mappings().all()
         for row in rows:
             self._advance_alone(row, now)
+        try:
+            self._reconcile(now)
+        except Exception as err:  # the targets' round alone; rollouts and resends go on
+            self.reconcile_errors += 1
+            log.error("reconciling targets failed: %s", _one_line(err), exc_info=not isinstance(err, EdgepackError))
         self._resend_uncertain(now)
+
+    # ---------------------------------------------------------------- targets
+
+    def _reconcile(self, now: float) -> None:
+        """Send each device that differs from its effective target, and may get a command now,
+        the signed deploy the pure :func:`~.targets.reconcile` chose (:mod:`.desired` reads the
+        inputs from the database, so this resumes from targets and reported states alone)."""
+        with self.database.read() as connection:
+            if connection.execute(select(tables.target_entries.c.model).limit(1)).first() is None:
+                return
+            view = View(now, self.config.silence_s, self.config.command_ttl_s)
+            plans = load_plan(connection, view, available=_Available(self.artifact_available))
+        sends = [plan for plan in plans if plan.decision.kind == "send"]
+        self.converged = sum(plan.decision.kind == "converged" for plan in plans)
+        if not sends:
+            return
+        to_publish: list[dict[str, Any]] = []
+        with self.database.write() as connection:
+            for plan in sends:
+                recorded = self._record_target_command(connection, plan.device, plan.decision, now)
+                if recorded is not None:
+                    to_publish.append(recorded)
+        faults.point("fleet-recorded-targets")
+        self._publish(to_publish, now)
+        if to_publish:
+            log.info("targets: %d deploy(s) sent (%s)", len(to_publish),
+                     ", ".join(f"{c['device']}" for c in to_publish[:10]))
+
+    def _record_target_command(self, connection: Connection, device: str, decision: Decision,
+                               now: float) -> dict[str, Any] | None:
+        """Record one reconciler deploy (its target_commands row and its signed bytes); the
+        command to publish if this call created it. A downgrade is signed: the operator chose it."""
+        new = self.database.insert_new(connection, tables.target_commands, {
+            "id": decision.command_id, "device": device, "model": decision.model, "artifact": decision.artifact,
+            "source": decision.source, "revision": decision.revision, "attempt": decision.attempt,
+            "created_at": now})
+        if not new:
+            return None
+        artifact = connection.execute(select(tables.artifacts).where(
+            tables.artifacts.c.sha256 == decision.artifact)).one()
+        command = build_command("deploy", device=device, command_id=decision.command_id,
+                                ttl_s=self.config.command_ttl_s, now=now, name=artifact.name,
+                                version=artifact.version, size=artifact.size, sha256=artifact.sha256,
+                                artifact={"url": self.artifact_url(artifact.sha256)}, force_downgrade=True)
+        self.target_sent += 1
+        return self._record(connection, None, device, "deploy", command, now)
 
     def _advance_alone(self, row: Any, now: float) -> None:
         """One rollout's round, isolated: what it raises is counted against that rollout alone
@@ -331,7 +400,7 @@ class Driver:
                 "force_downgrade": True if row["force_downgrade"] else None,
                 "allow_contract_change": True if row["allow_contract_change"] else None}
 
-    def _record(self, connection: Connection, rollout_id: str, device: str, kind: str, command: dict[str, Any],
+    def _record(self, connection: Connection, rollout_id: str | None, device: str, kind: str, command: dict[str, Any],
                 now: float) -> dict[str, Any] | None:
         """Record one signed command; the row (to publish) if this call created it, else None."""
         signed = sign_command(command, self.operator_key)

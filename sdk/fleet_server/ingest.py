@@ -53,6 +53,7 @@ from edgepack_core.protocol.messages import (
     DeviceState,
     JobEvent,
     ModelRef,
+    SessionMark,
     Telemetry,
     parse_job_event,
     parse_state,
@@ -63,6 +64,8 @@ from sdk.broker import BrokerOptions
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.budgets import Buckets, DropLedger, IngestLimits
 from sdk.fleet_server.db import Database
+from sdk.fleet_server.liveness import HeardState, supersedes
+from sdk.fleet_server.retention import kinds_json
 
 log = logging.getLogger("edgepack.fleet_server.ingest")
 
@@ -192,10 +195,30 @@ def _model_values(model: ModelRef | None) -> dict[str, str | None]:
 
 
 def _device_values(record: DeviceState, heard: float) -> dict[str, Any]:
+    mark = record.session
     return {"id": record.device, "status": record.status, "status_reason": record.reason, "first_seen": heard,
             "last_seen": heard, "state_ts": record.ts, "state_heard": heard, "provider": record.provider,
+            "state_epoch": None if mark is None else mark.epoch, "state_session": None if mark is None else mark.n,
             "profile": record.profile, "capabilities": record.capabilities, **_model_values(record.model),
             "groups_enrolled_at": heard if record.groups is not None else None}
+
+
+def _without(devices: set[str], records: list[Any], *, keep_clears: bool = False) -> list[Any]:
+    """``records`` less those of ``devices`` (an empty retained state, which clears one, stays)."""
+    return [(r, at) for r, at in records if r.device not in devices or (keep_clears and isinstance(r, Decommissioned))]
+
+
+def _heard(record: DeviceState, heard: float) -> HeardState:
+    return HeardState(record.session, record.status, heard)
+
+
+def _replaces_stored(new: HeardState, row: Any) -> bool:
+    """Whether ``new`` supersedes the state stored in ``row`` (a devices row)."""
+    if row.state_heard is None:
+        return True
+    mark = None if row.state_epoch is None or row.state_session is None else SessionMark(row.state_epoch,
+                                                                                       row.state_session)
+    return supersedes(new, HeardState(mark, row.status, row.state_heard))
 
 
 _TELEMETRY_FIELDS = ("latency_p50", "latency_p90", "latency_p99", "latency_mean", "throughput_per_s",
@@ -210,17 +233,31 @@ class Writer:
     def __init__(self, database: Database) -> None:
         self.database = database
 
+    @staticmethod
+    def decommissioned(connection: Any, devices: list[str]) -> set[str]:
+        """Which of ``devices`` were decommissioned: their messages are dropped until an
+        operator enrolls them again (``POST /api/devices/{id}/enroll``)."""
+        wanted = sorted(set(devices))
+        found: set[str] = set()
+        table = tables.decommissioned
+        for start in range(0, len(wanted), 500):
+            found.update(connection.execute(select(table.c.device).where(
+                table.c.device.in_(wanted[start:start + 500]))).scalars())
+        return found
+
     def states(self, connection: Any, records: list[tuple[DeviceState | Decommissioned, float]]) -> None:
         """Apply states, each with when the server heard it (``heard``: the receipt for a live
         message; for a retained one, replayed by the broker at every subscribe, no later than the
         device's own ts). States are ordered by ``heard``, never by the device's ts alone (a
-        device clock 10 days ahead must not make every later state look older); ``last_seen``
-        only ever moves forward. Groups: see :meth:`_groups`."""
+        device clock 10 days ahead must not make every later state look older), except between
+        states that carry connection marks of one epoch (:func:`.liveness.supersedes`: a will
+        heard late still beats the birth it follows); ``last_seen`` only ever moves forward.
+        Groups: see :meth:`_groups`."""
         gone = [r.device for r, _ in records if isinstance(r, Decommissioned)]
         latest: dict[str, tuple[DeviceState, float]] = {}
         for record, heard in records:
             if isinstance(record, DeviceState):
-                if record.device not in latest or heard >= latest[record.device][1]:
+                if record.device not in latest or supersedes(_heard(record, heard), _heard(*latest[record.device])):
                     latest[record.device] = (record, heard)
             else:
                 latest.pop(record.device, None)
@@ -232,15 +269,17 @@ class Writer:
             return
         devices = tables.devices
         stored = {row.id: row for row in connection.execute(
-            select(devices.c.id, devices.c.state_heard, devices.c.groups_enrolled_at)
+            select(devices.c.id, devices.c.status, devices.c.state_heard, devices.c.state_epoch,
+                   devices.c.state_session, devices.c.groups_enrolled_at)
             .where(devices.c.id.in_(list(latest))))}
         fresh = [(r, heard) for r, heard in latest.values() if r.device not in stored
-                 or stored[r.device].state_heard is None or heard >= stored[r.device].state_heard]
+                 or _replaces_stored(_heard(r, heard), stored[r.device])]
         if not fresh:
             return
         stmt = self.database.insert(devices)
         keep = ("model_name", "model_version", "model_sha256", "provider", "profile", "capabilities")
-        updates = {name: stmt.excluded[name] for name in ("status", "status_reason", "state_ts", "state_heard")}
+        updates = {name: stmt.excluded[name]
+                   for name in ("status", "status_reason", "state_ts", "state_heard", "state_epoch", "state_session")}
         updates["last_seen"] = case((stmt.excluded.last_seen > devices.c.last_seen, stmt.excluded.last_seen),
                                     else_=devices.c.last_seen)
         for name in (*keep, "groups_enrolled_at"):  # an offline will without a model does not erase what it ran
@@ -277,7 +316,8 @@ class Writer:
             {"device": r.device, "ts": at, "seq": r.seq, "latency_p50": r.latency_p50, "latency_p99": r.latency_p99,
              "latency_mean": r.latency_mean, "throughput_per_s": r.throughput_per_s,
              "inferences": r.inferences_interval, "errors": r.errors_interval, "cpu_percent": r.cpu_percent,
-             "memory_rss_bytes": r.memory_rss_bytes} for r, at in records])
+             "memory_rss_bytes": r.memory_rss_bytes, "error_kinds": kinds_json(dict(r.error_kinds_interval))}
+            for r, at in records])
         latest: dict[str, tuple[Telemetry, float]] = {}
         heard: dict[str, float] = {}
         for record, at in records:
@@ -540,6 +580,12 @@ class Ingest:
             else:
                 target.append(value)
         with self.database.write() as connection:
+            removed = self.writer.decommissioned(connection, [r.device for r, _ in (*states, *telemetry, *jobs)])
+            if removed:
+                dropped.extend((r.device, "decommissioned") for r, _ in (*states, *telemetry, *jobs)
+                               if r.device in removed and not isinstance(r, Decommissioned))
+                states, telemetry, jobs = (_without(removed, states, keep_clears=True), _without(removed, telemetry),
+                                           _without(removed, jobs))
             self.writer.states(connection, states)
             self.writer.telemetry(connection, telemetry)
             repeats = self.writer.jobs(connection, jobs)

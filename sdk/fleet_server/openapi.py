@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
+from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
 from sdk.fleet_server.queries import (
     GROUPS_REQUEST_SCHEMA,
     MAX_DEAD_LETTER_PAGE,
@@ -87,7 +88,12 @@ SCHEMAS: dict[str, Any] = {
                 "latency_p50_ms": {"type": ["number", "null"], "description": "mean of the samples' p50"},
                 "latency_p99_ms": {"type": ["number", "null"], "description": "largest p99 of the samples"},
                 "throughput_per_s": _NUMBER_OR_NULL, "inferences": {"type": "integer"},
-                "errors": {"type": "integer"}, "error_rate": _NUMBER_OR_NULL}}},
+                "errors": {"type": "integer"},
+                "error_kinds": {"type": "object", "additionalProperties": {"type": "integer"},
+                                "description": "the point's errors by the kind the device named (runtime, "
+                                               "non_finite_output, ...), at most 32 kinds and other (the rest); errors "
+                                               "stored before the server kept kinds have none"},
+                "error_rate": _NUMBER_OR_NULL}}},
         },
     },
     "Artifact": {
@@ -154,6 +160,37 @@ SCHEMAS: dict[str, Any] = {
                                         "reason": _STRING_OR_NULL}}}}},
         },
     },
+    # The schema the API validates with, plus what its own validator cannot say: model names and their count.
+    "TargetRequest": {**TARGET_REQUEST_SCHEMA, "properties": {
+        **TARGET_REQUEST_SCHEMA["properties"],
+        "models": {**TARGET_REQUEST_SCHEMA["properties"]["models"], "maxProperties": MAX_MODELS,
+                   "propertyNames": {"pattern": ID_PATTERN, "maxLength": 64}}}},
+    "ScopeTarget": {
+        "type": "object",
+        "properties": {
+            "scope": {"type": "string", "enum": ["fleet", "group", "device"]}, "name": _STRING_OR_NULL,
+            "models": {"type": "object", "additionalProperties": {"type": "object", "properties": {
+                "artifact": {"type": "string", "description": "sha256 or \"absent\""},
+                "revision": {"type": "integer", "description": "times the operator set this entry"},
+                "reason": {"type": "string"}, "set_by": {"type": "string"}, "set_at": {"type": "number"}}}},
+            "hold": {"type": ["object", "null"], "description": "reason, set_by, set_at when held"},
+            "devices": {"type": "array", "description": "groups only: each member's state, reason and difference",
+                        "items": {"type": "object"}},
+        },
+    },
+    "DeviceTarget": {
+        "type": "object",
+        "properties": {
+            "device": {"type": "string"}, "groups": {"type": "array", "items": {"type": "string"}},
+            "effective": {"type": "object", "description": "models (artifact, source: fleet, group:NAME or device, "
+                                                           "revision), hold, held_by, conflicts (groups that "
+                                                           "disagree)"},
+            "reported": {"type": "object", "description": "online, status_reason, models (version, sha256)"},
+            "difference": {"type": "object", "additionalProperties": {"type": "string"}},
+            "state": {"type": "string", "enum": ["converged", "send", "wait"]},
+            "reason": {"type": "string", "description": "why the difference persists"},
+        },
+    },
     "AuditEntry": {
         "type": "object",
         "properties": {"id": {"type": "integer"}, "ts": {"type": "number"},
@@ -185,6 +222,8 @@ def _path(name: str, pattern: str, description: str) -> dict[str, Any]:
 
 _DEVICE = _path("device_id", ID_PATTERN, "device id")
 _ROLLOUT = _path("rollout_id", ID_PATTERN, "rollout id")
+_REASON_BODY = {"type": "object", "additionalProperties": False,
+                "properties": {"reason": {"type": "string", "maxLength": 500}}}
 _ERRORS = {"default": _json("an error (one shape for every error)", _ref("Error"))}
 _LIMIT = _query("limit", {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}, "page size")
 _UNPROCESSABLE = "well-formed, but its values cannot be used together or with the fleet as it is (the message says why)"
@@ -228,6 +267,47 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
         "parameters": [_DEVICE],
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("GroupsRequest")}}},
         "responses": {"200": _json("the device", _ref("Device"))}}),
+    ("delete", "/api/devices/{device_id}", {
+        "summary": "Decommission a device (audited as device.decommission with the reason): its records and groups "
+                   "go, its retained state is cleared on the broker, its later messages are dropped (counted as "
+                   "decommissioned) until it is enrolled again",
+        "parameters": [_DEVICE],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": _REASON_BODY}}},
+        "responses": {"200": _json("decommissioned", {"type": "object", "properties": {
+            "device": {"type": "string"}, "decommissioned_at": {"type": "number"}, "reason": {"type": "string"}}}),
+                      "404": _json("no such device", _ref("Error"))}}),
+    ("post", "/api/devices/{device_id}/enroll", {
+        "summary": "Take a decommissioned device back (audited as device.enroll): its next message enrols it",
+        "parameters": [_DEVICE],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": _REASON_BODY}}},
+        "responses": {"200": _json("may join again", {"type": "object", "properties": {
+            "device": {"type": "string"}, "enrolled_at": {"type": "number"}, "reason": {"type": "string"}}}),
+                      "404": _json("the device is not decommissioned", _ref("Error"))}}),
+    ("get", "/api/decommissioned", {
+        "summary": "Decommissioned devices, newest first",
+        "responses": {"200": _json("devices", {"type": "object", "properties": {"devices": {"type": "array", "items": {
+            "type": "object", "properties": {"device": {"type": "string"}, "at": {"type": "number"},
+                                             "actor": {"type": "string"}, "reason": {"type": "string"}}}}}})}}),
+    ("get", "/api/devices/{device_id}/target", {
+        "summary": "A device's effective target, its reported state, the difference and why it persists",
+        "parameters": [_DEVICE], "responses": {"200": _json("the device's target", _ref("DeviceTarget"))}}),
+    ("get", "/api/targets", {
+        "summary": "Every target (fleet, groups, devices) and each device's state (converged, send, wait)",
+        "responses": {"200": _json("targets", {"type": "object"})}}),
+    *[op for path, params, what in (("/api/targets/fleet", [], "the fleet"),
+                                    ("/api/targets/groups/{group}", [_path("group", ID_PATTERN, "group")],
+                                     "a group (with its members' states)"),
+                                    ("/api/targets/devices/{device_id}", [_DEVICE], "one device"))
+      for op in (("get", path, {"summary": f"The target of {what}", "parameters": params,
+                                "responses": {"200": _json("the target", _ref("ScopeTarget"))}}),
+                 ("put", path, {"summary": f"Set, clear or hold the target of {what} (audited as target.set with "
+                                           "the reason); the server reconciles the devices to it",
+                                "parameters": params,
+                                "requestBody": {"required": True, "content": {"application/json": {
+                                    "schema": _ref("TargetRequest")}}},
+                                "responses": {"200": _json("the target", _ref("ScopeTarget")),
+                                              "422": _json("an artifact not stored or of another model, a scope "
+                                                           "over 16 models, nothing to change", _ref("Error"))}}))],
     ("get", "/api/dead-letters", {
         "summary": "Device messages that parsed but could not be stored, newest first (the newest 10,000 kept)",
         "parameters": [_query("limit", {"type": "integer", "minimum": 1, "maximum": MAX_DEAD_LETTER_PAGE,
@@ -270,9 +350,7 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                                            "responses": {"200": _json("the rollout", _ref("Rollout"))}}),
     *[("post", f"/api/rollouts/{{rollout_id}}/{action}", {
         "summary": f"{action.capitalize()} a rollout ({what})", "parameters": [_ROLLOUT],
-        "requestBody": {"required": False, "content": {"application/json": {"schema": {
-            "type": "object", "additionalProperties": False,
-            "properties": {"reason": {"type": "string", "maxLength": 500}}}}}},
+        "requestBody": {"required": False, "content": {"application/json": {"schema": _REASON_BODY}}},
         "responses": {"200": _json("the rollout", _ref("Rollout")),
                       "409": _json("the rollout's state does not allow it", _ref("Error"))}})
       for action, what in (("pause", "no new commands; jobs already sent go on"),

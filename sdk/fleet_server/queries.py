@@ -251,6 +251,50 @@ def set_device_groups(database: Database, device: str, groups: Sequence[str], *,
                      detail={"before": before, "after": sorted(groups)})
 
 
+def decommission_device(database: Database, device: str, *, reason: str, actor: str, remote: str,
+                        now: float | None = None) -> dict[str, Any]:
+    """Remove ``device`` from the fleet: its rows and groups go, and it is marked decommissioned so
+    its later messages are dropped until :func:`enroll_device`; audited ``device.decommission``
+    with the operator's reason. 404 for a device the server never heard of (and not marked)."""
+    now = time.time() if now is None else now
+    table = tables.decommissioned
+    with database.write() as connection:
+        known = connection.execute(select(tables.devices.c.id).where(tables.devices.c.id == device)).first()
+        marked = connection.execute(select(table.c.device).where(table.c.device == device)).first()
+        if known is None and marked is None:
+            raise ApiError(404, "not_found", f"no device {device}")
+        for rows in (tables.device_groups, tables.device_claimed_groups):
+            connection.execute(rows.delete().where(rows.c.device == device))
+        connection.execute(tables.devices.delete().where(tables.devices.c.id == device))
+        if marked is None:
+            connection.execute(table.insert(), {"device": device, "at": now, "actor": actor, "reason": reason})
+        audit.record(connection, actor=actor, action="device.decommission", target=device, remote=remote, now=now,
+                     detail={"reason": reason, "again": marked is not None})
+    return {"device": device, "decommissioned_at": now, "reason": reason}
+
+
+def enroll_device(database: Database, device: str, *, reason: str, actor: str, remote: str,
+                  now: float | None = None) -> dict[str, Any]:
+    """Take a decommissioned device back: its next state enrols it as a new device would.
+    404 when it is not decommissioned (a device the fleet knows is enrolled already)."""
+    now = time.time() if now is None else now
+    table = tables.decommissioned
+    with database.write() as connection:
+        if connection.execute(table.delete().where(table.c.device == device)).rowcount == 0:
+            raise ApiError(404, "not_found", f"device {device} is not decommissioned")
+        audit.record(connection, actor=actor, action="device.enroll", target=device, remote=remote, now=now,
+                     detail={"reason": reason})
+    return {"device": device, "enrolled_at": now, "reason": reason}
+
+
+def decommissioned_devices(database: Database) -> list[dict[str, Any]]:
+    """``GET /api/decommissioned``: every decommissioned device, newest first."""
+    table = tables.decommissioned
+    with database.read() as connection:
+        rows = connection.execute(select(table).order_by(table.c.at.desc(), table.c.device)).mappings().all()
+    return [dict(row) for row in rows]
+
+
 MAX_DEAD_LETTER_PAGE = 1000
 MAX_ROW_ID = 10**18 - 1  # the largest ``before`` a page takes (18 digits, what Params.integer reads)
 
@@ -280,13 +324,13 @@ def telemetry(database: Database, device: str, *, since: float, until: float, st
             raise ApiError(404, "not_found", f"no device {device}")
         samples = connection.execute(
             select(raw.c.device, raw.c.ts, raw.c.latency_p50, raw.c.latency_p99, raw.c.throughput_per_s,
-                   raw.c.inferences, raw.c.errors)
+                   raw.c.inferences, raw.c.errors, raw.c.error_kinds)
             .where(raw.c.device == device, raw.c.ts >= since, raw.c.ts < until).order_by(raw.c.ts)).all()
         rolled = connection.execute(select(rollup).where(
             rollup.c.device == device, rollup.c.bucket >= since - policy.step_s, rollup.c.bucket < until)
         ).mappings().all()
     buckets = fold((tuple(sample) for sample in samples), step)
-    older = [Bucket(**dict(row)) for row in rolled]
+    older = [Bucket.from_row(row) for row in rolled]
     merged = rebucket([*older, *buckets], step) if older and step % policy.step_s == 0 else buckets
     return {"device": device, "since": since, "until": until, "step": step,
             "points": [bucket.point() for bucket in merged if since - step < bucket.bucket < until]}

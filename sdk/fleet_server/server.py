@@ -34,10 +34,11 @@ from sdk.fleet_server.artifacts import DEFAULT_MAX_UPLOAD, DEFAULT_RECHECK_S, Ar
 from sdk.fleet_server.auth import TokenCheck, read_token_file
 from sdk.fleet_server.budgets import IngestLimits
 from sdk.fleet_server.db import Database, open_database
-from sdk.fleet_server.driver import Driver, DriverConfig
+from sdk.fleet_server.driver import Driver, DriverConfig, Lease
 from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
 from sdk.fleet_server.retention import JOB_ROWS_PER_DEVICE, Pruner, RetentionPolicy
+from sdk.fleet_server.startup import joining_problem
 from sdk.keys import load_operator_key
 
 if TYPE_CHECKING:  # uvicorn (under http_guard) is imported by serve() only
@@ -97,6 +98,7 @@ class ServerConfig:
     artifact_recheck_s: float = DEFAULT_RECHECK_S
     ingest_limits: IngestLimits = field(default_factory=IngestLimits)
     job_events_kept: int = JOB_ROWS_PER_DEVICE  # per device, the newest
+    per_server_urls: bool = False  # several servers without --public-url: devices allow every server's origin
 
     def resolved_id(self) -> str:
         server_id = self.server_id or default_server_id(self.listen)
@@ -150,6 +152,12 @@ class FleetServer:
         """Open the database (migrating it), connect to the broker, start the loops."""
         self.database = open_database(self.config.db_url, stored_artifacts=self.store.count(),
                                       init=self.config.init)
+        holder = Lease(self.database, self.server_id, self.config.driver.lease_ttl_s).current()
+        problem = joining_problem(None if holder is None else holder["holder"], self.server_id,
+                                  public_url=self.public_url, per_server_urls=self.config.per_server_urls)
+        if problem:
+            self.database.close()
+            raise ServerConfigError(problem)
         self.pruner = Pruner(self.database, self.config.retention, job_rows_per_device=self.config.job_events_kept)
         self.ingest = Ingest(self.database, self.config.broker, server_id=self.server_id,
                              limits=self.config.ingest_limits,
@@ -169,6 +177,13 @@ class FleetServer:
         self._threads.append(thread)
         log.info("fleet server %s: database %s, broker %s, artifacts %s", self.server_id, self.database.dialect,
                  self.config.broker.address, self.config.artifacts_dir)
+
+    def _clear_retained_state(self, device: str) -> None:
+        """Publish the empty retained state that removes a decommissioned device from the broker
+        (``fleet status --broker`` and every other reader then forget it); the shipped ACL lets
+        the operator account the server logs in as write ``dev/+/state`` for exactly this."""
+        assert self.ingest is not None and self.ingest.control is not None
+        self.ingest.control.publish(self.ingest.topics.state(device), b"", qos=1, retain=True)
 
     def _on_lead(self, now: float) -> None:
         """Called by the driver on each round it leads: the retention job runs there, on one server."""
@@ -208,7 +223,9 @@ class FleetServer:
                        "telemetry_connected": bool(self.ingest.telemetry and self.ingest.telemetry.connected)},
             "driver": {"ticks": self.driver.ticks, "sent": self.driver.sent, "resent": self.driver.resent,
                        "refused_by_broker": self.driver.refused_by_broker,
-                       "rollout_errors": self.driver.rollout_errors},
+                       "rollout_errors": self.driver.rollout_errors,
+                       "targets": {"sent": self.driver.target_sent, "converged": self.driver.converged,
+                                   "errors": self.driver.reconcile_errors}},
             "retention": {"raw_s": self.config.retention.raw_s, "rollup_s": self.config.retention.rollup_s,
                           "step_s": self.config.retention.step_s,
                           "runs": self.pruner.runs if self.pruner else 0,
@@ -288,7 +305,9 @@ class FleetServer:
         self._api = ApiContext(database=self.database, tokens=self.tokens, store=self.store,
                           retention=self.config.retention, artifact_url=self.artifact_url,
                           silence_s=self.config.silence_s, status=self.status, metrics=self.metrics,
-                          wake_driver=self.driver.wake if self.driver else (lambda: None))
+                          wake_driver=self.driver.wake if self.driver else (lambda: None),
+                          clear_retained_state=self._clear_retained_state,
+                          command_ttl_s=self.config.driver.command_ttl_s)
         return self._api
 
 

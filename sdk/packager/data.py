@@ -24,7 +24,9 @@ state values the model really meets (:mod:`sdk.packager.sequences`); other sourc
 from __future__ import annotations
 
 import csv
+import io
 import re
+import wave
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,13 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from edgepack_core import audio
 from edgepack_core.errors import PreprocessError
 from edgepack_core.manifest import TensorSpec
 from edgepack_core.preprocess import Preprocessor
 from edgepack_core.preprocess_spec import PreprocessSpec
 from sdk.errors import RecipeError
 from sdk.packager.onnx_graph import index_ranges
-from sdk.packager.sources import DataSource, InputOptions
+from sdk.packager.sources import DataSource, InputOptions, OutputOptions
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm", ".tif", ".tiff"}
 MAX_PB_BYTES = 1 << 30  # one test-data tensor file; bounded before it is read
@@ -65,6 +68,8 @@ class Samples:
     names: list[str] = field(default_factory=list)
     sequences: list[tuple[int, int]] | None = None
     carry: dict[str, str] = field(default_factory=dict)
+    # Audio files whose rate was not the spec's and that were resampled to it: name -> their rate.
+    resampled: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.feeds)
@@ -233,6 +238,13 @@ def manifest_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[di
              **({"allow_non_finite": True} if spec.name in non_finite else {})} for spec in inputs]
 
 
+def manifest_outputs(outputs: Sequence[TensorSpec], declared: Mapping[str, OutputOptions]) -> list[dict[str, Any]]:
+    """The manifest's output specs: ``allow_non_finite`` where the recipe declares it (the agent
+    then serves NaN/inf there, flagged, instead of answering 500)."""
+    allowed = {name for name, decl in declared.items() if decl.allow_non_finite}
+    return [{**spec.to_json(), **({"allow_non_finite": True} if spec.name in allowed else {})} for spec in outputs]
+
+
 def tensor_inputs(inputs: Sequence[TensorSpec], declared: Declared) -> list[TensorSpec]:
     """The inputs data must supply: all but the constants and the state inputs."""
     return [s for s in inputs if declared.get(s.name, _UNDECLARED).role not in ("constant", "state")]
@@ -245,6 +257,11 @@ def context_options(ctx: Any) -> dict[str, Any]:
     """The keyword arguments of :func:`load_samples`/:func:`synthetic_samples` for a build."""
     return {"declared": ctx.recipe.inputs, "outputs": ctx.outputs, "root": ctx.recipe.root,
             "graph": ctx.original if ctx.original is not None else ctx.model}
+
+
+def synthetic_options(ctx: Any) -> dict[str, Any]:
+    """The keyword arguments of :func:`synthetic_samples` for a build (its declarations and graph)."""
+    return {k: v for k, v in context_options(ctx).items() if k != "root"}
 
 
 def load_samples(
@@ -260,7 +277,7 @@ def load_samples(
     declared = declared or {}
     states = state_feeds(inputs, outputs, declared)
     if source.synthetic:
-        return synthetic_samples(limit or 16, preprocess, inputs, declared=declared, graph=graph)
+        return synthetic_samples(limit or 16, preprocess, inputs, declared=declared, graph=graph, outputs=outputs)
     limit = source.limit if source.limit is not None else limit
     constants = {**constant_feeds(inputs, declared), **states}
     if source.kind == "npz":
@@ -348,11 +365,11 @@ def _load_audio(source: DataSource, preprocess: PreprocessSpec, inputs: Sequence
     feeds: list[Feed] = []
     names: list[str] = []
     sequences: list[tuple[int, int]] = []
+    resampled: dict[str, int] = {}
     for file in files:
-        try:
-            frames = pre.from_path(_inside(file, root, where))
-        except PreprocessError as err:
-            raise RecipeError(where, f"{file.name}: {err}") from err
+        frames, rate = _read_wav(pre, _inside(file, root, where), where)
+        if rate != preprocess.sample_rate:
+            resampled[file.name] = rate
         first = len(feeds)
         for index, frame in enumerate(frames):
             if limit and len(feeds) >= limit:
@@ -361,7 +378,19 @@ def _load_audio(source: DataSource, preprocess: PreprocessSpec, inputs: Sequence
             names.append(f"{file.name} frame {index}")
         if len(feeds) > first:
             sequences.append((first, len(feeds)))
-    return Samples(feeds, names=names, sequences=sequences)
+    return Samples(feeds, names=names, sequences=sequences, resampled=resampled)
+
+
+def _read_wav(pre: Preprocessor, path: Path, where: str) -> tuple[np.ndarray, int]:
+    """A WAV file's frames through the device's code, and the file's own sample rate."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise RecipeError(where, f"{path.name}: cannot read ({err.strerror or err})") from err
+    try:
+        return pre.from_audio_bytes(data), audio.parse_wav_header(data, pre.max_audio_bytes)[0].rate
+    except PreprocessError as err:
+        raise RecipeError(where, f"{path.name}: {err}") from err
 
 
 # ---------------------------------------------------------------- npz
@@ -556,31 +585,72 @@ def _synthetic_value(spec: TensorSpec, decl: InputOptions, index_range: tuple[in
     return rng.integers(low, high, size=shape).astype(dtype)
 
 
+def _synthetic_audio(count: int, preprocess: PreprocessSpec, rng: np.random.Generator) -> np.ndarray:
+    """``count`` consecutive frames of one made-up stream, cut by the device's own audio code:
+    each is a frame plus its context, shaped as the spec shapes it (never 1 sample)."""
+    length = preprocess.frame + preprocess.hop * max(count - 1, 0)
+    t = np.arange(length) / float(preprocess.sample_rate)
+    wave_form = 0.3 * np.sin(2 * np.pi * 440.0 * t) + rng.uniform(-0.1, 0.1, length)
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as writer:  # PCM16 at the spec's rate: nothing to resample
+        writer.setnchannels(1)
+        writer.setsampwidth(2)
+        writer.setframerate(preprocess.sample_rate)
+        writer.writeframes((np.clip(wave_form, -1, 1) * 32767).astype("<i2").tobytes())
+    frames: np.ndarray = Preprocessor(preprocess).from_audio_bytes(buffer.getvalue())[:count]
+    return frames
+
+
+def _synthetic_image(preprocess: PreprocessSpec, pre: Preprocessor, rng: np.random.Generator) -> np.ndarray:
+    """A random image a little larger than the resize's size, through the real preprocessing."""
+    height, width = preprocess.resize.size if preprocess.resize is not None else (64, 64)
+    image = rng.integers(0, 256, size=(int(height) + 7, int(width) + 5, 3), dtype=np.uint8)
+    tensor: np.ndarray = pre.from_array(image)
+    return tensor
+
+
+def _spec_values(count: int, preprocess: PreprocessSpec, rng: np.random.Generator) -> list[np.ndarray] | None:
+    """What the preprocessing spec feeds its input in ``count`` made-up samples; None for tensors."""
+    if preprocess.kind == "audio":
+        return list(_synthetic_audio(count, preprocess, rng))
+    if preprocess.kind == "image":
+        pre = Preprocessor(preprocess)
+        return [_synthetic_image(preprocess, pre, rng) for _ in range(count)]
+    return None
+
+
 def synthetic_samples(
     count: int, preprocess: PreprocessSpec, inputs: Sequence[TensorSpec], seed: int = 0, *,
-    declared: Declared | None = None, graph: Any = None,
+    declared: Declared | None = None, graph: Any = None, outputs: Sequence[TensorSpec] = (),
 ) -> Samples:
-    """Deterministic made-up inputs (the recipe consented to them). Image models get random
-    images pushed through the real preprocessing, so the golden samples exercise it too;
-    declared ranges and constants are honoured, index inputs stay in range."""
+    """Deterministic made-up inputs (the recipe consented to them) that follow the spec: the
+    preprocessed input gets what its preprocessing gives (random images through the real image
+    code; for audio, the consecutive frames of one made-up stream, each a frame plus its context);
+    the other inputs the recipe's dims, ranges and constants, index inputs kept in range; a
+    ``role: state`` input its init zeros, and on audio the output it is carried from, frame to
+    frame, as the agent runs a stream (``outputs`` checks the declaration)."""
     declared = declared or {}
     rng = np.random.default_rng(seed)
-    image_input = _target_input(preprocess, inputs) if preprocess.kind == "image" else None
-    pre = Preprocessor(preprocess) if image_input else None
-    constants = {**constant_feeds(inputs, declared), **state_feeds(inputs, (), declared)}
+    target = _target_input(preprocess, inputs) if preprocess.kind in ("image", "audio") and inputs else None
+    made = _spec_values(count, preprocess, rng) if target is not None else None
+    count = len(made) if made is not None else count
+    states = state_feeds(inputs, outputs, declared)
+    constants = {**constant_feeds(inputs, declared), **states}
     indices = index_ranges(graph, inputs)
     feeds: list[Feed] = []
-    for _ in range(count):
+    for index in range(count):
         feed: Feed = {}
         for spec in inputs:
             if spec.name in constants:
                 feed[spec.name] = constants[spec.name]
-            elif spec.name == image_input and pre is not None:
-                height, width = preprocess.resize.size if preprocess.resize is not None else (64, 64)
-                image = rng.integers(0, 256, size=(int(height) + 7, int(width) + 5, 3), dtype=np.uint8)
-                feed[spec.name] = pre.from_array(image)
+            elif spec.name == target and made is not None:
+                feed[spec.name] = made[index]
             else:
                 decl = declared.get(spec.name, _UNDECLARED)
                 feed[spec.name] = _synthetic_value(spec, decl, indices.get(spec.name), rng)
         feeds.append(feed)
-    return Samples(feeds, names=[f"synthetic sample {n}" for n in range(count)])
+    samples = Samples(feeds, names=[f"synthetic sample {n}" for n in range(count)])
+    if preprocess.kind == "audio" and target is not None and feeds:  # one stream's frames, in order
+        samples.sequences = [(0, len(feeds))]
+        samples.carry = carried_outputs(inputs, declared) if states else {}
+    return samples

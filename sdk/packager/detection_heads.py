@@ -3,9 +3,12 @@
 Why: a raw, undecoded grid (a YOLOX export without its decode step: grid offsets, log-space
 sizes, objectness logits) declared as ``yolov5`` decodes into boxes that are not on the image,
 without a word. A decoded head carries, per anchor, a box in input pixels (centres within half
-an image of it, sizes >= 0 and at most twice the image) and scores in [0, 1]. Scores that are
-logits while no format fits are left to the scores check (sdk/packager/probabilities.py), which
-names the missing Sigmoid."""
+an image of it, sizes >= 0 and at most twice the image) and scores in [0, 1]. A raw grid whose
+log sizes happen to be >= 0 still shows: every centre lies within a few pixels of the image's
+corner (grid offsets, not pixels). A ``yolox`` output is judged after its grid decode, so a raw
+YOLOX grid declared ``yolov5`` names ``yolox``, and a decoded one declared ``yolox`` names
+``yolov5``. Scores that are logits while no format fits are left to the scores check
+(sdk/packager/probabilities.py), which names the missing Sigmoid."""
 
 from __future__ import annotations
 
@@ -13,18 +16,30 @@ from collections.abc import Sequence
 
 import numpy as np
 
-YOLO_FORMATS = ("yolov8", "yolov5")
+from edgepack_core.manifest import TensorSpec
+from edgepack_core.postprocess import yolox_grid
+from edgepack_core.postprocess_spec import YOLOX_STRIDES
+from edgepack_core.preprocess_spec import PreprocessSpec
+
+YOLO_FORMATS = ("yolov8", "yolov5", "yolox")
 SIZE_SLACK = 0.5  # pixels: a decoded size below -0.5 is no rounding error
+CORNER = 3.0  # pixels: a decoded head whose every centre is this close to (0, 0) holds grid offsets
+CORNER_MIN_SIDE, CORNER_MIN_ROWS = 32, 8  # judged so only on images and heads this large
 RAW_GRID_HINT = (
-    "no format fits: it looks like a raw, undecoded grid; decode it in the graph (a YOLOX export "
-    "with decode_in_inference=True, a YOLOv5/v8 export with its Detect layer) and declare the format it then has"
+    "no format fits: it looks like a raw, undecoded grid; decode it in the graph (a YOLOv5/v8 export "
+    "with its Detect layer) and declare the format it then has, or declare format: yolox with the "
+    "strides of a YOLOX export"
 )
 
 
-def head_rows(fmt: str, output: np.ndarray) -> np.ndarray | None:
+Grid = tuple[tuple[int, int], tuple[int, ...]]  # (input height and width, strides) of a yolox head
+
+
+def head_rows(fmt: str, output: np.ndarray, grid: Grid | None = None) -> np.ndarray | None:
     """One row per anchor ``[cx, cy, w, h, scores...]`` of a ``yolov8`` (``[batch, 4 + classes,
-    anchors]``) or ``yolov5`` (``[batch, anchors, 5 + classes]``) output; None when the layout
-    is not the format's (the decoder names that)."""
+    anchors]``), ``yolov5`` (``[batch, anchors, 5 + classes]``) or ``yolox`` output (yolov5's
+    layout, decoded over ``grid``); None when the layout is not the format's (the decoder names
+    that), or a yolox output's anchors are not its grid's cells."""
     array = np.asarray(output)
     array = array[None] if array.ndim == 2 else array
     if array.ndim != 3 or array.dtype.kind != "f":
@@ -32,7 +47,32 @@ def head_rows(fmt: str, output: np.ndarray) -> np.ndarray | None:
     rows = array.transpose(0, 2, 1) if fmt == "yolov8" else array
     if rows.shape[-1] < (5 if fmt == "yolov8" else 6) or rows.shape[1] == 0:
         return None
-    return rows.reshape(-1, rows.shape[-1]).astype(np.float64)
+    rows = rows.astype(np.float64)
+    if fmt == "yolox":
+        if grid is None:
+            return None
+        cells, steps = yolox_grid(*grid)
+        if rows.shape[1] != cells.shape[0]:
+            return None
+        rows = rows.copy()
+        rows[:, :, 2:4] = np.exp(np.minimum(rows[:, :, 2:4], 80.0)) * steps
+        rows[:, :, 0:2] = (rows[:, :, 0:2] + cells) * steps
+    return rows.reshape(-1, rows.shape[-1])
+
+
+def yolox_input_size(preprocess: PreprocessSpec, model_input: TensorSpec | None) -> tuple[int, int] | None:
+    """(height, width) a yolox head's grids cover: the image resize's size, else the fixed
+    spatial dims of the input (NCHW, or NHWC for a layout of NHWC); None when neither says."""
+    if preprocess.kind == "image" and preprocess.resize is not None:
+        height, width = preprocess.resize.size
+        return int(height), int(width)
+    shape = list(model_input.shape) if model_input is not None else []
+    if len(shape) != 4:
+        return None
+    spatial = shape[1:3] if preprocess.kind == "image" and preprocess.layout == "NHWC" else shape[2:4]
+    if all(isinstance(d, int) and d > 0 for d in spatial):
+        return int(spatial[0]), int(spatial[1])
+    return None
 
 
 def _span(values: np.ndarray) -> str:
@@ -45,6 +85,10 @@ def _pixel_problem(rows: np.ndarray, image: tuple[int, int]) -> str | None:
     centers, sizes = rows[:, 0:2], rows[:, 2:4]
     if np.any(centers < -extent / 2) or np.any(centers > 1.5 * extent):
         return f"box centres over {_span(centers)}, off the {width}x{height} input"
+    cornered = min(height, width) >= CORNER_MIN_SIDE and len(rows) >= CORNER_MIN_ROWS
+    if cornered and float(np.max(np.abs(centers))) <= CORNER:
+        return (f"every box centre within {CORNER:g} pixels of the corner of the {width}x{height} input "
+                f"({_span(centers)}: grid offsets, not pixels)")
     if np.any(sizes > 2 * extent):
         return f"box sizes up to {float(np.max(sizes)):.4g}, beyond the {width}x{height} input"
     return None
@@ -62,41 +106,57 @@ def rows_problem(rows: np.ndarray, image: tuple[int, int] | None) -> str | None:
     return problem
 
 
-def format_problem(fmt: str, outputs: Sequence[np.ndarray], image: tuple[int, int] | None) -> str | None:
+def _grid(image: tuple[int, int] | None, strides: Sequence[int]) -> Grid | None:
+    return None if image is None else (image, tuple(strides))
+
+
+def format_problem(
+    fmt: str, outputs: Sequence[np.ndarray], image: tuple[int, int] | None, strides: Sequence[int] = YOLOX_STRIDES
+) -> str | None:
     """The first problem of ``outputs`` read as ``fmt``; None when they fit, or when the layout
     is not the format's (left to the decoder's message)."""
     for output in outputs:
-        rows = head_rows(fmt, output)
+        rows = head_rows(fmt, output, _grid(image, strides))
         problem = None if rows is None else rows_problem(rows, image)
         if problem is not None:
             return problem
     return None
 
 
-def _scores_off(fmt: str, outputs: Sequence[np.ndarray]) -> bool:
-    rows = [head_rows(fmt, o) for o in outputs]
+def _scores_off(fmt: str, outputs: Sequence[np.ndarray], grid: Grid | None) -> bool:
+    rows = [head_rows(fmt, o, grid) for o in outputs]
     return any(r is not None and (np.any(r[:, 4:] < 0.0) or np.any(r[:, 4:] > 1.0)) for r in rows)
 
 
-def fitting_formats(outputs: Sequence[np.ndarray], image: tuple[int, int] | None) -> list[str]:
+def fitting_formats(
+    outputs: Sequence[np.ndarray], image: tuple[int, int] | None, strides: Sequence[int] = YOLOX_STRIDES
+) -> list[str]:
     """The YOLO formats whose layout and value ranges ``outputs`` have."""
+    grid = _grid(image, strides)
     return [
         fmt
         for fmt in YOLO_FORMATS
-        if all(head_rows(fmt, o) is not None for o in outputs) and format_problem(fmt, outputs, image) is None
+        if all(head_rows(fmt, o, grid) is not None for o in outputs)
+        and format_problem(fmt, outputs, image, strides) is None
     ]
 
 
-def declared_format_problem(fmt: str, outputs: Sequence[np.ndarray], image: tuple[int, int] | None) -> str | None:
+def declared_format_problem(
+    fmt: str, outputs: Sequence[np.ndarray], image: tuple[int, int] | None, strides: Sequence[int] = YOLOX_STRIDES
+) -> str | None:
     """One line refusing ``fmt`` for ``outputs``, naming the format that fits when one does;
-    None when ``fmt`` fits (or is not a YOLO format)."""
+    None when ``fmt`` fits (or is not a YOLO format). ``strides``: the yolox grid levels."""
     if fmt not in YOLO_FORMATS or not outputs:
         return None
-    problem = format_problem(fmt, outputs, image)
+    if fmt == "yolox" and image is not None and any(head_rows(fmt, o, _grid(image, strides)) is None for o in outputs):
+        cells = yolox_grid(image, strides)[0].shape[0]
+        return (f"shape {list(np.shape(outputs[0]))}, not [batch, {cells}, 5 + classes]: the {cells} cells of "
+                f"strides {list(strides)} over the {image[1]}x{image[0]} input (set postprocess.strides)")
+    problem = format_problem(fmt, outputs, image, strides)
     if problem is None:
         return None
-    others = [f for f in fitting_formats(outputs, image) if f != fmt]
-    if not others and _scores_off(fmt, outputs):
+    others = [f for f in fitting_formats(outputs, image, strides) if f != fmt]
+    if not others and _scores_off(fmt, outputs, _grid(image, strides)):
         return None  # logits fitting no format: the scores check names the missing Sigmoid
     hint = f"the output fits format {others[0]}: declare format: {others[0]}" if others else RAW_GRID_HINT
     return f"{problem}; {hint}"

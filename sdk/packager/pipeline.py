@@ -23,7 +23,7 @@ from edgepack_core.targets import profile_providers
 from sdk.artifact_writer import write_artifact
 from sdk.errors import RecipeError
 from sdk.packager import ort_host, reproducible
-from sdk.packager.data import manifest_inputs
+from sdk.packager.data import manifest_inputs, manifest_outputs
 from sdk.packager.pass_guard import run_guarded
 from sdk.packager.passes import base
 from sdk.packager.passes.base import BuildContext, Progress, model_label
@@ -147,7 +147,7 @@ def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
         "created": reproducible.created(reproducible.source_date_epoch(os.environ)),
         "model": model_section,
         "inputs": manifest_inputs(ctx.inputs, ctx.recipe.inputs),
-        "outputs": [o.to_json() for o in ctx.outputs],
+        "outputs": manifest_outputs(ctx.outputs, ctx.recipe.outputs),
         "preprocess": ctx.preprocess.to_json(),
         "postprocess": ctx.postprocess.to_json(),
         "targets": {t: {"providers": list(profile_providers(t))} for t in ctx.recipe.targets},

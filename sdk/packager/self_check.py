@@ -1,16 +1,20 @@
 """The inputs a pass checks itself on (ort_optimize's self-check, the graph-pass guard, ...): the
 recipe's real validation data whenever it gives some, made-up inputs only when it gives none.
 
-Made-up inputs set every named dim to 1, which a real graph may not run at all (a Reshape to
+Made-up inputs that set every named dim to 1 a real graph may not run at all (a Reshape to
 ``[-1, 4]``, a window of 512 samples) or run on a path the real data never takes; the real data
-is what the build's validation and the device will see."""
+is what the build's validation and the device will see. Without any, the made-up inputs follow
+the spec (:func:`sdk.packager.data.synthetic_samples`: an audio frame plus its context, the
+image size the resize produces, the recipe's dims, states from init)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from edgepack_core.errors import PreprocessError
+from edgepack_core.manifest import TensorSpec
 from sdk.errors import RecipeError
-from sdk.packager.data import context_options, load_samples
+from sdk.packager.data import Feed, context_options, load_samples, synthetic_options, synthetic_samples
 from sdk.packager.passes.base import BuildContext
 from sdk.packager.sources import DataSource
 
@@ -32,26 +36,43 @@ def real_source(ctx: BuildContext) -> tuple[str, DataSource] | None:
     return None
 
 
+def made_up_feeds(ctx: BuildContext, count: int) -> list[Feed]:
+    """``count`` made-up feeds that follow the recipe's spec and state declarations; none when
+    the spec cannot make them (the self-check then says it had nothing to compare on)."""
+    try:
+        return synthetic_samples(count, ctx.preprocess, ctx.inputs, seed=11, **synthetic_options(ctx)).feeds
+    except (RecipeError, PreprocessError, ValueError):
+        return []
+
+
 def check_feeds(
-    ctx: BuildContext, count: int, made_up: list[dict[str, np.ndarray]]
+    ctx: BuildContext,
+    count: int,
+    made_up: list[dict[str, np.ndarray]] | None = None,
+    *,
+    inputs: list[TensorSpec] | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], str]:
-    """Up to ``count`` feeds of the recipe's real data and ``REAL``; ``made_up`` and ``MADE_UP``
-    when the recipe gives no real data. Data the recipe names but that cannot be read here falls
-    back to ``made_up``: the validate pass reads it again and refuses it with the full message."""
+    """Up to ``count`` feeds of the recipe's real data and ``REAL``; made-up ones (``made_up``,
+    else :func:`made_up_feeds`) and ``MADE_UP`` when the recipe gives no real data. Data the
+    recipe names but that cannot be read here falls back to them: the validate pass reads it
+    again and refuses it with the full message. ``inputs``: the graph's inputs for a pass that
+    runs before io_spec (the recipe's preprocessing feeds them)."""
     found = real_source(ctx)
     if found is None:
-        return made_up, MADE_UP
+        return (made_up_feeds(ctx, count) if made_up is None else made_up), MADE_UP
     key, source = found
     try:
         samples = load_samples(
             source,
-            ctx.preprocess,
-            ctx.inputs,
+            ctx.preprocess if inputs is None else ctx.recipe.preprocess,
+            ctx.inputs if inputs is None else inputs,
             key=key,
             limit=count,
             **context_options(ctx),
         )
-    except (RecipeError, ValueError):
-        return made_up, MADE_UP
-    feeds = samples.feeds[:count]
-    return (feeds, REAL) if feeds else (made_up, MADE_UP)
+    except (RecipeError, PreprocessError, ValueError):
+        samples = None
+    feeds = samples.feeds[:count] if samples is not None else []
+    if feeds:
+        return feeds, REAL
+    return (made_up_feeds(ctx, count) if made_up is None else made_up), MADE_UP

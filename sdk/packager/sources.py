@@ -160,3 +160,17 @@ class InputOptions:
             "sample); a data source's sample_axis overrides it",
         },
     )
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """``outputs.NAME``: what the agent does with this output's answers (the manifest's output spec)."""
+
+    DESCRIPTION = "What the agent may answer in one output."
+
+    allow_non_finite: bool = option(
+        False,
+        description="NaN/inf in this output are answers by design (-inf log-probabilities, NaN for "
+        "'no value'): the agent serves them flagged (non_finite_outputs) instead of answering 500 "
+        "non_finite_output",
+    )

@@ -156,8 +156,6 @@ class Fp16Pass(Pass):
         return ctx.recipe.optimize.fp16 and ctx.recipe.quantize.mode == "none"
 
     def run(self, ctx: BuildContext) -> None:
-        from sdk.packager.data import synthetic_samples
-
         model = ctx.require_model()
         weights = max(
             (
@@ -168,7 +166,7 @@ class Fp16Pass(Pass):
             default=0.0,
         )
         # The recipe's real data when it gives some: made-up inputs may miss the range real ones reach.
-        feeds, checked_on = check_feeds(ctx, 4, synthetic_samples(4, ctx.preprocess, ctx.inputs).feeds)
+        feeds, checked_on = check_feeds(ctx, 4)
         activations = activation_ranges(model, feeds)
         if max(weights, activations) >= FP16_MAX:
             ctx.warn(

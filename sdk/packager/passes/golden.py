@@ -2,10 +2,12 @@
 
 A sample whose outputs hold NaN/inf or nothing at all is never signed (the build fails,
 naming the sample and the output): a NaN out is almost always a broken model or made-up
-input, and an empty output proves nothing. The one exception is an answer the user declared:
-test data whose own expected outputs (``output_*.pb``) hold the same non-finite values at the
-same places, or the same empty shape (an IsNaN model, a Cast of inf, a reduction over an empty
-axis); the device's smoke test compares those position by position.
+input, and an empty output proves nothing. The exceptions are answers the user declared: NaN/inf
+in an output the recipe declares ``outputs.NAME.allow_non_finite`` (the agent serves those,
+flagged; anywhere else a NaN/inf answer is its 500 ``non_finite_output``, so a golden sample
+carrying one would fail every health-window probe), and an empty output that test data's own
+expected outputs (``output_*.pb``) state (a reduction over an empty axis); the device's smoke
+test compares those position by position.
 """
 
 from __future__ import annotations
@@ -63,17 +65,20 @@ def declared_by_expectation(value: np.ndarray, want: np.ndarray | None) -> bool:
     return value.dtype.kind in "fc" and want.dtype.kind in "fc" and same_non_finite(value, want)
 
 
-def unsignable_output(outputs: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray] | None = None
-                      ) -> tuple[str, str] | None:
-    """(output, why) for the first output a golden sample must not carry, else None. Pure."""
+def unsignable_output(outputs: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray] | None = None,
+                      allowed: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+    """(output, why) for the first output a golden sample must not carry, else None. ``allowed``:
+    the outputs the recipe declares ``allow_non_finite``. Pure."""
     for name, value in outputs.items():
-        if declared_by_expectation(value, (expected or {}).get(name)):
-            continue
         if value.size == 0:
+            if declared_by_expectation(value, (expected or {}).get(name)):
+                continue
             return name, f"is empty (shape {list(value.shape)})"
-        if value.dtype.kind in "fc" and not np.all(np.isfinite(value)):
+        if value.dtype.kind in "fc" and name not in allowed and not np.all(np.isfinite(value)):
             bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
-            return name, f"holds {bad} non-finite value(s) (NaN/inf)"
+            stated = " (as the test data expects)" if declared_by_expectation(value, (expected or {}).get(name)) else ""
+            return name, (f"holds {bad} non-finite value(s) (NaN/inf){stated}; where they are answers by design, "
+                          f"declare outputs.{name}.allow_non_finite: true (the agent refuses them otherwise)")
     return None
 
 
@@ -172,10 +177,11 @@ class GoldenPass(Pass):
         reduced = precision != "fp32" or "jetson" in ctx.recipe.targets
         rtol, atol = DEFAULT_TOLERANCE["reduced" if reduced else "fp32"]
         constants = {name for name, decl in ctx.recipe.inputs.items() if decl.role == "constant"}
+        allowed = frozenset(name for name, decl in ctx.recipe.outputs.items() if decl.allow_non_finite)
         entries = []
         for n, (feed, result) in enumerate(zip(samples.feeds, outputs, strict=True)):
             want = samples.expected[n] if samples.expected and n < len(samples.expected) else None
-            bad = unsignable_output(result, want)
+            bad = unsignable_output(result, want, allowed)
             if bad is not None:
                 raise BuildError("golden", f"golden sample {samples.name(n)} ({key}): output {bad[0]} {bad[1]}; "
                                  "it would not be signed: give golden data on which the model answers")

@@ -15,8 +15,14 @@ from edgepack_core.postprocess import load_charset
 from edgepack_core.postprocess_spec import PostprocessSpec
 from sdk.errors import RecipeError
 from sdk.packager.ctc_blank import blank_range_problem, likely_blank_problem
-from sdk.packager.declared import dtype_problem, shape_problem
-from sdk.packager.detection_heads import declared_format_problem
+from sdk.packager.declared import (
+    audio_frame_problem,
+    dtype_problem,
+    height_resize_problem,
+    model_rate_problem,
+    shape_problem,
+)
+from sdk.packager.detection_heads import declared_format_problem, yolox_input_size
 from sdk.packager.onnx_graph import (
     graph_io,
 )
@@ -114,7 +120,8 @@ def check_detection_format(
         return
     name = post.output or ctx.outputs[0].name
     values = [sample[name] for sample in outputs if name in sample]
-    problem = declared_format_problem(post.format, values, _image_size(ctx, feeds))
+    image = post.input_size if post.format == "yolox" else _image_size(ctx, feeds)
+    problem = declared_format_problem(post.format, values, image or _image_size(ctx, feeds), post.strides)
     if problem is not None:
         raise RecipeError("postprocess.format", f"{post.format}: output {name} on the validation data has {problem}",
                           recipe=str(ctx.recipe.path))
@@ -201,12 +208,36 @@ def _check_postprocess_outputs(ctx: BuildContext, recipe: str) -> None:
         )
 
 
+def _with_yolox_grid(ctx: BuildContext, fed: str | None, recipe: str) -> PostprocessSpec:
+    """A ``yolox`` head decodes over grids laid on the model input: its ``input_size`` is the
+    resize's size or the input's fixed dims, written into the manifest; refused when neither says."""
+    post = ctx.postprocess
+    if post.kind != "detection" or post.format != "yolox" or post.input_size is not None:
+        return post
+    model_input = next((i for i in ctx.inputs if i.name == fed), None)
+    size = yolox_input_size(ctx.preprocess, model_input)
+    if size is None:
+        shape = list(model_input.shape) if model_input is not None else []
+        raise RecipeError("postprocess.input_size", f"format yolox decodes grids over the model input, whose size "
+                          f"input {fed} {shape} does not fix: give input_size: [height, width] (or an image "
+                          "resize)", recipe=recipe)
+    return replace(post, input_size=size)
+
+
 def _check_declared_input(ctx: BuildContext, name: str, recipe: str) -> None:
-    """``preprocess.shape`` and ``preprocess.dtype`` fit the input they feed, refused here in
-    Edgepack's words before onnxruntime's (:mod:`sdk.packager.declared`)."""
+    """``preprocess.shape``, ``preprocess.dtype`` and an audio spec's frames fit the input they
+    feed, and its ``sample_rate`` the rate the model states, refused here in Edgepack's words
+    before onnxruntime's (:mod:`sdk.packager.declared`)."""
     model_input = next(i for i in ctx.inputs if i.name == name)
-    for key, problem in (("preprocess.shape", shape_problem(ctx.preprocess, model_input)),
-                         ("preprocess.dtype", dtype_problem(ctx.preprocess, model_input))):
+    checks = [("preprocess.shape", shape_problem(ctx.preprocess, model_input)),
+              ("preprocess.dtype", dtype_problem(ctx.preprocess, model_input))]
+    frames = audio_frame_problem(ctx.preprocess, model_input)
+    if frames is not None:
+        checks.append(frames)
+    constants = {key: decl.value for key, decl in ctx.recipe.inputs.items() if decl.role == "constant"}
+    metadata = {prop.key: prop.value for prop in ctx.require_model().metadata_props}
+    checks.append(("preprocess.sample_rate", model_rate_problem(ctx.preprocess, constants, metadata)))
+    for key, problem in checks:
         if problem is not None:
             raise RecipeError(key, problem, recipe=recipe)
 
@@ -238,6 +269,12 @@ class IoSpecPass(Pass):
         if output is not None and output not in [o.name for o in ctx.outputs]:
             raise RecipeError("postprocess.output", f"no model output named {output!r}", recipe=recipe)
         _check_postprocess_outputs(ctx, recipe)
+        ctx.postprocess = _with_yolox_grid(ctx, fed, recipe)
+        names = [o.name for o in ctx.outputs]
+        for name in ctx.recipe.outputs:
+            if name not in names:
+                raise RecipeError(f"outputs.{name}", f"the model has no output {name!r} (outputs: {', '.join(names)})",
+                                  recipe=recipe)
         ctx.report[self.name] = {
             "inputs": [i.to_json() for i in ctx.inputs],
             "outputs": [o.to_json() for o in ctx.outputs],
@@ -248,7 +285,12 @@ class IoSpecPass(Pass):
     def _check_image_input(ctx: BuildContext, name: str, recipe: str) -> None:
         spec = ctx.preprocess
         model_input = next(i for i in ctx.inputs if i.name == name)
+        problem = height_resize_problem(spec, model_input)
+        if problem is not None:
+            raise RecipeError(*problem, recipe=recipe)
         height, width = spec.resize.size if spec.resize is not None else (None, None)
+        if spec.resize is not None and spec.resize.variable_width:
+            width = None  # keep-aspect-height: each image its own width (checked just above)
         channels = spec.channels
         if spec.layout == "NCHW":
             expected: list[int | None] = [channels, height, width]

@@ -47,7 +47,14 @@ from edgepack_core.targets import CPU, PROFILES
 from sdk.errors import BuildError, OrtCrashError, RecipeError
 from sdk.packager import quant_search as plan
 from sdk.packager import quant_sensitivity as sensitivity
-from sdk.packager.data import Samples, carried_feeds, context_options, load_samples, synthetic_samples
+from sdk.packager.data import (
+    Samples,
+    carried_feeds,
+    context_options,
+    load_samples,
+    synthetic_options,
+    synthetic_samples,
+)
 from sdk.packager.onnx_graph import default_opset
 from sdk.packager.options import given, option
 from sdk.packager.ort_host import call_in_worker, measure_latency
@@ -290,10 +297,6 @@ def time_side_by_side(fp32: Path, candidate: Path, feed: dict[str, np.ndarray]
     return fp32_blocks, candidate_blocks
 
 
-def _synthetic_options(ctx: BuildContext) -> dict[str, Any]:
-    return {k: v for k, v in context_options(ctx).items() if k in ("declared", "graph")}
-
-
 def _state_entries(calibration: Samples | None, validation: Samples) -> dict[str, Any]:
     """The report's ``calibration_state`` and ``validation_state``: how a stateful model's state
     inputs were fed (carried over each file's frames, or init); nothing for a stateless one."""
@@ -381,7 +384,7 @@ class QuantizePass(Pass):
             config = replace(config, exclude=expand_exclusions(config.exclude, names, recipe=str(ctx.recipe.path)))
         calibration = self._samples(ctx, options.calibration, "quantize.calibration", 200)
         validation = self._samples(ctx, validate_options.data, "validate.data", validate_options.samples or 200) \
-            or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs, **_synthetic_options(ctx))
+            or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs, **synthetic_options(ctx))
         reference = run_samples(source.read_bytes(), validation, label="the fp32 model")
         data = _Data(source, self._calibration(source, calibration, validation, reference), validation, reference)
         search = _Search(ctx, folder, data, options)

@@ -190,6 +190,24 @@ def reference_note(ctx: BuildContext) -> dict[str, Any]:
     return note
 
 
+MAX_NAMED_FILES = 10  # resampled files named in the report and the warning; the rest are counted
+
+
+def _report_resampled(ctx: BuildContext, samples: Samples, report: dict[str, Any]) -> None:
+    """Validation audio of another rate than ``preprocess.sample_rate`` was resampled (as a
+    device resamples such a request): said in the report and once as a warning, never silently,
+    since a rate unlike the model's is as often a wrong ``sample_rate`` as a file to convert."""
+    if not samples.resampled:
+        return
+    rate = ctx.preprocess.sample_rate
+    named = dict(sorted(samples.resampled.items())[:MAX_NAMED_FILES])
+    report["resampled"] = {"to": rate, "count": len(samples.resampled), "files": named}
+    listed = ", ".join(f"{name} ({hz} Hz)" for name, hz in named.items())
+    more = f" and {len(samples.resampled) - len(named)} more" if len(samples.resampled) > len(named) else ""
+    ctx.warn(f"validation audio resampled to preprocess.sample_rate {rate} Hz (linear, no anti-alias filter): "
+             f"{listed}{more}; devices resample such requests the same way (preprocess.resample: false refuses them)")
+
+
 @register
 class ValidatePass(Pass):
     name = "validate"
@@ -230,6 +248,7 @@ class ValidatePass(Pass):
         note = reference_note(ctx)
         if note:
             report["reference"] = note
+        _report_resampled(ctx, samples, report)
         failures: list[tuple[str, float, float, str]] = []
         summaries: list[str] = []
         if lossless:

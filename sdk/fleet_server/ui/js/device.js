@@ -14,6 +14,26 @@ export const RANGES = [
   { id: "7d", label: "7 days", seconds: 7 * 86400, step: 3600 },
 ];
 
+// The error kinds charted beside the total: the most frequent over the range (a model answering
+// NaN shows as non_finite_output, a crashing one as runtime); the rest stay in the total.
+export const MAX_KIND_SERIES = 4;
+
+export function errorKindSeries(points) {
+  const totals = new Map();
+  for (const point of points) {
+    for (const [kind, count] of Object.entries(point.error_kinds || {})) {
+      totals.set(kind, (totals.get(kind) || 0) + count);
+    }
+  }
+  const kinds = [...totals.entries()].sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : 1))
+    .slice(0, MAX_KIND_SERIES).map(([kind]) => kind);
+  return kinds.map((kind) => ({
+    name: kind,
+    points: points.map((p) => [p.ts, !p.samples ? null
+      : p.error_kinds && Object.hasOwn(p.error_kinds, kind) ? p.error_kinds[kind] : 0]),
+  }));
+}
+
 function facts(device) {
   const rows = [
     ["State", device.online ? badge("online", "ok") : badge(device.status || "unknown", "off")],
@@ -78,7 +98,7 @@ export function mount(root, route) {
       lineChart({ ...frame, title: "Throughput (inferences/s)", format: (v) => number(v, 1),
                   series: [{ name: "throughput", points: pick("throughput_per_s") }] }),
       lineChart({ ...frame, title: `Errors (per ${series.step} s)`, format: (v) => number(v, 1),
-                  series: [{ name: "errors", points: pick("errors") }] }),
+                  series: [{ name: "errors", points: pick("errors") }, ...errorKindSeries(series.points)] }),
       h("p", { class: "muted", id: "telemetry-meta" },
         `${series.points.length} points of ${series.step} s since ${time(frame.since)}`));
   }

@@ -1,0 +1,204 @@
+"""Desired state end to end: a real `edgepack fleet serve`, a real mosquitto and real agents. The
+server keeps targets per fleet, group and device and reconciles each device to its effective
+target with the signed deploy; every command the broker delivers is counted per device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from edgepack_core import faults
+from edgepack_core.fsutil import sha256_file
+from tests.agent_process import AgentProcess
+from tests.artifacts import build_artifact
+from tests.fleet_server_process import CommandCounter, FleetServerProcess, edgepack, make_keys, wait_for
+
+
+@pytest.fixture
+def broker(mosquitto_broker):
+    return mosquitto_broker
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory, keypair):
+    return make_keys(tmp_path_factory.mktemp("keys"), release=keypair)
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory, keypair) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("arts")
+    return {v: build_artifact(folder / v, keypair[0], version=v) for v in ("1.1.0", "2.0.0")}
+
+
+@pytest.fixture
+def counter(broker):
+    counting = CommandCounter(broker.port)
+    yield counting
+    counting.close()
+
+
+def _env(server: FleetServerProcess) -> dict[str, str]:
+    return {"EDGEPACK_SERVER": server.url, "EDGEPACK_SERVER_TOKEN_FILE": str(server.keys.token_file)}
+
+
+class Kitchen:
+    """Two real agents in group kitchen: cam-01 on 1.1.0, cam-02 on 2.0.0."""
+
+    def __init__(self, folder: Path, broker, keys, keypair, versions, server: FleetServerProcess) -> None:
+        self.agents = {name: AgentProcess(folder, device=name, broker_port=broker.port, trust=keypair[1],
+                                          artifact=versions[version], groups=["kitchen"],
+                                          operator_keys=[keys.operator_pub],
+                                          updates={"allowed_origins": [server.url]})
+                       for name, version in (("cam-01", "1.1.0"), ("cam-02", "2.0.0"))}
+
+    def __enter__(self) -> Kitchen:
+        for agent in self.agents.values():
+            agent.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for agent in self.agents.values():
+            agent.stop()
+
+    def versions(self) -> dict[str, str | None]:
+        return {name: agent.version() for name, agent in self.agents.items()}
+
+
+def _online(server: FleetServerProcess, count: int) -> bool:
+    return bool(wait_for(lambda: server.get("/api/devices?group=kitchen&online=true")["total"] == count, 30))
+
+
+def _on(server: FleetServerProcess, device: str, version: str) -> bool:
+    return bool(wait_for(lambda: server.get(f"/api/devices/{device}")["version"] == version, 30))
+
+
+def test_a_fleet_cannot_be_brought_back_to_one_version_a_group_target_converges_both(
+        tmp_path, broker, keys, keypair, versions, counter):
+    """The incident: `rollout create 1.1.0 --group kitchen --force-downgrade` failed its wave because
+    cam-01 already ran 1.1.0, and cam-02 (on 2.0.0) was never sent anything. A group target sends
+    cam-02 the signed downgrade and counts cam-01 converged, never failed."""
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    try:
+        with Kitchen(tmp_path, broker, keys, keypair, versions, server) as kitchen:
+            assert _online(server, 2) and _on(server, "cam-02", "2.0.0")
+            result = edgepack("target", "set", "--group", "kitchen", str(versions["1.1.0"]), "--reason",
+                              "incident 42: back to 1.1.0", "--wait", "--timeout", "120", env=_env(server))
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert "uploaded scale 1.1.0" in result.stderr
+            assert "2/2 device(s) on target" in result.stdout
+            assert kitchen.versions() == {"cam-01": "1.1.0", "cam-02": "1.1.0"}
+            assert dict(counter.by_device) == {"cam-02": 1}  # cam-01 was on target: nothing sent, nothing failed
+            assert set(counter.types.values()) == {"deploy"}
+            for device in ("cam-01", "cam-02"):
+                doc = server.get(f"/api/devices/{device}/target")
+                assert (doc["state"], doc["difference"]) == ("converged", {}), doc
+                assert doc["effective"]["models"]["scale"] == {"artifact": sha256_file(versions["1.1.0"]),
+                                                               "source": "group:kitchen", "revision": 1}
+            shown = edgepack("target", "show", "--group", "kitchen", env=_env(server))
+            assert shown.returncode == 0 and shown.stdout.count("converged") == 2, shown.stdout
+        entry = next(e for e in server.get("/api/audit")["entries"] if e["action"] == "target.set")
+        assert entry["detail"]["reason"] == "incident 42: back to 1.1.0"
+        assert entry["target"] == "group:kitchen" and entry["outcome"] == "ok"
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_held_device_waits_with_the_reason_and_converges_when_released(tmp_path, broker, keys, keypair,
+                                                                         versions, counter):
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    try:
+        with Kitchen(tmp_path, broker, keys, keypair, versions, server) as kitchen:
+            assert _online(server, 2) and _on(server, "cam-02", "2.0.0")
+            held = edgepack("target", "hold", "--device", "cam-02", "--reason", "on the bench", env=_env(server))
+            assert held.returncode == 0, held.stderr
+            result = edgepack("target", "set", "--fleet", str(versions["1.1.0"]), "--wait", "--timeout", "1",
+                              env=_env(server))
+            assert result.returncode == 1 and "cam-02: held by device" in result.stderr, result.stderr
+            doc = server.get("/api/devices/cam-02/target")
+            assert doc["state"] == "wait" and doc["reason"] == "held by device"
+            assert doc["difference"] == {"scale": "runs 2.0.0, target 1.1.0"}
+            assert not counter.by_device
+            released = edgepack("target", "release", "--device", "cam-02", env=_env(server))
+            assert released.returncode == 0, released.stderr
+            assert _on(server, "cam-02", "1.1.0") and kitchen.versions()["cam-02"] == "1.1.0"
+            assert dict(counter.by_device) == {"cam-02": 1}
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_reconcile_resumes_from_targets_and_sends_once(tmp_path, broker, keys, keypair,
+                                                                           versions, counter):
+    """SIGKILL after the reconciler recorded cam-02's deploy and before the broker saw it: the
+    restarted server resumes from the database alone (the target and the recorded command),
+    publishes the same command once, and the device converges."""
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys,
+                                extra=("--resend-after", "2s"))
+    server.start(env=faults.switch("fleet-recorded-targets"))
+    try:
+        with Kitchen(tmp_path, broker, keys, keypair, versions, server) as kitchen:
+            assert _online(server, 2) and _on(server, "cam-02", "2.0.0")
+            uploaded = edgepack("target", "set", "--group", "kitchen", str(versions["1.1.0"]), env=_env(server))
+            assert uploaded.returncode == 0, uploaded.stderr
+            assert server.proc is not None and server.proc.wait(60) == -9  # died at the crash point
+            assert not counter.by_device
+            server.start()
+            assert _on(server, "cam-02", "1.1.0")
+            assert wait_for(lambda: server.get("/api/devices/cam-02/target")["state"] == "converged", 30)
+            assert kitchen.versions() == {"cam-01": "1.1.0", "cam-02": "1.1.0"}
+        assert dict(counter.by_device) == {"cam-02": 1} and list(counter.by_id.values()) == [1]
+        assert server.get("/api/status")["driver"]["resent"] == 1
+    finally:
+        server.stop()
+
+
+def test_target_requests_are_validated_naming_the_field_and_audited_with_the_reason(tmp_path, broker, keys,
+                                                                                  versions):
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    try:
+        status, stored = server.call("POST", "/api/artifacts", data=versions["1.1.0"].read_bytes(),
+                                     headers={"Content-Type": "application/octet-stream"})
+        assert status == 201, stored
+        sha = stored["sha256"]
+        path = "/api/targets/groups/kitchen"
+        refusals = [
+            ({"models": {"scale": "zz"}}, 400, "models.scale"),
+            ({"models": {"scale": "0" * 64}}, 422, "models.scale: no artifact"),
+            ({"models": {"digits": sha}}, 422, "models.digits: artifact"),
+            ({"models": {"a/b": "absent"}}, 400, "models.a/b"),
+            ({"modles": {}}, 400, "modles"),
+            ({}, 422, "nothing to change"),
+            ({"models": {f"m{i}": "absent" for i in range(17)}}, 400, "at most 16"),
+            ({"hold": "yes"}, 400, "hold"),
+            ({"models": {"scale": sha}, "reason": "x" * 2001}, 400, "reason"),
+        ]
+        for body, code, text in refusals:
+            status, doc = server.call("PUT", path, body)
+            assert status == code and text in doc["error"]["message"], (body, doc)
+        status, doc = server.call("PUT", "/api/targets/devices/ghost-1", {"hold": True})
+        assert status == 404 and "no device ghost-1" in doc["error"]["message"]
+        assert server.call("GET", "/api/devices/ghost-1/target")[0] == 404
+        assert server.call("PUT", path, {"hold": True}, token=False)[0] == 401
+        # the limits pass: 16 models, a 2,000-character reason
+        status, doc = server.call("PUT", path, {"models": {f"m{i}": "absent" for i in range(16)},
+                                                "reason": "r" * 2000})
+        assert status == 200 and len(doc["models"]) == 16, doc
+        status, doc = server.call("PUT", path, {"models": {"scale": sha}})
+        assert status == 422 and "would hold 17 models; at most 16" in doc["error"]["message"], doc
+        assert server.call("PUT", path, {"models": {f"m{i}": None for i in range(16)}})[0] == 200
+        status, doc = server.call("PUT", path, {"models": {"scale": sha}, "reason": "back to 1.1.0"})
+        assert status == 200 and list(doc["models"]) == ["scale"], doc
+        assert doc["models"]["scale"]["revision"] == 1 and doc["models"]["scale"]["reason"] == "back to 1.1.0"
+        status, doc = server.call("PUT", path, {"models": {"scale": sha}, "reason": "again"})
+        assert doc["models"]["scale"]["revision"] == 2  # a new operator decision: a rejected artifact is retried
+        everything = server.get("/api/targets")
+        assert everything["groups"] == {"kitchen": {"models": {"scale": sha}, "hold": False}}
+        entries = [e for e in server.get("/api/audit?limit=1000")["entries"] if e["action"] == "target.set"]
+        assert sum(e["outcome"] == "refused" and e["target"] == "kitchen" for e in entries) == len(refusals) + 1
+        accepted = [e for e in entries if e["outcome"] == "ok"]
+        assert [e["detail"]["reason"] for e in accepted][:2] == ["again", "back to 1.1.0"]
+        assert accepted[0]["detail"]["before"] == {"scale": sha} and accepted[0]["target"] == "group:kitchen"
+    finally:
+        server.stop()

@@ -1,0 +1,166 @@
+"""Desired state, pure: effective targets (device beats group beats fleet; conflicting groups
+refused with the reason; the most cautious hold wins) and the reconciler's decision at each
+boundary (converged, send, and every reason to wait)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdk.fleet_server.targets import (
+    ABSENT,
+    MAX_ATTEMPTS,
+    NO_TARGET,
+    ArtifactInfo,
+    LastCommand,
+    Reported,
+    Running,
+    Target,
+    Wanted,
+    effective_target,
+    reconcile,
+    target_command_id,
+)
+
+V1, V2, V3 = "1" * 64, "2" * 64, "3" * 64
+ARTIFACTS = {V1: ArtifactInfo(V1, "digits", "1.1.0", "a" * 64), V2: ArtifactInfo(V2, "digits", "2.0.0", "b" * 64),
+             V3: ArtifactInfo(V3, "digits", "3.0.0")}
+ON_V1 = Reported(online=True, models={"digits": Running("1.1.0", "a" * 64)}, heard_at=100.0)
+ON_V2 = Reported(online=True, models={"digits": Running("2.0.0", "b" * 64)}, heard_at=100.0)
+
+
+def _effective(fleet=NO_TARGET, groups=None, device=NO_TARGET):
+    return effective_target(fleet, groups or {}, device)
+
+
+def test_device_beats_group_beats_fleet():
+    fleet, group, device = Target({"digits": V1}), Target({"digits": V2}), Target({"digits": V3})
+    assert _effective(fleet).models["digits"] == Wanted(V1, "fleet")
+    assert _effective(fleet, {"kitchen": group}).models["digits"] == Wanted(V2, "group:kitchen")
+    assert _effective(fleet, {"kitchen": group}, device).models["digits"] == Wanted(V3, "device")
+
+
+def test_groups_that_agree_give_the_model_and_groups_that_disagree_are_a_conflict_not_a_pick():
+    agree = _effective(groups={"a": Target({"digits": V1}), "b": Target({"digits": V1})})
+    assert agree.models["digits"] == Wanted(V1, "group:a+b") and not agree.conflicts
+    clash = _effective(Target({"digits": V3}), {"a": Target({"digits": V1}), "b": Target({"digits": V2})})
+    assert "digits" not in clash.models  # not even the fleet's: the groups said something, just not one thing
+    assert clash.conflicts["digits"] == (("a", V1), ("b", V2))
+    decision = reconcile("d", clash, ON_V2, ARTIFACTS, {}, now=200.0)
+    assert decision.kind == "wait" and "groups disagree" in decision.reason and "device target" in decision.reason
+    # a device target settles it
+    settled = _effective(groups={"a": Target({"digits": V1}), "b": Target({"digits": V2})},
+                         device=Target({"digits": V1}))
+    assert reconcile("d", settled, ON_V2, ARTIFACTS, {}, now=200.0).kind == "send"
+
+
+def test_any_scope_that_holds_holds_the_device_and_names_itself():
+    assert _effective(Target(hold=True)).held_by == ("fleet",)
+    held = _effective(Target({"digits": V1}), {"kitchen": Target(hold=True)}, Target(hold=True))
+    assert held.held_by == ("device", "group:kitchen")
+    decision = reconcile("d", held, ON_V2, ARTIFACTS, {}, now=200.0)
+    assert decision.kind == "wait" and decision.reason == "held by device, group:kitchen"
+    assert dict(decision.differences) == {"digits": "runs 2.0.0, target 1.1.0"}
+
+
+def test_a_device_already_on_target_is_converged_even_held_offline_or_after_a_failed_job():
+    effective = _effective(groups={"kitchen": Target({"digits": V1}, hold=True)})
+    offline = Reported(online=False, models=ON_V1.models)
+    failed = {"digits": LastCommand("tg-x", V1, "group:kitchen", 1, 1, 50.0, "failed", True, "boom", 60.0)}
+    assert reconcile("d", effective, offline, ARTIFACTS, failed, now=200.0).kind == "converged"
+
+
+def test_a_device_that_differs_gets_the_deploy_downgrade_included_with_a_derived_id():
+    effective = _effective(groups={"kitchen": Target({"digits": V1})})
+    decision = reconcile("cam-02", effective, ON_V2, ARTIFACTS, {}, now=200.0)
+    assert (decision.kind, decision.model, decision.artifact, decision.attempt) == ("send", "digits", V1, 1)
+    assert decision.command_id == target_command_id("cam-02", "digits", Wanted(V1, "group:kitchen"), 1)
+    assert decision.command_id != target_command_id("cam-03", "digits", Wanted(V1, "group:kitchen"), 1)
+    assert len(decision.command_id) <= 64
+
+
+def test_the_same_version_with_another_model_file_is_not_on_target():
+    effective = _effective(Target({"digits": V1}))
+    rebuilt = Reported(online=True, models={"digits": Running("1.1.0", "c" * 64)}, heard_at=1.0)
+    assert reconcile("d", effective, rebuilt, ARTIFACTS, {}, now=2.0).kind == "send"
+    unknown_hash = Reported(online=True, models={"digits": Running("1.1.0", None)}, heard_at=1.0)
+    assert reconcile("d", effective, unknown_hash, ARTIFACTS, {}, now=2.0).kind == "converged"
+
+
+def _last(state="sent", final=False, reason="", sent_at=100.0, final_at=None, attempt=1, revision=1):
+    return {"digits": LastCommand("tg-1", V1, "fleet", revision, attempt, sent_at, state, final, reason, final_at)}
+
+
+@pytest.mark.parametrize("age, kind", [(3599.999, "wait"), (3600.0, "send")])
+def test_a_command_in_flight_is_never_resent_until_its_lifetime_is_over(age, kind):
+    effective = _effective(Target({"digits": V1}))
+    decision = reconcile("d", effective, ON_V2, ARTIFACTS, _last("downloading"), now=100.0 + age,
+                         command_ttl_s=3600.0)
+    assert decision.kind == kind
+    if kind == "wait":
+        assert decision.reason == "command tg-1 in flight (downloading)"
+    else:
+        assert decision.attempt == 2
+
+
+def test_an_artifact_the_device_rejected_is_not_sent_again_until_the_operator_sets_the_target_again():
+    rejected = _last("rolled_back", True, "unhealthy: 30 non-finite outputs", final_at=150.0)
+    decision = reconcile("d", _effective(Target({"digits": V1})), ON_V2, ARTIFACTS, rejected, now=999.0)
+    assert decision.kind == "wait" and "rejected on this device (rolled_back: unhealthy" in decision.reason
+    again = _effective(Target({"digits": V1}, revisions={"digits": 2}))
+    retried = reconcile("d", again, ON_V2, ARTIFACTS, rejected, now=999.0)
+    assert retried.kind == "send" and retried.attempt == 1 and retried.revision == 2
+
+
+def test_already_the_active_model_is_not_a_rejection():
+    answer = _last("failed", True, "digits-1.1.0-abc is already the active model", final_at=150.0)
+    effective = _effective(Target({"digits": V1}))
+    stale = Reported(online=True, models=ON_V2.models, heard_at=150.0)
+    assert reconcile("d", effective, stale, ARTIFACTS, answer, now=999.0).reason.endswith("waiting for the "
+                                                                                          "device's state")
+    assert reconcile("d", effective, ON_V1, ARTIFACTS, answer, now=999.0).kind == "converged"
+
+
+@pytest.mark.parametrize("heard_at, kind", [(150.0, "wait"), (150.001, "send")])
+def test_a_device_that_drifted_after_its_job_ended_active_gets_the_target_again(heard_at, kind):
+    done = _last("active", True, final_at=150.0)
+    drifted = Reported(online=True, models=ON_V2.models, heard_at=heard_at)
+    decision = reconcile("d", _effective(Target({"digits": V1})), drifted, ARTIFACTS, done, now=999.0)
+    assert decision.kind == kind
+
+
+@pytest.mark.parametrize("attempt, kind", [(MAX_ATTEMPTS - 1, "send"), (MAX_ATTEMPTS, "wait")])
+def test_resends_of_one_target_are_bounded(attempt, kind):
+    done = _last("active", True, final_at=150.0, attempt=attempt)
+    drifted = Reported(online=True, models=ON_V2.models, heard_at=151.0)
+    assert reconcile("d", _effective(Target({"digits": V1})), drifted, ARTIFACTS, done, now=999.0).kind == kind
+
+
+def test_the_reasons_to_wait_before_anything_is_sent():
+    effective = _effective(Target({"digits": V1}))
+    offline = Reported(online=False, models=ON_V2.models, status_reason="connection lost (last will)")
+    assert reconcile("d", effective, offline, ARTIFACTS, {}, now=1.0).reason == \
+        "offline: connection lost (last will)"
+    assert reconcile("d", effective, ON_V2, ARTIFACTS, {}, now=1.0, busy="rollout ro-1").reason == "in rollout ro-1"
+    missing = reconcile("d", _effective(Target({"digits": "9" * 64})), ON_V2, ARTIFACTS, {}, now=1.0)
+    assert missing.kind == "wait" and "not in the server's store" in missing.reason
+    two = _effective(Target({"digits": V1, "kws": V3}))
+    assert "names 2 models" in reconcile("d", two, ON_V2, ARTIFACTS, {}, now=1.0).reason
+
+
+def test_absent_models_are_on_target_when_missing_and_replaced_by_the_wanted_one():
+    assert reconcile("d", _effective(Target({"kws": ABSENT})), ON_V2, ARTIFACTS, {}, now=1.0).kind == "converged"
+    effective = _effective(Target({"digits": ABSENT}))
+    decision = reconcile("d", effective, ON_V2, ARTIFACTS, {}, now=1.0)
+    assert decision.kind == "wait" and "removing a model is not supported" in decision.reason
+    swap = _effective(Target({"digits": ABSENT, "kws": V3}))
+    assert reconcile("d", swap, ON_V2, ARTIFACTS, {}, now=1.0).model == "kws"
+
+
+def test_no_target_is_converged():
+    assert reconcile("d", _effective(), ON_V2, ARTIFACTS, {}, now=1.0).kind == "converged"
+
+
+def test_targets_are_frozen():
+    target = Target({"digits": V1})
+    with pytest.raises(TypeError):
+        target.models["digits"] = V2  # type: ignore[index]
