@@ -120,8 +120,8 @@ def check_detection_format(
         return
     name = post.output or ctx.outputs[0].name
     values = [sample[name] for sample in outputs if name in sample]
-    image = post.input_size if post.format == "yolox" else _image_size(ctx, feeds)
-    problem = declared_format_problem(post.format, values, image or _image_size(ctx, feeds), post.strides)
+    image = (post.input_size if post.format == "yolox" else None) or _image_size(ctx, feeds)
+    problem = declared_format_problem(post.format, values, image, post.strides)
     if problem is not None:
         raise RecipeError("postprocess.format", f"{post.format}: output {name} on the validation data has {problem}",
                           recipe=str(ctx.recipe.path))
