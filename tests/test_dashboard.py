@@ -442,6 +442,25 @@ def test_the_audit_page_shows_who_did_what_and_when(browser, server, fleet, shot
           message="filtered by action")
 
 
+def test_the_device_page_shows_its_target_the_difference_and_why_it_persists(browser, server, fleet, artifacts):
+    status, stored = server.call("POST", "/api/artifacts", data=artifacts["1.1.0"].read_bytes(),
+                                 headers={"Content-Type": "application/octet-stream"})
+    assert status in (200, 201), stored
+    sha = stored["sha256"]
+    status, doc = server.call("PUT", "/api/targets/devices/sim-00019",
+                              {"models": {"scale": sha}, "hold": True, "reason": "on the bench"})
+    assert status == 200, doc
+    _open(browser, server, "/devices/sim-00019", "#device-target")
+    _wait(browser, lambda d: "held by device" in _text(d, "#device-target"), message="the target's reason")
+    api = server.get("/api/devices/sim-00019/target")
+    shown = _text(browser, "#device-target")
+    assert api["state"] == "wait" and api["reason"] == "held by device"
+    for value in ("wait", f"{sha[:12]} from device", "Differs: scale", api["difference"]["scale"]):
+        assert value in shown, (value, shown)
+    _open(browser, server, "/devices/sim-00018", "#device-target")
+    _wait(browser, lambda d: "no target for this device" in _text(d, "#device-target"), message="no target")
+
+
 def test_no_page_broke_the_content_security_policy_or_threw(browser, server):
     _signed_in(browser, server)
     problems = [entry for entry in _console(browser)

@@ -293,6 +293,18 @@ target_commands = Table(  # the reconciler's deploys (their signed bytes are in 
     Index(None, "device", "model"),
 )
 
+device_rejected = Table(  # what each device's newest online state lists as rejected (its own bounded ledger)
+    "device_rejected", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("sha256", String(64), primary_key=True),  # the artifact's
+    Column("name", String(ID), nullable=False),
+    Column("version", String(128), nullable=False),
+    Column("stage", String(16), nullable=False),  # admission | smoke_test | health_window
+    Column("reason", String(500), nullable=False),
+    Column("device_ts", Float, nullable=False),  # when the device recorded it (its clock)
+    Column("heard_at", Float, nullable=False),  # when the server first heard of it (its clock: what targets compare)
+)
+
 leases = Table(
     "leases", metadata,
     Column("name", String(ID), primary_key=True),

@@ -185,7 +185,8 @@ SCHEMAS: dict[str, Any] = {
             "effective": {"type": "object", "description": "models (artifact, source: fleet, group:NAME or device, "
                                                            "revision), hold, held_by, conflicts (groups that "
                                                            "disagree)"},
-            "reported": {"type": "object", "description": "online, status_reason, models (version, sha256)"},
+            "reported": {"type": "object", "description": "online, status_reason, models (version, sha256), rejected "
+                                                          "(artifact sha256 -> stage, reason, heard_at)"},
             "difference": {"type": "object", "additionalProperties": {"type": "string"}},
             "state": {"type": "string", "enum": ["converged", "send", "wait"]},
             "reason": {"type": "string", "description": "why the difference persists"},

@@ -1,4 +1,4 @@
-// The device page: what the device reported last, and latency, throughput and errors over
+// The device page: what the device reported last, its target and why it is (not) on it, and latency, throughput and errors over
 // time from GET /api/devices/{id}/telemetry?since=&step=.
 
 import { api, pathId, query } from "./api.js";
@@ -62,6 +62,27 @@ function facts(device) {
     [...rows, ...capabilities].map(([name, value]) => [h("dt", {}, name), h("dd", {}, value)]));
 }
 
+// The desired state (GET /api/devices/{id}/target): what the device should run, what it
+// reports, the difference and why it persists.
+const TARGET_BADGES = { converged: "ok", send: "warn", wait: "off" };
+
+function target(doc) {
+  const models = Object.entries(doc.effective.models);
+  const rows = [
+    ["Target state", badge(doc.state, TARGET_BADGES[doc.state])],
+    ["Why", doc.state === "converged" ? "on target" : doc.reason || "–"],
+    ...models.map(([model, wanted]) =>
+      [`Target ${model}`, [h("code", {}, wanted.artifact.slice(0, 12)), ` from ${wanted.source}`]]),
+    ...Object.entries(doc.difference).map(([model, what]) => [`Differs: ${model}`, what]),
+    ["Held by", doc.effective.held_by.join(", ") || "–"],
+    ...Object.entries(doc.reported.rejected || {}).map(([sha, rejection]) =>
+      [`Rejected ${sha.slice(0, 12)}`, `${rejection.stage}: ${rejection.reason}`]),
+  ];
+  if (!models.length && !doc.effective.held_by.length) rows.splice(1, 1, ["Why", "no target for this device"]);
+  return h("dl", { class: "facts", id: "device-target" },
+    rows.map(([name, value]) => [h("dt", {}, name), h("dd", {}, value)]));
+}
+
 export function mount(root, route) {
   const id = route.parts[1];
   const chosen = RANGES.find((r) => r.id === route.params.get("range")) || RANGES[0];
@@ -71,21 +92,24 @@ export function mount(root, route) {
     location.hash = `#/devices/${pathId(id)}${query({ range: select.value })}`;
   });
   const header = h("div");
+  const desired = h("div");
   const charts = h("div", { class: "charts", id: "charts" });
   replace(root,
     h("p", { class: "crumbs" }, h("a", { href: "#/fleet" }, "Fleet"), " / ", id),
-    h("h1", { id: "device-id" }, id), header,
+    h("h1", { id: "device-id" }, id), header, h("h2", {}, "Target"), desired,
     h("div", { class: "row" }, h("h2", {}, "Over time"), h("label", {}, "Range ", select)),
     charts);
 
   async function refresh() {
     const now = Math.floor(Date.now() / 1000);
     const since = now - chosen.seconds;
-    const [device, series] = await Promise.all([
+    const [device, wanted, series] = await Promise.all([
       api(`/api/devices/${pathId(id)}`),
+      api(`/api/devices/${pathId(id)}/target`),
       api(`/api/devices/${pathId(id)}/telemetry${query({ since, until: now + 1, step: chosen.step })}`),
     ]);
     replace(header, facts(device));
+    replace(desired, target(wanted));
     const pick = (key) => series.points.map((p) => [p.ts, p[key]]);
     // The x axis starts where the device's history does (a device first seen a minute ago gets a
     // minute-wide chart, not a line squeezed against the right edge of a 15-minute one).
