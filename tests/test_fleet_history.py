@@ -22,9 +22,11 @@ from tests.broker import free_port
 from tests.fleet_server_process import ROOT, FleetServerProcess, edgepack, make_keys, wait_for
 from tools.fleet_sim import Behaviour, SimFleet
 
-LONG_REASON = ("the kitchen cameras miss the 07:00 delivery window when they restart; hold every wave until the "
-               "night shift has confirmed the new thresholds on cam-02, cam-05 and cam-09 (ticket OPS-4411), then "
-               "resume; this sentence goes on past eighty characters and past two hundred, to the end: END")
+LONG_REASON = (
+    "the kitchen cameras miss the 07:00 delivery window when they restart; hold every wave until the "
+    "night shift has confirmed the new thresholds on cam-02, cam-05 and cam-09 (ticket OPS-4411), then "
+    "resume; this sentence goes on past eighty characters and past two hundred, to the end: END"
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +68,7 @@ def _audit(server: FleetServerProcess, action: str) -> list[dict]:
 
 def _publish(broker, topic: str, payloads: list[bytes]) -> None:
     """Publish at QoS 1 as an outside client would (not the server), each acknowledged."""
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"outsider-{free_port()}",
-                         protocol=mqtt.MQTTv5)
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"outsider-{free_port()}", protocol=mqtt.MQTTv5)
     client.connect(broker.host, broker.port)
     client.loop_start()
     try:
@@ -86,14 +87,26 @@ def paused(server, broker, arts):
     behaviour = Behaviour(groups=("slow",), health_window_s=60.0)
     with SimFleet(broker.host, broker.port, 4, rate=1, prefix="slow", behaviour=behaviour) as fleet:
         assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?group=slow&online=true")["total"] == 4)
-        created = edgepack("rollout", "create", str(arts["1.1.0"]), "--group", "slow", "--waves", "50,100",
-                           "--reason", "release 1.1.0 fixes the night mode", env=env)
+        created = edgepack(
+            "rollout",
+            "create",
+            str(arts["1.1.0"]),
+            "--group",
+            "slow",
+            "--waves",
+            "50,100",
+            "--reason",
+            "release 1.1.0 fixes the night mode",
+            env=env,
+        )
         assert created.returncode == 0, created.stderr
         rollout_id = created.stdout.split()[1].rstrip(":")
         assert wait_for(lambda: server.get(f"/api/rollouts/{rollout_id}")["counts"]["in_progress"] == 2, 60)
-        steps = [edgepack("rollout", "pause", rollout_id, "--reason", LONG_REASON, env=env),
-                 edgepack("rollout", "resume", rollout_id, "--reason", "night shift confirmed", env=env),
-                 edgepack("rollout", "abort", rollout_id, env=env)]
+        steps = [
+            edgepack("rollout", "pause", rollout_id, "--reason", LONG_REASON, env=env),
+            edgepack("rollout", "resume", rollout_id, "--reason", "night shift confirmed", env=env),
+            edgepack("rollout", "abort", rollout_id, env=env),
+        ]
         assert [step.returncode for step in steps] == [0, 0, 0], [step.stderr for step in steps]
         status = edgepack("rollout", "status", rollout_id, env=env)
     return rollout_id, steps, status
@@ -109,7 +122,8 @@ def test_pausing_keeps_the_operators_reason_in_the_audit(server, paused):
     [create] = [e for e in _audit(server, "rollout.create") if e["target"] == rollout_id]
     assert create["detail"]["reason"] == "release 1.1.0 fixes the night mode"
     assert create["detail"]["command"]["kind"] == "deploy" and create["detail"]["command"]["target"] == {
-        "group": "slow"}
+        "group": "slow"
+    }
 
 
 def test_a_rollout_keeps_every_transitions_reason(server, paused):
@@ -119,9 +133,11 @@ def test_a_rollout_keeps_every_transitions_reason(server, paused):
     assert moves[0] == ("create", "", "pending", 1, "admin", "release 1.1.0 fixes the night mode")
     assert moves[1][:4] == ("start", "pending", "running", 1) and moves[1][4].startswith("server:")
     assert moves[1][5] == "started: wave 1 of 2"
-    assert moves[2:] == [("pause", "running", "paused", 1, "admin", LONG_REASON),
-                         ("resume", "paused", "running", 1, "admin", "night shift confirmed"),
-                         ("abort", "running", "aborted", 1, "admin", "aborted by admin")]
+    assert moves[2:] == [
+        ("pause", "running", "paused", 1, "admin", LONG_REASON),
+        ("resume", "paused", "running", 1, "admin", "night shift confirmed"),
+        ("abort", "running", "aborted", 1, "admin", "aborted by admin"),
+    ]
     assert all(t["at"] > 0 for t in doc["transitions"])
     assert doc["reason"] == "aborted by admin" and "abortd" not in steps[2].stdout
     [abort] = [e for e in _audit(server, "rollout.abort") if e["target"] == rollout_id]
@@ -134,8 +150,12 @@ def test_waves_are_one_based_in_the_audit_and_cli(server, paused):
     assert (doc["wave"], doc["wave_number"]) == (0, 1)  # `wave` stays 0-based for the clients that read it
     assert [(w["index"], w["number"]) for w in doc["waves"]] == [(0, 1), (1, 2)]
     assert {(d["wave"] + 1, d["wave_number"]) for d in doc["devices"]} == {(1, 1), (2, 2)}
-    assert all(e["detail"]["wave"] == 1 for action in ("rollout.pause", "rollout.resume", "rollout.abort")
-               for e in _audit(server, action) if e["target"] == rollout_id)
+    assert all(
+        e["detail"]["wave"] == 1
+        for action in ("rollout.pause", "rollout.resume", "rollout.abort")
+        for e in _audit(server, action)
+        if e["target"] == rollout_id
+    )
     assert "wave 1/2" in steps[0].stdout
     history = [line for line in status.stdout.splitlines() if line.startswith("  ") and " by admin" in line]
     assert len(history) == 4 and all(" wave 1 " in line for line in history)
@@ -162,26 +182,46 @@ def test_a_too_long_reason_is_refused_at_the_limit(server, paused):
 
 
 def _external_deploy(device: str, version: str, sha: str, command_id: str) -> bytes:
-    return encode_command(build_command("deploy", device=device, command_id=command_id, name="sim-model",
-                                        version=version, size=1000, sha256=sha,
-                                        artifact={"url": "http://127.0.0.1:9/x.edgepkg"}))
+    return encode_command(
+        build_command(
+            "deploy",
+            device=device,
+            command_id=command_id,
+            name="sim-model",
+            version=version,
+            size=1000,
+            sha256=sha,
+            artifact={"url": "http://127.0.0.1:9/x.edgepkg"},
+        )
+    )
 
 
 def test_a_command_sent_straight_over_mqtt_is_audited(server, broker, arts):
     sha = "ab" * 32
     _publish(broker, f"{ROOT}/dev/cam-77/cmd", [_external_deploy("cam-77", "9.9.9", sha, "by-hand-0001")])
-    _publish(broker, f"{ROOT}/grp/kitchen/cmd", [encode_command(build_command("ping", group="kitchen",
-                                                                              command_id="by-hand-ping"))])
+    _publish(
+        broker,
+        f"{ROOT}/grp/kitchen/cmd",
+        [encode_command(build_command("ping", group="kitchen", command_id="by-hand-ping"))],
+    )
     _publish(broker, f"{ROOT}/dev/cam-77/cmd", [b"\xff not a command"])
     seen = wait_for(lambda: (lambda e: e if len(e) >= 3 else None)(_audit(server, "command.external")), 30)
     assert seen is not None
     by_id = {e["detail"]["id"]: e for e in seen}
     deploy = by_id["by-hand-0001"]
-    assert (deploy["actor"], deploy["target"], deploy["detail"]["topic"]) == ("mqtt", "cam-77",
-                                                                             f"{ROOT}/dev/cam-77/cmd")
-    assert deploy["detail"]["command"] == {"type": "deploy", "name": "sim-model", "version": "9.9.9", "sha256": sha,
-                                           "target": {"device": "cam-77"},
-                                           "expires_at": deploy["detail"]["command"]["expires_at"]}
+    assert (deploy["actor"], deploy["target"], deploy["detail"]["topic"]) == (
+        "mqtt",
+        "cam-77",
+        f"{ROOT}/dev/cam-77/cmd",
+    )
+    assert deploy["detail"]["command"] == {
+        "type": "deploy",
+        "name": "sim-model",
+        "version": "9.9.9",
+        "sha256": sha,
+        "target": {"device": "cam-77"},
+        "expires_at": deploy["detail"]["command"]["expires_at"],
+    }
     assert "sig" not in json.dumps(deploy["detail"]) and deploy["detail"]["refused_by_schema"] is None
     assert by_id["by-hand-ping"]["target"] == "group:kitchen"
     assert by_id[None]["detail"]["refused_by_schema"].startswith("command is not JSON")
@@ -190,16 +230,16 @@ def test_a_command_sent_straight_over_mqtt_is_audited(server, broker, arts):
 def test_the_servers_own_commands_are_audited_as_sent_not_external(server, broker, arts):
     with SimFleet(broker.host, broker.port, 2, rate=1, prefix="own", behaviour=Behaviour(groups=("own",))) as fleet:
         assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?group=own&online=true")["total"] == 2)
-        created = server.call("POST", "/api/rollouts", {"artifact": _sha(server, arts["1.1.0"]), "group": "own",
-                                                        "waves": [100]})
+        created = server.call(
+            "POST", "/api/rollouts", {"artifact": _sha(server, arts["1.1.0"]), "group": "own", "waves": [100]}
+        )
         assert created[0] == 201, created
         done = server.finished(created[1]["id"], 60)
         assert done["state"] == "succeeded"
     ids = {d["command_id"] for d in done["devices"]}
     sent = {e["detail"]["command"]["id"]: e for e in _audit(server, "command.sent")}
     assert ids <= set(sent) and all(sent[i]["actor"].startswith("server:") for i in ids)
-    assert all(sent[i]["detail"]["rollout"] == done["id"] and "sig" not in sent[i]["detail"]["command"]
-               for i in ids)
+    assert all(sent[i]["detail"]["rollout"] == done["id"] and "sig" not in sent[i]["detail"]["command"] for i in ids)
     # the ingest heard them on dev/+/cmd and knew them as the server's own: not external
     assert wait_for(lambda: server.get("/api/status")["ingest"]["received"].get("cmd", 0) >= 2, 30)
     assert not ids & {e["detail"]["id"] for e in _audit(server, "command.external")}
@@ -227,8 +267,9 @@ def _sha(server: FleetServerProcess, artifact: Path) -> str:
 
     sha = sha256_file(artifact)
     if server.call("GET", f"/api/artifacts/{sha}")[0] == 404:
-        status, _doc = server.call("POST", "/api/artifacts", data=artifact.read_bytes(),
-                                   headers={"Content-Type": "application/octet-stream"})
+        status, _doc = server.call(
+            "POST", "/api/artifacts", data=artifact.read_bytes(), headers={"Content-Type": "application/octet-stream"}
+        )
         assert status in (200, 201)
     return sha
 
@@ -238,27 +279,34 @@ def test_device_history_lists_every_job_with_its_outcome(server, broker, arts):
     env = _env(server)
     with SimFleet(broker.host, broker.port, 1, rate=1, prefix="hist", behaviour=behaviour) as fleet:
         assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?group=hist&online=true")["total"] == 1)
-        ok = server.call("POST", "/api/rollouts", {"artifact": _sha(server, arts["1.1.0"]), "group": "hist",
-                                                   "waves": [100]})[1]
+        ok = server.call(
+            "POST", "/api/rollouts", {"artifact": _sha(server, arts["1.1.0"]), "group": "hist", "waves": [100]}
+        )[1]
         assert server.finished(ok["id"], 60)["state"] == "succeeded"
-        bad = server.call("POST", "/api/rollouts", {"artifact": _sha(server, arts["1.2.0"]), "group": "hist",
-                                                    "waves": [100]})[1]
+        bad = server.call(
+            "POST", "/api/rollouts", {"artifact": _sha(server, arts["1.2.0"]), "group": "hist", "waves": [100]}
+        )[1]
         assert server.finished(bad["id"], 60)["state"] == "failed"
-        _publish(broker, f"{ROOT}/dev/hist-00000/cmd", [_external_deploy("hist-00000", "1.1.5", "ef" * 32,
-                                                                         "by-hand-hist")])
-        doc = wait_for(lambda: (lambda d: d if len(d["entries"]) == 3 and d["entries"][0]["outcome"] == SUCCEEDED
-                                else None)(server.get("/api/devices/hist-00000/history")), 30)
+        _publish(
+            broker, f"{ROOT}/dev/hist-00000/cmd", [_external_deploy("hist-00000", "1.1.5", "ef" * 32, "by-hand-hist")]
+        )
+        doc = wait_for(
+            lambda: (lambda d: d if len(d["entries"]) == 3 and d["entries"][0]["outcome"] == SUCCEEDED else None)(
+                server.get("/api/devices/hist-00000/history")
+            ),
+            30,
+        )
         assert doc is not None
     by_hand, failed, passed = doc["entries"]
     assert (by_hand["job"], by_hand["sent_by_server"], by_hand["rollout"]) == ("by-hand-hist", False, None)
     assert (failed["rollout"]["id"], failed["kind"], failed["outcome"]) == (bad["id"], "deploy", FAILED)
     assert failed["artifact"] == {"sha256": bad["artifact"]["sha256"], "name": "scale", "version": "1.2.0"}
     assert failed["state"] == "rolled_back" and failed["reason"].startswith("unhealthy: simulated failure")
-    assert (passed["rollout"]["id"], passed["outcome"], passed["artifact"]["version"]) == (ok["id"], SUCCEEDED,
-                                                                                          "1.1.0")
+    assert (passed["rollout"]["id"], passed["outcome"], passed["artifact"]["version"]) == (ok["id"], SUCCEEDED, "1.1.0")
     states = [s["state"] for s in passed["states"]]
     assert states[0] == "queued" and states[-1] == "active" and passed["states"][-1]["final"]
-    assert all(a["received_at"] <= b["received_at"] for a, b in zip(passed["states"], passed["states"][1:], strict=False))
+    times = [s["received_at"] for s in passed["states"]]
+    assert times == sorted(times)
     assert failed["started_at"] > passed["started_at"]
     # one page at a time, newest first, until next_before is null
     first = server.get("/api/devices/hist-00000/history?limit=2")
@@ -283,15 +331,21 @@ def test_device_history_lists_every_job_with_its_outcome(server, broker, arts):
 def test_a_device_whose_last_update_failed_is_marked(server, broker, arts):
     slow = Behaviour(groups=("mark",), health_window_s=60.0)
     failing = Behaviour(groups=("markf",), rollback_versions=frozenset({"1.2.0"}))
-    with SimFleet(broker.host, broker.port, 1, rate=1, prefix="mark", behaviour=slow) as a, \
-            SimFleet(broker.host, broker.port, 1, rate=1, prefix="markf", behaviour=failing) as b:
+    with (
+        SimFleet(broker.host, broker.port, 1, rate=1, prefix="mark", behaviour=slow) as a,
+        SimFleet(broker.host, broker.port, 1, rate=1, prefix="markf", behaviour=failing) as b,
+    ):
         assert a.wait_ready() and b.wait_ready()
         assert wait_for(lambda: server.get("/api/devices?group=mark&online=true")["total"] == 1)
         assert wait_for(lambda: server.get("/api/devices?group=markf&online=true")["total"] == 1)
         assert server.get("/api/devices/mark-00000")["update_status"] is None  # no update yet
         for group, version in (("mark", "1.1.0"), ("markf", "1.2.0")):
-            assert server.call("POST", "/api/rollouts", {"artifact": _sha(server, arts[version]), "group": group,
-                                                         "waves": [100]})[0] == 201
+            assert (
+                server.call(
+                    "POST", "/api/rollouts", {"artifact": _sha(server, arts[version]), "group": group, "waves": [100]}
+                )[0]
+                == 201
+            )
         assert wait_for(lambda: server.get("/api/devices/mark-00000")["update_status"] == "updating", 30)
         assert wait_for(lambda: server.get("/api/devices/markf-00000")["update_status"] == "failed", 30)
         listed = {d["id"]: d["update_status"] for d in server.get("/api/devices")["devices"]}

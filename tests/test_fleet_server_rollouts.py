@@ -235,8 +235,10 @@ def test_a_rollout_to_named_devices_reaches_only_them_and_status_watch_follows_i
         lines = watched.stdout.splitlines()
         progress = [line for line in lines if line.startswith(rollout_id)]
         assert len(progress) >= 2 and progress[-1].split()[1] == "succeeded"  # each change, then the end
-        assert progress[-1] == lines[-(len(named) + 4)]  # the final table: its line, 2 waves, header, devices
-        table = lines[-len(named):]
+        header = max(i for i, line in enumerate(lines) if line.split()[:1] == ["DEVICE"])
+        assert progress[-1] == lines[header - 3]  # the final table: its line, 2 waves, header, devices, history
+        table = lines[header + 1:header + 1 + len(named)]
+        assert lines[header + 1 + len(named)] == "  HISTORY" and lines[-1].split()[2] == "succeed"
         assert [row.split()[0] for row in table] == named and all(row.split()[2] == "active" for row in table)
         versions = fleet.versions()
         assert {d: versions[d] for d in named} == dict.fromkeys(named, "1.1.0")

@@ -114,7 +114,8 @@ SCHEMAS: dict[str, Any] = {
     "DeadLetter": {
         "type": "object",
         "properties": {"id": {"type": "integer"}, "received_at": {"type": "number"},
-                       "device": {"type": "string"}, "kind": {"type": "string", "enum": ["state", "job", "telemetry"]},
+                       "device": {"type": "string"},
+                       "kind": {"type": "string", "enum": ["state", "job", "telemetry", "cmd"]},
                        "topic": {"type": "string"},
                        "reason": {"type": "string", "description": "why it could not be stored (ASCII)"},
                        "size": {"type": "integer", "description": "payload bytes"},

@@ -32,8 +32,9 @@ def upgrade() -> None:
         sa.Column("wave", sa.Integer(), nullable=False),
         sa.Column("actor", sa.String(length=128), nullable=False),
         sa.Column("reason", sa.Text(), nullable=False),
-        sa.ForeignKeyConstraint(["rollout_id"], ["rollouts.id"],
-                                name=op.f("fk_rollout_transitions_rollout_id_rollouts")),
+        sa.ForeignKeyConstraint(
+            ["rollout_id"], ["rollouts.id"], name=op.f("fk_rollout_transitions_rollout_id_rollouts")
+        ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_rollout_transitions")),
     )
     op.create_index(op.f("ix_rollout_transitions_rollout_id_id"), "rollout_transitions", ["rollout_id", "id"])
