@@ -25,7 +25,7 @@ import numpy as np
 
 from device_agent.errors import BadRequest, InferenceError, NoModelError, NonFiniteOutput
 from device_agent.feeds import BatchFeed, Frames, batch_feed, batch_refusal, input_feed, input_of
-from device_agent.finiteness import judge_outputs, non_finite_counts
+from device_agent.finiteness import Finiteness, judge_outputs, non_finite_counts
 from device_agent.prediction import PredictRequest, PredictResult, Tensors
 from device_agent.providers import ModelTraits, choose_providers, create_session
 from device_agent.request_stats import RequestStats
@@ -421,9 +421,11 @@ class InferenceService:
                 for input_name, (output_name, _) in model.states.items():
                     state[input_name] = outputs[output_name]
                 runs.append(values)
-        if not isinstance(feed, Frames):
-            return runs[0]
-        return [np.stack([values[i] for values in runs]) for i in range(len(names))]
+            answer = runs[0] if not isinstance(feed, Frames) else \
+                [np.stack([values[i] for values in runs]) for i in range(len(names))]
+            # refused inside the hold: a failed call leaves the stream's state as it was
+            self._check_finite(model, dict(zip(names, answer, strict=True)), refused_only=True)
+        return answer
 
     def _run(self, model: LoadedModel, feed: Mapping[str, np.ndarray], postprocess: bool,
              stream: str | None = None) -> PredictResult:
@@ -440,6 +442,8 @@ class InferenceService:
         request's shapes against the declared inputs and the golden samples'."""
         try:
             return call()
+        except NonFiniteOutput:  # judged and counted already (a stateful model's answer)
+            raise
         except Exception as err:
             declared = {name: shape for name, (_, shape) in model.input_specs.items()}
             batch = batch_symbols(declared, [o.shape for o in model.manifest.outputs])
@@ -454,12 +458,7 @@ class InferenceService:
                 elapsed: float, postprocess: bool) -> PredictResult:
         """One request's outputs -> its result: finiteness (a NaN/inf where the recipe does not
         allow it is the model's failure), postprocessing, counters."""
-        finite = judge_outputs(non_finite_counts(outputs), model.non_finite_outputs)
-        if finite.non_finite:
-            self.stats.count_non_finite()
-            if finite.refused:
-                self._fail("non_finite_output", client=False)
-                raise NonFiniteOutput(dict(finite.refused), {name: outputs[name].size for name in finite.refused})
+        finite = self._check_finite(model, outputs)
         result = None
         if postprocess:
             try:
@@ -471,6 +470,19 @@ class InferenceService:
         for observer in self.observers:
             observer(elapsed, None)
         return PredictResult(outputs, result, model, elapsed, geometry, non_finite=finite.flagged)
+
+    def _check_finite(self, model: LoadedModel, outputs: dict[str, np.ndarray], *,
+                      refused_only: bool = False) -> Finiteness:
+        """Judge an answer's NaN/inf (``device_agent/finiteness.py``): counted, and a refused one
+        raised as :class:`NonFiniteOutput`. ``refused_only``: act only on a refusal (a flagged
+        answer is counted once, when it is finished)."""
+        finite = judge_outputs(non_finite_counts(outputs), model.non_finite_outputs)
+        if finite.non_finite and not (refused_only and not finite.refused):
+            self.stats.count_non_finite()
+        if finite.refused:
+            self._fail("non_finite_output", client=False)
+            raise NonFiniteOutput(dict(finite.refused), {name: outputs[name].size for name in finite.refused})
+        return finite
 
     def _run_batch(self, model: LoadedModel, items: list[Any], content_type: str | None, postprocess: bool,
                    stream: str | None) -> list[PredictResult]:

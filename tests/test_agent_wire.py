@@ -56,10 +56,12 @@ def wire_model(path: Path) -> Path:
 def wire_artifact(tmp_path_factory, keypair) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("wire")
     model = wire_model(folder / "wire.onnx")
-    # Validation and golden data with finite outputs: a NaN golden sample is never signed.
+    # Validation and golden data with finite outputs; the float outputs answer NaN/inf by design
+    # (allow_non_finite: served, flagged; otherwise a 500 non_finite_output).
     np.savez(folder / "data.npz", x=np.array([[0.5, 1, 2, 4]], np.float32), k=np.array([[1, 2]], np.int64))
     recipe = folder / "recipe.yaml"
     recipe.write_text(f"name: wire\nversion: 1.0.0\nmodel: {{path: {model.name}}}\npostprocess: {{kind: raw}}\n"
+                      "outputs: {log: {allow_non_finite: true}, inv: {allow_non_finite: true}}\n"
                       "validate: {data: {npz: data.npz}}\n")
     artifact = build(load_recipe(recipe), key_paths=[str(keypair[0])], output=folder / "wire.edgepkg").output
     return artifact, model

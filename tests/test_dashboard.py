@@ -482,6 +482,25 @@ def test_the_audit_page_shows_who_did_what_and_when(browser, server, fleet, shot
           message="filtered by action")
 
 
+def test_the_device_page_shows_its_target_the_difference_and_why_it_persists(browser, server, fleet, artifacts):
+    status, stored = server.call("POST", "/api/artifacts", data=artifacts["1.1.0"].read_bytes(),
+                                 headers={"Content-Type": "application/octet-stream"})
+    assert status in (200, 201), stored
+    sha = stored["sha256"]
+    status, doc = server.call("PUT", "/api/targets/devices/sim-00019",
+                              {"models": {"scale": sha}, "hold": True, "reason": "on the bench"})
+    assert status == 200, doc
+    _open(browser, server, "/devices/sim-00019", "#device-target")
+    _wait(browser, lambda d: "held by device" in _text(d, "#device-target"), message="the target's reason")
+    api = server.get("/api/devices/sim-00019/target")
+    shown = _text(browser, "#device-target")
+    assert api["state"] == "wait" and api["reason"] == "held by device"
+    for value in ("wait", f"{sha[:12]} from device", "Differs: scale", api["difference"]["scale"]):
+        assert value in shown, (value, shown)
+    _open(browser, server, "/devices/sim-00018", "#device-target")
+    _wait(browser, lambda d: "no target for this device" in _text(d, "#device-target"), message="no target")
+
+
 def test_no_page_broke_the_content_security_policy_or_threw(browser, server):
     _signed_in(browser, server)
     problems = [entry for entry in _console(browser)
@@ -524,3 +543,20 @@ def test_groups_a_device_claims_without_enrollment_are_shown_apart(browser, serv
     _open(browser, server, "/devices/claimer", "#device-facts")
     assert "Groups claimed, not enrolled\nsim" in _text(browser, "#device-facts")
     assert server.get("/api/devices?group=sim")["total"] == SIM_DEVICES  # the claim changed no group
+
+
+def test_the_device_page_charts_errors_by_kind(browser, server, broker):
+    """Issue 24, item 7: the error chart names what failed (a release answering NaN reads
+    ``non_finite_output``), beside the total, from what the devices' telemetry says."""
+    behaviour = Behaviour(groups=("nan",), model_name="scale", error_versions=frozenset({"1.0.0"}),
+                          error_kind="non_finite_output")
+    with SimFleet(broker.host, broker.port, 1, rate=2, prefix="nan", behaviour=behaviour) as sim:
+        assert sim.wait_ready(30)
+        device = "nan-00000"
+        _open(browser, server, f"/devices/{device}", "#charts svg.chart")
+        legend = _wait(browser, lambda d: (lambda text: text if "non_finite_output" in text else None)(
+            d.find_elements(By.CSS_SELECTOR, "#charts figure")[2].find_element(By.CLASS_NAME, "legend").text),
+            message="the error chart's kinds")
+        found = re.fullmatch(r"errors: ([\d.,]+)\s+non_finite_output: ([\d.,]+)", legend)
+        assert found and found[1] == found[2] and found[1] != "0", legend  # every error of the device is that kind
+        assert browser.find_elements(By.CSS_SELECTOR, "#charts figure:nth-of-type(3) svg.chart .s1")

@@ -337,3 +337,46 @@ def test_a_rollout_with_an_out_of_range_health_window_fails_alone_and_the_rollou
     assert counter.by_device.get("a-00000", 0) == 0 and counter.by_device.get("a-00001", 0) == 0
     assert counter.by_device["b-00000"] == 1 and counter.by_device["b-00001"] == 1
     assert server.get("/api/status")["driver"]["rollout_errors"] >= 1
+
+
+def test_a_restore_of_a_copy_taken_mid_wave_resumes_the_rollout_instead_of_hanging(tmp_path, broker, keys,
+                                                                                   artifact):
+    """The incident: a database copy taken while wave 1's devices were in their health window,
+    restored after they had finished, held the rollout at `running wave 1/2` until the wave's
+    30-minute timeout (the job events after the copy were gone and devices do not send them
+    again). The server asks a silent job again (the same command: the device answers with the job
+    as it stands and never runs it twice), so the restored rollout completes."""
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys,
+                                extra=("--requery-after", "1s"))
+    server.start()
+    try:
+        with SimFleet(broker.host, broker.port, 4, rate=1, behaviour=_signed_behaviour(keys, health_window_s=2.0)) \
+                as fleet:
+            assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 4)
+            created = edgepack("rollout", "create", str(artifact), "--group", "sim", "--waves", "50,100",
+                               env=_env(server))
+            assert created.returncode == 0, created.stderr
+            rollout_id = created.stdout.split()[1].rstrip(":")
+
+            def in_health_window() -> bool:
+                wave = [d for d in _rollout(server, rollout_id)["devices"] if d["wave"] == 0]
+                return all(d["state"] == "active" and not d["final"] for d in wave)
+
+            assert wait_for(in_health_window, 60, interval=0.02)
+            copy = tmp_path / "mid-wave.db"
+            backed_up = edgepack("fleet", "backup", "--db", server.db_url, str(copy))
+            assert backed_up.returncode == 0, backed_up.stderr
+            assert wait_for(lambda: fleet.final_deploys() >= 2, 30)  # wave 1 ended on the devices
+            assert wait_for(lambda: _rollout(server, rollout_id)["wave"] == 1, 30)
+            server.stop()
+            for suffix in ("", "-wal", "-shm"):
+                (server.folder / f"fleet.db{suffix}").unlink(missing_ok=True)
+            copy.rename(server.folder / "fleet.db")
+            server.start()
+            assert _rollout(server, rollout_id)["wave"] == 0  # the copy's view: wave 1 still in its health window
+            final = server.finished(rollout_id, timeout=60)
+            assert final["state"] == "succeeded", final
+            assert set(fleet.versions().values()) == {"1.1.0"}
+            assert server.get("/api/status")["driver"]["requeried"] >= 2
+    finally:
+        server.stop()

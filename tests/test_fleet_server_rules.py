@@ -321,7 +321,7 @@ def test_fold_keeps_sums_and_the_largest_p99():
     assert [(b.device, b.bucket, b.samples) for b in buckets] == [("a", 0, 2), ("a", 60, 1), ("b", 0, 1)]
     point = buckets[0].point()
     assert point == {"ts": 0, "samples": 2, "latency_p50_ms": 2.0, "latency_p99_ms": 9.0, "throughput_per_s": 15.0,
-                     "inferences": 40, "errors": 1, "error_rate": 0.025}
+                     "inferences": 40, "errors": 1, "error_kinds": {}, "error_rate": 0.025}
     assert buckets[1].point()["latency_p50_ms"] is None and buckets[1].point()["error_rate"] is None
 
 

@@ -285,3 +285,105 @@ def test_refused_nan_answers_count_once_in_the_health_window(tmp_path, keypair, 
     # the boundary: 1 refused answer in 20 (5 %) passes the default 5 % limit, 2 in 21 do not
     assert judge(Traffic(ok=19, non_finite=1, non_finite_refused=1), Traffic(), Probes(), HealthPolicy()).healthy
     assert not judge(Traffic(ok=19, non_finite=2, non_finite_refused=2), Traffic(), Probes(), HealthPolicy()).healthy
+
+
+# ------------------------------------------------------------------ the fleet's error chart
+
+
+def test_fleet_error_chart_counts_non_finite_outputs(tmp_path, keypair, refusing, mosquitto_broker):
+    """The incident: "the fleet's error chart read 0". A real agent over a real broker to a real
+    fleet server: the NaN answers reach the API the device page's error chart reads, as errors
+    and as the kind ``non_finite_output``."""
+    import time
+
+    from tests.fleet_server_process import FleetServerProcess, make_keys, wait_for
+
+    keys = make_keys(tmp_path / "keys", release=keypair)
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=keys)
+    server.start()
+    agent = AgentProcess(
+        tmp_path, device="nan-03", broker_port=mosquitto_broker.port, trust=keypair[1], artifact=refusing
+    )
+    try:
+        agent.start()
+        for _ in range(3):
+            assert _predict(agent.port, NEGATIVE)[0] == 500
+        assert _predict(agent.port, [[1.0, 4.0, 9.0, 16.0]])[0] == 200
+
+        def chart() -> dict | None:
+            since = int(time.time()) - 300
+            status, doc = server.call("GET", f"/api/devices/nan-03/telemetry?since={since}&until={since + 301}&step=5")
+            if status == 404:  # the server has not heard of the device yet
+                return None
+            assert status == 200, doc
+            return doc if sum(p["errors"] for p in doc["points"]) >= 3 else None
+
+        doc = wait_for(chart, 30)
+        assert doc is not None, "the errors never reached the chart's API"
+        kinds: dict[str, int] = {}
+        for point in doc["points"]:
+            for kind, count in point["error_kinds"].items():
+                kinds[kind] = kinds.get(kind, 0) + count
+        assert kinds == {"non_finite_output": 3}
+        assert sum(p["errors"] for p in doc["points"]) == 3 and sum(p["inferences"] for p in doc["points"]) == 1
+        assert server.get("/api/devices/nan-03")["errors_total"] == 3
+    finally:
+        agent.stop()
+        server.stop()
+
+
+def test_error_kinds_fold_into_buckets_and_rollups_bounded():
+    from sdk.fleet_server.retention import MAX_ERROR_KINDS, Bucket, fold, kinds_json, rebucket
+
+    samples = [
+        ("a", 1.0, 1.0, 2.0, 5.0, 10, 3, '{"non_finite_output":3}'),
+        ("a", 2.0, 1.0, 2.0, 5.0, 10, 2, '{"non_finite_output":1,"runtime":1}'),
+        ("a", 3.0, 1.0, 2.0, 5.0, 10, 0, None),
+        ("a", 61.0, 1.0, 2.0, 5.0, 10, 1, '{"runtime":1}'),
+    ]
+    minute = fold(samples, 60)
+    assert [b.error_kinds for b in minute] == [{"non_finite_output": 4, "runtime": 1}, {"runtime": 1}]
+    assert minute[0].point()["error_kinds"] == {"non_finite_output": 4, "runtime": 1}
+    stored = Bucket.from_row(minute[0].row())  # the rollup row's JSON text and back
+    assert stored.error_kinds == minute[0].error_kinds and stored.row() == minute[0].row()
+    assert rebucket([*minute], 300)[0].error_kinds == {"non_finite_output": 4, "runtime": 2}
+    assert fold([("a", 1.0, None, None, None, 1, 1)], 60)[0].error_kinds == {}  # a sample stored before 0006
+    # the bound: 32 kinds are kept as they are, a 33rd sums under "other"
+    many = Bucket("a", 0, 60)
+    many.add_kinds({f"k{i:02d}": 1 for i in range(MAX_ERROR_KINDS)})
+    assert len(many.error_kinds) == MAX_ERROR_KINDS and "other" not in many.error_kinds
+    many.add_kinds({"k99": 2, "k00": 1})
+    assert many.error_kinds["other"] == 2 and many.error_kinds["k00"] == 2
+    assert kinds_json({}) is None
+
+
+def test_a_refused_nan_answer_leaves_the_streams_state_as_it_was(tmp_path, keypair):
+    """y = Sqrt(x + h), h_out = x + h carried into h: a NaN answer is refused before the
+    stream keeps its state, so the stream's next call starts where it was, not from h = -5."""
+    folder = tmp_path / "state"
+    folder.mkdir()
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1])
+    h = helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, 1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1])
+    h_out = helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [1, 1])
+    nodes = [helper.make_node("Add", ["x", "h"], ["h_out"]), helper.make_node("Sqrt", ["h_out"], ["y"])]
+    model = helper.make_model(
+        helper.make_graph(nodes, "acc", [x, h], [y, h_out]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    model.ir_version = 8
+    onnx.save(model, folder / "acc.onnx")
+    np.savez(folder / "x.npz", x=np.array([[1.0]], np.float32))
+    (folder / "acc.yaml").write_text(
+        "name: acc\nversion: 1.0.0\nmodel: {path: acc.onnx}\ninputs: {h: {role: state, output: h_out}}\n"
+        "validate: {data: {npz: x.npz}}\n"
+    )
+    artifact = build(load_recipe(folder / "acc.yaml"), key_paths=[str(keypair[0])], output=folder / "a.edgepkg")
+    service = _loaded(artifact.output, keypair, tmp_path / "m")
+    assert service.predict_tensors({"x": np.array([[9.0]], np.float32)}, stream="s").outputs["y"][0, 0] == 3.0
+    with pytest.raises(NonFiniteOutput, match="output y holds 1 NaN"):  # h = 9 - 25 = -16
+        service.predict_tensors({"x": np.array([[-25.0]], np.float32)}, stream="s")
+    # h is still 9: 9 + 7 = 16; had the refused call kept its state it would be sqrt(-16 + 7) = NaN
+    assert service.predict_tensors({"x": np.array([[7.0]], np.float32)}, stream="s").outputs["y"][0, 0] == 4.0
+    snapshot = service.stats.snapshot()
+    assert snapshot["errors"] == {"non_finite_output": 1} and snapshot["non_finite"] == 1
+    assert snapshot["requests"] == {"ok": 2, "client_error": 0, "server_error": 1}

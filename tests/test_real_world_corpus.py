@@ -33,6 +33,7 @@ from tests import real_world_quant as quant
 from tests import real_world_shapes as shapes
 from tests.conftest import run_cli
 from tests.model_kinds import artifact_member
+from tools.demos.vad import write_wav
 
 SCALE = 1 / 255
 # The IR-4 export lists its weights as graph inputs: bare onnxruntime cannot fold its BatchNorms
@@ -49,7 +50,7 @@ class Case:
 
     name: str
     model: Callable[[Path], onnx.ModelProto]
-    data: dict[str, np.ndarray] | None  # npz validation data; None: the detection scenes
+    data: dict[str, np.ndarray] | str | None  # npz validation data; "synthetic"; None: the detection scenes
     sections: dict[str, Any]
     query: np.ndarray
     reference: Callable[[], onnx.ModelProto] | None = None  # bare onnxruntime's model when not the original
@@ -138,7 +139,27 @@ HEAD_CASES = [
         ("yolox", "raw", "yolox"),  # YOLOX's own export: the raw grid
     ]
 ]
-CASES = GRAPH_CASES + HEAD_CASES
+VAD_RATE = 16000
+# A streaming VAD (Pad reflect over a 576-sample window, a state carried from call to call)
+# built with validate: {data: synthetic}: main's made-up audio was 1 sample and failed the Pad.
+VAD_CASE = Case(
+    "stateful_vad_on_synthetic_data",
+    lambda _: graphs.streaming_vad(),
+    "synthetic",
+    {
+        "inputs": {"input": {"role": "audio"}, "state": {"role": "state", "output": "stateN"}},
+        "preprocess": {
+            "kind": "audio",
+            "sample_rate": VAD_RATE,
+            "frame": graphs.VAD_FRAME,
+            "hop": graphs.VAD_FRAME,
+            "context": graphs.VAD_CONTEXT,
+        },
+        "postprocess": {"kind": "raw"},
+    },
+    (0.3 * np.sin(2 * np.pi * 300 * np.arange(4 * graphs.VAD_FRAME) / VAD_RATE)).astype(np.float32),
+)
+CASES = GRAPH_CASES + HEAD_CASES + [VAD_CASE]
 
 
 def _scenes(folder: Path) -> None:
@@ -153,10 +174,11 @@ def write_case(case: Case, folder: Path) -> tuple[Path, onnx.ModelProto]:
     folder.mkdir(parents=True, exist_ok=True)
     model = case.model(folder)
     onnx.save(model, folder / "model.onnx")
-    if case.data is not None:
+    data: str | dict[str, Any] = "synthetic"
+    if isinstance(case.data, dict):
         np.savez(folder / "val.npz", **case.data)
-        data: dict[str, Any] = {"npz": "val.npz"}
-    else:
+        data = {"npz": "val.npz"}
+    elif case.data is None:
         _scenes(folder / "val")
         data = {"images": "val"}
     recipe = {
@@ -199,6 +221,8 @@ def _build_and_ask(case: Case, root: Path, keypair: tuple[Path, Path]) -> Built:
     assert result.returncode == 0, f"{case.name}: {result.stderr}"
     if case.data is None:
         query = heads.save_png(case.query, recipe.parent / "query.png")
+    elif case.data == "synthetic":  # the stateful VAD: a WAV, float32 so nothing rounds
+        query = write_wav(recipe.parent / "query.wav", case.query, VAD_RATE, encoding="float32")
     else:
         query = recipe.parent / "query.npy"
         np.save(query, case.query)
@@ -368,11 +392,29 @@ def _refused(tmp_path: Path, key: Path, family: str, decoded: bool, fmt: str) ->
     [
         ("yolox", False, "yolov5", "declare format: yolox"),  # main shipped boxes off the image
         ("yolox", True, "yolox", "declare format: yolov5"),  # decoded twice: boxes off the image
-        ("yolov5", False, "yolov5", "not probabilities"),  # the Detect layer's logits
-        ("yolov8", False, "yolov8", "not probabilities"),  # DFL bins and class logits
+        ("yolov5", False, "yolov5", "not decoded either (box sizes down to"),  # the Detect layer's logits
+        ("yolov8", False, "yolov8", "not decoded either (every box centre within 3 pixels"),  # DFL bins, logits
     ],
 )
 def test_a_head_declared_in_a_format_it_does_not_have_is_refused_naming_what_fits(
     tmp_path, keypair, family, decoded, declared, named
 ):
     assert named in _refused(tmp_path, keypair[0], family, decoded, declared)
+
+
+@pytest.mark.slow
+def test_a_stateful_vad_built_on_synthetic_data_answers_each_frame_like_onnxruntime_carrying_the_state(corpus):
+    built = corpus["stateful_vad_on_synthetic_data"]
+    session = ort.InferenceSession(built.original.SerializeToString(), providers=["CPUExecutionProvider"])
+    wave_form = np.concatenate([np.zeros(graphs.VAD_CONTEXT, np.float32), built.case.query])
+    state = np.zeros((2, 1, graphs.VAD_HIDDEN), np.float32)  # init zeros, then the output carried back
+    expected = []
+    for start in range(0, len(built.case.query), graphs.VAD_FRAME):
+        window = wave_form[start : start + graphs.VAD_CONTEXT + graphs.VAD_FRAME][None]
+        output, state = session.run(None, {"input": window, "state": state})
+        expected.append(output)
+    got = np.array(built.answer["outputs"]["output"], np.float32)
+    np.testing.assert_allclose(got, np.stack(expected), rtol=1e-5, atol=1e-6)
+    window = wave_form[graphs.VAD_FRAME : graphs.VAD_FRAME + graphs.VAD_CONTEXT + graphs.VAD_FRAME][None]
+    from_init = session.run(None, {"input": window, "state": np.zeros_like(state)})[0]
+    assert abs(float(from_init.ravel()[0]) - float(got[1].ravel()[0])) > 1e-4  # frame 1 saw frame 0's state

@@ -167,6 +167,7 @@ def _reject_2_0_0(daemon: Daemon, arts) -> Job:
         job = _deploy(daemon, arts["2.0.0"], "2.0.0", "deploy-2-0-0")
     assert job.state == J.ROLLED_BACK and "non-finite outputs" in job.reason, job
     assert job.reason.endswith("back on scale 1.1.0") and _serving(daemon) == "1.1.0"
+    assert job.detail["rejected_at"] == "health_window"
     return job
 
 
@@ -243,9 +244,10 @@ def test_rejected_versions_survive_an_agent_restart_and_are_in_the_retained_stat
 def test_a_smoke_test_failure_is_recorded_and_a_downgrade_refusal_is_not(daemon, arts, tmp_path, keypair):
     nan = build_artifact(tmp_path / "nan", keypair[0], version="1.2.0", nan=True)
     failed = _deploy(daemon, nan, "1.2.0", "deploy-nan")
-    assert failed.state == J.FAILED and "smoke test" in failed.reason
+    assert failed.state == J.FAILED and "smoke test" in failed.reason and failed.detail["rejected_at"] == "smoke_test"
     refused = _deploy(daemon, arts["1.1.0"], "1.1.0", "deploy-same")
     assert refused.state == J.REJECTED and "is not newer than scale 1.1.0" in refused.reason
+    assert "rejected_at" not in refused.detail
     assert [(r.version, r.stage, r.sha256) for r in daemon.store.rejected.records()] == [
         ("1.2.0", "smoke_test", sha256_file(nan))
     ]

@@ -168,3 +168,56 @@ def test_the_self_check_uses_the_recipes_real_data_when_it_gives_some(tmp_path):
     wave_form = np.linspace(-0.5, 0.5, 3 * graphs.VAD_FRAME)
     second = wave_form[graphs.VAD_FRAME : 2 * graphs.VAD_FRAME]  # the clip's second frame, as PCM16 holds it
     np.testing.assert_allclose(feeds[1]["input"][0, graphs.VAD_CONTEXT :], second, atol=1e-4)
+
+
+def _fixed_batch_with_a_named_window(folder: Path) -> Path:
+    """x [10, 4] (an export's fixed batch) and window [1, "steps"] whose Reshape to [1, 8, 4]
+    only runs with 32 steps; the recipe opens x's batch to 1 and validates on npz data."""
+    nodes = [
+        helper.make_node("ReduceSum", ["x", "axis0"], ["summed"], keepdims=1),
+        helper.make_node("Reshape", ["window", "blocks"], ["framed"]),
+        helper.make_node("Mul", ["framed", "summed"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+        numpy_helper.from_array(np.array([1, 8, 4], np.int64), "blocks"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [10, 4]),
+            helper.make_tensor_value_info("window", TensorProto.FLOAT, [1, "steps"]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 4])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, folder / "model.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(
+        folder / "val.npz",
+        x=rng.normal(size=(3, 1, 4)).astype(np.float32),
+        window=rng.normal(size=(3, 1, 32)).astype(np.float32),
+    )
+    recipe = {
+        "name": "opened",
+        "version": "1.0.0",
+        "model": {"path": "model.onnx"},
+        "inputs": {"x": {"shape": [1, 4]}},
+        "postprocess": {"kind": "raw"},
+        "validate": {"data": {"npz": "val.npz"}},
+    }
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return folder / "recipe.yaml"
+
+
+def test_opening_a_fixed_dim_is_checked_on_the_recipes_real_data_not_on_named_dims_of_1(tmp_path, keypair):
+    """main: ``inputs.x.shape: dimension 0 of x (10 in the model) cannot become 1: onnxruntime
+    cannot run the graph so`` (its check fed ``window`` one made-up step)."""
+    recipe = _fixed_batch_with_a_named_window(tmp_path / "opened")
+    result = build(load_recipe(recipe), key_paths=[str(keypair[0])], output=tmp_path / "opened.edgepkg")
+    assert result.report["passes"]["shape_inference"]["opened"] == ["x[0]: 10 -> 1"]
+    assert result.report["passes"]["shape_inference"]["checked_on"] == REAL

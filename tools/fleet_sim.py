@@ -85,6 +85,7 @@ class Behaviour:
     health_window_s: float = 0.5  # when the command does not say
     rollback_versions: frozenset[str] = frozenset()
     error_versions: frozenset[str] = frozenset()
+    error_kind: str = "model"  # the kind telemetry names those errors by (an agent's: non_finite_output, runtime)
     fetch: bool = False
     operator_trust: TrustStore | None = None
     groups: tuple[str, ...] = ("sim",)
@@ -184,8 +185,8 @@ class SimDevice:
         doc = {"schema": TELEMETRY_SCHEMA, "device": self.device, "seq": self.seq, "ts": time.time(),
                "model": self._model(), "provider": "CPUExecutionProvider", "interval_s": 1.0,
                "inferences": {"interval": inferences, "total": inferences * self.seq},
-               "errors": {"model": errors * self.seq} if errors else {},
-               "errors_interval": {"model": errors} if errors else {},
+               "errors": {self.behaviour.error_kind: errors * self.seq} if errors else {},
+               "errors_interval": {self.behaviour.error_kind: errors} if errors else {},
                "latency_ms": {"p50": round(latency, 3), "p90": round(latency * 1.4, 3), "p99": round(latency * 2, 3),
                               "max": round(latency * 3, 3), "mean": round(latency * 1.1, 3)},
                "throughput_per_s": float(inferences), "cpu_percent": 12.5, "memory_rss_bytes": 50_000_000,

@@ -27,7 +27,7 @@ from device_agent.telemetry.session import ConnectionCounter
 from edgepack_core import __version__ as edgepack_version
 from edgepack_core.mqtt_settings import MqttSettings, Will
 from edgepack_core.mqtt_transport import MqttTransport
-from edgepack_core.protocol.messages import JobEvent, SessionMark
+from edgepack_core.protocol.messages import MAX_REJECTED, JobEvent, SessionMark
 from edgepack_core.protocol.payloads import STATE_SCHEMA_ID
 from edgepack_core.protocol.topics import Topics
 
@@ -36,7 +36,6 @@ log = logging.getLogger("edgepack.agent.telemetry")
 SESSION_EXPIRY_S = 24 * 3600  # the broker keeps queued commands for a device offline up to a day
 MAX_FALLBACKS = 16  # the state schema's bounds on provider_fallbacks
 MAX_REASON_CHARS = 1000
-MAX_REJECTED = 32  # the state schema's bound on rejected (updates.rejected.MAX_IN_STATE)
 
 
 @dataclass

@@ -30,13 +30,14 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from device_agent.errors import StoreError
 from edgepack_core.fsutil import atomic_write
 from edgepack_core.protocol.ids import is_valid_id
+from edgepack_core.protocol.messages import MAX_REJECTED, RejectedRef
+from edgepack_core.protocol.messages import REJECTION_STAGES as STAGES
 from edgepack_core.versions import VERSION_PATTERN
 
 log = logging.getLogger("edgepack.agent.store")
@@ -45,39 +46,17 @@ FILE_NAME = "rejected.json"
 MAX_PER_NAME = 32
 MAX_RECORDS = 128
 MAX_REASON_CHARS = 300
-MAX_IN_STATE = 32  # records the published state carries (the newest)
+MAX_IN_STATE = MAX_REJECTED  # records the published state carries (the newest)
 MAX_FILE_BYTES = 256 * 1024
-STAGES = ("admission", "smoke_test", "health_window")
 INSTALLED_STAGES = frozenset({"smoke_test", "health_window"})
 _SHA_CHARS = frozenset("0123456789abcdef")
 _VERSION = re.compile(VERSION_PATTERN)
 
 
-@dataclass(frozen=True)
-class RejectedVersion:
-    """One version this device refused to keep. ``sha256`` is the artifact's (the .edgepkg file
-    the command named), the key the fleet server marks; ``stage`` one of :data:`STAGES`."""
-
-    name: str
-    version: str
-    sha256: str
-    stage: str
-    reason: str
-    ts: float
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} {self.version}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "version": self.version,
-            "sha256": self.sha256,
-            "stage": self.stage,
-            "reason": self.reason,
-            "ts": self.ts,
-        }
+RejectedVersion = RejectedRef
+"""One version this device refused to keep: the protocol's own record (the state message carries
+it as is). ``sha256`` is the artifact's (the .edgepkg the command named), the key the fleet server
+marks; ``stage`` one of :data:`STAGES`."""
 
 
 def record(name: str, version: str, sha256: str, stage: str, reason: str, ts: float) -> RejectedVersion:

@@ -483,10 +483,11 @@ class UpdateService:
                 # cross-name check is overridden here
                 staged = self.host.store.stage(artifact, force=True, admit=admission)
         except (ArtifactError, AdmissionRefused) as err:
-            note = ""
-            if getattr(err, "rule", "") not in DEVICE_STATE_RULES:
-                note = self._remember_rejected(job, "admission", str(err), name=next(iter(signed_names), None))
-            self._set(job, J.REJECTED, f"{err}{note}")
+            if getattr(err, "rule", "") in DEVICE_STATE_RULES:
+                self._set(job, J.REJECTED, str(err))
+                return
+            note = self._remember_rejected(job, "admission", str(err), name=next(iter(signed_names), None))
+            self._set(job, J.REJECTED, f"{err}{note}", rejected_at="admission")
             return
         except EdgepackError as err:
             self._set(job, J.FAILED, str(err))
@@ -505,7 +506,7 @@ class UpdateService:
         except EdgepackError as err:
             self.host.store.discard(staged)
             note = self._remember_rejected(job, "smoke_test", str(err), name=staged.name)
-            self._set(job, J.FAILED, f"{err} (the previous model keeps serving){note}")
+            self._set(job, J.FAILED, f"{err} (the previous model keeps serving){note}", rejected_at="smoke_test")
             return
         self._activate_and_watch(job, staged, loaded, running)
 
@@ -548,7 +549,7 @@ class UpdateService:
             if running.rolled_back_by:
                 reason = f"rolled back by command {running.rolled_back_by}"
                 note = self._remember_rejected(job, "health_window", f"{reason} before its health window closed")
-                self._set(job, J.ROLLED_BACK, reason + note)
+                self._set(job, J.ROLLED_BACK, reason + note, rejected_at="health_window")
                 return
             if running.stop.is_set():
                 verdict_reason = running.why
@@ -569,9 +570,11 @@ class UpdateService:
             target = self._safe_rollback(fallback=fallback, forget_active=True)
             assert target is not None  # no from_sha256 given: it rolls back or raises
         except (EdgepackError, OSError) as err:
-            self._set(job, J.FAILED, f"{why}; rollback failed: {err}; serving {self._serving()}{note}")
+            self._set(job, J.FAILED, f"{why}; rollback failed: {err}; serving {self._serving()}{note}",
+                      rejected_at="health_window")
             return
-        self._set(job, J.ROLLED_BACK, f"{why}; back on {target.name} {target.version}{note}")
+        self._set(job, J.ROLLED_BACK, f"{why}; back on {target.name} {target.version}{note}",
+                  rejected_at="health_window")
 
     # ---------------------------------------------------------------- rejected versions
 

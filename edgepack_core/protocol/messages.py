@@ -57,10 +57,10 @@ class ModelRef:
 
 @dataclass(frozen=True)
 class RejectedRef:
-    """A version the device refused to keep (``device_agent/updates/rejected.py``): the fleet
-    server marks (device, ``sha256``) rejected and never re-targets it automatically. ``sha256``
-    is the artifact's; ``stage`` one of :data:`REJECTION_STAGES`; ``reason`` cut to
-    :data:`MAX_STATE_REASON`."""
+    """A version the device refused to keep (``device_agent/updates/rejected.py`` keeps them as
+    this type): the fleet server marks (device, ``sha256``) rejected and never re-targets it
+    automatically. ``sha256`` is the artifact's; ``stage`` one of :data:`REJECTION_STAGES`;
+    ``reason`` cut to :data:`MAX_STATE_REASON`."""
 
     name: str
     version: str
@@ -68,6 +68,14 @@ class RejectedRef:
     stage: str
     reason: str
     ts: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.version}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "sha256": self.sha256, "stage": self.stage,
+                "reason": self.reason, "ts": self.ts}
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,7 @@ telemetry_raw = Table(
     Column("errors", BigInteger),  # in the device's interval
     Column("cpu_percent", Float),
     Column("memory_rss_bytes", BigInteger),
+    Column("error_kinds", Text),  # JSON {kind: count} of the interval's errors (None: none, or before 0006)
     Index(None, "device", "ts"),
     Index(None, "ts"),
 )
@@ -159,6 +160,7 @@ telemetry_rollup = Table(
     Column("throughput_sum", Float, nullable=False),
     Column("inferences", BigInteger, nullable=False),
     Column("errors", BigInteger, nullable=False),
+    Column("error_kinds", Text),  # JSON {kind: count} summed over the bucket (None: none)
     Index(None, "bucket"),
 )
 
@@ -304,6 +306,18 @@ target_commands = Table(  # the reconciler's deploys (their signed bytes are in 
     Column("attempt", Integer, nullable=False),
     Column("created_at", Float, nullable=False),
     Index(None, "device", "model"),
+)
+
+device_rejected = Table(  # what each device's newest online state lists as rejected (its own bounded ledger)
+    "device_rejected", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("sha256", String(64), primary_key=True),  # the artifact's
+    Column("name", String(ID), nullable=False),
+    Column("version", String(128), nullable=False),
+    Column("stage", String(16), nullable=False),  # admission | smoke_test | health_window
+    Column("reason", String(500), nullable=False),
+    Column("device_ts", Float, nullable=False),  # when the device recorded it (its clock)
+    Column("heard_at", Float, nullable=False),  # when the server first heard of it (its clock: what targets compare)
 )
 
 leases = Table(

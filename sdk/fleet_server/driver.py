@@ -18,6 +18,11 @@ bytes, only when the device has not answered it ``resend_after_s`` after this se
 to lead: an answer proves delivery. Devices refuse a repeated id anyway (their replay
 ledger), so even that resend cannot run twice.
 
+**Answers lost in a restore.** A database restored from a copy lacks the job events after
+the copy. A delivered deploy whose job has no final event and has been silent
+``requery_after_s`` is published again (the same bytes): the device answers a repeated id
+with the job as it stands and never runs it twice (:meth:`Driver._requery_silent`).
+
 The server signs every command with its operator key (:mod:`edgepack_core.command_auth`);
 it holds no release key, so it can only point devices to artifacts a release key signed.
 """
@@ -82,6 +87,7 @@ class DriverConfig:
     tick_s: float = 0.5
     lease_ttl_s: float = 5.0
     resend_after_s: float = 10.0
+    requery_after_s: float = 60.0  # a deploy whose job has been silent this long is asked again (same bytes)
     command_ttl_s: float = 24 * 3600.0
     publish_timeout_s: float = 2.0
     silence_s: float = 60.0  # a device not heard from for this long is offline
@@ -216,6 +222,8 @@ class Driver:
         self.reconcile_errors = 0  # rounds of the targets' reconciler that raised
         self.target_sent = 0  # deploys the reconciler recorded
         self.converged = 0  # devices on their effective target at the last round
+        self.requeried = 0  # deploys published again because their job went silent
+        self._requeried: dict[str, float] = {}  # command id: when it was last asked again
         self._errors: dict[str, int] = {}  # rollout id: rounds in a row that raised
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -278,6 +286,7 @@ class Driver:
             self.reconcile_errors += 1
             log.error("reconciling targets failed: %s", _one_line(err), exc_info=not isinstance(err, EdgepackError))
         self._resend_uncertain(now)
+        self._requery_silent(now)
 
     # ---------------------------------------------------------------- targets
 
@@ -535,6 +544,35 @@ class Driver:
                 connection.execute(update(tables.commands).where(tables.commands.c.id.in_(acked_now),
                                                                  tables.commands.c.published_at.is_(None))
                                    .values(published_at=time.time()))
+
+    def _requery_silent(self, now: float) -> None:
+        """Deploys (of rollouts and of the reconciler) still within their lifetime, delivered,
+        whose job has no final event and has been silent ``requery_after_s``, are published
+        again, the same bytes, at most once per interval each. A device answers a repeated id
+        with the job as it stands and never runs it twice, so this only brings back answers the
+        server lost, e.g. after a restore from a copy taken mid-wave (the job events after the
+        copy are gone; the devices will not send them again on their own)."""
+        wait = self.config.requery_after_s
+        if self.leader_since is None or now - self.leader_since < wait:
+            return
+        self._requeried = {cid: at for cid, at in self._requeried.items() if now - at < wait}
+        commands, events = tables.commands, tables.job_events
+        newest = select(func.max(events.c.received_at)).where(events.c.job == commands.c.id).scalar_subquery()
+        ended = select(events.c.id).where(events.c.job == commands.c.id, events.c.final.is_(True)).exists()
+        with self.database.read() as connection:
+            silent = connection.execute(select(commands).where(
+                commands.c.kind == "deploy", commands.c.published_at.is_not(None),
+                commands.c.created_at > now - self.config.command_ttl_s + wait, ~ended,
+                func.coalesce(newest, commands.c.created_at) <= now - wait)
+                .order_by(commands.c.created_at).limit(1000)).mappings().all()
+        again = [dict(c) for c in silent if c["id"] not in self._requeried]
+        if not again:
+            return
+        for command in again:
+            self._requeried[command["id"]] = now
+        self.requeried += len(again)
+        log.info("asking %d device(s) again about a job silent for %g s", len(again), wait)
+        self._publish(again, now)
 
     def _resend_uncertain(self, now: float) -> None:
         """Commands recorded but never acknowledged by the broker: answered ones are marked

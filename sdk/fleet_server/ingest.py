@@ -66,6 +66,7 @@ from sdk.fleet_server.audit import SeenCommand, record_external, seen_command
 from sdk.fleet_server.budgets import Buckets, DropLedger, IngestLimits
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.liveness import HeardState, supersedes
+from sdk.fleet_server.retention import kinds_json
 
 log = logging.getLogger("edgepack.fleet_server.ingest")
 
@@ -263,7 +264,7 @@ class Writer:
                 latest.pop(record.device, None)
         if gone:
             connection.execute(delete(tables.devices).where(tables.devices.c.id.in_(gone)))
-            for table in (tables.device_groups, tables.device_claimed_groups):
+            for table in (tables.device_groups, tables.device_claimed_groups, tables.device_rejected):
                 connection.execute(delete(table).where(table.c.device.in_(gone)))
         if not latest:
             return
@@ -289,6 +290,21 @@ class Writer:
                            [_device_values(r, heard) for r, heard in fresh])
         unenrolled = {d for d in latest if d not in stored or stored[d].groups_enrolled_at is None}
         self._groups(connection, [r for r, _ in fresh if r.groups is not None], unenrolled)
+        self._rejected(connection, [(r, heard) for r, heard in fresh if r.status == "online"])
+
+    def _rejected(self, connection: Any, records: list[tuple[DeviceState, float]]) -> None:
+        """Keep ``device_rejected`` in step with each device's newest online state (the device's
+        own ledger, bounded by the parser): records it no longer lists go, new ones are added
+        with when the server first heard them (an existing one keeps its first hearing)."""
+        table = tables.device_rejected
+        for record, heard in records:
+            listed = [ref.sha256 for ref in record.rejected]
+            connection.execute(delete(table).where(table.c.device == record.device, table.c.sha256.not_in(listed)))
+            if listed:
+                connection.execute(self.database.insert(table).on_conflict_do_nothing(), [
+                    {"device": record.device, "sha256": ref.sha256, "name": ref.name, "version": ref.version,
+                     "stage": ref.stage, "reason": ref.reason[:500], "device_ts": ref.ts, "heard_at": heard}
+                    for ref in record.rejected])
 
     def _groups(self, connection: Any, claiming: list[DeviceState], unenrolled: set[str]) -> None:
         """A device's claimed groups are recorded, never used: rollouts target the groups the
@@ -316,7 +332,8 @@ class Writer:
             {"device": r.device, "ts": at, "seq": r.seq, "latency_p50": r.latency_p50, "latency_p99": r.latency_p99,
              "latency_mean": r.latency_mean, "throughput_per_s": r.throughput_per_s,
              "inferences": r.inferences_interval, "errors": r.errors_interval, "cpu_percent": r.cpu_percent,
-             "memory_rss_bytes": r.memory_rss_bytes} for r, at in records])
+             "memory_rss_bytes": r.memory_rss_bytes, "error_kinds": kinds_json(dict(r.error_kinds_interval))}
+            for r, at in records])
         latest: dict[str, tuple[Telemetry, float]] = {}
         heard: dict[str, float] = {}
         for record, at in records:

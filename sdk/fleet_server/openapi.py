@@ -94,7 +94,12 @@ SCHEMAS: dict[str, Any] = {
                 "latency_p50_ms": {"type": ["number", "null"], "description": "mean of the samples' p50"},
                 "latency_p99_ms": {"type": ["number", "null"], "description": "largest p99 of the samples"},
                 "throughput_per_s": _NUMBER_OR_NULL, "inferences": {"type": "integer"},
-                "errors": {"type": "integer"}, "error_rate": _NUMBER_OR_NULL}}},
+                "errors": {"type": "integer"},
+                "error_kinds": {"type": "object", "additionalProperties": {"type": "integer"},
+                                "description": "the point's errors by the kind the device named (runtime, "
+                                               "non_finite_output, ...), at most 32 kinds and other (the rest); errors "
+                                               "stored before the server kept kinds have none"},
+                "error_rate": _NUMBER_OR_NULL}}},
         },
     },
     "Artifact": {
@@ -202,7 +207,8 @@ SCHEMAS: dict[str, Any] = {
             "effective": {"type": "object", "description": "models (artifact, source: fleet, group:NAME or device, "
                                                            "revision), hold, held_by, conflicts (groups that "
                                                            "disagree)"},
-            "reported": {"type": "object", "description": "online, status_reason, models (version, sha256)"},
+            "reported": {"type": "object", "description": "online, status_reason, models (version, sha256), rejected "
+                                                          "(artifact sha256 -> stage, reason, heard_at)"},
             "difference": {"type": "object", "additionalProperties": {"type": "string"}},
             "state": {"type": "string", "enum": ["converged", "send", "wait"]},
             "reason": {"type": "string", "description": "why the difference persists"},

@@ -269,8 +269,10 @@ def decommission_device(database: Database, device: str, *, reason: str, actor: 
         marked = connection.execute(select(table.c.device).where(table.c.device == device)).first()
         if known is None and marked is None:
             raise ApiError(404, "not_found", f"no device {device}")
-        for rows in (tables.device_groups, tables.device_claimed_groups):
+        for rows in (tables.device_groups, tables.device_claimed_groups, tables.device_rejected):
             connection.execute(rows.delete().where(rows.c.device == device))
+        for scoped in (tables.target_entries, tables.target_holds):  # its own target goes with it
+            connection.execute(scoped.delete().where(scoped.c.scope == "device", scoped.c.name == device))
         connection.execute(tables.devices.delete().where(tables.devices.c.id == device))
         if marked is None:
             connection.execute(table.insert(), {"device": device, "at": now, "actor": actor, "reason": reason})
@@ -330,13 +332,13 @@ def telemetry(database: Database, device: str, *, since: float, until: float, st
             raise ApiError(404, "not_found", f"no device {device}")
         samples = connection.execute(
             select(raw.c.device, raw.c.ts, raw.c.latency_p50, raw.c.latency_p99, raw.c.throughput_per_s,
-                   raw.c.inferences, raw.c.errors)
+                   raw.c.inferences, raw.c.errors, raw.c.error_kinds)
             .where(raw.c.device == device, raw.c.ts >= since, raw.c.ts < until).order_by(raw.c.ts)).all()
         rolled = connection.execute(select(rollup).where(
             rollup.c.device == device, rollup.c.bucket >= since - policy.step_s, rollup.c.bucket < until)
         ).mappings().all()
     buckets = fold((tuple(sample) for sample in samples), step)
-    older = [Bucket(**dict(row)) for row in rolled]
+    older = [Bucket.from_row(row) for row in rolled]
     merged = rebucket([*older, *buckets], step) if older and step % policy.step_s == 0 else buckets
     return {"device": device, "since": since, "until": until, "step": step,
             "points": [bucket.point() for bucket in merged if since - step < bucket.bucket < until]}

@@ -24,11 +24,12 @@ one transaction per batch.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import and_, delete, func, select
@@ -45,6 +46,8 @@ PRUNE_BATCH = 20_000
 MAX_BIGINT = 2**63 - 1
 MAX_INT = 2**31 - 1
 JOB_ROWS_PER_DEVICE = 1000
+MAX_ERROR_KINDS = 32
+"""Error kinds one bucket keeps (a device reports at most 32 a message); more sum as ``other``."""
 
 
 def saturating(total: int, more: int, limit: int = MAX_BIGINT) -> int:
@@ -113,9 +116,23 @@ class Bucket:
     throughput_sum: float = 0.0
     inferences: int = 0
     errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)  # the errors by kind, where the device named them
+
+    @classmethod
+    def from_row(cls, row: Any) -> Bucket:
+        """A rollup row (``error_kinds`` stored as JSON text) as a bucket."""
+        values = dict(row)
+        return cls(**{**values, "error_kinds": kinds_of(values.get("error_kinds"))})
+
+    def add_kinds(self, kinds: Mapping[str, int]) -> None:
+        """Add errors by kind; beyond :data:`MAX_ERROR_KINDS` kinds, under ``other``."""
+        for kind, count in kinds.items():
+            if kind not in self.error_kinds and len(self.error_kinds) >= MAX_ERROR_KINDS:
+                kind = "other"
+            self.error_kinds[kind] = saturating(self.error_kinds.get(kind, 0), int(count))
 
     def add_sample(self, p50: float | None, p99: float | None, throughput: float | None, inferences: int | None,
-                   errors: int | None) -> None:
+                   errors: int | None, kinds: str | None = None) -> None:
         self.samples = saturating(self.samples, 1, MAX_INT)
         if p50 is not None:
             self.latency_p50_sum += p50
@@ -125,6 +142,7 @@ class Bucket:
         self.throughput_sum += throughput or 0.0
         self.inferences = saturating(self.inferences, inferences or 0)
         self.errors = saturating(self.errors, errors or 0)
+        self.add_kinds(kinds_of(kinds))
 
     def merge(self, other: Bucket) -> None:
         """Add another partial bucket of the same device and time (sums add, the maximum stays)."""
@@ -137,12 +155,13 @@ class Bucket:
         self.throughput_sum += other.throughput_sum
         self.inferences = saturating(self.inferences, other.inferences)
         self.errors = saturating(self.errors, other.errors)
+        self.add_kinds(other.error_kinds)
 
     def row(self) -> dict[str, Any]:
         return {"device": self.device, "bucket": self.bucket, "step": self.step, "samples": self.samples,
                 "latency_p50_sum": self.latency_p50_sum, "latency_p50_samples": self.latency_p50_samples,
                 "latency_p99_max": self.latency_p99_max, "throughput_sum": self.throughput_sum,
-                "inferences": self.inferences, "errors": self.errors}
+                "inferences": self.inferences, "errors": self.errors, "error_kinds": kinds_json(self.error_kinds)}
 
     def point(self) -> dict[str, Any]:
         """One point of a chart: means over the bucket, the error share of its inferences."""
@@ -155,20 +174,41 @@ class Bucket:
             "throughput_per_s": round(self.throughput_sum / self.samples, 4) if self.samples else None,
             "inferences": self.inferences,
             "errors": self.errors,
+            "error_kinds": dict(sorted(self.error_kinds.items())),
             "error_rate": round(self.errors / self.inferences, 6) if self.inferences else None,
         }
 
 
+def kinds_of(text: str | None) -> dict[str, int]:
+    """Stored error kinds (JSON ``{kind: count}``, or None) as a mapping; the server wrote them
+    from parsed, bounded telemetry, so anything else is no kinds."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): int(v) for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+
+
+def kinds_json(kinds: Mapping[str, int]) -> str | None:
+    """Error kinds as stored: compact JSON, sorted, None when there are none."""
+    return json.dumps(dict(sorted(kinds.items())), separators=(",", ":")) if kinds else None
+
+
 def fold(samples: Iterable[Sequence[Any]], step: int) -> list[Bucket]:
-    """Fold raw samples ``(device, ts, p50, p99, throughput, inferences, errors)`` into buckets
-    of ``step`` seconds, sorted by (device, bucket)."""
+    """Fold raw samples ``(device, ts, p50, p99, throughput, inferences, errors[, error_kinds])``
+    into buckets of ``step`` seconds, sorted by (device, bucket); ``error_kinds`` as stored
+    (JSON text or None)."""
     buckets: dict[tuple[str, int], Bucket] = {}
-    for device, ts, p50, p99, throughput, inferences, errors in samples:
+    for device, ts, p50, p99, throughput, inferences, errors, *kinds in samples:
         start = bucket_of(ts, step)
         bucket = buckets.get((device, start))
         if bucket is None:
             bucket = buckets[(device, start)] = Bucket(device, start, step)
-        bucket.add_sample(p50, p99, throughput, inferences, errors)
+        bucket.add_sample(p50, p99, throughput, inferences, errors, kinds[0] if kinds else None)
     return [buckets[key] for key in sorted(buckets)]
 
 
@@ -215,7 +255,7 @@ def _rollup_rows(connection: Any, keys: set[tuple[str, int]]) -> dict[tuple[str,
         query = select(table).where(table.c.device.in_(devices[start:start + 500]),
                                     table.c.bucket.in_(buckets))
         for row in connection.execute(query).mappings():
-            found[(row["device"], row["bucket"])] = Bucket(**dict(row))
+            found[(row["device"], row["bucket"])] = Bucket.from_row(row)
     return found
 
 
@@ -269,7 +309,7 @@ class Pruner:
         with self.database.write() as connection:
             rows = connection.execute(
                 select(raw.c.id, raw.c.device, raw.c.ts, raw.c.latency_p50, raw.c.latency_p99, raw.c.throughput_per_s,
-                       raw.c.inferences, raw.c.errors).where(raw.c.ts < cutoff).order_by(raw.c.id)
+                       raw.c.inferences, raw.c.errors, raw.c.error_kinds).where(raw.c.ts < cutoff).order_by(raw.c.id)
                 .limit(PRUNE_BATCH)).all()
             if not rows:
                 return False

@@ -224,6 +224,7 @@ class FleetServer:
             "driver": {"ticks": self.driver.ticks, "sent": self.driver.sent, "resent": self.driver.resent,
                        "refused_by_broker": self.driver.refused_by_broker,
                        "rollout_errors": self.driver.rollout_errors,
+                       "requeried": self.driver.requeried,
                        "targets": {"sent": self.driver.target_sent, "converged": self.driver.converged,
                                    "errors": self.driver.reconcile_errors}},
             "retention": {"raw_s": self.config.retention.raw_s, "rollup_s": self.config.retention.rollup_s,

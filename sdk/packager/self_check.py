@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgepack_core.errors import PreprocessError
+from edgepack_core.manifest import TensorSpec
 from sdk.errors import RecipeError
 from sdk.packager.data import Feed, context_options, load_samples, synthetic_options, synthetic_samples
 from sdk.packager.passes.base import BuildContext
@@ -45,12 +46,17 @@ def made_up_feeds(ctx: BuildContext, count: int) -> list[Feed]:
 
 
 def check_feeds(
-    ctx: BuildContext, count: int, made_up: list[dict[str, np.ndarray]] | None = None
+    ctx: BuildContext,
+    count: int,
+    made_up: list[dict[str, np.ndarray]] | None = None,
+    *,
+    inputs: list[TensorSpec] | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], str]:
     """Up to ``count`` feeds of the recipe's real data and ``REAL``; made-up ones (``made_up``,
     else :func:`made_up_feeds`) and ``MADE_UP`` when the recipe gives no real data. Data the
     recipe names but that cannot be read here falls back to them: the validate pass reads it
-    again and refuses it with the full message."""
+    again and refuses it with the full message. ``inputs``: the graph's inputs for a pass that
+    runs before io_spec (the recipe's preprocessing feeds them)."""
     found = real_source(ctx)
     if found is None:
         return (made_up_feeds(ctx, count) if made_up is None else made_up), MADE_UP
@@ -58,13 +64,13 @@ def check_feeds(
     try:
         samples = load_samples(
             source,
-            ctx.preprocess,
-            ctx.inputs,
+            ctx.preprocess if inputs is None else ctx.recipe.preprocess,
+            ctx.inputs if inputs is None else inputs,
             key=key,
             limit=count,
             **context_options(ctx),
         )
-    except (RecipeError, ValueError):
+    except (RecipeError, PreprocessError, ValueError):
         samples = None
     feeds = samples.feeds[:count] if samples is not None else []
     if feeds:

@@ -162,10 +162,13 @@ def non_finite(value: np.ndarray) -> bool:
     return np.asarray(value).dtype.kind == "f" and not np.isfinite(value).all()
 
 
-def minimal_recipe(model: str, source: dict[str, Any], non_finite_inputs: Sequence[str] = ()) -> dict[str, Any]:
+def minimal_recipe(model: str, source: dict[str, Any], non_finite_inputs: Sequence[str] = (),
+                   non_finite_outputs: Sequence[str] = ()) -> dict[str, Any]:
     """The recipe an ML engineer with one model and one sample would write: raw outputs, default
     optimization, no quantization, the sample as validation and golden data; an input whose
-    sample holds NaN/inf is declared to take them (``allow_non_finite``), as its owner would."""
+    sample holds NaN/inf is declared to take them (``allow_non_finite``), and an output whose
+    expected answer holds NaN/inf to give them (the agent refuses them otherwise), as its owner
+    would."""
     document: dict[str, Any] = {
         "name": "conformance",
         "version": "1.0.0",
@@ -176,6 +179,8 @@ def minimal_recipe(model: str, source: dict[str, Any], non_finite_inputs: Sequen
     }
     if non_finite_inputs:
         document["inputs"] = {name: {"allow_non_finite": True} for name in non_finite_inputs}
+    if non_finite_outputs:
+        document["outputs"] = {name: {"allow_non_finite": True} for name in non_finite_outputs}
     return document
 
 
@@ -219,7 +224,9 @@ class EdgepackRep(BackendRep):
         source = self._data_source(case, names, inputs)
         with stage("build"):
             declared = [n for n, v in zip(names, inputs, strict=True) if non_finite(v)]
-            recipe = recipe_from_document(minimal_recipe("model.onnx", source, declared), case)
+            expected = self.workspace.expected if self.workspace.data_source != "npz" else None
+            answers = [n for n, v in zip(self.output_names, expected or (), strict=False) if non_finite(v)]
+            recipe = recipe_from_document(minimal_recipe("model.onnx", source, declared, answers), case)
             build(recipe, key_paths=[str(private)], output=case / "model.edgepkg")
         with stage("verify"):
             verified = extract_artifact(case / "model.edgepkg", case / "installed", trust)

@@ -67,7 +67,8 @@ def _build_case(test: Any, out: Path, key: Path) -> str:
         shutil.rmtree(case)
         return "skip"
     document = minimal_recipe("original.onnx", {"test_data": "data"},
-                              [n for n, v in zip(names, inputs, strict=True) if non_finite(v)])
+                              [n for n, v in zip(names, inputs, strict=True) if non_finite(v)],
+                              [o.name for o, v in zip(model.graph.output, outputs, strict=True) if non_finite(v)])
     document["targets"] = [TARGET]
     try:
         build(recipe_from_document(document, case), key_paths=[str(key)], output=case / "model.edgepkg")

@@ -11,6 +11,7 @@ from sdk.packager import ort_host
 from sdk.packager.onnx_graph import checker_text, graph_io
 from sdk.packager.passes.base import BuildContext, Pass, model_label, register
 from sdk.packager.passes.ort_optimize import probe_feeds
+from sdk.packager.self_check import check_feeds
 from sdk.packager.sources import InputOptions
 
 
@@ -51,9 +52,11 @@ def _override_shapes(model: onnx.ModelProto, overrides: Mapping[str, InputOption
     return opened
 
 
-def _check_opened(model: onnx.ModelProto, opened: list[str], recipe: str) -> None:
+def _check_opened(ctx: BuildContext, model: onnx.ModelProto, opened: list[str], recipe: str) -> str | None:
     """A fixed dim opens only when the graph stays valid with it (strict shape inference) and
-    onnxruntime runs it on inputs of the new shape; else the message names the dims and why."""
+    onnxruntime runs it on inputs of the new shape: the recipe's real data when it gives some,
+    made-up inputs only without (whose named dims of 1 a real graph may not run). Else the
+    message names the dims and why. Returns what it ran on (None: nothing numpy can make)."""
     key = f"inputs.{opened[0].split('[')[0]}.shape"
     try:
         onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
@@ -62,14 +65,18 @@ def _check_opened(model: onnx.ModelProto, opened: list[str], recipe: str) -> Non
                           recipe=recipe) from err
     inputs, _ = graph_io(model)
     try:
-        feeds = probe_feeds(inputs, 1)
+        made_up = probe_feeds(inputs, 1)
     except ValueError:  # an input numpy cannot make (bfloat16): validation runs the real data
-        return
+        made_up = []
+    feeds, checked_on = check_feeds(ctx, 1, made_up, inputs=inputs)
+    if not feeds:
+        return None
     try:
         ort_host.run_feeds(model.SerializeToString(), feeds)
     except BuildError as err:
-        raise RecipeError(key, f"{_dims_text(opened)}: onnxruntime cannot run the graph so: {err.problem}",
-                          recipe=recipe) from err
+        raise RecipeError(key, f"{_dims_text(opened)}: onnxruntime cannot run the graph so on the {checked_on}: "
+                          f"{err.problem}", recipe=recipe) from err
+    return checked_on
 
 
 def _dims_text(opened: list[str]) -> str:
@@ -93,10 +100,9 @@ class ShapeInferencePass(Pass):
         model = ctx.require_model()
         recipe = str(ctx.recipe.path)
         opened = _override_shapes(model, ctx.recipe.inputs, recipe)
-        if opened:
-            _check_opened(model, opened, recipe)
-            if ctx.original is not None:  # the reference takes the same inputs
-                _override_shapes(ctx.original, ctx.recipe.inputs, recipe)
+        checked_on = _check_opened(ctx, model, opened, recipe) if opened else None
+        if opened and ctx.original is not None:  # the reference takes the same inputs
+            _override_shapes(ctx.original, ctx.recipe.inputs, recipe)
         try:
             ctx.model = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
         except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError) as err:
@@ -115,3 +121,4 @@ class ShapeInferencePass(Pass):
         ctx.report[self.name] = {"value_infos": len(ctx.model.graph.value_info)}
         if opened:
             ctx.report[self.name]["opened"] = opened
+            ctx.report[self.name]["checked_on"] = checked_on

@@ -1,4 +1,4 @@
-// The device page: what the device reported last, and latency, throughput and errors over
+// The device page: what the device reported last, its target and why it is (not) on it, and latency, throughput and errors over
 // time from GET /api/devices/{id}/telemetry?since=&step=.
 
 import { api, pathId, query } from "./api.js";
@@ -14,6 +14,26 @@ export const RANGES = [
   { id: "24h", label: "24 hours", seconds: 86400, step: 480 },
   { id: "7d", label: "7 days", seconds: 7 * 86400, step: 3600 },
 ];
+
+// The error kinds charted beside the total: the most frequent over the range (a model answering
+// NaN shows as non_finite_output, a crashing one as runtime); the rest stay in the total.
+export const MAX_KIND_SERIES = 4;
+
+export function errorKindSeries(points) {
+  const totals = new Map();
+  for (const point of points) {
+    for (const [kind, count] of Object.entries(point.error_kinds || {})) {
+      totals.set(kind, (totals.get(kind) || 0) + count);
+    }
+  }
+  const kinds = [...totals.entries()].sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : 1))
+    .slice(0, MAX_KIND_SERIES).map(([kind]) => kind);
+  return kinds.map((kind) => ({
+    name: kind,
+    points: points.map((p) => [p.ts, !p.samples ? null
+      : p.error_kinds && Object.hasOwn(p.error_kinds, kind) ? p.error_kinds[kind] : 0]),
+  }));
+}
 
 function facts(device, artifact) {
   const update = { updating: badge("updating", "warn"), failed: badge("last update failed", "off"),
@@ -69,6 +89,27 @@ function runningArtifact(history) {
   return done ? h("span", { id: "device-artifact" }, artifactText(done.artifact)) : "–";
 }
 
+// The desired state (GET /api/devices/{id}/target): what the device should run, what it
+// reports, the difference and why it persists.
+const TARGET_BADGES = { converged: "ok", send: "warn", wait: "off" };
+
+function target(doc) {
+  const models = Object.entries(doc.effective.models);
+  const rows = [
+    ["Target state", badge(doc.state, TARGET_BADGES[doc.state])],
+    ["Why", doc.state === "converged" ? "on target" : doc.reason || "–"],
+    ...models.map(([model, wanted]) =>
+      [`Target ${model}`, [h("code", {}, wanted.artifact.slice(0, 12)), ` from ${wanted.source}`]]),
+    ...Object.entries(doc.difference).map(([model, what]) => [`Differs: ${model}`, what]),
+    ["Held by", doc.effective.held_by.join(", ") || "–"],
+    ...Object.entries(doc.reported.rejected || {}).map(([sha, rejection]) =>
+      [`Rejected ${sha.slice(0, 12)}`, `${rejection.stage}: ${rejection.reason}`]),
+  ];
+  if (!models.length && !doc.effective.held_by.length) rows.splice(1, 1, ["Why", "no target for this device"]);
+  return h("dl", { class: "facts", id: "device-target" },
+    rows.map(([name, value]) => [h("dt", {}, name), h("dd", {}, value)]));
+}
+
 export function mount(root, route) {
   const id = route.parts[1];
   const chosen = RANGES.find((r) => r.id === route.params.get("range")) || RANGES[0];
@@ -78,23 +119,27 @@ export function mount(root, route) {
     location.hash = `#/devices/${pathId(id)}${query({ range: select.value })}`;
   });
   const header = h("div");
+  const desired = h("div");
   const charts = h("div", { class: "charts", id: "charts" });
   const updates = h("div", { class: "table-wrap" });
   replace(root,
     h("p", { class: "crumbs" }, h("a", { href: "#/fleet" }, "Fleet"), " / ", id),
-    h("h1", { id: "device-id" }, id), header, h("h2", {}, "Update history"), updates,
+    h("h1", { id: "device-id" }, id), header, h("h2", {}, "Target"), desired,
+    h("h2", {}, "Update history"), updates,
     h("div", { class: "row" }, h("h2", {}, "Over time"), h("label", {}, "Range ", select)),
     charts);
 
   async function refresh() {
     const now = Math.floor(Date.now() / 1000);
     const since = now - chosen.seconds;
-    const [device, series, history] = await Promise.all([
+    const [device, wanted, series, history] = await Promise.all([
       api(`/api/devices/${pathId(id)}`),
+      api(`/api/devices/${pathId(id)}/target`),
       api(`/api/devices/${pathId(id)}/telemetry${query({ since, until: now + 1, step: chosen.step })}`),
       api(`/api/devices/${pathId(id)}/history${query({ limit: 50 })}`),
     ]);
     replace(header, facts(device, runningArtifact(history)));
+    replace(desired, target(wanted));
     replace(updates, table(["Started", "Kind", "Artifact", "Rollout", "Outcome", "Reason"],
                            history.entries.map(historyRow), { id: "device-history", empty: "no update recorded" }));
     const pick = (key) => series.points.map((p) => [p.ts, p[key]]);
@@ -109,7 +154,7 @@ export function mount(root, route) {
       lineChart({ ...frame, title: "Throughput (inferences/s)", format: (v) => number(v, 1),
                   series: [{ name: "throughput", points: pick("throughput_per_s") }] }),
       lineChart({ ...frame, title: `Errors (per ${series.step} s)`, format: (v) => number(v, 1),
-                  series: [{ name: "errors", points: pick("errors") }] }),
+                  series: [{ name: "errors", points: pick("errors") }, ...errorKindSeries(series.points)] }),
       h("p", { class: "muted", id: "telemetry-meta" },
         `${series.points.length} points of ${series.step} s since ${time(frame.since)}`));
   }

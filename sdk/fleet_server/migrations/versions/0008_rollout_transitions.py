@@ -5,8 +5,8 @@ reason, time): the rollout row's ``reason`` is only the latest. ``ix_commands_de
 serves a device's update history (``GET /api/devices/{id}/history``); ``ix_audit_log_action_id``
 one action's page and the bound on ``command.external`` entries.
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0008
+Revises: 0007
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0006"
-down_revision = "0005"
+revision = "0008"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 
