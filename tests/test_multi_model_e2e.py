@@ -88,6 +88,11 @@ def _latest_state(watch: Observer) -> dict:
     return states[-1] if states else {}
 
 
+def _telemetry_models(watch: Observer) -> dict[str, dict]:
+    samples = watch.of("/dev/cam-01/telemetry")
+    return {m["name"]: m for m in samples[-1].get("models", [])} if samples else {}
+
+
 def _models_in_state(watch: Observer) -> dict[str, str]:
     return {m["name"]: m["version"] for m in _latest_state(watch).get("models", [])}
 
@@ -133,6 +138,12 @@ def test_a_device_serves_two_models_and_updates_and_rolls_back_one_while_the_oth
                                    operator_key=operator, timeout=30)
         assert refused.state == "failed" and "no earlier version" in refused.reason, refused
         assert [m["version"] for m in agent.health()["models"]] == ["1.0.0", "1.0.0"]
+        # telemetry labels each model's figures by name
+        assert watch.wait_for(lambda: {n: m["version"] for n, m in _telemetry_models(watch).items()} == {
+            "alpha": "1.0.0", "beta": "1.0.0"}, 10), _telemetry_models(watch)
+        figures = _telemetry_models(watch)
+        assert figures["alpha"]["inferences"]["total"] > 0 and figures["beta"]["inferences"]["total"] > 0
+        assert figures["alpha"]["errors"] == {} and figures["beta"]["errors"] == {}
         unknown, _ = send_rollback(broker, "cam-01", from_version={"name": "gamma", "version": "1.0.0"},
                                    operator_key=operator, timeout=30)
         assert unknown.state == "failed" and "installed: alpha, beta" in unknown.reason, unknown
