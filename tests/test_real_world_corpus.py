@@ -392,8 +392,8 @@ def _refused(tmp_path: Path, key: Path, family: str, decoded: bool, fmt: str) ->
     [
         ("yolox", False, "yolov5", "declare format: yolox"),  # main shipped boxes off the image
         ("yolox", True, "yolox", "declare format: yolov5"),  # decoded twice: boxes off the image
-        ("yolov5", False, "yolov5", "not probabilities"),  # the Detect layer's logits
-        ("yolov8", False, "yolov8", "not probabilities"),  # DFL bins and class logits
+        ("yolov5", False, "yolov5", "not decoded either (box sizes down to"),  # the Detect layer's logits
+        ("yolov8", False, "yolov8", "not decoded either (every box centre within 3 pixels"),  # DFL bins, logits
     ],
 )
 def test_a_head_declared_in_a_format_it_does_not_have_is_refused_naming_what_fits(

@@ -94,14 +94,14 @@ def _pixel_problem(rows: np.ndarray, image: tuple[int, int]) -> str | None:
     return None
 
 
-def rows_problem(rows: np.ndarray, image: tuple[int, int] | None) -> str | None:
+def rows_problem(rows: np.ndarray, image: tuple[int, int] | None, scores_too: bool = True) -> str | None:
     """Why ``rows`` are no decoded head (sizes >= 0, boxes in input pixels when ``image``
-    (height, width) is known, scores in [0, 1]); None when they are one."""
+    (height, width) is known, scores in [0, 1] unless not ``scores_too``); None when they are one."""
     sizes, scores = rows[:, 2:4], rows[:, 4:]
     if np.any(sizes < -SIZE_SLACK):
         return f"box sizes down to {float(np.min(sizes)):.4g} (decoded sizes are >= 0; a raw grid's are log-space)"
     problem = _pixel_problem(rows, image) if image is not None else None
-    if problem is None and (np.any(scores < 0.0) or np.any(scores > 1.0)):
+    if problem is None and scores_too and (np.any(scores < 0.0) or np.any(scores > 1.0)):
         problem = f"scores over {_span(scores)}, not in [0, 1] (objectness or class logits)"
     return problem
 
@@ -111,13 +111,17 @@ def _grid(image: tuple[int, int] | None, strides: Sequence[int]) -> Grid | None:
 
 
 def format_problem(
-    fmt: str, outputs: Sequence[np.ndarray], image: tuple[int, int] | None, strides: Sequence[int] = YOLOX_STRIDES
+    fmt: str,
+    outputs: Sequence[np.ndarray],
+    image: tuple[int, int] | None,
+    strides: Sequence[int] = YOLOX_STRIDES,
+    scores_too: bool = True,
 ) -> str | None:
     """The first problem of ``outputs`` read as ``fmt``; None when they fit, or when the layout
     is not the format's (left to the decoder's message)."""
     for output in outputs:
         rows = head_rows(fmt, output, _grid(image, strides))
-        problem = None if rows is None else rows_problem(rows, image)
+        problem = None if rows is None else rows_problem(rows, image, scores_too)
         if problem is not None:
             return problem
     return None
@@ -160,3 +164,14 @@ def declared_format_problem(
         return None  # logits fitting no format: the scores check names the missing Sigmoid
     hint = f"the output fits format {others[0]}: declare format: {others[0]}" if others else RAW_GRID_HINT
     return f"{problem}; {hint}"
+
+
+def undecoded_boxes(
+    fmt: str, outputs: Sequence[np.ndarray], image: tuple[int, int] | None, strides: Sequence[int] = YOLOX_STRIDES
+) -> str | None:
+    """What shows that a head whose scores are logits is also undecoded (its boxes not in the
+    pixels of an image input: a Detect layer's raw logits, YOLOv8's distribution bins), so a
+    final Sigmoid alone would not make it the format; None when its boxes are decoded."""
+    if fmt not in YOLO_FORMATS or image is None:
+        return None
+    return format_problem(fmt, outputs, image, strides, scores_too=False)

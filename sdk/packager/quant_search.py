@@ -24,6 +24,12 @@ the target's, judged by :func:`speed_call` on interleaved rounds with an interva
 rule (undecided keeps the float form), so a busy machine does not flip the choice between builds;
 fp16 is judged on accuracy alone (the host CPU runs fp16 through casts, which says
 nothing of a GPU or NPU that runs it natively).
+
+An int8 candidate's accuracy must also be shown by the data, not only met by its point figures:
+each gated figure's 95% interval (:mod:`sdk.packager.evidence`) must clear the budget, else the
+build keeps the float form and names how much validation data would decide it. When even a
+perfect int8 candidate could not be shown on the data given, the later int8 candidates are not
+tried (:func:`evidence_stop`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+from sdk.packager.evidence import EvidenceCall, wilson_interval
 
 # Settings each runtime handles best.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -287,11 +295,15 @@ def speed_call(fp32_s: Sequence[float], candidate_s: Sequence[float], min_speedu
     return SpeedCall(round(median, 3), round(low, 3), round(high, 3), call)
 
 
-def verdict(kind: str, accuracy_met: bool, speed: SpeedCall) -> Verdict:
-    """Whether one judged candidate may ship: it keeps the accuracy budget and, for int8, the
-    speed gate calls it faster than fp32 by more than ``min_speedup`` (0 lets any speed through)."""
+def verdict(kind: str, accuracy_met: bool, speed: SpeedCall, decided: bool = True) -> Verdict:
+    """Whether one judged candidate may ship: it keeps the accuracy budget, for int8 with the
+    validation data showing it (``decided``: every gated figure's 95% interval clears its limit,
+    :mod:`sdk.packager.evidence`), and, for int8, the speed gate calls it faster than fp32 by
+    more than ``min_speedup`` (0 lets any speed through)."""
     if not accuracy_met:
         return Verdict(False, False, "misses the budget")
+    if kind == "int8" and not decided:
+        return Verdict(False, True, "meets the budget on too little validation data to show it")
     if kind == "int8" and not speed.faster:
         why = "is not faster than fp32" if speed.call == "slower" else "is not clearly faster than fp32"
         return Verdict(False, True, f"meets the budget but {why}")
@@ -301,9 +313,12 @@ def verdict(kind: str, accuracy_met: bool, speed: SpeedCall) -> Verdict:
 def fallback_reason(entries: Sequence[Mapping[str, Any]], min_speedup: float, stopped: str | None) -> str:
     """Why the build ships fp32, in one line, from the report entries of the candidates tried."""
     int8 = [e for e in entries if e.get("kind") == "int8" and "error" not in e]
-    kept = [e for e in int8 if e.get("budget_met") and e.get("quantized_nodes")]
+    met = [e for e in int8 if e.get("budget_met") and e.get("quantized_nodes")]
+    kept = [e for e in met if e.get("decided", True)]
     if int8 and not any(e.get("quantized_nodes") for e in int8):
         why = "quantization changed no node of the graph (nothing it quantizes is there)"
+    elif met and not kept:
+        why = f"int8 kept the accuracy budget on too little validation data to show it: {met[0].get('evidence')}"
     elif kept:
         best = max(kept, key=lambda e: e.get("speedup", 0.0))
         why = (f"int8 kept the accuracy budget but was not faster than fp32 on the build host's CPU provider, "
@@ -315,6 +330,23 @@ def fallback_reason(entries: Sequence[Mapping[str, Any]], min_speedup: float, st
     if stopped:
         why += f"; search stopped: {stopped}"
     return why + "; shipping fp32"
+
+
+def evidence_stop(met: bool, calls: Sequence[EvidenceCall]) -> str | None:
+    """Why no later int8 candidate is worth trying after one judged with ``calls``, or None: it
+    met the budget (``met``) but the data could not show it, and a Wilson share would stay
+    undecided even with every one of its n right. The same data judges every candidate, so a
+    later one cannot do better than perfect."""
+    if not met:
+        return None
+    for call in calls:
+        if call.decided or call.evidence.method != "wilson":
+            continue
+        n = call.evidence.n
+        low, high = wilson_interval(n, n) if call.side == "at least" else wilson_interval(0, n)
+        if (low < call.budget) if call.side == "at least" else (high > call.budget):
+            return f"no int8 candidate can show {call.evidence.name} on {n} {call.evidence.unit}"
+    return None
 
 
 def search_stop(tried: int, elapsed_s: float, max_candidates: int, max_search_s: float) -> str | None:

@@ -24,6 +24,7 @@ from edgepack_core.errors import PostprocessError
 from edgepack_core.postprocess import box_iou, class_rows, ctc_collapse, decode_yolo, select_detections, top_k
 from edgepack_core.postprocess_spec import PostprocessSpec
 from sdk.errors import MetricInputError
+from sdk.packager.evidence import EvidenceCall, MetricEvidence, bootstrap, decide, paired_difference_interval, wilson
 from sdk.packager.fidelity import cosine, json_number, top1
 
 TASK_METRICS = ("top1", "agreement", "cosine", "max_abs", "detection", "sequence")
@@ -94,6 +95,7 @@ class DetectionAgreement:
     candidate: int
     matched: int
     mean_score_diff: float | None  # mean |score_ref - score_cand| over matched pairs
+    score_diffs: tuple[float, ...] = ()  # each matched pair's |score_ref - score_cand|
 
     @property
     def recall(self) -> float:
@@ -126,7 +128,11 @@ def detection_agreement(ref: Sequence[Detections], cand: Sequence[Detections], i
             matched += 1
             diffs.append(abs(float(r.scores[i]) - float(c.scores[j])))
     return DetectionAgreement(
-        sum(len(r) for r in ref), sum(len(c) for c in cand), matched, float(np.mean(diffs)) if diffs else None
+        sum(len(r) for r in ref),
+        sum(len(c) for c in cand),
+        matched,
+        float(np.mean(diffs)) if diffs else None,
+        tuple(diffs),
     )
 
 
@@ -234,9 +240,17 @@ class OutputScore:
     why: str  # one line: "output scores: detection recall 0.19 (required >= 0.95)"
     shortfall: float = 0.0  # how far past the limit a miss is
     figures: Mapping[str, Any] | None = None
+    evidence: tuple[EvidenceCall, ...] = ()  # each gated figure's interval against its limit
+
+    @property
+    def decided(self) -> bool:
+        """Whether every gated figure's 95% interval clears its limit (not only its point value)."""
+        return all(call.decided for call in self.evidence)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "evidence": [call.to_json() for call in self.evidence],
+            "decided": self.decided,
             "output": self.output,
             "metric": self.metric,
             "met": self.met,
@@ -264,6 +278,18 @@ class Evaluation:
     def worst(self) -> OutputScore | None:
         return max(self.scores, key=lambda s: (not s.met, s.shortfall), default=None)
 
+    @property
+    def decided(self) -> bool:
+        """Whether the validation data shows the budget met at 95% confidence, every output."""
+        return self.met and all(score.decided for score in self.scores)
+
+    def evidence_summary(self) -> str:
+        """One line: the figures whose interval does not clear the budget and the data that
+        would, else every gated figure's interval."""
+        calls = [call for score in self.scores for call in score.evidence]
+        undecided = [call for call in calls if not call.decided]
+        return "; ".join(call.why for call in (undecided or calls)) or "no figure with an interval"
+
     def summary(self) -> str:
         """One line: the output that missed most and by how much, else every output's figure."""
         missed = [s for s in self.scores if not s.met]
@@ -283,6 +309,8 @@ class Evaluation:
             "outputs": [s.to_json() for s in self.scores],
             "worst_output": worst.output if worst else None,
             "summary": self.summary(),
+            "decided": self.decided,
+            "evidence": self.evidence_summary(),
         }
 
 
@@ -330,8 +358,9 @@ def _score_top1(
 ) -> OutputScore:
     limit = 0.01 if budget.get("max_drop") is None else float(budget["max_drop"])
     if labels is not None:
-        ref_ok = sum(top1(a) == labels[n] for n, a in enumerate(ref)) / len(ref)
-        cand_ok = sum(top1(b) == labels[n] for n, b in enumerate(cand)) / len(cand)
+        ref_right = [top1(a) == labels[n] for n, a in enumerate(ref)]
+        cand_right = [top1(b) == labels[n] for n, b in enumerate(cand)]
+        ref_ok, cand_ok = sum(ref_right) / len(ref), sum(cand_right) / len(cand)
         drop = ref_ok - cand_ok
         score = _at_most(
             name,
@@ -341,14 +370,14 @@ def _score_top1(
             limit,
             {"accuracy_reference": ref_ok, "accuracy_candidate": cand_ok, "accuracy_drop": drop},
         )
-        return score
+        return replace(score, evidence=(decide(_paired_drop(ref_right, cand_right), "at most", limit),))
     rows = agree = 0
     for a, b in zip(ref, cand, strict=True):
         ta, tb = _rows_top(a), _rows_top(b)
         rows += ta.size
         agree += int(np.sum(ta == tb))
     share = agree / rows if rows else 1.0
-    return _at_most(
+    score = _at_most(
         name,
         "top1",
         f"top-1 agreement {share:.2%}, disagreement",
@@ -356,6 +385,18 @@ def _score_top1(
         limit,
         {"top1_agreement": share, "rows": rows},
     )
+    shares = wilson("top-1 agreement", agree, rows, "samples" if rows == len(ref) else "rows")
+    return replace(score, evidence=(decide(shares, "at least", 1 - limit),))
+
+
+def _paired_drop(ref_right: Sequence[bool], cand_right: Sequence[bool]) -> MetricEvidence:
+    """The labelled accuracy drop with Newcombe's paired interval (both models on the same samples)."""
+    pairs = list(zip(ref_right, cand_right, strict=True))
+    kinds = ((True, True), (True, False), (False, True), (False, False))
+    counts = [sum(pair == kind for pair in pairs) for kind in kinds]
+    low, high = paired_difference_interval(*counts)
+    drop = (counts[1] - counts[2]) / len(pairs)
+    return MetricEvidence("top-1 accuracy drop", drop, len(pairs), low, high, "newcombe", "labelled samples")
 
 
 def _finite_pair(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -371,7 +412,7 @@ def _score_cosine(name: str, ref: list[np.ndarray], cand: list[np.ndarray], budg
         limit = 1 - (float(budget["max_drop"]) if budget.get("max_drop") else 0.01)
     cosines = [cosine(*_finite_pair(a, b)) for a, b in zip(ref, cand, strict=True)]
     worst = float(min(cosines))
-    return _at_least(
+    score = _at_least(
         name,
         "cosine",
         "cosine",
@@ -379,6 +420,7 @@ def _score_cosine(name: str, ref: list[np.ndarray], cand: list[np.ndarray], budg
         limit,
         {"cosine": float(np.mean(cosines)), "worst_sample_cosine": worst},
     )
+    return replace(score, evidence=(decide(bootstrap("cosine", cosines, "samples", (-1.0, 1.0)), "at least", limit),))
 
 
 def _score_max_abs(name: str, ref: list[np.ndarray], cand: list[np.ndarray], budget: Mapping[str, Any]) -> OutputScore:
@@ -414,9 +456,10 @@ def _score_detection(
                 figures,
             )
         )
+    evidence = _detection_evidence(found, min_recall, min_precision, max_score_diff)
     missed = [check for check in checks if not check.met]
     if missed:
-        return max(missed, key=lambda s: s.shortfall)
+        return replace(max(missed, key=lambda s: s.shortfall), evidence=evidence)
     score = recall if found.recall - min_recall <= found.precision - min_precision else precision
     shift = (
         ""
@@ -427,7 +470,23 @@ def _score_detection(
         score,
         why=f"output {name}: detection recall {found.recall:.4g}, precision "
         f"{found.precision:.4g} (required >= {min_recall:.4g}, >= {min_precision:.4g}){shift}",
+        evidence=evidence,
     )
+
+
+def _detection_evidence(
+    found: DetectionAgreement, min_recall: float, min_precision: float, max_score_diff: float
+) -> tuple[EvidenceCall, ...]:
+    """Recall over the reference's detections and precision over the candidate's (Wilson), and
+    the matched pairs' mean score shift (bootstrap), each against its limit."""
+    calls = [
+        decide(wilson("recall", found.matched, found.reference, "reference detections"), "at least", min_recall),
+        decide(wilson("precision", found.matched, found.candidate, "candidate detections"), "at least", min_precision),
+    ]
+    if found.score_diffs:
+        shift = bootstrap("mean score shift", found.score_diffs, "matched detections", (0.0, 1.0))
+        calls.append(decide(shift, "at most", max_score_diff))
+    return tuple(calls)
 
 
 def _score_sequence(
@@ -438,20 +497,29 @@ def _score_sequence(
     result = sequence_agreement(ref, cand, blank=blank)
     limit = float(budget.get("min_agreement", DEFAULT_MIN_AGREEMENT))
     figures = result.to_json()
+    steps = wilson("per-step agreement", round(result.agreement * result.steps), result.steps, "time steps")
+    calls = [decide(steps, "at least", limit)]
     score = _at_least(name, "sequence", "per-step agreement", result.agreement, limit, figures)
     if result.string_match is None:
-        return score
+        return replace(score, evidence=tuple(calls))
     strings = f"decoded strings equal {result.string_match:.2%}"
     if budget.get("min_string_match") is None:  # reported only
-        return replace(score, why=f"{score.why}, {strings}")
-    matched = _at_least(
-        name, "sequence", "string match", result.string_match, float(budget["min_string_match"]), figures
-    )
+        return replace(score, why=f"{score.why}, {strings}", evidence=tuple(calls))
+    string_limit = float(budget["min_string_match"])
+    rows = result.sequences or 0
+    matches = wilson("string match", round(result.string_match * rows), rows, "decoded strings")
+    calls.append(decide(matches, "at least", string_limit))
+    matched = _at_least(name, "sequence", "string match", result.string_match, string_limit, figures)
     missed = [check for check in (score, matched) if not check.met]
     if missed:
         worst = max(missed, key=lambda s: s.shortfall)
-        return worst if worst is matched else replace(worst, why=f"{worst.why}, {strings}")
-    return replace(score, why=f"{score.why}, string match {result.string_match:.4g} (required >= {matched.limit:.4g})")
+        worst = worst if worst is matched else replace(worst, why=f"{worst.why}, {strings}")
+        return replace(worst, evidence=tuple(calls))
+    return replace(
+        score,
+        why=f"{score.why}, string match {result.string_match:.4g} (required >= {matched.limit:.4g})",
+        evidence=tuple(calls),
+    )
 
 
 def _score_exact(name: str, ref: list[np.ndarray], cand: list[np.ndarray]) -> OutputScore:

@@ -39,7 +39,9 @@ GAP = 4  # pixels between shapes: touching shapes read as one object, to people 
 SPEC = {"kind": "image", "color": "rgb", "scale": 1 / 255, "layout": "NCHW", "dtype": "float32",
         "resize": {"size": [SIZE, SIZE], "mode": "letterbox", "pad": "center", "pad_value": PAD_VALUE}}
 TRAIN_SCENES, STEPS, BATCH = 1024, 500, 16
-CALIB_COUNT, VAL_COUNT = 32, 24
+# 64 validation scenes hold about 100 reference detections: enough that recall and precision of
+# 0.95 can be shown at 95% confidence (73 all found), where 24 scenes (37 detections) could not.
+CALIB_COUNT, VAL_COUNT = 32, 64
 
 
 # ----------------------------------------------------------------------------- data

@@ -22,7 +22,7 @@ from sdk.packager.declared import (
     model_rate_problem,
     shape_problem,
 )
-from sdk.packager.detection_heads import declared_format_problem, yolox_input_size
+from sdk.packager.detection_heads import RAW_GRID_HINT, declared_format_problem, undecoded_boxes, yolox_input_size
 from sdk.packager.onnx_graph import (
     graph_io,
 )
@@ -77,10 +77,15 @@ def resolve_apply_softmax(
     return replace(post, apply_softmax=value), {"value": value, "output": output, "why": why}
 
 
-def check_detection_scores(ctx: BuildContext, outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
+def check_detection_scores(
+    ctx: BuildContext,
+    outputs: Sequence[Mapping[str, np.ndarray]],
+    feeds: Sequence[Mapping[str, np.ndarray]] = (),
+) -> None:
     """A detection head's scores must be probabilities on the validation data: the decoder
     thresholds and ranks them as such, so logits (a head exported without its Sigmoid, an
-    undecoded grid) would ship wrong boxes without a word. Refused naming the output."""
+    undecoded grid) would ship wrong boxes without a word. Refused naming the output, and on
+    an image (``feeds``) naming the raw grid when its boxes are not decoded either."""
     post = ctx.postprocess
     if post.kind != "detection" or not ctx.outputs:
         return
@@ -90,10 +95,14 @@ def check_detection_scores(ctx: BuildContext, outputs: Sequence[Mapping[str, np.
     spread = outside_unit_interval([s for s in scores if s is not None])
     if spread is None:
         return
+    boxes = undecoded_boxes(post.format, [sample[name] for sample in outputs if name in sample],
+                            (post.input_size if post.format == "yolox" else None) or _image_size(ctx, feeds),
+                            post.strides)
+    fix = ("export the head with its final Sigmoid, or declare the format the output has" if boxes is None else
+           f"its boxes are not decoded either ({boxes}); {RAW_GRID_HINT}")
     raise RecipeError("postprocess.format", f"{post.format}: the scores of output {name} are not probabilities: "
                       f"they range over [{spread[0]:.4g}, {spread[1]:.4g}] on the validation data, and a "
-                      f"{post.format} head carries scores in [0, 1]; export the head with its final Sigmoid, or "
-                      "declare the format the output has", recipe=str(ctx.recipe.path))
+                      f"{post.format} head carries scores in [0, 1]; {fix}", recipe=str(ctx.recipe.path))
 
 
 def _image_size(ctx: BuildContext, feeds: Sequence[Mapping[str, np.ndarray]]) -> tuple[int, int] | None:
@@ -120,8 +129,8 @@ def check_detection_format(
         return
     name = post.output or ctx.outputs[0].name
     values = [sample[name] for sample in outputs if name in sample]
-    image = post.input_size if post.format == "yolox" else _image_size(ctx, feeds)
-    problem = declared_format_problem(post.format, values, image or _image_size(ctx, feeds), post.strides)
+    image = (post.input_size if post.format == "yolox" else None) or _image_size(ctx, feeds)
+    problem = declared_format_problem(post.format, values, image, post.strides)
     if problem is not None:
         raise RecipeError("postprocess.format", f"{post.format}: output {name} on the validation data has {problem}",
                           recipe=str(ctx.recipe.path))

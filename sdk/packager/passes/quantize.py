@@ -401,13 +401,14 @@ class QuantizePass(Pass):
         chosen = search.run(first, graph, options.search)
         report.update(search.summary())
         if chosen is None:
-            ctx.warn(plan.fallback_reason(search.tried, search.min_speedup, search.stopped))
-            report["applied"] = False
+            reason = plan.fallback_reason(search.tried, search.min_speedup, search.stopped)
+            ctx.warn(reason)
+            report.update({"applied": False, "reason": reason})
             return
         candidate, path, entry = chosen
         report.update({"applied": True, "chosen": candidate.describe(), "latency_fp32_ms": entry["latency_fp32_ms"],
                        f"latency_{candidate.kind}_ms": entry["latency_ms"], "speedup": entry["speedup"],
-                       "quantized_bytes": entry["bytes"]})
+                       "quantized_bytes": entry["bytes"], "evidence": entry["evidence"]})
         if entry["speedup"] < 1.0:
             ctx.warn(f"the {candidate.kind} model is slower than fp32 on this machine ({entry['speedup']:.2f}x); "
                      f"shipped because quantize.min_speedup is {search.min_speedup:g}" if candidate.kind == "int8"
@@ -466,6 +467,7 @@ class _Search:
         self.facts: dict[str, Any] = {}
         self.started = time.monotonic()
         self.ranges: dict[str, tuple[float, float]] = {}
+        self.hopeless: str | None = None  # why no int8 candidate can be shown to keep the budget
 
     def summary(self) -> dict[str, Any]:
         return {"search_s": round(time.monotonic() - self.started, 3), "stopped": self.stopped,
@@ -482,6 +484,9 @@ class _Search:
                 self._judge(first, out, entry, f"{len(self.tried)}/{total}")
             if entry.get("ships"):
                 return first, out, entry
+            if self.hopeless and any(c.kind == "int8" for c in queue):
+                queue = [c for c in queue if c.kind != "int8"]
+                self.stopped = self.hopeless
             if not queue:
                 return None
             stop = plan.search_stop(len(self.tried), time.monotonic() - self.started, self.max_candidates,
@@ -564,11 +569,12 @@ class _Search:
         fp32_s, latency = min(fp32_rounds), min(rounds)
         speed = plan.speed_call(fp32_rounds, rounds, self.min_speedup)
         speedup = speed.speedup
-        decision = plan.verdict(candidate.kind, evaluation.met, speed)
+        decision = plan.verdict(candidate.kind, evaluation.met, speed, evaluation.decided)
         if candidate.kind == "int8" and not entry["quantized_nodes"]:
             decision = plan.Verdict(False, evaluation.met, "changed no node of the graph")
         entry.update({"metric": evaluation.metric, "task": evaluation.to_json(), "budget_met": evaluation.met,
-                      "why": evaluation.summary(), "bytes": out.stat().st_size,
+                      "why": evaluation.summary(), "decided": evaluation.decided,
+                      "evidence": evaluation.evidence_summary(), "bytes": out.stat().st_size,
                       "latency_ms": round(latency * 1000, 4), "latency_fp32_ms": round(fp32_s * 1000, 4),
                       "speedup": speedup, "speedup_interval": [speed.low, speed.high], "speed_call": speed.call,
                       "ships": decision.ships, "verdict": decision.word,
@@ -576,6 +582,8 @@ class _Search:
         self.ctx.progress(f"quantize: candidate {number} ({candidate.brief()}) {decision.word}: "
                           f"{evaluation.summary()}; {entry['bytes']:,d} bytes, {entry['latency_ms']:.3g} ms "
                           f"({speedup:.2f}x fp32)")
+        if candidate.kind == "int8":
+            self.hopeless = plan.evidence_stop(evaluation.met, [c for s in evaluation.scores for c in s.evidence])
 
     def _build(self, candidate: Candidate, out: Path, index: int) -> str | None:
         """Write the candidate's model to ``out``; why it was refused, or None."""

@@ -238,7 +238,7 @@ class ValidatePass(Pass):
         settle_apply_softmax(ctx, reference)
         check_detection_format(ctx, reference, samples.feeds)
         check_ctc_blank(ctx, reference)
-        check_detection_scores(ctx, reference)
+        check_detection_scores(ctx, reference, samples.feeds)
         candidate = run_samples(ctx.model_bytes(), samples)
         precision = ctx.lossy or "fp32"
         lossless = ctx.lossy is None
