@@ -84,7 +84,8 @@ def test_three_wave_rollout_to_twenty_devices_completes_from_the_cli(server, bro
     doc = _rollout(server, rollouts[0]["id"])
     assert [(w["devices"], w["state"]) for w in doc["waves"]] == [(1, "passed"), (4, "passed"), (15, "passed")]
     assert all(d["state"] == "active" and d["final"] for d in doc["devices"])
-    assert {e["action"] for e in server.get("/api/audit")["entries"]} == {"artifact.upload", "rollout.create"}
+    assert {e["action"] for e in server.get("/api/audit")["entries"]} == {"artifact.upload", "rollout.create",
+                                                                          "command.sent"}
 
 
 @pytest.mark.slow
@@ -209,7 +210,8 @@ def test_pause_resume_and_abort_from_the_cli(server, broker, keys, artifact, cou
         status = edgepack("rollout", "status", rollout_id, "--json", env=env)
         assert status.returncode == 0 and '"state": "aborted"' in status.stdout
     assert sum(counter.by_device.values()) == 5  # waves 1 and 2 only
-    actions = [(e["action"], e["actor"]) for e in server.get("/api/audit")["entries"] if e["outcome"] == "ok"]
+    actions = [(e["action"], e["actor"]) for e in server.get("/api/audit")["entries"]
+               if e["outcome"] == "ok" and e["action"].startswith("rollout.")]
     assert actions[:4] == [("rollout.abort", "admin"), ("rollout.resume", "admin"), ("rollout.pause", "admin"),
                            ("rollout.create", "admin")]
 
@@ -233,8 +235,10 @@ def test_a_rollout_to_named_devices_reaches_only_them_and_status_watch_follows_i
         lines = watched.stdout.splitlines()
         progress = [line for line in lines if line.startswith(rollout_id)]
         assert len(progress) >= 2 and progress[-1].split()[1] == "succeeded"  # each change, then the end
-        assert progress[-1] == lines[-(len(named) + 4)]  # the final table: its line, 2 waves, header, devices
-        table = lines[-len(named):]
+        header = max(i for i, line in enumerate(lines) if line.split()[:1] == ["DEVICE"])
+        assert progress[-1] == lines[header - 3]  # the final table: its line, 2 waves, header, devices, history
+        table = lines[header + 1:header + 1 + len(named)]
+        assert lines[header + 1 + len(named)] == "  HISTORY" and lines[-1].split()[2] == "succeed"
         assert [row.split()[0] for row in table] == named and all(row.split()[2] == "active" for row in table)
         versions = fleet.versions()
         assert {d: versions[d] for d in named} == dict.fromkeys(named, "1.1.0")
@@ -333,3 +337,46 @@ def test_a_rollout_with_an_out_of_range_health_window_fails_alone_and_the_rollou
     assert counter.by_device.get("a-00000", 0) == 0 and counter.by_device.get("a-00001", 0) == 0
     assert counter.by_device["b-00000"] == 1 and counter.by_device["b-00001"] == 1
     assert server.get("/api/status")["driver"]["rollout_errors"] >= 1
+
+
+def test_a_restore_of_a_copy_taken_mid_wave_resumes_the_rollout_instead_of_hanging(tmp_path, broker, keys,
+                                                                                   artifact):
+    """The incident: a database copy taken while wave 1's devices were in their health window,
+    restored after they had finished, held the rollout at `running wave 1/2` until the wave's
+    30-minute timeout (the job events after the copy were gone and devices do not send them
+    again). The server asks a silent job again (the same command: the device answers with the job
+    as it stands and never runs it twice), so the restored rollout completes."""
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys,
+                                extra=("--requery-after", "1s"))
+    server.start()
+    try:
+        with SimFleet(broker.host, broker.port, 4, rate=1, behaviour=_signed_behaviour(keys, health_window_s=2.0)) \
+                as fleet:
+            assert fleet.wait_ready() and wait_for(lambda: server.get("/api/devices?online=true")["total"] == 4)
+            created = edgepack("rollout", "create", str(artifact), "--group", "sim", "--waves", "50,100",
+                               env=_env(server))
+            assert created.returncode == 0, created.stderr
+            rollout_id = created.stdout.split()[1].rstrip(":")
+
+            def in_health_window() -> bool:
+                wave = [d for d in _rollout(server, rollout_id)["devices"] if d["wave"] == 0]
+                return all(d["state"] == "active" and not d["final"] for d in wave)
+
+            assert wait_for(in_health_window, 60, interval=0.02)
+            copy = tmp_path / "mid-wave.db"
+            backed_up = edgepack("fleet", "backup", "--db", server.db_url, str(copy))
+            assert backed_up.returncode == 0, backed_up.stderr
+            assert wait_for(lambda: fleet.final_deploys() >= 2, 30)  # wave 1 ended on the devices
+            assert wait_for(lambda: _rollout(server, rollout_id)["wave"] == 1, 30)
+            server.stop()
+            for suffix in ("", "-wal", "-shm"):
+                (server.folder / f"fleet.db{suffix}").unlink(missing_ok=True)
+            copy.rename(server.folder / "fleet.db")
+            server.start()
+            assert _rollout(server, rollout_id)["wave"] == 0  # the copy's view: wave 1 still in its health window
+            final = server.finished(rollout_id, timeout=60)
+            assert final["state"] == "succeeded", final
+            assert set(fleet.versions().values()) == {"1.1.0"}
+            assert server.get("/api/status")["driver"]["requeried"] >= 2
+    finally:
+        server.stop()

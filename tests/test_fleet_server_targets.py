@@ -4,6 +4,7 @@ target with the signed deploy; every command the broker delivers is counted per 
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -200,5 +201,49 @@ def test_target_requests_are_validated_naming_the_field_and_audited_with_the_rea
         accepted = [e for e in entries if e["outcome"] == "ok"]
         assert [e["detail"]["reason"] for e in accepted][:2] == ["again", "back to 1.1.0"]
         assert accepted[0]["detail"]["before"] == {"scale": sha} and accepted[0]["target"] == "group:kitchen"
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_version_devices_rejected_is_never_sent_again_by_a_group_target_only_by_a_device_target(
+        tmp_path, broker, keys, keypair, versions, counter):
+    """A release that fails the devices' smoke test: each device gets it once and reports it
+    rejected. With the server's own job records gone (a restore from before the commands), the
+    devices' reported rejections still stop it; setting the group again does not resend it; a
+    device target set afterwards is the operator's explicit retry."""
+    bad = build_artifact(tmp_path / "bad", keypair[0], version="2.1.0", nan=True)
+    bad_sha = sha256_file(bad)
+    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    try:
+        with Kitchen(tmp_path, broker, keys, keypair, versions, server):
+            assert _online(server, 2) and _on(server, "cam-02", "2.0.0")
+            result = edgepack("target", "set", "--group", "kitchen", str(bad), env=_env(server))
+            assert result.returncode == 0, result.stderr
+
+            def rejected_by_both() -> bool:
+                docs = [server.get(f"/api/devices/{d}/target") for d in ("cam-01", "cam-02")]
+                return all(bad_sha in doc["reported"]["rejected"] and doc["state"] == "wait" for doc in docs)
+
+            assert wait_for(rejected_by_both, 60)
+            assert dict(counter.by_device) == {"cam-01": 1, "cam-02": 1}
+            server.stop()
+            with sqlite3.connect(server.folder / "fleet.db") as connection:
+                connection.execute("DELETE FROM target_commands")
+                connection.execute("DELETE FROM job_events")
+            server.start()
+            again = server.call("PUT", "/api/targets/groups/kitchen", {"models": {"scale": bad_sha},
+                                                                        "reason": "try again"})
+            assert again[0] == 200, again
+            doc = server.get("/api/devices/cam-02/target")
+            assert doc["state"] == "wait" and "rejected by this device (smoke_test" in doc["reason"], doc
+            assert "set a device target to retry" in doc["reason"]
+            retry = server.call("PUT", "/api/targets/devices/cam-02", {"models": {"scale": bad_sha}})
+            assert retry[0] == 200, retry
+            assert wait_for(lambda: counter.by_device["cam-02"] == 2, 30)
+            assert wait_for(lambda: server.get("/api/devices/cam-02/target")["reason"].startswith(
+                f"scale: artifact {bad_sha[:12]} rejected on this device (failed: smoke test"), 30)
+            assert server.get("/api/devices/cam-02")["version"] == "2.0.0"
+        assert counter.by_device["cam-01"] == 1  # never re-targeted
     finally:
         server.stop()

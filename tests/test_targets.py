@@ -97,7 +97,7 @@ def test_a_command_in_flight_is_never_resent_until_its_lifetime_is_over(age, kin
                          command_ttl_s=3600.0)
     assert decision.kind == kind
     if kind == "wait":
-        assert decision.reason == "command tg-1 in flight (downloading)"
+        assert decision.reason == "digits: command tg-1 in flight (downloading)"
     else:
         assert decision.attempt == 2
 
@@ -109,6 +109,28 @@ def test_an_artifact_the_device_rejected_is_not_sent_again_until_the_operator_se
     again = _effective(Target({"digits": V1}, revisions={"digits": 2}))
     retried = reconcile("d", again, ON_V2, ARTIFACTS, rejected, now=999.0)
     assert retried.kind == "send" and retried.attempt == 1 and retried.revision == 2
+
+
+@pytest.mark.parametrize("source_scope, set_at, kind", [
+    ("fleet", 500.0, "wait"),  # a fleet or group target never overrides the device's own rejection
+    ("group", 500.0, "wait"),
+    ("device", 150.0, "wait"),  # a device target set when the rejection was heard, not after it
+    ("device", 150.001, "send"),  # set after it: the operator's explicit retry
+])
+def test_an_artifact_the_device_reports_rejected_is_never_sent_by_a_fleet_or_group_target(source_scope, set_at,
+                                                                                         kind):
+    from sdk.fleet_server.targets import Rejection
+
+    reported = Reported(online=True, models=ON_V2.models, heard_at=100.0,
+                        rejected={V1: Rejection("health_window", "unhealthy: 30 non-finite outputs", 150.0)})
+    target = Target({"digits": V1}, set_at={"digits": set_at})
+    effective = {"fleet": lambda: _effective(target), "group": lambda: _effective(groups={"kitchen": target}),
+                 "device": lambda: _effective(device=target)}[source_scope]()
+    decision = reconcile("d", effective, reported, ARTIFACTS, {}, now=999.0)
+    assert decision.kind == kind
+    if kind == "wait":
+        assert decision.reason == (f"digits: artifact {V1[:12]} rejected by this device (health_window: unhealthy: "
+                                   "30 non-finite outputs); set a device target to retry")
 
 
 def test_already_the_active_model_is_not_a_rejection():

@@ -79,6 +79,9 @@ def _rate(text: str, flag: str) -> Any:
 @click.option("--lease-ttl", default="5s", show_default=True,
               help="The rollout lease's lifetime: another server takes over this long after the leader dies.")
 @click.option("--tick", default="0.5s", show_default=True, help="How often rollouts are advanced.")
+@click.option("--requery-after", default="60s", show_default=True,
+              help="A delivered deploy whose job has no final answer and has been silent this long is published "
+                   "again (same id and bytes; the device answers with the job as it stands), e.g. after a restore.")
 @click.option("--resend-after", default="10s", show_default=True,
               help="A command the broker never acknowledged and the device never answered is sent again after this.")
 @click.option("--head-timeout", default="10s", show_default=True,
@@ -107,7 +110,8 @@ def _rate(text: str, flag: str) -> Any:
 def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, trust: tuple[Path, ...],
           token_file: Path, operator_key: Path, public_url: str | None, retention_raw: str, retention_rollups: str,
           rollup_step: int, prune_interval: str, silence: str, server_id: str | None, share_group: str,
-          max_upload: str, lease_ttl: str, tick: str, resend_after: str, head_timeout: str, body_min_rate: str,
+          max_upload: str, lease_ttl: str, tick: str, requery_after: str, resend_after: str, head_timeout: str,
+          body_min_rate: str,
           max_connections: int, init: bool, artifact_recheck: str, budget_job: str, budget_state: str,
           budget_telemetry: str, job_events_kept: int, per_server_urls: bool) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
@@ -129,7 +133,8 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
     retention = RetentionPolicy(raw_s=_duration(retention_raw), rollup_s=_duration(retention_rollups),
                                 step_s=rollup_step, interval_s=_duration(prune_interval))
     driver = DriverConfig(tick_s=_duration(tick), lease_ttl_s=_duration(lease_ttl),
-                          resend_after_s=_duration(resend_after), silence_s=_duration(silence))
+                          resend_after_s=_duration(resend_after), silence_s=_duration(silence),
+                          requery_after_s=_duration(requery_after))
     limits = IngestLimits(job=_rate(budget_job, "--budget-job"), state=_rate(budget_state, "--budget-state"),
                           telemetry=_rate(budget_telemetry, "--budget-telemetry"))
     http = HttpLimits(head_timeout_s=_duration(head_timeout), body_min_rate=parse_size(body_min_rate),

@@ -36,6 +36,7 @@ from sdk.fleet_server.targets import (
     Decision,
     Effective,
     LastCommand,
+    Rejection,
     Reported,
     Running,
     Target,
@@ -86,12 +87,14 @@ def _chunks(items: Sequence[str]) -> Iterable[list[str]]:
 def load_scopes(connection: Connection) -> Scopes:
     entries: dict[tuple[str, str], dict[str, str]] = {}
     revisions: dict[tuple[str, str], dict[str, int]] = {}
+    set_at: dict[tuple[str, str], dict[str, float]] = {}
     for row in connection.execute(select(tables.target_entries)).mappings():
         key = (row["scope"], row["name"])
         entries.setdefault(key, {})[row["model"]] = row["artifact"]
         revisions.setdefault(key, {})[row["model"]] = row["revision"]
+        set_at.setdefault(key, {})[row["model"]] = row["set_at"]
     held = {(row.scope, row.name) for row in connection.execute(select(tables.target_holds))}
-    targets = {key: Target(entries.get(key, {}), key in held, revisions.get(key, {}))
+    targets = {key: Target(entries.get(key, {}), key in held, revisions.get(key, {}), set_at.get(key, {}))
                for key in set(entries) | held}
     return Scopes(fleet=targets.get((FLEET, ""), NO_TARGET),
                   groups={name: t for (scope, name), t in targets.items() if scope == GROUP},
@@ -168,11 +171,22 @@ def _groups_of(connection: Connection, devices: Sequence[str]) -> dict[str, tupl
     return {device: tuple(sorted(groups)) for device, groups in out.items()}
 
 
-def _reported(row: Any, now: float, silence_s: float) -> Reported:
-    online = row.status == "online" and row.last_seen is not None and now - row.last_seen <= silence_s
-    reason = row.status_reason or ("" if online or row.status != "online" else f"silent for over {silence_s:g} s")
+def _rejections(connection: Connection, devices: Sequence[str]) -> dict[str, dict[str, Rejection]]:
+    """Device -> artifact sha256 -> the device's reported rejection of it."""
+    table = tables.device_rejected
+    out: dict[str, dict[str, Rejection]] = {}
+    for part in _chunks(devices):
+        for row in connection.execute(select(table).where(table.c.device.in_(part))):
+            out.setdefault(row.device, {})[row.sha256] = Rejection(row.stage, row.reason, row.heard_at)
+    return out
+
+
+def _reported(row: Any, view: View, rejected: Mapping[str, Rejection]) -> Reported:
+    online = row.status == "online" and row.last_seen is not None and view.now - row.last_seen <= view.silence_s
+    reason = row.status_reason or ("" if online or row.status != "online"
+                                   else f"silent for over {view.silence_s:g} s")
     models = {row.model_name: Running(row.model_version, row.model_sha256)} if row.model_name else {}
-    return Reported(online=online, models=models, status_reason=reason, heard_at=row.state_heard)
+    return Reported(online=online, models=models, status_reason=reason, heard_at=row.state_heard, rejected=rejected)
 
 
 def load_plan(connection: Connection, view: View, *, device: str | None = None, group: str | None = None,
@@ -190,12 +204,13 @@ def load_plan(connection: Connection, view: View, *, device: str | None = None, 
         artifacts = {sha: info for sha, info in artifacts.items() if available.get(sha, True)}
     last = _last_commands(connection, ids)
     busy = _busy(connection, ids)
+    rejections = _rejections(connection, ids)
     plans = []
     for row in rows:
         mine = groups.get(row.id, ())
         effective = effective_target(scopes.fleet, {g: scopes.groups[g] for g in mine if g in scopes.groups},
                                      scopes.devices.get(row.id, NO_TARGET))
-        reported = _reported(row, view.now, view.silence_s)
+        reported = _reported(row, view, rejections.get(row.id, {}))
         decision = reconcile(row.id, effective, reported, artifacts, last.get(row.id, {}), now=view.now,
                              busy=busy.get(row.id, ""), command_ttl_s=view.command_ttl_s)
         plans.append(DevicePlan(row.id, mine, effective, reported, decision))
@@ -223,7 +238,9 @@ def plan_doc(plan: DevicePlan) -> dict[str, Any]:
                                     for m, pairs in effective.conflicts.items()}},
         "reported": {"online": plan.reported.online, "status_reason": plan.reported.status_reason,
                      "models": {m: {"version": r.version, "sha256": r.model_sha256}
-                                for m, r in plan.reported.models.items()}},
+                                for m, r in plan.reported.models.items()},
+                     "rejected": {sha: {"stage": r.stage, "reason": r.reason, "heard_at": r.heard_at}
+                                  for sha, r in plan.reported.rejected.items()}},
         "difference": dict(decision.differences),
         "state": decision.kind,  # converged | send (a command goes out at the next round) | wait
         "reason": decision.reason,

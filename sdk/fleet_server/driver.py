@@ -18,6 +18,11 @@ bytes, only when the device has not answered it ``resend_after_s`` after this se
 to lead: an answer proves delivery. Devices refuse a repeated id anyway (their replay
 ledger), so even that resend cannot run twice.
 
+**Answers lost in a restore.** A database restored from a copy lacks the job events after
+the copy. A delivered deploy whose job has no final event and has been silent
+``requery_after_s`` is published again (the same bytes): the device answers a repeated id
+with the job as it stands and never runs it twice (:meth:`Driver._requery_silent`).
+
 The server signs every command with its operator key (:mod:`edgepack_core.command_auth`);
 it holds no release key, so it can only point devices to artifacts a release key signed.
 """
@@ -41,6 +46,7 @@ from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.commands import build_command, encode_command
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey
+from sdk.fleet_server import audit
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.desired import View, load_plan
@@ -81,6 +87,7 @@ class DriverConfig:
     tick_s: float = 0.5
     lease_ttl_s: float = 5.0
     resend_after_s: float = 10.0
+    requery_after_s: float = 60.0  # a deploy whose job has been silent this long is asked again (same bytes)
     command_ttl_s: float = 24 * 3600.0
     publish_timeout_s: float = 2.0
     silence_s: float = 60.0  # a device not heard from for this long is offline
@@ -152,13 +159,39 @@ def rollout_changes(before: Rollout, after: Rollout, now: float) -> dict[str, An
             "paused_at": after.paused_at, "finished_at": after.finished_at, "updated_at": now}
 
 
-def save_rollout(connection: Connection, row: Any, after: Rollout, now: float) -> bool:
-    """Write ``after`` if the row is still at the revision it was read at; False if another
-    writer (an API call, another server) changed it first."""
+def save_rollout(connection: Connection, row: Any, after: Rollout, now: float, *, event: str, actor: str,
+                 reason: str = "") -> bool:
+    """Write ``after`` if the row is still at the revision it was read at, with its transition
+    (``event``, who, why, the 1-based wave) in ``rollout_transitions``; False if another writer
+    (an API call, another server) changed it first (then nothing is written). The row's
+    ``reason`` is only the latest; the transitions keep every one."""
     result = connection.execute(
         update(tables.rollouts).where(tables.rollouts.c.id == row["id"], tables.rollouts.c.revision == row["revision"])
         .values(**rollout_changes(rollout_of(row), after, now), revision=row["revision"] + 1))
-    return bool(result.rowcount)
+    if not result.rowcount:
+        return False
+    connection.execute(tables.rollout_transitions.insert().values(
+        rollout_id=row["id"], at=now, event=event, from_state=row["state"], to_state=after.state,
+        wave=after.wave + 1, actor=actor[:128], reason=reason))
+    return True
+
+
+def command_summary(command: dict[str, Any]) -> dict[str, Any]:
+    """What the audit keeps of a command: its id, kind, target and what it names (artifact sha256,
+    name, version; a rollback's from_version; a cancel's job), never its signature. Pure."""
+    kept = ("id", "type", "target", "sha256", "name", "version", "from_version", "job", "force_downgrade",
+            "expires_at")
+    return {key: command[key] for key in kept if command.get(key) is not None}
+
+
+def step_reason(step: Step, row: Any) -> str:
+    """Why the driver takes ``step`` (kept in the rollout's transitions), 1-based waves. Pure."""
+    if step.reason:
+        return step.reason
+    wave = f"wave {row['wave'] + 1} of {row['wave_count']}"
+    return {"start": f"started: wave 1 of {row['wave_count']}",
+            "soak": f"{wave}: its jobs passed their gate; soaking {row['soak_s']:g} s",
+            "advance": f"{wave} passed its gates; wave {row['wave'] + 2} starts"}.get(step.kind, step.kind)
 
 
 class Driver:
@@ -175,6 +208,7 @@ class Driver:
         self.artifact_url = artifact_url
         self.artifact_available = artifact_available
         self.server_id = server_id
+        self.actor = f"server:{server_id}"  # who the driver's transitions and commands are recorded as
         self.config = config or DriverConfig()
         self.lease = Lease(database, server_id, self.config.lease_ttl_s)
         self.leader = False
@@ -188,6 +222,8 @@ class Driver:
         self.reconcile_errors = 0  # rounds of the targets' reconciler that raised
         self.target_sent = 0  # deploys the reconciler recorded
         self.converged = 0  # devices on their effective target at the last round
+        self.requeried = 0  # deploys published again because their job went silent
+        self._requeried: dict[str, float] = {}  # command id: when it was last asked again
         self._errors: dict[str, int] = {}  # rollout id: rounds in a row that raised
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -250,6 +286,7 @@ class Driver:
             self.reconcile_errors += 1
             log.error("reconciling targets failed: %s", _one_line(err), exc_info=not isinstance(err, EdgepackError))
         self._resend_uncertain(now)
+        self._requery_silent(now)
 
     # ---------------------------------------------------------------- targets
 
@@ -323,7 +360,8 @@ class Driver:
                     .mappings().first()
                 if row is None or row["state"] not in ("pending", "running"):
                     return
-                save_rollout(connection, row, transition(rollout_of(row), "fail", now, reason), now)
+                save_rollout(connection, row, transition(rollout_of(row), "fail", now, reason), now, event="fail",
+                             actor=self.actor, reason=reason)
         except Exception:  # retried next round, still counted per rollout
             log.exception("rollout %s could not be marked failed", rollout_id)
             return
@@ -385,7 +423,8 @@ class Driver:
         after = transition(rollout, step.kind, now, step.reason)  # the step names the event
         published: list[dict[str, Any]] = []
         with self.database.write() as connection:
-            if not save_rollout(connection, row, after, now):
+            if not save_rollout(connection, row, after, now, event=step.kind, actor=self.actor,
+                                reason=step_reason(step, row)):
                 return
             if step.kind == "fail" and (step.rollback or step.cancel):
                 published = self._record_undo(connection, row, step, now)
@@ -408,7 +447,11 @@ class Driver:
         values = {"id": command["id"], "rollout_id": rollout_id, "device": device, "kind": kind, "topic": topic,
                   "payload": encode_command(signed), "created_at": now, "created_by": self.server_id,
                   "published_at": None, "attempts": 1}
-        return values if self.database.insert_new(connection, tables.commands, values) else None
+        if not self.database.insert_new(connection, tables.commands, values):
+            return None
+        audit.record(connection, actor=self.actor, action="command.sent", target=device, now=now,
+                     detail={"command": command_summary(command), "rollout": rollout_id, "topic": topic})
+        return values
 
     def _send_wave(self, row: Any, step: Step, now: float) -> None:
         rd = tables.rollout_devices
@@ -501,6 +544,35 @@ class Driver:
                 connection.execute(update(tables.commands).where(tables.commands.c.id.in_(acked_now),
                                                                  tables.commands.c.published_at.is_(None))
                                    .values(published_at=time.time()))
+
+    def _requery_silent(self, now: float) -> None:
+        """Deploys (of rollouts and of the reconciler) still within their lifetime, delivered,
+        whose job has no final event and has been silent ``requery_after_s``, are published
+        again, the same bytes, at most once per interval each. A device answers a repeated id
+        with the job as it stands and never runs it twice, so this only brings back answers the
+        server lost, e.g. after a restore from a copy taken mid-wave (the job events after the
+        copy are gone; the devices will not send them again on their own)."""
+        wait = self.config.requery_after_s
+        if self.leader_since is None or now - self.leader_since < wait:
+            return
+        self._requeried = {cid: at for cid, at in self._requeried.items() if now - at < wait}
+        commands, events = tables.commands, tables.job_events
+        newest = select(func.max(events.c.received_at)).where(events.c.job == commands.c.id).scalar_subquery()
+        ended = select(events.c.id).where(events.c.job == commands.c.id, events.c.final.is_(True)).exists()
+        with self.database.read() as connection:
+            silent = connection.execute(select(commands).where(
+                commands.c.kind == "deploy", commands.c.published_at.is_not(None),
+                commands.c.created_at > now - self.config.command_ttl_s + wait, ~ended,
+                func.coalesce(newest, commands.c.created_at) <= now - wait)
+                .order_by(commands.c.created_at).limit(1000)).mappings().all()
+        again = [dict(c) for c in silent if c["id"] not in self._requeried]
+        if not again:
+            return
+        for command in again:
+            self._requeried[command["id"]] = now
+        self.requeried += len(again)
+        log.info("asking %d device(s) again about a job silent for %g s", len(again), wait)
+        self._publish(again, now)
 
     def _resend_uncertain(self, now: float) -> None:
         """Commands recorded but never acknowledged by the broker: answered ones are marked

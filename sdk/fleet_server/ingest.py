@@ -62,6 +62,7 @@ from edgepack_core.protocol.messages import (
 from edgepack_core.protocol.topics import Topics
 from sdk.broker import BrokerOptions
 from sdk.fleet_server import db as tables
+from sdk.fleet_server.audit import SeenCommand, record_external, seen_command
 from sdk.fleet_server.budgets import Buckets, DropLedger, IngestLimits
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.liveness import HeardState, supersedes
@@ -101,7 +102,7 @@ class IngestCounters:
 
 @dataclass(frozen=True)
 class _Item:
-    kind: str  # state | telemetry | job
+    kind: str  # state | telemetry | job | cmd (audited when the server did not send it)
     device: str
     payload: bytes
     received_at: float
@@ -263,7 +264,7 @@ class Writer:
                 latest.pop(record.device, None)
         if gone:
             connection.execute(delete(tables.devices).where(tables.devices.c.id.in_(gone)))
-            for table in (tables.device_groups, tables.device_claimed_groups):
+            for table in (tables.device_groups, tables.device_claimed_groups, tables.device_rejected):
                 connection.execute(delete(table).where(table.c.device.in_(gone)))
         if not latest:
             return
@@ -289,6 +290,21 @@ class Writer:
                            [_device_values(r, heard) for r, heard in fresh])
         unenrolled = {d for d in latest if d not in stored or stored[d].groups_enrolled_at is None}
         self._groups(connection, [r for r, _ in fresh if r.groups is not None], unenrolled)
+        self._rejected(connection, [(r, heard) for r, heard in fresh if r.status == "online"])
+
+    def _rejected(self, connection: Any, records: list[tuple[DeviceState, float]]) -> None:
+        """Keep ``device_rejected`` in step with each device's newest online state (the device's
+        own ledger, bounded by the parser): records it no longer lists go, new ones are added
+        with when the server first heard them (an existing one keeps its first hearing)."""
+        table = tables.device_rejected
+        for record, heard in records:
+            listed = [ref.sha256 for ref in record.rejected]
+            connection.execute(delete(table).where(table.c.device == record.device, table.c.sha256.not_in(listed)))
+            if listed:
+                connection.execute(self.database.insert(table).on_conflict_do_nothing(), [
+                    {"device": record.device, "sha256": ref.sha256, "name": ref.name, "version": ref.version,
+                     "stage": ref.stage, "reason": ref.reason[:500], "device_ts": ref.ts, "heard_at": heard}
+                    for ref in record.rejected])
 
     def _groups(self, connection: Any, claiming: list[DeviceState], unenrolled: set[str]) -> None:
         """A device's claimed groups are recorded, never used: rollouts target the groups the
@@ -404,7 +420,7 @@ class Ingest:
         self.session_expiry_s = session_expiry_s
         self.limits = limits or IngestLimits()
         self.budgets = {"state": Buckets(self.limits.state), "job": Buckets(self.limits.job),
-                        "telemetry": Buckets(self.limits.telemetry)}
+                        "telemetry": Buckets(self.limits.telemetry), "cmd": Buckets(self.limits.command)}
         self.counters = IngestCounters()
         self.drops = DropLedger()
         self._drop_lock = threading.Lock()
@@ -450,6 +466,24 @@ class Ingest:
         if not self._queue.put(item, timeout=CONTROL_PUT_TIMEOUT_S):
             self._drop(parsed.device, "queue_full")  # not acknowledged: the broker sends it again after a reconnect
 
+    def _on_command(self, message: Incoming) -> None:
+        """A message on a device's or a group's cmd topic (the server's own commands too: the
+        writer tells them apart by id), within the topic's budget, queued to be audited."""
+        parsed = self.topics.parse(message.topic)
+        target = None if parsed is None else parsed.device if parsed.kind == "cmd" else \
+            f"group:{parsed.group}" if parsed.kind == "group_cmd" else None
+        if target is None or not message.payload:  # an empty payload clears a retained command: nothing sent
+            self._ack(message)
+            return
+        self.counters.received["cmd"] += 1
+        if not self.budgets["cmd"].allow(target, time.time()):
+            self._drop(target, "cmd_rate")
+            self._ack(message)
+            return
+        if not self._queue.put(_Item("cmd", target, message.payload, time.time(), message, message.topic),
+                               timeout=CONTROL_PUT_TIMEOUT_S):
+            self._drop(target, "queue_full")
+
     def _on_telemetry(self, message: Incoming) -> None:
         parsed = self.topics.parse(message.topic)
         if parsed is None or parsed.device is None or parsed.kind != "telemetry":
@@ -473,6 +507,8 @@ class Ingest:
         self.control = MqttTransport(self._settings(f"edgepack-fleet-{self.server_id}", persistent=True))
         self.control.subscribe(self.topics.all_of("state"), 1, self._on_control)
         self.control.subscribe(self.topics.all_of("job"), 1, self._on_control)
+        self.control.subscribe(self.topics.all_of("cmd"), 1, self._on_command)
+        self.control.subscribe(f"{self.topics.root}/grp/+/cmd", 1, self._on_command)
         self.control.connect_or_raise(connect_timeout)
         telemetry_id = f"edgepack-fleet-{self.server_id[:40]}-t{uuid.uuid4().hex[:6]}"
         self.telemetry = MqttTransport(self._settings(telemetry_id, persistent=False))
@@ -561,9 +597,14 @@ class Ingest:
         states: list[tuple[DeviceState | Decommissioned, float]] = []
         telemetry: list[tuple[Telemetry, float]] = []
         jobs: list[tuple[JobEvent, float]] = []
+        commands: list[tuple[SeenCommand, float]] = []
         dropped: list[tuple[str, str]] = []
         for item in items:
             record: Any
+            if item.kind == "cmd":
+                commands.append((seen_command(item.topic, item.device, item.payload, item.received_at),
+                                 item.received_at))
+                continue
             if item.kind == "state":
                 record = parse_state(item.device, item.payload)
                 target: list[Any] = states
@@ -589,7 +630,9 @@ class Ingest:
             self.writer.states(connection, states)
             self.writer.telemetry(connection, telemetry)
             repeats = self.writer.jobs(connection, jobs)
+            external = record_external(connection, commands) if commands else 0
         committed = time.time()
+        self.counters.stored["command_external"] += external
         for item in items:
             if item.message is not None:
                 self._ack(item.message)

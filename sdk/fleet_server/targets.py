@@ -42,8 +42,9 @@ SCOPES = (FLEET, GROUP, DEVICE)
 ALREADY_ACTIVE = "is already the active model"
 """The agent's answer to a deploy of the model it runs: the device is on target, not failed."""
 
-MAX_ATTEMPTS = 1000
-"""Commands for one (device, model, artifact, target revision) before the reconciler stops."""
+MAX_ATTEMPTS = 5
+"""Commands for one (device, model, artifact, target revision) before the reconciler stops: a
+device that takes the deploy but keeps reporting something else is not sent it forever."""
 
 
 def _frozen(models: Mapping[str, str]) -> Mapping[str, str]:
@@ -60,10 +61,12 @@ class Target:
     models: Mapping[str, str] = field(default_factory=dict)
     hold: bool = False
     revisions: Mapping[str, int] = field(default_factory=dict)
+    set_at: Mapping[str, float] = field(default_factory=dict)  # model -> when the operator set it (server clock)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", _frozen(self.models))
         object.__setattr__(self, "revisions", MappingProxyType(dict(self.revisions)))
+        object.__setattr__(self, "set_at", MappingProxyType(dict(self.set_at)))
 
 
 NO_TARGET = Target()
@@ -77,6 +80,7 @@ class Wanted:
     artifact: str
     source: str
     revision: int = 1
+    set_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,8 @@ def _from_groups(groups: Mapping[str, Target], model: str) -> Wanted | tuple[tup
     if len(artifacts) > 1:
         return tuple(named)
     revision = max(groups[name].revisions.get(model, 1) for name, _a in named)
-    return Wanted(named[0][1], "group:" + "+".join(name for name, _a in named), revision)
+    set_at = max(groups[name].set_at.get(model, 0.0) for name, _a in named)
+    return Wanted(named[0][1], "group:" + "+".join(name for name, _a in named), revision, set_at)
 
 
 def effective_target(fleet: Target, groups: Mapping[str, Target], device: Target) -> Effective:
@@ -115,7 +120,8 @@ def effective_target(fleet: Target, groups: Mapping[str, Target], device: Target
     conflicts: dict[str, tuple[tuple[str, str], ...]] = {}
     for model in sorted(names):
         if model in device.models:
-            wanted[model] = Wanted(device.models[model], DEVICE, device.revisions.get(model, 1))
+            wanted[model] = Wanted(device.models[model], DEVICE, device.revisions.get(model, 1),
+                                   device.set_at.get(model, 0.0))
             continue
         said = _from_groups(groups, model)
         if isinstance(said, Wanted):
@@ -123,7 +129,8 @@ def effective_target(fleet: Target, groups: Mapping[str, Target], device: Target
         elif said is not None:
             conflicts[model] = said
         elif model in fleet.models:
-            wanted[model] = Wanted(fleet.models[model], FLEET, fleet.revisions.get(model, 1))
+            wanted[model] = Wanted(fleet.models[model], FLEET, fleet.revisions.get(model, 1),
+                                   fleet.set_at.get(model, 0.0))
     held_by = tuple([DEVICE] * device.hold + [f"group:{name}" for name, t in sorted(groups.items()) if t.hold]
                     + [FLEET] * fleet.hold)
     return Effective(MappingProxyType(wanted), MappingProxyType(conflicts), held_by)
@@ -142,13 +149,25 @@ class Running:
 
 
 @dataclass(frozen=True)
+class Rejection:
+    """An artifact the device reported it refused to keep (its state's ``rejected`` list):
+    the stage (admission, smoke_test, health_window), why, and when the server first heard it."""
+
+    stage: str
+    reason: str
+    heard_at: float
+
+
+@dataclass(frozen=True)
 class Reported:
-    """What the server last heard from the device."""
+    """What the server last heard from the device. ``rejected``: artifact sha256 -> the
+    device's own record of refusing it."""
 
     online: bool
     models: Mapping[str, Running] = field(default_factory=dict)
     status_reason: str = ""
     heard_at: float | None = None  # when the server heard the state (None: never)
+    rejected: Mapping[str, Rejection] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -261,6 +280,17 @@ def _job_decision(device: str, model: str, wanted: Wanted, last: LastCommand | N
                     attempt=attempt, command_id=target_command_id(device, model, wanted, attempt))
 
 
+def device_rejected(wanted: Wanted, reported: Reported) -> str:
+    """Why the device's own rejection of the wanted artifact stops the reconciler, or "".
+    A rejection is never overridden by a fleet or group target: only a device target set after
+    the server heard of the rejection is the operator's explicit retry (pure)."""
+    rejection = reported.rejected.get(wanted.artifact)
+    if rejection is None or (wanted.source == DEVICE and wanted.set_at > rejection.heard_at):
+        return ""
+    return (f"artifact {wanted.artifact[:12]} rejected by this device ({rejection.stage}: "
+            f"{rejection.reason or 'no reason given'}); set a device target to retry")
+
+
 def _blocked(effective: Effective, reported: Reported, diff: Mapping[str, str], busy: str) -> str:
     """Why no command may go to the device at all now, or "" (pure)."""
     if effective.hold:
@@ -305,8 +335,12 @@ def reconcile(device: str, effective: Effective, reported: Reported, artifacts: 
         if wanted.artifact not in artifacts:
             reasons.append(f"{model}: artifact {wanted.artifact[:12]} is not in the server's store")
             continue
+        refused = device_rejected(wanted, reported)
+        if refused:
+            reasons.append(f"{model}: {refused}")
+            continue
         step = _job_decision(device, model, wanted, last.get(model), reported, now, command_ttl_s)
         if step.kind == "send":
             return replace(step, differences=frozen)
-        reasons.append(step.reason)
+        reasons.append(f"{model}: {step.reason}")
     return Decision("wait", "; ".join(reasons), differences=frozen)
