@@ -387,7 +387,7 @@ def test_a_running_rollout_is_paused_resumed_and_aborted_from_the_page(browser, 
     _open(browser, server, "/rollouts", f"#rollouts tr[data-rollout='{rollout_id}']")
     rows = browser.find_elements(By.CSS_SELECTOR, "#rollouts tbody tr[data-rollout]")
     assert [r.find_elements(By.TAG_NAME, "td")[1].text for r in rows] == ["running", "succeeded"]
-    assert rows[0].find_elements(By.TAG_NAME, "td")[2].text == "scale 1.2.0"
+    assert rows[0].find_elements(By.TAG_NAME, "td")[2].text == f"scale 1.2.0 ({stored['sha256'][:12]})"
     browser.find_element(By.CSS_SELECTOR, "#new-rollout-box summary").click()
     _shot(browser, shots, "rollouts")
     rows[0].find_element(By.TAG_NAME, "a").click()
@@ -419,6 +419,46 @@ def test_a_running_rollout_is_paused_resumed_and_aborted_from_the_page(browser, 
     assert wait_for(lambda: _rollout_state(server, rollout_id) == "aborted", 15), "aborting from the page"
     _wait(browser, lambda d: d.find_element(By.ID, "rollout-state").get_attribute("data-state") == "aborted",
           message="the page shows aborted")
+
+
+def _publish_failed_job(broker, device: str, reason: str) -> None:
+    """A device's own answer to a deploy the server did not send: failed, with a long reason."""
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"job-{free_port()}", protocol=mqtt.MQTTv5)
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    try:
+        for state, final in (("queued", False), ("failed", True)):
+            event = {"schema": "edgepack.job/1", "device": device, "ts": time.time(), "job": "by-hand-1",
+                     "type": "deploy", "state": state, "reason": reason if final else "queued", "final": final}
+            client.publish(f"{TOPIC_ROOT}/dev/{device}/job", json.dumps(event), qos=1).wait_for_publish(10)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def test_the_device_page_shows_its_update_history_and_the_fleet_marks_a_failed_update(browser, server, fleet,
+                                                                                       broker):
+    history = server.get("/api/devices/sim-00000/history")["entries"]
+    assert history and history[-1]["outcome"] == "succeeded" and history[-1]["artifact"]["version"] == "1.1.0"
+    _open(browser, server, "/devices/sim-00000", "#device-history tbody tr[data-job]")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#device-history tbody tr[data-job]")
+    assert [r.get_attribute("data-job") for r in rows] == [e["job"] for e in history]
+    oldest = history[-1]
+    cells = [c.text for c in rows[-1].find_elements(By.TAG_NAME, "td")]
+    assert cells[1:5] == ["deploy", f"scale 1.1.0 ({oldest['artifact']['sha256'][:12]})", oldest["rollout"]["id"],
+                          "succeeded"]
+    assert _text(browser, "#device-artifact").startswith("scale ")  # the artifact it runs: version and sha
+    reason = "verification failed: " + "the signature does not match the release key; " * 4
+    _publish_failed_job(broker, "evil-1", reason)
+    assert wait_for(lambda: server.get("/api/devices/evil-1")["update_status"] == "failed", 30)
+    _open(browser, server, "/fleet", "#devices tbody tr[data-device]")
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "tr[data-device='evil-1'] [data-update='failed']"),
+          message="the fleet list marks the failed update")
+    assert not browser.find_elements(By.CSS_SELECTOR, "tr[data-device='sim-00000'] [data-update]")
+    _open(browser, server, "/devices/evil-1", "#device-history tbody tr[data-job='by-hand-1']")
+    row = browser.find_element(By.CSS_SELECTOR, "#device-history tr[data-job='by-hand-1']")
+    cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+    assert cells[3:] == ["not sent by the server", "failed", reason.strip()]  # the reason whole
 
 
 def test_the_audit_page_shows_who_did_what_and_when(browser, server, fleet, shots):

@@ -39,7 +39,13 @@ SCHEMAS: dict[str, Any] = {
                                                                   "degraded: a full disk); or why not (no model)"},
                        "degraded": {"type": "array", "items": {"type": "string"},
                                     "description": "why the device is degraded (no space: ...)"},
-                       "model": {"type": "object", "description": "the active model, its provider and hash"}},
+                       "model": {"type": "object", "description": "the active model, its provider and hash "
+                                                                  "(the first of models)"},
+                       "models": {"type": "array", "description": "every model installed: name, version, "
+                                                                  "provider, state, model_bytes",
+                                  "items": {"type": "object", "required": ["name", "state"],
+                                            "properties": {"name": {"type": "string"},
+                                                           "state": {"enum": ["serving", "no model"]}}}}},
     },
     "PredictRequest": {
         "type": "object", "required": ["inputs"],
@@ -157,18 +163,12 @@ def _v2_model_operations(prefix: str, parameters: list[dict[str, Any]]) -> list[
     ]
 
 
-OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
-    ("get", "/healthz", {"summary": "Health: 200 with the active model, 503 without one",
-                         "responses": {"200": _json("serving", _ref("Health")),
-                                       "503": _json("not serving (the reason in status)", _ref("Health"))}}),
-    ("get", "/metrics", {"summary": "Prometheus text (version 0.0.4): requests, errors, latency, load",
-                         "responses": {"200": {"description": "metrics", "content": {
-                             "text/plain": {"schema": {"type": "string"}}}}}}),
-    ("get", "/openapi.json", {"summary": "This document",
-                              "responses": {"200": _json("the OpenAPI document", {"type": "object"})}}),
-    ("post", "/predict", {
-        "summary": "Inference on the active model: an image, a WAV file, npy/npz tensors or JSON tensors",
+def _predict(summary: str, parameters: list[dict[str, Any]]) -> dict[str, Any]:
+    """``POST /predict`` and ``POST /predict/{model}``: one body, one answer; the path may name the model."""
+    return {
+        "summary": summary,
         "parameters": [
+            *parameters,
             {"name": "outputs", "in": "query", "required": False, "schema": {"enum": ["raw", "result"]},
              "description": "raw: add the raw output tensors to a JSON answer; result: leave them out"},
             {"name": "X-Edgepack-Stream", "in": "header", "required": False,
@@ -183,7 +183,23 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                                              "application/x-npz (model, provider, latency in X-Edgepack-*)",
                               "content": {"application/json": {"schema": _ref("PredictAnswer")},
                                           "application/x-npz": _BINARY}},
-                      **_errors("400", "406", "408", "413", "415", "503")}}),
+                      **_errors("400", "404", "406", "408", "413", "415", "503")}}
+
+
+OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
+    ("get", "/healthz", {"summary": "Health: 200 with the active model, 503 without one",
+                         "responses": {"200": _json("serving", _ref("Health")),
+                                       "503": _json("not serving (the reason in status)", _ref("Health"))}}),
+    ("get", "/metrics", {"summary": "Prometheus text (version 0.0.4): requests, errors, latency, load",
+                         "responses": {"200": {"description": "metrics", "content": {
+                             "text/plain": {"schema": {"type": "string"}}}}}}),
+    ("get", "/openapi.json", {"summary": "This document",
+                              "responses": {"200": _json("the OpenAPI document", {"type": "object"})}}),
+    ("post", "/predict", _predict("Inference on the only model: an image, a WAV file, npy/npz tensors or JSON "
+                                  "tensors (400 model_required when several are installed)", [])),
+    ("post", "/predict/{model}", _predict("Inference on the named model (404 naming the installed ones otherwise)",
+                                          [{"name": "model", "in": "path", "required": True,
+                                            "schema": {"type": "string"}}])),
     ("delete", "/streams/{stream}", {
         "summary": "Forget a stream's state (its next call starts from init)",
         "parameters": [{"name": "stream", "in": "path", "required": True,

@@ -27,7 +27,7 @@ from device_agent.telemetry.session import ConnectionCounter
 from edgepack_core import __version__ as edgepack_version
 from edgepack_core.mqtt_settings import MqttSettings, Will
 from edgepack_core.mqtt_transport import MqttTransport
-from edgepack_core.protocol.messages import MAX_REJECTED, JobEvent, SessionMark
+from edgepack_core.protocol.messages import MAX_MODELS, MAX_REJECTED, JobEvent, SessionMark
 from edgepack_core.protocol.payloads import STATE_SCHEMA_ID
 from edgepack_core.protocol.topics import Topics
 
@@ -51,6 +51,8 @@ class AgentStatus:
     # The versions this device rejected, newest first (``updates.rejected.for_state``): the fleet
     # server marks (device, artifact) rejected from them and never re-targets one automatically.
     rejected: list[dict[str, Any]] = field(default_factory=list)
+    # Every model the device holds (``device_agent.models.state_entry``), the first one ``model``.
+    models: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -94,6 +96,7 @@ def state_document(device_id: str, online: bool, status: AgentStatus, groups: li
         doc["provider_fallbacks"] = [{"provider": f["provider"], "reason": f["reason"][:MAX_REASON_CHARS]}
                                      for f in status.provider_fallbacks[:MAX_FALLBACKS]]
         doc["rejected"] = status.rejected[:MAX_REJECTED]
+        doc["models"] = status.models[:MAX_MODELS]
         doc.update(status.extra)
     else:
         doc["reason"] = reason
@@ -195,10 +198,10 @@ class TelemetryReporter:
         self._interval = max(0.1, float(seconds))
         self._wake.set()
 
-    def record_inference(self, seconds: float) -> None:
+    def record_inference(self, seconds: float, *, model: str | None = None) -> None:
         self.aggregator.record_inference(seconds)
 
-    def record_error(self, kind: str) -> None:
+    def record_error(self, kind: str, *, model: str | None = None) -> None:
         self.aggregator.record_error(kind)
 
     def publish_state(self) -> None:

@@ -36,6 +36,7 @@ MAX_JOB_TYPE_CHARS = 32
 MAX_ERROR_KINDS = 64  # the agent sends at most 32 kinds and "other"
 JOB_STATE = re.compile(r"[a-z_]{1,32}")  # the job schema's pattern
 MAX_REJECTED = 32  # the state schema's maxItems for rejected
+MAX_MODELS = 16  # the state schema's maxItems for models
 REJECTION_STAGES = ("admission", "smoke_test", "health_window")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -111,6 +112,9 @@ class DeviceState:
     capabilities: str | None = None  # compact JSON with sorted keys; None when absent or too large
     session: SessionMark | None = None  # None: an agent from before connection marks
     rejected: tuple[RejectedRef, ...] = ()  # newest first; () also for an agent that does not report them
+    # Every model the device holds (several named models); () from an agent before them, whose
+    # one model is ``model``.
+    models: tuple[ModelRef, ...] = ()
 
     def capabilities_dict(self) -> dict[str, Any]:
         """The capabilities as a fresh dict (empty when the message had none)."""
@@ -247,6 +251,19 @@ def _model(value: Any) -> ModelRef | None:
                     sha if isinstance(sha, str) and len(sha) == 64 else None)
 
 
+def _models(value: Any) -> tuple[ModelRef, ...]:
+    """The models among the first :data:`MAX_MODELS` that have a valid name, each name once;
+    () for a non-list or an absent key."""
+    if not isinstance(value, list):
+        return ()
+    found: dict[str, ModelRef] = {}
+    for item in value[:MAX_MODELS]:
+        ref = _model(item)
+        if ref is not None and ref.name is not None and ref.name not in found:
+            found[ref.name] = ref
+    return tuple(found.values())
+
+
 def _groups(value: Any) -> tuple[str, ...] | None:
     """Valid group names, first :data:`MAX_GROUPS` looked at, each once; None for a non-list."""
     if not isinstance(value, list):
@@ -313,7 +330,7 @@ def parse_state(device: str, payload: bytes) -> DeviceState | Decommissioned | R
                        groups=_groups(doc.get("groups")), model=_model(doc.get("model")),
                        provider=text(doc.get("provider"), MAX_NAME_CHARS), profile=text(profile, MAX_NAME_CHARS),
                        capabilities=_capabilities(capabilities), session=_session(doc.get("session")),
-                       rejected=_rejected(doc.get("rejected")))
+                       rejected=_rejected(doc.get("rejected")), models=_models(doc.get("models")))
 
 
 def _queue(value: Any) -> QueueCounters | None:

@@ -202,3 +202,43 @@ def enroll(device_id: str, server: str, token_file: Path | None, reason: str) ->
     """Take a decommissioned device back: its next state enrols it as a new device."""
     done = _fleet_client(server, token_file).post(f"/api/devices/{device_id}/enroll", {"reason": reason})
     click.echo(f"{done['device']} may join again; its next state enrols it")
+
+
+def history_lines(doc: dict[str, Any]) -> list[str]:
+    """``edgepack device history`` as text: one line per job, newest first, then its states;
+    reasons whole (never cut: the reason is what the operator needs)."""
+    from sdk.cli.rollout import utc_time as _when
+
+    lines = []
+    for entry in doc["entries"]:
+        artifact = entry.get("artifact") or {}
+        what = f"{artifact.get('name') or '?'} {artifact.get('version') or '?'} ({artifact['sha256'][:12]})" \
+            if artifact.get("sha256") else ""
+        rollout = f" rollout {entry['rollout']['id']}" if entry.get("rollout") else ""
+        by = "" if entry["sent_by_server"] else " (not sent by the server)"
+        lines.append(f"{_when(entry['started_at'])}  {entry['job']}  {entry['kind']} {what}{rollout}{by}: "
+                     f"{entry['outcome']}" + (f": {entry['reason']}" if entry["reason"] else ""))
+        lines.extend(f"    {_when(state['received_at'])}  {state['state']}{' (final)' if state['final'] else ''}"
+                     + (f": {state['reason']}" if state["reason"] else "") for state in entry["states"])
+    return lines or [f"{doc['device']}: no update recorded"]
+
+
+@device.command(name="history")
+@click.argument("device_id")
+@_SERVER
+@_TOKEN_FILE
+@click.option("--limit", type=click.IntRange(1, 200), default=50, show_default=True, help="Jobs to show.")
+@click.option("--before", type=click.FloatRange(min=0), help="Only jobs started before this time (paging).")
+@click.option("--json", "as_json", is_flag=True, help="Print the server's JSON document.")
+def history(device_id: str, server: str, token_file: Path | None, limit: int, before: float | None,
+            as_json: bool) -> None:
+    """Every job and rollout the device went through, newest first, with outcome and reason."""
+    from edgepack_core.protocol.ids import is_valid_id
+
+    if not is_valid_id(device_id):
+        raise click.BadParameter(f"{device_id[:64]!r} is not a device id", param_hint="DEVICE_ID")
+    query: dict[str, Any] = {"limit": limit}
+    if before is not None:
+        query["before"] = repr(before)
+    doc = _fleet_client(server, token_file).get(f"/api/devices/{device_id}/history", **query)
+    click.echo(json.dumps(doc) if as_json else "\n".join(history_lines(doc)))

@@ -63,9 +63,25 @@ def _table(doc: dict[str, Any]) -> str:
     for device in doc.get("devices", []):
         undo = device.get("undo")
         tail = f" [{undo['kind']}: {undo['state']}]" if undo else ""
-        lines.append(f"  {device['device'][:24]:<24} {device['wave'] + 1:>4} {device['state']:<12} "
-                     f"{device['reason'][:80]}{tail}")
+        lines.append(f"  {device['device']:<24} {device['wave'] + 1:>4} {device['state']:<12} "
+                     f"{device['reason']}{tail}")
+    transitions = doc.get("transitions") or []
+    if transitions:
+        lines.append("  HISTORY")
+    for step in transitions:
+        moved = f"{step['from']} -> {step['to']}" if step["from"] != step["to"] else step["to"]
+        lines.append(f"  {utc_time(step['at'])}  {step['event']:<8} {moved:<20} wave {step['wave']:<3} "
+                     f"by {step['actor']}" + (f": {step['reason']}" if step["reason"] else ""))
     return "\n".join(lines)
+
+
+def utc_time(ts: float | None) -> str:
+    """A unix time as ``YYYY-MM-DD HH:MM:SS`` UTC ("-" for None)."""
+    import datetime
+
+    if ts is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _everyone_active(doc: dict[str, Any]) -> bool:
@@ -119,10 +135,11 @@ def rollout() -> None:
 @click.option("--wait", is_flag=True, help="Follow the rollout; exit 0 only if every device ends active.")
 @click.option("--timeout", type=float, default=3600.0, show_default=True, help="With --wait: seconds to follow.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rollout as JSON.")
+@click.option("--reason", default="", help="Why (kept in the rollout's history and the audit; at most 500 characters).")
 def create(artifact: Path, server: str, token_file: Path | None, group: str | None, devices: tuple[str, ...],
            waves: str, soak_s: float, success_share: float, wave_timeout: float, max_error_rate: float | None,
            rollback_on_failure: bool, health_window: float | None, force_downgrade: bool,
-           allow_contract_change: bool, wait: bool, timeout: float, as_json: bool) -> None:
+           allow_contract_change: bool, wait: bool, timeout: float, as_json: bool, reason: str) -> None:
     """Roll ARTIFACT out to a group or devices, in waves, from the server."""
     if bool(devices) == bool(group):
         raise click.UsageError("give --group G or --device ID (repeatable)")
@@ -140,6 +157,8 @@ def create(artifact: Path, server: str, token_file: Path | None, group: str | No
         body["max_error_rate"] = max_error_rate
     if health_window is not None:
         body["health_window_s"] = health_window
+    if reason:
+        body["reason"] = reason
     doc = client.post("/api/rollouts", body)
     if not wait:
         click.echo(json.dumps(doc) if as_json else f"created {doc['id']}: {doc['counts']['devices']} device(s) "
@@ -196,7 +215,8 @@ def _action(name: str, doc: str) -> None:
     @rollout.command(name=name, help=doc)
     @click.argument("rollout_id")
     @_server_options
-    @click.option("--reason", default="", help="Recorded in the rollout and the audit log.")
+    @click.option("--reason", default="", help="Recorded in the rollout's history and the audit log (at most 500 "
+                                               "characters, kept whole).")
     def command(rollout_id: str, server: str, token_file: Path | None, reason: str) -> None:
         answer = client_for(server, token_file).post(f"/api/rollouts/{rollout_id}/{name}",
                                                      {"reason": reason} if reason else {})

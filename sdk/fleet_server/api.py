@@ -47,7 +47,7 @@ from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError
-from sdk.fleet_server import audit, desired, openapi, queries
+from sdk.fleet_server import audit, desired, history, openapi, queries
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
@@ -364,6 +364,13 @@ class Routes:
                                                     _path_id(request, "device_id"), now=time.time(),
                                                     silence_s=self.context.silence_s))
 
+    async def device_history(self, request: Request, _actor: str) -> Response:
+        params = Params(request, {"limit", "before"})
+        page = history.Page(limit=params.integer("limit", history.DEFAULT_PAGE, 1, history.MAX_PAGE),
+                            before=None if params.values.get("before") is None else params.number("before", 0.0))
+        return JSONResponse(await run_in_threadpool(history.device_history, self.database,
+                                                    _path_id(request, "device_id"), page, now=time.time()))
+
     async def device_telemetry(self, request: Request, _actor: str) -> Response:
         params = Params(request, {"since", "until", "step"})
         now = time.time()
@@ -569,6 +576,7 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/devices/{device_id}/enroll", guard(r.enroll, "device.enroll"), methods=["POST"]),
         Route("/api/decommissioned", guard(r.decommissioned), methods=["GET"]),
         Route("/api/devices/{device_id}/telemetry", guard(r.device_telemetry), methods=["GET"]),
+        Route("/api/devices/{device_id}/history", guard(r.device_history), methods=["GET"]),
         Route("/api/devices/{device_id}/groups", guard(r.set_groups, "device.groups"), methods=["PUT"]),
         Route("/api/devices/{device_id}/target", guard(r.device_target), methods=["GET"]),
         Route("/api/targets", guard(r.targets), methods=["GET"]),

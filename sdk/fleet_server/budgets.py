@@ -54,6 +54,7 @@ class IngestLimits:
     job: Rate = Rate(10.0, 200.0)
     state: Rate = Rate(10.0, 200.0)
     telemetry: Rate = Rate(20.0, 2000.0)
+    command: Rate = Rate(1.0, 20.0)  # per cmd topic: what the ingest audits of commands it did not send
 
 
 class Buckets:

@@ -201,7 +201,7 @@ rollouts = Table(
     Column("version", String(128), nullable=False),
     Column("target_group", String(ID)),  # None: an explicit device list
     Column("state", String(16), nullable=False),
-    Column("wave", Integer, nullable=False),  # the current wave (0-based)
+    Column("wave", Integer, nullable=False),  # the current wave, 0-based in the table (the API adds wave_number)
     Column("waves", Text, nullable=False),  # JSON: the cumulative shares asked for
     Column("wave_count", Integer, nullable=False),  # waves actually planned (a share may add nobody)
     Column("min_success_share", Float, nullable=False),
@@ -257,6 +257,21 @@ commands = Table(
     Column("attempts", Integer, nullable=False),
     Index(None, "published_at"),
     Index(None, "rollout_id"),
+    Index(None, "device", "created_at"),  # a device's update history (sdk/fleet_server/history.py)
+)
+
+rollout_transitions = Table(  # every change of a rollout's state, wave or soak, with who and why (never updated)
+    "rollout_transitions", metadata,
+    Column("id", RowId, primary_key=True, autoincrement=True),
+    Column("rollout_id", String(ID), ForeignKey("rollouts.id"), nullable=False),
+    Column("at", Float, nullable=False),
+    Column("event", String(16), nullable=False),  # start | soak | advance | succeed | fail | pause | resume | abort
+    Column("from_state", String(16), nullable=False),
+    Column("to_state", String(16), nullable=False),
+    Column("wave", Integer, nullable=False),  # 1-based: the wave the rollout is in after the transition
+    Column("actor", String(128), nullable=False),  # the operator's token name, or server:<id> for the driver
+    Column("reason", Text, nullable=False, default=""),
+    Index(None, "rollout_id", "id"),
 )
 
 target_entries = Table(  # desired state: one row per (scope, model) the operator set (sdk/fleet_server/targets.py)
@@ -324,6 +339,7 @@ audit_log = Table(
     Column("detail", Text, nullable=False),  # JSON, bounded
     Column("remote", String(64), nullable=False),
     Index(None, "ts"),
+    Index(None, "action", "id"),  # a page of one action; the bound on command.external entries
 )
 
 

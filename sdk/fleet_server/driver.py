@@ -46,6 +46,7 @@ from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.commands import build_command, encode_command
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey
+from sdk.fleet_server import audit
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.desired import View, load_plan
@@ -159,13 +160,39 @@ def rollout_changes(before: Rollout, after: Rollout, now: float) -> dict[str, An
             "paused_at": after.paused_at, "finished_at": after.finished_at, "updated_at": now}
 
 
-def save_rollout(connection: Connection, row: Any, after: Rollout, now: float) -> bool:
-    """Write ``after`` if the row is still at the revision it was read at; False if another
-    writer (an API call, another server) changed it first."""
+def save_rollout(connection: Connection, row: Any, after: Rollout, now: float, *, event: str, actor: str,
+                 reason: str = "") -> bool:
+    """Write ``after`` if the row is still at the revision it was read at, with its transition
+    (``event``, who, why, the 1-based wave) in ``rollout_transitions``; False if another writer
+    (an API call, another server) changed it first (then nothing is written). The row's
+    ``reason`` is only the latest; the transitions keep every one."""
     result = connection.execute(
         update(tables.rollouts).where(tables.rollouts.c.id == row["id"], tables.rollouts.c.revision == row["revision"])
         .values(**rollout_changes(rollout_of(row), after, now), revision=row["revision"] + 1))
-    return bool(result.rowcount)
+    if not result.rowcount:
+        return False
+    connection.execute(tables.rollout_transitions.insert().values(
+        rollout_id=row["id"], at=now, event=event, from_state=row["state"], to_state=after.state,
+        wave=after.wave + 1, actor=actor[:128], reason=reason))
+    return True
+
+
+def command_summary(command: dict[str, Any]) -> dict[str, Any]:
+    """What the audit keeps of a command: its id, kind, target and what it names (artifact sha256,
+    name, version; a rollback's from_version; a cancel's job), never its signature. Pure."""
+    kept = ("id", "type", "target", "sha256", "name", "version", "from_version", "job", "force_downgrade",
+            "expires_at")
+    return {key: command[key] for key in kept if command.get(key) is not None}
+
+
+def step_reason(step: Step, row: Any) -> str:
+    """Why the driver takes ``step`` (kept in the rollout's transitions), 1-based waves. Pure."""
+    if step.reason:
+        return step.reason
+    wave = f"wave {row['wave'] + 1} of {row['wave_count']}"
+    return {"start": f"started: wave 1 of {row['wave_count']}",
+            "soak": f"{wave}: its jobs passed their gate; soaking {row['soak_s']:g} s",
+            "advance": f"{wave} passed its gates; wave {row['wave'] + 2} starts"}.get(step.kind, step.kind)
 
 
 class Driver:
@@ -182,6 +209,7 @@ class Driver:
         self.artifact_url = artifact_url
         self.artifact_available = artifact_available
         self.server_id = server_id
+        self.actor = f"server:{server_id}"  # who the driver's transitions and commands are recorded as
         self.config = config or DriverConfig()
         self.lease = Lease(database, server_id, self.config.lease_ttl_s)
         self.leader = False
@@ -337,7 +365,8 @@ class Driver:
                     .mappings().first()
                 if row is None or row["state"] not in ("pending", "running"):
                     return
-                save_rollout(connection, row, transition(rollout_of(row), "fail", now, reason), now)
+                save_rollout(connection, row, transition(rollout_of(row), "fail", now, reason), now, event="fail",
+                             actor=self.actor, reason=reason)
         except Exception:  # retried next round, still counted per rollout
             log.exception("rollout %s could not be marked failed", rollout_id)
             return
@@ -399,7 +428,8 @@ class Driver:
         after = transition(rollout, step.kind, now, step.reason)  # the step names the event
         published: list[dict[str, Any]] = []
         with self.database.write() as connection:
-            if not save_rollout(connection, row, after, now):
+            if not save_rollout(connection, row, after, now, event=step.kind, actor=self.actor,
+                                reason=step_reason(step, row)):
                 return
             if step.kind == "fail" and (step.rollback or step.cancel):
                 published = self._record_undo(connection, row, step, now)
@@ -422,7 +452,11 @@ class Driver:
         values = {"id": command["id"], "rollout_id": rollout_id, "device": device, "kind": kind, "topic": topic,
                   "payload": encode_command(signed), "created_at": now, "created_by": self.server_id,
                   "published_at": None, "attempts": 1}
-        return values if self.database.insert_new(connection, tables.commands, values) else None
+        if not self.database.insert_new(connection, tables.commands, values):
+            return None
+        audit.record(connection, actor=self.actor, action="command.sent", target=device, now=now,
+                     detail={"command": command_summary(command), "rollout": rollout_id, "topic": topic})
+        return values
 
     def _send_wave(self, row: Any, step: Step, now: float) -> None:
         rd = tables.rollout_devices

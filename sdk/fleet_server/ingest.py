@@ -62,6 +62,7 @@ from edgepack_core.protocol.messages import (
 from edgepack_core.protocol.topics import Topics
 from sdk.broker import BrokerOptions
 from sdk.fleet_server import db as tables
+from sdk.fleet_server.audit import SeenCommand, record_external, seen_command
 from sdk.fleet_server.budgets import Buckets, DropLedger, IngestLimits
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.liveness import HeardState, supersedes
@@ -101,7 +102,7 @@ class IngestCounters:
 
 @dataclass(frozen=True)
 class _Item:
-    kind: str  # state | telemetry | job
+    kind: str  # state | telemetry | job | cmd (audited when the server did not send it)
     device: str
     payload: bytes
     received_at: float
@@ -426,7 +427,7 @@ class Ingest:
         self.session_expiry_s = session_expiry_s
         self.limits = limits or IngestLimits()
         self.budgets = {"state": Buckets(self.limits.state), "job": Buckets(self.limits.job),
-                        "telemetry": Buckets(self.limits.telemetry)}
+                        "telemetry": Buckets(self.limits.telemetry), "cmd": Buckets(self.limits.command)}
         self.counters = IngestCounters()
         self.drops = DropLedger()
         self._drop_lock = threading.Lock()
@@ -472,6 +473,24 @@ class Ingest:
         if not self._queue.put(item, timeout=CONTROL_PUT_TIMEOUT_S):
             self._drop(parsed.device, "queue_full")  # not acknowledged: the broker sends it again after a reconnect
 
+    def _on_command(self, message: Incoming) -> None:
+        """A message on a device's or a group's cmd topic (the server's own commands too: the
+        writer tells them apart by id), within the topic's budget, queued to be audited."""
+        parsed = self.topics.parse(message.topic)
+        target = None if parsed is None else parsed.device if parsed.kind == "cmd" else \
+            f"group:{parsed.group}" if parsed.kind == "group_cmd" else None
+        if target is None or not message.payload:  # an empty payload clears a retained command: nothing sent
+            self._ack(message)
+            return
+        self.counters.received["cmd"] += 1
+        if not self.budgets["cmd"].allow(target, time.time()):
+            self._drop(target, "cmd_rate")
+            self._ack(message)
+            return
+        if not self._queue.put(_Item("cmd", target, message.payload, time.time(), message, message.topic),
+                               timeout=CONTROL_PUT_TIMEOUT_S):
+            self._drop(target, "queue_full")
+
     def _on_telemetry(self, message: Incoming) -> None:
         parsed = self.topics.parse(message.topic)
         if parsed is None or parsed.device is None or parsed.kind != "telemetry":
@@ -495,6 +514,8 @@ class Ingest:
         self.control = MqttTransport(self._settings(f"edgepack-fleet-{self.server_id}", persistent=True))
         self.control.subscribe(self.topics.all_of("state"), 1, self._on_control)
         self.control.subscribe(self.topics.all_of("job"), 1, self._on_control)
+        self.control.subscribe(self.topics.all_of("cmd"), 1, self._on_command)
+        self.control.subscribe(f"{self.topics.root}/grp/+/cmd", 1, self._on_command)
         self.control.connect_or_raise(connect_timeout)
         telemetry_id = f"edgepack-fleet-{self.server_id[:40]}-t{uuid.uuid4().hex[:6]}"
         self.telemetry = MqttTransport(self._settings(telemetry_id, persistent=False))
@@ -583,9 +604,14 @@ class Ingest:
         states: list[tuple[DeviceState | Decommissioned, float]] = []
         telemetry: list[tuple[Telemetry, float]] = []
         jobs: list[tuple[JobEvent, float]] = []
+        commands: list[tuple[SeenCommand, float]] = []
         dropped: list[tuple[str, str]] = []
         for item in items:
             record: Any
+            if item.kind == "cmd":
+                commands.append((seen_command(item.topic, item.device, item.payload, item.received_at),
+                                 item.received_at))
+                continue
             if item.kind == "state":
                 record = parse_state(item.device, item.payload)
                 target: list[Any] = states
@@ -611,7 +637,9 @@ class Ingest:
             self.writer.states(connection, states)
             self.writer.telemetry(connection, telemetry)
             repeats = self.writer.jobs(connection, jobs)
+            external = record_external(connection, commands) if commands else 0
         committed = time.time()
+        self.counters.stored["command_external"] += external
         for item in items:
             if item.message is not None:
                 self._ack(item.message)

@@ -11,6 +11,9 @@ from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
+from sdk.fleet_server.history import DEFAULT_PAGE as HISTORY_DEFAULT_PAGE
+from sdk.fleet_server.history import MAX_PAGE as HISTORY_MAX_PAGE
+from sdk.fleet_server.history import OUTCOMES as HISTORY_OUTCOMES
 from sdk.fleet_server.queries import (
     GROUPS_REQUEST_SCHEMA,
     MAX_DEAD_LETTER_PAGE,
@@ -42,6 +45,9 @@ SCHEMAS: dict[str, Any] = {
                                                          "window (--silence)"},
             "status": {"type": "string", "enum": ["online", "offline", "unknown"]},
             "status_reason": {"type": "string"},
+            "update_status": {"type": ["string", "null"], "enum": ["updating", "failed", "ok", None],
+                              "description": "the newest deploy job the device reported: updating (not final), "
+                                             "failed (failed, rejected or rolled back), ok; null: none"},
             "model": {"type": ["object", "null"], "properties": {"name": _STRING_OR_NULL, "version": _STRING_OR_NULL,
                                                                   "sha256": _STRING_OR_NULL}},
             "version": _STRING_OR_NULL, "provider": _STRING_OR_NULL, "profile": _STRING_OR_NULL,
@@ -113,7 +119,8 @@ SCHEMAS: dict[str, Any] = {
     "DeadLetter": {
         "type": "object",
         "properties": {"id": {"type": "integer"}, "received_at": {"type": "number"},
-                       "device": {"type": "string"}, "kind": {"type": "string", "enum": ["state", "job", "telemetry"]},
+                       "device": {"type": "string"},
+                       "kind": {"type": "string", "enum": ["state", "job", "telemetry", "cmd"]},
                        "topic": {"type": "string"},
                        "reason": {"type": "string", "description": "why it could not be stored (ASCII)"},
                        "size": {"type": "integer", "description": "payload bytes"},
@@ -125,7 +132,10 @@ SCHEMAS: dict[str, Any] = {
         "properties": {
             "id": {"type": "string"},
             "state": {"type": "string", "enum": ["pending", "running", "paused", "succeeded", "failed", "aborted"]},
-            "wave": {"type": "integer", "description": "the current wave, 0-based"},
+            "wave": {"type": "integer", "description": "the current wave, 0-based (kept for clients; prefer "
+                                                      "wave_number)"},
+            "wave_number": {"type": "integer", "description": "the current wave, 1-based (as the CLI, the "
+                                                             "dashboard and the audit count)"},
             "wave_count": {"type": "integer"},
             "artifact": {"type": "object", "properties": {"sha256": {"type": "string"}, "name": {"type": "string"},
                                                           "version": {"type": "string"}}},
@@ -139,17 +149,29 @@ SCHEMAS: dict[str, Any] = {
         "type": "object",
         "properties": {
             "waves": {"type": "array", "items": {"type": "object", "properties": {
-                "index": {"type": "integer"}, "percent": {"type": "number"}, "devices": {"type": "integer"},
+                "index": {"type": "integer", "description": "0-based"}, "number": {"type": "integer",
+                                                                                 "description": "1-based"},
+                "percent": {"type": "number"}, "devices": {"type": "integer"},
                 "active": {"type": "integer"}, "failed": {"type": "integer"}, "in_progress": {"type": "integer"},
                 "not_sent": {"type": "integer"},
                 "state": {"type": "string", "enum": ["waiting", "running", "soaking", "passed", "failed", "aborted",
                                                      "paused", "pending"]}}}},
             "gates": {"type": "object"}, "options": {"type": "object"},
+            "transitions": {"type": "array", "description": "every transition, oldest first (the newest 1000)",
+                            "items": {"type": "object", "properties": {
+                                "at": {"type": "number"},
+                                "event": {"type": "string", "enum": ["create", "start", "soak", "advance", "succeed",
+                                                                     "fail", "pause", "resume", "abort"]},
+                                "from": {"type": "string", "description": "empty for create"},
+                                "to": {"type": "string"}, "wave": {"type": "integer", "description": "1-based"},
+                                "actor": {"type": "string", "description": "the token's name, or server:ID"},
+                                "reason": {"type": "string"}}}},
             "wave_started_at": _NUMBER_OR_NULL, "soak_started_at": _NUMBER_OR_NULL, "paused_at": _NUMBER_OR_NULL,
             "counts": {"type": "object", "properties": {k: {"type": "integer"} for k in
                                                         ("devices", "active", "failed", "in_progress", "not_sent")}},
             "devices": {"type": "array", "items": {"type": "object", "properties": {
-                "device": {"type": "string"}, "wave": {"type": "integer"}, "command_id": {"type": "string"},
+                "device": {"type": "string"}, "wave": {"type": "integer", "description": "0-based"},
+                "wave_number": {"type": "integer", "description": "1-based"}, "command_id": {"type": "string"},
                 "state": {"type": "string", "description": "not_sent, sent, or the job's state (queued, "
                                                            "downloading, ..., active, failed, rejected, rolled_back)"},
                 "final": {"type": "boolean"}, "reason": {"type": "string"},
@@ -192,12 +214,40 @@ SCHEMAS: dict[str, Any] = {
             "reason": {"type": "string", "description": "why the difference persists"},
         },
     },
+    "DeviceHistory": {
+        "type": "object",
+        "properties": {
+            "device": {"type": "string"}, "limit": {"type": "integer"},
+            "next_before": {**_NUMBER_OR_NULL, "description": "the before of the next page; null on the last"},
+            "entries": {"type": "array", "items": {"type": "object", "properties": {
+                "job": {"type": "string", "description": "the command id"},
+                "kind": {"type": "string", "description": "deploy, rollback, cancel, ping, ..."},
+                "sent_by_server": {"type": "boolean", "description": "false: a command the server did not send "
+                                                                     "(edgepack deploy, MQTT)"},
+                "rollout": {"type": ["object", "null"], "properties": {"id": {"type": "string"},
+                                                                       "state": {"type": "string"}}},
+                "artifact": {"type": ["object", "null"], "properties": {
+                    "sha256": {"type": "string"}, "name": _STRING_OR_NULL, "version": _STRING_OR_NULL}},
+                "from_version": {"type": ["object", "null"], "description": "what a rollback undoes"},
+                "started_at": {"type": "number"}, "updated_at": {"type": "number"},
+                "states": {"type": "array", "items": {"type": "object", "properties": {
+                    "state": {"type": "string"}, "final": {"type": "boolean"}, "reason": {"type": "string"},
+                    "ts": {"type": "number", "description": "the device's clock"},
+                    "received_at": {"type": "number", "description": "the server's clock"}}}},
+                "state": _STRING_OR_NULL,
+                "outcome": {"type": "string", "enum": list(HISTORY_OUTCOMES)},
+                "reason": {"type": "string", "description": "the final state's reason (else the newest's), whole"}}}},
+        },
+    },
     "AuditEntry": {
         "type": "object",
         "properties": {"id": {"type": "integer"}, "ts": {"type": "number"},
                        "actor": {"type": "string", "description": "the token's name"},
                        "action": {"type": "string", "description": "artifact.upload, rollout.create, rollout.pause, "
-                                                                   "rollout.resume, rollout.abort"},
+                                                                   "rollout.resume, rollout.abort, target.set, "
+                                                                   "device.*, command.sent (a command the server "
+                                                                   "published), command.external (a command seen "
+                                                                   "on a cmd topic that the server did not send)"},
                        "target": {"type": "string"}, "outcome": {"type": "string", "enum": ["ok", "refused"]},
                        "detail": {"type": "object"}, "remote": {"type": "string"}},
     },
@@ -262,6 +312,16 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                               "seconds per point")],
         "responses": {"200": _json("points", _ref("Telemetry")),
                       "422": _json("until not after since, or more than 5,000 points (raise step)", _ref("Error"))}}),
+    ("get", "/api/devices/{device_id}/history", {
+        "summary": "A device's update history, newest first: every command the server sent it and every job it "
+                   "reported, with its rollout, artifact, states with times, outcome and reason",
+        "parameters": [_DEVICE,
+                       _query("limit", {"type": "integer", "minimum": 1, "maximum": HISTORY_MAX_PAGE,
+                                        "default": HISTORY_DEFAULT_PAGE}, "jobs per page"),
+                       _query("before", {"type": "number", "minimum": 0},
+                              "only jobs started before this time (unix seconds; the previous page's next_before)")],
+        "responses": {"200": _json("the history", _ref("DeviceHistory")),
+                      "404": _json("no such device", _ref("Error"))}}),
     ("put", "/api/devices/{device_id}/groups", {
         "summary": "Enroll a device in exactly these groups (audited as device.groups); rollouts target enrolled "
                    "groups only, never what a device claims",

@@ -82,6 +82,8 @@ ROLLOUT_REQUEST_SCHEMA: dict[str, Any] = {
                                                             "the command; the deploy command's bounds)"),
         "force_downgrade": {"type": "boolean"},
         "allow_contract_change": {"type": "boolean"},
+        "reason": {"type": "string", "maxLength": 500,
+                   "description": "why (kept in the rollout's transitions and the audit)"},
     },
 }
 
@@ -122,6 +124,9 @@ def _device_json_sql(dialect: str) -> str:
     rate_guard = "d.inferences_interval > 0 AND d.errors_interval IS NOT NULL"
     unenrolled = ("FROM device_claimed_groups c WHERE c.device = d.id AND NOT EXISTS (SELECT 1 FROM device_groups g "
                   "WHERE g.device = d.id AND g.group_name = c.group_name)")
+    update = ("(SELECT CASE WHEN NOT e.final THEN 'updating' WHEN e.state IN ('failed', 'rejected', 'rolled_back') "
+              "THEN 'failed' ELSE 'ok' END FROM job_events e WHERE e.device = d.id AND e.type = 'deploy' "
+              "ORDER BY e.id DESC LIMIT 1)")
     if dialect == "sqlite":
         obj, online = "json_object", f"json(CASE WHEN {_ONLINE} THEN 'true' ELSE 'false' END)"
         model = f"json(CASE WHEN {has_model} THEN json_object({model_fields}) END)"
@@ -137,7 +142,8 @@ def _device_json_sql(dialect: str) -> str:
                   "WHERE g.device = d.id), '[]'::json)")
         claimed = f"COALESCE((SELECT json_agg(c.group_name ORDER BY c.group_name) {unenrolled}), '[]'::json)"
         rate = f"CASE WHEN {rate_guard} THEN round(d.errors_interval::numeric / d.inferences_interval, 6) END"
-    return (f"{obj}('id', d.id, 'online', {online}, {_pairs(_PLAIN)}, 'model', {model}, {_pairs(_AFTER_MODEL)}, "
+    return (f"{obj}('id', d.id, 'online', {online}, {_pairs(_PLAIN)}, 'update_status', {update}, 'model', {model}, "
+            f"{_pairs(_AFTER_MODEL)}, "
             f"'groups', {groups}, 'unenrolled_groups', {claimed}, {_pairs(_AFTER_GROUPS)}, "
             f"'latency_ms', {obj}({latency}), "
             f"{_pairs(_AFTER_LATENCY)}, 'error_rate', {rate}, {_pairs(_LAST)})")
@@ -385,6 +391,7 @@ class RolloutRequest:
     health_window_s: float | None
     force_downgrade: bool
     allow_contract_change: bool
+    reason: str = ""
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> RolloutRequest:
@@ -401,7 +408,8 @@ class RolloutRequest:
                    devices=list(dict.fromkeys(body["devices"])) if "devices" in body else None, gates=gates,
                    health_window_s=None if window is None else float(window),
                    force_downgrade=bool(body.get("force_downgrade", False)),
-                   allow_contract_change=bool(body.get("allow_contract_change", False)))
+                   allow_contract_change=bool(body.get("allow_contract_change", False)),
+                   reason=str(body.get("reason", "")))
 
 
 def _targets(connection: Connection, request: RolloutRequest, now: float, silence_s: float) -> list[str]:
@@ -451,7 +459,10 @@ def create_rollout(database: Database, request: RolloutRequest, *, actor: str, r
             wave_timeout_s=gates.wave_timeout_s, max_error_rate=gates.max_error_rate,
             rollback_on_failure=gates.rollback_on_failure, health_window_s=request.health_window_s,
             force_downgrade=request.force_downgrade, allow_contract_change=request.allow_contract_change,
-            reason="", created_at=now, created_by=actor, updated_at=now, revision=0))
+            reason=request.reason, created_at=now, created_by=actor, updated_at=now, revision=0))
+        connection.execute(tables.rollout_transitions.insert().values(
+            rollout_id=rollout_id, at=now, event="create", from_state="", to_state=PENDING, wave=1, actor=actor,
+            reason=request.reason))
         connection.execute(tables.rollout_devices.insert(), [
             {"rollout_id": rollout_id, "device": device, "wave": index, "state": NOT_SENT, "final": False,
              "reason": "", "command_id": command_id(rollout_id, "deploy", index, device)}
@@ -459,11 +470,17 @@ def create_rollout(database: Database, request: RolloutRequest, *, actor: str, r
         audit.record(connection, actor=actor, action="rollout.create", target=rollout_id, remote=remote, now=now,
                      detail={"artifact": request.artifact, "name": artifact["name"], "version": artifact["version"],
                              "group": request.group, "devices": sum(len(w) for w in waves),
-                             "waves": request.waves, "gates": gates.__dict__})
+                             "waves": request.waves, "gates": gates.__dict__, "reason": request.reason,
+                             "command": {"kind": "deploy", "artifact": request.artifact,
+                                         "target": {"group": request.group} if request.group else
+                                         {"devices": sum(len(w) for w in waves)},
+                                         "force_downgrade": request.force_downgrade}})
     return rollout_id
 
 
 ACTIONS = {"pause": "pause", "resume": "resume", "abort": "abort"}
+PAST_TENSE = {"pause": "paused", "resume": "resumed", "abort": "aborted"}
+"""The default reason of an action without one: ``aborted by admin`` (not ``abortd``)."""
 
 
 def rollout_action(database: Database, rollout_id: str, action: str, *, actor: str, remote: str,
@@ -479,11 +496,12 @@ def rollout_action(database: Database, rollout_id: str, action: str, *, actor: s
                 .mappings().first()
             if row is None:
                 raise ApiError(404, "not_found", f"no rollout {rollout_id}")
-            why = reason or f"{action}d by {actor}"
+            why = reason or f"{PAST_TENSE[action]} by {actor}"
             after = transition(rollout_of(row), ACTIONS[action], now, why)  # type: ignore[arg-type]
-            if save_rollout(connection, row, after, now):
+            if save_rollout(connection, row, after, now, event=ACTIONS[action], actor=actor, reason=why):
                 audit.record(connection, actor=actor, action=f"rollout.{action}", target=rollout_id, remote=remote,
-                             now=now, detail={"from": row["state"], "to": after.state, "wave": row["wave"]})
+                             now=now, detail={"from": row["state"], "to": after.state, "wave": row["wave"] + 1,
+                                              "wave_count": row["wave_count"], "reason": why})
                 return
     raise ApiError(409, "conflict", f"rollout {rollout_id} kept changing; try again")
 
@@ -504,14 +522,15 @@ def _wave_docs(row: Any, devices: Sequence[Any]) -> list[dict[str, Any]]:
             phase = row["state"]
         else:
             phase = "soaking" if row["soak_started_at"] is not None else "running"
-        docs.append({"index": index, "percent": shares[index] if index < len(shares) else None,
+        docs.append({"index": index, "number": index + 1, "percent": shares[index] if index < len(shares) else None,
                      "devices": len(members), "active": states["active"], "failed": states["failed"],
                      "in_progress": states["in_progress"], "not_sent": states["not_sent"], "state": phase})
     return docs
 
 
 def _device_docs(devices: Sequence[Any]) -> list[dict[str, Any]]:
-    return [{"device": d["device"], "wave": d["wave"], "command_id": d["command_id"], "state": d["state"],
+    return [{"device": d["device"], "wave": d["wave"], "wave_number": d["wave"] + 1, "command_id": d["command_id"],
+             "state": d["state"],
              "final": d["final"], "reason": d["reason"], "sent_at": d["sent_at"], "updated_at": d["updated_at"],
              "undo": None if d["undo_command_id"] is None else {
                  "kind": d["undo_kind"], "command_id": d["undo_command_id"], "state": d["undo_state"],
@@ -520,7 +539,8 @@ def _device_docs(devices: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def rollout_summary(row: Any) -> dict[str, Any]:
-    return {"id": row["id"], "state": row["state"], "wave": row["wave"], "wave_count": row["wave_count"],
+    return {"id": row["id"], "state": row["state"], "wave": row["wave"], "wave_number": row["wave"] + 1,
+            "wave_count": row["wave_count"],
             "artifact": {"sha256": row["artifact_sha256"], "name": row["name"], "version": row["version"]},
             "target": {"group": row["target_group"]} if row["target_group"] else {"devices": None},
             "reason": row["reason"], "created_at": row["created_at"], "created_by": row["created_by"],
@@ -537,6 +557,7 @@ def get_rollout(database: Database, rollout_id: str) -> dict[str, Any]:
             raise ApiError(404, "not_found", f"no rollout {rollout_id}")
         devices = connection.execute(select(rd).where(rd.c.rollout_id == rollout_id).order_by(rd.c.wave, rd.c.device)) \
             .mappings().all()
+        transitions = rollout_transitions(connection, rollout_id)
     summary = rollout_summary(row)
     if not row["target_group"]:
         summary["target"] = {"devices": [d["device"] for d in devices]}
@@ -554,7 +575,21 @@ def get_rollout(database: Database, rollout_id: str) -> dict[str, Any]:
             "paused_at": row["paused_at"],
             "counts": {"devices": len(devices), "active": counts["active"], "failed": counts["failed"],
                        "in_progress": counts["in_progress"], "not_sent": counts["not_sent"]},
+            "transitions": transitions,
             "devices": _device_docs(devices)}
+
+
+MAX_TRANSITIONS = 1000
+"""Transitions a rollout document lists at most (the newest; a rollout has a few per wave)."""
+
+
+def rollout_transitions(connection: Connection, rollout_id: str) -> list[dict[str, Any]]:
+    """Every transition of a rollout, oldest first (the newest :data:`MAX_TRANSITIONS`), waves 1-based."""
+    table = tables.rollout_transitions
+    rows = connection.execute(select(table).where(table.c.rollout_id == rollout_id).order_by(table.c.id.desc())
+                              .limit(MAX_TRANSITIONS)).mappings().all()
+    return [{"at": r["at"], "event": r["event"], "from": r["from_state"], "to": r["to_state"], "wave": r["wave"],
+             "actor": r["actor"], "reason": r["reason"]} for r in reversed(rows)]
 
 
 def list_rollouts(database: Database, *, state: str | None, limit: int) -> list[dict[str, Any]]:

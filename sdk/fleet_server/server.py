@@ -257,9 +257,9 @@ class FleetServer:
                                                            "aborted")])
         counters = self.ingest.counters
         metric("edgepack_fleet_ingest_received_total", "counter", "MQTT messages received by this server, by kind.",
-               [({"kind": k}, counters.received[k]) for k in ("state", "telemetry", "job")])
+               [({"kind": k}, counters.received[k]) for k in ("state", "telemetry", "job", "cmd")])
         metric("edgepack_fleet_ingest_stored_total", "counter", "Messages stored by this server, by kind.",
-               [({"kind": k}, counters.stored[k]) for k in ("state", "telemetry", "job")])
+               [({"kind": k}, counters.stored[k]) for k in ("state", "telemetry", "job", "command_external")])
         metric("edgepack_fleet_ingest_dropped_total", "counter", "Messages dropped, by reason.",
                [({"reason": r}, n) for r, n in sorted(counters.dropped.items())] or [({"reason": "none"}, 0)])
         metric("edgepack_fleet_ingest_dropped_by_device_total", "counter", "Messages dropped, by device and "

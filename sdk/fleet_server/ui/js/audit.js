@@ -4,7 +4,8 @@ import { api, query } from "./api.js";
 import { badge, h, replace, table, time } from "./dom.js";
 
 const PAGE = 100;
-const ACTIONS = ["", "artifact.upload", "rollout.create", "rollout.pause", "rollout.resume", "rollout.abort"];
+const ACTIONS = ["", "artifact.upload", "rollout.create", "rollout.pause", "rollout.resume", "rollout.abort",
+                 "command.sent", "command.external"];
 
 function detailText(detail) {
   if (!detail || typeof detail !== "object") return "";

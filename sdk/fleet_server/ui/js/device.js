@@ -3,7 +3,8 @@
 
 import { api, pathId, query } from "./api.js";
 import { lineChart } from "./chart.js";
-import { badge, bytes, h, ms, number, percent, replace, time, when } from "./dom.js";
+import { badge, bytes, h, ms, number, percent, replace, table, time, when } from "./dom.js";
+import { artifactText } from "./rollouts.js";
 
 // Range -> bucket step: about 180 points a chart (the API allows 5,000).
 export const RANGES = [
@@ -34,13 +35,17 @@ export function errorKindSeries(points) {
   }));
 }
 
-function facts(device) {
+function facts(device, artifact) {
+  const update = { updating: badge("updating", "warn"), failed: badge("last update failed", "off"),
+                   ok: badge("ok", "ok") }[device.update_status] || "–";
   const rows = [
     ["State", device.online ? badge("online", "ok") : badge(device.status || "unknown", "off")],
     ["Reason", device.status_reason || "–"],
+    ["Last update", update],
     ["Model", device.model ? device.model.name || "–" : "–"],
     ["Version", device.version || "–"],
-    ["Model sha256", device.model && device.model.sha256 ? h("code", {}, device.model.sha256) : "–"],
+    ["Artifact (version and sha256)", artifact],
+    ["Model file sha256", device.model && device.model.sha256 ? h("code", {}, device.model.sha256) : "–"],
     ["Provider", device.provider || "–"],
     ["Profile", device.profile || "–"],
     ["Groups", device.groups.join(", ") || "–"],
@@ -60,6 +65,28 @@ function facts(device) {
     [`capabilities.${key}`, typeof value === "string" ? value : JSON.stringify(value)]);
   return h("dl", { class: "facts", id: "device-facts" },
     [...rows, ...capabilities].map(([name, value]) => [h("dt", {}, name), h("dd", {}, value)]));
+}
+
+const OUTCOME_BADGES = { succeeded: "ok", failed: "off", unanswered: "off", cancelled: "warn", in_progress: "warn" };
+
+// One row per job, newest first: what it was (kind, artifact version and sha, rollout), how it
+// ended and why (whole), and its states with times in the row's tooltip.
+function historyRow(entry) {
+  const what = entry.artifact ? artifactText(entry.artifact) : "–";
+  const states = entry.states.map((s) => `${time(s.received_at)} ${s.state}${s.final ? " (final)" : ""}` +
+                                         `${s.reason ? `: ${s.reason}` : ""}`).join("\n");
+  return h("tr", { "data-job": entry.job, "data-outcome": entry.outcome, title: states || undefined },
+    h("td", {}, time(entry.started_at)), h("td", {}, entry.kind), h("td", { class: "artifact" }, what),
+    h("td", {}, entry.rollout ? h("a", { href: `#/rollouts/${pathId(entry.rollout.id)}` }, entry.rollout.id)
+                              : entry.sent_by_server ? "targets" : "not sent by the server"),
+    h("td", {}, badge(entry.outcome, OUTCOME_BADGES[entry.outcome] || "")),
+    h("td", { class: "detail" }, entry.reason || "–"));
+}
+
+// The artifact the device runs as the server knows it: that of its newest deploy that succeeded.
+function runningArtifact(history) {
+  const done = history.entries.find((e) => e.kind === "deploy" && e.outcome === "succeeded" && e.artifact);
+  return done ? h("span", { id: "device-artifact" }, artifactText(done.artifact)) : "–";
 }
 
 // The desired state (GET /api/devices/{id}/target): what the device should run, what it
@@ -94,22 +121,27 @@ export function mount(root, route) {
   const header = h("div");
   const desired = h("div");
   const charts = h("div", { class: "charts", id: "charts" });
+  const updates = h("div", { class: "table-wrap" });
   replace(root,
     h("p", { class: "crumbs" }, h("a", { href: "#/fleet" }, "Fleet"), " / ", id),
     h("h1", { id: "device-id" }, id), header, h("h2", {}, "Target"), desired,
+    h("h2", {}, "Update history"), updates,
     h("div", { class: "row" }, h("h2", {}, "Over time"), h("label", {}, "Range ", select)),
     charts);
 
   async function refresh() {
     const now = Math.floor(Date.now() / 1000);
     const since = now - chosen.seconds;
-    const [device, wanted, series] = await Promise.all([
+    const [device, wanted, series, history] = await Promise.all([
       api(`/api/devices/${pathId(id)}`),
       api(`/api/devices/${pathId(id)}/target`),
       api(`/api/devices/${pathId(id)}/telemetry${query({ since, until: now + 1, step: chosen.step })}`),
+      api(`/api/devices/${pathId(id)}/history${query({ limit: 50 })}`),
     ]);
-    replace(header, facts(device));
+    replace(header, facts(device, runningArtifact(history)));
     replace(desired, target(wanted));
+    replace(updates, table(["Started", "Kind", "Artifact", "Rollout", "Outcome", "Reason"],
+                           history.entries.map(historyRow), { id: "device-history", empty: "no update recorded" }));
     const pick = (key) => series.points.map((p) => [p.ts, p[key]]);
     // The x axis starts where the device's history does (a device first seen a minute ago gets a
     // minute-wide chart, not a line squeezed against the right edge of a 15-minute one).

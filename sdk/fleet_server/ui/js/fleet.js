@@ -51,11 +51,20 @@ function deviceRow(device) {
   const state = device.online ? badge("online", "ok") : badge(device.status === "online" ? "silent" : "offline",
                                                                 "off");
   return h("tr", { "data-device": device.id },
-    h("td", {}, link), h("td", {}, state),
+    h("td", {}, link, updateBadge(device.update_status)), h("td", {}, state),
     clipped(device.model ? device.model.name : null), clipped(device.version), clipped(device.provider),
     h("td", { class: "num" }, ms(device.latency_ms.p50)), h("td", { class: "num" }, ms(device.latency_ms.p99)),
     h("td", { class: "num" }, percent(device.error_rate)),
     h("td", {}, when(device.last_seen)), groupsCell(device));
+}
+
+// The newest deploy job the device reported: still running, or ended failed (rejected, rolled back).
+function updateBadge(status) {
+  if (status === "updating") return [" ", h("span", { class: "badge warn update", "data-update": status }, "updating")];
+  if (status === "failed") {
+    return [" ", h("span", { class: "badge off update", "data-update": status }, "last update failed")];
+  }
+  return null;
 }
 
 // The groups the server enrolled; those the device claims beyond them are shown apart (ignored

@@ -21,8 +21,11 @@ function stateBadge(state) {
   return badge(state, STATE_KIND[state] || "");
 }
 
-function artifactText(artifact) {
-  return `${artifact.name || "?"} ${artifact.version || ""}`.trim();
+// The artifact as version and short sha together: releases of one model share a name, and the
+// sha is what the API, the CLI and the audit name.
+export function artifactText(artifact) {
+  const sha = artifact.sha256 ? ` (${artifact.sha256.slice(0, 12)})` : "";
+  return `${artifact.name || "?"} ${artifact.version || ""}${sha}`.trim();
 }
 
 function waveText(rollout) {
@@ -191,6 +194,13 @@ function deviceRows(devices) {
       : "")));
 }
 
+// Every transition with its own reason (the rollout's reason is only the newest), waves 1-based.
+function transitionRow(step) {
+  return h("tr", { "data-event": step.event },
+    h("td", {}, time(step.at)), h("td", {}, step.event), h("td", {}, step.from || "–"), h("td", {}, step.to),
+    h("td", { class: "num" }, String(step.wave)), h("td", {}, step.actor), h("td", { class: "detail" }, step.reason || "–"));
+}
+
 function gates(rollout) {
   const g = rollout.gates;
   return h("dl", { class: "facts" },
@@ -212,12 +222,14 @@ function mountDetail(root, id, shell) {
   const waves = h("div", { class: "table-wrap" });
   const devices = h("div", { class: "table-wrap" });
   const deviceNote = h("p", { class: "muted" });
+  const history = h("div", { class: "table-wrap" });
   let latest = null;
   replace(root,
     h("p", { class: "crumbs" }, h("a", { href: "#/rollouts" }, "Rollouts"), " / ", id),
     h("h1", {}, "Rollout ", h("span", { id: "rollout-id" }, id), " ", state),
     h("div", { class: "actions" }, reason, buttons.pause, buttons.resume, buttons.abort), actionError,
-    facts, h("h2", {}, "Waves"), waves, h("h2", {}, "Devices"), deviceNote, devices);
+    facts, h("h2", {}, "Waves"), waves, h("h2", {}, "Devices"), deviceNote, devices,
+    h("h2", {}, "History"), history);
 
   async function act(name) {
     actionError.textContent = "";
@@ -246,7 +258,7 @@ function mountDetail(root, id, shell) {
       button.disabled = !(ACTIONS[rollout.state] || []).includes(name);
     }
     replace(facts, h("dl", { class: "facts", id: "rollout-facts" },
-      h("dt", {}, "Artifact"), h("dd", {}, artifactText(rollout.artifact), " ",
+      h("dt", {}, "Artifact"), h("dd", {}, `${rollout.artifact.name} ${rollout.artifact.version} `,
                                  h("code", {}, rollout.artifact.sha256.slice(0, 16)), "…"),
       h("dt", {}, "Target"), h("dd", {}, targetText(rollout.target)),
       h("dt", {}, "Wave"), h("dd", {}, waveText(rollout)),
@@ -262,6 +274,8 @@ function mountDetail(root, id, shell) {
         `failed, ${rollout.counts.in_progress} in progress, ${rollout.counts.not_sent} not sent`);
     replace(devices, table(["Device", "Wave", "Job", "Reason", "Sent", "Updated", "Undo"],
                            deviceRows(rollout.devices), { id: "rollout-devices" }));
+    replace(history, table(["When", "Event", "From", "To", "Wave", "Who", "Reason"],
+                           (rollout.transitions || []).map(transitionRow), { id: "rollout-transitions" }));
   }
   return { title: `Rollout ${id}`, refresh, latest: () => latest };
 }
