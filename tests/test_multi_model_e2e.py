@@ -40,8 +40,9 @@ class TwoModelLoad:
         self.threads = [threading.Thread(target=self._run, args=(name,), daemon=True) for name in self.seen]
 
     def _one(self, name: str) -> str:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/predict/{name}", data=ROW,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/predict/{name}", data=ROW, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
                 answer = json.load(response)
@@ -79,8 +80,10 @@ class TwoModelLoad:
 @pytest.fixture(scope="module")
 def arts(tmp_path_factory, keypair):
     folder = tmp_path_factory.mktemp("multi-model")
-    return {(name, version): build_artifact(folder, keypair[0], name=name, version=version, factor=factor)
-            for (name, version), factor in FACTORS.items()}
+    return {
+        (name, version): build_artifact(folder, keypair[0], name=name, version=version, factor=factor)
+        for (name, version), factor in FACTORS.items()
+    }
 
 
 def _latest_state(watch: Observer) -> dict:
@@ -98,30 +101,43 @@ def _models_in_state(watch: Observer) -> dict[str, str]:
 
 
 def test_a_device_serves_two_models_and_updates_and_rolls_back_one_while_the_other_serves(
-        tmp_path: Path, keypair, arts, mosquitto_broker):
+    tmp_path: Path, keypair, arts, mosquitto_broker
+):
     write_operator_keypair(tmp_path / "op.key", tmp_path / "op.pub")
     operator = load_operator_key(tmp_path / "op.key")
-    agent = AgentProcess(tmp_path, device="cam-01", broker_port=mosquitto_broker.port, trust=keypair[1],
-                         artifact=None, operator_keys=[tmp_path / "op.pub"], health_window_s=1.0)
-    models = [{"name": "alpha", "artifact": str(arts[("alpha", "1.0.0")])},
-              {"name": "beta", "artifact": str(arts[("beta", "1.0.0")])}]
+    agent = AgentProcess(
+        tmp_path,
+        device="cam-01",
+        broker_port=mosquitto_broker.port,
+        trust=keypair[1],
+        artifact=None,
+        operator_keys=[tmp_path / "op.pub"],
+        health_window_s=1.0,
+    )
+    models = [
+        {"name": "alpha", "artifact": str(arts[("alpha", "1.0.0")])},
+        {"name": "beta", "artifact": str(arts[("beta", "1.0.0")])},
+    ]
     with agent.config.open("a") as config:
         config.write(f"models: {json.dumps(models)}\n")
     watch = Observer(mosquitto_broker.port)
     agent.start()
     broker = BrokerOptions(mosquitto_broker.address)
     try:
-        assert watch.wait_for(lambda: _models_in_state(watch) == {"alpha": "1.0.0", "beta": "1.0.0"}, 20), \
+        assert watch.wait_for(lambda: _models_in_state(watch) == {"alpha": "1.0.0", "beta": "1.0.0"}, 20), (
             _latest_state(watch)
+        )
         with TwoModelLoad(agent.port) as load:
             assert watch.wait_for(lambda: load.answers >= 20, 20)
-            result = deploy(DeployOptions(arts[("alpha", "1.1.0")], broker, devices=("cam-01",), timeout=60,
-                                          operator_key=operator))
+            result = deploy(
+                DeployOptions(arts[("alpha", "1.1.0")], broker, devices=("cam-01",), timeout=60, operator_key=operator)
+            )
             assert result.succeeded, result
             assert watch.wait_for(lambda: "1.1.0" in load.seen["alpha"] and load.answers >= 60, 20)
             assert _models_in_state(watch) == {"alpha": "1.1.0", "beta": "1.0.0"}
-            event, _ = send_rollback(broker, "cam-01", from_version={"name": "alpha", "version": "1.1.0"},
-                                     operator_key=operator, timeout=30)
+            event, _ = send_rollback(
+                broker, "cam-01", from_version={"name": "alpha", "version": "1.1.0"}, operator_key=operator, timeout=30
+            )
             assert event.state == "done" and event.reason == "rolled back to alpha 1.0.0", event
             assert event.detail.get("model") == "alpha"
             answered = load.answers
@@ -134,18 +150,24 @@ def test_a_device_serves_two_models_and_updates_and_rolls_back_one_while_the_oth
         health = agent.health()
         assert [(m["name"], m["version"]) for m in health["models"]] == [("alpha", "1.0.0"), ("beta", "1.0.0")]
         # beta kept its own history: nothing to roll back to, and alpha is untouched by the refusal
-        refused, _ = send_rollback(broker, "cam-01", from_version={"name": "beta", "version": "1.0.0"},
-                                   operator_key=operator, timeout=30)
+        refused, _ = send_rollback(
+            broker, "cam-01", from_version={"name": "beta", "version": "1.0.0"}, operator_key=operator, timeout=30
+        )
         assert refused.state == "failed" and "no earlier version" in refused.reason, refused
         assert [m["version"] for m in agent.health()["models"]] == ["1.0.0", "1.0.0"]
         # telemetry labels each model's figures by name
-        assert watch.wait_for(lambda: {n: m["version"] for n, m in _telemetry_models(watch).items()} == {
-            "alpha": "1.0.0", "beta": "1.0.0"}, 10), _telemetry_models(watch)
+        assert watch.wait_for(
+            lambda: (
+                {n: m["version"] for n, m in _telemetry_models(watch).items()} == {"alpha": "1.0.0", "beta": "1.0.0"}
+            ),
+            10,
+        ), _telemetry_models(watch)
         figures = _telemetry_models(watch)
         assert figures["alpha"]["inferences"]["total"] > 0 and figures["beta"]["inferences"]["total"] > 0
         assert figures["alpha"]["errors"] == {} and figures["beta"]["errors"] == {}
-        unknown, _ = send_rollback(broker, "cam-01", from_version={"name": "gamma", "version": "1.0.0"},
-                                   operator_key=operator, timeout=30)
+        unknown, _ = send_rollback(
+            broker, "cam-01", from_version={"name": "gamma", "version": "1.0.0"}, operator_key=operator, timeout=30
+        )
         assert unknown.state == "failed" and "installed: alpha, beta" in unknown.reason, unknown
     finally:
         agent.stop()
