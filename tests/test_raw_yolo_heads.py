@@ -252,3 +252,14 @@ def test_the_device_reads_the_named_levels_in_the_specs_order():
     assert [d["index"] for d in answer] == [label for _, _, label in reference_raw_detections("yolov5", [p3, p4, p5])]
     with pytest.raises(PostprocessError, match="no model output named 'p3'"):
         Postprocessor(spec)({"p4": p4, "p5": p5})
+
+
+def test_an_int8_search_judges_a_graph_sigmoided_raw_head_without_a_second_sigmoid(tmp_path, keypair):
+    recipe = _write(tmp_path, heads.raw_level_model("yolov5", "view", sigmoid=True), {"format": "yolov5-raw"})
+    doc = yaml.safe_load(recipe.read_text())
+    doc["quantize"] = {"mode": "static", "calibration": {"images": "val"}}
+    recipe.write_text(yaml.safe_dump(doc))
+    passes = build(load_recipe(recipe), key_paths=[str(keypair[0])], output=tmp_path / "model.edgepkg").report["passes"]
+    assert passes["io_spec"]["apply_sigmoid"]["value"] is False
+    (judged,) = passes["quantize"]["candidates"][0]["task"]["outputs"]
+    assert judged["reference_detections"] == len(heads.KNOWN) + 1  # the scene's 3 boxes, the red square alone
