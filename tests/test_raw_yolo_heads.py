@@ -24,62 +24,9 @@ from sdk.packager.pipeline import build
 from sdk.recipe import load_recipe
 from tests import real_world_heads as heads
 from tests.model_kinds import artifact_member
+from tests.test_real_world_corpus import reference_raw_detections
 
 IMAGE = {"kind": "image", "resize": {"size": [heads.SIDE, heads.SIDE]}, "scale": 1 / 255}
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1 / (1 + np.exp(-x.astype(np.float64)))
-
-
-def reference_raw_detections(
-    family: str, outputs: list[np.ndarray], sigmoid_in_graph: bool = False, reg_max: int = heads.DFL_BINS
-) -> list[tuple[np.ndarray, float, int]]:
-    """YOLOv5's / YOLOv8's Detect decode of one image's level outputs, cell by cell, then
-    class-wise greedy NMS (score > 0.25, IoU > 0.45): (x1y1x2y2, score, class) best first."""
-    boxes, scores, labels = [], [], []
-    for level, output in enumerate(outputs):
-        stride = heads.STRIDES[level]
-        side = output.shape[-2] if output.ndim == 4 else output.shape[2]
-        for row in range(side):
-            for col in range(side):
-                if family == "yolov5":
-                    for anchor in range(3):
-                        if output.ndim == 5:
-                            values = output[0, anchor, row, col].astype(np.float64)
-                        else:
-                            width = output.shape[1] // 3
-                            values = output[0, anchor * width : (anchor + 1) * width, row, col].astype(np.float64)
-                        s = values if sigmoid_in_graph else _sigmoid(values)
-                        cx, cy = (2 * s[0] - 0.5 + col) * stride, (2 * s[1] - 0.5 + row) * stride
-                        aw, ah = heads.V5_ANCHORS[level][anchor]
-                        w, h = (2 * s[2]) ** 2 * aw, (2 * s[3]) ** 2 * ah
-                        cls = s[5:] * s[4]
-                        boxes.append([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2])
-                        scores.append(float(cls.max()))
-                        labels.append(int(cls.argmax()))
-                else:
-                    values = output[0, :, row, col].astype(np.float64)
-                    sides = []
-                    for k in range(4):
-                        bins = values[k * reg_max : (k + 1) * reg_max]
-                        p = np.exp(bins - bins.max())
-                        sides.append(float((p / p.sum()) @ np.arange(reg_max)))
-                    ax, ay = col + 0.5, row + 0.5
-                    boxes.append(
-                        [
-                            (ax - sides[0]) * stride,
-                            (ay - sides[1]) * stride,
-                            (ax + sides[2]) * stride,
-                            (ay + sides[3]) * stride,
-                        ]
-                    )
-                    cls = _sigmoid(values[4 * reg_max :])
-                    scores.append(float(cls.max()))
-                    labels.append(int(cls.argmax()))
-    from tests.test_real_world_corpus import _nms
-
-    return _nms(np.array(boxes), np.array(scores), np.array(labels))
 
 
 def bare_outputs(model: onnx.ModelProto, pixels: np.ndarray) -> list[np.ndarray]:
@@ -305,3 +252,14 @@ def test_the_device_reads_the_named_levels_in_the_specs_order():
     assert [d["index"] for d in answer] == [label for _, _, label in reference_raw_detections("yolov5", [p3, p4, p5])]
     with pytest.raises(PostprocessError, match="no model output named 'p3'"):
         Postprocessor(spec)({"p4": p4, "p5": p5})
+
+
+def test_an_int8_search_judges_a_graph_sigmoided_raw_head_without_a_second_sigmoid(tmp_path, keypair):
+    recipe = _write(tmp_path, heads.raw_level_model("yolov5", "view", sigmoid=True), {"format": "yolov5-raw"})
+    doc = yaml.safe_load(recipe.read_text())
+    doc["quantize"] = {"mode": "static", "calibration": {"images": "val"}}
+    recipe.write_text(yaml.safe_dump(doc))
+    passes = build(load_recipe(recipe), key_paths=[str(keypair[0])], output=tmp_path / "model.edgepkg").report["passes"]
+    assert passes["io_spec"]["apply_sigmoid"]["value"] is False
+    (judged,) = passes["quantize"]["candidates"][0]["task"]["outputs"]
+    assert judged["reference_detections"] == len(heads.KNOWN) + 1  # the scene's 3 boxes, the red square alone

@@ -165,7 +165,7 @@ def settle_apply_sigmoid(ctx: BuildContext, outputs: Sequence[Mapping[str, np.nd
         return
     levels = post.levels or tuple(o.name for o in ctx.outputs)
     applied, spread = sigmoid_applied(post, [[sample[name] for name in levels] for sample in outputs])
-    declared = post.apply_sigmoid
+    declared = ctx.recipe.postprocess.apply_sigmoid  # not post's: the quantize pass may have settled it
     if declared is not None and declared == applied:
         what = "true, but they lie in [0, 1]: the graph applied the Sigmoid already; a second one would squash them" \
             if declared else "false, but they are no probabilities"
