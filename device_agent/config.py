@@ -31,6 +31,9 @@ from edgepack_core.targets import PROFILES
 from edgepack_core.yamlfile import read_yaml_file
 
 MAX_CONFIG_BYTES = 256 * 1024
+MAX_MODELS = 16
+"""The most models one agent holds (``models:``; a deploy of a new name beyond it is refused):
+each holds an inference session in memory and a store on disk."""
 _NAME = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"}
 _PATH = {"type": "string", "minLength": 1}
 _POSITIVE = {"type": "integer", "minimum": 1}
@@ -50,6 +53,18 @@ CONFIG_SCHEMA: dict[str, Any] = {
         "profile": {"enum": sorted(PROFILES)},
         "threads": {"type": "integer", "minimum": 0, "maximum": 256},
         "artifact": _PATH,
+        "models": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": MAX_MODELS,
+            "description": "several named models, each installed from its artifact when the store lacks it",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "artifact"],
+                "properties": {"name": _NAME, "artifact": _PATH},
+            },
+        },
         "log_level": {"enum": ["debug", "info", "warning", "error"]},
         "api": {
             "type": "object",
@@ -319,6 +334,15 @@ class UpdateSettings:
 
 
 @dataclass(frozen=True)
+class ModelEntry:
+    """One item of ``models:``: a model name and the artifact installed for it when the store
+    holds no model of that name (the artifact's manifest must carry that name)."""
+
+    name: str
+    artifact: Path
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """A validated agent.yaml with absolute paths and defaults filled in."""
 
@@ -330,6 +354,7 @@ class AgentConfig:
     profile: str = "x86"
     threads: int = 0
     artifact: Path | None = None
+    models: tuple[ModelEntry, ...] = ()  # (): one unnamed model (``artifact:``, or what the store holds)
     log_level: str = "info"
     api: ApiSettings = ApiSettings()
     limits: LimitSettings = LimitSettings()
@@ -422,6 +447,20 @@ def _updates(updates: Mapping[str, Any], base: Path, name: str) -> UpdateSetting
     return _section(UpdateSettings, values)
 
 
+def _models(document: Mapping[str, Any], base: Path, name: str) -> tuple[ModelEntry, ...]:
+    """``models:``: unique names, and not together with ``artifact:`` (which model would it be?)."""
+    if "artifact" in document:
+        raise ConfigError("models", "is given together with artifact: use models: alone (one item per model) or "
+                          "artifact: alone (one model)", config=name)
+    entries = tuple(ModelEntry(item["name"], _resolve(base, item["artifact"])) for item in document["models"])
+    seen: set[str] = set()
+    for index, entry in enumerate(entries):
+        if entry.name in seen:
+            raise ConfigError(f"models[{index}].name", f"{entry.name!r} is named twice", config=name)
+        seen.add(entry.name)
+    return entries
+
+
 def check_config(document: Any, path: Path | None) -> AgentConfig:
     """Validate an agent.yaml document and parse it into an :class:`AgentConfig`; errors name
     the offending key."""
@@ -435,6 +474,8 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         values["operator_keys"] = tuple(_resolve(base, k) for k in document["operator_keys"])
     if "artifact" in document:
         values["artifact"] = _resolve(base, document["artifact"])
+    if "models" in document:
+        values["models"] = _models(document, base, name)
     return AgentConfig(
         path=path,
         device_id=document["device_id"],

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from device_agent.config import AgentConfig
+from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
+from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.metrics import ModelInfo
@@ -25,13 +27,19 @@ from device_agent.updates.disk import FreeSpace
 from device_agent.updates.rejected import for_state
 from device_agent.updates.service import UpdateService
 from edgepack_core.errors import EdgepackError
+from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.signing import TrustStore
 
 log = logging.getLogger("edgepack.agent")
 
 
 class Daemon:
-    """One running agent. ``start``/``stop`` are idempotent enough for tests and signals."""
+    """One running agent. ``start``/``stop`` are idempotent enough for tests and signals.
+
+    It holds a :class:`~device_agent.models.ModelSet`: one slot per model name, each with its own
+    store and inference service (``device_agent/models.py``). ``store`` and ``service`` are the
+    root store's, the slot of a single-model agent (and of the model a store laid out before
+    named models holds)."""
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -41,11 +49,16 @@ class Daemon:
         self.operator_trust = TrustStore.from_paths(config.operator_keys) if config.operator_keys else None
         self.store = ModelStore(config.store, self.trust, config.limits.reader_limits())
         self.space = FreeSpace(config.store, config.updates.min_free_bytes)
-        self.service = InferenceService(max_streams=config.api.max_streams, stream_idle_s=config.api.stream_idle_s)
+        self.service = self._new_service()
+        self.models = ModelSet()
+        self._models_lock = threading.Lock()
         self.api: ApiServer | None = None
         self.reporter: TelemetryReporter | None = None
         self.updates: UpdateService | None = None
         self._stopped = threading.Event()
+
+    def _new_service(self) -> InferenceService:
+        return InferenceService(max_streams=self.config.api.max_streams, stream_idle_s=self.config.api.stream_idle_s)
 
     # ---------------------------------------------------------------- models
 
@@ -54,45 +67,88 @@ class Daemon:
         return load_model(installed.directory, installed.verified.manifest, profile=self.config.profile,
                           threads=self.config.threads)
 
-    def install_artifact(self, artifact: Path, *, force: bool = False) -> LoadedModel:
-        """Verify, stage, smoke-test and activate an artifact, then hot-swap it in."""
+    def install_artifact(self, artifact: Path, *, force: bool = False, slot: ModelSlot | None = None) -> LoadedModel:
+        """Verify, stage, smoke-test and activate an artifact, then hot-swap it in; into the root
+        store unless ``slot`` names another (whose name the artifact must carry)."""
         loaded: list[LoadedModel] = []
-        installed = self.store.install(artifact, force=force, smoke_test=lambda m: loaded.append(self.load(m)))
-        self.activate_loaded(loaded[0])
+
+        def smoke_test(installed: InstalledModel) -> None:
+            if slot is not None and installed.name != slot.name:
+                raise StoreError(f"{artifact} holds model {installed.name!r}, not {slot.name!r} as models: says")
+            loaded.append(self.load(installed))
+
+        store = self.store if slot is None else slot.store
+        installed = store.install(artifact, force=force, smoke_test=smoke_test)
+        self.activate_loaded(loaded[0], slot or ModelSlot(installed.name, self.store, self.service))
         log.info("installed %s %s", installed.name, installed.version)
         return loaded[0]
 
-    def activate_loaded(self, model: LoadedModel) -> LoadedModel | None:
-        old = self.service.swap(model)
+    def new_slot(self, name: str) -> ModelSlot:
+        """The slot a model of ``name`` goes to: the one held, else a new one (not yet in the set:
+        it joins when a model is activated in it). The root store takes the first model of an
+        agent without ``models:``; every other model gets ``slots/<name>/``."""
+        held = self.models.get(name)
+        if held is not None:
+            return held
+        root_taken = self.config.models or any(slot.store is self.store for slot in self.models)
+        if not root_taken and self.store.active_version() is None:
+            return ModelSlot(name, self.store, self.service)
+        store = ModelStore(slot_directory(self.config.store, name), self.trust, self.config.limits.reader_limits())
+        return ModelSlot(name, store, self._new_service())
+
+    def activate_loaded(self, model: LoadedModel, slot: ModelSlot | None = None) -> LoadedModel | None:
+        """Hot-swap ``model`` into ``slot`` (default: the slot of its name, else the root's) and
+        add the slot to the set if it is new; publishes the state."""
+        slot = slot or self.models.get(model.manifest.name) or ModelSlot(model.manifest.name, self.store, self.service)
+        old = slot.service.swap(model)
+        self._register(slot)
         if self.reporter is not None:
             self.reporter.publish_state()
         return old
 
+    def _register(self, slot: ModelSlot) -> None:
+        with self._models_lock:
+            if self.models.get(slot.name) is not None:
+                return
+            self.models = self.models.with_slot(slot)
+        slot.service.observers.append(lambda latency, error: self._observe(slot.name, latency, error))
+
     def health(self) -> dict[str, Any]:
-        """What /healthz adds to the model: the store's condition and, on a full disk, ``degraded``."""
-        return {**self.store.health(), **self.space.health()}
+        """What /healthz adds to the models: the stores' condition and, on a full disk, ``degraded``."""
+        return {**self.health_of_stores(), **self.space.health()}
 
     def status(self) -> AgentStatus:
         import onnxruntime as ort
 
-        model = self.service.model
+        slots = self.models.slots
+        model = slots[0].service.model if slots else None
         info = None if model is None else ModelInfo(model.manifest.name, model.manifest.version,
                                                     model.manifest.model_sha256)
+        stores = [self.store, *(slot.store for slot in slots if slot.store is not self.store)]
         return AgentStatus(model=info, provider=None if model is None else model.provider,
                            profile=self.config.profile, available_providers=list(ort.get_available_providers()),
                            provider_fallbacks=[] if model is None else model.fallbacks_json(),
-                           rejected=for_state(self.store.rejected.records()),
-                           extra=self.store.health())
+                           rejected=for_state([r for store in stores for r in store.rejected.records()]),
+                           models=[state_entry(slot) for slot in slots], extra=self.health_of_stores())
+
+    def health_of_stores(self) -> dict[str, Any]:
+        """The stores' condition (read-only, recovered): nothing while they are sound."""
+        stores: dict[str, Any] = {}
+        for slot in self.models:
+            stores.update(slot.store.health())
+        return {**stores, **self.store.health()}
 
     # ---------------------------------------------------------------- lifecycle
 
     def start(self) -> Daemon:
-        active = self.store.recover()
-        if active is None and self.config.artifact is not None:
+        self._recover_slots()
+        if not self.models and self.config.artifact is not None:
             log.info("store is empty: installing %s", self.config.artifact)
             self.install_artifact(self.config.artifact)
-        elif active is not None:
-            self._load_active(active)
+        for entry in self.config.models:
+            if self.models.get(entry.name) is None:
+                log.info("no model %s in the store: installing %s", entry.name, entry.artifact)
+                self.install_artifact(entry.artifact, slot=self.new_slot(entry.name))
         mqtt = self.config.mqtt
         if mqtt is not None:
             counter = ConnectionCounter(self.config.store / "mqtt_session.json")
@@ -100,34 +156,54 @@ class Daemon:
                 self.config.device_id, settings_from_config(mqtt, self.config.device_id, counter),
                 mqtt.queue.path or self.config.store / "outbox.db", self.status, groups=list(mqtt.groups),
                 interval=mqtt.telemetry_interval, outbox_limits=mqtt.queue, counter=counter)
-            self.service.observers.append(self._observe)
             self.reporter.start()
             self._start_updates()
         address = self.config.api.address
         if address is not None:
-            self.api = ApiServer(address, self.service, settings=self.config.api, health=self.health).start()
+            self.api = ApiServer(address, self.service, settings=self.config.api, health=self.health,
+                                 models=lambda: self.models.services()).start()
             log.info("HTTP API on http://%s:%d", address[0], self.api.port)
         return self
 
-    def _load_active(self, active: InstalledModel) -> None:
-        """Serve the store's active model. If it verified but no longer loads (e.g. after an
+    def _recover_slots(self) -> None:
+        """Recover the root store and every ``slots/<name>/`` store, and serve what each holds."""
+        active = self.store.recover()
+        if active is not None:
+            self._load_active(ModelSlot(active.name, self.store, self.service), active)
+        slots = self.config.store / SLOTS_DIR
+        for directory in sorted(slots.iterdir()) if slots.is_dir() else ():
+            if not is_valid_id(directory.name) or not directory.is_dir() or self.models.get(directory.name):
+                continue
+            slot = self.new_slot(directory.name)
+            active = slot.store.recover()
+            if active is None:
+                continue
+            if active.name != slot.name:
+                log.error("%s holds model %s, not %s: not served", directory, active.name, slot.name)
+                continue
+            self._load_active(slot, active)
+
+    def _load_active(self, slot: ModelSlot, active: InstalledModel) -> None:
+        """Serve a store's active model. If it verified but no longer loads (e.g. after an
         onnxruntime upgrade), load and smoke-test the previous one *before* the store's commit
         point changes, then commit and serve it; if that fails too, nothing changed on disk and
         the original error stands."""
         try:
-            self.service.swap(self.load(active))
+            slot.service.swap(self.load(active))
+            self._register(slot)
             return
         except EdgepackError as err:
             failure = err
         log.error("active model %s does not load (%s); trying the previous one", active.key, failure)
         try:
-            previous = self.store.rollback_target()
+            previous = slot.store.rollback_target()
             loaded = self.load(previous)
-            self.store.rollback()
+            slot.store.rollback()
         except EdgepackError as err:
             log.error("the previous model cannot serve either (%s)", err)
             raise failure from err
-        self.service.swap(loaded)
+        slot.service.swap(loaded)
+        self._register(slot)
         log.warning("serving %s %s after rolling back from %s", previous.name, previous.version, active.key)
 
     def _start_updates(self) -> None:
@@ -140,13 +216,13 @@ class Daemon:
         self.updates = UpdateService(self)
         self.updates.start()
 
-    def _observe(self, latency: float | None, error: str | None) -> None:
+    def _observe(self, name: str, latency: float | None, error: str | None) -> None:
         if self.reporter is None:
             return
         if error is None and latency is not None:
-            self.reporter.record_inference(latency)
+            self.reporter.record_inference(latency, model=name)
         elif error is not None:
-            self.reporter.record_error(error)
+            self.reporter.record_error(error, model=name)
 
     def stop(self, reason: str = "agent stopped") -> None:
         if self._stopped.is_set():

@@ -31,7 +31,9 @@ Kinds (one model output is read: ``output``, or the model's first output):
     then scored like ``yolov5``. A decoded YOLOX head is ``yolov5``;
   - ``boxes_scores``: the model already decodes: ``outputs.boxes`` ``[N, 4]`` (x1, y1, x2, y2
     in input pixels), ``outputs.scores`` ``[N]`` and optionally ``outputs.classes`` ``[N]``
-    (class 0 without it), each with an optional leading batch axis.
+    (class 0 without it), each with an optional leading batch axis;
+  - ``yolov5-raw``, ``yolov8-raw``: one undecoded output per grid level (``outputs``, in the
+    order of ``strides``), decoded as the Detect layers do (:mod:`edgepack_core.raw_heads`).
 
   Each anchor keeps its best class; candidates with ``score > score_threshold`` enter NMS,
   which per class keeps the best box and drops every box of that class whose IoU with a
@@ -71,6 +73,7 @@ import numpy as np
 
 from edgepack_core.errors import PostprocessError
 from edgepack_core.postprocess_spec import PostprocessSpec, parse_postprocess
+from edgepack_core.raw_heads import decode_yolov5_raw, decode_yolov8_raw
 
 __all__ = [
     "PostprocessSpec",
@@ -354,6 +357,12 @@ class Postprocessor:
             raise PostprocessError(f"no model output named {name!r} (outputs: {', '.join(outputs)})")
         return np.asarray(outputs[name])
 
+    def _levels(self, outputs: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """A raw head's level outputs: those the spec names, else every output in order."""
+        if self.spec.levels is None:
+            return [np.asarray(value) for value in outputs.values()]
+        return [self._select(outputs, name) for name in self.spec.levels]
+
     def _label(self, index: int) -> str | None:
         labels = self.labels or []
         return labels[index] if 0 <= index < len(labels) else None
@@ -363,18 +372,25 @@ class Postprocessor:
         return [{"index": int(i), "label": self._label(int(i)), "score": float(scores[i])} for i in order]
 
     def _detection(self, outputs: Mapping[str, np.ndarray], geometry: Mapping[str, Any] | None) -> Any:
+        results = [self._detections(*image, geometry) for image in self._decode(outputs)]
+        return results[0] if len(results) == 1 else results
+
+    def _decode(self, outputs: Mapping[str, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per image (boxes x1y1x2y2 in input pixels, best score, best class) of the format."""
         spec = self.spec
+        sigmoid = spec.apply_sigmoid is not False
         if spec.outputs is not None:  # format boxes_scores
             names = spec.outputs
             classes = self._select(outputs, names.classes) if names.classes else None
-            images = decode_boxes_scores(self._select(outputs, names.boxes), self._select(outputs, names.scores),
-                                         classes)
-        elif spec.format == "yolox":
-            images = decode_yolox(self._select(outputs), spec.strides, spec.input_size)
-        else:
-            images = decode_yolo(self._select(outputs), spec.format)
-        results = [self._detections(*image, geometry) for image in images]
-        return results[0] if len(results) == 1 else results
+            return decode_boxes_scores(self._select(outputs, names.boxes), self._select(outputs, names.scores),
+                                       classes)
+        if spec.format == "yolox":
+            return decode_yolox(self._select(outputs), spec.strides, spec.input_size)
+        if spec.format == "yolov5-raw":
+            return decode_yolov5_raw(self._levels(outputs), spec.strides, spec.anchors, sigmoid)
+        if spec.format == "yolov8-raw":
+            return decode_yolov8_raw(self._levels(outputs), spec.strides, spec.reg_max, sigmoid)
+        return decode_yolo(self._select(outputs), spec.format)
 
     def _detections(self, boxes: np.ndarray, scores: np.ndarray, classes: np.ndarray,
                     geometry: Mapping[str, Any] | None) -> list[dict[str, Any]]:

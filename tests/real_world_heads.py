@@ -247,3 +247,71 @@ def head_model(family: str, decoded: bool) -> onnx.ModelProto:
 def image_tensor(pixels: np.ndarray) -> np.ndarray:
     """What ``preprocess: {kind: image, resize: {size: [64, 64]}, scale: 1/255}`` makes of a 64x64 image."""
     return (pixels.astype(np.float32) / 255.0).transpose(2, 0, 1)[None]
+
+
+# ----------------------------------------------------------------------------- raw per-level exports
+
+RAW_LAYOUTS = ("conv", "view")  # yolov5-raw: [1, na*(5+C), H, W] or the Detect layer's [1, na, H, W, 5+C]
+DFL_FLOOR = -40.0  # logit of a bin outside a side's distance: exp(-40) adds nothing
+
+
+def dfl_logits(distance: float) -> np.ndarray:
+    """``DFL_BINS`` logits whose softmax expectation is ``distance`` (< 1 cell): two bins."""
+    logits = np.full(DFL_BINS, DFL_FLOOR)
+    logits[0], logits[1] = np.log(1.0 - distance), np.log(distance)
+    return logits
+
+
+def _raw_level_params(family: str, level: int) -> tuple[np.ndarray, np.ndarray]:
+    """(weight [channels, 3], bias) of one level's 1x1 convolution: YOLOv5's three anchors'
+    rows one after the other, or YOLOv8's DFL bins (l, t, r, b) then class logits."""
+    params = [_row_params(family, False, level, anchor) for anchor in range(_anchors(family))]
+    weight, bias = np.concatenate([w for w, _ in params]), np.concatenate([b for _, b in params])
+    if family == "yolov8":
+        t = TARGETS[level]
+        half = (t.size[0] / 2 / t.stride, t.size[1] / 2 / t.stride)
+        bias[: 4 * DFL_BINS] = np.concatenate([dfl_logits(half[side % 2]) for side in range(4)])
+    return weight, bias
+
+
+def raw_level_model(family: str, layout: str = "conv", sigmoid: bool = False) -> onnx.ModelProto:
+    """``images [1, 3, 64, 64]`` -> ``p3, p4, p5``: the undecoded level outputs of a YOLOv5
+    (``layout`` conv or view, ``sigmoid`` in the graph or not) or YOLOv8 (conv) head."""
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+    outputs = []
+    for level, stride in enumerate(STRIDES):
+        weight, bias = _raw_level_params(family, level)
+        side, name = SIDE // stride, f"p{level + 3}"
+        inits += [
+            numpy_helper.from_array(weight[:, :, None, None].astype(np.float32), f"w{level}"),
+            numpy_helper.from_array(bias.astype(np.float32), f"b{level}"),
+        ]
+        nodes += [
+            helper.make_node(
+                "AveragePool", ["images"], [f"pool{level}"], kernel_shape=[stride, stride], strides=[stride, stride]
+            ),
+            helper.make_node("Conv", [f"pool{level}", f"w{level}", f"b{level}"], [f"conv{level}"]),
+        ]
+        last, shape = f"conv{level}", [1, weight.shape[0], side, side]
+        if layout == "view":
+            width = weight.shape[0] // 3
+            inits.append(numpy_helper.from_array(np.array([1, 3, width, side, side], np.int64), f"view{level}"))
+            nodes += [
+                helper.make_node("Reshape", [last, f"view{level}"], [f"split{level}"]),
+                helper.make_node("Transpose", [f"split{level}"], [f"perm{level}"], perm=[0, 1, 3, 4, 2]),
+            ]
+            last, shape = f"perm{level}", [1, 3, side, side, width]
+        nodes.append(helper.make_node("Sigmoid" if sigmoid else "Identity", [last], [name]))
+        outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
+    graph = helper.make_graph(
+        nodes,
+        f"{family}_raw_levels",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, [1, 3, SIDE, SIDE])],
+        outputs,
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="pytorch")
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    return model

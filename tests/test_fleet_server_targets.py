@@ -247,3 +247,39 @@ def test_a_version_devices_rejected_is_never_sent_again_by_a_group_target_only_b
         assert counter.by_device["cam-01"] == 1  # never re-targeted
     finally:
         server.stop()
+
+
+def test_the_rejections_a_device_reports_follow_its_newest_online_state_and_keep_when_first_heard(tmp_path):
+    import json
+
+    from sqlalchemy import select
+
+    from edgepack_core.protocol.messages import parse_state
+    from sdk.fleet_server import db as tables
+    from sdk.fleet_server.db import open_database
+    from sdk.fleet_server.ingest import Writer
+
+    def state(status: str, *shas: str) -> bytes:
+        rejected = [{"name": "scale", "version": f"2.{i}.0", "sha256": sha, "stage": "health_window",
+                     "reason": "unhealthy", "ts": 5.0} for i, sha in enumerate(shas)]
+        return json.dumps({"schema": "edgepack.state/1", "device": "cam-01", "status": status, "ts": 1.0,
+                           "rejected": rejected}).encode()
+
+    database = open_database(f"sqlite:///{tmp_path / 'fleet.db'}")
+    a, b = "a" * 64, "b" * 64
+
+    def apply(payload: bytes, heard: float) -> dict[str, float]:
+        with database.write() as connection:
+            Writer(database).states(connection, [(parse_state("cam-01", payload), heard)])
+        with database.read() as connection:
+            table = tables.device_rejected
+            return dict(connection.execute(select(table.c.sha256, table.c.heard_at)).all())
+
+    try:
+        assert apply(state("online", a), 10.0) == {a: 10.0}
+        assert apply(state("online", a, b), 20.0) == {a: 10.0, b: 20.0}  # a keeps when it was first heard
+        assert apply(state("offline"), 30.0) == {a: 10.0, b: 20.0}  # a will lists nothing: nothing forgotten
+        assert apply(state("online", b), 40.0) == {b: 20.0}  # the device's ledger dropped a
+        assert apply(state("online"), 50.0) == {}
+    finally:
+        database.dispose()

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +52,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from device_agent import models
 from device_agent.config import ApiSettings
 from device_agent.errors import AgentError, BadRequest, Busy, NoModelError, RequestError
 from device_agent.http import admission, bodies, oip, openapi
@@ -95,6 +96,7 @@ class _Exchange:
     raw_outputs: bool | None = None
     header_length: str | None = None  # v2: Inference-Header-Content-Length
     peer: str = ""  # the client's address, for the health window's contract-error rule
+    service: InferenceService | None = None  # the model's service the request is for (None: the app's)
 
 
 # ---------------------------------------------------------------------------------------- the app
@@ -105,8 +107,12 @@ class AgentApp:
     decoding and inference in a bounded thread pool."""
 
     def __init__(self, service: InferenceService, settings: ApiSettings,
-                 health: Callable[[], dict[str, Any]] | None = None) -> None:
+                 health: Callable[[], dict[str, Any]] | None = None,
+                 models: Callable[[], Mapping[str, InferenceService]] | None = None) -> None:
         self.service = service
+        # The services of the models installed, by name (several named models: the daemon's
+        # ModelSet); without it, ``service`` alone, named by the model it serves.
+        self.models = models or self._single
         self.settings = settings
         self.health = health  # extra /healthz fields (the store's condition: read-only, recovered)
         pixels = settings.max_image_pixels or bodies.default_max_image_pixels()
@@ -126,6 +132,7 @@ class AgentApp:
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
             Route("/predict", self.predict, methods=["POST"]),
+            Route("/predict/{model}", self.predict, methods=["POST"]),
             Route("/streams/{stream}", self.delete_stream, methods=["DELETE"]),
             Route("/v2", self.v2_server, methods=["GET"]),
             Route("/v2/health/live", self.v2_live, methods=["GET"]),
@@ -157,33 +164,58 @@ class AgentApp:
         return error_response(500, "internal", f"{type(exc).__name__}: {exc}", v2=request.url.path.startswith("/v2"))
 
     def _refuse(self, err: RequestError | NoModelError, *, v2: bool = False, counted: bool = False,
-                metric_kind: str | None = None, peer: str = "") -> Response:
-        """An inference request's error answer; counted in the request metrics (as
-        ``metric_kind`` when given) unless the runtime already counted it. A contract error's
-        ``peer`` is remembered: the health window counts distinct clients (updates/health.py)."""
+                metric_kind: str | None = None, peer: str = "", service: InferenceService | None = None) -> Response:
+        """An inference request's error answer; counted in the request metrics of ``service``
+        (the model it was for; None: the only model, if one) as ``metric_kind`` when given,
+        unless the runtime already counted it. A contract error's ``peer`` is remembered: the
+        health window counts distinct clients (updates/health.py)."""
         status = status_of(err)
         kind = err.kind if isinstance(err, RequestError) else "no_model"
-        if not counted:
-            self.service.stats.error(metric_kind or kind, client=status < 500)
-        if peer and (metric_kind or kind) in CONTRACT_ERROR_KINDS:
-            self.service.stats.contract_error_from(peer)
+        counter = service or self._only_service()
+        if not counted and counter is not None:
+            counter.stats.error(metric_kind or kind, client=status < 500)
+        if peer and (metric_kind or kind) in CONTRACT_ERROR_KINDS and counter is not None:
+            counter.stats.contract_error_from(peer)
         headers = {"Retry-After": "1"} if kind == "busy" else {}
         if status in CLOSING_STATUSES:  # the body is not (or no longer) read: nothing more to frame
             headers["Connection"] = "close"
         return error_response(status, kind, str(err), v2=v2, headers=headers)
 
+    # ------------------------------------------------------------ models
+
+    def _single(self) -> dict[str, InferenceService]:
+        model = self.service.model
+        return {} if model is None else {model.manifest.name: self.service}
+
+    def _only_service(self) -> InferenceService | None:
+        """The service of the only model installed (None with none or several): where a request
+        that names no model, or names one not installed, is counted."""
+        services = self.models()
+        return next(iter(services.values())) if len(services) == 1 else self.service if not services else None
+
+    def _service_for(self, name: str | None) -> InferenceService:
+        """The service of model ``name`` (None: the only one); BadRequest (404 naming the
+        installed models, or 400 when several are and none is named) or NoModelError."""
+        services = self.models()
+        return services[models.choose(tuple(services), name)]
+
     # ------------------------------------------------------------ plain endpoints
 
     async def healthz(self, request: Request) -> Response:
-        model = self.service.model
+        """The first model as ``model`` (for readers that know one) and every model in ``models``."""
+        services = self.models()
         extra = self.health() if self.health is not None else {}
-        if model is None:
-            return json_response(503, {**extra, "status": "no model"})
+        described = [models.describe_service(name, service) for name, service in services.items()]
+        serving = [entry for entry in described if entry["state"] == "serving"]
+        if not serving:
+            return json_response(503, {**extra, "status": "no model", "models": described})
         # serving, but ``extra`` may say "degraded" and why (a full disk: updates/disk.py)
-        return json_response(200, {"status": "ok", "model": model.describe(), **extra})
+        first = {key: value for key, value in serving[0].items() if key not in ("state", "model_bytes")}
+        return json_response(200, {"status": "ok", "model": first, "models": described, **extra})
 
     async def metrics(self, request: Request) -> Response:
-        text = prometheus_text(self.service, self.http_stats) + load_gauges(self._admitted, self.buffered.held)
+        text = prometheus_text(self.models() or {"": self.service}, self.http_stats) + load_gauges(
+            self._admitted, self.buffered.held)
         return Response(text.encode(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:
@@ -193,7 +225,9 @@ class AgentApp:
     async def delete_stream(self, request: Request) -> Response:
         """``DELETE /streams/ID``: forget a stream's state (204; 404 when it is not kept)."""
         try:
-            existed = self.service.reset_stream(request.path_params["stream"])
+            # stream ids are the clients': forgotten in every model that keeps one of that id
+            existed = any([service.reset_stream(request.path_params["stream"])
+                           for service in (self.models() or {"": self.service}).values()])
         except BadRequest as err:
             return error_response(err.http_status, err.kind, str(err))
         if existed:
@@ -204,9 +238,12 @@ class AgentApp:
 
     async def predict(self, request: Request) -> Response:
         """Refuse what the head already rules out (the query, ``Accept``, a body type the model
-        cannot take: 415 before a byte of the body), then serve on a worker."""
-        model = self.service.model
+        cannot take: 415 before a byte of the body), then serve on a worker. ``/predict/{model}``
+        names the model; ``/predict`` is for the only one."""
+        service: InferenceService | None = None
         try:
+            service = self._service_for(request.path_params.get("model"))
+            model = service.model
             raw_outputs = outputs_wanted(request.url.query)
             answer_type = choose_answer_type(request.headers.get("accept"))
             if answer_type is None:
@@ -219,44 +256,47 @@ class AgentApp:
                 kind = body_kind(content_type, b"", image_model=model.image_input is not None,
                                  audio_model=model.audio_input is not None)
         except (BadRequest, NoModelError) as err:
-            return self._refuse(err, peer=peer_address(request))
-        exchange = _exchange(request, content_type, kind=kind, answer_type=answer_type, raw_outputs=raw_outputs)
+            return self._refuse(err, peer=peer_address(request), service=service)
+        exchange = _exchange(request, content_type, kind=kind, answer_type=answer_type, raw_outputs=raw_outputs,
+                             service=service)
         return await self._serve(request, exchange, self._predict_work)
 
     def _predict_work(self, exchange: _Exchange, body: bytes) -> Response:
         """Decode, infer and encode one /predict request (a worker thread)."""
+        service = exchange.service or self.service
         try:
             request = self._request(exchange, body)
         except _JsonInputError as err:
             # counted for the health window: an unknown input name is the contract's doing;
             # values that do not convert are malformed input, never the model's
             return self._refuse(err.error, metric_kind="unknown_input" if err.error.kind == "unknown_input"
-                                else "bad_input", peer=exchange.peer)
+                                else "bad_input", peer=exchange.peer, service=service)
         except (BadRequest, NoModelError) as err:
-            return self._refuse(err, peer=exchange.peer)
+            return self._refuse(err, peer=exchange.peer, service=service)
         try:
             if isinstance(request.input, EncodedImage):
                 with self.images.slot():  # at most max_image_decodes decoded images in memory
-                    result = self.service.predict(request)
+                    result = service.predict(request)
             else:
-                result = self.service.predict(request)
+                result = service.predict(request)
         except RequestError as err:  # the runtime counted its own
-            return self._refuse(err, counted=True, peer=exchange.peer)
+            return self._refuse(err, counted=True, peer=exchange.peer, service=service)
         except NoModelError as err:
-            return self._refuse(err)
+            return self._refuse(err, service=service)
         except Exception as err:  # the server must survive anything a request triggers
             log.exception("predict failed")
-            self.service.stats.error("internal", client=False)
+            service.stats.error("internal", client=False)
             return error_response(500, "internal", f"{type(err).__name__}: {err}")
         return self._answer(result, exchange)
 
     def _model_for(self, exchange: _Exchange) -> LoadedModel:
         """The active model a worker serves ``exchange`` on, its stream restarted first when asked."""
-        model = self.service.model
+        service = exchange.service or self.service
+        model = service.model
         if model is None:
             raise NoModelError("no model is active")
         if exchange.stream is not None and exchange.reset_stream:
-            self.service.reset_stream(exchange.stream)
+            service.reset_stream(exchange.stream)
         return model
 
     def _request(self, exchange: _Exchange, body: bytes) -> PredictRequest:
@@ -295,10 +335,10 @@ class AgentApp:
                 return json_response(200, prediction_json(result, outputs=exchange.raw_outputs))
             return Response(wire_json.npz_bytes(result.outputs), 200, npz_headers(result), wire_json.NPZ_MEDIA_TYPE)
         except WireEncodingError as err:
-            self.service.stats.error("encoding", client=False)
+            (exchange.service or self.service).stats.error("encoding", client=False)
             return error_response(500, "encoding", str(err))
         except BadRequest as err:
-            return self._refuse(err)
+            return self._refuse(err, service=exchange.service)
 
     # ------------------------------------------------------------ admission and bodies
 
@@ -380,22 +420,26 @@ class AgentApp:
         return Response(status_code=200)
 
     async def v2_ready(self, request: Request) -> Response:
-        return Response(status_code=200 if self.service.model is not None else 400)
+        ready = any(service.model is not None for service in self.models().values())
+        return Response(status_code=200 if ready else 400)
 
-    def _v2_model(self, request: Request) -> LoadedModel:
-        """The active model if the URL names it (and its version, when given)."""
-        model = self.service.model
+    def _v2_model(self, request: Request) -> tuple[InferenceService, LoadedModel]:
+        """The service and active model the URL names (and its version, when given)."""
+        services = self.models()
         name, version = request.path_params["name"], request.path_params.get("version")
-        if model is None or model.manifest.name != name or version not in (None, model.manifest.version):
-            serving = f"{model.manifest.name} {model.manifest.version}" if model is not None else "no model"
+        service = services.get(name)
+        model = None if service is None else service.model
+        if service is None or model is None or version not in (None, model.manifest.version):
+            serving = ", ".join(f"{s.model.manifest.name} {s.model.manifest.version}"
+                                for s in services.values() if s.model is not None) or "no model"
             wanted = name + (f" version {version}" if version else "")
             raise BadRequest("unknown_model", f"unknown model {wanted[:200]} (this agent serves {serving})",
                              http_status=404)
-        return model
+        return service, model
 
     async def v2_metadata(self, request: Request) -> Response:
         try:
-            return json_response(200, oip.model_metadata(self._v2_model(request)))
+            return json_response(200, oip.model_metadata(self._v2_model(request)[1]))
         except BadRequest as err:
             return error_response(err.http_status, err.kind, str(err), v2=True)
 
@@ -410,31 +454,31 @@ class AgentApp:
 
     async def v2_infer(self, request: Request) -> Response:
         try:
-            self._v2_model(request)
+            service, _ = self._v2_model(request)
         except BadRequest as err:
             return self._refuse(err, v2=True)
         exchange = _exchange(request, media_type(request.headers.get("content-type")),
-                             header_length=request.headers.get(oip.HEADER_LENGTH_HEADER))
+                             header_length=request.headers.get(oip.HEADER_LENGTH_HEADER), service=service)
         return await self._serve(request, exchange, self._v2_work, v2=True)
 
     def _v2_work(self, exchange: _Exchange, body: bytes) -> Response:
         """Parse, infer and encode one v2 infer request (a worker thread)."""
-        service = self.service
+        service = exchange.service or self.service
         try:
             model = self._model_for(exchange)
             parsed = oip.parse_infer_request(body, exchange.header_length, model.input_specs,
                                              model.output_names, self.limits)
         except (BadRequest, NoModelError) as err:
-            return self._refuse(err, v2=True, peer=exchange.peer)
+            return self._refuse(err, v2=True, peer=exchange.peer, service=service)
         try:
             result = service.predict(PredictRequest(Tensors(parsed.inputs), exchange.stream, postprocess=False))
         except RequestError as err:
-            return self._refuse(err, v2=True, counted=True, peer=exchange.peer)
+            return self._refuse(err, v2=True, counted=True, peer=exchange.peer, service=service)
         except NoModelError as err:
-            return self._refuse(err, v2=True)
+            return self._refuse(err, v2=True, service=service)
         except Exception as err:  # the server must survive anything a request triggers
             log.exception("v2 infer failed")
-            self.service.stats.error("internal", client=False)
+            service.stats.error("internal", client=False)
             return error_response(500, "internal", f"{type(err).__name__}: {err}", v2=True)
         try:
             body, headers = oip.encode_infer_response(result.model.manifest.name, result.model.manifest.version,

@@ -39,7 +39,13 @@ SCHEMAS: dict[str, Any] = {
                                                                   "degraded: a full disk); or why not (no model)"},
                        "degraded": {"type": "array", "items": {"type": "string"},
                                     "description": "why the device is degraded (no space: ...)"},
-                       "model": {"type": "object", "description": "the active model, its provider and hash"}},
+                       "model": {"type": "object", "description": "the active model, its provider and hash "
+                                                                  "(the first of models)"},
+                       "models": {"type": "array", "description": "every model installed: name, version, "
+                                                                  "provider, state, model_bytes",
+                                  "items": {"type": "object", "required": ["name", "state"],
+                                            "properties": {"name": {"type": "string"},
+                                                           "state": {"enum": ["serving", "no model"]}}}}},
     },
     "PredictRequest": {
         "type": "object", "required": ["inputs"],
@@ -124,12 +130,15 @@ def _errors(*statuses: str, v2: bool = False) -> dict[str, Any]:
     what = {"400": "malformed request (body, query, headers)", "404": "no such model, stream or path",
             "405": "method not allowed (Allow names the methods)", "406": "Accept takes neither JSON nor npz",
             "408": "the body did not arrive within api.read_timeout_s", "413": "over a size bound (api.max_*)",
-            "415": "a media type the model does not take", "503": "busy (Retry-After) or no model"}
+            "415": "a media type the model does not take",
+            "500": "the model's failure: runtime, postprocess, non_finite_output (NaN/inf in an output the "
+                   "recipe does not allow), encoding, internal",
+            "503": "busy (Retry-After) or no model"}
     return {status: _json(what[status], _ref("V2Error" if v2 else "Error")) for status in statuses}
 
 
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
-_INFER_ERRORS = ("400", "404", "408", "413", "415", "503")
+_INFER_ERRORS = ("400", "404", "408", "413", "415", "500", "503")
 _MODEL_PARAMETERS = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
 _VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
 
@@ -157,18 +166,12 @@ def _v2_model_operations(prefix: str, parameters: list[dict[str, Any]]) -> list[
     ]
 
 
-OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
-    ("get", "/healthz", {"summary": "Health: 200 with the active model, 503 without one",
-                         "responses": {"200": _json("serving", _ref("Health")),
-                                       "503": _json("not serving (the reason in status)", _ref("Health"))}}),
-    ("get", "/metrics", {"summary": "Prometheus text (version 0.0.4): requests, errors, latency, load",
-                         "responses": {"200": {"description": "metrics", "content": {
-                             "text/plain": {"schema": {"type": "string"}}}}}}),
-    ("get", "/openapi.json", {"summary": "This document",
-                              "responses": {"200": _json("the OpenAPI document", {"type": "object"})}}),
-    ("post", "/predict", {
-        "summary": "Inference on the active model: an image, a WAV file, npy/npz tensors or JSON tensors",
+def _predict(summary: str, parameters: list[dict[str, Any]]) -> dict[str, Any]:
+    """``POST /predict`` and ``POST /predict/{model}``: one body, one answer; the path may name the model."""
+    return {
+        "summary": summary,
         "parameters": [
+            *parameters,
             {"name": "outputs", "in": "query", "required": False, "schema": {"enum": ["raw", "result"]},
              "description": "raw: add the raw output tensors to a JSON answer; result: leave them out"},
             {"name": "X-Edgepack-Stream", "in": "header", "required": False,
@@ -183,7 +186,23 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                                              "application/x-npz (model, provider, latency in X-Edgepack-*)",
                               "content": {"application/json": {"schema": _ref("PredictAnswer")},
                                           "application/x-npz": _BINARY}},
-                      **_errors("400", "406", "408", "413", "415", "503")}}),
+                      **_errors("400", "404", "406", "408", "413", "415", "500", "503")}}
+
+
+OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
+    ("get", "/healthz", {"summary": "Health: 200 with the active model, 503 without one",
+                         "responses": {"200": _json("serving", _ref("Health")),
+                                       "503": _json("not serving (the reason in status)", _ref("Health"))}}),
+    ("get", "/metrics", {"summary": "Prometheus text (version 0.0.4): requests, errors, latency, load",
+                         "responses": {"200": {"description": "metrics", "content": {
+                             "text/plain": {"schema": {"type": "string"}}}}}}),
+    ("get", "/openapi.json", {"summary": "This document",
+                              "responses": {"200": _json("the OpenAPI document", {"type": "object"})}}),
+    ("post", "/predict", _predict("Inference on the only model: an image, a WAV file, npy/npz tensors or JSON "
+                                  "tensors (400 model_required when several are installed)", [])),
+    ("post", "/predict/{model}", _predict("Inference on the named model (404 naming the installed ones otherwise)",
+                                          [{"name": "model", "in": "path", "required": True,
+                                            "schema": {"type": "string"}}])),
     ("delete", "/streams/{stream}", {
         "summary": "Forget a stream's state (its next call starts from init)",
         "parameters": [{"name": "stream", "in": "path", "required": True,

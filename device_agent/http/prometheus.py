@@ -5,6 +5,8 @@ latency histogram, the active model and the API's load."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 from device_agent.request_stats import LATENCY_BUCKETS
 from device_agent.runtime import InferenceService
@@ -33,16 +35,19 @@ class HttpStats:
             return dict(self.answers)
 
 
-def prometheus_text(service: InferenceService, http: HttpStats | None = None) -> str:
-    """Metrics in the Prometheus text exposition format (version 0.0.4)."""
-    snap = service.stats.snapshot()
+def prometheus_text(services: InferenceService | Mapping[str, InferenceService], http: HttpStats | None = None) -> str:
+    """Metrics in the Prometheus text exposition format (version 0.0.4). One model: its series
+    as they have always been; several (``services`` by model name): every per-model series
+    carries a ``model="name"`` label."""
+    if isinstance(services, InferenceService):
+        services = {"": services}
+    labelled = len(services) > 1
     lines = ["# HELP edgepack_requests_total Inference requests (/predict, v2 infer) by outcome.",
              "# TYPE edgepack_requests_total counter"]
-    for status, count in sorted(snap["requests"].items()):
-        lines.append(f'edgepack_requests_total{{status="{status}"}} {count}')
+    snaps = {name: (_model_label(name, labelled), service.stats.snapshot()) for name, service in services.items()}
+    lines += _counters(snaps, "requests", "edgepack_requests_total", "status")
     lines += ["# HELP edgepack_errors_total Failed requests by kind.", "# TYPE edgepack_errors_total counter"]
-    for kind, count in sorted(snap["errors"].items()):
-        lines.append(f'edgepack_errors_total{{kind="{_escape(kind)}"}} {count}')
+    lines += _counters(snaps, "errors", "edgepack_errors_total", "kind")
     if http is not None:
         lines += ["# HELP edgepack_http_responses_total Every HTTP answer, by status class.",
                   "# TYPE edgepack_http_responses_total counter"]
@@ -50,26 +55,48 @@ def prometheus_text(service: InferenceService, http: HttpStats | None = None) ->
             lines.append(f'edgepack_http_responses_total{{class="{status_class}"}} {count}')
     lines += ["# HELP edgepack_non_finite_outputs_total Answers whose outputs held NaN/inf (refused as "
               "kind non_finite_output, or served flagged where the recipe allows them).",
-              "# TYPE edgepack_non_finite_outputs_total counter",
-              f"edgepack_non_finite_outputs_total {snap['non_finite']}"]
+              "# TYPE edgepack_non_finite_outputs_total counter"]
+    for label, snap in snaps.values():
+        lines.append(f"edgepack_non_finite_outputs_total{{{label.rstrip(',')}}} {snap['non_finite']}" if label
+                     else f"edgepack_non_finite_outputs_total {snap['non_finite']}")
     lines += ["# HELP edgepack_inference_latency_seconds Model run time per request.",
               "# TYPE edgepack_inference_latency_seconds histogram"]
-    cumulative = 0
-    for bound, count in zip(LATENCY_BUCKETS, snap["buckets"], strict=False):
-        cumulative += count
-        lines.append(f'edgepack_inference_latency_seconds_bucket{{le="{bound}"}} {cumulative}')
-    cumulative += snap["buckets"][-1]
-    lines.append(f'edgepack_inference_latency_seconds_bucket{{le="+Inf"}} {cumulative}')
-    lines.append(f"edgepack_inference_latency_seconds_sum {snap['latency_sum']:.9f}")
-    lines.append(f"edgepack_inference_latency_seconds_count {cumulative}")
+    for label, snap in snaps.values():
+        lines += _histogram(label, snap)
     lines += ["# HELP edgepack_model_info The active model and the provider it runs on.",
               "# TYPE edgepack_model_info gauge"]
-    model = service.model
-    if model is not None:
-        info = model.describe()
-        lines.append(f'edgepack_model_info{{name="{_escape(info["name"])}",version="{_escape(info["version"])}",'
-                     f'sha256="{info["sha256"]}",provider="{info["provider"]}"}} 1')
+    for service in services.values():
+        model = service.model
+        if model is not None:
+            info = model.describe()
+            lines.append(f'edgepack_model_info{{name="{_escape(info["name"])}",version="{_escape(info["version"])}",'
+                         f'sha256="{info["sha256"]}",provider="{info["provider"]}"}} 1')
     return "\n".join(lines) + "\n"
+
+
+def _counters(snaps: Mapping[str, tuple[str, dict[str, Any]]], key: str, metric: str, label_name: str) -> list[str]:
+    """One counter family: each model's (``snaps``: label, snapshot) counts of ``key`` by value."""
+    return [f'{metric}{{{label}{label_name}="{_escape(value)}"}} {count}'
+            for label, snap in snaps.values() for value, count in sorted(snap[key].items())]
+
+
+def _model_label(name: str, labelled: bool) -> str:
+    """``model="name",`` ahead of a series' own labels when several models serve, else ""."""
+    return f'model="{_escape(name)}",' if labelled else ""
+
+
+def _histogram(label: str, snap: dict[str, Any]) -> list[str]:
+    """One model's latency histogram series (``label``: its model label, or "")."""
+    lines, cumulative = [], 0
+    for bound, count in zip(LATENCY_BUCKETS, snap["buckets"], strict=False):
+        cumulative += count
+        lines.append(f'edgepack_inference_latency_seconds_bucket{{{label}le="{bound}"}} {cumulative}')
+    cumulative += snap["buckets"][-1]
+    lines.append(f'edgepack_inference_latency_seconds_bucket{{{label}le="+Inf"}} {cumulative}')
+    plain = f"{{{label.rstrip(',')}}}" if label else ""
+    lines.append(f"edgepack_inference_latency_seconds_sum{plain} {snap['latency_sum']:.9f}")
+    lines.append(f"edgepack_inference_latency_seconds_count{plain} {cumulative}")
+    return lines
 
 
 def load_gauges(admitted: int, held_bytes: int) -> str:

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from device_agent.config import AgentConfig
 from device_agent.errors import AdmissionRefused, StoreError
+from device_agent.models import ModelSet, ModelSlot, deploy_refusal, deploy_target, describe_service
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.outbox import OutboxError
@@ -67,7 +68,9 @@ log = logging.getLogger("edgepack.agent.updates")
 
 
 class AgentHost(Protocol):
-    """What the update service needs from the agent that runs it, and nothing more."""
+    """What the update service needs from the agent that runs it, and nothing more. ``store``
+    and ``service`` are the root store's (``device_agent/models.py``); every job works on the
+    slot of the model it names."""
 
     config: AgentConfig
     store: ModelStore
@@ -75,10 +78,24 @@ class AgentHost(Protocol):
     operator_trust: TrustStore | None
     service: InferenceService
     reporter: Any
+    models: ModelSet
 
     def load(self, installed: InstalledModel) -> LoadedModel: ...
 
-    def activate_loaded(self, model: LoadedModel) -> LoadedModel | None: ...
+    def new_slot(self, name: str) -> ModelSlot: ...
+
+    def activate_loaded(self, model: LoadedModel, slot: ModelSlot | None = None) -> LoadedModel | None: ...
+
+
+def job_model(job: Job) -> str | None:
+    """The model a job is for: the name its deploy or rollback command gives, or the one the
+    device chose when the command named none (``detail.model``); None: not known yet (a deploy
+    that names no model, to a device that holds none). Pure."""
+    command = job.command
+    rolled_back = command.get("from_version")
+    named = job.detail.get("model") or command.get("name") or (
+        rolled_back.get("name") if isinstance(rolled_back, dict) else None)
+    return str(named) if named else None
 
 
 @dataclass
@@ -86,6 +103,7 @@ class _Running:
     """The deploy the deploy lane is working on, and how another thread may stop it."""
 
     job_id: str
+    model: str | None = None  # the model it installs (None: not named yet)
     stop: threading.Event = field(default_factory=threading.Event)
     why: str = ""
     rolled_back_by: str = ""  # set when a rollback command took over during the health window
@@ -241,6 +259,10 @@ class UpdateService:
         except (CommandSignatureError, ReplayError, ValueError) as err:
             self._refuse(command.id, command.type, str(err))
             return
+        no_slot = self._model_refusal(command)
+        if no_slot:
+            self._refuse(command.id, command.type, no_slot, state=J.FAILED)
+            return
         moved_on = self._moved_on(command)
         if moved_on:  # after its id was recorded: a late signed rollback cannot be replayed later either
             self._refuse(command.id, command.type, moved_on)
@@ -252,9 +274,22 @@ class UpdateService:
         names in ``from_version`` ("" for every other command)."""
         if command.type != "rollback":
             return ""
-        model = self.host.service.model
+        slot = self.host.models.get(command.body["from_version"]["name"])
+        model = None if slot is None else slot.service.model
         serving = None if model is None else (model.manifest.name, model.manifest.version)
         return rollback_refusal(command.body["from_version"], serving)
+
+    def _model_refusal(self, command: Command) -> str:
+        """Why a deploy or rollback has no model slot to go to ("" when it has): a deploy of a
+        name not held that ``updates.allowed_names`` does not list, or one naming no model on a
+        device holding several (``device_agent/models.py``); a rollback of a model not held."""
+        held = self.host.models.names
+        if command.type == "deploy":
+            return deploy_refusal(held, command.body.get("name"), self.allowed_names) or ""
+        if command.type == "rollback" and command.body["from_version"]["name"] not in held:
+            name = command.body["from_version"]["name"]
+            return f"no model {name!r} on this device to roll back (installed: {', '.join(held) or 'none'})"
+        return ""
 
     def _check_settings(self, command: Command) -> None:
         """Values the device bounds itself, whoever signed them: the health window's range."""
@@ -276,16 +311,20 @@ class UpdateService:
                         found or f"no queued or running deploy {command.body['job']}")
         else:
             job = self._new_job(command)
-            serving = self.host.service.model
+            model = deploy_target(self.host.models.names, job_model(job))
+            if model is not None:  # job events name the model
+                job = dataclasses.replace(job, detail={"model": model})
+            slot = self.host.models.get(model) if model is not None else None
+            serving = None if slot is None else slot.service.model
             if kind == "rollback" and serving is not None:
-                job = dataclasses.replace(job, detail={"from_sha256": serving.manifest.model_sha256})
+                job = dataclasses.replace(job, detail={**job.detail, "from_sha256": serving.manifest.model_sha256})
             self.journal.save(job)
             self._publish(job)
             if kind == "rollback":
-                self._supersede_deploys(f"superseded by rollback {command.id}")
+                self._supersede_deploys(f"superseded by rollback {command.id}", model)
                 self._control.put(job)
             else:
-                self._supersede_deploys(f"superseded by deploy {command.id}")
+                self._supersede_deploys(f"superseded by deploy {command.id}", model)
                 self._pending[job.id] = job
                 self._deploys.put(job)
 
@@ -302,17 +341,31 @@ class UpdateService:
             return f"stopping deploy {job_id}" + (" and rolling it back" if running.in_window else "")
         return ""
 
-    def _supersede_deploys(self, why: str) -> None:
-        for job_id in list(self._pending):
-            self._cancel(job_id, why)
+    def _supersede_deploys(self, why: str, model: str | None) -> None:
+        """Cancel the queued deploys of ``model`` and its running one still before its switch;
+        a deploy of another model goes on (None: the deploy names no model yet: all)."""
+        for job_id, job in list(self._pending.items()):
+            if model is None or job_model(job) in (None, model):
+                self._cancel(job_id, why)
         running = self._running
-        if running is not None and not running.in_window:
+        if running is not None and not running.in_window and (model is None or running.model in (None, model)):
             running.cancel(why)
 
     def state_detail(self) -> dict[str, Any]:
-        model = self.host.service.model
-        return {"active": None if model is None else model.describe(), "store": self.host.store.status(),
-                "profile": self.host.config.profile}
+        """``get-state``: the first model as ``active`` and its store (for readers that know one
+        model), and every model with its store in ``models``."""
+        slots = self.host.models.slots
+        first = slots[0] if slots else ModelSlot("", self.host.store, self.host.service)
+        model = first.service.model
+        return {"active": None if model is None else model.describe(), "store": first.store.status(),
+                "profile": self.host.config.profile,
+                "models": [{**describe_service(slot.name, slot.service), "store": slot.store.status()}
+                           for slot in slots]}
+
+    def _slot(self, job: Job) -> ModelSlot:
+        """The slot of the model ``job`` is for (the root store's while it names none)."""
+        name = job_model(job)
+        return self.host.new_slot(name) if name else ModelSlot("", self.host.store, self.host.service)
 
     # ---------------------------------------------------------------- workers
 
@@ -336,20 +389,21 @@ class UpdateService:
         latest = self.journal.get(job.id) or job
         if latest.final or J.FAILED not in J.TRANSITIONS[latest.state]:
             return
-        reason = f"internal error: {type(err).__name__}: {err}; serving {self._serving()}"
+        reason = f"internal error: {type(err).__name__}: {err}; serving {self._serving(self._slot(latest))}"
         try:
             self._set(latest, J.FAILED, reason)
         except JournalError as journal_err:
             failed = advance(latest, J.FAILED, f"{reason}; {journal_err}", time.time())
             self._publish(failed)
 
-    def _serving(self) -> str:
-        model = self.host.service.model
+    @staticmethod
+    def _serving(slot: ModelSlot) -> str:
+        model = slot.service.model
         return "nothing" if model is None else model.label
 
     # ---------------------------------------------------------------- rollback
 
-    def _safe_rollback(self, fallback: LoadedModel | None = None, *, from_sha256: str = "",
+    def _safe_rollback(self, slot: ModelSlot, fallback: LoadedModel | None = None, *, from_sha256: str = "",
                        forget_active: bool = False) -> InstalledModel | None:
         """Go back to the store's rollback target, the last version that passed its health window
         (never a rejected one: ``ModelStore.rollback_target``): load and smoke-test it (or reuse
@@ -360,9 +414,9 @@ class UpdateService:
 
         With ``from_sha256``, roll back only if that model still serves (None otherwise): a
         rollback command racing a health-window rollback must not toggle back to the bad model."""
-        store = self.host.store
+        store = slot.store
         with self._store_lock:
-            serving = self.host.service.model
+            serving = slot.service.model
             if from_sha256 and (serving is None or serving.manifest.model_sha256 != from_sha256):
                 return None
             target = store.rollback_target()
@@ -371,23 +425,25 @@ class UpdateService:
             else:
                 loaded = self.host.load(target)
             store.rollback(forget_active=forget_active)
-            self.host.activate_loaded(loaded)
+            self.host.activate_loaded(loaded, slot)
             return target
 
     def _rollback_command(self, job: Job) -> None:
+        slot = self._slot(job)
         running = self._running
-        in_window = running is not None and running.in_window
+        in_window = running is not None and running.in_window and running.model == slot.name
         if running is not None and in_window:
             running.rolled_back_by = job.id
             running.cancel(f"rolled back by command {job.id}")
         try:
-            target = self._safe_rollback(from_sha256=str(job.detail.get("from_sha256", "")), forget_active=in_window)
+            target = self._safe_rollback(slot, from_sha256=str(job.detail.get("from_sha256", "")),
+                                         forget_active=in_window)
         except (EdgepackError, OSError) as err:
-            self._set(job, J.FAILED, f"rollback failed: {err}; serving {self._serving()}")
+            self._set(job, J.FAILED, f"rollback failed: {err}; serving {self._serving(slot)}")
             return
         if target is None:
             self._set(job, J.DONE, f"the model this rollback was sent against no longer serves; serving "
-                                   f"{self._serving()}")
+                                   f"{self._serving(slot)}")
             return
         self._set(job, J.DONE, f"rolled back to {target.name} {target.version}")
 
@@ -397,7 +453,7 @@ class UpdateService:
         with self._lock:
             if self._pending.pop(job.id, None) is None:
                 return  # cancelled or superseded while queued
-            running = self._running = _Running(job.id)
+            running = self._running = _Running(job.id, job_model(job))
         try:
             self._deploy(job, running)
         finally:
@@ -440,24 +496,25 @@ class UpdateService:
             # and the resumed job then finds the file complete and does not fetch it again).
             artifact.unlink(missing_ok=True)
 
-    def _policy(self) -> DevicePolicy:
-        """The versions admission compares against: those the device really held (the previous
+    def _policy(self, slot: ModelSlot) -> DevicePolicy:
+        """The versions admission compares against: those the slot really held (the previous
         and the active model), never one it rejected (``updates/rejected.py``)."""
         known: dict[str, str] = {}
-        store = self.host.store
+        store = slot.store
         try:
             previous = store.previous()
         except (EdgepackError, OSError):
             previous = None
         if previous is not None and store.rejected.find(previous.name, previous.version) is None:
             known[previous.name] = previous.version
-        active = self._active_manifest()
+        active = self._active_manifest(slot)
         if active is not None and (active.name not in known or Version(active.version) > Version(known[active.name])):
             known[active.name] = active.version
         return DevicePolicy(profile=self.host.config.profile, allowed_names=self.allowed_names, known_versions=known)
 
-    def _active_manifest(self) -> Manifest | None:
-        model = self.host.service.model
+    @staticmethod
+    def _active_manifest(slot: ModelSlot) -> Manifest | None:
+        model = slot.service.model
         return None if model is None else model.manifest
 
     def _install_downloaded(self, job: Job, artifact: Path, running: _Running) -> None:
@@ -468,11 +525,15 @@ class UpdateService:
         # Recorded before the verifier runs: if it kills the agent (memory), the restart fails
         # the job instead of verifying the same file again.
         job = self._set(job, J.VERIFYING, job.reason, publish=False, verify_started=True)
-        active, policy, command = self._active_manifest(), self._policy(), job.command
+        slot = self._slot(job)
+        active, policy, command = self._active_manifest(slot), self._policy(slot), job.command
         signed_names: list[str] = []
 
         def admission(manifest: Manifest) -> None:
             signed_names.append(manifest.name)
+            if slot.name and manifest.name != slot.name:  # a deploy that named no model, to the only one
+                raise AdmissionRefused(f"artifact is model {manifest.name!r}, this device's model is {slot.name!r}: "
+                                       "a deploy of another model must name it", rule="name")
             refused = refusal(manifest, active, command, policy)
             if refused is not None:
                 raise AdmissionRefused(refused[1], rule=refused[0])
@@ -481,7 +542,7 @@ class UpdateService:
             with self._store_lock:
                 # admission applies the version rules (within a name), so the store's own
                 # cross-name check is overridden here
-                staged = self.host.store.stage(artifact, force=True, admit=admission)
+                staged = slot.store.stage(artifact, force=True, admit=admission)
         except (ArtifactError, AdmissionRefused) as err:
             if getattr(err, "rule", "") in DEVICE_STATE_RULES:
                 self._set(job, J.REJECTED, str(err))
@@ -493,36 +554,38 @@ class UpdateService:
             self._set(job, J.FAILED, str(err))
             return
         if running.stop.is_set():
-            self.host.store.discard(staged)
+            slot.store.discard(staged)
             self._end_cancelled(job, running)
             return
-        job = self._set(job, J.STAGING, f"staged {staged.name} {staged.version}")
-        self._test_and_activate(job, staged, running)
+        job = self._set(job, J.STAGING, f"staged {staged.name} {staged.version}", model=staged.name)
+        running.model = staged.name
+        self._test_and_activate(job, dataclasses.replace(slot, name=staged.name), staged, running)
 
-    def _test_and_activate(self, job: Job, staged: InstalledModel, running: _Running) -> None:
+    def _test_and_activate(self, job: Job, slot: ModelSlot, staged: InstalledModel, running: _Running) -> None:
         job = self._set(job, J.TESTING, "golden samples on a shadow session")
         try:
             loaded = self.host.load(staged)
         except EdgepackError as err:
-            self.host.store.discard(staged)
+            slot.store.discard(staged)
             note = self._remember_rejected(job, "smoke_test", str(err), name=staged.name)
             self._set(job, J.FAILED, f"{err} (the previous model keeps serving){note}", rejected_at="smoke_test")
             return
-        self._activate_and_watch(job, staged, loaded, running)
+        self._activate_and_watch(job, slot, staged, loaded, running)
 
     def _window_of(self, job: Job) -> float:
         return float(job.command.get("health_window_s", self.window.default))
 
-    def _activate_and_watch(self, job: Job, staged: InstalledModel, loaded: LoadedModel, running: _Running) -> None:
-        service = self.host.service
+    def _activate_and_watch(self, job: Job, slot: ModelSlot, staged: InstalledModel, loaded: LoadedModel,
+                            running: _Running) -> None:
+        service = slot.service
         with self._store_lock:
             if running.stop.is_set():
-                self.host.store.discard(staged)
+                slot.store.discard(staged)
                 self._end_cancelled(job, running)
                 return
             before = service.stats.snapshot()
-            self.host.store.activate(staged)
-            old = self.host.activate_loaded(loaded)
+            slot.store.activate(staged)
+            old = self.host.activate_loaded(loaded, slot)
             running.in_window = True
         window = self._window_of(job)
         job = self._set(job, J.ACTIVE, f"hot-swapped; watching health for {window:g} s", final=False,
@@ -532,7 +595,7 @@ class UpdateService:
         traffic = traffic_between(before, after)
         probes = Probes()
         if not running.stop.is_set() and needs_probes(traffic, self.health):
-            probes = probe(self.host.service, loaded)
+            probes = probe(service, loaded)
         self._close_window(job, running, old, traffic_of(before), traffic, probes)
 
     def _end_cancelled(self, job: Job, running: _Running) -> None:
@@ -566,11 +629,12 @@ class UpdateService:
         """Record the job's version as rejected at its health window, then roll back to the last
         version that passed one, forgetting the rejected one (never a rollback target again)."""
         note = self._remember_rejected(job, "health_window", why)
+        slot = self._slot(job)
         try:
-            target = self._safe_rollback(fallback=fallback, forget_active=True)
+            target = self._safe_rollback(slot, fallback=fallback, forget_active=True)
             assert target is not None  # no from_sha256 given: it rolls back or raises
         except (EdgepackError, OSError) as err:
-            self._set(job, J.FAILED, f"{why}; rollback failed: {err}; serving {self._serving()}{note}",
+            self._set(job, J.FAILED, f"{why}; rollback failed: {err}; serving {self._serving(slot)}{note}",
                       rejected_at="health_window")
             return
         self._set(job, J.ROLLED_BACK, f"{why}; back on {target.name} {target.version}{note}",
@@ -584,7 +648,8 @@ class UpdateService:
         not be kept (a read-only store keeps it in memory; a command without an artifact, or an
         empty device with no name to file it under, has nothing to record)."""
         command = job.command
-        serving = self._active_manifest()
+        slot = self._slot(job)
+        serving = self._active_manifest(slot)
         name = name or command.get("name") or (serving.name if serving is not None else None)
         try:
             entry = R.record(str(name), str(command.get("version")), str(command.get("sha256")), stage, reason,
@@ -593,7 +658,7 @@ class UpdateService:
             log.warning("job %s: rejected version not recorded: %s", job.id, err)
             return ""
         try:
-            self.host.store.rejected.add(entry)
+            slot.store.rejected.add(entry)
         except StoreError as err:
             log.error("job %s: %s", job.id, err)
             return f" (rejected version not persisted: {err})"
@@ -603,11 +668,12 @@ class UpdateService:
 
     def _passed(self, job: Job) -> None:
         """The job's version passed its health window: it is no longer a rejected version."""
-        model = self.host.service.model
+        slot = self._slot(job)
+        model = slot.service.model
         if model is None:
             return
         try:
-            self.host.store.rejected.forget(model.manifest.name, model.manifest.version)
+            slot.store.rejected.forget(model.manifest.name, model.manifest.version)
         except StoreError as err:
             log.error("job %s: %s", job.id, err)
         self.reporter.publish_state()
@@ -615,9 +681,9 @@ class UpdateService:
     # ---------------------------------------------------------------- restart
 
     def _resume_jobs(self) -> None:
-        active_version = self.host.store.active_version()
         now = time.time()
         for job in self.journal.all():
+            active_version = self._slot(job).store.active_version() if not job.final else None
             action = on_restart(job, active_is_job_version=active_version == job.command.get("version"), now=now)
             if action == J.RESUME:
                 # Start over from the download: it resumes where it stopped, and staging is

@@ -36,6 +36,7 @@ MAX_JOB_TYPE_CHARS = 32
 MAX_ERROR_KINDS = 64  # the agent sends at most 32 kinds and "other"
 JOB_STATE = re.compile(r"[a-z_]{1,32}")  # the job schema's pattern
 MAX_REJECTED = 32  # the state schema's maxItems for rejected
+MAX_MODELS = 16  # the state schema's maxItems for models
 REJECTION_STAGES = ("admission", "smoke_test", "health_window")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -111,6 +112,9 @@ class DeviceState:
     capabilities: str | None = None  # compact JSON with sorted keys; None when absent or too large
     session: SessionMark | None = None  # None: an agent from before connection marks
     rejected: tuple[RejectedRef, ...] = ()  # newest first; () also for an agent that does not report them
+    # Every model the device holds (several named models); () from an agent before them, whose
+    # one model is ``model``.
+    models: tuple[ModelRef, ...] = ()
 
     def capabilities_dict(self) -> dict[str, Any]:
         """The capabilities as a fresh dict (empty when the message had none)."""
@@ -132,6 +136,35 @@ class QueueCounters:
     dropped: int | None
     produced: int | None
     delivered: int | None
+
+
+@dataclass(frozen=True)
+class ModelTelemetry:
+    """One model's figures in a telemetry sample (several named models): inferences, errors by
+    kind (the first :data:`MAX_ERROR_KINDS`; sums clamped to 2^62) and latency, like the device's."""
+
+    name: str
+    version: str | None = None
+    inferences_total: int | None = None
+    inferences_interval: int | None = None
+    errors_total: int | None = None
+    errors_interval: int | None = None
+    error_kinds: tuple[tuple[str, int], ...] = ()
+    error_kinds_interval: tuple[tuple[str, int], ...] = ()
+    latency_p50: float | None = None
+    latency_p90: float | None = None
+    latency_p99: float | None = None
+    latency_max: float | None = None
+    latency_mean: float | None = None
+    throughput_per_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version,
+                "inferences": {"interval": self.inferences_interval, "total": self.inferences_total},
+                "errors": dict(self.error_kinds), "errors_interval": dict(self.error_kinds_interval),
+                "latency_ms": {"p50": self.latency_p50, "p90": self.latency_p90, "p99": self.latency_p99,
+                               "max": self.latency_max, "mean": self.latency_mean},
+                "throughput_per_s": self.throughput_per_s}
 
 
 @dataclass(frozen=True)
@@ -165,6 +198,7 @@ class Telemetry:
     uptime_s: float | None = None
     queue: QueueCounters | None = None
     clamped: tuple[str, ...] = ()
+    models: tuple[ModelTelemetry, ...] = ()  # per model (several named models); () from older agents
 
     def latency_ms(self) -> dict[str, float | None]:
         return {"p50": self.latency_p50, "p90": self.latency_p90, "p99": self.latency_p99,
@@ -184,6 +218,7 @@ class Telemetry:
             "temperature_c": self.temperature_c, "uptime_s": self.uptime_s,
             "queue": None if queue is None else {"depth": queue.depth, "dropped": queue.dropped,
                                                  "produced": queue.produced, "delivered": queue.delivered},
+            **({"models": [model.to_json() for model in self.models]} if self.models else {}),
         }
 
     def encode(self) -> bytes:
@@ -245,6 +280,19 @@ def _model(value: Any) -> ModelRef | None:
     sha = value.get("sha256")
     return ModelRef(name if is_valid_id(name) else None, text(value.get("version"), MAX_VERSION_CHARS),
                     sha if isinstance(sha, str) and len(sha) == 64 else None)
+
+
+def _models(value: Any) -> tuple[ModelRef, ...]:
+    """The models among the first :data:`MAX_MODELS` that have a valid name, each name once;
+    () for a non-list or an absent key."""
+    if not isinstance(value, list):
+        return ()
+    found: dict[str, ModelRef] = {}
+    for item in value[:MAX_MODELS]:
+        ref = _model(item)
+        if ref is not None and ref.name is not None and ref.name not in found:
+            found[ref.name] = ref
+    return tuple(found.values())
 
 
 def _groups(value: Any) -> tuple[str, ...] | None:
@@ -313,7 +361,7 @@ def parse_state(device: str, payload: bytes) -> DeviceState | Decommissioned | R
                        groups=_groups(doc.get("groups")), model=_model(doc.get("model")),
                        provider=text(doc.get("provider"), MAX_NAME_CHARS), profile=text(profile, MAX_NAME_CHARS),
                        capabilities=_capabilities(capabilities), session=_session(doc.get("session")),
-                       rejected=_rejected(doc.get("rejected")))
+                       rejected=_rejected(doc.get("rejected")), models=_models(doc.get("models")))
 
 
 def _queue(value: Any) -> QueueCounters | None:
@@ -339,6 +387,33 @@ def _error_figures(doc: dict[str, Any]) -> dict[str, Any]:
             "error_kinds_interval": counter_map(doc.get("errors_interval"), MAX_ERROR_KINDS, MAX_NAME_CHARS)}
 
 
+def _model_figures(value: Any) -> ModelTelemetry | None:
+    """One model's figures, or None without a valid name; a figure of the wrong type reads None."""
+    if not isinstance(value, dict) or not is_valid_id(value.get("name")):
+        return None
+    latency, inferences = _section(value, "latency_ms"), _section(value, "inferences")
+    figures = _error_figures(value)
+    figures.pop("clamped")
+    return ModelTelemetry(
+        name=str(value["name"]), version=text(value.get("version"), MAX_VERSION_CHARS),
+        inferences_total=count(inferences.get("total")), inferences_interval=count(inferences.get("interval")),
+        latency_p50=number(latency.get("p50")), latency_p90=number(latency.get("p90")),
+        latency_p99=number(latency.get("p99")), latency_max=number(latency.get("max")),
+        latency_mean=number(latency.get("mean")), throughput_per_s=number(value.get("throughput_per_s")), **figures)
+
+
+def _models_figures(value: Any) -> tuple[ModelTelemetry, ...]:
+    """The valid models among the first :data:`MAX_MODELS`, each name once; () for a non-list."""
+    if not isinstance(value, list):
+        return ()
+    found: dict[str, ModelTelemetry] = {}
+    for item in value[:MAX_MODELS]:
+        model = _model_figures(item)
+        if model is not None and model.name not in found:
+            found[model.name] = model
+    return tuple(found.values())
+
+
 def parse_telemetry(device: str, payload: bytes) -> Telemetry | Refusal:
     """A telemetry sample heard on ``device``'s telemetry topic, or why it is refused."""
     doc = _document(payload, TELEMETRY_SCHEMA_ID)
@@ -356,7 +431,7 @@ def parse_telemetry(device: str, payload: bytes) -> Telemetry | Refusal:
         inferences_total=count(inferences.get("total")), inferences_interval=count(inferences.get("interval")),
         cpu_percent=number(doc.get("cpu_percent")), memory_rss_bytes=count(doc.get("memory_rss_bytes")),
         temperature_c=number(doc.get("temperature_c")), uptime_s=number(doc.get("uptime_s")),
-        queue=_queue(doc.get("queue")), **_error_figures(doc),
+        queue=_queue(doc.get("queue")), models=_models_figures(doc.get("models")), **_error_figures(doc),
     )
 
 
@@ -385,6 +460,7 @@ def parse_job_event(device: str, payload: bytes) -> JobEvent | Refusal:
 
 
 __all__ = [
-    "Decommissioned", "DeviceState", "JobEvent", "ModelRef", "QueueCounters", "Refusal", "RejectedRef", "Telemetry",
+    "Decommissioned", "DeviceState", "JobEvent", "ModelRef", "ModelTelemetry", "QueueCounters", "Refusal",
+    "RejectedRef", "Telemetry",
     "parse_job_event", "parse_state", "parse_telemetry",
 ]

@@ -101,6 +101,16 @@ def load_scopes(connection: Connection) -> Scopes:
                   devices={name: t for (scope, name), t in targets.items() if scope == DEVICE})
 
 
+def _select_for(connection: Connection, query: Any, column: Any, devices: Sequence[str] | None) -> Iterable[Any]:
+    """The rows of ``query`` for ``devices`` (``column IN`` chunks), or for every device (None:
+    one plain query, what the driver's round over the whole fleet asks)."""
+    if devices is None:
+        yield from connection.execute(query)
+        return
+    for part in _chunks(devices):
+        yield from connection.execute(query.where(column.in_(part)))
+
+
 def _artifacts(connection: Connection, shas: set[str]) -> dict[str, ArtifactInfo]:
     found: dict[str, ArtifactInfo] = {}
     a = tables.artifacts
@@ -111,16 +121,16 @@ def _artifacts(connection: Connection, shas: set[str]) -> dict[str, ArtifactInfo
     return found
 
 
-def _last_commands(connection: Connection, devices: Sequence[str]) -> dict[str, dict[str, LastCommand]]:
+def _last_commands(connection: Connection, devices: Sequence[str] | None) -> dict[str, dict[str, LastCommand]]:
     """Device -> model -> the newest reconciler command, with its job's newest state."""
     tc, events = tables.target_commands, tables.job_events
     newest: dict[tuple[str, str], Any] = {}
-    for part in _chunks(devices):
-        for row in connection.execute(select(tc).where(tc.c.device.in_(part))).mappings():
-            key = (row["device"], row["model"])
-            if key not in newest or (row["created_at"], row["attempt"]) > (newest[key]["created_at"],
-                                                                           newest[key]["attempt"]):
-                newest[key] = row
+    for found in _select_for(connection, select(tc), tc.c.device, devices):
+        row = found._mapping
+        key = (row["device"], row["model"])
+        if key not in newest or (row["created_at"], row["attempt"]) > (newest[key]["created_at"],
+                                                                       newest[key]["attempt"]):
+            newest[key] = row
     states: dict[str, Any] = {}
     event: Any
     ids = sorted(row["id"] for row in newest.values())
@@ -140,15 +150,12 @@ def _last_commands(connection: Connection, devices: Sequence[str]) -> dict[str, 
     return out
 
 
-def _busy(connection: Connection, devices: Sequence[str]) -> dict[str, str]:
+def _busy(connection: Connection, devices: Sequence[str] | None) -> dict[str, str]:
     """Device -> the unfinished rollout it is in (its job not final yet)."""
     rd, ro = tables.rollout_devices, tables.rollouts
-    out: dict[str, str] = {}
-    for part in _chunks(devices):
-        query = select(rd.c.device, rd.c.rollout_id).select_from(rd.join(ro, ro.c.id == rd.c.rollout_id)) \
-            .where(rd.c.device.in_(part), ro.c.state.not_in(sorted(TERMINAL)), rd.c.final.is_(False))
-        out.update({device: f"rollout {rollout}" for device, rollout in connection.execute(query)})
-    return out
+    query = select(rd.c.device, rd.c.rollout_id).select_from(rd.join(ro, ro.c.id == rd.c.rollout_id)) \
+        .where(ro.c.state.not_in(sorted(TERMINAL)), rd.c.final.is_(False))
+    return {device: f"rollout {rollout}" for device, rollout in _select_for(connection, query, rd.c.device, devices)}
 
 
 def _devices(connection: Connection, only: str | None, group: str | None) -> list[Any]:
@@ -162,22 +169,20 @@ def _devices(connection: Connection, only: str | None, group: str | None) -> lis
     return list(connection.execute(query))
 
 
-def _groups_of(connection: Connection, devices: Sequence[str]) -> dict[str, tuple[str, ...]]:
+def _groups_of(connection: Connection, devices: Sequence[str] | None) -> dict[str, tuple[str, ...]]:
     dg = tables.device_groups
     out: dict[str, list[str]] = {}
-    for part in _chunks(devices):
-        for device, group in connection.execute(select(dg.c.device, dg.c.group_name).where(dg.c.device.in_(part))):
-            out.setdefault(device, []).append(group)
+    for device, group in _select_for(connection, select(dg.c.device, dg.c.group_name), dg.c.device, devices):
+        out.setdefault(device, []).append(group)
     return {device: tuple(sorted(groups)) for device, groups in out.items()}
 
 
-def _rejections(connection: Connection, devices: Sequence[str]) -> dict[str, dict[str, Rejection]]:
+def _rejections(connection: Connection, devices: Sequence[str] | None) -> dict[str, dict[str, Rejection]]:
     """Device -> artifact sha256 -> the device's reported rejection of it."""
     table = tables.device_rejected
     out: dict[str, dict[str, Rejection]] = {}
-    for part in _chunks(devices):
-        for row in connection.execute(select(table).where(table.c.device.in_(part))):
-            out.setdefault(row.device, {})[row.sha256] = Rejection(row.stage, row.reason, row.heard_at)
+    for row in _select_for(connection, select(table), table.c.device, devices):
+        out.setdefault(row.device, {})[row.sha256] = Rejection(row.stage, row.reason, row.heard_at)
     return out
 
 
@@ -195,7 +200,7 @@ def load_plan(connection: Connection, view: View, *, device: str | None = None, 
     ``available``: artifact sha256 -> whether this server can serve it (the driver's check)."""
     scopes = load_scopes(connection)
     rows = _devices(connection, device, group)
-    ids = [row.id for row in rows]
+    ids: list[str] | None = None if device is None and group is None else [row.id for row in rows]
     groups = _groups_of(connection, ids)
     named = {t for target in (scopes.fleet, *scopes.groups.values(), *scopes.devices.values())
              for t in target.models.values()}
@@ -206,10 +211,16 @@ def load_plan(connection: Connection, view: View, *, device: str | None = None, 
     busy = _busy(connection, ids)
     rejections = _rejections(connection, ids)
     plans = []
+    shared: dict[tuple[str, ...], Effective] = {}  # devices without their own target share their groups' one
     for row in rows:
         mine = groups.get(row.id, ())
-        effective = effective_target(scopes.fleet, {g: scopes.groups[g] for g in mine if g in scopes.groups},
-                                     scopes.devices.get(row.id, NO_TARGET))
+        own = scopes.devices.get(row.id)
+        effective = shared.get(mine) if own is None else None
+        if effective is None:
+            effective = effective_target(scopes.fleet, {g: scopes.groups[g] for g in mine if g in scopes.groups},
+                                         own or NO_TARGET)
+            if own is None:
+                shared[mine] = effective
         reported = _reported(row, view, rejections.get(row.id, {}))
         decision = reconcile(row.id, effective, reported, artifacts, last.get(row.id, {}), now=view.now,
                              busy=busy.get(row.id, ""), command_ttl_s=view.command_ttl_s)

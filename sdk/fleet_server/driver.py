@@ -88,6 +88,7 @@ class DriverConfig:
     lease_ttl_s: float = 5.0
     resend_after_s: float = 10.0
     requery_after_s: float = 60.0  # a deploy whose job has been silent this long is asked again (same bytes)
+    reconcile_every_s: float = 2.0  # targets are reconciled this often, and at once after an API write
     command_ttl_s: float = 24 * 3600.0
     publish_timeout_s: float = 2.0
     silence_s: float = 60.0  # a device not heard from for this long is offline
@@ -224,6 +225,7 @@ class Driver:
         self.converged = 0  # devices on their effective target at the last round
         self.requeried = 0  # deploys published again because their job went silent
         self._requeried: dict[str, float] = {}  # command id: when it was last asked again
+        self._next_reconcile = 0.0  # a round reads every device: at most every reconcile_every_s
         self._errors: dict[str, int] = {}  # rollout id: rounds in a row that raised
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -231,7 +233,8 @@ class Driver:
     # ---------------------------------------------------------------- loop
 
     def wake(self) -> None:
-        """Tick now (after an API write), not at the next interval."""
+        """Tick now (after an API write), not at the next interval; reconcile targets in it."""
+        self._next_reconcile = 0.0
         self._wake.set()
 
     def stop(self) -> None:
@@ -281,7 +284,9 @@ class Driver:
         for row in rows:
             self._advance_alone(row, now)
         try:
-            self._reconcile(now)
+            if now >= self._next_reconcile:
+                self._next_reconcile = now + self.config.reconcile_every_s
+                self._reconcile(now)
         except Exception as err:  # the targets' round alone; rollouts and resends go on
             self.reconcile_errors += 1
             log.error("reconciling targets failed: %s", _one_line(err), exc_info=not isinstance(err, EdgepackError))

@@ -295,16 +295,23 @@ class Writer:
     def _rejected(self, connection: Any, records: list[tuple[DeviceState, float]]) -> None:
         """Keep ``device_rejected`` in step with each device's newest online state (the device's
         own ledger, bounded by the parser): records it no longer lists go, new ones are added
-        with when the server first heard them (an existing one keeps its first hearing)."""
+        with when the server first heard them (an existing one keeps its first hearing). One
+        read per 500 devices; writes only where something changed (most devices list none)."""
         table = tables.device_rejected
-        for record, heard in records:
-            listed = [ref.sha256 for ref in record.rejected]
-            connection.execute(delete(table).where(table.c.device == record.device, table.c.sha256.not_in(listed)))
-            if listed:
-                connection.execute(self.database.insert(table).on_conflict_do_nothing(), [
-                    {"device": record.device, "sha256": ref.sha256, "name": ref.name, "version": ref.version,
-                     "stage": ref.stage, "reason": ref.reason[:500], "device_ts": ref.ts, "heard_at": heard}
-                    for ref in record.rejected])
+        listed = {record.device: {ref.sha256 for ref in record.rejected} for record, _heard in records}
+        devices = sorted(listed)
+        stored: set[tuple[str, str]] = set()
+        for start in range(0, len(devices), 500):
+            part = devices[start:start + 500]
+            stored |= {(row.device, row.sha256) for row in connection.execute(
+                select(table.c.device, table.c.sha256).where(table.c.device.in_(part)))}
+        for device, sha in sorted(pair for pair in stored if pair[1] not in listed[pair[0]]):
+            connection.execute(delete(table).where(table.c.device == device, table.c.sha256 == sha))
+        rows = [{"device": record.device, "sha256": ref.sha256, "name": ref.name, "version": ref.version,
+                 "stage": ref.stage, "reason": ref.reason[:500], "device_ts": ref.ts, "heard_at": heard}
+                for record, heard in records for ref in record.rejected if (record.device, ref.sha256) not in stored]
+        if rows:
+            connection.execute(self.database.insert(table).on_conflict_do_nothing(), rows)
 
     def _groups(self, connection: Any, claiming: list[DeviceState], unenrolled: set[str]) -> None:
         """A device's claimed groups are recorded, never used: rollouts target the groups the

@@ -18,17 +18,18 @@ import numpy as np
 
 from edgepack_core.manifest import TensorSpec
 from edgepack_core.postprocess import yolox_grid
-from edgepack_core.postprocess_spec import YOLOX_STRIDES
+from edgepack_core.postprocess_spec import MAX_ANCHORS, MAX_REG_MAX, RAW_FORMATS, YOLOX_STRIDES, PostprocessSpec
 from edgepack_core.preprocess_spec import PreprocessSpec
+from edgepack_core.raw_heads import level_classes, level_problem
 
 YOLO_FORMATS = ("yolov8", "yolov5", "yolox")
 SIZE_SLACK = 0.5  # pixels: a decoded size below -0.5 is no rounding error
 CORNER = 3.0  # pixels: a decoded head whose every centre is this close to (0, 0) holds grid offsets
 CORNER_MIN_SIDE, CORNER_MIN_ROWS = 32, 8  # judged so only on images and heads this large
 RAW_GRID_HINT = (
-    "no format fits: it looks like a raw, undecoded grid; decode it in the graph (a YOLOv5/v8 export "
-    "with its Detect layer) and declare the format it then has, or declare format: yolox with the "
-    "strides of a YOLOX export"
+    "no format fits: it looks like a raw, undecoded grid; declare format: yolov5-raw or yolov8-raw with "
+    "the head's level outputs (one per stride, before the Detect layer's decode), format: yolox with the "
+    "strides of a YOLOX export, or decode it in the graph and declare the format it then has"
 )
 
 
@@ -175,3 +176,71 @@ def undecoded_boxes(
     if fmt not in YOLO_FORMATS or image is None:
         return None
     return format_problem(fmt, outputs, image, strides, scores_too=False)
+
+
+def _level_fit(fmt: str, post: PostprocessSpec, shapes: Sequence[Sequence[int]],
+               image: tuple[int, int] | None) -> tuple[str, str] | None:
+    return level_problem(fmt, shapes, strides=post.strides, anchors=post.anchors, reg_max=post.reg_max,
+                         input_size=image)
+
+
+def raw_levels_problem(post: PostprocessSpec, shapes: Sequence[Sequence[int]], image: tuple[int, int] | None,
+                       declared: bool = True) -> tuple[str, str] | None:
+    """(recipe key, why) refusing level outputs of ``shapes`` for ``post``'s raw format, naming
+    the other raw format when the outputs fit it (``declared``); or, for a decoded ``yolov5`` /
+    ``yolov8`` declaration (not ``declared``), the raw format whose per-level grids the model's
+    outputs are (its own family's first). None when nothing is to be said."""
+    if declared:
+        problem = _level_fit(post.format, post, shapes, image)
+        if problem is None:
+            return None
+        other = next(f for f in RAW_FORMATS if f != post.format)
+        if _level_fit(other, post, shapes, image) is None:
+            return "format", f"{problem[1]}; the outputs fit format {other}: declare format: {other}"
+        return problem
+    family = [f for f in RAW_FORMATS if f.startswith(post.format)]
+    for fmt in family + [f for f in RAW_FORMATS if f not in family]:
+        if _level_fit(fmt, post, shapes, image) is None:
+            return "format", (f"a raw per-level grid, not a decoded {post.format} head: the outputs "
+                              f"{[list(s) for s in shapes]} fit format {fmt}: declare format: {fmt}")
+    return None
+
+
+def _score_channels(post: PostprocessSpec, level: np.ndarray, index: int) -> np.ndarray:
+    array = np.asarray(level, np.float64)
+    if post.format == "yolov8-raw":
+        return array[:, 4 * post.reg_max :]
+    if array.ndim == 5:
+        return array[..., 4:]
+    count = len(post.anchors[index]) // 2
+    return array.reshape(array.shape[0], count, -1, *array.shape[2:])[:, :, 4:]
+
+
+def sigmoid_applied(post: PostprocessSpec, samples: Sequence[Sequence[np.ndarray]]) -> tuple[bool, tuple[float, float]]:
+    """Whether a raw head's score channels (objectness and classes; YOLOv8's classes) all lie
+    in [0, 1] over ``samples`` (each the level outputs of one sample): the graph's Sigmoid
+    already ran. With their (least, greatest) value."""
+    values = np.concatenate([_score_channels(post, level, i).ravel() for levels in samples
+                             for i, level in enumerate(levels)])
+    least, greatest = float(np.min(values)), float(np.max(values))
+    return bool(least >= 0.0 and greatest <= 1.0), (least, greatest)
+
+
+def labels_problem(post: PostprocessSpec, shape: Sequence[int], labels: int) -> tuple[str, str] | None:
+    """(recipe key, why) when a raw level of ``shape`` read with ``post``'s anchors or reg_max
+    holds another class count than the ``labels`` file lists, while another anchor count or
+    reg_max reads exactly that many: the declared one splits the channels wrongly. None when the
+    counts agree, or no other value explains the labels (a partial labels file is allowed)."""
+    if post.format == "yolov5-raw":
+        count = len(post.anchors[0]) // 2
+        got = level_classes(post.format, shape, anchors=count)
+        fits = [n for n in range(1, MAX_ANCHORS + 1) if level_classes(post.format, shape, anchors=n) == labels]
+        key, what, declared = "anchors", "anchors per cell", count
+    else:
+        got = level_classes(post.format, shape, reg_max=post.reg_max)
+        fits = [r for r in range(1, MAX_REG_MAX + 1) if level_classes(post.format, shape, reg_max=r) == labels]
+        key, what, declared = "reg_max", "reg_max", post.reg_max
+    if got == labels or not fits:
+        return None
+    return key, (f"{what} {declared} reads {got} classes from a level of shape {list(shape)}, but the labels file "
+                 f"lists {labels}: {what} {fits[0]} reads exactly {labels}")

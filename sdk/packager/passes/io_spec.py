@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from edgepack_core.postprocess import load_charset
-from edgepack_core.postprocess_spec import PostprocessSpec
+from edgepack_core.postprocess import load_charset, load_labels
+from edgepack_core.postprocess_spec import RAW_FORMATS, PostprocessSpec
 from sdk.errors import RecipeError
 from sdk.packager.ctc_blank import blank_range_problem, likely_blank_problem
 from sdk.packager.declared import (
@@ -22,7 +22,15 @@ from sdk.packager.declared import (
     model_rate_problem,
     shape_problem,
 )
-from sdk.packager.detection_heads import RAW_GRID_HINT, declared_format_problem, undecoded_boxes, yolox_input_size
+from sdk.packager.detection_heads import (
+    RAW_GRID_HINT,
+    declared_format_problem,
+    labels_problem,
+    raw_levels_problem,
+    sigmoid_applied,
+    undecoded_boxes,
+    yolox_input_size,
+)
 from sdk.packager.onnx_graph import (
     graph_io,
 )
@@ -87,7 +95,7 @@ def check_detection_scores(
     undecoded grid) would ship wrong boxes without a word. Refused naming the output, and on
     an image (``feeds``) naming the raw grid when its boxes are not decoded either."""
     post = ctx.postprocess
-    if post.kind != "detection" or not ctx.outputs:
+    if post.kind != "detection" or not ctx.outputs or post.format in RAW_FORMATS:
         return
     name = post.outputs.scores if post.format == "boxes_scores" and post.outputs is not None else None
     name = name or post.output or ctx.outputs[0].name
@@ -127,13 +135,53 @@ def check_detection_format(
     post = ctx.postprocess
     if post.kind != "detection" or not ctx.outputs:
         return
+    image = post.input_size or _image_size(ctx, feeds)  # input_size: the grid formats' only
+    recipe = str(ctx.recipe.path)
+    if post.format in RAW_FORMATS:
+        levels = post.levels or tuple(o.name for o in ctx.outputs)
+        shapes = {name: np.shape(outputs[0][name]) for name in levels if outputs and name in outputs[0]}
+        found = raw_levels_problem(post, [shapes[name] for name in levels if name in shapes], image)
+        labels = ctx.files.get("assets/labels.txt")
+        if found is None and labels is not None and levels[0] in shapes:
+            found = labels_problem(post, shapes[levels[0]], len(load_labels(labels.decode("utf-8"))))
+        if found is not None:
+            raise RecipeError(f"postprocess.{found[0]}", f"{post.format}: outputs {', '.join(levels)} on the "
+                              f"validation data: {found[1]}", recipe=recipe)
+        return
     name = post.output or ctx.outputs[0].name
     values = [sample[name] for sample in outputs if name in sample]
-    image = (post.input_size if post.format == "yolox" else None) or _image_size(ctx, feeds)
     problem = declared_format_problem(post.format, values, image, post.strides)
+    if problem is None and post.format in ("yolov5", "yolov8") and values:
+        all_shapes = [np.shape(outputs[0][o.name]) for o in ctx.outputs if o.name in outputs[0]]
+        raw = raw_levels_problem(post, all_shapes, image, declared=False)
+        problem = None if raw is None else f"shape {list(np.shape(values[0]))}: {raw[1]}"
     if problem is not None:
         raise RecipeError("postprocess.format", f"{post.format}: output {name} on the validation data has {problem}",
-                          recipe=str(ctx.recipe.path))
+                          recipe=recipe)
+
+
+def settle_apply_sigmoid(ctx: BuildContext, outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
+    """A raw head's sigmoid as its outputs show it on the validation data: levels whose score
+    channels all lie in [0, 1] already went through the graph's Sigmoid (apply_sigmoid false);
+    logits get it applied. An explicit value the data contradicts is refused naming the key."""
+    post = ctx.postprocess
+    if post.kind != "detection" or post.format not in RAW_FORMATS or not outputs:
+        return
+    levels = post.levels or tuple(o.name for o in ctx.outputs)
+    applied, spread = sigmoid_applied(post, [[sample[name] for name in levels] for sample in outputs])
+    declared = ctx.recipe.postprocess.apply_sigmoid  # not post's: the quantize pass may have settled it
+    if declared is not None and declared == applied:
+        what = "true, but they lie in [0, 1]: the graph applied the Sigmoid already; a second one would squash them" \
+            if declared else "false, but they are no probabilities"
+        raise RecipeError("postprocess.apply_sigmoid", f"{post.format}: the score channels of {', '.join(levels)} "
+                          f"range over [{spread[0]:.4g}, {spread[1]:.4g}] on the validation data; apply_sigmoid is "
+                          f"{what}", recipe=str(ctx.recipe.path))
+    ctx.postprocess = replace(post, apply_sigmoid=not applied)
+    ctx.report.setdefault("io_spec", {})["apply_sigmoid"] = {
+        "value": not applied, "outputs": list(levels),
+        "why": "set in the recipe" if declared is not None else
+        f"the score channels range over [{spread[0]:.4g}, {spread[1]:.4g}] on the validation data: "
+        + ("probabilities, the graph applied the Sigmoid" if applied else "logits")}
 
 
 def check_ctc_blank(ctx: BuildContext, outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
@@ -217,14 +265,36 @@ def _check_postprocess_outputs(ctx: BuildContext, recipe: str) -> None:
         )
 
 
+def _with_raw_levels(ctx: BuildContext, recipe: str) -> PostprocessSpec:
+    """A raw head's level outputs: those the recipe names (each a model output), else every
+    model output in order, one per stride; written into the manifest."""
+    post = ctx.postprocess
+    if post.kind != "detection" or post.format not in RAW_FORMATS:
+        return post
+    names = [o.name for o in ctx.outputs]
+    for name in post.levels or ():
+        if name not in names:
+            raise RecipeError("postprocess.outputs", f"no model output named {name!r} (outputs: {', '.join(names)})",
+                              recipe=recipe)
+    levels = post.levels or tuple(names)
+    if len(levels) != len(post.strides):
+        raise RecipeError("postprocess.strides", f"{post.format}: the model has {len(levels)} outputs "
+                          f"({', '.join(levels)}) but strides has {len(post.strides)} levels {list(post.strides)}: "
+                          "give one stride per level output, or name the level outputs in outputs", recipe=recipe)
+    return replace(post, levels=levels)
+
+
 def _with_yolox_grid(ctx: BuildContext, fed: str | None, recipe: str) -> PostprocessSpec:
     """A ``yolox`` head decodes over grids laid on the model input: its ``input_size`` is the
-    resize's size or the input's fixed dims, written into the manifest; refused when neither says."""
+    resize's size or the input's fixed dims, written into the manifest; refused when neither says.
+    A raw head's grids come from its outputs: its ``input_size`` is filled in when known."""
     post = ctx.postprocess
-    if post.kind != "detection" or post.format != "yolox" or post.input_size is not None:
+    if post.kind != "detection" or post.format not in ("yolox", *RAW_FORMATS) or post.input_size is not None:
         return post
     model_input = next((i for i in ctx.inputs if i.name == fed), None)
     size = yolox_input_size(ctx.preprocess, model_input)
+    if size is None and post.format in RAW_FORMATS:
+        return post
     if size is None:
         shape = list(model_input.shape) if model_input is not None else []
         raise RecipeError("postprocess.input_size", f"format yolox decodes grids over the model input, whose size "
@@ -279,6 +349,7 @@ class IoSpecPass(Pass):
             raise RecipeError("postprocess.output", f"no model output named {output!r}", recipe=recipe)
         _check_postprocess_outputs(ctx, recipe)
         ctx.postprocess = _with_yolox_grid(ctx, fed, recipe)
+        ctx.postprocess = _with_raw_levels(ctx, recipe)
         names = [o.name for o in ctx.outputs]
         for name in ctx.recipe.outputs:
             if name not in names:

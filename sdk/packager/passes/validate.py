@@ -36,6 +36,7 @@ from sdk.packager.passes.io_spec import (
     check_ctc_blank,
     check_detection_format,
     check_detection_scores,
+    settle_apply_sigmoid,
     settle_apply_softmax,
 )
 from sdk.packager.sequences import run_samples
@@ -131,7 +132,8 @@ def checked_outputs(ctx: BuildContext, options: ValidateOptions) -> list[str]:
         return list(dict.fromkeys(asked))
     if ctx.postprocess.kind == "raw" or not names:
         return names
-    return [ctx.postprocess.output or names[0]]
+    levels = ctx.postprocess.levels  # a raw head's decoder reads every level: judged once, by its first
+    return [ctx.postprocess.output or (levels[0] if levels else names[0])]
 
 
 def detection_decoder(postprocess: PostprocessSpec) -> DetectionDecoder | None:
@@ -237,6 +239,7 @@ class ValidatePass(Pass):
         reference = run_samples(ctx.original.SerializeToString(), samples)
         settle_apply_softmax(ctx, reference)
         check_detection_format(ctx, reference, samples.feeds)
+        settle_apply_sigmoid(ctx, reference)
         check_ctc_blank(ctx, reference)
         check_detection_scores(ctx, reference, samples.feeds)
         candidate = run_samples(ctx.model_bytes(), samples)
