@@ -291,7 +291,8 @@ def history_lines(doc: dict[str, Any]) -> list[str]:
         artifact = entry.get("artifact") or {}
         what = f"{artifact.get('name') or '?'} {artifact.get('version') or '?'} ({artifact['sha256'][:12]})" \
             if artifact.get("sha256") else ""
-        rollout = f" rollout {entry['rollout']['id']}" if entry.get("rollout") else ""
+        rollout = f" rollout {entry['rollout']['id']}" if entry.get("rollout") else \
+            f" target ({entry['target']})" if entry.get("target") else ""
         by = "" if entry["sent_by_server"] else " (not sent by the server)"
         lines.append(f"{_when(entry['started_at'])}  {entry['job']}  {entry['kind']} {what}{rollout}{by}: "
                      f"{entry['outcome']}" + (f": {entry['reason']}" if entry["reason"] else ""))

@@ -227,6 +227,8 @@ SCHEMAS: dict[str, Any] = {
                                                                      "(edgepack deploy, MQTT)"},
                 "rollout": {"type": ["object", "null"], "properties": {"id": {"type": "string"},
                                                                        "state": {"type": "string"}}},
+                "target": {**_STRING_OR_NULL, "description": "a target's deploy: the scope it came from (fleet, "
+                                                              "group:NAME, device)"},
                 "artifact": {"type": ["object", "null"], "properties": {
                     "sha256": {"type": "string"}, "name": _STRING_OR_NULL, "version": _STRING_OR_NULL}},
                 "from_version": {"type": ["object", "null"], "description": "what a rollback undoes"},
