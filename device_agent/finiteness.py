@@ -6,7 +6,7 @@ A non-finite output is the model's failure unless its recipe declares the output
 outputs that hold it. Either way the answer is counted (``RequestStats.non_finite``), and the
 health window judges it (``device_agent/updates/health.py``).
 
-Cost on the hot path: one ``isfinite().all()`` pass per float output (about 5-8 µs for a 1x4
+Cost on the hot path: one ``isfinite().all()`` pass per float output (about 4-8 µs for a 1x4
 output, 0.2 ms for a detector's 1x84x8400 head on the 2-core development machine; a sum, a
 min/max pair or ``x * 0`` measured no faster); only an output holding a NaN/inf gets its exact
 count.

@@ -4,6 +4,7 @@ slot. The end-to-end updates of one model while another serves are in test_multi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import urllib.error
 import urllib.request
@@ -278,3 +279,47 @@ def test_a_single_model_store_laid_out_before_named_models_keeps_serving(tmp_pat
     finally:
         daemon.stop()
     assert not (tmp_path / "store" / "slots").exists()
+
+
+def test_telemetry_carries_each_models_figures_and_a_bad_entry_is_dropped():
+    from device_agent.telemetry.metrics import TelemetryAggregator
+    from edgepack_core.protocol.messages import ModelTelemetry, Telemetry, parse_telemetry
+    from edgepack_core.protocol.payloads import validate_payload
+
+    built = TelemetryAggregator("cam-01", started=0.0).build(
+        now=1.0,
+        ts=1.0,
+        model=None,
+        provider=None,
+        system=None,
+        queue={"queued": 0, "dropped": 0, "produced": 0, "delivered": 0},
+    )
+    sample = dataclasses.replace(
+        built,
+        models=(
+            ModelTelemetry(
+                "detector",
+                "1.0.0",
+                3,
+                3,
+                1,
+                1,
+                (("runtime", 1),),
+                (("runtime", 1),),
+                latency_p50=2.0,
+                throughput_per_s=3.0,
+            ),
+            ModelTelemetry("classifier", "2.0.0", 2, 2, 0, 0, throughput_per_s=2.0),
+        ),
+    )
+    doc = sample.to_json()
+    validate_payload("telemetry", doc)  # the schema the fleet reads it with
+    doc["models"].append({"name": "../x", "inferences": {"interval": 1, "total": 1}})
+    parsed = parse_telemetry("cam-01", json.dumps(doc).encode())
+    assert not isinstance(parsed, str)
+    assert [(m.name, m.inferences_total, m.errors_total, m.error_kinds) for m in parsed.models] == [
+        ("detector", 3, 1, (("runtime", 1),)),
+        ("classifier", 2, 0, ()),
+    ]
+    assert parsed.models[0].latency_p50 == 2.0
+    assert "models" not in Telemetry(device="cam-01").to_json(), "one model: the sample as it always was"

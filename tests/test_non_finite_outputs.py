@@ -233,6 +233,17 @@ def test_predict_exits_non_zero_on_nan_output(tmp_path, keypair, refusing, allow
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["non_finite_outputs"] == ["y"]
+    human = run_cli(
+        "edgepack-agent",
+        "predict",
+        "--artifact",
+        str(allowing),
+        "--trust",
+        str(keypair[1]),
+        "--input",
+        str(tmp_path / "negative.npy"),
+    )
+    assert human.returncode == 0 and "  NaN/inf in y (the recipe allows it there)\n" in human.stdout
 
 
 # ------------------------------------------------------------------ the recipe

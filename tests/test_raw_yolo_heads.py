@@ -24,62 +24,9 @@ from sdk.packager.pipeline import build
 from sdk.recipe import load_recipe
 from tests import real_world_heads as heads
 from tests.model_kinds import artifact_member
+from tests.test_real_world_corpus import reference_raw_detections
 
 IMAGE = {"kind": "image", "resize": {"size": [heads.SIDE, heads.SIDE]}, "scale": 1 / 255}
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1 / (1 + np.exp(-x.astype(np.float64)))
-
-
-def reference_raw_detections(
-    family: str, outputs: list[np.ndarray], sigmoid_in_graph: bool = False, reg_max: int = heads.DFL_BINS
-) -> list[tuple[np.ndarray, float, int]]:
-    """YOLOv5's / YOLOv8's Detect decode of one image's level outputs, cell by cell, then
-    class-wise greedy NMS (score > 0.25, IoU > 0.45): (x1y1x2y2, score, class) best first."""
-    boxes, scores, labels = [], [], []
-    for level, output in enumerate(outputs):
-        stride = heads.STRIDES[level]
-        side = output.shape[-2] if output.ndim == 4 else output.shape[2]
-        for row in range(side):
-            for col in range(side):
-                if family == "yolov5":
-                    for anchor in range(3):
-                        if output.ndim == 5:
-                            values = output[0, anchor, row, col].astype(np.float64)
-                        else:
-                            width = output.shape[1] // 3
-                            values = output[0, anchor * width : (anchor + 1) * width, row, col].astype(np.float64)
-                        s = values if sigmoid_in_graph else _sigmoid(values)
-                        cx, cy = (2 * s[0] - 0.5 + col) * stride, (2 * s[1] - 0.5 + row) * stride
-                        aw, ah = heads.V5_ANCHORS[level][anchor]
-                        w, h = (2 * s[2]) ** 2 * aw, (2 * s[3]) ** 2 * ah
-                        cls = s[5:] * s[4]
-                        boxes.append([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2])
-                        scores.append(float(cls.max()))
-                        labels.append(int(cls.argmax()))
-                else:
-                    values = output[0, :, row, col].astype(np.float64)
-                    sides = []
-                    for k in range(4):
-                        bins = values[k * reg_max : (k + 1) * reg_max]
-                        p = np.exp(bins - bins.max())
-                        sides.append(float((p / p.sum()) @ np.arange(reg_max)))
-                    ax, ay = col + 0.5, row + 0.5
-                    boxes.append(
-                        [
-                            (ax - sides[0]) * stride,
-                            (ay - sides[1]) * stride,
-                            (ax + sides[2]) * stride,
-                            (ay + sides[3]) * stride,
-                        ]
-                    )
-                    cls = _sigmoid(values[4 * reg_max :])
-                    scores.append(float(cls.max()))
-                    labels.append(int(cls.argmax()))
-    from tests.test_real_world_corpus import _nms
-
-    return _nms(np.array(boxes), np.array(scores), np.array(labels))
 
 
 def bare_outputs(model: onnx.ModelProto, pixels: np.ndarray) -> list[np.ndarray]:
@@ -88,8 +35,11 @@ def bare_outputs(model: onnx.ModelProto, pixels: np.ndarray) -> list[np.ndarray]
     return outputs
 
 
-def _write(folder: Path, model: onnx.ModelProto, postprocess: dict) -> Path:
+def _write(folder: Path, model: onnx.ModelProto, postprocess: dict, labels: int | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
+    if labels is not None:
+        (folder / "labels.txt").write_text("".join(f"class{i}\n" for i in range(labels)))
+        postprocess = {**postprocess, "labels": "labels.txt"}
     onnx.save(model, folder / "model.onnx")
     heads.save_png(heads.scene(), folder / "val" / "scene.png")
     heads.save_png(heads.scene(heads.TARGETS[:1]), folder / "val" / "red.png")
@@ -107,13 +57,16 @@ def _write(folder: Path, model: onnx.ModelProto, postprocess: dict) -> Path:
 
 
 def _build(folder: Path, key: Path, model: onnx.ModelProto, postprocess: dict) -> Path:
-    recipe = _write(folder, model, postprocess)
+    labels = 3 if "labels" in postprocess else None
+    recipe = _write(folder, model, {k: v for k, v in postprocess.items() if k != "labels"}, labels)
     build(load_recipe(recipe), key_paths=[str(key)], output=folder / "model.edgepkg")
     return folder / "model.edgepkg"
 
 
-def _refused(folder: Path, key: Path, model: onnx.ModelProto, postprocess: dict) -> RecipeError:
-    recipe = _write(folder, model, postprocess)
+def _refused(
+    folder: Path, key: Path, model: onnx.ModelProto, postprocess: dict, labels: int | None = None
+) -> RecipeError:
+    recipe = _write(folder, model, postprocess, labels)
     with pytest.raises(RecipeError) as refused:
         build(load_recipe(recipe), key_paths=[str(key)], output=folder / "model.edgepkg")
     assert not (folder / "model.edgepkg").exists()
@@ -188,6 +141,23 @@ def test_a_sigmoid_declared_over_the_graphs_own_is_refused_naming_apply_sigmoid(
         {"format": "yolov5-raw", "apply_sigmoid": True},
     )
     assert refused.key == "postprocess.apply_sigmoid" and "applied the Sigmoid already" in str(refused)
+
+
+@pytest.mark.parametrize(
+    ("family", "declared", "key", "fits"),
+    [
+        ("yolov8", {"reg_max": 8}, "postprocess.reg_max", "reg_max 16 reads exactly 3"),  # 67 - 32: 35 classes
+        ("yolov5", {"anchors": [[10, 13, 16, 30]] * 3}, "postprocess.anchors", "anchors per cell 3 reads exactly 3"),
+    ],
+)
+def test_a_reg_max_or_anchor_count_that_splits_the_channels_unlike_the_labels_is_refused_naming_the_key(
+    tmp_path, keypair, family, declared, key, fits
+):
+    model = heads.raw_level_model(family)
+    refused = _refused(tmp_path / "wrong", keypair[0], model, {"format": f"{family}-raw", **declared}, labels=3)
+    assert refused.key == key and fits in str(refused)
+    artifact = _build(tmp_path / "right", keypair[0], model, {"format": f"{family}-raw", "labels": "labels.txt"})
+    assert artifact.exists()  # the same head with its own reg_max / anchors and the 3 labels builds
 
 
 # ---------------------------------------------------------------- the spec and the decoders' boundaries
@@ -305,3 +275,14 @@ def test_the_device_reads_the_named_levels_in_the_specs_order():
     assert [d["index"] for d in answer] == [label for _, _, label in reference_raw_detections("yolov5", [p3, p4, p5])]
     with pytest.raises(PostprocessError, match="no model output named 'p3'"):
         Postprocessor(spec)({"p4": p4, "p5": p5})
+
+
+def test_an_int8_search_judges_a_graph_sigmoided_raw_head_without_a_second_sigmoid(tmp_path, keypair):
+    recipe = _write(tmp_path, heads.raw_level_model("yolov5", "view", sigmoid=True), {"format": "yolov5-raw"})
+    doc = yaml.safe_load(recipe.read_text())
+    doc["quantize"] = {"mode": "static", "calibration": {"images": "val"}}
+    recipe.write_text(yaml.safe_dump(doc))
+    passes = build(load_recipe(recipe), key_paths=[str(keypair[0])], output=tmp_path / "model.edgepkg").report["passes"]
+    assert passes["io_spec"]["apply_sigmoid"]["value"] is False
+    (judged,) = passes["quantize"]["candidates"][0]["task"]["outputs"]
+    assert judged["reference_detections"] == len(heads.KNOWN) + 1  # the scene's 3 boxes, the red square alone

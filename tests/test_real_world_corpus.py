@@ -159,7 +159,18 @@ VAD_CASE = Case(
     },
     (0.3 * np.sin(2 * np.pi * 300 * np.arange(4 * graphs.VAD_FRAME) / VAD_RATE)).astype(np.float32),
 )
-CASES = GRAPH_CASES + HEAD_CASES + [VAD_CASE]
+# Raw YOLOv5 / YOLOv8 exports: one undecoded output per level (main refused them: "raw grid").
+RAW_HEAD_CASES = [
+    Case(
+        f"{family}_raw_levels",
+        lambda _, f=family: heads.raw_level_model(f),
+        None,
+        {"preprocess": HEAD_IMAGE, "postprocess": {"kind": "detection", "format": f"{family}-raw"}},
+        heads.scene(),
+    )
+    for family in ("yolov5", "yolov8")
+]
+CASES = GRAPH_CASES + HEAD_CASES + RAW_HEAD_CASES + [VAD_CASE]
 
 
 def _scenes(folder: Path) -> None:
@@ -348,6 +359,58 @@ def reference_detections(family: str, decoded: bool, output: np.ndarray) -> list
     return _nms(boxes, scores, labels)
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-x.astype(np.float64)))
+
+
+def reference_raw_detections(
+    family: str, outputs: list[np.ndarray], sigmoid_in_graph: bool = False, reg_max: int = heads.DFL_BINS
+) -> list[tuple[np.ndarray, float, int]]:
+    """YOLOv5's / YOLOv8's Detect decode of one image's level outputs, cell by cell, then
+    class-wise greedy NMS (score > 0.25, IoU > 0.45): (x1y1x2y2, score, class) best first."""
+    boxes, scores, labels = [], [], []
+    for level, output in enumerate(outputs):
+        stride = heads.STRIDES[level]
+        side = output.shape[-2] if output.ndim == 4 else output.shape[2]
+        for row in range(side):
+            for col in range(side):
+                if family == "yolov5":
+                    for anchor in range(3):
+                        if output.ndim == 5:
+                            values = output[0, anchor, row, col].astype(np.float64)
+                        else:
+                            width = output.shape[1] // 3
+                            values = output[0, anchor * width : (anchor + 1) * width, row, col].astype(np.float64)
+                        s = values if sigmoid_in_graph else _sigmoid(values)
+                        cx, cy = (2 * s[0] - 0.5 + col) * stride, (2 * s[1] - 0.5 + row) * stride
+                        aw, ah = heads.V5_ANCHORS[level][anchor]
+                        w, h = (2 * s[2]) ** 2 * aw, (2 * s[3]) ** 2 * ah
+                        cls = s[5:] * s[4]
+                        boxes.append([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2])
+                        scores.append(float(cls.max()))
+                        labels.append(int(cls.argmax()))
+                else:
+                    values = output[0, :, row, col].astype(np.float64)
+                    sides = []
+                    for k in range(4):
+                        bins = values[k * reg_max : (k + 1) * reg_max]
+                        p = np.exp(bins - bins.max())
+                        sides.append(float((p / p.sum()) @ np.arange(reg_max)))
+                    ax, ay = col + 0.5, row + 0.5
+                    boxes.append(
+                        [
+                            (ax - sides[0]) * stride,
+                            (ay - sides[1]) * stride,
+                            (ax + sides[2]) * stride,
+                            (ay + sides[3]) * stride,
+                        ]
+                    )
+                    cls = _sigmoid(values[4 * reg_max :])
+                    scores.append(float(cls.max()))
+                    labels.append(int(cls.argmax()))
+    return _nms(np.array(boxes), np.array(scores), np.array(labels))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [case.name for case in HEAD_CASES])
 def test_each_yolo_head_finds_the_known_boxes_like_an_independent_decode_and_nms(corpus, name):
@@ -362,6 +425,26 @@ def test_each_yolo_head_finds_the_known_boxes_like_an_independent_decode_and_nms
     for detection, (box, score, _) in zip(got, expected, strict=True):
         np.testing.assert_allclose(detection["box"], box, atol=1e-3)
         assert detection["score"] == pytest.approx(score, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [case.name for case in RAW_HEAD_CASES])
+def test_each_raw_per_level_head_finds_the_known_boxes_like_an_independent_decode_and_nms(corpus, name):
+    built = corpus[name]
+    family = name.split("_")[0]
+    outputs = bare(built.original, {"images": heads.image_tensor(built.case.query)})
+    expected = reference_raw_detections(family, outputs)
+    assert [(tuple(np.round(box, 3)), label) for box, _, label in expected] == [
+        (tuple(np.round(box, 3)), label) for box, label in heads.KNOWN
+    ]
+    got = built.answer["result"]
+    assert [d["index"] for d in got] == [label for _, _, label in expected]
+    for detection, (box, score, _) in zip(got, expected, strict=True):
+        assert _iou(np.array(detection["box"]), box) >= 0.99
+        np.testing.assert_allclose(detection["box"], box, atol=1e-3)
+        assert detection["score"] == pytest.approx(score, abs=1e-5)
+    manifest = json.loads(artifact_member(built.artifact, "manifest.json"))
+    assert manifest["postprocess"]["outputs"] == ["p3", "p4", "p5"] and manifest["postprocess"]["apply_sigmoid"]
 
 
 @pytest.mark.slow

@@ -130,12 +130,15 @@ def _errors(*statuses: str, v2: bool = False) -> dict[str, Any]:
     what = {"400": "malformed request (body, query, headers)", "404": "no such model, stream or path",
             "405": "method not allowed (Allow names the methods)", "406": "Accept takes neither JSON nor npz",
             "408": "the body did not arrive within api.read_timeout_s", "413": "over a size bound (api.max_*)",
-            "415": "a media type the model does not take", "503": "busy (Retry-After) or no model"}
+            "415": "a media type the model does not take",
+            "500": "the model's failure: runtime, postprocess, non_finite_output (NaN/inf in an output the "
+                   "recipe does not allow), encoding, internal",
+            "503": "busy (Retry-After) or no model"}
     return {status: _json(what[status], _ref("V2Error" if v2 else "Error")) for status in statuses}
 
 
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
-_INFER_ERRORS = ("400", "404", "408", "413", "415", "503")
+_INFER_ERRORS = ("400", "404", "408", "413", "415", "500", "503")
 _MODEL_PARAMETERS = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
 _VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "string"}}
 
@@ -183,7 +186,7 @@ def _predict(summary: str, parameters: list[dict[str, Any]]) -> dict[str, Any]:
                                              "application/x-npz (model, provider, latency in X-Edgepack-*)",
                               "content": {"application/json": {"schema": _ref("PredictAnswer")},
                                           "application/x-npz": _BINARY}},
-                      **_errors("400", "404", "406", "408", "413", "415", "503")}}
+                      **_errors("400", "404", "406", "408", "413", "415", "500", "503")}}
 
 
 OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [

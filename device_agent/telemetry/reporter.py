@@ -10,6 +10,7 @@ own thread, never on the request path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import platform
@@ -27,7 +28,7 @@ from device_agent.telemetry.session import ConnectionCounter
 from edgepack_core import __version__ as edgepack_version
 from edgepack_core.mqtt_settings import MqttSettings, Will
 from edgepack_core.mqtt_transport import MqttTransport
-from edgepack_core.protocol.messages import MAX_MODELS, MAX_REJECTED, JobEvent, SessionMark
+from edgepack_core.protocol.messages import MAX_MODELS, MAX_REJECTED, JobEvent, ModelTelemetry, SessionMark
 from edgepack_core.protocol.payloads import STATE_SCHEMA_ID
 from edgepack_core.protocol.topics import Topics
 
@@ -164,6 +165,8 @@ class TelemetryReporter:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._system: SystemReading | None = None
+        self._models: dict[str, TelemetryAggregator] = {}  # per model name (several named models)
+        self._models_lock = threading.Lock()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -199,10 +202,43 @@ class TelemetryReporter:
         self._wake.set()
 
     def record_inference(self, seconds: float, *, model: str | None = None) -> None:
+        """One successful inference, of ``model`` when named (its own figures in ``models``)."""
         self.aggregator.record_inference(seconds)
+        per_model = self._model_aggregator(model)
+        if per_model is not None:
+            per_model.record_inference(seconds)
 
     def record_error(self, kind: str, *, model: str | None = None) -> None:
         self.aggregator.record_error(kind)
+        per_model = self._model_aggregator(model)
+        if per_model is not None:
+            per_model.record_error(kind)
+
+    def _model_aggregator(self, model: str | None) -> TelemetryAggregator | None:
+        """The figures of ``model``, made on its first request (at most :data:`MAX_MODELS`)."""
+        if model is None:
+            return None
+        with self._models_lock:
+            aggregator = self._models.get(model)
+            if aggregator is None and len(self._models) < MAX_MODELS:
+                aggregator = self._models[model] = TelemetryAggregator(model, started=time.monotonic())
+            return aggregator
+
+    def _model_figures(self, now: float, ts: float, versions: dict[str, str | None]) -> tuple[ModelTelemetry, ...]:
+        """Each model's figures for the interval ending at ``now`` (reset like the device's)."""
+        with self._models_lock:
+            aggregators = dict(self._models)
+        figures = []
+        for name, aggregator in aggregators.items():
+            sample = aggregator.build(now=now, ts=ts, model=None, provider=None, system=None, queue=None)
+            figures.append(ModelTelemetry(
+                name=name, version=versions.get(name), inferences_total=sample.inferences_total,
+                inferences_interval=sample.inferences_interval, errors_total=sample.errors_total,
+                errors_interval=sample.errors_interval, error_kinds=sample.error_kinds,
+                error_kinds_interval=sample.error_kinds_interval, latency_p50=sample.latency_p50,
+                latency_p90=sample.latency_p90, latency_p99=sample.latency_p99, latency_max=sample.latency_max,
+                latency_mean=sample.latency_mean, throughput_per_s=sample.throughput_per_s))
+        return tuple(figures)
 
     def publish_state(self) -> None:
         """Publish the retained "online" birth (on every connect, and when the model changes)."""
@@ -224,8 +260,11 @@ class TelemetryReporter:
     def publish_telemetry_now(self) -> None:
         status = self.status()
         self._system = read_system(self._system)
-        sample = self.aggregator.build(now=time.monotonic(), ts=time.time(), model=status.model,
+        now, ts = time.monotonic(), time.time()
+        sample = self.aggregator.build(now=now, ts=ts, model=status.model,
                                        provider=status.provider, system=self._system, queue=self.outbox.counters())
+        versions = {str(m["name"]): m.get("version") for m in status.models}
+        sample = dataclasses.replace(sample, models=self._model_figures(now, ts, versions))
         self.outbox.put(self.topics.telemetry(self.device_id), sample.encode(), 1, "telemetry")
 
     # ---------------------------------------------------------------- thread

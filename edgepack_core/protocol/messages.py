@@ -139,6 +139,35 @@ class QueueCounters:
 
 
 @dataclass(frozen=True)
+class ModelTelemetry:
+    """One model's figures in a telemetry sample (several named models): inferences, errors by
+    kind (the first :data:`MAX_ERROR_KINDS`; sums clamped to 2^62) and latency, like the device's."""
+
+    name: str
+    version: str | None = None
+    inferences_total: int | None = None
+    inferences_interval: int | None = None
+    errors_total: int | None = None
+    errors_interval: int | None = None
+    error_kinds: tuple[tuple[str, int], ...] = ()
+    error_kinds_interval: tuple[tuple[str, int], ...] = ()
+    latency_p50: float | None = None
+    latency_p90: float | None = None
+    latency_p99: float | None = None
+    latency_max: float | None = None
+    latency_mean: float | None = None
+    throughput_per_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version,
+                "inferences": {"interval": self.inferences_interval, "total": self.inferences_total},
+                "errors": dict(self.error_kinds), "errors_interval": dict(self.error_kinds_interval),
+                "latency_ms": {"p50": self.latency_p50, "p90": self.latency_p90, "p99": self.latency_p99,
+                               "max": self.latency_max, "mean": self.latency_mean},
+                "throughput_per_s": self.throughput_per_s}
+
+
+@dataclass(frozen=True)
 class Telemetry:
     """One telemetry sample, as the agent builds it (:meth:`encode`) and a host parses it.
     ``error_kinds`` and ``error_kinds_interval`` are the per-kind error maps (the first
@@ -169,6 +198,7 @@ class Telemetry:
     uptime_s: float | None = None
     queue: QueueCounters | None = None
     clamped: tuple[str, ...] = ()
+    models: tuple[ModelTelemetry, ...] = ()  # per model (several named models); () from older agents
 
     def latency_ms(self) -> dict[str, float | None]:
         return {"p50": self.latency_p50, "p90": self.latency_p90, "p99": self.latency_p99,
@@ -188,6 +218,7 @@ class Telemetry:
             "temperature_c": self.temperature_c, "uptime_s": self.uptime_s,
             "queue": None if queue is None else {"depth": queue.depth, "dropped": queue.dropped,
                                                  "produced": queue.produced, "delivered": queue.delivered},
+            **({"models": [model.to_json() for model in self.models]} if self.models else {}),
         }
 
     def encode(self) -> bytes:
@@ -356,6 +387,33 @@ def _error_figures(doc: dict[str, Any]) -> dict[str, Any]:
             "error_kinds_interval": counter_map(doc.get("errors_interval"), MAX_ERROR_KINDS, MAX_NAME_CHARS)}
 
 
+def _model_figures(value: Any) -> ModelTelemetry | None:
+    """One model's figures, or None without a valid name; a figure of the wrong type reads None."""
+    if not isinstance(value, dict) or not is_valid_id(value.get("name")):
+        return None
+    latency, inferences = _section(value, "latency_ms"), _section(value, "inferences")
+    figures = _error_figures(value)
+    figures.pop("clamped")
+    return ModelTelemetry(
+        name=str(value["name"]), version=text(value.get("version"), MAX_VERSION_CHARS),
+        inferences_total=count(inferences.get("total")), inferences_interval=count(inferences.get("interval")),
+        latency_p50=number(latency.get("p50")), latency_p90=number(latency.get("p90")),
+        latency_p99=number(latency.get("p99")), latency_max=number(latency.get("max")),
+        latency_mean=number(latency.get("mean")), throughput_per_s=number(value.get("throughput_per_s")), **figures)
+
+
+def _models_figures(value: Any) -> tuple[ModelTelemetry, ...]:
+    """The valid models among the first :data:`MAX_MODELS`, each name once; () for a non-list."""
+    if not isinstance(value, list):
+        return ()
+    found: dict[str, ModelTelemetry] = {}
+    for item in value[:MAX_MODELS]:
+        model = _model_figures(item)
+        if model is not None and model.name not in found:
+            found[model.name] = model
+    return tuple(found.values())
+
+
 def parse_telemetry(device: str, payload: bytes) -> Telemetry | Refusal:
     """A telemetry sample heard on ``device``'s telemetry topic, or why it is refused."""
     doc = _document(payload, TELEMETRY_SCHEMA_ID)
@@ -373,7 +431,7 @@ def parse_telemetry(device: str, payload: bytes) -> Telemetry | Refusal:
         inferences_total=count(inferences.get("total")), inferences_interval=count(inferences.get("interval")),
         cpu_percent=number(doc.get("cpu_percent")), memory_rss_bytes=count(doc.get("memory_rss_bytes")),
         temperature_c=number(doc.get("temperature_c")), uptime_s=number(doc.get("uptime_s")),
-        queue=_queue(doc.get("queue")), **_error_figures(doc),
+        queue=_queue(doc.get("queue")), models=_models_figures(doc.get("models")), **_error_figures(doc),
     )
 
 
@@ -402,6 +460,7 @@ def parse_job_event(device: str, payload: bytes) -> JobEvent | Refusal:
 
 
 __all__ = [
-    "Decommissioned", "DeviceState", "JobEvent", "ModelRef", "QueueCounters", "Refusal", "RejectedRef", "Telemetry",
+    "Decommissioned", "DeviceState", "JobEvent", "ModelRef", "ModelTelemetry", "QueueCounters", "Refusal",
+    "RejectedRef", "Telemetry",
     "parse_job_event", "parse_state", "parse_telemetry",
 ]

@@ -72,7 +72,7 @@ def serving_model(broker: BrokerOptions | str, device: str, *, root: str = "edge
     active = event.detail.get("active") if event.state == "done" else None
     if not isinstance(active, dict) or not active.get("name") or not active.get("version"):
         raise DeployError(f"{device} reports no model it serves ({event.state}: "
-                          f"{event.reason[:200]}); name the model to roll back from")
+                          f"{event.reason}); name the model to roll back from")
     return {"name": str(active["name"]), "version": str(active["version"])}
 
 

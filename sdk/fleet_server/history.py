@@ -68,14 +68,19 @@ class Page:
 
 def _sent(connection: Connection, device: str, page: Page) -> list[dict[str, Any]]:
     """The commands the server sent ``device`` (newest first, one page), with what their signed bytes name."""
-    commands = tables.commands
-    query = select(
-        commands.c.id, commands.c.kind, commands.c.rollout_id, commands.c.created_at, commands.c.payload
-    ).where(commands.c.device == device)
+    commands, targets = tables.commands, tables.target_commands
+    query = (
+        select(
+            commands.c.id, commands.c.kind, commands.c.rollout_id, commands.c.created_at, commands.c.payload,
+            targets.c.source,
+        )
+        .select_from(commands.outerjoin(targets, targets.c.id == commands.c.id))
+        .where(commands.c.device == device)
+    )
     if page.before is not None:
         query = query.where(commands.c.created_at < page.before)
     found = []
-    for row in connection.execute(query.order_by(commands.c.created_at.desc()).limit(page.limit)):
+    for row in connection.execute(query.order_by(commands.c.created_at.desc()).limit(page.limit + 1)):
         body = json.loads(bytes(row.payload))  # the server's own signed bytes (<= 64 KiB)
         artifact = (
             {"sha256": body["sha256"], "name": body.get("name"), "version": body.get("version")}
@@ -87,6 +92,7 @@ def _sent(connection: Connection, device: str, page: Page) -> list[dict[str, Any
                 "job": row.id,
                 "kind": row.kind,
                 "rollout": row.rollout_id,
+                "target": row.source,
                 "sent_by_server": True,
                 "started_at": row.created_at,
                 "artifact": artifact,
@@ -113,13 +119,14 @@ def _answered_only(connection: Connection, device: str, page: Page) -> list[dict
             "job": job,
             "kind": kind,
             "rollout": None,
+            "target": None,
             "sent_by_server": False,
             "started_at": started,
             "artifact": None,
             "expires_at": None,
             "from_version": None,
         }
-        for job, kind, started in connection.execute(query.order_by(first.desc()).limit(page.limit))
+        for job, kind, started in connection.execute(query.order_by(first.desc()).limit(page.limit + 1))
     ]
 
 
@@ -175,6 +182,7 @@ def _entry(
         "kind": item["kind"],
         "sent_by_server": item["sent_by_server"],
         "rollout": None if rollout is None else {"id": rollout["id"], "state": rollout["state"]},
+        "target": item["target"],
         "artifact": artifact,
         "from_version": item["from_version"],
         "started_at": item["started_at"],
@@ -197,19 +205,19 @@ def device_history(database: Database, device: str, page: Page, *, now: float) -
             [*_sent(connection, device, page), *_answered_only(connection, device, page)],
             key=lambda item: (item["started_at"], item["job"]),
             reverse=True,
-        )[: page.limit]
+        )[: page.limit + 1]
         if (
             not merged
             and connection.execute(select(tables.devices.c.id).where(tables.devices.c.id == device)).first() is None
         ):
             raise ApiError(404, "not_found", f"no device {device}")
+        more, merged = len(merged) > page.limit, merged[: page.limit]  # one more read: is there a next page
         states = _states(connection, device, [item["job"] for item in merged])
         rollouts = _rollouts(connection, {item["rollout"] for item in merged if item["rollout"]})
     entries = [_entry(item, states[item["job"]], rollouts, now) for item in merged]
-    full = len(merged) == page.limit
     return {
         "device": device,
         "entries": entries,
         "limit": page.limit,
-        "next_before": merged[-1]["started_at"] if full else None,
+        "next_before": merged[-1]["started_at"] if more else None,
     }

@@ -60,6 +60,7 @@ from sdk.packager.options import given, option
 from sdk.packager.ort_host import call_in_worker, measure_latency
 from sdk.packager.passes.base import BuildContext, Pass, register
 from sdk.packager.passes.fp16 import FP16_MAX, _to_fp16_graph  # the fp16 pass's own conversion
+from sdk.packager.passes.io_spec import settle_apply_sigmoid
 from sdk.packager.passes.validate import checked_outputs, judge, state_report
 from sdk.packager.quant_facts import quant_facts
 from sdk.packager.quant_search import Candidate, QuantConfig
@@ -386,6 +387,7 @@ class QuantizePass(Pass):
         validation = self._samples(ctx, validate_options.data, "validate.data", validate_options.samples or 200) \
             or calibration or synthetic_samples(16, ctx.preprocess, ctx.inputs, **synthetic_options(ctx))
         reference = run_samples(source.read_bytes(), validation, label="the fp32 model")
+        settle_apply_sigmoid(ctx, reference)  # a raw YOLO head's candidates judged with the sigmoid it needs
         data = _Data(source, self._calibration(source, calibration, validation, reference), validation, reference)
         search = _Search(ctx, folder, data, options)
         first = Candidate("int8", "requested", config, (("recipe", config.exclude),) if config.exclude else ())

@@ -1,0 +1,176 @@
+"""Several named models on one device, end to end (issue 24, item 2, done-when): a real
+``edgepack-agent run`` process with ``models:``, a real mosquitto, signed commands. One model is
+updated and then rolled back while a load generator hits both: no request fails, the other model
+never changes, the job events name the model and the state message lists both."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from sdk.broker import BrokerOptions
+from sdk.deploy import DeployOptions, deploy
+from sdk.deploy.device import send_rollback
+from sdk.keys import load_operator_key, write_operator_keypair
+from tests.agent_process import AgentProcess, Observer
+from tests.artifacts import build_artifact
+
+pytestmark = pytest.mark.slow
+
+ROW = json.dumps({"inputs": {"x": [[1.0, 1.0, 1.0, 1.0]]}}).encode()
+FACTORS = {("alpha", "1.0.0"): 2.0, ("alpha", "1.1.0"): 3.0, ("beta", "1.0.0"): 5.0}
+
+
+class TwoModelLoad:
+    """Requests to ``/predict/alpha`` and ``/predict/beta`` from one thread each, until stopped:
+    every answer must be a 200 whose output is the factor of the version it names."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.failures: list[str] = []
+        self.seen: dict[str, set[str]] = {"alpha": set(), "beta": set()}
+        self.answers = 0
+        self.threads = [threading.Thread(target=self._run, args=(name,), daemon=True) for name in self.seen]
+
+    def _one(self, name: str) -> str:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/predict/{name}", data=ROW, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                answer = json.load(response)
+        except urllib.error.HTTPError as err:
+            return f"{name}: {err.code} {err.read()[:300]!r}"
+        except OSError as err:
+            return f"{name}: connection: {err}"
+        model = answer["model"]
+        expected = FACTORS.get((model["name"], model["version"]))
+        if model["name"] != name or answer["outputs"]["y"] != [[expected] * 4]:
+            return f"{name}: answered by {model} with {answer['outputs']}"
+        with self.lock:
+            self.seen[name].add(model["version"])
+            self.answers += 1
+        return ""
+
+    def _run(self, name: str) -> None:
+        while not self.stop.is_set():
+            failure = self._one(name)
+            if failure:
+                with self.lock:
+                    self.failures.append(failure)
+
+    def __enter__(self) -> TwoModelLoad:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def arts(tmp_path_factory, keypair):
+    folder = tmp_path_factory.mktemp("multi-model")
+    return {
+        (name, version): build_artifact(folder, keypair[0], name=name, version=version, factor=factor)
+        for (name, version), factor in FACTORS.items()
+    }
+
+
+def _latest_state(watch: Observer) -> dict:
+    states = [s for s in watch.of("/dev/cam-01/state") if s.get("status") == "online"]
+    return states[-1] if states else {}
+
+
+def _telemetry_models(watch: Observer) -> dict[str, dict]:
+    samples = watch.of("/dev/cam-01/telemetry")
+    return {m["name"]: m for m in samples[-1].get("models", [])} if samples else {}
+
+
+def _models_in_state(watch: Observer) -> dict[str, str]:
+    return {m["name"]: m["version"] for m in _latest_state(watch).get("models", [])}
+
+
+def test_a_device_serves_two_models_and_updates_and_rolls_back_one_while_the_other_serves(
+    tmp_path: Path, keypair, arts, mosquitto_broker
+):
+    write_operator_keypair(tmp_path / "op.key", tmp_path / "op.pub")
+    operator = load_operator_key(tmp_path / "op.key")
+    agent = AgentProcess(
+        tmp_path,
+        device="cam-01",
+        broker_port=mosquitto_broker.port,
+        trust=keypair[1],
+        artifact=None,
+        operator_keys=[tmp_path / "op.pub"],
+        health_window_s=1.0,
+    )
+    models = [
+        {"name": "alpha", "artifact": str(arts[("alpha", "1.0.0")])},
+        {"name": "beta", "artifact": str(arts[("beta", "1.0.0")])},
+    ]
+    with agent.config.open("a") as config:
+        config.write(f"models: {json.dumps(models)}\n")
+    watch = Observer(mosquitto_broker.port)
+    agent.start()
+    broker = BrokerOptions(mosquitto_broker.address)
+    try:
+        assert watch.wait_for(lambda: _models_in_state(watch) == {"alpha": "1.0.0", "beta": "1.0.0"}, 20), (
+            _latest_state(watch)
+        )
+        with TwoModelLoad(agent.port) as load:
+            assert watch.wait_for(lambda: load.answers >= 20, 20)
+            result = deploy(
+                DeployOptions(arts[("alpha", "1.1.0")], broker, devices=("cam-01",), timeout=60, operator_key=operator)
+            )
+            assert result.succeeded, result
+            assert watch.wait_for(lambda: "1.1.0" in load.seen["alpha"] and load.answers >= 60, 20)
+            assert _models_in_state(watch) == {"alpha": "1.1.0", "beta": "1.0.0"}
+            event, _ = send_rollback(
+                broker, "cam-01", from_version={"name": "alpha", "version": "1.1.0"}, operator_key=operator, timeout=30
+            )
+            assert event.state == "done" and event.reason == "rolled back to alpha 1.0.0", event
+            assert event.detail.get("model") == "alpha"
+            answered = load.answers
+            assert watch.wait_for(lambda: load.answers >= answered + 20, 20)
+        assert load.failures == [], load.failures[:5]
+        assert load.seen == {"alpha": {"1.0.0", "1.1.0"}, "beta": {"1.0.0"}}
+        assert watch.wait_for(lambda: _models_in_state(watch) == {"alpha": "1.0.0", "beta": "1.0.0"}, 10)
+        deploy_events = [e for e in watch.jobs("cam-01", result.command_id)]
+        assert deploy_events and all(e.get("detail", {}).get("model") == "alpha" for e in deploy_events)
+        health = agent.health()
+        assert [(m["name"], m["version"]) for m in health["models"]] == [("alpha", "1.0.0"), ("beta", "1.0.0")]
+        # beta kept its own history: nothing to roll back to, and alpha is untouched by the refusal
+        refused, _ = send_rollback(
+            broker, "cam-01", from_version={"name": "beta", "version": "1.0.0"}, operator_key=operator, timeout=30
+        )
+        assert refused.state == "failed" and "no earlier version" in refused.reason, refused
+        assert [m["version"] for m in agent.health()["models"]] == ["1.0.0", "1.0.0"]
+        # telemetry labels each model's figures by name
+        assert watch.wait_for(
+            lambda: (
+                {n: m["version"] for n, m in _telemetry_models(watch).items()} == {"alpha": "1.0.0", "beta": "1.0.0"}
+            ),
+            10,
+        ), _telemetry_models(watch)
+        figures = _telemetry_models(watch)
+        assert figures["alpha"]["inferences"]["total"] > 0 and figures["beta"]["inferences"]["total"] > 0
+        assert figures["alpha"]["errors"] == {} and figures["beta"]["errors"] == {}
+        unknown, _ = send_rollback(
+            broker, "cam-01", from_version={"name": "gamma", "version": "1.0.0"}, operator_key=operator, timeout=30
+        )
+        assert unknown.state == "failed" and "installed: alpha, beta" in unknown.reason, unknown
+    finally:
+        agent.stop()
+        watch.close()
+    store = tmp_path / "cam-01-store"
+    assert sorted(p.name for p in (store / "slots").iterdir()) == ["alpha", "beta"]
