@@ -130,8 +130,8 @@ def test_a_held_device_waits_with_the_reason_and_converges_when_released(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_server_killed_mid_reconcile_resumes_from_targets_and_sends_the_recorded_command(tmp_path, broker, keys, keypair,
-                                                                           versions, counter):
+def test_a_server_killed_mid_reconcile_resumes_from_targets_and_sends_the_recorded_command(
+        tmp_path, broker, keys, keypair, versions, counter):
     """SIGKILL after the reconciler recorded cam-02's deploy and before the broker saw it: the
     restarted server resumes from the database alone (the target and the recorded command),
     publishes that same command (no new one), and the device converges."""
