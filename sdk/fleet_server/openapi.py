@@ -203,6 +203,8 @@ SCHEMAS: dict[str, Any] = {
                 "revision": {"type": "integer", "description": "times the operator set this entry"},
                 "reason": {"type": "string"}, "set_by": {"type": "string"}, "set_at": {"type": "number"}}}},
             "hold": {"type": ["object", "null"], "description": "reason, set_by, set_at when held"},
+            "staged": {"type": "array", "items": {"type": "object"},
+                       "description": "changes made in waves whose rollout has not applied them yet"},
             "devices": {"type": "array", "description": "groups only: each member's state, reason and difference",
                         "items": {"type": "object"}},
         },

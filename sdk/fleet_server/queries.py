@@ -12,7 +12,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -456,8 +456,9 @@ def _online_only(connection: Connection, wanted: list[str], now: float, silence_
 
 
 def create_rollout(database: Database, request: RolloutRequest, *, actor: str, remote: str, silence_s: float,
-                   now: float | None = None) -> str:
-    """Plan and store a rollout (``pending``: the driver starts it); returns its id."""
+                   now: float | None = None, also: Callable[[Connection, str], None] | None = None) -> str:
+    """Plan and store a rollout (``pending``: the driver starts it); returns its id. ``also``
+    writes what the rollout carries in its transaction (a staged target change)."""
     now = time.time() if now is None else now
     rollout_id = new_rollout_id(os.urandom(8))
     with database.write() as connection:
@@ -486,6 +487,8 @@ def create_rollout(database: Database, request: RolloutRequest, *, actor: str, r
             {"rollout_id": rollout_id, "device": device, "wave": index, "state": NOT_SENT, "final": False,
              "reason": "", "command_id": command_id(rollout_id, "deploy", index, device)}
             for index, wave in enumerate(waves) for device in wave])
+        if also is not None:
+            also(connection, rollout_id)
         audit.record(connection, actor=actor, action="rollout.create", target=rollout_id, remote=remote, now=now,
                      detail={"artifact": request.artifact, "name": artifact["name"], "version": artifact["version"],
                              "group": request.group, "devices": sum(len(w) for w in waves),
