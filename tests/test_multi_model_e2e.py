@@ -16,6 +16,7 @@ import pytest
 from sdk.broker import BrokerOptions
 from sdk.deploy import DeployOptions, deploy
 from sdk.deploy.device import send_rollback
+from sdk.errors import DeployError
 from sdk.keys import load_operator_key, write_operator_keypair
 from tests.agent_process import AgentProcess, Observer
 from tests.artifacts import build_artifact
@@ -135,9 +136,10 @@ def test_a_device_serves_two_models_and_updates_and_rolls_back_one_while_the_oth
             assert result.succeeded, result
             assert watch.wait_for(lambda: "1.1.0" in load.seen["alpha"] and load.answers >= 60, 20)
             assert _models_in_state(watch) == {"alpha": "1.1.0", "beta": "1.0.0"}
-            event, _ = send_rollback(
-                broker, "cam-01", from_version={"name": "alpha", "version": "1.1.0"}, operator_key=operator, timeout=30
-            )
+            with pytest.raises(DeployError, match=r"several models \(alpha, beta\): name the one"):
+                send_rollback(broker, "cam-01", operator_key=operator, timeout=30)
+            # the version it undoes is asked of the device (get-state lists every model)
+            event, _ = send_rollback(broker, "cam-01", model="alpha", operator_key=operator, timeout=30)
             assert event.state == "done" and event.reason == "rolled back to alpha 1.0.0", event
             assert event.detail.get("model") == "alpha"
             answered = load.answers

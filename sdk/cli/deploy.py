@@ -143,15 +143,17 @@ _read_only_command("get-state", "The device's active model, store and profile.")
 @click.option("--from", "from_ref", metavar="NAME@VERSION",
               help="The model this rollback undoes (default: the one the device reports serving, asked with a "
                    "get-state first). A device serving another model refuses the rollback.")
+@click.option("--model", "model", metavar="NAME", default=None,
+              help="On a device holding several models: the one to roll back (its version asked with a get-state).")
 @broker_options
 @_TIMEOUT
 @_OPERATOR_KEY
-def rollback(device_id: str, from_ref: str | None, broker: BrokerOptions, timeout: float,
+def rollback(device_id: str, from_ref: str | None, model: str | None, broker: BrokerOptions, timeout: float,
              operator_key: Path | None) -> None:
     """Make the device's previous model active again."""
     from_version = parse_model_ref(from_ref) if from_ref is not None else None
     event, seconds = send_rollback(broker, device_id, from_version=from_version, timeout=timeout,
-                                   operator_key=_key(operator_key))
+                                   operator_key=_key(operator_key), model=model)
     _answer(event, seconds)
 
 
