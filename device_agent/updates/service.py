@@ -8,12 +8,14 @@ Decisions live elsewhere and are unit-tested: who may order what
 and every job state change goes through :func:`jobs.advance`.
 
 Threads: command messages arrive on the MQTT network thread, where they are only parsed,
-authorised, de-duplicated and queued (a ping is answered right there). Two worker lanes run
-jobs: the deploy lane (download, verify, stage, test, swap, health window) and the control
-lane (rollback), so a rollback never waits behind a download. The store's commit point and
-the hot-swap are serialised by one lock, held only for local steps (never for a download or
-a health window). A ``cancel`` command, or a newer deploy, ends a queued or running deploy
-at its next safe point (the download is interrupted).
+authorised, de-duplicated and queued (a ping is answered right there). Worker lanes run
+jobs: a deploy lane per model name (download, verify, stage, test, swap, health window: a
+device holding several models updates each on its own, ``device_agent/models.py``) and the
+control lane (rollback), so a rollback never waits behind a download. Every job works on the
+slot of the model it names. The stores' commit points and the hot-swaps are serialised by one
+lock, held only for local steps (never for a download or a health window). A ``cancel``
+command, or a newer deploy of the same model, ends a queued or running deploy at its next
+safe point (the download is interrupted).
 
 Threat model: see docs/updates.md. With ``operator_keys`` configured, every command that
 changes what runs or how it is judged must carry an operator signature naming this device
