@@ -47,7 +47,7 @@ from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError
-from sdk.fleet_server import actions, audit, desired, history, openapi, queries
+from sdk.fleet_server import actions, audit, desired, history, openapi, queries, wave_waits
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
@@ -408,8 +408,12 @@ class Routes:
 
     async def rollout(self, request: Request, _actor: str) -> Response:
         Params(request, set())
-        return JSONResponse(await run_in_threadpool(queries.get_rollout, self.database,
-                                                    _path_id(request, "rollout_id")))
+        return JSONResponse(await run_in_threadpool(self._rollout_doc, _path_id(request, "rollout_id")))
+
+    def _rollout_doc(self, rollout_id: str) -> dict[str, Any]:
+        """The rollout's document with what its waves wait for (offline devices, the deadline)."""
+        return wave_waits.annotate(self.database, queries.get_rollout(self.database, rollout_id), now=time.time(),
+                                   silence_s=self.context.silence_s)
 
     async def audit_entries(self, request: Request, _actor: str) -> Response:
         params = Params(request, {"limit", "before", "action"})
@@ -510,7 +514,7 @@ class Routes:
                                              queries.RolloutRequest.from_json(body), actor=actor,
                                              remote=_remote(request), silence_s=self.context.silence_s)
         self.context.wake_driver()
-        return JSONResponse(await run_in_threadpool(queries.get_rollout, self.database, rollout_id), status_code=201)
+        return JSONResponse(await run_in_threadpool(self._rollout_doc, rollout_id), status_code=201)
 
     # ---------------------------------------------------------------- targets
 
@@ -596,7 +600,7 @@ class Routes:
             await run_in_threadpool(queries.rollout_action, self.database, rollout_id, name, actor=actor,
                                     remote=_remote(request), reason=body.get("reason", ""))
             self.context.wake_driver()
-            return JSONResponse(await run_in_threadpool(queries.get_rollout, self.database, rollout_id))
+            return JSONResponse(await run_in_threadpool(self._rollout_doc, rollout_id))
         return act
 
 
