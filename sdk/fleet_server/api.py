@@ -47,7 +47,7 @@ from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError
-from sdk.fleet_server import audit, desired, history, openapi, queries
+from sdk.fleet_server import actions, audit, desired, history, openapi, queries
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
@@ -73,6 +73,7 @@ SECURITY_HEADERS = [
 _ROLLOUT_VALIDATOR = Validator(queries.ROLLOUT_REQUEST_SCHEMA, document="rollout")
 _GROUPS_VALIDATOR = Validator(queries.GROUPS_REQUEST_SCHEMA, document="groups")
 _TARGET_VALIDATOR = Validator(desired.TARGET_REQUEST_SCHEMA, document="target")
+_DEVICE_ACTION_VALIDATOR = Validator(actions.ACTION_REQUEST_SCHEMA, document="action")
 _ACTION_VALIDATOR = Validator({"type": "object", "additionalProperties": False,
                                "properties": {"reason": {"type": "string", "maxLength": 500}}}, document="request")
 
@@ -92,6 +93,7 @@ class ApiContext:
     wake_driver: Callable[[], None] = lambda: None
     clear_retained_state: Callable[[str], None] = lambda _device: None  # publishes the empty retained state
     command_ttl_s: float = 24 * 3600.0
+    commands: actions.CommandSink | None = None  # the driver: signs, records and publishes a device action's command
     auth_failures: int = 0
     requests: int = 0
     ui_dir: Path = UI_DIR
@@ -452,6 +454,19 @@ class Routes:
         self.context.clear_retained_state(device)
         return JSONResponse(done)
 
+    async def device_action(self, request: Request, actor: str) -> Response:
+        Params(request, set())
+        device = _path_id(request, "device_id")
+        body = await read_json(request, optional=True)
+        _validate(_DEVICE_ACTION_VALIDATOR, body)
+        parsed = actions.parse_action(str(request.path_params["action"]), body)
+        caller = actions.Caller(actor, _remote(request), self._view())
+        done = await run_in_threadpool(lambda: actions.perform(self.database, self.context.commands, device, parsed,
+                                                               caller, command_ttl_s=self.context.command_ttl_s))
+        if parsed.action in ("rerun", "release"):
+            self.context.wake_driver()
+        return JSONResponse(done)
+
     async def enroll(self, request: Request, actor: str) -> Response:
         Params(request, set())
         device = _path_id(request, "device_id")
@@ -574,6 +589,7 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/devices/{device_id}", guard(r.device), methods=["GET"]),
         Route("/api/devices/{device_id}", guard(r.decommission, "device.decommission"), methods=["DELETE"]),
         Route("/api/devices/{device_id}/enroll", guard(r.enroll, "device.enroll"), methods=["POST"]),
+        Route("/api/devices/{device_id}/actions/{action}", guard(r.device_action, "device.action"), methods=["POST"]),
         Route("/api/decommissioned", guard(r.decommissioned), methods=["GET"]),
         Route("/api/devices/{device_id}/telemetry", guard(r.device_telemetry), methods=["GET"]),
         Route("/api/devices/{device_id}/history", guard(r.device_history), methods=["GET"]),

@@ -458,6 +458,16 @@ class Driver:
                      detail={"command": command_summary(command), "rollout": rollout_id, "topic": topic})
         return values
 
+    def record_command(self, connection: Connection, device: str, kind: str, command: dict[str, Any],
+                       now: float) -> dict[str, Any] | None:
+        """An operator's command outside any rollout (:mod:`.actions`), recorded as the driver
+        records its own, in the caller's transaction: published by :meth:`publish`, and resent by
+        whichever server leads if the broker never acknowledged it."""
+        return self._record(connection, None, device, kind, command, now)
+
+    def publish(self, commands: list[dict[str, Any]], now: float) -> None:
+        self._publish(commands, now)
+
     def _send_wave(self, row: Any, step: Step, now: float) -> None:
         rd = tables.rollout_devices
         to_publish: list[dict[str, Any]] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
+from sdk.fleet_server.actions import ACTION_REQUEST_SCHEMA, ACTIONS
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
 from sdk.fleet_server.history import DEFAULT_PAGE as HISTORY_DEFAULT_PAGE
 from sdk.fleet_server.history import MAX_PAGE as HISTORY_MAX_PAGE
@@ -339,6 +340,27 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
         "responses": {"200": _json("decommissioned", {"type": "object", "properties": {
             "device": {"type": "string"}, "decommissioned_at": {"type": "number"}, "reason": {"type": "string"}}}),
                       "404": _json("no such device", _ref("Error"))}}),
+    ("post", "/api/devices/{device_id}/actions/{action}", {
+        "summary": "A per-device action, audited as device.<action> with the reason: rollback (to the last good "
+                   "model; a signed command; holds the device when its target names the model), ping (a signed "
+                   "command), rerun (the device's target again, as a new revision the reconciler sends), hold, "
+                   "release (the device target's hold flag)",
+        "parameters": [_DEVICE, {"name": "action", "in": "path", "required": True,
+                                 "schema": {"type": "string", "enum": list(ACTIONS)}, "description": "the action"}],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": ACTION_REQUEST_SCHEMA}}},
+        "responses": {"200": _json("done: what was sent or set", {"type": "object", "properties": {
+            "device": {"type": "string"}, "action": {"type": "string"}, "reason": {"type": "string"},
+            "command": {**_STRING_OR_NULL, "description": "the id of the command sent (rollback, ping) or the "
+                                                          "reconciler's next one (rerun)"},
+            "held": {"type": "boolean", "description": "rollback: the device is held (its target would undo it)"},
+            "held_by": {"type": "array", "items": {"type": "string"}, "description": "hold, release: every scope "
+                                                                                     "that still holds the device"},
+            "models": {"type": "object", "description": "rerun: model -> artifact sha256 set again"}}}),
+                      "400": _json("an unknown action, or a bad reason or model (the message names it)",
+                                   _ref("Error")),
+                      "404": _json("no such device", _ref("Error")),
+                      "409": _json("nothing to do: no model to roll back, or no target to run again",
+                                   _ref("Error"))}}),
     ("post", "/api/devices/{device_id}/enroll", {
         "summary": "Take a decommissioned device back (audited as device.enroll): its next message enrols it",
         "parameters": [_DEVICE],
