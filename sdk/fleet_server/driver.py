@@ -49,7 +49,7 @@ from edgepack_core.signing import SigningKey
 from sdk.fleet_server import audit
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database
-from sdk.fleet_server.desired import View, load_plan
+from sdk.fleet_server.desired import View, apply_staged, load_plan
 from sdk.fleet_server.rollouts import (
     NOT_SENT,
     RUNNING,
@@ -433,6 +433,8 @@ class Driver:
                 return
             if step.kind == "fail" and (step.rollback or step.cancel):
                 published = self._record_undo(connection, row, step, now)
+            if step.kind == "succeed" and apply_staged(connection, row["id"], now):
+                self._next_reconcile = 0.0  # the new target's devices are judged at once
         log.info("rollout %s: %s%s", row["id"], step.kind, f" ({step.reason})" if step.reason else "")
         self._publish(published, now)
         if step.kind in ("start", "advance"):

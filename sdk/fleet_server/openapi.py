@@ -155,6 +155,10 @@ SCHEMAS: dict[str, Any] = {
                 "percent": {"type": "number"}, "devices": {"type": "integer"},
                 "active": {"type": "integer"}, "failed": {"type": "integer"}, "in_progress": {"type": "integer"},
                 "not_sent": {"type": "integer"},
+                "offline": {"type": "integer", "description": "devices without a final answer that are offline "
+                                                              "now (the wave waits for them until its deadline)"},
+                "deadline": {**_NUMBER_OR_NULL, "description": "the running wave: wave_started_at + "
+                                                               "wave_timeout_s (unix seconds); null otherwise"},
                 "state": {"type": "string", "enum": ["waiting", "running", "soaking", "passed", "failed", "aborted",
                                                      "paused", "pending"]}}}},
             "gates": {"type": "object"}, "options": {"type": "object"},
@@ -168,6 +172,8 @@ SCHEMAS: dict[str, Any] = {
                                 "actor": {"type": "string", "description": "the token's name, or server:ID"},
                                 "reason": {"type": "string"}}}},
             "wave_started_at": _NUMBER_OR_NULL, "soak_started_at": _NUMBER_OR_NULL, "paused_at": _NUMBER_OR_NULL,
+            "offline": {"type": "integer", "description": "the rollout's devices without a final answer, offline now"},
+            "wave_deadline": {**_NUMBER_OR_NULL, "description": "when the running wave times out"},
             "counts": {"type": "object", "properties": {k: {"type": "integer"} for k in
                                                         ("devices", "active", "failed", "in_progress", "not_sent")}},
             "devices": {"type": "array", "items": {"type": "object", "properties": {
@@ -197,6 +203,8 @@ SCHEMAS: dict[str, Any] = {
                 "revision": {"type": "integer", "description": "times the operator set this entry"},
                 "reason": {"type": "string"}, "set_by": {"type": "string"}, "set_at": {"type": "number"}}}},
             "hold": {"type": ["object", "null"], "description": "reason, set_by, set_at when held"},
+            "staged": {"type": "array", "items": {"type": "object"},
+                       "description": "changes made in waves whose rollout has not applied them yet"},
             "devices": {"type": "array", "description": "groups only: each member's state, reason and difference",
                         "items": {"type": "object"}},
         },
