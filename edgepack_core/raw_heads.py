@@ -101,6 +101,15 @@ def _one_level(
     return None
 
 
+def level_classes(fmt: str, shape: Sequence[int], anchors: int = 3, reg_max: int = 16) -> int | None:
+    """The class count a level of ``shape`` holds read as ``fmt`` with ``anchors`` per cell
+    (yolov5-raw) or ``reg_max`` bins a side (yolov8-raw); None when it cannot be read so."""
+    if fmt == "yolov5-raw":
+        width = _v5_width(shape, anchors)
+        return None if width is None else width - 5
+    return int(shape[1]) - 4 * reg_max if len(shape) == 4 and shape[1] > 4 * reg_max else None
+
+
 def _grid_problem(shape: list[int], index: int, stride: int, input_size: Sequence[int] | None) -> str | None:
     """A level's H x W grid covers the input at its stride (floor or ceil of size / stride)."""
     if input_size is None:

@@ -290,3 +290,61 @@ def test_device_documents_are_built_alike_on_both_backends(database: Database):
     assert list_devices(database, DeviceFilter(version="9"), now=now, silence_s=60) == {
         "devices": [], "total": 0, "limit": 1000, "offset": 0,
         "counts": {"online": 0, "offline": 0, "by_version": {}, "by_provider": {}}}
+
+
+def test_history_transitions_and_external_commands_on_both_backends(database: Database):
+    """A device's history (the server's command and a job it did not send), a rollout transition
+    and the audit of a command the server did not send, built alike on SQLite and PostgreSQL."""
+    from sdk.fleet_server.audit import EXTERNAL, entries, record_external, seen_command
+    from sdk.fleet_server.driver import rollout_of, save_rollout
+    from sdk.fleet_server.history import Page, device_history
+    from sdk.fleet_server.queries import get_device, rollout_transitions
+    from sdk.fleet_server.rollouts import transition
+
+    _seed_rollout(database)
+    _write_states(database, ("d1", _state("d1", 1.0)))
+    body = {"id": "ro-1-d0-x", "type": "deploy", "sha256": "a" * 64, "name": "m", "version": "2.0.0",
+            "expires_at": 9e9, "sig": {"key_id": "k", "value": "never kept"}}
+    with database.write() as connection:
+        connection.execute(tables.commands.insert().values(
+            id="ro-1-d0-x", rollout_id="ro-1", device="d1", kind="deploy", topic="t", payload=json.dumps(body).encode(),
+            created_at=5.0, created_by="s", attempts=1))
+    _write_jobs(database, _job("d1", "ro-1-d0-x", "queued", False, 1.0), _job("d1", "ro-1-d0-x", "rolled_back",
+                                                                              True, 2.0))
+    assert get_device(database, "d1", now=time.time(), silence_s=60)["update_status"] == "failed"
+    _write_jobs(database, _job("d1", "by-hand", "active", False, 3.0))
+    assert get_device(database, "d1", now=time.time(), silence_s=60)["update_status"] == "updating"
+    doc = device_history(database, "d1", Page(limit=1), now=10.0)
+    [newest] = doc["entries"]
+    assert (newest["job"], newest["sent_by_server"], newest["outcome"]) == ("by-hand", False, "in_progress")
+    older = device_history(database, "d1", Page(limit=1, before=doc["next_before"]), now=10.0)
+    [deploy] = older["entries"]
+    assert (deploy["job"], deploy["rollout"], deploy["outcome"], deploy["reason"]) == (
+        "ro-1-d0-x", {"id": "ro-1", "state": "running"}, "failed", "rolled_back")
+    assert deploy["artifact"] == {"sha256": "a" * 64, "name": "m", "version": "2.0.0"}
+    assert [s["state"] for s in deploy["states"]] == ["queued", "rolled_back"] and older["next_before"] is None
+    assert deploy["target"] is None
+    with database.write() as connection:
+        connection.execute(tables.commands.insert().values(
+            id="tg-1", device="d1", kind="deploy", topic="t", payload=json.dumps({**body, "id": "tg-1"}).encode(),
+            created_at=9.0, created_by="s", attempts=1))
+        connection.execute(tables.target_commands.insert().values(
+            id="tg-1", device="d1", model="m", artifact="a" * 64, source="group:g1", revision=1, attempt=1,
+            created_at=9.0))
+    unanswered = device_history(database, "d1", Page(), now=9e9 + 1)["entries"]
+    assert [(e["job"], e["target"], e["outcome"]) for e in unanswered][1:] == [
+        ("tg-1", "group:g1", "unanswered"), ("ro-1-d0-x", None, "failed")]
+    with database.write() as connection:
+        row = connection.execute(select(tables.rollouts)).mappings().one()
+        assert save_rollout(connection, row, transition(rollout_of(row), "pause", 7.0, "lunch"), 7.0, event="pause",
+                            actor="admin", reason="lunch")
+        assert not save_rollout(connection, row, transition(rollout_of(row), "abort", 8.0, "x"), 8.0,
+                                event="abort", actor="admin", reason="x")  # a stale revision writes nothing
+        assert rollout_transitions(connection, "ro-1") == [{"at": 7.0, "event": "pause", "from": "running",
+                                                            "to": "paused", "wave": 1, "actor": "admin",
+                                                            "reason": "lunch"}]
+        seen = [(seen_command("dev/d1/cmd", "d1", json.dumps(body).encode(), 1.0), 1.0),
+                (seen_command("dev/d1/cmd", "d1", json.dumps({**body, "id": "other"}).encode(), 1.0), 1.0)]
+        assert record_external(connection, seen) == 1  # the server's own command is not external
+    [external] = entries(database, action=EXTERNAL)
+    assert external["detail"]["id"] == "other" and "sig" not in json.dumps(external["detail"])

@@ -35,8 +35,11 @@ def bare_outputs(model: onnx.ModelProto, pixels: np.ndarray) -> list[np.ndarray]
     return outputs
 
 
-def _write(folder: Path, model: onnx.ModelProto, postprocess: dict) -> Path:
+def _write(folder: Path, model: onnx.ModelProto, postprocess: dict, labels: int | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
+    if labels is not None:
+        (folder / "labels.txt").write_text("".join(f"class{i}\n" for i in range(labels)))
+        postprocess = {**postprocess, "labels": "labels.txt"}
     onnx.save(model, folder / "model.onnx")
     heads.save_png(heads.scene(), folder / "val" / "scene.png")
     heads.save_png(heads.scene(heads.TARGETS[:1]), folder / "val" / "red.png")
@@ -54,13 +57,16 @@ def _write(folder: Path, model: onnx.ModelProto, postprocess: dict) -> Path:
 
 
 def _build(folder: Path, key: Path, model: onnx.ModelProto, postprocess: dict) -> Path:
-    recipe = _write(folder, model, postprocess)
+    labels = 3 if "labels" in postprocess else None
+    recipe = _write(folder, model, {k: v for k, v in postprocess.items() if k != "labels"}, labels)
     build(load_recipe(recipe), key_paths=[str(key)], output=folder / "model.edgepkg")
     return folder / "model.edgepkg"
 
 
-def _refused(folder: Path, key: Path, model: onnx.ModelProto, postprocess: dict) -> RecipeError:
-    recipe = _write(folder, model, postprocess)
+def _refused(
+    folder: Path, key: Path, model: onnx.ModelProto, postprocess: dict, labels: int | None = None
+) -> RecipeError:
+    recipe = _write(folder, model, postprocess, labels)
     with pytest.raises(RecipeError) as refused:
         build(load_recipe(recipe), key_paths=[str(key)], output=folder / "model.edgepkg")
     assert not (folder / "model.edgepkg").exists()
@@ -135,6 +141,23 @@ def test_a_sigmoid_declared_over_the_graphs_own_is_refused_naming_apply_sigmoid(
         {"format": "yolov5-raw", "apply_sigmoid": True},
     )
     assert refused.key == "postprocess.apply_sigmoid" and "applied the Sigmoid already" in str(refused)
+
+
+@pytest.mark.parametrize(
+    ("family", "declared", "key", "fits"),
+    [
+        ("yolov8", {"reg_max": 8}, "postprocess.reg_max", "reg_max 16 reads exactly 3"),  # 67 - 32: 35 classes
+        ("yolov5", {"anchors": [[10, 13, 16, 30]] * 3}, "postprocess.anchors", "anchors per cell 3 reads exactly 3"),
+    ],
+)
+def test_a_reg_max_or_anchor_count_that_splits_the_channels_unlike_the_labels_is_refused_naming_the_key(
+    tmp_path, keypair, family, declared, key, fits
+):
+    model = heads.raw_level_model(family)
+    refused = _refused(tmp_path / "wrong", keypair[0], model, {"format": f"{family}-raw", **declared}, labels=3)
+    assert refused.key == key and fits in str(refused)
+    artifact = _build(tmp_path / "right", keypair[0], model, {"format": f"{family}-raw", "labels": "labels.txt"})
+    assert artifact.exists()  # the same head with its own reg_max / anchors and the 3 labels builds
 
 
 # ---------------------------------------------------------------- the spec and the decoders' boundaries

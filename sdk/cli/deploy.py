@@ -125,16 +125,80 @@ def _answer(event: JobEvent, seconds: float) -> None:
 _TIMEOUT = click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for the answer.")
 
 
-def _read_only_command(kind: str, doc: str) -> None:
+_SERVER_OR_BROKER = click.option(
+    "--server", envvar="EDGEPACK_SERVER",
+    help="Go through this fleet server (audited, signed with the server's operator key) instead of MQTT "
+         "(or EDGEPACK_SERVER).")
+_SERVER_TOKEN = click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                             envvar="EDGEPACK_SERVER_TOKEN_FILE",
+                             help="With --server: the file holding the bearer token (or EDGEPACK_SERVER_TOKEN_FILE).")
+_ACTION_REASON = click.option("--reason", default="", help="With --server: why (kept in the audit; at most 500 "
+                                                           "characters).")
+
+
+def _through_server(server: str, token_file: Path | None, device_id: str, action: str, body: dict[str, Any],
+                    timeout: float) -> None:
+    """One device action through the fleet server, then its job followed in the device's history
+    until it ends (or ``timeout``): the same answer line as over MQTT."""
+    done, job = follow_action(_fleet_client(server, token_file), device_id, action, body, timeout)
+    click.echo(json.dumps({"device": device_id, "command": done["command"], "job": job,
+                           **({"held": done["held"]} if "held" in done else {})}))
+    state = (job or {}).get("state")
+    if job is None or not job.get("final"):
+        raise CommandFailed(f"{device_id}: command {done['command']} sent; no final answer within {timeout:g} s "
+                            "(see edgepack device history)")
+    if state not in ("done", "active", "cancelled", "rolled_back"):
+        why = f": {job['reason']}" if job.get("reason") else ""
+        raise CommandFailed(f"{device_id}: job {done['command']} ended {state}{why}")
+
+
+def follow_action(client: Any, device_id: str, action: str, body: dict[str, Any],
+                  timeout: float) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """POST the action, then read the device's history until the command's job is final (or
+    ``timeout``): (the server's answer, the job's history entry or None)."""
+    import time
+
+    done = client.post(f"/api/devices/{device_id}/actions/{action}", body)
+    deadline = time.monotonic() + timeout
+    job = None
+    while True:
+        entries = client.get(f"/api/devices/{device_id}/history", limit=20)["entries"]
+        job = next((e for e in entries if e["job"] == done["command"]), job)
+        if (job is not None and any(s["final"] for s in job["states"])) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if job is not None:
+        job = {"state": job["state"], "final": any(s["final"] for s in job["states"]), "reason": job["reason"],
+               "outcome": job["outcome"]}
+    return done, job
+
+
+def _no_route(broker: BrokerOptions | None, server: str | None) -> None:
+    if broker is None and server is None:
+        raise click.UsageError("give --broker HOST:PORT (MQTT) or --server URL (through the fleet server)")
+
+
+def _read_only_command(kind: str, doc: str, *, via_server: bool = False) -> None:
     @device.command(name=kind, help=doc)
     @click.argument("device_id")
-    @broker_options
+    @broker_options(required=False)
     @_TIMEOUT
-    def command(device_id: str, broker: BrokerOptions, timeout: float) -> None:
+    @_SERVER_OR_BROKER
+    @_SERVER_TOKEN
+    @_ACTION_REASON
+    def command(device_id: str, broker: BrokerOptions | None, timeout: float, server: str | None,
+                token_file: Path | None, reason: str) -> None:
+        _no_route(broker, server if via_server else None)
+        if via_server and server is not None:
+            _through_server(server, token_file, device_id, kind, {"reason": reason}, timeout)
+            return
+        if broker is None:
+            raise click.UsageError("give --broker HOST:PORT")
         _command(broker, device_id, kind, timeout)
 
 
-_read_only_command("ping", "Round trip to a device over MQTT.")
+_read_only_command("ping", "Round trip to a device, over MQTT (--broker) or through the fleet server (--server).",
+                   via_server=True)
 _read_only_command("get-state", "The device's active model, store and profile.")
 
 
@@ -143,14 +207,26 @@ _read_only_command("get-state", "The device's active model, store and profile.")
 @click.option("--from", "from_ref", metavar="NAME@VERSION",
               help="The model this rollback undoes (default: the one the device reports serving, asked with a "
                    "get-state first). A device serving another model refuses the rollback.")
-@click.option("--model", "model", metavar="NAME", default=None,
-              help="On a device holding several models: the one to roll back (its version asked with a get-state).")
-@broker_options
+@click.option("--model", metavar="NAME", help="The model to roll back (default: the one the device serves; on a "
+              "device holding several models, name one). Over MQTT its version is asked with a get-state.")
+@broker_options(required=False)
 @_TIMEOUT
 @_OPERATOR_KEY
-def rollback(device_id: str, from_ref: str | None, model: str | None, broker: BrokerOptions, timeout: float,
-             operator_key: Path | None) -> None:
-    """Make the device's previous model active again."""
+@_SERVER_OR_BROKER
+@_SERVER_TOKEN
+@_ACTION_REASON
+def rollback(device_id: str, from_ref: str | None, model: str | None, broker: BrokerOptions | None, timeout: float,
+             operator_key: Path | None, server: str | None, token_file: Path | None, reason: str) -> None:
+    """Make the device's last good model active again: through the fleet server with --server
+    (audited; the device is held when its target names the model), else over MQTT (--broker)."""
+    _no_route(broker, server)
+    if server is not None:
+        if from_ref is not None:
+            raise click.UsageError("--from goes with --broker; through the server use --model NAME")
+        _through_server(server, token_file, device_id, "rollback",
+                        {"reason": reason, **({"model": model} if model else {})}, timeout)
+        return
+    assert broker is not None
     from_version = parse_model_ref(from_ref) if from_ref is not None else None
     event, seconds = send_rollback(broker, device_id, from_version=from_version, timeout=timeout,
                                    operator_key=_key(operator_key), model=model)
@@ -216,7 +292,8 @@ def history_lines(doc: dict[str, Any]) -> list[str]:
         artifact = entry.get("artifact") or {}
         what = f"{artifact.get('name') or '?'} {artifact.get('version') or '?'} ({artifact['sha256'][:12]})" \
             if artifact.get("sha256") else ""
-        rollout = f" rollout {entry['rollout']['id']}" if entry.get("rollout") else ""
+        rollout = f" rollout {entry['rollout']['id']}" if entry.get("rollout") else \
+            f" target ({entry['target']})" if entry.get("target") else ""
         by = "" if entry["sent_by_server"] else " (not sent by the server)"
         lines.append(f"{_when(entry['started_at'])}  {entry['job']}  {entry['kind']} {what}{rollout}{by}: "
                      f"{entry['outcome']}" + (f": {entry['reason']}" if entry["reason"] else ""))

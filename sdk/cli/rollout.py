@@ -54,11 +54,18 @@ def _line(doc: dict[str, Any]) -> str:
             f"{'  ' + doc['reason'] if doc.get('reason') else ''}")
 
 
+def _waits(wave: dict[str, Any]) -> str:
+    """A wave's offline devices and its deadline, when it has them."""
+    offline = f", {wave['offline']} offline" if wave.get("offline") else ""
+    deadline = f", times out at {utc_time(wave['deadline'])} UTC" if wave.get("deadline") else ""
+    return offline + deadline
+
+
 def _table(doc: dict[str, Any]) -> str:
     lines = [_line(doc)]
     for wave in doc.get("waves", []):
         lines.append(f"  wave {wave['index'] + 1} ({wave['percent']:g}%): {wave['state']:<8} "
-                     f"{wave['active']}/{wave['devices']} active, {wave['failed']} failed")
+                     f"{wave['active']}/{wave['devices']} active, {wave['failed']} failed" + _waits(wave))
     lines.append(f"  {'DEVICE':<24} {'WAVE':>4} {'STATE':<12} REASON")
     for device in doc.get("devices", []):
         undo = device.get("undo")
@@ -132,6 +139,8 @@ def rollout() -> None:
 @click.option("--health-window", type=float, help="Seconds each device watches the new model (signed in).")
 @click.option("--force-downgrade", is_flag=True, help="Allow devices to install an older version.")
 @click.option("--allow-contract-change", is_flag=True, help="Allow a model whose inputs or outputs differ.")
+@click.option("--exclude-offline", is_flag=True,
+              help="With --device: leave out the devices offline now (a --group takes online devices only).")
 @click.option("--wait", is_flag=True, help="Follow the rollout; exit 0 only if every device ends active.")
 @click.option("--timeout", type=float, default=3600.0, show_default=True, help="With --wait: seconds to follow.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rollout as JSON.")
@@ -139,7 +148,8 @@ def rollout() -> None:
 def create(artifact: Path, server: str, token_file: Path | None, group: str | None, devices: tuple[str, ...],
            waves: str, soak_s: float, success_share: float, wave_timeout: float, max_error_rate: float | None,
            rollback_on_failure: bool, health_window: float | None, force_downgrade: bool,
-           allow_contract_change: bool, wait: bool, timeout: float, as_json: bool, reason: str) -> None:
+           allow_contract_change: bool, exclude_offline: bool, wait: bool, timeout: float, as_json: bool,
+           reason: str) -> None:
     """Roll ARTIFACT out to a group or devices, in waves, from the server."""
     if bool(devices) == bool(group):
         raise click.UsageError("give --group G or --device ID (repeatable)")
@@ -159,6 +169,10 @@ def create(artifact: Path, server: str, token_file: Path | None, group: str | No
         body["health_window_s"] = health_window
     if reason:
         body["reason"] = reason
+    if exclude_offline:
+        if group:
+            raise click.UsageError("--exclude-offline goes with --device (a --group takes online devices only)")
+        body["exclude_offline"] = True
     doc = client.post("/api/rollouts", body)
     if not wait:
         click.echo(json.dumps(doc) if as_json else f"created {doc['id']}: {doc['counts']['devices']} device(s) "

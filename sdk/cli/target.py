@@ -19,7 +19,7 @@ import click
 
 from edgepack_core.fsutil import sha256_file
 from sdk.cli import main
-from sdk.cli.rollout import _server_options, client_for
+from sdk.cli.rollout import _follow, _line, _server_options, _waves, client_for
 from sdk.errors import CommandFailed, FleetServerError
 from sdk.fleet_server.client import FleetClient
 
@@ -96,12 +96,16 @@ def target() -> None:
 @click.option("--device", help="One device.")
 @click.option("--model", help="The model name (default: the artifact's own name).")
 @click.option("--reason", default="", help="Why (kept in the audit log).")
+@click.option("--waves", help="Stage the change (a group or the fleet): cumulative percentages of the devices that "
+                              "need it, e.g. 5,25,100; a rollout moves them and the target changes when it succeeds.")
+@click.option("--soak", "soak_s", type=float, help="With --waves: seconds each passed wave is watched.")
+@click.option("--wave-timeout", type=float, help="With --waves: seconds a device has to answer finally.")
 @click.option("--wait", is_flag=True, help="Follow the devices; exit 0 only when every one is on target.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="With --wait: seconds to follow.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def set_target(artifact: str, server: str, token_file: Path | None, fleet: bool, group: str | None,
-               device: str | None, model: str | None, reason: str, wait: bool, timeout: float,
-               as_json: bool) -> None:
+               device: str | None, model: str | None, reason: str, waves: str | None, soak_s: float | None,
+               wave_timeout: float | None, wait: bool, timeout: float, as_json: bool) -> None:
     """Set MODEL of the fleet, a group or a device to ARTIFACT (a file, a sha256 or "absent");
     the server sends each device that differs the signed command, downgrades included."""
     path = _scope_path(fleet, group, device)
@@ -110,11 +114,29 @@ def set_target(artifact: str, server: str, token_file: Path | None, fleet: bool,
     model = model or name
     if model is None:
         raise click.UsageError("give --model NAME with absent")
-    doc = client.put(path, {"models": {model: sha}, "reason": reason})
+    body: dict[str, Any] = {"models": {model: sha}, "reason": reason}
+    if waves is not None:
+        body.update({"waves": _waves(waves), **({"soak_s": soak_s} if soak_s is not None else {}),
+                     **({"wave_timeout_s": wave_timeout} if wave_timeout is not None else {})})
+    elif soak_s is not None or wave_timeout is not None:
+        raise click.UsageError("--soak and --wave-timeout stage a change: give --waves too")
+    doc = client.put(path, body)
+    staged = [s for s in doc.get("staged", []) if s["artifact"] == sha and s["model"] == model]
     if not wait:
-        click.echo(json.dumps(doc) if as_json else f"{path.removeprefix('/api/targets/')}: {model} -> {sha}")
+        where = path.removeprefix("/api/targets/")
+        click.echo(json.dumps(doc) if as_json else f"{where}: {model} -> {sha}"
+                   f"{' (staged in rollout ' + staged[-1]['rollout'] + ')' if staged else ''}")
         return
-    states = _wait(client, (fleet, group, device), timeout)
+    deadline = time.monotonic() + timeout
+    if staged:
+        rollout_id = staged[-1]["rollout"]
+        click.echo(f"staged in rollout {rollout_id}", err=True)
+        final = _follow(client, rollout_id, timeout=timeout, interval=1.0,
+                        show=None if as_json else (lambda d: click.echo(_line(d), err=True)))
+        if final["state"] != "succeeded":
+            raise CommandFailed(f"rollout {rollout_id} ended {final['state']}: the target was not changed"
+                                f"{': ' + final['reason'] if final.get('reason') else ''}")
+    states = _wait(client, (fleet, group, device), max(0.0, deadline - time.monotonic()))
     off = [item for item in states if item["state"] != "converged"]
     click.echo(json.dumps(states) if as_json else "\n".join(
         [f"{len(states) - len(off)}/{len(states)} device(s) on target", *_state_lines(states)]))

@@ -76,7 +76,7 @@ def serving_model(broker: BrokerOptions | str, device: str, *, root: str = "edge
     active = _chosen_model(device, detail, model)
     if not isinstance(active, dict) or not active.get("name") or not active.get("version"):
         raise DeployError(f"{device} reports no model it serves ({event.state}: "
-                          f"{event.reason[:200]}); name the model to roll back from")
+                          f"{event.reason}); name the model to roll back from")
     return {"name": str(active["name"]), "version": str(active["version"])}
 
 

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +47,12 @@ from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError
-from sdk.fleet_server import audit, desired, history, openapi, queries
+from sdk.fleet_server import actions, audit, desired, history, openapi, queries, wave_waits
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
 from sdk.fleet_server.retention import RetentionPolicy
-from sdk.fleet_server.rollouts import STATES
+from sdk.fleet_server.rollouts import STATES, Gates, check_gates
 
 log = logging.getLogger("edgepack.fleet_server.api")
 
@@ -73,6 +73,7 @@ SECURITY_HEADERS = [
 _ROLLOUT_VALIDATOR = Validator(queries.ROLLOUT_REQUEST_SCHEMA, document="rollout")
 _GROUPS_VALIDATOR = Validator(queries.GROUPS_REQUEST_SCHEMA, document="groups")
 _TARGET_VALIDATOR = Validator(desired.TARGET_REQUEST_SCHEMA, document="target")
+_DEVICE_ACTION_VALIDATOR = Validator(actions.ACTION_REQUEST_SCHEMA, document="action")
 _ACTION_VALIDATOR = Validator({"type": "object", "additionalProperties": False,
                                "properties": {"reason": {"type": "string", "maxLength": 500}}}, document="request")
 
@@ -92,6 +93,7 @@ class ApiContext:
     wake_driver: Callable[[], None] = lambda: None
     clear_retained_state: Callable[[str], None] = lambda _device: None  # publishes the empty retained state
     command_ttl_s: float = 24 * 3600.0
+    commands: actions.CommandSink | None = None  # the driver: signs, records and publishes a device action's command
     auth_failures: int = 0
     requests: int = 0
     ui_dir: Path = UI_DIR
@@ -406,8 +408,12 @@ class Routes:
 
     async def rollout(self, request: Request, _actor: str) -> Response:
         Params(request, set())
-        return JSONResponse(await run_in_threadpool(queries.get_rollout, self.database,
-                                                    _path_id(request, "rollout_id")))
+        return JSONResponse(await run_in_threadpool(self._rollout_doc, _path_id(request, "rollout_id")))
+
+    def _rollout_doc(self, rollout_id: str) -> dict[str, Any]:
+        """The rollout's document with what its waves wait for (offline devices, the deadline)."""
+        return wave_waits.annotate(self.database, queries.get_rollout(self.database, rollout_id), now=time.time(),
+                                   silence_s=self.context.silence_s)
 
     async def audit_entries(self, request: Request, _actor: str) -> Response:
         params = Params(request, {"limit", "before", "action"})
@@ -450,6 +456,19 @@ class Routes:
                                        reason=body.get("reason", ""), actor=actor, remote=_remote(request))
         # After the commit: the cleared retained state the ingest then hears finds the mark.
         self.context.clear_retained_state(device)
+        return JSONResponse(done)
+
+    async def device_action(self, request: Request, actor: str) -> Response:
+        Params(request, set())
+        device = _path_id(request, "device_id")
+        body = await read_json(request, optional=True)
+        _validate(_DEVICE_ACTION_VALIDATOR, body)
+        parsed = actions.parse_action(str(request.path_params["action"]), body)
+        caller = actions.Caller(actor, _remote(request), self._view())
+        done = await run_in_threadpool(lambda: actions.perform(self.database, self.context.commands, device, parsed,
+                                                               caller, command_ttl_s=self.context.command_ttl_s))
+        if parsed.action in ("rerun", "release"):
+            self.context.wake_driver()
         return JSONResponse(done)
 
     async def enroll(self, request: Request, actor: str) -> Response:
@@ -495,7 +514,7 @@ class Routes:
                                              queries.RolloutRequest.from_json(body), actor=actor,
                                              remote=_remote(request), silence_s=self.context.silence_s)
         self.context.wake_driver()
-        return JSONResponse(await run_in_threadpool(queries.get_rollout, self.database, rollout_id), status_code=201)
+        return JSONResponse(await run_in_threadpool(self._rollout_doc, rollout_id), status_code=201)
 
     # ---------------------------------------------------------------- targets
 
@@ -534,12 +553,37 @@ class Routes:
             name = self._scope(request, scope)
             body = await read_json(request)
             _validate(_TARGET_VALIDATOR, body)
-            change = desired.parse_change(body)
-            await run_in_threadpool(lambda: desired.set_target(self.database, scope, name, change, actor=actor,
-                                                               remote=_remote(request)))
+            change = desired.parse_change(body, scope)
+            remote = _remote(request)
+            if change.staged is None:
+                await run_in_threadpool(lambda: desired.set_target(self.database, scope, name, change, actor=actor,
+                                                                   remote=remote))
+            else:
+                await run_in_threadpool(self._stage, scope, name, change, actor, remote)
             self.context.wake_driver()
             return JSONResponse(await run_in_threadpool(desired.scope_doc, self.database, scope, name))
         return put
+
+    def _stage(self, scope: str, name: str, change: desired.TargetChange, actor: str, remote: str) -> None:
+        """A staged change: a rollout over the devices that need it (force_downgrade: the operator
+        chose the target), carrying the change, which the driver applies when the rollout
+        succeeds. With no device to move, the change is applied at once."""
+        staged = change.staged
+        assert staged is not None
+        devices = desired.staged_devices(self.database, scope, name, change)
+        if not devices:
+            desired.set_target(self.database, scope, name, replace(change, staged=None), actor=actor, remote=remote)
+            return
+        gates = check_gates(Gates(min_success_share=staged.min_success_share, soak_s=staged.soak_s,
+                                  wave_timeout_s=staged.wave_timeout_s, max_error_rate=staged.max_error_rate))
+        request = queries.RolloutRequest(artifact=next(iter(change.set.values())), waves=list(staged.waves),
+                                         group=None, devices=devices, gates=gates, health_window_s=None,
+                                         force_downgrade=True, allow_contract_change=False,
+                                         reason=change.reason or f"target {scope} {name}".strip())
+        now = time.time()
+        queries.create_rollout(self.database, request, actor=actor, remote=remote, silence_s=self.context.silence_s,
+                               now=now, also=lambda connection, rollout_id: desired.record_staged(
+                                   connection, rollout_id, scope, name, change, actor=actor, remote=remote, now=now))
 
     async def device_target(self, request: Request, _actor: str) -> Response:
         Params(request, set())
@@ -556,7 +600,7 @@ class Routes:
             await run_in_threadpool(queries.rollout_action, self.database, rollout_id, name, actor=actor,
                                     remote=_remote(request), reason=body.get("reason", ""))
             self.context.wake_driver()
-            return JSONResponse(await run_in_threadpool(queries.get_rollout, self.database, rollout_id))
+            return JSONResponse(await run_in_threadpool(self._rollout_doc, rollout_id))
         return act
 
 
@@ -574,6 +618,7 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/devices/{device_id}", guard(r.device), methods=["GET"]),
         Route("/api/devices/{device_id}", guard(r.decommission, "device.decommission"), methods=["DELETE"]),
         Route("/api/devices/{device_id}/enroll", guard(r.enroll, "device.enroll"), methods=["POST"]),
+        Route("/api/devices/{device_id}/actions/{action}", guard(r.device_action, "device.action"), methods=["POST"]),
         Route("/api/decommissioned", guard(r.decommissioned), methods=["GET"]),
         Route("/api/devices/{device_id}/telemetry", guard(r.device_telemetry), methods=["GET"]),
         Route("/api/devices/{device_id}/history", guard(r.device_history), methods=["GET"]),

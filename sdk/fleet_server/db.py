@@ -308,6 +308,19 @@ target_commands = Table(  # the reconciler's deploys (their signed bytes are in 
     Index(None, "device", "model"),
 )
 
+target_staged = Table(  # a target change made in waves: applied when its rollout succeeds
+    "target_staged", metadata,
+    Column("rollout_id", String(ID), ForeignKey("rollouts.id"), primary_key=True),
+    Column("scope", String(8), nullable=False),  # fleet | group
+    Column("name", String(ID), nullable=False),
+    Column("model", String(ID), nullable=False),
+    Column("artifact", String(64), nullable=False),
+    Column("reason", Text, nullable=False, default=""),
+    Column("set_by", String(ID), nullable=False),
+    Column("set_at", Float, nullable=False),
+    Column("applied_at", Float),  # None: not (yet) applied
+)
+
 device_rejected = Table(  # what each device's newest online state lists as rejected (its own bounded ledger)
     "device_rejected", metadata,
     Column("device", String(ID), primary_key=True),

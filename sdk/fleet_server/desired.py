@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import func, select
@@ -41,6 +41,7 @@ from sdk.fleet_server.targets import (
     Running,
     Target,
     effective_target,
+    matches,
     reconcile,
 )
 
@@ -208,7 +209,7 @@ def load_plan(connection: Connection, view: View, *, device: str | None = None, 
     if available is not None:
         artifacts = {sha: info for sha, info in artifacts.items() if available.get(sha, True)}
     last = _last_commands(connection, ids)
-    busy = _busy(connection, ids)
+    busy = {**_staging(connection, ids), **_busy(connection, ids)}
     rejections = _rejections(connection, ids)
     plans = []
     shared: dict[tuple[str, ...], Effective] = {}  # devices without their own target share their groups' one
@@ -295,9 +296,39 @@ class TargetChange:
     clear: tuple[str, ...]
     hold: bool | None
     reason: str
+    staged: Staged | None = None
 
 
-def parse_change(body: Mapping[str, Any]) -> TargetChange:
+@dataclass(frozen=True)
+class Staged:
+    """A target change made in waves (a rollout's gates; applied when the rollout succeeds)."""
+
+    waves: tuple[float, ...]
+    soak_s: float = 0.0
+    wave_timeout_s: float = 1800.0
+    min_success_share: float = 1.0
+    max_error_rate: float | None = None
+
+
+STAGE_KEYS = ("waves", "soak_s", "wave_timeout_s", "min_success_share", "max_error_rate")
+
+
+def _staged(body: Mapping[str, Any], change: TargetChange, scope: str) -> Staged | None:
+    """The waves of a staged change, or None; 422 when the change cannot be staged."""
+    if "waves" not in body:
+        if any(key in body for key in STAGE_KEYS):
+            raise ApiError(422, "invalid", "waves: gates without waves (give waves to stage the change)")
+        return None
+    if scope == DEVICE:
+        raise ApiError(422, "invalid", "waves: a device target is not staged (give it without waves)")
+    if len(change.set) != 1 or change.clear or change.hold is not None or ABSENT in change.set.values():
+        raise ApiError(422, "invalid", "waves: a staged change sets exactly one model to an artifact, nothing else")
+    return Staged(tuple(float(w) for w in body["waves"]), float(body.get("soak_s", 0.0)),
+                  float(body.get("wave_timeout_s", 1800.0)), float(body.get("min_success_share", 1.0)),
+                  None if body.get("max_error_rate") is None else float(body["max_error_rate"]))
+
+
+def parse_change(body: Mapping[str, Any], scope: str = GROUP) -> TargetChange:
     """The body, already validated against :data:`TARGET_REQUEST_SCHEMA`, as a change
     (:class:`SchemaError` naming the field for what the schema cannot say: the API's 400)."""
     models = body.get("models", {})
@@ -309,9 +340,10 @@ def parse_change(body: Mapping[str, Any]) -> TargetChange:
                                                       "at most 64)")
     if not models and "hold" not in body:
         raise ApiError(422, "invalid", "models: nothing to change: give models or hold")
-    return TargetChange(set={m: a for m, a in models.items() if a is not None},
-                        clear=tuple(sorted(m for m, a in models.items() if a is None)),
-                        hold=body.get("hold"), reason=body.get("reason", ""))
+    change = TargetChange(set={m: a for m, a in models.items() if a is not None},
+                          clear=tuple(sorted(m for m, a in models.items() if a is None)),
+                          hold=body.get("hold"), reason=body.get("reason", ""))
+    return replace(change, staged=_staged(body, change, scope))
 
 
 TARGET_REQUEST_SCHEMA: dict[str, Any] = {
@@ -323,6 +355,14 @@ TARGET_REQUEST_SCHEMA: dict[str, Any] = {
                    "description": "model name -> artifact sha256, \"absent\", or null to clear this scope's entry"},
         "hold": {"type": "boolean", "description": "stop (true) or allow (false) commands to these devices"},
         "reason": {"type": "string", "maxLength": MAX_REASON, "description": "why (kept in the audit)"},
+        "waves": {"type": "array", "minItems": 1, "maxItems": 20,
+                  "items": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+                  "description": "stage the change: cumulative percentages of the devices that need it, the last "
+                                 "100; a rollout moves them and the target changes when it succeeds"},
+        "soak_s": {"type": "number", "minimum": 0, "maximum": 7 * 86400},
+        "wave_timeout_s": {"type": "number", "minimum": 1, "maximum": 7 * 86400},
+        "min_success_share": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "max_error_rate": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
     },
 }
 
@@ -347,6 +387,77 @@ def _scope_exists(connection: Connection, scope: str, name: str) -> None:
         raise ApiError(404, "not_found", f"no device {name}")
 
 
+def _write_entry(connection: Connection, key: tuple[str, str, str], artifact: str, revision: int, reason: str,
+                 actor: str, now: float) -> None:
+    entries = tables.target_entries
+    scope, name, model = key
+    connection.execute(entries.delete().where(entries.c.scope == scope, entries.c.name == name,
+                                              entries.c.model == model))
+    connection.execute(entries.insert().values(scope=scope, name=name, model=model, artifact=artifact,
+                                               revision=revision, reason=reason, set_by=actor, set_at=now))
+
+
+# --------------------------------------------------------------------------- staged changes
+
+
+def staged_devices(database: Database, scope: str, name: str, change: TargetChange) -> list[str]:
+    """The devices a staged change must move: those the scope covers (a group's members, or
+    the fleet) that do not run the artifact already (they count converged, never failed)."""
+    model, sha = next(iter(change.set.items()))
+    with database.read() as connection:
+        _check_artifacts(connection, change)
+        info = _artifacts(connection, {sha})[sha]
+        rows = _devices(connection, None, name if scope == GROUP else None)
+    return [row.id for row in rows if not (row.model_name == model
+                                           and matches(Running(row.model_version, row.model_sha256), info))]
+
+
+def record_staged(connection: Connection, rollout_id: str, scope: str, name: str, change: TargetChange, *,
+                  actor: str, remote: str, now: float) -> None:
+    """Inside the rollout's own transaction: the change it carries, audited ``target.stage``."""
+    model, sha = next(iter(change.set.items()))
+    connection.execute(tables.target_staged.insert().values(
+        rollout_id=rollout_id, scope=scope, name=name, model=model, artifact=sha, reason=change.reason,
+        set_by=actor, set_at=now, applied_at=None))
+    audit.record(connection, actor=actor, action="target.stage", target=f"{scope}:{name}" if name else scope,
+                 remote=remote, now=now, detail={"reason": change.reason, "rollout": rollout_id, "set": {model: sha}})
+
+
+def apply_staged(connection: Connection, rollout_id: str, now: float) -> bool:
+    """Its rollout succeeded: write the staged change into the target (a new revision), audited
+    ``target.set`` as the operator who staged it. False when the rollout carried none."""
+    staged, entries = tables.target_staged, tables.target_entries
+    row = connection.execute(select(staged).where(staged.c.rollout_id == rollout_id,
+                                                  staged.c.applied_at.is_(None))).mappings().first()
+    if row is None:
+        return False
+    revision = connection.execute(select(entries.c.revision).where(
+        entries.c.scope == row["scope"], entries.c.name == row["name"], entries.c.model == row["model"])).scalar()
+    _write_entry(connection, (row["scope"], row["name"], row["model"]), row["artifact"], (revision or 0) + 1,
+                 row["reason"], row["set_by"], now)
+    connection.execute(staged.update().where(staged.c.rollout_id == rollout_id).values(applied_at=now))
+    audit.record(connection, actor=row["set_by"], action="target.set", now=now,
+                 target=f"{row['scope']}:{row['name']}" if row["name"] else row["scope"],
+                 detail={"reason": row["reason"], "set": {row["model"]: row["artifact"]}, "rollout": rollout_id})
+    return True
+
+
+def _staging(connection: Connection, devices: Sequence[str] | None) -> dict[str, str]:
+    """Device -> the staged change (its rollout not ended) whose scope covers it: the reconciler
+    leaves those devices to the rollout, whatever the old target says."""
+    staged, ro, dg = tables.target_staged, tables.rollouts, tables.device_groups
+    pending = connection.execute(select(staged.c.rollout_id, staged.c.scope, staged.c.name)
+                                 .select_from(staged.join(ro, ro.c.id == staged.c.rollout_id))
+                                 .where(staged.c.applied_at.is_(None), ro.c.state.not_in(sorted(TERMINAL)))).all()
+    out: dict[str, str] = {}
+    for rollout_id, scope, name in pending:
+        query = select(dg.c.device).where(dg.c.group_name == name) if scope == GROUP else select(tables.devices.c.id)
+        column = dg.c.device if scope == GROUP else tables.devices.c.id
+        for (device,) in _select_for(connection, query, column, devices):
+            out.setdefault(device, f"staged change (rollout {rollout_id})")
+    return out
+
+
 def set_target(database: Database, scope: str, name: str, change: TargetChange, *, actor: str, remote: str,
                now: float | None = None) -> None:
     """Apply ``change`` to one scope (a set entry's revision goes up by one: a new operator
@@ -362,11 +473,8 @@ def set_target(database: Database, scope: str, name: str, change: TargetChange, 
         for model in change.clear:
             connection.execute(entries.delete().where(mine, entries.c.model == model))
         for model, artifact in sorted(change.set.items()):
-            revision = before.get(model, ("", 0))[1] + 1
-            connection.execute(entries.delete().where(mine, entries.c.model == model))
-            connection.execute(entries.insert().values(scope=scope, name=name, model=model, artifact=artifact,
-                                                       revision=revision, reason=change.reason, set_by=actor,
-                                                       set_at=now))
+            _write_entry(connection, (scope, name, model), artifact, before.get(model, ("", 0))[1] + 1,
+                         change.reason, actor, now)
         count = connection.execute(select(func.count()).select_from(entries).where(mine)).scalar_one()
         if count > MAX_MODELS:
             raise ApiError(422, "invalid", f"models: the {scope} would hold {count} models; at most {MAX_MODELS}")
@@ -392,8 +500,13 @@ def scope_doc(database: Database, scope: str, name: str) -> dict[str, Any]:
                                   .order_by(entries.c.model)).mappings().all()
         hold = connection.execute(select(holds).where(holds.c.scope == scope, holds.c.name == name)) \
             .mappings().first()
+        staged = connection.execute(select(tables.target_staged).where(
+            tables.target_staged.c.scope == scope, tables.target_staged.c.name == name,
+            tables.target_staged.c.applied_at.is_(None)).order_by(tables.target_staged.c.set_at)).mappings().all()
     return {"scope": scope, "name": name or None,
             "models": {r["model"]: {"artifact": r["artifact"], "revision": r["revision"], "reason": r["reason"],
                                     "set_by": r["set_by"], "set_at": r["set_at"]} for r in rows},
             "hold": None if hold is None else {"reason": hold["reason"], "set_by": hold["set_by"],
-                                               "set_at": hold["set_at"]}}
+                                               "set_at": hold["set_at"]},
+            "staged": [{"rollout": r["rollout_id"], "model": r["model"], "artifact": r["artifact"],
+                        "reason": r["reason"], "set_by": r["set_by"], "set_at": r["set_at"]} for r in staged]}

@@ -49,7 +49,7 @@ from edgepack_core.signing import SigningKey
 from sdk.fleet_server import audit
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database
-from sdk.fleet_server.desired import View, load_plan
+from sdk.fleet_server.desired import View, apply_staged, load_plan
 from sdk.fleet_server.rollouts import (
     NOT_SENT,
     RUNNING,
@@ -433,6 +433,8 @@ class Driver:
                 return
             if step.kind == "fail" and (step.rollback or step.cancel):
                 published = self._record_undo(connection, row, step, now)
+            if step.kind == "succeed" and apply_staged(connection, row["id"], now):
+                self._next_reconcile = 0.0  # the new target's devices are judged at once
         log.info("rollout %s: %s%s", row["id"], step.kind, f" ({step.reason})" if step.reason else "")
         self._publish(published, now)
         if step.kind in ("start", "advance"):
@@ -457,6 +459,16 @@ class Driver:
         audit.record(connection, actor=self.actor, action="command.sent", target=device, now=now,
                      detail={"command": command_summary(command), "rollout": rollout_id, "topic": topic})
         return values
+
+    def record_command(self, connection: Connection, device: str, kind: str, command: dict[str, Any],
+                       now: float) -> dict[str, Any] | None:
+        """An operator's command outside any rollout (:mod:`.actions`), recorded as the driver
+        records its own, in the caller's transaction: published by :meth:`publish`, and resent by
+        whichever server leads if the broker never acknowledged it."""
+        return self._record(connection, None, device, kind, command, now)
+
+    def publish(self, commands: list[dict[str, Any]], now: float) -> None:
+        self._publish(commands, now)
 
     def _send_wave(self, row: Any, step: Step, now: float) -> None:
         rd = tables.rollout_devices

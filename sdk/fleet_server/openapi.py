@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
+from sdk.fleet_server.actions import ACTION_REQUEST_SCHEMA, ACTIONS
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
 from sdk.fleet_server.history import DEFAULT_PAGE as HISTORY_DEFAULT_PAGE
 from sdk.fleet_server.history import MAX_PAGE as HISTORY_MAX_PAGE
@@ -154,6 +155,10 @@ SCHEMAS: dict[str, Any] = {
                 "percent": {"type": "number"}, "devices": {"type": "integer"},
                 "active": {"type": "integer"}, "failed": {"type": "integer"}, "in_progress": {"type": "integer"},
                 "not_sent": {"type": "integer"},
+                "offline": {"type": "integer", "description": "devices without a final answer that are offline "
+                                                              "now (the wave waits for them until its deadline)"},
+                "deadline": {**_NUMBER_OR_NULL, "description": "the running wave: wave_started_at + "
+                                                               "wave_timeout_s (unix seconds); null otherwise"},
                 "state": {"type": "string", "enum": ["waiting", "running", "soaking", "passed", "failed", "aborted",
                                                      "paused", "pending"]}}}},
             "gates": {"type": "object"}, "options": {"type": "object"},
@@ -167,6 +172,8 @@ SCHEMAS: dict[str, Any] = {
                                 "actor": {"type": "string", "description": "the token's name, or server:ID"},
                                 "reason": {"type": "string"}}}},
             "wave_started_at": _NUMBER_OR_NULL, "soak_started_at": _NUMBER_OR_NULL, "paused_at": _NUMBER_OR_NULL,
+            "offline": {"type": "integer", "description": "the rollout's devices without a final answer, offline now"},
+            "wave_deadline": {**_NUMBER_OR_NULL, "description": "when the running wave times out"},
             "counts": {"type": "object", "properties": {k: {"type": "integer"} for k in
                                                         ("devices", "active", "failed", "in_progress", "not_sent")}},
             "devices": {"type": "array", "items": {"type": "object", "properties": {
@@ -196,6 +203,8 @@ SCHEMAS: dict[str, Any] = {
                 "revision": {"type": "integer", "description": "times the operator set this entry"},
                 "reason": {"type": "string"}, "set_by": {"type": "string"}, "set_at": {"type": "number"}}}},
             "hold": {"type": ["object", "null"], "description": "reason, set_by, set_at when held"},
+            "staged": {"type": "array", "items": {"type": "object"},
+                       "description": "changes made in waves whose rollout has not applied them yet"},
             "devices": {"type": "array", "description": "groups only: each member's state, reason and difference",
                         "items": {"type": "object"}},
         },
@@ -226,6 +235,8 @@ SCHEMAS: dict[str, Any] = {
                                                                      "(edgepack deploy, MQTT)"},
                 "rollout": {"type": ["object", "null"], "properties": {"id": {"type": "string"},
                                                                        "state": {"type": "string"}}},
+                "target": {**_STRING_OR_NULL, "description": "a target's deploy: the scope it came from (fleet, "
+                                                              "group:NAME, device)"},
                 "artifact": {"type": ["object", "null"], "properties": {
                     "sha256": {"type": "string"}, "name": _STRING_OR_NULL, "version": _STRING_OR_NULL}},
                 "from_version": {"type": ["object", "null"], "description": "what a rollback undoes"},
@@ -337,6 +348,27 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
         "responses": {"200": _json("decommissioned", {"type": "object", "properties": {
             "device": {"type": "string"}, "decommissioned_at": {"type": "number"}, "reason": {"type": "string"}}}),
                       "404": _json("no such device", _ref("Error"))}}),
+    ("post", "/api/devices/{device_id}/actions/{action}", {
+        "summary": "A per-device action, audited as device.<action> with the reason: rollback (to the last good "
+                   "model; a signed command; holds the device when its target names the model), ping (a signed "
+                   "command), rerun (the device's target again, as a new revision the reconciler sends), hold, "
+                   "release (the device target's hold flag)",
+        "parameters": [_DEVICE, {"name": "action", "in": "path", "required": True,
+                                 "schema": {"type": "string", "enum": list(ACTIONS)}, "description": "the action"}],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": ACTION_REQUEST_SCHEMA}}},
+        "responses": {"200": _json("done: what was sent or set", {"type": "object", "properties": {
+            "device": {"type": "string"}, "action": {"type": "string"}, "reason": {"type": "string"},
+            "command": {**_STRING_OR_NULL, "description": "the id of the command sent (rollback, ping) or the "
+                                                          "reconciler's next one (rerun)"},
+            "held": {"type": "boolean", "description": "rollback: the device is held (its target would undo it)"},
+            "held_by": {"type": "array", "items": {"type": "string"}, "description": "hold, release: every scope "
+                                                                                     "that still holds the device"},
+            "models": {"type": "object", "description": "rerun: model -> artifact sha256 set again"}}}),
+                      "400": _json("an unknown action, or a bad reason or model (the message names it)",
+                                   _ref("Error")),
+                      "404": _json("no such device", _ref("Error")),
+                      "409": _json("nothing to do: no model to roll back, or no target to run again",
+                                   _ref("Error"))}}),
     ("post", "/api/devices/{device_id}/enroll", {
         "summary": "Take a decommissioned device back (audited as device.enroll): its next message enrols it",
         "parameters": [_DEVICE],

@@ -12,7 +12,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,9 @@ ROLLOUT_REQUEST_SCHEMA: dict[str, Any] = {
                                                             "the command; the deploy command's bounds)"),
         "force_downgrade": {"type": "boolean"},
         "allow_contract_change": {"type": "boolean"},
+        "exclude_offline": {"type": "boolean",
+                            "description": "with devices: leave out those offline now (a group takes only online "
+                                           "devices anyway)"},
         "reason": {"type": "string", "maxLength": 500,
                    "description": "why (kept in the rollout's transitions and the audit)"},
     },
@@ -392,6 +395,7 @@ class RolloutRequest:
     force_downgrade: bool
     allow_contract_change: bool
     reason: str = ""
+    exclude_offline: bool = False
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> RolloutRequest:
@@ -409,7 +413,7 @@ class RolloutRequest:
                    health_window_s=None if window is None else float(window),
                    force_downgrade=bool(body.get("force_downgrade", False)),
                    allow_contract_change=bool(body.get("allow_contract_change", False)),
-                   reason=str(body.get("reason", "")))
+                   reason=str(body.get("reason", "")), exclude_offline=bool(body.get("exclude_offline", False)))
 
 
 def _targets(connection: Connection, request: RolloutRequest, now: float, silence_s: float) -> list[str]:
@@ -433,12 +437,28 @@ def _targets(connection: Connection, request: RolloutRequest, now: float, silenc
     if unknown:
         raise ApiError(422, "invalid", f"unknown device(s): {', '.join(unknown[:5])}"
                                        f"{f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''}")
-    return wanted
+    return _online_only(connection, wanted, now, silence_s) if request.exclude_offline else wanted
+
+
+def _online_only(connection: Connection, wanted: list[str], now: float, silence_s: float) -> list[str]:
+    """``exclude_offline``: the listed devices online now, in order (422 when none is)."""
+    devices = tables.devices
+    online: set[str] = set()
+    for start in range(0, len(wanted), 500):
+        online.update(r.id for r in connection.execute(
+            select(devices.c.id, devices.c.status, devices.c.last_seen)
+            .where(devices.c.id.in_(wanted[start:start + 500])))
+            if is_online(r.status, r.last_seen, now, silence_s))
+    kept = [d for d in wanted if d in online]
+    if not kept:
+        raise ApiError(422, "invalid", "exclude_offline: every listed device is offline")
+    return kept
 
 
 def create_rollout(database: Database, request: RolloutRequest, *, actor: str, remote: str, silence_s: float,
-                   now: float | None = None) -> str:
-    """Plan and store a rollout (``pending``: the driver starts it); returns its id."""
+                   now: float | None = None, also: Callable[[Connection, str], None] | None = None) -> str:
+    """Plan and store a rollout (``pending``: the driver starts it); returns its id. ``also``
+    writes what the rollout carries in its transaction (a staged target change)."""
     now = time.time() if now is None else now
     rollout_id = new_rollout_id(os.urandom(8))
     with database.write() as connection:
@@ -467,6 +487,8 @@ def create_rollout(database: Database, request: RolloutRequest, *, actor: str, r
             {"rollout_id": rollout_id, "device": device, "wave": index, "state": NOT_SENT, "final": False,
              "reason": "", "command_id": command_id(rollout_id, "deploy", index, device)}
             for index, wave in enumerate(waves) for device in wave])
+        if also is not None:
+            also(connection, rollout_id)
         audit.record(connection, actor=actor, action="rollout.create", target=rollout_id, remote=remote, now=now,
                      detail={"artifact": request.artifact, "name": artifact["name"], "version": artifact["version"],
                              "group": request.group, "devices": sum(len(w) for w in waves),

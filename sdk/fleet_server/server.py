@@ -308,7 +308,7 @@ class FleetServer:
                           silence_s=self.config.silence_s, status=self.status, metrics=self.metrics,
                           wake_driver=self.driver.wake if self.driver else (lambda: None),
                           clear_retained_state=self._clear_retained_state,
-                          command_ttl_s=self.config.driver.command_ttl_s)
+                          command_ttl_s=self.config.driver.command_ttl_s, commands=self.driver)
         return self._api
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Final, Literal
 
+from sdk.fleet_server.rollouts import ALREADY_ACTIVE
+
 ABSENT: Final = "absent"
 """A model that must not be on the device (in place of an artifact sha256)."""
 
@@ -38,9 +40,6 @@ FLEET: Final = "fleet"
 GROUP: Final = "group"
 DEVICE: Final = "device"
 SCOPES = (FLEET, GROUP, DEVICE)
-
-ALREADY_ACTIVE = "is already the active model"
-"""The agent's answer to a deploy of the model it runs: the device is on target, not failed."""
 
 MAX_ATTEMPTS = 5
 """Commands for one (device, model, artifact, target revision) before the reconciler stops: a

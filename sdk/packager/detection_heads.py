@@ -18,9 +18,9 @@ import numpy as np
 
 from edgepack_core.manifest import TensorSpec
 from edgepack_core.postprocess import yolox_grid
-from edgepack_core.postprocess_spec import RAW_FORMATS, YOLOX_STRIDES, PostprocessSpec
+from edgepack_core.postprocess_spec import MAX_ANCHORS, MAX_REG_MAX, RAW_FORMATS, YOLOX_STRIDES, PostprocessSpec
 from edgepack_core.preprocess_spec import PreprocessSpec
-from edgepack_core.raw_heads import level_problem
+from edgepack_core.raw_heads import level_classes, level_problem
 
 YOLO_FORMATS = ("yolov8", "yolov5", "yolox")
 SIZE_SLACK = 0.5  # pixels: a decoded size below -0.5 is no rounding error
@@ -224,3 +224,23 @@ def sigmoid_applied(post: PostprocessSpec, samples: Sequence[Sequence[np.ndarray
                              for i, level in enumerate(levels)])
     least, greatest = float(np.min(values)), float(np.max(values))
     return bool(least >= 0.0 and greatest <= 1.0), (least, greatest)
+
+
+def labels_problem(post: PostprocessSpec, shape: Sequence[int], labels: int) -> tuple[str, str] | None:
+    """(recipe key, why) when a raw level of ``shape`` read with ``post``'s anchors or reg_max
+    holds another class count than the ``labels`` file lists, while another anchor count or
+    reg_max reads exactly that many: the declared one splits the channels wrongly. None when the
+    counts agree, or no other value explains the labels (a partial labels file is allowed)."""
+    if post.format == "yolov5-raw":
+        count = len(post.anchors[0]) // 2
+        got = level_classes(post.format, shape, anchors=count)
+        fits = [n for n in range(1, MAX_ANCHORS + 1) if level_classes(post.format, shape, anchors=n) == labels]
+        key, what, declared = "anchors", "anchors per cell", count
+    else:
+        got = level_classes(post.format, shape, reg_max=post.reg_max)
+        fits = [r for r in range(1, MAX_REG_MAX + 1) if level_classes(post.format, shape, reg_max=r) == labels]
+        key, what, declared = "reg_max", "reg_max", post.reg_max
+    if got == labels or not fits:
+        return None
+    return key, (f"{what} {declared} reads {got} classes from a level of shape {list(shape)}, but the labels file "
+                 f"lists {labels}: {what} {fits[0]} reads exactly {labels}")

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from edgepack_core.postprocess import load_charset
+from edgepack_core.postprocess import load_charset, load_labels
 from edgepack_core.postprocess_spec import RAW_FORMATS, PostprocessSpec
 from sdk.errors import RecipeError
 from sdk.packager.ctc_blank import blank_range_problem, likely_blank_problem
@@ -25,6 +25,7 @@ from sdk.packager.declared import (
 from sdk.packager.detection_heads import (
     RAW_GRID_HINT,
     declared_format_problem,
+    labels_problem,
     raw_levels_problem,
     sigmoid_applied,
     undecoded_boxes,
@@ -140,6 +141,9 @@ def check_detection_format(
         levels = post.levels or tuple(o.name for o in ctx.outputs)
         shapes = {name: np.shape(outputs[0][name]) for name in levels if outputs and name in outputs[0]}
         found = raw_levels_problem(post, [shapes[name] for name in levels if name in shapes], image)
+        labels = ctx.files.get("assets/labels.txt")
+        if found is None and labels is not None and levels[0] in shapes:
+            found = labels_problem(post, shapes[levels[0]], len(load_labels(labels.decode("utf-8"))))
         if found is not None:
             raise RecipeError(f"postprocess.{found[0]}", f"{post.format}: outputs {', '.join(levels)} on the "
                               f"validation data: {found[1]}", recipe=recipe)

@@ -78,7 +78,7 @@ function historyRow(entry) {
   return h("tr", { "data-job": entry.job, "data-outcome": entry.outcome, title: states || undefined },
     h("td", {}, time(entry.started_at)), h("td", {}, entry.kind), h("td", { class: "artifact" }, what),
     h("td", {}, entry.rollout ? h("a", { href: `#/rollouts/${pathId(entry.rollout.id)}` }, entry.rollout.id)
-                              : entry.sent_by_server ? "targets" : "not sent by the server"),
+                              : entry.sent_by_server ? `target (${entry.target || "?"})` : "not sent by the server"),
     h("td", {}, badge(entry.outcome, OUTCOME_BADGES[entry.outcome] || "")),
     h("td", { class: "detail" }, entry.reason || "–"));
 }
