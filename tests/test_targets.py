@@ -203,3 +203,19 @@ def test_a_rollout_to_the_version_a_device_already_runs_counts_it_active_and_nev
     failed = next_step(running, [already, broken], now=1.0)
     assert failed.kind == "fail" and "cam-02" in failed.reason and "cam-01" not in failed.reason
     assert failed.rollback == () and failed.cancel == ()
+
+
+def test_a_device_holding_several_models_gets_each_targeted_model_and_one_holding_one_never_a_second():
+    kws = "4" * 64
+    artifacts = {**ARTIFACTS, kws: ArtifactInfo(kws, "kws", "1.0.0", "k" * 64)}
+    effective = _effective(Target({"digits": V1, "kws": kws}))
+    both = Reported(online=True, heard_at=1.0, several=True,
+                    models={"digits": Running("1.1.0", "a" * 64), "kws": Running("0.9.0", "j" * 64)})
+    decision = reconcile("d", effective, both, artifacts, {}, now=2.0)
+    assert (decision.kind, decision.model, decision.artifact) == ("send", "kws", kws)
+    assert dict(decision.differences) == {"kws": "runs 0.9.0, target 1.0.0"}
+    on_both = Reported(online=True, heard_at=1.0, several=True,
+                       models={"digits": Running("1.1.0", "a" * 64), "kws": Running("1.0.0", "k" * 64)})
+    assert reconcile("d", effective, on_both, artifacts, {}, now=2.0).kind == "converged"
+    single = reconcile("d", effective, ON_V1, artifacts, {}, now=2.0)
+    assert single.kind == "wait" and "this device runs one" in single.reason
