@@ -314,3 +314,34 @@ def test_a_staged_target_change_moves_only_the_devices_that_need_it_and_a_failed
             assert kitchen.versions() == {"cam-01": "1.1.0", "cam-02": "1.1.0"}
     finally:
         server.stop()
+
+
+def test_the_models_a_device_lists_are_what_the_reconciler_compares(tmp_path):
+    import json
+    import time
+
+    from edgepack_core.protocol.messages import parse_state
+    from sdk.fleet_server.db import open_database
+    from sdk.fleet_server.desired import View, load_plan
+    from sdk.fleet_server.ingest import Writer
+
+    def state(*models: tuple[str, str]) -> bytes:
+        return json.dumps({"schema": "edgepack.state/1", "device": "cam-01", "status": "online", "ts": 1.0,
+                           "model": {"name": models[0][0], "version": models[0][1]},
+                           "models": [{"name": n, "version": v} for n, v in models]}).encode()
+
+    database = open_database(f"sqlite:///{tmp_path / 'fleet.db'}")
+
+    def reported(payload: bytes) -> dict[str, str | None]:
+        now = time.time()
+        with database.write() as connection:
+            Writer(database).states(connection, [(parse_state("cam-01", payload), now)])
+        with database.read() as connection:
+            plan = load_plan(connection, View(now))[0]
+        return {name: running.version for name, running in plan.reported.models.items()}
+
+    try:
+        assert reported(state(("digits", "1.1.0"), ("kws", "2.0.0"))) == {"digits": "1.1.0", "kws": "2.0.0"}
+        assert reported(state(("kws", "2.1.0"))) == {"kws": "2.1.0"}  # the device dropped digits
+    finally:
+        database.dispose()

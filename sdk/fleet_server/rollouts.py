@@ -175,8 +175,20 @@ class Step:
     cancel: tuple[str, ...] = ()
 
 
+ALREADY_ACTIVE = "is already the active model"
+"""The agent's answer to a deploy of the model it runs: that device is on the version, not failed."""
+
+
+def ended_active(device: DeviceStatus) -> bool:
+    """Whether a device's job counts as ended ``active`` for the gates: it did, or the device
+    answered that it already runs the rollout's model (a fleet brought back to one version is
+    not failed by the devices already on it). Never used to pick whom a failure rolls back."""
+    return device.final and (device.state == ACTIVE or ALREADY_ACTIVE in device.reason)
+
+
 def _jobs(devices: Sequence[DeviceStatus]) -> dict[str, DeviceJob]:
-    return {d.device: DeviceJob(d.device, state=d.state, reason=d.reason, final=d.final) for d in devices}
+    return {d.device: DeviceJob(d.device, state=ACTIVE if ended_active(d) else d.state, reason=d.reason,
+                                final=d.final) for d in devices}
 
 
 def undo_targets(devices: Sequence[DeviceStatus]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -204,7 +216,7 @@ def soak_verdict(wave: Sequence[DeviceStatus], gates: Gates) -> str:
     unhealthy: list[str] = []
     healthy = 0
     for device in wave:
-        if not (device.final and device.state == ACTIVE):
+        if not ended_active(device):
             continue
         if not device.online:
             unhealthy.append(f"{device.device} offline")
