@@ -1,10 +1,13 @@
 r"""Server-side rollouts as pure decisions: the state machine and the next step. No I/O, no clock.
 
-    pending -> running(wave 0) -> running(wave k) -> ... -> succeeded
+    pending -> running(wave 1) -> running(wave k) -> ... -> succeeded
                   |  ^                 |
           pause   v  | resume          +-> failed   (a wave missed its gates)
                paused                  +-> aborted  (the operator)
     pending | paused -> aborted;  pending -> paused;  pending -> failed (it cannot start)
+
+Waves are 1-based wherever a person reads them (messages, the API's ``wave_number``, the audit,
+the transitions); :attr:`Rollout.wave` is the 0-based index the tables keep.
 
 Every change of a rollout's state goes through :func:`transition` (an invalid one raises
 :class:`InvalidTransition`, which the API answers with 409); what the driver does next is
