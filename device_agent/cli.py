@@ -164,17 +164,46 @@ def cmd_install(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from device_agent.store import ModelStore
 
-    status = ModelStore(Path(args.store), _trust(args.trust)).status()
+    trust = _trust(args.trust)
+    status = ModelStore(_model_store(args), trust).status()
+    named = {} if args.model else {name: ModelStore(path, trust).status() for name, path in _slot_stores(args)}
+    if named:  # several named models: each one's store (docs/agent.md, "Several models")
+        status["models"] = named
     if args.json:
         print(json.dumps(status))
-    else:
+        return 0
+    for prefix, each in [("", status), *((f"{name}: ", each) for name, each in named.items())]:
         for role in ("active", "previous"):
-            entry = status.get(role)
+            entry = each.get(role)
             text = "-" if not entry else (entry.get("error") or f"{entry['name']} {entry['version']}")
-            print(f"{role:<9} {text}")
-        for entry in status["rejected"]:
-            print(f"rejected  {entry['name']} {entry['version']} at {entry['stage']}: {entry['reason']}")
+            print(f"{prefix}{role:<9} {text}")
+        for entry in each["rejected"]:
+            print(f"{prefix}rejected  {entry['name']} {entry['version']} at {entry['stage']}: {entry['reason']}")
     return 0
+
+
+def _slot_stores(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """The stores of the named models under ``<store>/slots/`` (device_agent/models.py)."""
+    from device_agent.models import SLOTS_DIR
+    from edgepack_core.protocol.ids import is_valid_id
+
+    slots = Path(args.store) / SLOTS_DIR
+    return [(entry.name, entry) for entry in sorted(slots.iterdir()) if is_valid_id(entry.name) and entry.is_dir()] \
+        if slots.is_dir() else []
+
+
+def _model_store(args: argparse.Namespace) -> Path:
+    """The store of ``--model NAME``: ``<store>/slots/NAME`` when the agent keeps it there, else
+    the store root (which holds the first model of an agent without ``models:``)."""
+    if not args.model:
+        return Path(args.store)
+    from device_agent.models import slot_directory
+
+    try:
+        slot = slot_directory(Path(args.store), args.model)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    return slot if slot.is_dir() else Path(args.store)
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
@@ -183,8 +212,10 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     from device_agent.runtime import load_model
     from device_agent.store import ModelStore
 
-    store = ModelStore(Path(args.store), _trust(args.trust))
+    store = ModelStore(_model_store(args), _trust(args.trust))
     target = store.rollback_target()  # never a version this device rejected
+    if args.model and target.name != args.model:
+        raise UsageError(f"the store {store.root} holds {target.name}, not {args.model}")
     load_model(target.directory, target.verified.manifest, profile=args.profile, threads=args.threads)
     model = store.rollback()
     print(f"active: {model.name} {model.version}")
@@ -248,12 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--store", required=True)
     trust(status)
     status.add_argument("--json", action="store_true")
+    status.add_argument("--model", metavar="NAME", help="only this model's store (several named models)")
     status.set_defaults(func=cmd_status)
 
     rollback = sub.add_parser("rollback", help="make the previous model active again")
     rollback.add_argument("--store", required=True)
     trust(rollback)
     runtime(rollback)
+    rollback.add_argument("--model", metavar="NAME", help="the model to roll back (several named models)")
     rollback.set_defaults(func=cmd_rollback)
 
     from device_agent.system_files import add_commands  # files, install-unit: the shipped unit and schemas

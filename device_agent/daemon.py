@@ -52,6 +52,7 @@ class Daemon:
         self.service = self._new_service()
         self.models = ModelSet()
         self._models_lock = threading.Lock()
+        self._root_claim: str | None = None  # the model name an empty root store was handed to
         self.api: ApiServer | None = None
         self.reporter: TelemetryReporter | None = None
         self.updates: UpdateService | None = None
@@ -90,9 +91,11 @@ class Daemon:
         held = self.models.get(name)
         if held is not None:
             return held
-        root_taken = self.config.models or any(slot.store is self.store for slot in self.models)
-        if not root_taken and self.store.active_version() is None:
-            return ModelSlot(name, self.store, self.service)
+        with self._models_lock:  # the first name to ask claims an empty root store
+            root_taken = bool(self.config.models) or any(slot.store is self.store for slot in self.models)
+            if not root_taken and self._root_claim in (None, name) and self.store.active_version() is None:
+                self._root_claim = name
+                return ModelSlot(name, self.store, self.service)
         store = ModelStore(slot_directory(self.config.store, name), self.trust, self.config.limits.reader_limits())
         return ModelSlot(name, store, self._new_service())
 

@@ -38,3 +38,21 @@ def keypair(tmp_path_factory) -> tuple[Path, Path]:
 
 # The real mosquitto broker fixture (function scope), shared by the MQTT tests.
 from tests.broker import mosquitto_broker  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def server_keys(tmp_path_factory, keypair):
+    """A fleet server's operator key and token beside the session's release key pair."""
+    from tests.fleet_server_process import make_keys
+
+    return make_keys(tmp_path_factory.mktemp("keys"), release=keypair)
+
+
+@pytest.fixture
+def command_counter(mosquitto_broker):  # noqa: F811  (the fixture above, as a parameter)
+    """Every command the broker delivers on the device command topics, per device and per id."""
+    from tests.fleet_server_process import CommandCounter
+
+    counting = CommandCounter(mosquitto_broker.port)
+    yield counting
+    counting.close()

@@ -172,6 +172,17 @@ def test_the_cli_does_not_cut_reasons(server, paused):
     assert jobs and all(d["reason"] in status.stdout for d in jobs)
 
 
+def test_a_device_whose_wave_was_never_sent_says_why_in_its_history(server, paused):
+    rollout_id, _steps, _status = paused
+    doc = server.get(f"/api/rollouts/{rollout_id}")
+    left_out = [d["device"] for d in doc["devices"] if d["state"] == "not_sent"]
+    assert len(left_out) == 2
+    [entry] = [e for e in server.get(f"/api/devices/{left_out[0]}/history")["entries"] if e["rollout"]]
+    assert (entry["rollout"]["id"], entry["outcome"], entry["states"]) == (rollout_id, "not_sent", [])
+    assert entry["reason"] == "wave 2 was never sent: the rollout aborted"
+    assert entry["artifact"]["version"] == "1.1.0"
+
+
 def test_a_too_long_reason_is_refused_at_the_limit(server, paused):
     rollout_id, _steps, _status = paused
     env = _env(server)

@@ -1,6 +1,6 @@
 """Desired state end to end: a real `edgepack fleet serve`, a real mosquitto and real agents. The
 server keeps targets per fleet, group and device and reconciles each device to its effective
-target with the signed deploy; every command the broker delivers is counted per device."""
+target with the signed deploy; every command the mosquitto_broker delivers is counted per device."""
 
 from __future__ import annotations
 
@@ -13,30 +13,13 @@ from edgepack_core import faults
 from edgepack_core.fsutil import sha256_file
 from tests.agent_process import AgentProcess
 from tests.artifacts import build_artifact
-from tests.fleet_server_process import CommandCounter, FleetServerProcess, edgepack, make_keys, wait_for
-
-
-@pytest.fixture
-def broker(mosquitto_broker):
-    return mosquitto_broker
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory, keypair):
-    return make_keys(tmp_path_factory.mktemp("keys"), release=keypair)
+from tests.fleet_server_process import FleetServerProcess, edgepack, wait_for
 
 
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory, keypair) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("arts")
     return {v: build_artifact(folder / v, keypair[0], version=v) for v in ("1.1.0", "2.0.0")}
-
-
-@pytest.fixture
-def counter(broker):
-    counting = CommandCounter(broker.port)
-    yield counting
-    counting.close()
 
 
 def _env(server: FleetServerProcess) -> dict[str, str]:
@@ -46,10 +29,11 @@ def _env(server: FleetServerProcess) -> dict[str, str]:
 class Kitchen:
     """Two real agents in group kitchen: cam-01 on 1.1.0, cam-02 on 2.0.0."""
 
-    def __init__(self, folder: Path, broker, keys, keypair, versions, server: FleetServerProcess) -> None:
-        self.agents = {name: AgentProcess(folder, device=name, broker_port=broker.port, trust=keypair[1],
+    def __init__(self, folder: Path, mosquitto_broker, server_keys, keypair,
+                 versions, server: FleetServerProcess) -> None:
+        self.agents = {name: AgentProcess(folder, device=name, broker_port=mosquitto_broker.port, trust=keypair[1],
                                           artifact=versions[version], groups=["kitchen"],
-                                          operator_keys=[keys.operator_pub],
+                                          operator_keys=[server_keys.operator_pub],
                                           updates={"allowed_origins": [server.url]})
                        for name, version in (("cam-01", "1.1.0"), ("cam-02", "2.0.0"))}
 
@@ -75,13 +59,13 @@ def _on(server: FleetServerProcess, device: str, version: str) -> bool:
 
 
 def test_a_fleet_cannot_be_brought_back_to_one_version_a_group_target_converges_both(
-        tmp_path, broker, keys, keypair, versions, counter):
+        tmp_path, mosquitto_broker, server_keys, keypair, versions, command_counter):
     """The incident: `rollout create 1.1.0 --group kitchen --force-downgrade` failed its wave because
     cam-01 already ran 1.1.0, and cam-02 (on 2.0.0) was never sent anything. A group target sends
     cam-02 the signed downgrade and counts cam-01 converged, never failed."""
-    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
     try:
-        with Kitchen(tmp_path, broker, keys, keypair, versions, server) as kitchen:
+        with Kitchen(tmp_path, mosquitto_broker, server_keys, keypair, versions, server) as kitchen:
             assert _online(server, 2) and _on(server, "cam-02", "2.0.0")
             result = edgepack("target", "set", "--group", "kitchen", str(versions["1.1.0"]), "--reason",
                               "incident 42: back to 1.1.0", "--wait", "--timeout", "120", env=_env(server))
@@ -89,8 +73,8 @@ def test_a_fleet_cannot_be_brought_back_to_one_version_a_group_target_converges_
             assert "uploaded scale 1.1.0" in result.stderr
             assert "2/2 device(s) on target" in result.stdout
             assert kitchen.versions() == {"cam-01": "1.1.0", "cam-02": "1.1.0"}
-            assert dict(counter.by_device) == {"cam-02": 1}  # cam-01 was on target: nothing sent, nothing failed
-            assert set(counter.types.values()) == {"deploy"}
+            assert dict(command_counter.by_device) == {"cam-02": 1}  # cam-01 on target: nothing sent, none failed
+            assert set(command_counter.types.values()) == {"deploy"}
             for device in ("cam-01", "cam-02"):
                 doc = server.get(f"/api/devices/{device}/target")
                 assert (doc["state"], doc["difference"]) == ("converged", {}), doc
@@ -106,11 +90,12 @@ def test_a_fleet_cannot_be_brought_back_to_one_version_a_group_target_converges_
 
 
 @pytest.mark.slow
-def test_a_held_device_waits_with_the_reason_and_converges_when_released(tmp_path, broker, keys, keypair,
-                                                                         versions, counter):
-    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+def test_a_held_device_waits_with_the_reason_and_converges_when_released(
+        tmp_path, mosquitto_broker, server_keys, keypair,
+                                                                         versions, command_counter):
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
     try:
-        with Kitchen(tmp_path, broker, keys, keypair, versions, server) as kitchen:
+        with Kitchen(tmp_path, mosquitto_broker, server_keys, keypair, versions, server) as kitchen:
             assert _online(server, 2) and _on(server, "cam-02", "2.0.0")
             held = edgepack("target", "hold", "--device", "cam-02", "--reason", "on the bench", env=_env(server))
             assert held.returncode == 0, held.stderr
@@ -120,46 +105,47 @@ def test_a_held_device_waits_with_the_reason_and_converges_when_released(tmp_pat
             doc = server.get("/api/devices/cam-02/target")
             assert doc["state"] == "wait" and doc["reason"] == "held by device"
             assert doc["difference"] == {"scale": "runs 2.0.0, target 1.1.0"}
-            assert not counter.by_device
+            assert not command_counter.by_device
             released = edgepack("target", "release", "--device", "cam-02", env=_env(server))
             assert released.returncode == 0, released.stderr
             assert _on(server, "cam-02", "1.1.0") and kitchen.versions()["cam-02"] == "1.1.0"
-            assert dict(counter.by_device) == {"cam-02": 1}
+            assert dict(command_counter.by_device) == {"cam-02": 1}
     finally:
         server.stop()
 
 
 @pytest.mark.slow
 def test_a_server_killed_mid_reconcile_resumes_from_targets_and_sends_the_recorded_command(
-        tmp_path, broker, keys, keypair, versions, counter):
-    """SIGKILL after the reconciler recorded cam-02's deploy and before the broker saw it: the
+        tmp_path, mosquitto_broker, server_keys, keypair, versions, command_counter):
+    """SIGKILL after the reconciler recorded cam-02's deploy and before the mosquitto_broker saw it: the
     restarted server resumes from the database alone (the target and the recorded command),
     publishes that same command (no new one), and the device converges."""
-    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys,
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys,
                                 extra=("--resend-after", "2s"))
     server.start(env=faults.switch("fleet-recorded-targets"))
     try:
-        with Kitchen(tmp_path, broker, keys, keypair, versions, server) as kitchen:
+        with Kitchen(tmp_path, mosquitto_broker, server_keys, keypair, versions, server) as kitchen:
             assert _online(server, 2) and _on(server, "cam-02", "2.0.0")
             uploaded = edgepack("target", "set", "--group", "kitchen", str(versions["1.1.0"]), env=_env(server))
             assert uploaded.returncode == 0, uploaded.stderr
             assert server.proc is not None and server.proc.wait(60) == -9  # died at the crash point
-            assert not counter.by_device
+            assert not command_counter.by_device
             server.start()
             assert _on(server, "cam-02", "1.1.0")
             assert wait_for(lambda: server.get("/api/devices/cam-02/target")["state"] == "converged", 30)
             assert kitchen.versions() == {"cam-01": "1.1.0", "cam-02": "1.1.0"}
-        # one command, the same id and bytes (a broker slow to acknowledge under load may see it twice;
+        # one command, the same id and bytes (a mosquitto_broker slow to acknowledge under load may see it twice;
         # the device's replay ledger never runs it twice)
-        assert list(counter.by_device) == ["cam-02"] and len(counter.by_id) == 1
+        assert list(command_counter.by_device) == ["cam-02"] and len(command_counter.by_id) == 1
         assert server.get("/api/status")["driver"]["resent"] >= 1
     finally:
         server.stop()
 
 
-def test_target_requests_are_validated_naming_the_field_and_audited_with_the_reason(tmp_path, broker, keys,
+def test_target_requests_are_validated_naming_the_field_and_audited_with_the_reason(
+        tmp_path, mosquitto_broker, server_keys,
                                                                                   versions):
-    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
     try:
         status, stored = server.call("POST", "/api/artifacts", data=versions["1.1.0"].read_bytes(),
                                      headers={"Content-Type": "application/octet-stream"})
@@ -214,16 +200,16 @@ def test_target_requests_are_validated_naming_the_field_and_audited_with_the_rea
 
 @pytest.mark.slow
 def test_a_version_devices_rejected_is_never_sent_again_by_a_group_target_only_by_a_device_target(
-        tmp_path, broker, keys, keypair, versions, counter):
+        tmp_path, mosquitto_broker, server_keys, keypair, versions, command_counter):
     """A release that fails the devices' smoke test: each device gets it once and reports it
     rejected. With the server's own job records gone (a restore from before the commands), the
     devices' reported rejections still stop it; setting the group again does not resend it; a
     device target set afterwards is the operator's explicit retry."""
     bad = build_artifact(tmp_path / "bad", keypair[0], version="2.1.0", nan=True)
     bad_sha = sha256_file(bad)
-    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
     try:
-        with Kitchen(tmp_path, broker, keys, keypair, versions, server):
+        with Kitchen(tmp_path, mosquitto_broker, server_keys, keypair, versions, server):
             assert _online(server, 2) and _on(server, "cam-02", "2.0.0")
             result = edgepack("target", "set", "--group", "kitchen", str(bad), env=_env(server))
             assert result.returncode == 0, result.stderr
@@ -233,7 +219,7 @@ def test_a_version_devices_rejected_is_never_sent_again_by_a_group_target_only_b
                 return all(bad_sha in doc["reported"]["rejected"] and doc["state"] == "wait" for doc in docs)
 
             assert wait_for(rejected_by_both, 60)
-            assert dict(counter.by_device) == {"cam-01": 1, "cam-02": 1}
+            assert dict(command_counter.by_device) == {"cam-01": 1, "cam-02": 1}
             server.stop()
             with sqlite3.connect(server.folder / "fleet.db") as connection:
                 connection.execute("DELETE FROM target_commands")
@@ -247,11 +233,11 @@ def test_a_version_devices_rejected_is_never_sent_again_by_a_group_target_only_b
             assert "set a device target to retry" in doc["reason"]
             retry = server.call("PUT", "/api/targets/devices/cam-02", {"models": {"scale": bad_sha}})
             assert retry[0] == 200, retry
-            assert wait_for(lambda: counter.by_device["cam-02"] == 2, 30)
+            assert wait_for(lambda: command_counter.by_device["cam-02"] == 2, 30)
             assert wait_for(lambda: server.get("/api/devices/cam-02/target")["reason"].startswith(
                 f"scale: artifact {bad_sha[:12]} rejected on this device (failed: smoke test"), 30)
             assert server.get("/api/devices/cam-02")["version"] == "2.0.0"
-        assert counter.by_device["cam-01"] == 1  # never re-targeted
+        assert command_counter.by_device["cam-01"] == 1  # never re-targeted
     finally:
         server.stop()
 
@@ -294,22 +280,22 @@ def test_the_rejections_a_device_reports_follow_its_newest_online_state_and_keep
 
 @pytest.mark.slow
 def test_a_staged_target_change_moves_only_the_devices_that_need_it_and_a_failed_one_leaves_the_target(
-        tmp_path, broker, keys, keypair, versions, counter):
+        tmp_path, mosquitto_broker, server_keys, keypair, versions, command_counter):
     """`target set --group kitchen 1.1.0 --waves 50,100`: a rollout over the devices not on 1.1.0
     (cam-02 alone; cam-01 is converged, never failed), and the target changes when it succeeds.
     A staged change to a release the devices refuse fails its rollout and changes nothing."""
     bad = build_artifact(tmp_path / "bad", keypair[0], version="2.1.0", nan=True)
     good_sha = sha256_file(versions["1.1.0"])
-    server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
     try:
-        with Kitchen(tmp_path, broker, keys, keypair, versions, server) as kitchen:
+        with Kitchen(tmp_path, mosquitto_broker, server_keys, keypair, versions, server) as kitchen:
             assert _online(server, 2) and _on(server, "cam-02", "2.0.0")
             result = edgepack("target", "set", "--group", "kitchen", str(versions["1.1.0"]), "--waves", "50,100",
                               "--reason", "back to 1.1.0 in waves", "--wait", "--timeout", "120", env=_env(server))
             assert result.returncode == 0, result.stdout + result.stderr
             assert "2/2 device(s) on target" in result.stdout
             assert kitchen.versions() == {"cam-01": "1.1.0", "cam-02": "1.1.0"}
-            assert dict(counter.by_device) == {"cam-02": 1}
+            assert dict(command_counter.by_device) == {"cam-02": 1}
             rollout = server.get("/api/rollouts")["rollouts"][0]
             assert rollout["state"] == "succeeded", rollout
             assert [d["device"] for d in server.get(f"/api/rollouts/{rollout['id']}")["devices"]] == ["cam-02"]
@@ -328,3 +314,34 @@ def test_a_staged_target_change_moves_only_the_devices_that_need_it_and_a_failed
             assert kitchen.versions() == {"cam-01": "1.1.0", "cam-02": "1.1.0"}
     finally:
         server.stop()
+
+
+def test_the_models_a_device_lists_are_what_the_reconciler_compares(tmp_path):
+    import json
+    import time
+
+    from edgepack_core.protocol.messages import parse_state
+    from sdk.fleet_server.db import open_database
+    from sdk.fleet_server.desired import View, load_plan
+    from sdk.fleet_server.ingest import Writer
+
+    def state(*models: tuple[str, str]) -> bytes:
+        return json.dumps({"schema": "edgepack.state/1", "device": "cam-01", "status": "online", "ts": 1.0,
+                           "model": {"name": models[0][0], "version": models[0][1]},
+                           "models": [{"name": n, "version": v} for n, v in models]}).encode()
+
+    database = open_database(f"sqlite:///{tmp_path / 'fleet.db'}")
+
+    def reported(payload: bytes) -> dict[str, str | None]:
+        now = time.time()
+        with database.write() as connection:
+            Writer(database).states(connection, [(parse_state("cam-01", payload), now)])
+        with database.read() as connection:
+            plan = load_plan(connection, View(now))[0]
+        return {name: running.version for name, running in plan.reported.models.items()}
+
+    try:
+        assert reported(state(("digits", "1.1.0"), ("kws", "2.0.0"))) == {"digits": "1.1.0", "kws": "2.0.0"}
+        assert reported(state(("kws", "2.1.0"))) == {"kws": "2.1.0"}  # the device dropped digits
+    finally:
+        database.dispose()

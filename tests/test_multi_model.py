@@ -19,6 +19,7 @@ from edgepack_core.errors import SchemaError
 from edgepack_core.protocol.messages import DeviceState, parse_state
 from tests.agent_process import free_port
 from tests.artifacts import build_artifact
+from tests.conftest import run_cli
 
 BASE = {"device_id": "cam-01", "store": "/tmp/store", "trust": ["/tmp/k.pub"]}
 
@@ -244,6 +245,14 @@ def test_two_models_are_served_by_name_with_their_own_stores(tmp_path, keypair, 
         assert restarted.models.names == ("alpha", "beta")
     finally:
         restarted.stop()
+    store = ["--store", str(tmp_path / "store"), "--trust", str(keypair[1])]
+    listed = json.loads(run_cli("edgepack-agent", "status", *store, "--json", check=True).stdout)
+    assert listed["active"] is None and {n: m["active"]["name"] for n, m in listed["models"].items()} == {
+        "alpha": "alpha", "beta": "beta"}
+    one = json.loads(run_cli("edgepack-agent", "status", *store, "--model", "beta", "--json", check=True).stdout)
+    assert one["active"]["name"] == "beta" and "models" not in one
+    refused = run_cli("edgepack-agent", "rollback", *store, "--model", "beta")
+    assert refused.returncode == 1 and "no earlier version" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_a_models_item_whose_artifact_holds_another_model_is_refused_at_start(tmp_path, keypair, two_artifacts):

@@ -16,6 +16,7 @@ import pytest
 from sdk.broker import BrokerOptions
 from sdk.deploy import DeployOptions, deploy
 from sdk.deploy.device import send_rollback
+from sdk.errors import DeployError
 from sdk.keys import load_operator_key, write_operator_keypair
 from tests.agent_process import AgentProcess, Observer
 from tests.artifacts import build_artifact
@@ -23,7 +24,7 @@ from tests.artifacts import build_artifact
 pytestmark = pytest.mark.slow
 
 ROW = json.dumps({"inputs": {"x": [[1.0, 1.0, 1.0, 1.0]]}}).encode()
-FACTORS = {("alpha", "1.0.0"): 2.0, ("alpha", "1.1.0"): 3.0, ("beta", "1.0.0"): 5.0}
+FACTORS = {("alpha", "1.0.0"): 2.0, ("alpha", "1.1.0"): 3.0, ("beta", "1.0.0"): 5.0, ("beta", "1.1.0"): 7.0}
 
 
 class TwoModelLoad:
@@ -103,23 +104,7 @@ def _models_in_state(watch: Observer) -> dict[str, str]:
 def test_a_device_serves_two_models_and_updates_and_rolls_back_one_while_the_other_serves(
     tmp_path: Path, keypair, arts, mosquitto_broker
 ):
-    write_operator_keypair(tmp_path / "op.key", tmp_path / "op.pub")
-    operator = load_operator_key(tmp_path / "op.key")
-    agent = AgentProcess(
-        tmp_path,
-        device="cam-01",
-        broker_port=mosquitto_broker.port,
-        trust=keypair[1],
-        artifact=None,
-        operator_keys=[tmp_path / "op.pub"],
-        health_window_s=1.0,
-    )
-    models = [
-        {"name": "alpha", "artifact": str(arts[("alpha", "1.0.0")])},
-        {"name": "beta", "artifact": str(arts[("beta", "1.0.0")])},
-    ]
-    with agent.config.open("a") as config:
-        config.write(f"models: {json.dumps(models)}\n")
+    agent, operator = _two_model_agent(tmp_path, keypair, arts, mosquitto_broker.port)
     watch = Observer(mosquitto_broker.port)
     agent.start()
     broker = BrokerOptions(mosquitto_broker.address)
@@ -135,15 +120,16 @@ def test_a_device_serves_two_models_and_updates_and_rolls_back_one_while_the_oth
             assert result.succeeded, result
             assert watch.wait_for(lambda: "1.1.0" in load.seen["alpha"] and load.answers >= 60, 20)
             assert _models_in_state(watch) == {"alpha": "1.1.0", "beta": "1.0.0"}
-            event, _ = send_rollback(
-                broker, "cam-01", from_version={"name": "alpha", "version": "1.1.0"}, operator_key=operator, timeout=30
-            )
+            with pytest.raises(DeployError, match=r"several models \(alpha, beta\): name the one"):
+                send_rollback(broker, "cam-01", operator_key=operator, timeout=30)
+            # the version it undoes is asked of the device (get-state lists every model)
+            event, _ = send_rollback(broker, "cam-01", model="alpha", operator_key=operator, timeout=30)
             assert event.state == "done" and event.reason == "rolled back to alpha 1.0.0", event
             assert event.detail.get("model") == "alpha"
             answered = load.answers
             assert watch.wait_for(lambda: load.answers >= answered + 20, 20)
         assert load.failures == [], load.failures[:5]
-        assert load.seen == {"alpha": {"1.0.0", "1.1.0"}, "beta": {"1.0.0"}}
+        assert load.seen == {"alpha": {"1.0.0", "1.1.0"}, "beta": {"1.0.0"}}, "beta changed"
         assert watch.wait_for(lambda: _models_in_state(watch) == {"alpha": "1.0.0", "beta": "1.0.0"}, 10)
         deploy_events = [e for e in watch.jobs("cam-01", result.command_id)]
         assert deploy_events and all(e.get("detail", {}).get("model") == "alpha" for e in deploy_events)
@@ -174,3 +160,69 @@ def test_a_device_serves_two_models_and_updates_and_rolls_back_one_while_the_oth
         watch.close()
     store = tmp_path / "cam-01-store"
     assert sorted(p.name for p in (store / "slots").iterdir()) == ["alpha", "beta"]
+
+
+def _two_model_agent(tmp_path: Path, keypair, arts, broker_port: int) -> tuple[AgentProcess, object]:
+    write_operator_keypair(tmp_path / "op.key", tmp_path / "op.pub")
+    agent = AgentProcess(
+        tmp_path,
+        device="cam-01",
+        broker_port=broker_port,
+        trust=keypair[1],
+        artifact=None,
+        operator_keys=[tmp_path / "op.pub"],
+        health_window_s=1.0,
+    )
+    models = [{"name": name, "artifact": str(arts[(name, "1.0.0")])} for name in ("alpha", "beta")]
+    with agent.config.open("a") as config:
+        config.write(f"models: {json.dumps(models)}\n")
+    return agent, load_operator_key(tmp_path / "op.key")
+
+
+def test_a_deploy_of_one_model_runs_while_the_other_is_in_its_health_window(tmp_path, keypair, arts, mosquitto_broker):
+    agent, operator = _two_model_agent(tmp_path, keypair, arts, mosquitto_broker.port)
+    watch = Observer(mosquitto_broker.port)
+    agent.start()
+    broker = BrokerOptions(mosquitto_broker.address)
+    outcome: dict = {}
+    slow = threading.Thread(
+        target=lambda: outcome.update(
+            alpha=deploy(
+                DeployOptions(
+                    arts[("alpha", "1.1.0")],
+                    broker,
+                    devices=("cam-01",),
+                    timeout=90,
+                    health_window_s=60.0,
+                    operator_key=operator,
+                )
+            )
+        )
+    )
+    try:
+        slow.start()
+
+        def alpha_watched() -> bool:
+            return any(
+                e["state"] == "active" and not e["final"] and e.get("detail", {}).get("model") == "alpha"
+                for e in watch.jobs("cam-01")
+            )
+
+        assert watch.wait_for(alpha_watched, 30), watch.jobs("cam-01")
+        beta = deploy(
+            DeployOptions(arts[("beta", "1.1.0")], broker, devices=("cam-01",), timeout=60, operator_key=operator)
+        )
+        assert beta.succeeded, beta
+        alpha_final = [e for e in watch.jobs("cam-01") if e.get("detail", {}).get("model") == "alpha" and e["final"]]
+        assert alpha_final == [], "beta's deploy waited for alpha's health window"
+        assert [(m["name"], m["version"]) for m in agent.health()["models"]] == [("alpha", "1.1.0"), ("beta", "1.1.0")]
+        event, _ = send_rollback(broker, "cam-01", model="alpha", operator_key=operator, timeout=30)
+        assert event.state == "done" and event.reason == "rolled back to alpha 1.0.0", event
+        slow.join(60)
+        alpha = outcome["alpha"].jobs["cam-01"]
+        assert alpha.state == "rolled_back" and f"rolled back by command {event.job}" in alpha.reason, alpha
+        assert [(m["name"], m["version"]) for m in agent.health()["models"]] == [("alpha", "1.0.0"), ("beta", "1.1.0")]
+    finally:
+        slow.join(60)
+        agent.stop()
+        watch.close()

@@ -186,3 +186,36 @@ def test_targets_are_frozen():
     target = Target({"digits": V1})
     with pytest.raises(TypeError):
         target.models["digits"] = V2  # type: ignore[index]
+
+
+def test_a_rollout_to_the_version_a_device_already_runs_counts_it_active_and_never_rolls_it_back():
+    """The incident: `rollout create 1.1.0 --group kitchen --force-downgrade` failed its wave because
+    cam-01 answered `... is already the active model`. That answer passes the gate; a failure of
+    another device does not roll cam-01 back (it was not moved)."""
+    from sdk.fleet_server.rollouts import DeviceStatus, Gates, Rollout, next_step
+
+    running = Rollout("ro-1", "running", 0, 1, Gates(rollback_on_failure=True), started_at=0.0,
+                      wave_started_at=0.0)
+    already = DeviceStatus("cam-01", 0, "failed", True, "scale-1.1.0-abc is already the active model")
+    moved = DeviceStatus("cam-02", 0, "active", True)
+    assert next_step(running, [already, moved], now=1.0).kind == "soak"
+    broken = DeviceStatus("cam-02", 0, "failed", True, "download failed")
+    failed = next_step(running, [already, broken], now=1.0)
+    assert failed.kind == "fail" and "cam-02" in failed.reason and "cam-01" not in failed.reason
+    assert failed.rollback == () and failed.cancel == ()
+
+
+def test_a_device_holding_several_models_gets_each_targeted_model_and_one_holding_one_never_a_second():
+    kws = "4" * 64
+    artifacts = {**ARTIFACTS, kws: ArtifactInfo(kws, "kws", "1.0.0", "k" * 64)}
+    effective = _effective(Target({"digits": V1, "kws": kws}))
+    both = Reported(online=True, heard_at=1.0, several=True,
+                    models={"digits": Running("1.1.0", "a" * 64), "kws": Running("0.9.0", "j" * 64)})
+    decision = reconcile("d", effective, both, artifacts, {}, now=2.0)
+    assert (decision.kind, decision.model, decision.artifact) == ("send", "kws", kws)
+    assert dict(decision.differences) == {"kws": "runs 0.9.0, target 1.0.0"}
+    on_both = Reported(online=True, heard_at=1.0, several=True,
+                       models={"digits": Running("1.1.0", "a" * 64), "kws": Running("1.0.0", "k" * 64)})
+    assert reconcile("d", effective, on_both, artifacts, {}, now=2.0).kind == "converged"
+    single = reconcile("d", effective, ON_V1, artifacts, {}, now=2.0)
+    assert single.kind == "wait" and "this device runs one" in single.reason

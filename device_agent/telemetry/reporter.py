@@ -231,13 +231,7 @@ class TelemetryReporter:
         figures = []
         for name, aggregator in aggregators.items():
             sample = aggregator.build(now=now, ts=ts, model=None, provider=None, system=None, queue=None)
-            figures.append(ModelTelemetry(
-                name=name, version=versions.get(name), inferences_total=sample.inferences_total,
-                inferences_interval=sample.inferences_interval, errors_total=sample.errors_total,
-                errors_interval=sample.errors_interval, error_kinds=sample.error_kinds,
-                error_kinds_interval=sample.error_kinds_interval, latency_p50=sample.latency_p50,
-                latency_p90=sample.latency_p90, latency_p99=sample.latency_p99, latency_max=sample.latency_max,
-                latency_mean=sample.latency_mean, throughput_per_s=sample.throughput_per_s))
+            figures.append(ModelTelemetry.from_sample(name, versions.get(name), sample))
         return tuple(figures)
 
     def publish_state(self) -> None:

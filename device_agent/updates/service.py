@@ -8,12 +8,14 @@ Decisions live elsewhere and are unit-tested: who may order what
 and every job state change goes through :func:`jobs.advance`.
 
 Threads: command messages arrive on the MQTT network thread, where they are only parsed,
-authorised, de-duplicated and queued (a ping is answered right there). Two worker lanes run
-jobs: the deploy lane (download, verify, stage, test, swap, health window) and the control
-lane (rollback), so a rollback never waits behind a download. The store's commit point and
-the hot-swap are serialised by one lock, held only for local steps (never for a download or
-a health window). A ``cancel`` command, or a newer deploy, ends a queued or running deploy
-at its next safe point (the download is interrupted).
+authorised, de-duplicated and queued (a ping is answered right there). Worker lanes run
+jobs: a deploy lane per model name (download, verify, stage, test, swap, health window: a
+device holding several models updates each on its own, ``device_agent/models.py``) and the
+control lane (rollback), so a rollback never waits behind a download. Every job works on the
+slot of the model it names. The stores' commit points and the hot-swaps are serialised by one
+lock, held only for local steps (never for a download or a health window). A ``cancel``
+command, or a newer deploy of the same model, ends a queued or running deploy at its next
+safe point (the download is interrupted).
 
 Threat model: see docs/updates.md. With ``operator_keys`` configured, every command that
 changes what runs or how it is judged must carry an operator signature naming this device
@@ -134,10 +136,12 @@ class UpdateService:
         self.space = FreeSpace(config.store, settings.min_free_bytes)
         self.journal = Journal(config.store / "jobs")
         self.replay = ReplayGuard(config.store / "command-ids.json")
-        self._deploys: queue.Queue[Job | None] = queue.Queue()
+        # One deploy lane per model name (deploys of two models run side by side, two of one model
+        # one after the other), and one for deploys that name no model (key "")
+        self._deploys: dict[str, queue.Queue[Job | None]] = {}
         self._control: queue.Queue[Job | None] = queue.Queue()
         self._pending: dict[str, Job] = {}  # queued deploys not started yet, by id
-        self._running: _Running | None = None
+        self._running: dict[str, _Running] = {}  # the deploy each lane is working on, by lane
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()         # command intake and the pending/running bookkeeping
@@ -160,17 +164,32 @@ class UpdateService:
         self.transport.subscribe(self.topics.cmd(self.device_id), 1, self._on_command)
         for group in self.reporter.groups:
             self.transport.subscribe(self.topics.group_cmd(group), 1, self._on_command)
-        for name, lane in (("updates-deploy", self._deploys), ("updates-control", self._control)):
-            thread = threading.Thread(target=self._work, args=(lane,), name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._start_lane("updates-control", self._control)
+
+    def _start_lane(self, name: str, lane: queue.Queue[Job | None]) -> None:
+        thread = threading.Thread(target=self._work, args=(lane,), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _deploy_lane(self, job: Job) -> queue.Queue[Job | None]:
+        """The lane of the model ``job`` deploys (made with its thread on first use: one per model
+        name, bounded by the models a device may hold)."""
+        key = self._lane_key(job)
+        lane = self._deploys.get(key)
+        if lane is None:
+            lane = self._deploys[key] = queue.Queue()
+            self._start_lane(f"updates-deploy-{key or 'new'}", lane)
+        return lane
+
+    @staticmethod
+    def _lane_key(job: Job) -> str:
+        return job_model(job) or ""
 
     def stop(self) -> None:
         self._stop.set()
-        running = self._running
-        if running is not None:
+        for running in list(self._running.values()):
             running.cancel("the agent is stopping")
-        for lane in (self._deploys, self._control):
+        for lane in (*self._deploys.values(), self._control):
             lane.put(None)
         for thread in self._threads:
             thread.join(10)
@@ -326,7 +345,7 @@ class UpdateService:
             else:
                 self._supersede_deploys(f"superseded by deploy {command.id}", model)
                 self._pending[job.id] = job
-                self._deploys.put(job)
+                self._deploy_lane(job).put(job)
 
     def _cancel(self, job_id: str, why: str) -> str:
         """Stop a queued deploy now, or a running one at its next safe point. Returns what was
@@ -335,10 +354,10 @@ class UpdateService:
         if pending is not None:
             self._set(pending, J.CANCELLED, why)
             return f"cancelled queued deploy {job_id}"
-        running = self._running
-        if running is not None and running.job_id == job_id:
-            running.cancel(why)
-            return f"stopping deploy {job_id}" + (" and rolling it back" if running.in_window else "")
+        for running in list(self._running.values()):
+            if running.job_id == job_id:
+                running.cancel(why)
+                return f"stopping deploy {job_id}" + (" and rolling it back" if running.in_window else "")
         return ""
 
     def _supersede_deploys(self, why: str, model: str | None) -> None:
@@ -347,9 +366,9 @@ class UpdateService:
         for job_id, job in list(self._pending.items()):
             if model is None or job_model(job) in (None, model):
                 self._cancel(job_id, why)
-        running = self._running
-        if running is not None and not running.in_window and (model is None or running.model in (None, model)):
-            running.cancel(why)
+        for running in list(self._running.values()):
+            if not running.in_window and (model is None or running.model in (None, model)):
+                running.cancel(why)
 
     def state_detail(self) -> dict[str, Any]:
         """``get-state``: the first model as ``active`` and its store (for readers that know one
@@ -430,9 +449,9 @@ class UpdateService:
 
     def _rollback_command(self, job: Job) -> None:
         slot = self._slot(job)
-        running = self._running
-        in_window = running is not None and running.in_window and running.model == slot.name
-        if running is not None and in_window:
+        running = next((r for r in list(self._running.values()) if r.model == slot.name and r.in_window), None)
+        in_window = running is not None
+        if running is not None:
             running.rolled_back_by = job.id
             running.cancel(f"rolled back by command {job.id}")
         try:
@@ -450,15 +469,16 @@ class UpdateService:
     # ---------------------------------------------------------------- deploy
 
     def _run_deploy(self, job: Job) -> None:
+        key = self._lane_key(job)
         with self._lock:
             if self._pending.pop(job.id, None) is None:
                 return  # cancelled or superseded while queued
-            running = self._running = _Running(job.id, job_model(job))
+            running = self._running[key] = _Running(job.id, job_model(job))
         try:
             self._deploy(job, running)
         finally:
             with self._lock:
-                self._running = None
+                self._running.pop(key, None)
 
     def _fetch(self, job: Job, running: _Running) -> Path:
         command = job.command
@@ -690,7 +710,7 @@ class UpdateService:
                 # idempotent (store.recover() removed anything half-extracted).
                 resumed = self._set(job, J.QUEUED, "resumed after an agent restart")
                 self._pending[resumed.id] = resumed
-                self._deploys.put(resumed)
+                self._deploy_lane(resumed).put(resumed)
             elif action == J.ROLL_BACK:
                 self._rollback_after_restart(job)
             elif action == J.FAIL:

@@ -16,6 +16,7 @@ telemetry figure of the wrong type or out of range just reads as None.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -158,13 +159,24 @@ class ModelTelemetry:
     latency_mean: float | None = None
     throughput_per_s: float | None = None
 
+    @classmethod
+    def from_sample(cls, name: str, version: str | None, sample: Telemetry) -> ModelTelemetry:
+        """The figures of ``sample`` (one model's aggregator's) under the model's name."""
+        return cls(name, version, **{f.name: getattr(sample, f.name) for f in dataclasses.fields(cls)
+                                     if f.name not in ("name", "version")})
+
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version,
-                "inferences": {"interval": self.inferences_interval, "total": self.inferences_total},
-                "errors": dict(self.error_kinds), "errors_interval": dict(self.error_kinds_interval),
-                "latency_ms": {"p50": self.latency_p50, "p90": self.latency_p90, "p99": self.latency_p99,
-                               "max": self.latency_max, "mean": self.latency_mean},
-                "throughput_per_s": self.throughput_per_s}
+        return {"name": self.name, "version": self.version, **_figures_json(self)}
+
+
+def _figures_json(figures: ModelTelemetry | Telemetry) -> dict[str, Any]:
+    """Inferences, errors, latency and throughput as a telemetry document carries them (the
+    device's and each model's alike)."""
+    return {"inferences": {"interval": figures.inferences_interval, "total": figures.inferences_total},
+            "errors": dict(figures.error_kinds), "errors_interval": dict(figures.error_kinds_interval),
+            "latency_ms": {"p50": figures.latency_p50, "p90": figures.latency_p90, "p99": figures.latency_p99,
+                           "max": figures.latency_max, "mean": figures.latency_mean},
+            "throughput_per_s": figures.throughput_per_s}
 
 
 @dataclass(frozen=True)
@@ -210,10 +222,7 @@ class Telemetry:
         return {
             "schema": TELEMETRY_SCHEMA_ID, "device": self.device, "seq": self.seq, "ts": self.ts,
             "model": None if self.model is None else self.model.to_json(), "provider": self.provider,
-            "interval_s": self.interval_s,
-            "inferences": {"interval": self.inferences_interval, "total": self.inferences_total},
-            "errors": dict(self.error_kinds), "errors_interval": dict(self.error_kinds_interval),
-            "latency_ms": self.latency_ms(), "throughput_per_s": self.throughput_per_s,
+            "interval_s": self.interval_s, **_figures_json(self),
             "cpu_percent": self.cpu_percent, "memory_rss_bytes": self.memory_rss_bytes,
             "temperature_c": self.temperature_c, "uptime_s": self.uptime_s,
             "queue": None if queue is None else {"depth": queue.depth, "dropped": queue.dropped,
@@ -387,19 +396,24 @@ def _error_figures(doc: dict[str, Any]) -> dict[str, Any]:
             "error_kinds_interval": counter_map(doc.get("errors_interval"), MAX_ERROR_KINDS, MAX_NAME_CHARS)}
 
 
+def _figures(doc: dict[str, Any]) -> dict[str, Any]:
+    """Inferences, errors, latency and throughput of a telemetry document (the device's or one
+    model's); a figure of the wrong type reads None."""
+    latency, inferences = _section(doc, "latency_ms"), _section(doc, "inferences")
+    return {"latency_p50": number(latency.get("p50")), "latency_p90": number(latency.get("p90")),
+            "latency_p99": number(latency.get("p99")), "latency_max": number(latency.get("max")),
+            "latency_mean": number(latency.get("mean")), "throughput_per_s": number(doc.get("throughput_per_s")),
+            "inferences_total": count(inferences.get("total")),
+            "inferences_interval": count(inferences.get("interval")), **_error_figures(doc)}
+
+
 def _model_figures(value: Any) -> ModelTelemetry | None:
-    """One model's figures, or None without a valid name; a figure of the wrong type reads None."""
+    """One model's figures, or None without a valid name."""
     if not isinstance(value, dict) or not is_valid_id(value.get("name")):
         return None
-    latency, inferences = _section(value, "latency_ms"), _section(value, "inferences")
-    figures = _error_figures(value)
+    figures = _figures(value)
     figures.pop("clamped")
-    return ModelTelemetry(
-        name=str(value["name"]), version=text(value.get("version"), MAX_VERSION_CHARS),
-        inferences_total=count(inferences.get("total")), inferences_interval=count(inferences.get("interval")),
-        latency_p50=number(latency.get("p50")), latency_p90=number(latency.get("p90")),
-        latency_p99=number(latency.get("p99")), latency_max=number(latency.get("max")),
-        latency_mean=number(latency.get("mean")), throughput_per_s=number(value.get("throughput_per_s")), **figures)
+    return ModelTelemetry(name=str(value["name"]), version=text(value.get("version"), MAX_VERSION_CHARS), **figures)
 
 
 def _models_figures(value: Any) -> tuple[ModelTelemetry, ...]:
@@ -421,17 +435,12 @@ def parse_telemetry(device: str, payload: bytes) -> Telemetry | Refusal:
         return doc
     if doc.get("device") != device:
         return "device_mismatch"
-    latency, inferences = _section(doc, "latency_ms"), _section(doc, "inferences")
     return Telemetry(
         device=device, seq=count(doc.get("seq")), ts=number(doc.get("ts")), model=_model(doc.get("model")),
         provider=text(doc.get("provider"), MAX_NAME_CHARS), interval_s=number(doc.get("interval_s")),
-        latency_p50=number(latency.get("p50")), latency_p90=number(latency.get("p90")),
-        latency_p99=number(latency.get("p99")), latency_max=number(latency.get("max")),
-        latency_mean=number(latency.get("mean")), throughput_per_s=number(doc.get("throughput_per_s")),
-        inferences_total=count(inferences.get("total")), inferences_interval=count(inferences.get("interval")),
         cpu_percent=number(doc.get("cpu_percent")), memory_rss_bytes=count(doc.get("memory_rss_bytes")),
         temperature_c=number(doc.get("temperature_c")), uptime_s=number(doc.get("uptime_s")),
-        queue=_queue(doc.get("queue")), models=_models_figures(doc.get("models")), **_error_figures(doc),
+        queue=_queue(doc.get("queue")), models=_models_figures(doc.get("models")), **_figures(doc),
     )
 
 

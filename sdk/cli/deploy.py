@@ -207,7 +207,8 @@ _read_only_command("get-state", "The device's active model, store and profile.")
 @click.option("--from", "from_ref", metavar="NAME@VERSION",
               help="The model this rollback undoes (default: the one the device reports serving, asked with a "
                    "get-state first). A device serving another model refuses the rollback.")
-@click.option("--model", help="With --server: the model to roll back (default: the one the device serves).")
+@click.option("--model", metavar="NAME", help="The model to roll back (default: the one the device serves; on a "
+              "device holding several models, name one). Over MQTT its version is asked with a get-state.")
 @broker_options(required=False)
 @_TIMEOUT
 @_OPERATOR_KEY
@@ -228,7 +229,7 @@ def rollback(device_id: str, from_ref: str | None, model: str | None, broker: Br
     assert broker is not None
     from_version = parse_model_ref(from_ref) if from_ref is not None else None
     event, seconds = send_rollback(broker, device_id, from_version=from_version, timeout=timeout,
-                                   operator_key=_key(operator_key))
+                                   operator_key=_key(operator_key), model=model)
     _answer(event, seconds)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from edgepack_core.errors import UsageError
@@ -66,21 +67,39 @@ def parse_model_ref(text: str) -> dict[str, str]:
 
 
 def serving_model(broker: BrokerOptions | str, device: str, *, root: str = "edgepack/v1",
-                  timeout: float = 10.0) -> dict[str, str]:
-    """The model ``device`` reports serving (``get-state``), as a rollback's ``from_version``."""
+                  timeout: float = 10.0, model: str | None = None) -> dict[str, str]:
+    """The model ``device`` reports serving (``get-state``), as a rollback's ``from_version``:
+    ``model`` when named; without a name, the only one (DeployError naming them when the device
+    holds several)."""
     event, _ = send_command(broker, device, "get-state", root=root, timeout=timeout)
-    active = event.detail.get("active") if event.state == "done" else None
+    detail = event.detail if event.state == "done" else {}
+    active = _chosen_model(device, detail, model)
     if not isinstance(active, dict) or not active.get("name") or not active.get("version"):
         raise DeployError(f"{device} reports no model it serves ({event.state}: "
                           f"{event.reason}); name the model to roll back from")
     return {"name": str(active["name"]), "version": str(active["version"])}
 
 
+def _chosen_model(device: str, detail: Mapping[str, Any], model: str | None) -> Any:
+    """The get-state entry of ``model`` (None: the only model) in ``detail``. Pure."""
+    held = [m for m in detail.get("models") or [] if isinstance(m, dict) and m.get("state") == "serving"]
+    names = ", ".join(str(m.get("name")) for m in held) or "none"
+    if model is not None:
+        chosen = next((m for m in held if m.get("name") == model), None)
+        if chosen is None and detail:
+            raise DeployError(f"{device} serves no model {model!r} (serving: {names})")
+        return chosen
+    if len(held) > 1:
+        raise DeployError(f"{device} serves several models ({names}): name the one to roll back (--model NAME)")
+    return detail.get("active")
+
+
 def send_rollback(broker: BrokerOptions | str, device: str, *, from_version: dict[str, str] | None = None,
-                  root: str = "edgepack/v1", timeout: float = 10.0,
-                  operator_key: SigningKey | None = None) -> tuple[JobEvent, float]:
-    """Roll ``device`` back from ``from_version`` (default: the model it reports serving)."""
+                  root: str = "edgepack/v1", timeout: float = 10.0, operator_key: SigningKey | None = None,
+                  model: str | None = None) -> tuple[JobEvent, float]:
+    """Roll ``device`` back from ``from_version`` (default: the model it reports serving, or
+    the one named ``model`` on a device holding several)."""
     if from_version is None:
-        from_version = serving_model(broker, device, root=root, timeout=timeout)
+        from_version = serving_model(broker, device, root=root, timeout=timeout, model=model)
     return send_command(broker, device, "rollback", root=root, timeout=timeout, operator_key=operator_key,
                         from_version=from_version)

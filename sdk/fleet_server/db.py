@@ -178,6 +178,7 @@ job_events = Table(
     UniqueConstraint("device", "job", "state", "final", "ts"),
     Index(None, "job"),
     Index(None, "received_at"),
+    Index(None, "device", "type", "id"),  # a device's newest deploy job: the device list's update_status
 )
 
 artifacts = Table(
@@ -319,6 +320,14 @@ target_staged = Table(  # a target change made in waves: applied when its rollou
     Column("set_by", String(ID), nullable=False),
     Column("set_at", Float, nullable=False),
     Column("applied_at", Float),  # None: not (yet) applied
+)
+
+device_models = Table(  # every model a device's newest online state lists (an agent holding several named models)
+    "device_models", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("name", String(ID), primary_key=True),
+    Column("version", String(128)),
+    Column("model_sha256", String(64)),
 )
 
 device_rejected = Table(  # what each device's newest online state lists as rejected (its own bounded ledger)

@@ -187,12 +187,24 @@ def _rejections(connection: Connection, devices: Sequence[str] | None) -> dict[s
     return out
 
 
-def _reported(row: Any, view: View, rejected: Mapping[str, Rejection]) -> Reported:
+def _models_of(connection: Connection, devices: Sequence[str] | None) -> dict[str, dict[str, Running]]:
+    """Device -> model name -> what it runs, for devices that listed their models."""
+    table = tables.device_models
+    out: dict[str, dict[str, Running]] = {}
+    for row in _select_for(connection, select(table), table.c.device, devices):
+        out.setdefault(row.device, {})[row.name] = Running(row.version, row.model_sha256)
+    return out
+
+
+def _reported(row: Any, view: View, rejected: Mapping[str, Rejection],
+              listed: Mapping[str, Running] | None = None) -> Reported:
     online = row.status == "online" and row.last_seen is not None and view.now - row.last_seen <= view.silence_s
     reason = row.status_reason or ("" if online or row.status != "online"
                                    else f"silent for over {view.silence_s:g} s")
-    models = {row.model_name: Running(row.model_version, row.model_sha256)} if row.model_name else {}
-    return Reported(online=online, models=models, status_reason=reason, heard_at=row.state_heard, rejected=rejected)
+    models = dict(listed) if listed else \
+        ({row.model_name: Running(row.model_version, row.model_sha256)} if row.model_name else {})
+    return Reported(online=online, models=models, status_reason=reason, heard_at=row.state_heard, rejected=rejected,
+                    several=len(models) > 1)
 
 
 def load_plan(connection: Connection, view: View, *, device: str | None = None, group: str | None = None,
@@ -211,6 +223,7 @@ def load_plan(connection: Connection, view: View, *, device: str | None = None, 
     last = _last_commands(connection, ids)
     busy = {**_staging(connection, ids), **_busy(connection, ids)}
     rejections = _rejections(connection, ids)
+    listed = _models_of(connection, ids)
     plans = []
     shared: dict[tuple[str, ...], Effective] = {}  # devices without their own target share their groups' one
     for row in rows:
@@ -222,7 +235,7 @@ def load_plan(connection: Connection, view: View, *, device: str | None = None, 
                                          own or NO_TARGET)
             if own is None:
                 shared[mine] = effective
-        reported = _reported(row, view, rejections.get(row.id, {}))
+        reported = _reported(row, view, rejections.get(row.id, {}), listed.get(row.id))
         decision = reconcile(row.id, effective, reported, artifacts, last.get(row.id, {}), now=view.now,
                              busy=busy.get(row.id, ""), command_ttl_s=view.command_ttl_s)
         plans.append(DevicePlan(row.id, mine, effective, reported, decision))

@@ -1,4 +1,5 @@
-"""A device's update history: every command it was sent and every job it reported, newest first.
+"""A device's update history: every command it was sent, every job it reported and every rollout
+that planned it a wave it did not send, newest first.
 
 Why built from the stored rows and not kept as a table of its own: the ``commands`` table holds
 what the server sent (a rollout's waves and undos, the targets' reconciler), ``job_events``
@@ -29,15 +30,23 @@ MAX_STATES = 50
 """States listed per job at most (the newest): a job has about ten; the ingest budget bounds a flood."""
 
 FAILED_STATES = frozenset({"failed", "rejected"})
-SUCCEEDED, FAILED, CANCELLED, IN_PROGRESS, SENT, UNANSWERED = (
+SUCCEEDED, FAILED, CANCELLED, IN_PROGRESS, SENT, UNANSWERED, NOT_SENT = (
     "succeeded",
     "failed",
     "cancelled",
     "in_progress",
     "sent",
     "unanswered",
+    "not_sent",
 )
-OUTCOMES = (SUCCEEDED, FAILED, CANCELLED, IN_PROGRESS, SENT, UNANSWERED)
+OUTCOMES = (SUCCEEDED, FAILED, CANCELLED, IN_PROGRESS, SENT, UNANSWERED, NOT_SENT)
+
+
+def not_sent_reason(wave: int, rollout_state: str) -> str:
+    """Why a rollout's device has no command (``wave`` 0-based, shown 1-based). Pure."""
+    if rollout_state in ("pending", "running", "paused"):
+        return f"waiting for wave {wave + 1} (the rollout is {rollout_state})"
+    return f"wave {wave + 1} was never sent: the rollout {rollout_state}"
 
 
 def outcome(kind: str, state: str | None, final: bool, *, expires_at: float | None, now: float) -> str:
@@ -71,7 +80,11 @@ def _sent(connection: Connection, device: str, page: Page) -> list[dict[str, Any
     commands, targets = tables.commands, tables.target_commands
     query = (
         select(
-            commands.c.id, commands.c.kind, commands.c.rollout_id, commands.c.created_at, commands.c.payload,
+            commands.c.id,
+            commands.c.kind,
+            commands.c.rollout_id,
+            commands.c.created_at,
+            commands.c.payload,
             targets.c.source,
         )
         .select_from(commands.outerjoin(targets, targets.c.id == commands.c.id))
@@ -127,6 +140,33 @@ def _answered_only(connection: Connection, device: str, page: Page) -> list[dict
             "from_version": None,
         }
         for job, kind, started in connection.execute(query.order_by(first.desc()).limit(page.limit + 1))
+    ]
+
+
+def _planned(connection: Connection, device: str, page: Page) -> list[dict[str, Any]]:
+    """Rollouts that include ``device`` in a wave they have not sent (or never will)."""
+    rd, rollouts = tables.rollout_devices, tables.rollouts
+    query = (
+        select(rd.c.command_id, rd.c.rollout_id, rd.c.wave, rollouts.c.created_at, rollouts.c.state)
+        .select_from(rd.join(rollouts, rollouts.c.id == rd.c.rollout_id))
+        .where(rd.c.device == device, rd.c.state == "not_sent")
+    )
+    if page.before is not None:
+        query = query.where(rollouts.c.created_at < page.before)
+    return [
+        {
+            "job": row.command_id,
+            "kind": "deploy",
+            "rollout": row.rollout_id,
+            "target": None,
+            "sent_by_server": True,
+            "started_at": row.created_at,
+            "artifact": None,
+            "expires_at": None,
+            "from_version": None,
+            "not_sent": not_sent_reason(row.wave, row.state),
+        }
+        for row in connection.execute(query.order_by(rollouts.c.created_at.desc()).limit(page.limit + 1))
     ]
 
 
@@ -189,10 +229,12 @@ def _entry(
         "updated_at": last["received_at"] if last else item["started_at"],
         "states": states,
         "state": shown["state"] if shown else None,
-        "outcome": outcome(
+        "outcome": NOT_SENT
+        if item.get("not_sent")
+        else outcome(
             item["kind"], shown["state"] if shown else None, final is not None, expires_at=item["expires_at"], now=now
         ),
-        "reason": shown["reason"] if shown else "",
+        "reason": shown["reason"] if shown else item.get("not_sent", ""),
     }
 
 
@@ -202,7 +244,11 @@ def device_history(database: Database, device: str, page: Page, *, now: float) -
     on the last page). 404 for a device the server has no record of at all."""
     with database.read() as connection:
         merged = sorted(
-            [*_sent(connection, device, page), *_answered_only(connection, device, page)],
+            [
+                *_sent(connection, device, page),
+                *_answered_only(connection, device, page),
+                *_planned(connection, device, page),
+            ],
             key=lambda item: (item["started_at"], item["job"]),
             reverse=True,
         )[: page.limit + 1]

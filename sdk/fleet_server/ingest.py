@@ -264,7 +264,8 @@ class Writer:
                 latest.pop(record.device, None)
         if gone:
             connection.execute(delete(tables.devices).where(tables.devices.c.id.in_(gone)))
-            for table in (tables.device_groups, tables.device_claimed_groups, tables.device_rejected):
+            for table in (tables.device_groups, tables.device_claimed_groups, tables.device_rejected,
+                          tables.device_models):
                 connection.execute(delete(table).where(table.c.device.in_(gone)))
         if not latest:
             return
@@ -291,6 +292,20 @@ class Writer:
         unenrolled = {d for d in latest if d not in stored or stored[d].groups_enrolled_at is None}
         self._groups(connection, [r for r, _ in fresh if r.groups is not None], unenrolled)
         self._rejected(connection, [(r, heard) for r, heard in fresh if r.status == "online"])
+        self._models(connection, [r for r, _heard in fresh if r.status == "online" and r.models])
+
+    def _models(self, connection: Any, records: list[DeviceState]) -> None:
+        """Keep ``device_models`` equal to the models each device's newest online state lists
+        (states of agents before several models list none and change nothing)."""
+        if not records:
+            return
+        table = tables.device_models
+        devices = [record.device for record in records]
+        for start in range(0, len(devices), 500):
+            connection.execute(delete(table).where(table.c.device.in_(devices[start:start + 500])))
+        connection.execute(table.insert(), [{"device": record.device, "name": model.name, "version": model.version,
+                                             "model_sha256": model.sha256}
+                                            for record in records for model in record.models])
 
     def _rejected(self, connection: Any, records: list[tuple[DeviceState, float]]) -> None:
         """Keep ``device_rejected`` in step with each device's newest online state (the device's

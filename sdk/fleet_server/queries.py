@@ -272,7 +272,8 @@ def decommission_device(database: Database, device: str, *, reason: str, actor: 
         marked = connection.execute(select(table.c.device).where(table.c.device == device)).first()
         if known is None and marked is None:
             raise ApiError(404, "not_found", f"no device {device}")
-        for rows in (tables.device_groups, tables.device_claimed_groups, tables.device_rejected):
+        for rows in (tables.device_groups, tables.device_claimed_groups, tables.device_rejected,
+                     tables.device_models):
             connection.execute(rows.delete().where(rows.c.device == device))
         for scoped in (tables.target_entries, tables.target_holds):  # its own target goes with it
             connection.execute(scoped.delete().where(scoped.c.scope == "device", scoped.c.name == device))

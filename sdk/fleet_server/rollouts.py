@@ -1,10 +1,13 @@
 r"""Server-side rollouts as pure decisions: the state machine and the next step. No I/O, no clock.
 
-    pending -> running(wave 0) -> running(wave k) -> ... -> succeeded
+    pending -> running(wave 1) -> running(wave k) -> ... -> succeeded
                   |  ^                 |
           pause   v  | resume          +-> failed   (a wave missed its gates)
                paused                  +-> aborted  (the operator)
     pending | paused -> aborted;  pending -> paused;  pending -> failed (it cannot start)
+
+Waves are 1-based wherever a person reads them (messages, the API's ``wave_number``, the audit,
+the transitions); :attr:`Rollout.wave` is the 0-based index the tables keep.
 
 Every change of a rollout's state goes through :func:`transition` (an invalid one raises
 :class:`InvalidTransition`, which the API answers with 409); what the driver does next is
@@ -172,8 +175,20 @@ class Step:
     cancel: tuple[str, ...] = ()
 
 
+ALREADY_ACTIVE = "is already the active model"
+"""The agent's answer to a deploy of the model it runs: that device is on the version, not failed."""
+
+
+def ended_active(device: DeviceStatus) -> bool:
+    """Whether a device's job counts as ended ``active`` for the gates: it did, or the device
+    answered that it already runs the rollout's model (a fleet brought back to one version is
+    not failed by the devices already on it). Never used to pick whom a failure rolls back."""
+    return device.final and (device.state == ACTIVE or ALREADY_ACTIVE in device.reason)
+
+
 def _jobs(devices: Sequence[DeviceStatus]) -> dict[str, DeviceJob]:
-    return {d.device: DeviceJob(d.device, state=d.state, reason=d.reason, final=d.final) for d in devices}
+    return {d.device: DeviceJob(d.device, state=ACTIVE if ended_active(d) else d.state, reason=d.reason,
+                                final=d.final) for d in devices}
 
 
 def undo_targets(devices: Sequence[DeviceStatus]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -201,7 +216,7 @@ def soak_verdict(wave: Sequence[DeviceStatus], gates: Gates) -> str:
     unhealthy: list[str] = []
     healthy = 0
     for device in wave:
-        if not (device.final and device.state == ACTIVE):
+        if not ended_active(device):
             continue
         if not device.online:
             unhealthy.append(f"{device.device} offline")

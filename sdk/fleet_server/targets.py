@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Final, Literal
 
+from sdk.fleet_server.rollouts import ALREADY_ACTIVE
+
 ABSENT: Final = "absent"
 """A model that must not be on the device (in place of an artifact sha256)."""
 
@@ -38,9 +40,6 @@ FLEET: Final = "fleet"
 GROUP: Final = "group"
 DEVICE: Final = "device"
 SCOPES = (FLEET, GROUP, DEVICE)
-
-ALREADY_ACTIVE = "is already the active model"
-"""The agent's answer to a deploy of the model it runs: the device is on target, not failed."""
 
 MAX_ATTEMPTS = 5
 """Commands for one (device, model, artifact, target revision) before the reconciler stops: a
@@ -168,6 +167,7 @@ class Reported:
     status_reason: str = ""
     heard_at: float | None = None  # when the server heard the state (None: never)
     rejected: Mapping[str, Rejection] = field(default_factory=dict)
+    several: bool = False  # the device reported more than one model: its agent holds several
 
 
 @dataclass(frozen=True)
@@ -300,7 +300,7 @@ def _blocked(effective: Effective, reported: Reported, diff: Mapping[str, str], 
     if not reported.online:
         return f"offline{': ' + reported.status_reason if reported.status_reason else ''}"
     present = [m for m, w in effective.models.items() if w.artifact != ABSENT]
-    if len(present) > 1:
+    if len(present) > 1 and not reported.several:
         return f"the target names {len(present)} models ({', '.join(present)}); this device runs one"
     conflicted = sorted(set(diff) & set(effective.conflicts))
     if conflicted and len(conflicted) == len(diff):
