@@ -178,6 +178,7 @@ job_events = Table(
     UniqueConstraint("device", "job", "state", "final", "ts"),
     Index(None, "job"),
     Index(None, "received_at"),
+    Index(None, "device", "type", "id"),  # a device's newest deploy job: the device list's update_status
 )
 
 artifacts = Table(
