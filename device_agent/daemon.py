@@ -9,6 +9,8 @@ SIGINT stop it gracefully (a clean retained "offline" state, the outbox flushed)
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -109,6 +111,23 @@ class Daemon:
             self.reporter.publish_state()
         return old
 
+    def remove_slot(self, slot: ModelSlot) -> None:
+        """Stop serving ``slot``'s model and delete its store (a ``remove`` command): it leaves the
+        set first, so a request names it no more (404), then the store goes: ``slots/<name>/``
+        renamed aside and deleted, or the root store's state cleared and its models pruned."""
+        with self._models_lock:
+            self.models = ModelSet(tuple(s for s in self.models if s.name != slot.name))
+            if self._root_claim == slot.name:
+                self._root_claim = None
+        slot.service.swap(None)
+        slot.store.clear()
+        if slot.store is not self.store:
+            aside = slot.store.root.with_name(f".removed-{slot.name}")
+            os.replace(slot.store.root, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        if self.reporter is not None:
+            self.reporter.publish_state()
+
     def _register(self, slot: ModelSlot) -> None:
         with self._models_lock:
             if self.models.get(slot.name) is not None:
@@ -175,6 +194,9 @@ class Daemon:
             self._load_active(ModelSlot(active.name, self.store, self.service), active)
         slots = self.config.store / SLOTS_DIR
         for directory in sorted(slots.iterdir()) if slots.is_dir() else ():
+            if directory.name.startswith(".removed-"):  # a removal cut short: finish it
+                shutil.rmtree(directory, ignore_errors=True)
+                continue
             if not is_valid_id(directory.name) or not directory.is_dir() or self.models.get(directory.name):
                 continue
             slot = self.new_slot(directory.name)

@@ -322,6 +322,13 @@ class ModelStore:
             self.prune()
         return target
 
+    def clear(self) -> None:
+        """No active model any more (a ``remove`` command): one atomic state write, then every
+        model directory is pruned. The ledger of rejected versions is kept."""
+        self._require_writable()
+        self._write_state(None, None)
+        self.prune()
+
     def prune(self) -> list[str]:
         """Delete model directories other than active and previous (never on a damaged state)."""
         if not self.writable:

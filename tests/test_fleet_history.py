@@ -18,7 +18,7 @@ import pytest
 from edgepack_core.protocol.commands import build_command, encode_command
 from sdk.fleet_server.history import FAILED, SENT, SUCCEEDED, UNANSWERED, outcome
 from tests.artifacts import build_artifact
-from tests.broker import free_port
+from tests.broker import free_port, start_mosquitto
 from tests.fleet_server_process import ROOT, FleetServerProcess, edgepack, make_keys, wait_for
 from tools.fleet_sim import Behaviour, SimFleet
 
@@ -30,31 +30,34 @@ LONG_REASON = (
 
 
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory):
-    from tests.broker import start_mosquitto
-
-    started = start_mosquitto(workdir=tmp_path_factory.mktemp("mosquitto"))
-    yield started
-    started.kill()
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory, keypair):
-    return make_keys(tmp_path_factory.mktemp("keys"), release=keypair)
-
-
-@pytest.fixture(scope="module")
 def arts(tmp_path_factory, keypair) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("arts")
     return {version: build_artifact(folder, keypair[0], version=version) for version in ("1.1.0", "1.2.0")}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, broker, keys):
-    process = FleetServerProcess(tmp_path_factory.mktemp("server"), broker=broker.address, keys=keys)
-    process.start()
-    yield process
-    process.stop()
+def fleet_server(tmp_path_factory, keypair):
+    """mosquitto and `edgepack fleet serve` beside it, for the whole module."""
+    folder = tmp_path_factory.mktemp("history")
+    broker = start_mosquitto(workdir=folder / "mosquitto")
+    process = FleetServerProcess(
+        folder / "server", broker=broker.address, keys=make_keys(folder / "keys", release=keypair)
+    )
+    try:
+        yield broker, process.start()
+    finally:
+        process.stop()
+        broker.kill()
+
+
+@pytest.fixture(scope="module")
+def broker(fleet_server):
+    return fleet_server[0]
+
+
+@pytest.fixture(scope="module")
+def server(fleet_server):
+    return fleet_server[1]
 
 
 def _env(server: FleetServerProcess) -> dict[str, str]:

@@ -15,7 +15,7 @@ import pytest
 
 from sdk.broker import BrokerOptions
 from sdk.deploy import DeployOptions, deploy
-from sdk.deploy.device import send_rollback
+from sdk.deploy.device import send_command, send_rollback
 from sdk.errors import DeployError
 from sdk.keys import load_operator_key, write_operator_keypair
 from tests.agent_process import AgentProcess, Observer
@@ -31,12 +31,12 @@ class TwoModelLoad:
     """Requests to ``/predict/alpha`` and ``/predict/beta`` from one thread each, until stopped:
     every answer must be a 200 whose output is the factor of the version it names."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, names: tuple[str, ...] = ("alpha", "beta")) -> None:
         self.port = port
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.failures: list[str] = []
-        self.seen: dict[str, set[str]] = {"alpha": set(), "beta": set()}
+        self.seen: dict[str, set[str]] = {name: set() for name in names}
         self.answers = 0
         self.threads = [threading.Thread(target=self._run, args=(name,), daemon=True) for name in self.seen]
 
@@ -226,3 +226,52 @@ def test_a_deploy_of_one_model_runs_while_the_other_is_in_its_health_window(tmp_
         slow.join(60)
         agent.stop()
         watch.close()
+
+
+def test_a_removed_model_stops_serving_and_its_store_goes_while_the_other_serves(
+    tmp_path, keypair, arts, mosquitto_broker
+):
+    agent, operator = _two_model_agent(tmp_path, keypair, arts, mosquitto_broker.port)
+    watch = Observer(mosquitto_broker.port)
+    agent.start()
+    broker = BrokerOptions(mosquitto_broker.address)
+    try:
+        unsigned, _ = send_command(broker, "cam-01", "remove", model="beta", timeout=30)
+        assert unsigned.state == "rejected" and "must be signed" in unsigned.reason, unsigned
+        unknown, _ = send_command(broker, "cam-01", "remove", model="gamma", operator_key=operator, timeout=30)
+        assert unknown.state == "failed" and "installed: alpha, beta" in unknown.reason, unknown
+        with TwoModelLoad(agent.port, names=("alpha",)) as load:
+            assert watch.wait_for(lambda: load.answers >= 10, 20)
+            removed, _ = send_command(broker, "cam-01", "remove", model="beta", operator_key=operator, timeout=30)
+            answered = load.answers
+            assert watch.wait_for(lambda: load.answers >= answered + 10, 20)
+        assert load.failures == [], load.failures[:5]
+        assert removed.state == "done" and removed.reason == "removed beta 1.0.0", removed
+        assert removed.detail.get("model") == "beta"
+        assert [m["name"] for m in agent.health()["models"]] == ["alpha"]
+        status, answer = _post(agent.port, "/predict/beta")
+        assert status == 404 and "installed: alpha" in answer["error"]["message"]
+        assert _post(agent.port, "/predict")[0] == 200, "one model left: /predict serves it"
+        assert watch.wait_for(lambda: _models_in_state(watch) == {"alpha": "1.0.0"}, 10), _latest_state(watch)
+        assert not (tmp_path / "cam-01-store" / "slots" / "beta").exists()
+        last, _ = send_command(broker, "cam-01", "remove", model="alpha", operator_key=operator, timeout=30)
+        assert last.state == "done", last
+        health = agent.health()
+        assert health["status"] == "no model" and health["models"] == []
+        assert _post(agent.port, "/predict")[0] == 503
+    finally:
+        agent.stop()
+        watch.close()
+    store = tmp_path / "cam-01-store"
+    assert list((store / "slots").iterdir()) == [], "a removed model's store is left"
+
+
+def _post(port: int, path: str) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=ROW, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)

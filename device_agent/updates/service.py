@@ -86,6 +86,8 @@ class AgentHost(Protocol):
 
     def new_slot(self, name: str) -> ModelSlot: ...
 
+    def remove_slot(self, slot: ModelSlot) -> None: ...
+
     def activate_loaded(self, model: LoadedModel, slot: ModelSlot | None = None) -> LoadedModel | None: ...
 
 
@@ -95,7 +97,7 @@ def job_model(job: Job) -> str | None:
     that names no model, to a device that holds none). Pure."""
     command = job.command
     rolled_back = command.get("from_version")
-    named = job.detail.get("model") or command.get("name") or (
+    named = job.detail.get("model") or command.get("name") or command.get("model") or (
         rolled_back.get("name") if isinstance(rolled_back, dict) else None)
     return str(named) if named else None
 
@@ -305,9 +307,11 @@ class UpdateService:
         held = self.host.models.names
         if command.type == "deploy":
             return deploy_refusal(held, command.body.get("name"), self.allowed_names) or ""
-        if command.type == "rollback" and command.body["from_version"]["name"] not in held:
-            name = command.body["from_version"]["name"]
-            return f"no model {name!r} on this device to roll back (installed: {', '.join(held) or 'none'})"
+        named = {"rollback": (command.body.get("from_version") or {}).get("name"), "remove": command.body.get("model")}
+        name = named.get(command.type)
+        if name is not None and name not in held:
+            verb = "roll back" if command.type == "rollback" else "remove"
+            return f"no model {name!r} on this device to {verb} (installed: {', '.join(held) or 'none'})"
         return ""
 
     def _check_settings(self, command: Command) -> None:
@@ -339,8 +343,8 @@ class UpdateService:
                 job = dataclasses.replace(job, detail={**job.detail, "from_sha256": serving.manifest.model_sha256})
             self.journal.save(job)
             self._publish(job)
-            if kind == "rollback":
-                self._supersede_deploys(f"superseded by rollback {command.id}", model)
+            if kind in ("rollback", "remove"):
+                self._supersede_deploys(f"superseded by {kind} {command.id}", model)
                 self._control.put(job)
             else:
                 self._supersede_deploys(f"superseded by deploy {command.id}", model)
@@ -398,6 +402,8 @@ class UpdateService:
                     self._run_deploy(job)
                 elif job.type == "rollback":
                     self._rollback_command(job)
+                elif job.type == "remove":
+                    self._remove_command(job)
             except Exception as err:  # a job must end with an event, whatever went wrong
                 log.exception("job %s crashed", job.id)
                 self._end_crashed(job, err)
@@ -465,6 +471,26 @@ class UpdateService:
                                    f"{self._serving(slot)}")
             return
         self._set(job, J.DONE, f"rolled back to {target.name} {target.version}")
+
+    def _remove_command(self, job: Job) -> None:
+        """Stop serving the job's model and delete its store (its target is absent). A deploy of
+        it in its health window is stopped first; its requests then get 404 naming the others."""
+        name = str(job_model(job))
+        running = next((r for r in list(self._running.values()) if r.model == name), None)
+        if running is not None:
+            running.cancel(f"removed by command {job.id}")
+        with self._store_lock:
+            slot = self.host.models.get(name)
+            if slot is None:
+                self._set(job, J.DONE, f"{name} is not installed")
+                return
+            serving = self._serving(slot)
+            try:
+                self.host.remove_slot(slot)
+            except (EdgepackError, OSError) as err:
+                self._set(job, J.FAILED, f"remove failed: {err}; serving {self._serving(slot)}")
+                return
+        self._set(job, J.DONE, f"removed {serving}")
 
     # ---------------------------------------------------------------- deploy
 
