@@ -6,15 +6,17 @@ device.<action> with the operator's reason and the command id. Real server, brok
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
 
+from edgepack_core import faults
 from edgepack_core.fsutil import sha256_file
 from tests.agent_process import AgentProcess
 from tests.artifacts import build_artifact
-from tests.fleet_server_process import FleetServerProcess, edgepack, make_keys, wait_for
+from tests.fleet_server_process import CommandCounter, FleetServerProcess, edgepack, make_keys, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +129,35 @@ def test_device_actions_mistakes_are_4xx_naming_the_field_and_hold_release_rerun
     assert status == 200 and doc["models"] == {"scale": sha} and doc["revisions"] == {"scale": 2}, doc
     entry = _audit(server, "device.rerun")[0]
     assert entry["detail"]["reason"] == "again" and entry["detail"]["models"] == {"scale": sha}
+
+
+def test_a_server_killed_between_recording_and_publishing_a_ping_sends_it_after_the_restart(
+    tmp_path, mosquitto_broker, keys, keypair, versions
+):
+    """SIGKILL after the action's command and audit row were committed, before the broker saw the
+    command: the restarted server publishes that same recorded command (the driver's resend of
+    what the broker never acknowledged), and the device's answer reaches the history."""
+    counter = CommandCounter(mosquitto_broker.port)
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=keys,
+                                extra=("--resend-after", "1s"))
+    server.start(env=faults.switch("fleet-recorded-action"))
+    agent = _agent(tmp_path, mosquitto_broker, keys, keypair, versions["1.1.0"], server).start()
+    try:
+        assert wait_for(lambda: server.call("GET", "/api/devices/cam-01")[0] == 200, 30)
+        with contextlib.suppress(OSError):  # the server dies answering
+            server.call("POST", "/api/devices/cam-01/actions/ping", {"reason": "still there?"})
+        assert server.proc is not None and server.proc.wait(60) == -9
+        assert not counter.by_device
+        server.start()
+        command = _audit(server, "device.ping")[0]["detail"]["command"]
+
+        def answered() -> bool:
+            entries = server.get("/api/devices/cam-01/history")["entries"]
+            return any(e["job"] == command and e["outcome"] == "succeeded" for e in entries)
+
+        assert wait_for(answered, 30)
+        assert list(counter.by_id) == [command]
+    finally:
+        agent.stop()
+        server.stop()
+        counter.close()

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
+from edgepack_core import faults
 from edgepack_core.errors import SchemaError
 from edgepack_core.protocol.commands import build_command
 from edgepack_core.protocol.ids import is_valid_id
@@ -149,6 +150,7 @@ def _send(
         command = build_command(request.action, device=device, ttl_s=ttl_s, now=now, **fields)
         recorded = sink.record_command(connection, device, request.action, command, now)
         _audit_in(connection, device, request, caller, now, {"command": command["id"], **fields})
+    faults.point("fleet-recorded-action")  # a crash here: the leader resends it (the driver's resend)
     if recorded is not None:
         sink.publish([recorded], now)
     return {"device": device, "action": request.action, "command": command["id"], "reason": request.reason, **fields}
