@@ -501,6 +501,145 @@ def test_the_device_page_shows_its_target_the_difference_and_why_it_persists(bro
     _wait(browser, lambda d: "no target for this device" in _text(d, "#device-target"), message="no target")
 
 
+# ------------------------------------------------------------------ incidents (issue 24, items 5 and 9)
+
+
+def _upload(server, path: Path) -> str:
+    status, stored = server.call("POST", "/api/artifacts", data=path.read_bytes(),
+                                 headers={"Content-Type": "application/octet-stream"})
+    assert status in (200, 201), stored
+    return stored["sha256"]
+
+
+def _publish_state(broker, device: str) -> None:
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"gone-{free_port()}", protocol=mqtt.MQTTv5)
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    try:
+        state = {"schema": "edgepack.state/1", "device": device, "status": "online", "ts": time.time(),
+                 "groups": [], "model": {"name": "scale", "version": "1.0.0", "sha256": "0" * 64}}
+        client.publish(f"{TOPIC_ROOT}/dev/{device}/state", json.dumps(state), qos=1, retain=True).wait_for_publish(10)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def _act(driver, button: str, reason: str, expect: str) -> str:
+    field = driver.find_element(By.ID, "device-action-reason")
+    field.clear()
+    field.send_keys(reason)
+    driver.find_element(By.ID, button).click()
+    _wait(driver, lambda d: _text(d, "#device-action-result").startswith(expect), message=f"{button}: {expect}")
+    return driver.find_element(By.ID, "device-action-result").get_attribute("data-command")
+
+
+def test_the_dashboard_could_not_act_now_the_device_page_pings_holds_rolls_back_and_decommissions(
+        browser, server, fleet, broker):
+    _open(browser, server, "/devices/sim-00017", "#device-actions")
+    command = _act(browser, "device-ping", "is it alive?", "ping: sent ")
+    assert server.get("/api/audit?action=device.ping")["entries"][0]["detail"] == {"reason": "is it alive?",
+                                                                                    "command": command}
+    _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, f"#device-history tr[data-job='{command}']"),
+          message="the ping's job in the update history")
+    _act(browser, "device-hold", "on the bench", "hold: held by device")
+    _act(browser, "device-release", "back in service", "release: held by nothing")
+    assert [e["detail"]["reason"] for e in server.get("/api/audit?action=device.hold")["entries"][:1]] == [
+        "on the bench"]
+    browser.find_element(By.ID, "device-action-reason").send_keys("NaN on the canary")
+    browser.find_element(By.ID, "device-rollback").click()
+    WebDriverWait(browser, 10).until(lambda d: d.switch_to.alert).accept()
+    _wait(browser, lambda d: _text(d, "#device-action-result").startswith("rollback: sent "), message="rollback")
+    entry = server.get("/api/audit?action=device.rollback")["entries"][0]
+    assert entry["detail"]["reason"] == "NaN on the canary" and entry["target"] == "sim-00017"
+
+    _publish_state(broker, "gone-1")
+    assert wait_for(lambda: server.call("GET", "/api/devices/gone-1")[0] == 200, 30)
+    _open(browser, server, "/devices/gone-1", "#device-decommission")
+    browser.find_element(By.ID, "device-decommission").click()
+    _wait(browser, lambda d: _text(d, "#device-action-error").startswith("reason:"), message="a reason is needed")
+    browser.find_element(By.ID, "device-action-reason").send_keys("stolen from the loading dock")
+    browser.find_element(By.ID, "device-decommission").click()
+    WebDriverWait(browser, 10).until(lambda d: d.switch_to.alert).accept()
+    _wait(browser, lambda d: d.current_url.endswith("#/fleet"), message="back to the fleet")
+    assert server.call("GET", "/api/devices/gone-1")[0] == 404
+    assert server.get("/api/audit?action=device.decommission")["entries"][0]["detail"]["reason"] == \
+        "stolen from the loading dock"
+
+
+def test_the_rollout_form_has_every_gate_the_api_has_and_a_soaking_wave_counts_down(browser, server, fleet,
+                                                                                     artifacts):
+    _upload(server, artifacts["1.1.0"])
+    _open(browser, server, "/rollouts", "#rollouts")
+    browser.find_element(By.CSS_SELECTOR, "#new-rollout-box summary").click()
+    _wait(browser, lambda d: "scale 1.1.0" in _text(d, "#new-artifact"), message="artifacts listed")
+    Select(browser.find_element(By.ID, "new-artifact")).select_by_visible_text(
+        next(o.text for o in Select(browser.find_element(By.ID, "new-artifact")).options if "scale 1.1.0" in o.text))
+    browser.find_element(By.ID, "new-devices").send_keys("sim-00015")
+    for field, value in (("new-waves", "100"), ("new-soak", "3600"), ("new-health-window", "0.5"),
+                         ("new-max-error-rate", "0.2"), ("new-wave-timeout", "0")):
+        element = browser.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+    for box in ("new-force-downgrade", "new-allow-contract-change", "new-exclude-offline"):
+        browser.find_element(By.ID, box).click()
+    browser.find_element(By.ID, "new-submit").click()
+    _wait(browser, lambda d: _text(d, "#new-error").startswith("wave_timeout_s:"), message="the bound, named")
+    timeout = browser.find_element(By.ID, "new-wave-timeout")
+    timeout.clear()
+    timeout.send_keys("120")
+    browser.find_element(By.ID, "new-submit").click()
+    _wait(browser, lambda d: re.search(r"#/rollouts/[^/?]+$", d.current_url), message="the new rollout's page")
+    rollout_id = browser.find_element(By.ID, "rollout-id").text
+    doc = server.get(f"/api/rollouts/{rollout_id}")
+    assert doc["gates"]["wave_timeout_s"] == 120 and doc["gates"]["max_error_rate"] == 0.2
+    assert doc["options"] == {"health_window_s": 0.5, "force_downgrade": True, "allow_contract_change": True}
+    assert doc["target"] == {"devices": ["sim-00015"]}
+    _wait(browser, lambda d: re.fullmatch(r"soak ends in (59|60) min \d\d s", _text(d, "#soak-countdown")),
+          message="the soak's countdown")
+    assert server.call("POST", f"/api/rollouts/{rollout_id}/abort", {"reason": "test done"})[0] == 200
+
+
+def test_a_failed_wave_looks_failed_even_when_every_job_ended_active(browser, server):
+    _open(browser, server, "/rollouts", "#rollouts")
+    classes = browser.execute_async_script("""
+        const done = arguments[arguments.length - 1];
+        import('/ui/js/rollouts.js').then((m) => {
+          const wave = {index: 0, state: 'failed', devices: 2, active: 2, failed: 0, in_progress: 0, not_sent: 0};
+          done([m.progress(wave).className, m.progress({...wave, state: 'passed'}).className]);
+        }, (e) => done(String(e)));""")
+    assert classes == ["progress wave-failed", "progress"], classes
+
+
+def test_a_fleet_wide_rollback_is_two_clicks_and_a_reason(browser, server, fleet, artifacts):
+    old, new = _upload(server, artifacts["1.1.0"]), _upload(server, artifacts["1.2.0"])
+    status, doc = server.call("PUT", "/api/targets/groups/sim", {"models": {"scale": new}, "reason": "release"})
+    assert status == 200, doc
+    try:
+        _open(browser, server, "/rollouts", "#rollouts")
+        browser.find_element(By.CSS_SELECTOR, "#fleet-rollback-box summary").click()
+        _wait(browser, lambda d: "group sim: scale now 1.2.0" in _text(d, "#rollback-scope"), message="the target")
+        Select(browser.find_element(By.ID, "rollback-scope")).select_by_visible_text(
+            next(o.text for o in Select(browser.find_element(By.ID, "rollback-scope")).options
+                 if o.text.startswith("group sim")))
+        assert Select(browser.find_element(By.ID, "rollback-artifact")).first_selected_option.text.startswith(
+            "scale 1.1.0")  # the earlier build is chosen already
+        browser.find_element(By.ID, "rollback-reason").send_keys("1.2.0 answers NaN")
+        browser.find_element(By.ID, "rollback-start").click()  # click 1
+        _wait(browser, lambda d: d.find_element(By.ID, "rollback-go").is_displayed(), message="the confirmation")
+        browser.find_element(By.ID, "rollback-go").click()  # click 2
+        _wait(browser, lambda d: "set back to 1.1.0" in _text(d, "#rollback-result"), message="rolled back")
+        target = server.get("/api/targets/groups/sim")["models"]["scale"]
+        assert target["artifact"] == old and target["reason"] == "1.2.0 answers NaN"
+        # The reconciler sends the signed downgrade to every device of the group (sim-00019 has its
+        # own target and hold from an earlier test: it stays). Convergence as the server reports it
+        # needs a real agent's state (tests/test_fleet_server_targets.py); the simulator's deploy
+        # answers are what it checks here.
+        assert wait_for(lambda: {v for d, v in fleet.versions().items() if d != "sim-00019"} == {"1.1.0"}, 60), \
+            fleet.versions()
+    finally:
+        server.call("PUT", "/api/targets/groups/sim", {"models": {"scale": None}, "reason": "test done"})
+
+
 def test_no_page_broke_the_content_security_policy_or_threw(browser, server):
     _signed_in(browser, server)
     problems = [entry for entry in _console(browser)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
+from edgepack_core import faults
 from edgepack_core.errors import SchemaError
 from edgepack_core.protocol.commands import build_command
 from edgepack_core.protocol.ids import is_valid_id
@@ -108,14 +109,32 @@ def _plan(database: Database, device: str, view: desired.View) -> desired.Device
     return plans[0]
 
 
-def _from_version(row: Any, model: str | None) -> dict[str, str]:
-    """What a rollback undoes: the model the device reports serving (409 when it serves none,
-    or serves another one than the operator named)."""
-    if not row.model_name or not row.model_version:
+def _served(connection: Connection, row: Any) -> dict[str, str]:
+    """Model name -> version the device's newest state lists (every model of an agent holding
+    several; else the one model of its state)."""
+    m = tables.device_models
+    listed = {
+        name: version
+        for name, version in connection.execute(select(m.c.name, m.c.version).where(m.c.device == row.id))
+        if version
+    }
+    if listed:
+        return listed
+    return {row.model_name: row.model_version} if row.model_name and row.model_version else {}
+
+
+def _from_version(connection: Connection, row: Any, model: str | None) -> dict[str, str]:
+    """What a rollback undoes: the model the device reports serving, the one named when it
+    serves several (409 when it serves none, not the one named, or several and none named)."""
+    served = _served(connection, row)
+    if not served:
         raise ApiError(409, "conflict", f"{row.id} reports no model it serves: nothing to roll back")
-    if model is not None and model != row.model_name:
-        raise ApiError(409, "conflict", f"model: {row.id} serves {row.model_name}, not {model}")
-    return {"name": row.model_name, "version": row.model_version}
+    if model is None and len(served) > 1:
+        raise ApiError(409, "conflict", f"model: {row.id} serves {', '.join(sorted(served))}; name the model")
+    name = model if model is not None else next(iter(served))
+    if name not in served:
+        raise ApiError(409, "conflict", f"model: {row.id} serves {', '.join(sorted(served))}, not {name}")
+    return {"name": name, "version": served[name]}
 
 
 def _send(
@@ -126,19 +145,12 @@ def _send(
     with database.write() as connection:
         row = _device_row(connection, device)
         fields: dict[str, Any] = (
-            {"from_version": _from_version(row, request.model)} if request.action == "rollback" else {}
+            {"from_version": _from_version(connection, row, request.model)} if request.action == "rollback" else {}
         )
         command = build_command(request.action, device=device, ttl_s=ttl_s, now=now, **fields)
         recorded = sink.record_command(connection, device, request.action, command, now)
-        audit.record(
-            connection,
-            actor=caller.actor,
-            action=f"device.{request.action}",
-            target=device,
-            remote=caller.remote,
-            now=now,
-            detail={"reason": request.reason, "command": command["id"], **fields},
-        )
+        _audit_in(connection, device, request, caller, now, {"command": command["id"], **fields})
+    faults.point("fleet-recorded-action")  # a crash here: the leader resends it (the driver's resend)
     if recorded is not None:
         sink.publish([recorded], now)
     return {"device": device, "action": request.action, "command": command["id"], "reason": request.reason, **fields}
@@ -156,30 +168,35 @@ def _set_hold(database: Database, device: str, hold: bool, reason: str, caller: 
     )
 
 
+def _audit_in(
+    connection: Connection, device: str, request: ActionRequest, caller: Caller, now: float, detail: Mapping[str, Any]
+) -> None:
+    """The action's ``device.<action>`` row, with the operator's reason, in the caller's transaction."""
+    audit.record(
+        connection,
+        actor=caller.actor,
+        action=f"device.{request.action}",
+        target=device,
+        remote=caller.remote,
+        now=now,
+        detail={"reason": request.reason, **detail},
+    )
+
+
 def _audit(
     database: Database, device: str, request: ActionRequest, caller: Caller, now: float, detail: Mapping[str, Any]
 ) -> None:
     with database.write() as connection:
-        audit.record(
-            connection,
-            actor=caller.actor,
-            action=f"device.{request.action}",
-            target=device,
-            remote=caller.remote,
-            now=now,
-            detail={"reason": request.reason, **detail},
-        )
+        _audit_in(connection, device, request, caller, now, detail)
 
 
 def _rollback(
     database: Database, sink: CommandSink, device: str, request: ActionRequest, caller: Caller, ttl_s: float, now: float
 ) -> dict[str, Any]:
     plan = _plan(database, device, caller.view)
-    served = next(iter(plan.reported.models), None)
-    model = request.model or served
-    wanted = plan.effective.models.get(model) if model else None
-    hold = wanted is not None and wanted.artifact != ABSENT and DEVICE not in plan.effective.held_by
     done = _send(database, sink, device, request, caller, ttl_s, now)
+    wanted = plan.effective.models.get(done["from_version"]["name"])
+    hold = wanted is not None and wanted.artifact != ABSENT and DEVICE not in plan.effective.held_by
     if hold:
         _set_hold(database, device, True, f"rolled back by {caller.actor}: {request.reason}"[:MAX_REASON], caller, now)
     return {**done, "held": hold or DEVICE in plan.effective.held_by}

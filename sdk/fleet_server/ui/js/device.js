@@ -4,6 +4,7 @@
 import { api, pathId, query } from "./api.js";
 import { lineChart } from "./chart.js";
 import { badge, bytes, h, ms, number, percent, replace, table, time, when } from "./dom.js";
+import { actionsPanel } from "./device_actions.js";
 import { artifactText } from "./rollouts.js";
 
 // Range -> bucket step: about 180 points a chart (the API allows 5,000).
@@ -110,7 +111,7 @@ function target(doc) {
     rows.map(([name, value]) => [h("dt", {}, name), h("dd", {}, value)]));
 }
 
-export function mount(root, route) {
+export function mount(root, route, shell) {
   const id = route.parts[1];
   const chosen = RANGES.find((r) => r.id === route.params.get("range")) || RANGES[0];
   const select = h("select", { id: "range" }, RANGES.map((r) =>
@@ -124,7 +125,7 @@ export function mount(root, route) {
   const updates = h("div", { class: "table-wrap" });
   replace(root,
     h("p", { class: "crumbs" }, h("a", { href: "#/fleet" }, "Fleet"), " / ", id),
-    h("h1", { id: "device-id" }, id), header, h("h2", {}, "Target"), desired,
+    h("h1", { id: "device-id" }, id), actionsPanel(id, shell), header, h("h2", {}, "Target"), desired,
     h("h2", {}, "Update history"), updates,
     h("div", { class: "row" }, h("h2", {}, "Over time"), h("label", {}, "Range ", select)),
     charts);

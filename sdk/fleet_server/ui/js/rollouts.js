@@ -3,6 +3,7 @@
 
 import { ApiFailure, api, pathId, query } from "./api.js";
 import { badge, h, number, replace, table, time, when } from "./dom.js";
+import { fleetRollbackCard } from "./fleet_rollback.js";
 
 const ID = /^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/;
 const MAX_DEVICE_ROWS = 500;
@@ -55,6 +56,49 @@ export function parseWaves(text) {
   return waves;
 }
 
+// The gates and signed options the API has beyond waves, soak and share: each left empty keeps
+// the server's default; a value out of range is refused here naming the field (and by the API).
+export function readGates(values, isGroup) {
+  const body = {};
+  const numeric = [["health_window_s", values.health_window_s, 0, 86400],
+                   ["max_error_rate", values.max_error_rate, 0, 1],
+                   ["wave_timeout_s", values.wave_timeout_s, 1, 7 * 86400]];
+  for (const [name, text, low, high] of numeric) {
+    if (text === "" || text === undefined) continue;
+    const value = Number(text);
+    if (!Number.isFinite(value) || value < low || value > high) throw new Error(`${name}: a number in ${low}..${high}`);
+    body[name] = value;
+  }
+  if (values.force_downgrade) body.force_downgrade = true;
+  if (values.allow_contract_change) body.allow_contract_change = true;
+  if (values.exclude_offline && !isGroup) body.exclude_offline = true;
+  return body;
+}
+
+function gateFields() {
+  const number = (id, attrs) => h("input", { id, type: "number", step: "any", ...attrs });
+  const inputs = {
+    // No min/max attributes: the bounds are checked by readGates, whose message names the field.
+    health_window_s: number("new-health-window", { placeholder: "device default" }),
+    max_error_rate: number("new-max-error-rate", { placeholder: "not checked" }),
+    wave_timeout_s: number("new-wave-timeout", { value: 1800 }),
+    force_downgrade: h("input", { id: "new-force-downgrade", type: "checkbox" }),
+    allow_contract_change: h("input", { id: "new-allow-contract-change", type: "checkbox" }),
+    exclude_offline: h("input", { id: "new-exclude-offline", type: "checkbox" }),
+  };
+  const elements = [
+    h("label", {}, "Health window per device (s) ", inputs.health_window_s),
+    h("label", {}, "Largest error rate while soaking (0–1) ", inputs.max_error_rate),
+    h("label", {}, "Wave timeout (s) ", inputs.wave_timeout_s),
+    h("label", { class: "check" }, inputs.force_downgrade, " force downgrade (signed into the command)"),
+    h("label", { class: "check" }, inputs.allow_contract_change, " allow a contract change (inputs or outputs differ)"),
+    h("label", { class: "check" }, inputs.exclude_offline, " leave out listed devices that are offline now"),
+  ];
+  const read = (isGroup) => readGates(Object.fromEntries(Object.entries(inputs).map(([name, input]) =>
+    [name, input.type === "checkbox" ? input.checked : input.value.trim()])), isGroup);
+  return { elements, read };
+}
+
 function newRolloutForm(refreshList) {
   const artifact = h("select", { id: "new-artifact", name: "artifact", required: true });
   const file = h("input", { id: "upload-file", type: "file", accept: ".edgepkg" });
@@ -67,6 +111,7 @@ function newRolloutForm(refreshList) {
   const soak = h("input", { id: "new-soak", name: "soak", type: "number", min: 0, step: "any", value: 60 });
   const share = h("input", { id: "new-share", name: "share", type: "number", min: 0, max: 1, step: "any", value: 1 });
   const rollback = h("input", { id: "new-rollback", name: "rollback", type: "checkbox" });
+  const gates = gateFields();
   const message = h("p", { class: "error", role: "alert", id: "new-error" });
   const form = h("form", { id: "new-rollout", class: "stack" },
     h("label", { class: "wide" }, "Artifact ", artifact),
@@ -75,6 +120,7 @@ function newRolloutForm(refreshList) {
     h("label", {}, "Waves (cumulative %) ", waves), h("label", {}, "Soak per wave (s) ", soak),
     h("label", {}, "Success share a wave needs ", share),
     h("label", { class: "check" }, rollback, " roll back what was updated when a wave fails"),
+    gates.elements,
     h("span", { class: "inline wide" }, h("button", { type: "submit", id: "new-submit" }, "Start rollout"), message));
 
   async function loadArtifacts(select) {
@@ -119,6 +165,7 @@ function newRolloutForm(refreshList) {
         if (!ID.test(id)) throw new Error(`${id.slice(0, 64)} is not a valid id`);
       }
       if (!body.artifact) throw new Error("upload or choose an artifact");
+      Object.assign(body, gates.read(Boolean(body.group)));
     } catch (error) {
       message.textContent = error.message;
       return;
@@ -142,12 +189,13 @@ function newRolloutForm(refreshList) {
 function mountList(root) {
   const list = h("div", { class: "table-wrap" });
   const form = newRolloutForm(() => {});
-  replace(root, h("h1", {}, "Rollouts"), form.element, list);
+  const incident = fleetRollbackCard();
+  replace(root, h("h1", {}, "Rollouts"), form.element, incident.element, list);
   let artifactsLoaded = false;
 
   async function refresh() {
     if (!artifactsLoaded) {
-      await form.loadArtifacts("");
+      await Promise.all([form.loadArtifacts(""), incident.load()]);
       artifactsLoaded = true;
     }
     const doc = await api(`/api/rollouts${query({ limit: 100 })}`);
@@ -159,9 +207,12 @@ function mountList(root) {
 
 // ------------------------------------------------------------------ one rollout
 
-function progress(wave) {
-  const bar = h("span", { class: "progress", title: `${wave.active} active, ${wave.failed} failed, ` +
-                                                    `${wave.in_progress} in progress, ${wave.not_sent} not sent` });
+export function progress(wave) {
+  // A wave that failed its soak may have every job active: the bar must still read failed.
+  const failed = wave.state === "failed" || wave.state === "aborted";
+  const bar = h("span", { class: failed ? `progress wave-${wave.state}` : "progress",
+                          title: `${wave.state}: ${wave.active} active, ${wave.failed} failed, ` +
+                                 `${wave.in_progress} in progress, ${wave.not_sent} not sent` });
   for (const part of ["active", "failed", "in_progress"]) {
     if (!wave[part] || !wave.devices) continue;
     const piece = h("span", { class: `part ${part}` });
@@ -177,7 +228,32 @@ function waveRows(rollout) {
     h("td", {}, badge(wave.state, { passed: "ok", failed: "off", aborted: "off", paused: "warn" }[wave.state] || "")),
     h("td", { class: "num" }, number(wave.devices)), h("td", {}, progress(wave)),
     h("td", { class: "num" }, number(wave.active)), h("td", { class: "num" }, number(wave.failed)),
-    h("td", { class: "num" }, number(wave.in_progress)), h("td", { class: "num" }, number(wave.not_sent))));
+    h("td", { class: "num" }, number(wave.in_progress)), h("td", { class: "num" }, number(wave.not_sent)),
+    h("td", { class: "num" }, number(wave.offline || 0)), h("td", { class: "waits" }, waveWaits(rollout, wave))));
+}
+
+// Seconds as "1 h 02 min", "4 min 05 s", "42 s".
+export function duration(seconds) {
+  const s = Math.max(0, Math.round(seconds));
+  if (s >= 3600) return `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} min`;
+  if (s >= 60) return `${Math.floor(s / 60)} min ${String(s % 60).padStart(2, "0")} s`;
+  return `${s} s`;
+}
+
+// What the running wave waits for, counted down at each refresh: the soak's end, else the
+// wave's deadline (offline devices are waited for until then).
+export function waveWaits(rollout, wave, now = Date.now() / 1000) {
+  if (wave.index !== rollout.wave || rollout.state !== "running") return "";
+  if (wave.state === "soaking" && rollout.soak_started_at !== null && rollout.soak_started_at !== undefined) {
+    const left = rollout.soak_started_at + rollout.gates.soak_s - now;
+    return h("span", { id: "soak-countdown", "data-left": Math.round(left) }, `soak ends in ${duration(left)}`);
+  }
+  if (wave.deadline) {
+    const offline = wave.offline ? `${wave.offline} offline; ` : "";
+    return h("span", { id: "wave-deadline" }, `${offline}times out in ${duration(wave.deadline - now)} ` +
+                                              `(${time(wave.deadline)})`);
+  }
+  return "";
 }
 
 function jobKind(job) {
@@ -267,7 +343,7 @@ function mountDetail(root, id, shell) {
       h("dt", {}, "Started"), h("dd", {}, time(rollout.started_at)),
       h("dt", {}, "Finished"), h("dd", {}, time(rollout.finished_at))), gates(rollout));
     replace(waves, table(["Wave", "Up to", "State", "Devices", "Progress", "Active", "Failed", "In progress",
-                          "Not sent"], waveRows(rollout), { id: "waves" }));
+                          "Not sent", "Offline", "Waiting for"], waveRows(rollout), { id: "waves" }));
     replace(deviceNote, rollout.devices.length > MAX_DEVICE_ROWS
       ? `the first ${MAX_DEVICE_ROWS} of ${number(rollout.devices.length)} devices (GET /api/rollouts/${id} has all)`
       : `${number(rollout.devices.length)} devices: ${rollout.counts.active} active, ${rollout.counts.failed} ` +
