@@ -25,9 +25,10 @@ from typing import Any, Protocol
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
+from edgepack_core import faults
 from edgepack_core.errors import SchemaError
 from edgepack_core.protocol.commands import build_command
-from edgepack_core.protocol.ids import is_valid_id
+from edgepack_core.protocol.ids import ID_PATTERN, is_valid_id
 from sdk.errors import ApiError
 from sdk.fleet_server import audit, desired
 from sdk.fleet_server import db as tables
@@ -45,6 +46,7 @@ ACTION_REQUEST_SCHEMA: dict[str, Any] = {
         "model": {
             "type": "string",
             "maxLength": 64,
+            "pattern": ID_PATTERN,
             "description": "rollback only: the model to roll back (default: the one the device serves)",
         },
     },
@@ -76,8 +78,8 @@ def parse_action(action: str, body: Mapping[str, Any]) -> ActionRequest:
     if action not in ACTIONS:
         raise SchemaError("action", f"{action[:64]!r} is not one of {', '.join(ACTIONS)}")
     model = body.get("model")
-    if model is not None and action != "rollback":
-        raise SchemaError("model", f"only a rollback names a model, not {action}")
+    if model is not None and action != "rollback":  # well-formed, but not for this action: a 422
+        raise ApiError(422, "invalid", f"model: only a rollback names a model, not {action}")
     if model is not None and not is_valid_id(model):
         raise SchemaError("model", f"{model[:64]!r} is not a model name")
     return ActionRequest(action, body.get("reason", ""), model)
@@ -112,8 +114,11 @@ def _served(connection: Connection, row: Any) -> dict[str, str]:
     """Model name -> version the device's newest state lists (every model of an agent holding
     several; else the one model of its state)."""
     m = tables.device_models
-    listed = {name: version for name, version in connection.execute(
-        select(m.c.name, m.c.version).where(m.c.device == row.id)) if version}
+    listed = {
+        name: version
+        for name, version in connection.execute(select(m.c.name, m.c.version).where(m.c.device == row.id))
+        if version
+    }
     if listed:
         return listed
     return {row.model_name: row.model_version} if row.model_name and row.model_version else {}
@@ -145,15 +150,8 @@ def _send(
         )
         command = build_command(request.action, device=device, ttl_s=ttl_s, now=now, **fields)
         recorded = sink.record_command(connection, device, request.action, command, now)
-        audit.record(
-            connection,
-            actor=caller.actor,
-            action=f"device.{request.action}",
-            target=device,
-            remote=caller.remote,
-            now=now,
-            detail={"reason": request.reason, "command": command["id"], **fields},
-        )
+        _audit_in(connection, device, request, caller, now, {"command": command["id"], **fields})
+    faults.point("fleet-recorded-action")  # a crash here: the leader resends it (the driver's resend)
     if recorded is not None:
         sink.publish([recorded], now)
     return {"device": device, "action": request.action, "command": command["id"], "reason": request.reason, **fields}
@@ -171,19 +169,26 @@ def _set_hold(database: Database, device: str, hold: bool, reason: str, caller: 
     )
 
 
+def _audit_in(
+    connection: Connection, device: str, request: ActionRequest, caller: Caller, now: float, detail: Mapping[str, Any]
+) -> None:
+    """The action's ``device.<action>`` row, with the operator's reason, in the caller's transaction."""
+    audit.record(
+        connection,
+        actor=caller.actor,
+        action=f"device.{request.action}",
+        target=device,
+        remote=caller.remote,
+        now=now,
+        detail={"reason": request.reason, **detail},
+    )
+
+
 def _audit(
     database: Database, device: str, request: ActionRequest, caller: Caller, now: float, detail: Mapping[str, Any]
 ) -> None:
     with database.write() as connection:
-        audit.record(
-            connection,
-            actor=caller.actor,
-            action=f"device.{request.action}",
-            target=device,
-            remote=caller.remote,
-            now=now,
-            detail={"reason": request.reason, **detail},
-        )
+        _audit_in(connection, device, request, caller, now, detail)
 
 
 def _rollback(
