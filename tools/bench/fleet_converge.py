@@ -118,13 +118,15 @@ def _settled(fleet: SimFleet, server: FleetServerProcess) -> bool:
     if not rollouts or any(r["state"] not in ("succeeded", "failed", "aborted") for r in rollouts):
         return False  # before the staged change ends, a device without a target counts converged
     states, versions, online = _server_view(server)
+    reasons = {d["device"]: d["reason"] for d in server.get(f"/api/targets/groups/{GROUP}")["devices"]}
     truth = fleet.versions()
     if any(versions.get(d) != v or not online.get(d) for d, v in truth.items()):
         return False
     faulted = set(fleet.faulted())
-    # A healthy device not yet converged is still on its way (the reconciler's next round).
+    # A healthy device not yet converged is still on its way (the reconciler's next round); a
+    # faulted one has settled once converged or once the server will not send it the artifact again.
     return all(states.get(d) == "converged" and truth[d] == NEW for d in truth if d not in faulted) and \
-        all(states.get(d) != "send" for d in faulted)
+        all(states.get(d) == "converged" or "rejected" in reasons.get(d, "") for d in faulted)
 
 
 def run_once(args: argparse.Namespace, folder: Path) -> Outcome:
