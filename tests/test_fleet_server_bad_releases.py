@@ -19,8 +19,9 @@ def release(tmp_path_factory, keypair) -> Path:
 
 
 def _upload(server: FleetServerProcess, path: Path) -> str:
-    status, stored = server.call("POST", "/api/artifacts", data=path.read_bytes(),
-                                 headers={"Content-Type": "application/octet-stream"})
+    status, stored = server.call(
+        "POST", "/api/artifacts", data=path.read_bytes(), headers={"Content-Type": "application/octet-stream"}
+    )
     assert status == 201, stored
     assert stored["bad"] is None
     return str(stored["sha256"])
@@ -31,7 +32,8 @@ def _audit(server: FleetServerProcess, action: str) -> list[dict]:
 
 
 def test_marking_a_release_bad_is_audited_lists_its_targets_and_refuses_new_targets_and_rollouts(
-        tmp_path, mosquitto_broker, server_keys, release):
+    tmp_path, mosquitto_broker, server_keys, release
+):
     server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
     try:
         sha = _upload(server, release)
@@ -39,10 +41,13 @@ def test_marking_a_release_bad_is_audited_lists_its_targets_and_refuses_new_targ
         assert server.call("PUT", "/api/targets/fleet", {"models": {"scale": sha}})[0] == 200
         path = f"/api/artifacts/{sha}/bad"
         # refusals: unknown sha, not a sha, no reason, a reason one over the limit
-        for url, body, code, text in ((f"/api/artifacts/{'0' * 64}/bad", {"reason": "x"}, 404, "no artifact"),
-                                      ("/api/artifacts/nope/bad", {"reason": "x"}, 404, "no such artifact"),
-                                      (path, {}, 400, "reason"), (path, {"reason": ""}, 400, "reason"),
-                                      (path, {"reason": "r" * 501}, 400, "reason")):
+        for url, body, code, text in (
+            (f"/api/artifacts/{'0' * 64}/bad", {"reason": "x"}, 404, "no artifact"),
+            ("/api/artifacts/nope/bad", {"reason": "x"}, 404, "no such artifact"),
+            (path, {}, 400, "reason"),
+            (path, {"reason": ""}, 400, "reason"),
+            (path, {"reason": "r" * 501}, 400, "reason"),
+        ):
             status, doc = server.call("POST", url, body)
             assert status == code and text in doc["error"]["message"], (url, body, doc)
         assert server.get(f"/api/artifacts/{sha}")["bad"] is None
@@ -52,15 +57,19 @@ def test_marking_a_release_bad_is_audited_lists_its_targets_and_refuses_new_targ
         status, doc = server.call("POST", path, {"reason": "NaN outputs on cam-02"})
         assert status == 200, doc
         assert doc["artifact"]["bad"]["reason"] == "NaN outputs on cam-02" and doc["artifact"]["bad"]["actor"]
-        assert doc["targets"] == [{"scope": "fleet", "name": None, "model": "scale"},
-                                  {"scope": "group", "name": "kitchen", "model": "scale"}]
+        assert doc["targets"] == [
+            {"scope": "fleet", "name": None, "model": "scale"},
+            {"scope": "group", "name": "kitchen", "model": "scale"},
+        ]
         assert doc["rollouts"] == []
         listed = {a["sha256"]: a for a in server.get("/api/artifacts")["artifacts"]}
         assert listed[sha]["bad"]["reason"] == "NaN outputs on cam-02"
         # new targets and rollouts naming it: 422 naming it
         status, doc = server.call("PUT", "/api/targets/groups/yard", {"models": {"scale": sha}})
-        assert status == 422 and f"models.scale: artifact {sha[:12]} marked bad: NaN outputs on cam-02" in \
-            doc["error"]["message"], doc
+        assert (
+            status == 422
+            and f"models.scale: artifact {sha[:12]} marked bad: NaN outputs on cam-02" in doc["error"]["message"]
+        ), doc
         status, doc = server.call("POST", "/api/rollouts", {"artifact": sha, "waves": [100], "group": "kitchen"})
         assert status == 422 and f"artifact: artifact {sha[:12]} marked bad" in doc["error"]["message"], doc
         marks = _audit(server, "artifact.bad")
@@ -79,17 +88,24 @@ def test_marking_a_release_bad_is_audited_lists_its_targets_and_refuses_new_targ
 
 
 def test_a_running_rollout_of_a_release_marked_bad_is_paused_with_the_reason_not_failed(
-        tmp_path, mosquitto_broker, server_keys, release):
+    tmp_path, mosquitto_broker, server_keys, release
+):
     server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
     env = {"EDGEPACK_SERVER": server.url, "EDGEPACK_SERVER_TOKEN_FILE": str(server.keys.token_file)}
-    kitchen = SimFleet(mosquitto_broker.host, mosquitto_broker.port, 2, prefix="k",
-                       behaviour=Behaviour(groups=("kitchen",), model_name="scale"))
+    kitchen = SimFleet(
+        mosquitto_broker.host,
+        mosquitto_broker.port,
+        2,
+        prefix="k",
+        behaviour=Behaviour(groups=("kitchen",), model_name="scale"),
+    )
     try:
         with kitchen:
             assert wait_for(lambda: server.get("/api/devices?group=kitchen&online=true")["total"] == 2, 30)
             sha = _upload(server, release)
-            status, created = server.call("POST", "/api/rollouts", {"artifact": sha, "waves": [50, 100],
-                                                                    "group": "kitchen", "soak_s": 3600})
+            status, created = server.call(
+                "POST", "/api/rollouts", {"artifact": sha, "waves": [50, 100], "group": "kitchen", "soak_s": 3600}
+            )
             assert status == 201, created
             rollout = created["id"]
             assert wait_for(lambda: server.get(f"/api/rollouts/{rollout}")["state"] == "running", 30)
@@ -113,6 +129,7 @@ def test_a_running_rollout_of_a_release_marked_bad_is_paused_with_the_reason_not
 
 
 def test_the_cli_refuses_a_mark_without_a_reason_in_one_line(tmp_path):
-    result = edgepack("artifact", "bad", "a" * 64, "--server", "http://127.0.0.1:9", "--token-file",
-                      str(tmp_path / "missing"))
+    result = edgepack(
+        "artifact", "bad", "a" * 64, "--server", "http://127.0.0.1:9", "--token-file", str(tmp_path / "missing")
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr

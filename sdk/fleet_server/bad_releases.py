@@ -39,8 +39,14 @@ REQUEST_SCHEMA: dict[str, Any] = {
     "type": "object",
     "additionalProperties": False,
     "required": ["reason"],
-    "properties": {"reason": {"type": "string", "minLength": 1, "maxLength": MAX_REASON,
-                              "description": "why the release is bad (kept in the audit and shown to operators)"}},
+    "properties": {
+        "reason": {
+            "type": "string",
+            "minLength": 1,
+            "maxLength": MAX_REASON,
+            "description": "why the release is bad (kept in the audit and shown to operators)",
+        }
+    },
 }
 
 
@@ -62,7 +68,7 @@ def marks(connection: Connection, shas: Iterable[str]) -> dict[str, BadMark]:
     wanted = sorted(set(shas))
     found: dict[str, BadMark] = {}
     for start in range(0, len(wanted), CHUNK):
-        for row in connection.execute(select(table).where(table.c.sha256.in_(wanted[start:start + CHUNK]))):
+        for row in connection.execute(select(table).where(table.c.sha256.in_(wanted[start : start + CHUNK]))):
             found[row.sha256] = BadMark(row.at, row.actor, row.reason)
     return found
 
@@ -71,41 +77,56 @@ def refuse_if_bad(connection: Connection, sha256: str, field: str) -> None:
     """422 naming ``field`` and the mark when ``sha256`` is marked bad (a new rollout or target)."""
     mark = marks(connection, [sha256]).get(sha256)
     if mark is not None:
-        raise ApiError(422, "invalid", f"{field}: {marked_bad(sha256, mark.reason)} (by {mark.actor}); clear the "
-                                       f"mark first: edgepack artifact good {sha256}")
+        raise ApiError(
+            422,
+            "invalid",
+            f"{field}: {marked_bad(sha256, mark.reason)} (by {mark.actor}); clear the "
+            f"mark first: edgepack artifact good {sha256}",
+        )
 
 
 def refuse_resume(connection: Connection, sha256: str) -> None:
     """409 for resuming a rollout whose artifact is marked bad (the driver would pause it again)."""
     mark = marks(connection, [sha256]).get(sha256)
     if mark is not None:
-        raise ApiError(409, "conflict", f"{marked_bad(sha256, mark.reason)}; clear the mark first "
-                                        f"(edgepack artifact good {sha256}) or abort the rollout")
+        raise ApiError(
+            409,
+            "conflict",
+            f"{marked_bad(sha256, mark.reason)}; clear the mark first "
+            f"(edgepack artifact good {sha256}) or abort the rollout",
+        )
 
 
 def named_by(connection: Connection, sha256: str) -> dict[str, list[dict[str, Any]]]:
     """What names the artifact now: target entries (fleet, groups, devices) and rollouts in progress."""
     entries, ro = tables.target_entries, tables.rollouts
-    targets = [{"scope": row.scope, "name": row.name or None, "model": row.model}
-               for row in connection.execute(select(entries.c.scope, entries.c.name, entries.c.model)
-                                             .where(entries.c.artifact == sha256)
-                                             .order_by(entries.c.scope, entries.c.name, entries.c.model))]
-    rollouts = [{"id": row.id, "state": row.state, "target_group": row.target_group}
-                for row in connection.execute(select(ro.c.id, ro.c.state, ro.c.target_group)
-                                              .where(ro.c.artifact_sha256 == sha256,
-                                                     ro.c.state.not_in(sorted(TERMINAL)))
-                                              .order_by(ro.c.created_at))]
+    targets = [
+        {"scope": row.scope, "name": row.name or None, "model": row.model}
+        for row in connection.execute(
+            select(entries.c.scope, entries.c.name, entries.c.model)
+            .where(entries.c.artifact == sha256)
+            .order_by(entries.c.scope, entries.c.name, entries.c.model)
+        )
+    ]
+    rollouts = [
+        {"id": row.id, "state": row.state, "target_group": row.target_group}
+        for row in connection.execute(
+            select(ro.c.id, ro.c.state, ro.c.target_group)
+            .where(ro.c.artifact_sha256 == sha256, ro.c.state.not_in(sorted(TERMINAL)))
+            .order_by(ro.c.created_at)
+        )
+    ]
     return {"targets": targets, "rollouts": rollouts}
 
 
 def _known(connection: Connection, sha256: str) -> None:
-    if connection.execute(select(tables.artifacts.c.sha256).where(tables.artifacts.c.sha256 == sha256)).first() \
-            is None:
+    if connection.execute(select(tables.artifacts.c.sha256).where(tables.artifacts.c.sha256 == sha256)).first() is None:
         raise ApiError(404, "not_found", f"no artifact {sha256}")
 
 
-def mark_bad(database: Database, sha256: str, reason: str, *, actor: str, remote: str,
-             now: float | None = None) -> dict[str, list[dict[str, Any]]]:
+def mark_bad(
+    database: Database, sha256: str, reason: str, *, actor: str, remote: str, now: float | None = None
+) -> dict[str, list[dict[str, Any]]]:
     """Mark (or mark again, with the new reason) ``sha256`` bad; audited ``artifact.bad`` with
     the reason and what names it. Returns what names it."""
     now = time.time() if now is None else now
@@ -115,13 +136,21 @@ def mark_bad(database: Database, sha256: str, reason: str, *, actor: str, remote
         connection.execute(table.delete().where(table.c.sha256 == sha256))
         connection.execute(table.insert().values(sha256=sha256, reason=reason, actor=actor[:128], at=now))
         named = named_by(connection, sha256)
-        audit.record(connection, actor=actor, action="artifact.bad", target=sha256, remote=remote, now=now,
-                     detail={"reason": reason, **named})
+        audit.record(
+            connection,
+            actor=actor,
+            action="artifact.bad",
+            target=sha256,
+            remote=remote,
+            now=now,
+            detail={"reason": reason, **named},
+        )
     return named
 
 
-def clear_bad(database: Database, sha256: str, *, actor: str, remote: str,
-              now: float | None = None) -> dict[str, list[dict[str, Any]]]:
+def clear_bad(
+    database: Database, sha256: str, *, actor: str, remote: str, now: float | None = None
+) -> dict[str, list[dict[str, Any]]]:
     """Clear the mark (nothing to clear is no error); audited ``artifact.good`` with the mark it
     cleared. Returns what names the artifact (the reconciler sends it again)."""
     now = time.time() if now is None else now
@@ -131,6 +160,13 @@ def clear_bad(database: Database, sha256: str, *, actor: str, remote: str,
         was = marks(connection, [sha256]).get(sha256)
         connection.execute(table.delete().where(table.c.sha256 == sha256))
         named = named_by(connection, sha256)
-        audit.record(connection, actor=actor, action="artifact.good", target=sha256, remote=remote, now=now,
-                     detail={"cleared": None if was is None else was.to_json(), **named})
+        audit.record(
+            connection,
+            actor=actor,
+            action="artifact.good",
+            target=sha256,
+            remote=remote,
+            now=now,
+            detail={"cleared": None if was is None else was.to_json(), **named},
+        )
     return named
