@@ -5,12 +5,13 @@ can leave out the devices offline at creation."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from sdk.fleet_server.wave_waits import wave_waits
 from tests.agent_process import AgentProcess
 from tests.artifacts import build_artifact
-from tests.fleet_server_process import FleetServerProcess, make_keys, wait_for
+from tests.fleet_server_process import FleetServerProcess, edgepack, make_keys, wait_for
 
 MEMBERS = [("a", 0, True), ("b", 0, False), ("c", 0, False), ("d", 1, False)]
 
@@ -71,6 +72,11 @@ def test_a_rollout_over_devices_can_exclude_the_offline_ones_and_shows_what_its_
         running = wait_for(lambda: (d := server.get(f"/api/rollouts/{doc['id']}"))["waves"][0]["deadline"] and d)
         assert running["waves"][0]["offline"] == 1 and running["offline"] == 1
         assert running["waves"][0]["deadline"] == running["wave_deadline"] == running["wave_started_at"] + 600
+        shown = edgepack("rollout", "status", doc["id"], env={"EDGEPACK_SERVER": server.url,
+                                                              "EDGEPACK_SERVER_TOKEN_FILE": str(keys.token_file)})
+        assert shown.returncode == 0, shown.stderr
+        assert re.search(r"wave 1 \(100%\): running .*, 1 offline, times out at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC",
+                         shown.stdout), shown.stdout
     finally:
         for agent in agents.values():
             agent.stop()

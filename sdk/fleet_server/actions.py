@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
+from edgepack_core import faults
 from edgepack_core.errors import SchemaError
 from edgepack_core.protocol.commands import build_command
 from edgepack_core.protocol.ids import is_valid_id
@@ -112,8 +113,11 @@ def _served(connection: Connection, row: Any) -> dict[str, str]:
     """Model name -> version the device's newest state lists (every model of an agent holding
     several; else the one model of its state)."""
     m = tables.device_models
-    listed = {name: version for name, version in connection.execute(
-        select(m.c.name, m.c.version).where(m.c.device == row.id)) if version}
+    listed = {
+        name: version
+        for name, version in connection.execute(select(m.c.name, m.c.version).where(m.c.device == row.id))
+        if version
+    }
     if listed:
         return listed
     return {row.model_name: row.model_version} if row.model_name and row.model_version else {}
@@ -145,15 +149,8 @@ def _send(
         )
         command = build_command(request.action, device=device, ttl_s=ttl_s, now=now, **fields)
         recorded = sink.record_command(connection, device, request.action, command, now)
-        audit.record(
-            connection,
-            actor=caller.actor,
-            action=f"device.{request.action}",
-            target=device,
-            remote=caller.remote,
-            now=now,
-            detail={"reason": request.reason, "command": command["id"], **fields},
-        )
+        _audit_in(connection, device, request, caller, now, {"command": command["id"], **fields})
+    faults.point("fleet-recorded-action")  # a crash here: the leader resends it (the driver's resend)
     if recorded is not None:
         sink.publish([recorded], now)
     return {"device": device, "action": request.action, "command": command["id"], "reason": request.reason, **fields}
@@ -171,19 +168,26 @@ def _set_hold(database: Database, device: str, hold: bool, reason: str, caller: 
     )
 
 
+def _audit_in(
+    connection: Connection, device: str, request: ActionRequest, caller: Caller, now: float, detail: Mapping[str, Any]
+) -> None:
+    """The action's ``device.<action>`` row, with the operator's reason, in the caller's transaction."""
+    audit.record(
+        connection,
+        actor=caller.actor,
+        action=f"device.{request.action}",
+        target=device,
+        remote=caller.remote,
+        now=now,
+        detail={"reason": request.reason, **detail},
+    )
+
+
 def _audit(
     database: Database, device: str, request: ActionRequest, caller: Caller, now: float, detail: Mapping[str, Any]
 ) -> None:
     with database.write() as connection:
-        audit.record(
-            connection,
-            actor=caller.actor,
-            action=f"device.{request.action}",
-            target=device,
-            remote=caller.remote,
-            now=now,
-            detail={"reason": request.reason, **detail},
-        )
+        _audit_in(connection, device, request, caller, now, detail)
 
 
 def _rollback(
