@@ -24,6 +24,16 @@ def _named_lines(doc: dict[str, Any]) -> list[str]:
     return lines or ["  no target or rollout in progress names it"]
 
 
+def _show(doc: dict[str, Any], as_json: bool, what: str) -> None:
+    """The server's answer: JSON, or the artifact, ``what`` happened, and what names it."""
+    if as_json:
+        click.echo(json.dumps(doc))
+        return
+    art = doc["artifact"]
+    click.echo(f"{art['name']} {art['version']} ({art['sha256'][:12]}) {what}")
+    click.echo("\n".join(_named_lines(doc)))
+
+
 @main.group()
 def artifact() -> None:
     """Artifacts on a fleet server: mark a release bad fleet-wide, or clear the mark."""
@@ -37,12 +47,7 @@ def artifact() -> None:
 def bad(sha256: str, server: str, token_file: Path | None, reason: str, as_json: bool) -> None:
     """Mark SHA256 bad: never sent again, new rollouts and targets naming it refused, running rollouts paused."""
     doc = client_for(server, token_file).post(f"/api/artifacts/{sha256}/bad", {"reason": reason})
-    if as_json:
-        click.echo(json.dumps(doc))
-        return
-    art = doc["artifact"]
-    click.echo(f"{art['name']} {art['version']} ({sha256[:12]}) marked bad: {art['bad']['reason']}")
-    click.echo("\n".join(_named_lines(doc)))
+    _show(doc, as_json, f"marked bad: {doc['artifact']['bad']['reason']}")
 
 
 @artifact.command()
@@ -52,9 +57,4 @@ def bad(sha256: str, server: str, token_file: Path | None, reason: str, as_json:
 def good(sha256: str, server: str, token_file: Path | None, as_json: bool) -> None:
     """Clear SHA256's bad mark: targets naming it are sent again; paused rollouts may be resumed."""
     doc = client_for(server, token_file).delete(f"/api/artifacts/{sha256}/bad")
-    if as_json:
-        click.echo(json.dumps(doc))
-        return
-    art = doc["artifact"]
-    click.echo(f"{art['name']} {art['version']} ({sha256[:12]}) is no longer marked bad")
-    click.echo("\n".join(_named_lines(doc)))
+    _show(doc, as_json, "is no longer marked bad")

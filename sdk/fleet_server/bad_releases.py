@@ -75,25 +75,22 @@ def marks(connection: Connection, shas: Iterable[str]) -> dict[str, BadMark]:
 
 def refuse_if_bad(connection: Connection, sha256: str, field: str) -> None:
     """422 naming ``field`` and the mark when ``sha256`` is marked bad (a new rollout or target)."""
-    mark = marks(connection, [sha256]).get(sha256)
-    if mark is not None:
-        raise ApiError(
-            422,
-            "invalid",
-            f"{field}: {marked_bad(sha256, mark.reason)} (by {mark.actor}); clear the "
-            f"mark first: edgepack artifact good {sha256}",
-        )
+    _refuse(connection, sha256, 422, "invalid", f"{field}: ", "")
 
 
 def refuse_resume(connection: Connection, sha256: str) -> None:
     """409 for resuming a rollout whose artifact is marked bad (the driver would pause it again)."""
+    _refuse(connection, sha256, 409, "conflict", "", " or abort the rollout")
+
+
+def _refuse(connection: Connection, sha256: str, status: int, code: str, prefix: str, suffix: str) -> None:
     mark = marks(connection, [sha256]).get(sha256)
     if mark is not None:
         raise ApiError(
-            409,
-            "conflict",
-            f"{marked_bad(sha256, mark.reason)}; clear the mark first "
-            f"(edgepack artifact good {sha256}) or abort the rollout",
+            status,
+            code,
+            f"{prefix}{marked_bad(sha256, mark.reason)} (by {mark.actor}); clear the mark first "
+            f"(edgepack artifact good {sha256}){suffix}",
         )
 
 
