@@ -13,6 +13,7 @@ directory is always a plain entry of ``slots/``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,10 +127,9 @@ def deploy_refusal(held: tuple[str, ...], name: str | None, allowed: frozenset[s
         return f"this device holds {len(held)} models, the most it takes"
     if allowed is not None and name in allowed:
         return None
-    return (
-        f"model {name!r} is not installed on this device (installed: {installed_names(held)}) and "
-        "updates.allowed_names does not list it"
-    )
+    names = installed_names(tuple(sorted(allowed)) if allowed is not None else held)
+    return (f"model name {name!r} is not allowed on this device (allowed: {names}; a model not installed needs "
+            "updates.allowed_names)")
 
 
 def deploy_target(held: tuple[str, ...], name: str | None) -> str | None:
@@ -149,9 +149,11 @@ def describe_service(name: str, service: InferenceService) -> dict[str, Any]:
     return {**model.describe(), "state": "serving", "model_bytes": model_bytes(model.root)}
 
 
+@functools.lru_cache(maxsize=4 * MAX_MODELS)
 def model_bytes(root: Path) -> int:
     """Bytes of a model directory's files: the weights its session holds in memory. One process
-    serves every model, so this is the per-model figure (the process's RSS is in telemetry)."""
+    serves every model, so this is the per-model figure (the process's RSS is in telemetry).
+    Cached: an installed model directory never changes (a new version is a new directory)."""
     total = 0
     for path in root.rglob("*"):
         try:

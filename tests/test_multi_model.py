@@ -104,9 +104,9 @@ def test_a_request_on_an_agent_without_models_has_no_model():
 def test_a_deploy_goes_to_its_slot_or_a_new_one_only_where_allowed():
     assert deploy_refusal((), "digits", None) is None  # an empty device takes any name
     assert deploy_refusal(("digits",), "digits", None) is None
-    assert "not installed" in deploy_refusal(("digits",), "vad", None)
+    assert "'vad' is not allowed on this device (allowed: digits;" in deploy_refusal(("digits",), "vad", None)
     assert deploy_refusal(("digits",), "vad", frozenset({"digits", "vad"})) is None
-    assert "not installed" in deploy_refusal(("digits",), "vad", frozenset({"digits"}))
+    assert "(allowed: digits;" in deploy_refusal(("digits",), "vad", frozenset({"digits"}))
     assert deploy_refusal(("digits",), None, None) is None and deploy_target(("digits",), None) == "digits"
     assert "must name one" in deploy_refusal(("a", "b"), None, None)
     assert deploy_target((), None) is None and deploy_target(("a", "b"), "b") == "b"

@@ -191,7 +191,9 @@ class AgentApp:
         """The service of the only model installed (None with none or several): where a request
         that names no model, or names one not installed, is counted."""
         services = self.models()
-        return next(iter(services.values())) if len(services) == 1 else self.service if not services else None
+        if not services:
+            return self.service
+        return next(iter(services.values())) if len(services) == 1 else None
 
     def _service_for(self, name: str | None) -> InferenceService:
         """The service of model ``name`` (None: the only one); BadRequest (404 naming the

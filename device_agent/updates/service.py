@@ -281,8 +281,8 @@ class UpdateService:
             self._refuse(command.id, command.type, str(err))
             return
         no_slot = self._model_refusal(command)
-        if no_slot:
-            self._refuse(command.id, command.type, no_slot, state=J.FAILED)
+        if no_slot:  # a deploy this device does not take is rejected, like one admission refuses
+            self._refuse(command.id, command.type, no_slot, state=J.REJECTED if command.type == "deploy" else J.FAILED)
             return
         moved_on = self._moved_on(command)
         if moved_on:  # after its id was recorded: a late signed rollback cannot be replayed later either

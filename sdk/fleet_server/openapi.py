@@ -372,6 +372,8 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                                    _ref("Error")),
                       "404": _json("no such device", _ref("Error")),
                       "409": _json("nothing to do: no model to roll back, or no target to run again",
+                                   _ref("Error")),
+                      "422": _json(f"{_UNPROCESSABLE}: a model named for another action than rollback",
                                    _ref("Error"))}}),
     ("post", "/api/devices/{device_id}/enroll", {
         "summary": "Take a decommissioned device back (audited as device.enroll): its next message enrols it",
