@@ -106,7 +106,7 @@ def test_device_actions_mistakes_are_4xx_naming_the_field_and_hold_release_rerun
     assert status == 400 and "reason" in doc["error"]["message"], doc
     assert server.call("POST", "/api/devices/cam-01/actions/ping", {"reason": "r" * 500})[0] == 200
     status, doc = server.call("POST", "/api/devices/cam-01/actions/hold", {"model": "scale"})
-    assert status == 400 and doc["error"]["message"].startswith("model:"), doc
+    assert status == 422 and doc["error"]["message"].startswith("model:"), doc
     status, doc = server.call("POST", "/api/devices/cam-01/actions/rollback", {"model": "other"})
     assert status == 409 and "model: cam-01 serves scale, not other" in doc["error"]["message"], doc
     status, doc = server.call("POST", "/api/devices/never-seen/actions/ping", {})

@@ -28,7 +28,7 @@ from sqlalchemy.engine import Connection
 from edgepack_core import faults
 from edgepack_core.errors import SchemaError
 from edgepack_core.protocol.commands import build_command
-from edgepack_core.protocol.ids import is_valid_id
+from edgepack_core.protocol.ids import ID_PATTERN, is_valid_id
 from sdk.errors import ApiError
 from sdk.fleet_server import audit, desired
 from sdk.fleet_server import db as tables
@@ -46,6 +46,7 @@ ACTION_REQUEST_SCHEMA: dict[str, Any] = {
         "model": {
             "type": "string",
             "maxLength": 64,
+            "pattern": ID_PATTERN,
             "description": "rollback only: the model to roll back (default: the one the device serves)",
         },
     },
@@ -77,8 +78,8 @@ def parse_action(action: str, body: Mapping[str, Any]) -> ActionRequest:
     if action not in ACTIONS:
         raise SchemaError("action", f"{action[:64]!r} is not one of {', '.join(ACTIONS)}")
     model = body.get("model")
-    if model is not None and action != "rollback":
-        raise SchemaError("model", f"only a rollback names a model, not {action}")
+    if model is not None and action != "rollback":  # well-formed, but not for this action: a 422
+        raise ApiError(422, "invalid", f"model: only a rollback names a model, not {action}")
     if model is not None and not is_valid_id(model):
         raise SchemaError("model", f"{model[:64]!r} is not a model name")
     return ActionRequest(action, body.get("reason", ""), model)
