@@ -20,6 +20,7 @@ from sdk.errors import DeployError
 from sdk.keys import load_operator_key, write_operator_keypair
 from tests.agent_process import AgentProcess, Observer
 from tests.artifacts import build_artifact
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -268,8 +269,11 @@ def test_a_removed_model_stops_serving_and_its_store_goes_while_the_other_serves
         assert _post(agent.port, "/predict")[0] == 400, "two models again: /predict must name one"
         gone, _ = send_command(broker, "cam-01", "remove", model="beta", operator_key=operator, timeout=30)
         assert gone.state == "done", gone
-        last, _ = send_command(broker, "cam-01", "remove", model="alpha", operator_key=operator, timeout=30)
-        assert last.state == "done", last
+        cli = ["--broker", mosquitto_broker.address, "--operator-key", str(tmp_path / "op.key"), "--timeout", "30"]
+        missing = run_cli("edgepack", "device", "remove", "cam-01", "--model", "gamma", *cli)
+        assert missing.returncode == 1 and "installed: alpha" in missing.stderr and "Traceback" not in missing.stderr
+        last = run_cli("edgepack", "device", "remove", "cam-01", "--model", "alpha", *cli, check=True)
+        assert json.loads(last.stdout)["reason"] == "removed alpha 1.0.0"
         health = agent.health()
         assert health["status"] == "no model" and health["models"] == []
         assert _post(agent.port, "/predict")[0] == 503
