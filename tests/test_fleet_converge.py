@@ -5,12 +5,15 @@ or on its last good version, none unknown (real mosquitto, real `edgepack fleet 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tools.bench.fleet_converge import NEW, OLD, Outcome, judge, run_once
-from tools.fleet_sim import FAULT_KINDS, assign_faults
+from tools.fleet_sim import FAULT_KINDS, ROOT, assign_faults
 
 
 def test_faults_are_a_share_of_the_fleet_each_kind_in_turn():
@@ -48,3 +51,30 @@ def test_a_three_wave_target_change_converges_a_small_fleet_with_every_fault(tmp
     # power cut and link loss recover (on target); disk full and the bad version stay on 1.0.0
     assert (outcome.faulted_on_target, outcome.faulted_on_last_good) == (2, 2)
     assert outcome.holds
+
+
+def test_the_simulator_logs_in_with_the_host_commands_broker_options_over_tls(tmp_path: Path):
+    """`--username`, `--password-file` and `--tls-ca` as for every host command: three devices
+    publish through a broker that refuses anonymous and plain clients on its TLS port."""
+    from tests.broker import default_config, free_port, start_mosquitto
+    from tests.test_mqtt_transport import _write_ca_and_server_cert
+
+    ca, cert, key = _write_ca_and_server_cert(tmp_path)
+    subprocess.run(["mosquitto_passwd", "-c", "-b", str(tmp_path / "passwd"), "sim", "pw-sim"], check=True,
+                   capture_output=True, stdin=subprocess.DEVNULL)
+    password = tmp_path / "sim.password"
+    password.write_text("pw-sim\n")
+    port, tls_port = free_port(), free_port()
+    broker = start_mosquitto(config=default_config(port, anonymous=False) + f"\npassword_file {tmp_path / 'passwd'}\n"
+                             f"listener {tls_port} 127.0.0.1\ncertfile {cert}\nkeyfile {key}\ncafile {ca}\n",
+                             port=port, workdir=tmp_path / "mosquitto")
+    try:
+        result = subprocess.run([sys.executable, str(ROOT / "tools" / "fleet_sim.py"), "--devices", "3", "--duration",
+                                 "1", "--broker", f"127.0.0.1:{tls_port}", "--tls-ca", str(ca), "--username", "sim",
+                                 "--password-file", str(password), "--json"],
+                                capture_output=True, text=True, timeout=90)
+    finally:
+        broker.kill()
+    assert result.returncode == 0, result.stdout + result.stderr
+    doc = json.loads(result.stdout)
+    assert (doc["sent"], doc["lost"], doc["fleet_status_devices"]) == (3, 0, 3)
