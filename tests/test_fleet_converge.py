@@ -78,3 +78,18 @@ def test_the_simulator_logs_in_with_the_host_commands_broker_options_over_tls(tm
     assert result.returncode == 0, result.stdout + result.stderr
     doc = json.loads(result.stdout)
     assert (doc["sent"], doc["lost"], doc["fleet_status_devices"]) == (3, 0, 3)
+
+
+@pytest.mark.parametrize(("args", "code", "says"), [
+    (["--waves", "5,25,100", "--success-share", "0"], 2, "0<x<=1"),
+    (["--waves", "5,25,100", "--success-share", "1.01"], 2, "0<x<=1"),
+    (["--success-share", "0.8"], 2, "give --waves too"),
+])
+def test_target_set_refuses_a_success_share_outside_0_to_1_or_without_waves(tmp_path, args, code, says):
+    token = tmp_path / "token"
+    token.write_text("x" * 32)
+    result = subprocess.run([str(Path(sys.executable).parent / "edgepack"), "target", "set", "--group", "g",
+                             "0" * 64, "--server", "http://127.0.0.1:9", "--token-file", str(token), *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == code and says in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

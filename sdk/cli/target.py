@@ -112,6 +112,8 @@ def set_target(artifact: str, server: str, token_file: Path | None, fleet: bool,
     """Set MODEL of the fleet, a group or a device to ARTIFACT (a file, a sha256 or "absent");
     the server sends each device that differs the signed command, downgrades included."""
     path = _scope_path(fleet, group, device)
+    if waves is None and (soak_s is not None or wave_timeout is not None or success_share is not None):
+        raise click.UsageError("--soak, --wave-timeout and --success-share stage a change: give --waves too")
     client = client_for(server, token_file)
     sha, name = _artifact(client, artifact)
     model = model or name
@@ -122,8 +124,6 @@ def set_target(artifact: str, server: str, token_file: Path | None, fleet: bool,
         body.update({"waves": _waves(waves), **({"soak_s": soak_s} if soak_s is not None else {}),
                      **({"wave_timeout_s": wave_timeout} if wave_timeout is not None else {}),
                      **({"min_success_share": success_share} if success_share is not None else {})})
-    elif soak_s is not None or wave_timeout is not None or success_share is not None:
-        raise click.UsageError("--soak, --wave-timeout and --success-share stage a change: give --waves too")
     doc = client.put(path, body)
     staged = [s for s in doc.get("staged", []) if s["artifact"] == sha and s["model"] == model]
     if not wait:
