@@ -120,6 +120,7 @@ class Daemon:
             if self._root_claim == slot.name:
                 self._root_claim = None
         slot.service.swap(None)
+        slot.service.observers.clear()  # a later model in this service registers its own
         slot.store.clear()
         if slot.store is not self.store:
             aside = slot.store.root.with_name(f".removed-{slot.name}")

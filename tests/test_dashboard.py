@@ -642,6 +642,23 @@ def test_a_fleet_wide_rollback_is_two_clicks_and_a_reason(browser, server, fleet
         server.call("PUT", "/api/targets/groups/sim", {"models": {"scale": None}, "reason": "test done"})
 
 
+def test_a_release_marked_bad_is_listed_as_bad_and_not_offered_for_a_rollout(browser, server, tmp_path, keypair):
+    sha = _upload(server, build_artifact(tmp_path, keypair[0], version="1.3.0"))
+    status, doc = server.call("POST", f"/api/artifacts/{sha}/bad", {"reason": "1.3.0 answers NaN"})
+    assert status == 200, doc
+    try:
+        _open(browser, server, "/rollouts", "#rollouts")
+        browser.refresh()  # the page lists the artifacts once per load
+        _wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#rollouts"), message="the rollouts page")
+        browser.find_element(By.CSS_SELECTOR, "#new-rollout-box summary").click()
+        _wait(browser, lambda d: "scale 1.3.0" in _text(d, "#new-artifact"), message="the bad artifact listed")
+        option = browser.find_element(By.CSS_SELECTOR, f"#new-artifact option[value='{sha}']")
+        assert "(marked bad: 1.3.0 answers NaN)" in option.get_attribute("textContent")
+        assert not option.is_enabled()
+    finally:
+        server.call("DELETE", f"/api/artifacts/{sha}/bad")
+
+
 def test_no_page_broke_the_content_security_policy_or_threw(browser, server):
     _signed_in(browser, server)
     problems = [entry for entry in _console(browser)

@@ -248,7 +248,9 @@ def test_two_models_are_served_by_name_with_their_own_stores(tmp_path, keypair, 
     store = ["--store", str(tmp_path / "store"), "--trust", str(keypair[1])]
     listed = json.loads(run_cli("edgepack-agent", "status", *store, "--json", check=True).stdout)
     assert listed["active"] is None and {n: m["active"]["name"] for n, m in listed["models"].items()} == {
-        "alpha": "alpha", "beta": "beta"}
+        "alpha": "alpha",
+        "beta": "beta",
+    }
     one = json.loads(run_cli("edgepack-agent", "status", *store, "--model", "beta", "--json", check=True).stdout)
     assert one["active"]["name"] == "beta" and "models" not in one
     refused = run_cli("edgepack-agent", "rollback", *store, "--model", "beta")
@@ -332,3 +334,33 @@ def test_telemetry_carries_each_models_figures_and_a_bad_entry_is_dropped():
     ]
     assert parsed.models[0].latency_p50 == 2.0
     assert "models" not in Telemetry(device="cam-01").to_json(), "one model: the sample as it always was"
+
+
+def test_removing_the_root_stores_model_clears_its_state_and_a_restart_serves_nothing(tmp_path, keypair, two_artifacts):
+    from device_agent.daemon import Daemon
+
+    config = check_config(
+        {
+            "device_id": "cam-01",
+            "store": str(tmp_path / "store"),
+            "trust": [str(keypair[1])],
+            "api": {"listen": f"127.0.0.1:{free_port()}"},
+        },
+        tmp_path / "agent.yaml",
+    )
+    daemon = Daemon(config)
+    daemon.install_artifact(two_artifacts["alpha"])
+    slot = daemon.models.get("alpha")
+    assert slot is not None and slot.store is daemon.store
+    daemon.remove_slot(slot)
+    assert daemon.models.names == () and daemon.service.model is None
+    assert json.loads((tmp_path / "store" / "state.json").read_text()) == {"active": None, "previous": None}
+    assert list((tmp_path / "store" / "models").iterdir()) == []
+    restarted = Daemon(config).start()
+    try:
+        assert restarted.api is not None and restarted.models.names == ()
+        status, health = _request(restarted.api.port, "GET", "/healthz")
+        assert status == 503 and health["models"] == []
+        assert _request(restarted.api.port, "POST", "/predict", ROW)[0] == 503
+    finally:
+        restarted.stop()

@@ -20,6 +20,7 @@ from sdk.errors import DeployError
 from sdk.keys import load_operator_key, write_operator_keypair
 from tests.agent_process import AgentProcess, Observer
 from tests.artifacts import build_artifact
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +163,9 @@ def test_a_device_serves_two_models_and_updates_and_rolls_back_one_while_the_oth
     assert sorted(p.name for p in (store / "slots").iterdir()) == ["alpha", "beta"]
 
 
-def _two_model_agent(tmp_path: Path, keypair, arts, broker_port: int) -> tuple[AgentProcess, object]:
+def _two_model_agent(
+    tmp_path: Path, keypair, arts, broker_port: int, updates: dict | None = None
+) -> tuple[AgentProcess, object]:
     write_operator_keypair(tmp_path / "op.key", tmp_path / "op.pub")
     agent = AgentProcess(
         tmp_path,
@@ -172,6 +175,7 @@ def _two_model_agent(tmp_path: Path, keypair, arts, broker_port: int) -> tuple[A
         artifact=None,
         operator_keys=[tmp_path / "op.pub"],
         health_window_s=1.0,
+        updates=updates,
     )
     models = [{"name": name, "artifact": str(arts[(name, "1.0.0")])} for name in ("alpha", "beta")]
     with agent.config.open("a") as config:
@@ -231,7 +235,9 @@ def test_a_deploy_of_one_model_runs_while_the_other_is_in_its_health_window(tmp_
 def test_a_removed_model_stops_serving_and_its_store_goes_while_the_other_serves(
     tmp_path, keypair, arts, mosquitto_broker
 ):
-    agent, operator = _two_model_agent(tmp_path, keypair, arts, mosquitto_broker.port)
+    agent, operator = _two_model_agent(
+        tmp_path, keypair, arts, mosquitto_broker.port, updates={"allowed_names": ["alpha", "beta"]}
+    )
     watch = Observer(mosquitto_broker.port)
     agent.start()
     broker = BrokerOptions(mosquitto_broker.address)
@@ -254,8 +260,20 @@ def test_a_removed_model_stops_serving_and_its_store_goes_while_the_other_serves
         assert _post(agent.port, "/predict")[0] == 200, "one model left: /predict serves it"
         assert watch.wait_for(lambda: _models_in_state(watch) == {"alpha": "1.0.0"}, 10), _latest_state(watch)
         assert not (tmp_path / "cam-01-store" / "slots" / "beta").exists()
-        last, _ = send_command(broker, "cam-01", "remove", model="alpha", operator_key=operator, timeout=30)
-        assert last.state == "done", last
+        # a model not held comes back as a new slot where updates.allowed_names lists it
+        back = deploy(
+            DeployOptions(arts[("beta", "1.1.0")], broker, devices=("cam-01",), timeout=60, operator_key=operator)
+        )
+        assert back.succeeded, back
+        assert [(m["name"], m["version"]) for m in agent.health()["models"]] == [("alpha", "1.0.0"), ("beta", "1.1.0")]
+        assert _post(agent.port, "/predict")[0] == 400, "two models again: /predict must name one"
+        gone, _ = send_command(broker, "cam-01", "remove", model="beta", operator_key=operator, timeout=30)
+        assert gone.state == "done", gone
+        cli = ["--broker", mosquitto_broker.address, "--operator-key", str(tmp_path / "op.key"), "--timeout", "30"]
+        missing = run_cli("edgepack", "device", "remove", "cam-01", "--model", "gamma", *cli)
+        assert missing.returncode == 1 and "installed: alpha" in missing.stderr and "Traceback" not in missing.stderr
+        last = run_cli("edgepack", "device", "remove", "cam-01", "--model", "alpha", *cli, check=True)
+        assert json.loads(last.stdout)["reason"] == "removed alpha 1.0.0"
         health = agent.health()
         assert health["status"] == "no model" and health["models"] == []
         assert _post(agent.port, "/predict")[0] == 503

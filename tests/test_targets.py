@@ -219,3 +219,31 @@ def test_a_device_holding_several_models_gets_each_targeted_model_and_one_holdin
     assert reconcile("d", effective, on_both, artifacts, {}, now=2.0).kind == "converged"
     single = reconcile("d", effective, ON_V1, artifacts, {}, now=2.0)
     assert single.kind == "wait" and "this device runs one" in single.reason
+
+
+def test_a_release_marked_bad_fleet_wide_is_never_sent_and_the_device_waits_with_the_reason():
+    """The operator marked 2.0.0 bad: a device whose target names it waits, the reason named."""
+    from dataclasses import replace
+
+    bad = {**ARTIFACTS, V2: replace(ARTIFACTS[V2], bad="NaN outputs on cam-02")}
+    for scope in (Target({"digits": V2}), NO_TARGET):
+        device = scope if scope.models else Target({"digits": V2})
+        decision = reconcile("d", _effective(device=device), ON_V1, bad, {}, now=200.0)
+        assert decision.kind == "wait", decision
+        assert decision.reason == f"digits: artifact {V2[:12]} marked bad: NaN outputs on cam-02"
+    # a device already on the bad release is not "converged away": nothing is sent either way
+    assert reconcile("d", _effective(Target({"digits": V2})), ON_V2, bad, {}, now=200.0).kind == "converged"
+    # boundary: the mark cleared, the same target is sent again
+    cleared = reconcile("d", _effective(Target({"digits": V2})), ON_V1, ARTIFACTS, {}, now=200.0)
+    assert (cleared.kind, cleared.artifact) == ("send", V2)
+
+
+def test_a_bad_release_does_not_stop_another_model_of_the_device():
+    from dataclasses import replace
+
+    kws = "k" * 64
+    artifacts = {**ARTIFACTS, V2: replace(ARTIFACTS[V2], bad="broken"), kws: ArtifactInfo(kws, "kws", "1.0.0")}
+    several = Reported(online=True, models={"digits": Running("1.1.0", "a" * 64), "kws": Running("0.9.0")},
+                       heard_at=100.0, several=True)
+    decision = reconcile("d", _effective(Target({"digits": V2, "kws": kws})), several, artifacts, {}, now=200.0)
+    assert (decision.kind, decision.model, decision.artifact) == ("send", "kws", kws)

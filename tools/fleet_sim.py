@@ -21,6 +21,19 @@ agent). Knobs for rollout tests: ``--rollback-version V`` (deploys of V fail the
 inferences as errors). With ``--operator-pub`` a device refuses commands that are not signed
 by that operator key, as an agent with ``operator_keys`` does.
 
+A device reports the model file's sha256 of what it installed, as an agent does: with
+``--fetch --trust KEY`` the downloaded artifact is verified and its manifest's model hash is
+used (once per artifact sha256); otherwise ``null`` (unknown), so the fleet server compares by
+version alone. ``--faults SHARE`` gives that share of the devices (chosen by ``--seed``) one
+fault each, the kinds in turn (:data:`FAULT_KINDS`): ``power_cut`` (the first deploy's download
+is cut: the device drops off the broker, its will says offline, and ``--outage`` seconds later
+it comes back on its old version and answers the job ``failed``), ``link_loss`` (the first
+deploy's download stalls while the device is off the broker for ``--outage`` seconds; it then
+reconnects and finishes), ``disk_full`` (every deploy fails ``no space left on device``) and
+``bad_version`` (every new version fails its health window and is rolled back). The broker
+options are the host commands' (``--username``, ``--password-file``, ``--tls``, ``--tls-ca``,
+``--tls-cert``, ``--tls-key``; sdk/cli/broker_options.py).
+
     python tools/fleet_sim.py --devices 1000 --rate 1 --duration 30 --start-broker
 """
 
@@ -49,22 +62,29 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.reasoncodes import ReasonCode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from edgepack_core.artifact import verify_artifact  # noqa: E402
 from edgepack_core.command_auth import authorize_command  # noqa: E402
-from edgepack_core.errors import CommandSignatureError  # noqa: E402
+from edgepack_core.errors import ArtifactError, CommandSignatureError  # noqa: E402
 from edgepack_core.protocol.commands import Command, parse_command  # noqa: E402
 from edgepack_core.protocol.messages import JobEvent  # noqa: E402
 from edgepack_core.protocol.payloads import STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID  # noqa: E402
 from edgepack_core.protocol.topics import Topics  # noqa: E402
 from edgepack_core.signing import TrustStore  # noqa: E402
+from sdk.broker import BrokerOptions  # noqa: E402
+from sdk.errors import BrokerOptionError  # noqa: E402
 
 STATE_SCHEMA = STATE_SCHEMA_ID
 TELEMETRY_SCHEMA = TELEMETRY_SCHEMA_ID
 JOB_STEPS = ("downloading", "verifying", "staging", "testing")
 MAX_FETCH_BYTES = 512 * 1024 * 1024
+FAULT_KINDS = ("power_cut", "link_loss", "disk_full", "bad_version")
+ONE_SHOT_FAULTS = frozenset({"power_cut", "link_loss"})  # the device recovers; the others persist
 
 
 def _nodelay(_client: Any, _userdata: Any, sock: Any) -> None:
@@ -91,6 +111,32 @@ class Behaviour:
     groups: tuple[str, ...] = ("sim",)
     model_name: str = "sim-model"
     model_version: str = "1.0.0"
+    release_trust: TrustStore | None = None  # with ``fetch``: verify downloads, report the manifest's model hash
+    model_hashes: dict[str, str] = field(default_factory=dict)  # artifact sha256 -> model file sha256 (a cache)
+    faults: dict[int, str] = field(default_factory=dict)  # device index -> one of FAULT_KINDS
+    outage_s: float = 5.0  # how long a power cut or a link loss keeps a device off the broker
+    broker: BrokerOptions | None = None  # credentials and TLS (the address is the drive's)
+
+
+def assign_faults(count: int, share: float, seed: int = 0) -> dict[int, str]:
+    """``round(count * share)`` devices, chosen by ``seed``, each given a fault kind in turn."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--faults is a share from 0 to 1, not {share}")
+    chosen = sorted(random.Random(seed).sample(range(count), round(count * share)))
+    return {index: FAULT_KINDS[n % len(FAULT_KINDS)] for n, index in enumerate(chosen)}
+
+
+def _login(client: mqtt.Client, options: BrokerOptions | None) -> None:
+    """The host commands' credentials and TLS on one simulated device's client."""
+    if options is None:
+        return
+    if options.username is not None:
+        client.username_pw_set(options.username, options.password)
+    if options.tls is not None:
+        import ssl
+
+        client.tls_set(ca_certs=options.tls.ca, certfile=options.tls.cert, keyfile=options.tls.key,
+                       cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
 
 
 @dataclass
@@ -137,7 +183,12 @@ class SimDevice:
         self.acked = 0
         self.expected_acks = 0
         self.name, self.version = self.behaviour.model_name, self.behaviour.model_version
-        self.previous: tuple[str, str] | None = None  # (name, version) a rollback returns to
+        self.model_sha256: str | None = hashlib.sha256(f"{self.name}-{self.version}".encode()).hexdigest()
+        self.previous: tuple[str, str, str | None] | None = None  # (name, version, model sha256) a rollback returns to
+        self.fault = self.behaviour.faults.get(index)
+        self.outages = 0  # power cuts and link losses gone through
+        self.selector: selectors.BaseSelector | None = None  # the drive's, once it runs
+        self._on_reconnect: Callable[[], None] | None = None
         self.jobs: dict[str, SimJob] = {}
         self.commands_received = 0
         self.subscribed = threading.Event()
@@ -150,6 +201,7 @@ class SimDevice:
         self.client.max_queued_messages_set(0)
         self.client.max_inflight_messages_set(100)
         self.client.will_set(topics.state(self.device), self._state("offline"), qos=1, retain=True)
+        _login(self.client, self.behaviour.broker)
         self.client.connect(host, port, keepalive=60)
 
     # ---------------------------------------------------------------- publishing
@@ -162,8 +214,13 @@ class SimDevice:
         self.client.publish(topic, payload, qos=1, retain=retain)
 
     def _model(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version,
-                "sha256": hashlib.sha256(f"{self.name}-{self.version}".encode()).hexdigest()}
+        return {"name": self.name, "version": self.version, "sha256": self.model_sha256}
+
+    def _swap_back(self) -> None:
+        """Back to the previous model (a rollback, a failed health window, a cancel)."""
+        if self.previous is not None:
+            self.name, self.version, self.model_sha256 = self.previous
+        self.previous = None
 
     def _state(self, status: str) -> bytes:
         doc = {"schema": STATE_SCHEMA, "device": self.device, "status": status, "ts": time.time(),
@@ -209,6 +266,53 @@ class SimDevice:
     def _on_connect(self, client: mqtt.Client, *_args: Any) -> None:
         filters = [self.topics.cmd(self.device), *(self.topics.group_cmd(g) for g in self.behaviour.groups)]
         client.subscribe([(topic, 1) for topic in filters])  # one SUBACK: ``subscribed`` means all of them
+        if self._on_reconnect is not None:
+            after, self._on_reconnect = self._on_reconnect, None
+            self.birth()
+            self.scheduler.at(time.time(), after)
+
+    # ---------------------------------------------------------------- faults
+
+    @property
+    def dark(self) -> bool:
+        """Off the broker (a power cut or a link loss in progress)."""
+        return self._on_reconnect is not None
+
+    def _go_dark(self, then: Callable[[], None]) -> None:
+        """Off the broker for ``outage_s`` (the broker publishes the will: offline), then back,
+        where ``then`` runs once the device is connected and subscribed again."""
+        self.outages += 1
+        if self.selector is not None:
+            self.selector.unregister(self.client.socket())
+        # MQTT 5 reason 0x04: the broker publishes the will, as for a dropped connection.
+        self.client.disconnect(reasoncode=ReasonCode(PacketTypes.DISCONNECT, "Disconnect with will message"))
+        self.client.loop_write()
+        self._on_reconnect = then
+        self.scheduler.at(time.time() + self.behaviour.outage_s, self._come_back)
+
+    def _come_back(self) -> None:
+        self.client.reconnect()
+        if self.selector is not None:
+            self.selector.register(self.client.socket(), selectors.EVENT_READ, self)
+
+    def _faulted_deploy(self, job: SimJob, body: dict[str, Any]) -> bool:
+        """Run this device's fault on a deploy; True when it took the deploy over."""
+        if self.fault == "disk_full":
+            self.scheduler.at(time.time() + self.behaviour.step_s, lambda: self._set(
+                job, "failed", "download failed: [Errno 28] No space left on device", final=True))
+            return True
+        if self.fault not in ONE_SHOT_FAULTS:
+            return False
+        fault, self.fault = self.fault, None  # once: the next deploy goes through
+        if fault == "power_cut":
+            def reboot() -> None:
+                self._set(job, "failed", f"interrupted: the device restarted during the download; serving "
+                                         f"{self.name} {self.version}", final=True)
+            self.scheduler.at(time.time() + self.behaviour.step_s, lambda: self._go_dark(reboot))
+            return True
+        self.scheduler.at(time.time() + self.behaviour.step_s,
+                          lambda: self._go_dark(lambda: self._fetch_then_install(job, body)))
+        return True
 
     def _on_message(self, _client: Any, _userdata: Any, message: Any) -> None:
         self.commands_received += 1
@@ -235,15 +339,19 @@ class SimDevice:
 
     def _deploy(self, job: SimJob, body: dict[str, Any]) -> None:
         self._set(job, "queued", "queued")
-        now = time.time()
-        step = self.behaviour.step_s
-        self.scheduler.at(now + step, lambda: self._set(job, "downloading", "fetching the artifact"))
+        self.scheduler.at(time.time() + self.behaviour.step_s,
+                          lambda: self._set(job, "downloading", "fetching the artifact"))
+        if self.fault is not None and self._faulted_deploy(job, body):
+            return
+        self._fetch_then_install(job, body)
+
+    def _fetch_then_install(self, job: SimJob, body: dict[str, Any]) -> None:
         if self.behaviour.fetch and "url" in body.get("artifact", {}) and self.fetcher is not None:
-            future = self.fetcher.submit(_fetch, body["artifact"]["url"], body["sha256"], body["size"])
+            future = self.fetcher.submit(_fetch, body["artifact"]["url"], body["sha256"], body["size"], self.behaviour)
             future.add_done_callback(
                 lambda done: self.scheduler.at(time.time(), lambda: self._after_fetch(job, body, done.result())))
             return
-        self.scheduler.at(now + 2 * step, lambda: self._after_fetch(job, body, ""))
+        self.scheduler.at(time.time() + 2 * self.behaviour.step_s, lambda: self._after_fetch(job, body, ""))
 
     def _after_fetch(self, job: SimJob, body: dict[str, Any], problem: str) -> None:
         if job.final:
@@ -259,8 +367,9 @@ class SimDevice:
     def _activate(self, job: SimJob, body: dict[str, Any]) -> None:
         if job.final:
             return
-        self.previous = (self.name, self.version)
+        self.previous = (self.name, self.version, self.model_sha256)
         self.name, self.version = str(body.get("name") or self.name), str(body["version"])
+        self.model_sha256 = self.behaviour.model_hashes.get(str(body.get("sha256")))  # None: not known here
         self.birth()
         window = float(body.get("health_window_s") or self.behaviour.health_window_s)
         self._set(job, "active", f"hot-swapped; watching health for {window:g} s")
@@ -269,9 +378,9 @@ class SimDevice:
     def _close_window(self, job: SimJob) -> None:
         if job.final:
             return
-        if self.version in self.behaviour.rollback_versions:
+        if self.version in self.behaviour.rollback_versions or self.fault == "bad_version":
             bad = self.version
-            (self.name, self.version), self.previous = self.previous or (self.name, self.version), None
+            self._swap_back()
             self.birth()
             self._set(job, "rolled_back", f"unhealthy: simulated failure of {bad}; back on {self.version}",
                       final=True)
@@ -291,7 +400,7 @@ class SimDevice:
         for other in self.jobs.values():
             if other.type == "deploy" and not other.final:
                 self._set(other, "rolled_back", f"rolled back by command {job.id}", final=True)
-        (self.name, self.version), self.previous = self.previous, None
+        self._swap_back()
         self.birth()
         self._set(job, "done", f"rolled back to {self.name} {self.version}", final=True)
 
@@ -301,7 +410,7 @@ class SimDevice:
             self._set(job, "failed", f"no queued or running deploy {body.get('job')}", final=True)
             return
         if target.state == "active":
-            (self.name, self.version), self.previous = self.previous or (self.name, self.version), None
+            self._swap_back()
             self.birth()
             self._set(target, "rolled_back", f"cancelled by command {job.id}", final=True)
         else:
@@ -309,10 +418,14 @@ class SimDevice:
         self._set(job, "done", f"stopped deploy {target.id}", final=True)
 
 
-def _fetch(url: str, sha256: str, size: int) -> str:
-    """Download ``url`` and check it; "" when it matches, else a fixed reason (like the agent)."""
+def _fetch(url: str, sha256: str, size: int, behaviour: Behaviour | None = None) -> str:
+    """Download ``url`` and check it; "" when it matches, else a fixed reason (like the agent).
+    With ``behaviour.release_trust`` the first download of each artifact is verified and its
+    manifest's model hash kept in ``behaviour.model_hashes`` (what the device then reports)."""
     digest = hashlib.sha256()
     received = 0
+    keep = behaviour is not None and behaviour.release_trust is not None and sha256 not in behaviour.model_hashes
+    blocks: list[bytes] = []
     try:
         with urllib.request.urlopen(url, timeout=30) as answer:
             while block := answer.read(256 * 1024):
@@ -320,17 +433,37 @@ def _fetch(url: str, sha256: str, size: int) -> str:
                 if received > min(size, MAX_FETCH_BYTES):
                     return "download larger than announced"
                 digest.update(block)
+                if keep:
+                    blocks.append(block)
     except OSError:
         return "download failed"
     if received != size or digest.hexdigest() != sha256:
         return "download does not match the command's sha256"
+    if keep and behaviour is not None and behaviour.release_trust is not None:
+        return _learn_model_hash(b"".join(blocks), sha256, behaviour)
+    return ""
+
+
+def _learn_model_hash(data: bytes, sha256: str, behaviour: Behaviour) -> str:
+    """Verify one downloaded artifact as an agent does and keep its model file's sha256."""
+    import tempfile
+
+    assert behaviour.release_trust is not None
+    with tempfile.NamedTemporaryFile(suffix=".edgepkg") as handle:
+        handle.write(data)
+        handle.flush()
+        try:
+            verified = verify_artifact(handle.name, behaviour.release_trust)
+        except ArtifactError as err:
+            return f"artifact refused: {err}"
+    behaviour.model_hashes[sha256] = verified.manifest.model_sha256
     return ""
 
 
 class Checker:
     """Counts telemetry per device on a separate connection (QoS 1)."""
 
-    def __init__(self, topics: Topics, host: str, port: int) -> None:
+    def __init__(self, topics: Topics, host: str, port: int, login: BrokerOptions | None = None) -> None:
         self.counts: dict[str, int] = {}
         self.lock = threading.Lock()
         self.ready = threading.Event()
@@ -339,6 +472,7 @@ class Checker:
         self.client.on_socket_open = _nodelay
         self.client.on_connect = lambda c, *_: (c.subscribe(topics.all_of("telemetry"), qos=1), self.ready.set())
         self.client.on_message = self._on_message
+        _login(self.client, login)
         self.client.connect(host, port, keepalive=60)
         self.client.loop_start()
 
@@ -368,6 +502,7 @@ def drive(devices: list[SimDevice], rate: float, duration: float, *, stop: threa
     selector = selectors.DefaultSelector()
     for dev in devices:
         selector.register(dev.client.socket(), selectors.EVENT_READ, dev)
+        dev.selector = selector
     for dev in devices:
         dev.birth()
     started = time.monotonic()
@@ -397,14 +532,16 @@ def _publish_due(devices: list[SimDevice], next_due: list[float], period: float,
     """Telemetry from each device whose turn has come, and its next turn one period later."""
     for i, dev in enumerate(devices):
         if now >= next_due[i]:
-            dev.telemetry()
+            if dev.dark is False:
+                dev.telemetry()
             next_due[i] += period
 
 
 def _drain(devices: list[SimDevice], selector: selectors.BaseSelector) -> None:
     """Wait (30 s at most) for every QoS 1 PUBACK."""
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(d.acked < d.expected_acks for d in devices):
+    # A device that went off the broker may have lost messages in flight: not waited for.
+    while time.monotonic() < deadline and any(d.acked < d.expected_acks and not d.outages for d in devices):
         _pump(devices, selector, 0.01)
 
 
@@ -455,16 +592,61 @@ class SimFleet:
     def versions(self) -> dict[str, str]:
         return {d.device: d.version for d in self.devices}
 
+    def faulted(self) -> dict[str, str]:
+        """Device id -> the fault it was given (a one-shot fault stays named after it fired)."""
+        return {self.devices[i].device: kind for i, kind in self.behaviour.faults.items()}
+
     def final_deploys(self) -> int:
         """Deploy jobs that ended (their final event published), over every device."""
         return sum(1 for d in self.devices for job in list(d.jobs.values()) if job.type == "deploy" and job.final)
 
 
-def _behaviour(args: argparse.Namespace) -> Behaviour:
+def _behaviour(args: argparse.Namespace, broker: BrokerOptions | None) -> Behaviour:
     trust = TrustStore.from_paths(args.operator_pub) if args.operator_pub else None
+    release = TrustStore.from_paths(args.trust) if args.trust else None
     return Behaviour(health_window_s=args.health_window, rollback_versions=frozenset(args.rollback_version),
                      error_versions=frozenset(args.error_version), fetch=args.fetch, operator_trust=trust,
-                     groups=tuple(args.group))
+                     groups=tuple(args.group), release_trust=release,
+                     faults=assign_faults(args.devices, args.faults, args.seed), outage_s=args.outage,
+                     broker=broker)
+
+
+def _broker_options(args: argparse.Namespace, address: str) -> BrokerOptions | None:
+    """The host commands' broker options (sdk/cli/broker_options.py), same names and variables."""
+    password = None if args.password_file else os.environ.get("EDGEPACK_MQTT_PASSWORD") or None
+    options = BrokerOptions.build(address, username=args.username, password=password,
+                                  password_file=args.password_file, tls=args.tls, tls_ca=args.tls_ca,
+                                  tls_cert=args.tls_cert, tls_key=args.tls_key, topic_root=args.topic_root)
+    return options if options.username is not None or options.tls is not None else None
+
+
+def _login_flags(args: argparse.Namespace) -> list[str]:
+    """The broker options again, for the ``edgepack fleet status`` this script runs."""
+    flags = [f"--{name.replace('_', '-')}={value}" for name in ("username", "password_file", "tls_ca", "tls_cert",
+                                                                 "tls_key") if (value := getattr(args, name))]
+    return [*flags, *(["--tls"] if args.tls else [])]
+
+
+def _add_broker_arguments(parser: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    parser.add_argument("--username", default=env("EDGEPACK_MQTT_USERNAME"), help="MQTT user of every device")
+    parser.add_argument("--password-file", type=Path, default=env("EDGEPACK_MQTT_PASSWORD_FILE"),
+                        help="file whose first line is the MQTT password (or EDGEPACK_MQTT_PASSWORD)")
+    parser.add_argument("--tls", action="store_true", default=bool(env("EDGEPACK_MQTT_TLS")),
+                        help="TLS, verifying the broker against the system's CAs (implied by --tls-ca)")
+    parser.add_argument("--tls-ca", type=Path, default=env("EDGEPACK_MQTT_TLS_CA"), help="the broker's CA")
+    parser.add_argument("--tls-cert", type=Path, default=env("EDGEPACK_MQTT_TLS_CERT"), help="client certificate")
+    parser.add_argument("--tls-key", type=Path, default=env("EDGEPACK_MQTT_TLS_KEY"), help="its private key")
+
+
+def _add_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--faults", type=float, default=0.0,
+                        help="share of the devices given one fault each (power_cut, link_loss, disk_full, "
+                             "bad_version in turn)")
+    parser.add_argument("--seed", type=int, default=0, help="which devices get the faults")
+    parser.add_argument("--outage", type=float, default=5.0, help="seconds a power cut or a link loss lasts")
+    parser.add_argument("--trust", action="append", default=[],
+                        help="with --fetch: verify downloads with this release key and report the model's hash")
 
 
 def main() -> int:
@@ -486,10 +668,18 @@ def main() -> int:
     parser.add_argument("--operator-pub", action="append", default=[],
                         help="refuse commands not signed by this operator public key (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    _add_broker_arguments(parser)
+    _add_fault_arguments(parser)
     args = parser.parse_args()
     args.group = args.group or ["sim"]
     if not args.broker and not args.start_broker:
         parser.error("give --broker HOST:PORT or --start-broker")
+    try:  # the address is only known once a broker runs: these options are read for the login
+        login = _broker_options(args, args.broker or "127.0.0.1:1883")
+        behaviour = _behaviour(args, login)
+    except (OSError, ValueError, BrokerOptionError) as err:
+        print(f"fleet_sim: {err}", file=sys.stderr)
+        return 2
 
     raise_fd_limit(2 * args.devices + 256)  # our sockets, and a broker started from here
     broker = None
@@ -502,11 +692,10 @@ def main() -> int:
         host, _, port_text = args.broker.rpartition(":")
         port = int(port_text)
     topics = Topics(args.topic_root)
-    behaviour = _behaviour(args)
     scheduler = Scheduler()
     fetcher = concurrent.futures.ThreadPoolExecutor(max_workers=8) if behaviour.fetch else None
     try:
-        checker = Checker(topics, host, port)
+        checker = Checker(topics, host, port, login)
         checker.ready.wait(5)
         connect_started = time.monotonic()
         devices = [SimDevice(i, topics, host, port, prefix=args.prefix, behaviour=behaviour, scheduler=scheduler,
@@ -522,7 +711,7 @@ def main() -> int:
         received = checker.total()
         status = subprocess.run(
             [str(Path(sys.executable).parent / "edgepack"), "fleet", "status", "--broker", f"{host}:{port}",
-             "--json", "--wait", "10", "--topic-root", args.topic_root],
+             "--json", "--wait", "10", "--topic-root", args.topic_root, *_login_flags(args)],
             capture_output=True, text=True, timeout=60,
         )
         fleet = json.loads(status.stdout) if status.returncode == 0 else {"devices": [], "error": status.stderr}

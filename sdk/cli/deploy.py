@@ -244,6 +244,17 @@ def cancel(device_id: str, job_id: str, broker: BrokerOptions, timeout: float, o
     _command(broker, device_id, "cancel", timeout, operator_key, job=job_id)
 
 
+@device.command(name="remove")
+@click.argument("device_id")
+@click.option("--model", required=True, metavar="NAME", help="The model to take out of service.")
+@broker_options
+@_TIMEOUT
+@_OPERATOR_KEY
+def remove(device_id: str, model: str, broker: BrokerOptions, timeout: float, operator_key: Path | None) -> None:
+    """Stop serving a model on the device and delete its store (a device holding several named models)."""
+    _command(broker, device_id, "remove", timeout, operator_key, model=model)
+
+
 def _fleet_client(server: str, token_file: Path | None) -> Any:
     from sdk.cli.rollout import client_for
 

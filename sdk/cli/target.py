@@ -100,12 +100,15 @@ def target() -> None:
                               "need it, e.g. 5,25,100; a rollout moves them and the target changes when it succeeds.")
 @click.option("--soak", "soak_s", type=float, help="With --waves: seconds each passed wave is watched.")
 @click.option("--wave-timeout", type=float, help="With --waves: seconds a device has to answer finally.")
+@click.option("--success-share", type=click.FloatRange(0.0, 1.0, min_open=True),
+              help="With --waves: share of a wave that must end active (default 1).")
 @click.option("--wait", is_flag=True, help="Follow the devices; exit 0 only when every one is on target.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="With --wait: seconds to follow.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def set_target(artifact: str, server: str, token_file: Path | None, fleet: bool, group: str | None,
                device: str | None, model: str | None, reason: str, waves: str | None, soak_s: float | None,
-               wave_timeout: float | None, wait: bool, timeout: float, as_json: bool) -> None:
+               wave_timeout: float | None, success_share: float | None, wait: bool, timeout: float,
+               as_json: bool) -> None:
     """Set MODEL of the fleet, a group or a device to ARTIFACT (a file, a sha256 or "absent");
     the server sends each device that differs the signed command, downgrades included."""
     path = _scope_path(fleet, group, device)
@@ -117,9 +120,10 @@ def set_target(artifact: str, server: str, token_file: Path | None, fleet: bool,
     body: dict[str, Any] = {"models": {model: sha}, "reason": reason}
     if waves is not None:
         body.update({"waves": _waves(waves), **({"soak_s": soak_s} if soak_s is not None else {}),
-                     **({"wave_timeout_s": wave_timeout} if wave_timeout is not None else {})})
-    elif soak_s is not None or wave_timeout is not None:
-        raise click.UsageError("--soak and --wave-timeout stage a change: give --waves too")
+                     **({"wave_timeout_s": wave_timeout} if wave_timeout is not None else {}),
+                     **({"min_success_share": success_share} if success_share is not None else {})})
+    elif soak_s is not None or wave_timeout is not None or success_share is not None:
+        raise click.UsageError("--soak, --wave-timeout and --success-share stage a change: give --waves too")
     doc = client.put(path, body)
     staged = [s for s in doc.get("staged", []) if s["artifact"] == sha and s["model"] == model]
     if not wait:

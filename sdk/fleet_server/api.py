@@ -47,7 +47,7 @@ from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError
-from sdk.fleet_server import actions, audit, desired, history, openapi, queries, wave_waits
+from sdk.fleet_server import actions, audit, bad_releases, desired, history, openapi, queries, wave_waits
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
@@ -74,6 +74,7 @@ _ROLLOUT_VALIDATOR = Validator(queries.ROLLOUT_REQUEST_SCHEMA, document="rollout
 _GROUPS_VALIDATOR = Validator(queries.GROUPS_REQUEST_SCHEMA, document="groups")
 _TARGET_VALIDATOR = Validator(desired.TARGET_REQUEST_SCHEMA, document="target")
 _DEVICE_ACTION_VALIDATOR = Validator(actions.ACTION_REQUEST_SCHEMA, document="action")
+_BAD_VALIDATOR = Validator(bad_releases.REQUEST_SCHEMA, document="request")
 _ACTION_VALIDATOR = Validator({"type": "object", "additionalProperties": False,
                                "properties": {"reason": {"type": "string", "maxLength": 500}}}, document="request")
 
@@ -390,12 +391,25 @@ class Routes:
 
     async def artifact(self, request: Request, _actor: str) -> Response:
         Params(request, set())
-        try:
-            sha = check_sha256(request.path_params["sha256"])
-        except ApiError:
-            raise ApiError(404, "not_found", "no such artifact") from None  # our own refusal, reworded
+        sha = _artifact_sha(request)
         row = await run_in_threadpool(queries.get_artifact, self.database, sha)
         return JSONResponse(queries.artifact_doc(row, self.context.artifact_url(sha)))
+
+    async def mark_bad(self, request: Request, actor: str) -> Response:
+        """Mark a release bad fleet-wide (``DELETE``: clear the mark); the answer lists what names it."""
+        Params(request, set())
+        sha = _artifact_sha(request)
+        if request.method == "DELETE":
+            named = await run_in_threadpool(lambda: bad_releases.clear_bad(self.database, sha, actor=actor,
+                                                                           remote=_remote(request)))
+        else:
+            body = await read_json(request)
+            _validate(_BAD_VALIDATOR, body)
+            named = await run_in_threadpool(lambda: bad_releases.mark_bad(self.database, sha, body["reason"],
+                                                                          actor=actor, remote=_remote(request)))
+        self.context.wake_driver()
+        row = await run_in_threadpool(queries.get_artifact, self.database, sha)
+        return JSONResponse({"artifact": queries.artifact_doc(row, self.context.artifact_url(sha)), **named})
 
     async def rollouts(self, request: Request, _actor: str) -> Response:
         params = Params(request, {"state", "limit"})
@@ -604,6 +618,14 @@ class Routes:
         return act
 
 
+def _artifact_sha(request: Request) -> str:
+    """The path's artifact sha256; 404 for anything that is not one (no artifact has that name)."""
+    try:
+        return check_sha256(request.path_params["sha256"])
+    except ApiError:
+        raise ApiError(404, "not_found", "no such artifact") from None  # our own refusal, reworded
+
+
 def build_app(context: ApiContext) -> Starlette:
     """The ASGI application."""
     r = Routes(context)
@@ -633,6 +655,8 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/artifacts", guard(r.artifacts), methods=["GET"]),
         Route("/api/artifacts", guard(r.upload, "artifact.upload"), methods=["POST"]),
         Route("/api/artifacts/{sha256}", guard(r.artifact), methods=["GET"]),
+        Route("/api/artifacts/{sha256}/bad", guard(r.mark_bad, "artifact.bad"), methods=["POST"]),
+        Route("/api/artifacts/{sha256}/bad", guard(r.mark_bad, "artifact.good"), methods=["DELETE"]),
         Route("/api/rollouts", guard(r.rollouts), methods=["GET"]),
         Route("/api/rollouts", guard(r.create_rollout, "rollout.create"), methods=["POST"]),
         Route("/api/rollouts/{rollout_id}", guard(r.rollout), methods=["GET"]),

@@ -342,6 +342,14 @@ device_rejected = Table(  # what each device's newest online state lists as reje
     Column("heard_at", Float, nullable=False),  # when the server first heard of it (its clock: what targets compare)
 )
 
+artifact_bad = Table(  # releases the operator marked bad fleet-wide: never sent while marked (bad_releases.py)
+    "artifact_bad", metadata,
+    Column("sha256", String(64), primary_key=True),  # the artifact's
+    Column("reason", String(500), nullable=False),
+    Column("actor", String(128), nullable=False),
+    Column("at", Float, nullable=False),
+)
+
 leases = Table(
     "leases", metadata,
     Column("name", String(ID), primary_key=True),

@@ -41,6 +41,7 @@ from sdk.fleet_server.targets import (
     Running,
     Target,
     effective_target,
+    marked_bad,
     matches,
     reconcile,
 )
@@ -114,11 +115,12 @@ def _select_for(connection: Connection, query: Any, column: Any, devices: Sequen
 
 def _artifacts(connection: Connection, shas: set[str]) -> dict[str, ArtifactInfo]:
     found: dict[str, ArtifactInfo] = {}
-    a = tables.artifacts
+    a, bad = tables.artifacts, tables.artifact_bad
     for part in _chunks(sorted(shas - {ABSENT})):
-        for row in connection.execute(select(a.c.sha256, a.c.name, a.c.version, a.c.model_sha256)
+        for row in connection.execute(select(a.c.sha256, a.c.name, a.c.version, a.c.model_sha256, bad.c.reason)
+                                      .select_from(a.outerjoin(bad, bad.c.sha256 == a.c.sha256))
                                       .where(a.c.sha256.in_(part))):
-            found[row.sha256] = ArtifactInfo(row.sha256, row.name, row.version, row.model_sha256)
+            found[row.sha256] = ArtifactInfo(row.sha256, row.name, row.version, row.model_sha256, row.reason)
     return found
 
 
@@ -392,6 +394,9 @@ def _check_artifacts(connection: Connection, change: TargetChange) -> None:
         if info.name != model:
             raise ApiError(422, "invalid", f"models.{model}: artifact {sha[:12]} is model {info.name!r}, "
                                            f"not {model!r}")
+        if info.bad is not None:
+            raise ApiError(422, "invalid", f"models.{model}: {marked_bad(sha, info.bad)}; clear the mark first: "
+                                           f"edgepack artifact good {sha}")
 
 
 def _scope_exists(connection: Connection, scope: str, name: str) -> None:

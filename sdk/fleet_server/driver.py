@@ -46,7 +46,7 @@ from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.commands import build_command, encode_command
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey
-from sdk.fleet_server import audit
+from sdk.fleet_server import audit, bad_releases
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.desired import View, apply_staged, load_plan
@@ -64,7 +64,7 @@ from sdk.fleet_server.rollouts import (
     next_step,
     transition,
 )
-from sdk.fleet_server.targets import Decision
+from sdk.fleet_server.targets import Decision, marked_bad
 
 log = logging.getLogger("edgepack.fleet_server.driver")
 
@@ -281,7 +281,12 @@ class Driver:
             rows = connection.execute(select(tables.rollouts).where(
                 tables.rollouts.c.state.in_(("pending", "running"))).order_by(tables.rollouts.c.created_at)) \
                 .mappings().all()
+            bad = bad_releases.marks(connection, {row["artifact_sha256"] for row in rows})
         for row in rows:
+            mark = bad.get(row["artifact_sha256"])
+            if mark is not None:
+                self._pause_bad(row["id"], marked_bad(row["artifact_sha256"], mark.reason), now)
+                continue
             self._advance_alone(row, now)
         try:
             if now >= self._next_reconcile:
@@ -372,6 +377,23 @@ class Driver:
             return
         self._errors.pop(rollout_id, None)
         log.error("rollout %s failed: %s", rollout_id, reason)
+
+    def _pause_bad(self, rollout_id: str, reason: str, now: float) -> None:
+        """Pause (never fail) a rollout whose artifact the operator marked bad, with that reason
+        (through the state machine, audited ``rollout.pause`` as the server). If another writer
+        changed it first, the next round looks again."""
+        with self.database.write() as connection:
+            row = connection.execute(select(tables.rollouts).where(tables.rollouts.c.id == rollout_id)) \
+                .mappings().first()
+            if row is None or row["state"] not in ("pending", "running"):
+                return
+            after = transition(rollout_of(row), "pause", now, reason)
+            if not save_rollout(connection, row, after, now, event="pause", actor=self.actor, reason=reason):
+                return
+            audit.record(connection, actor=self.actor, action="rollout.pause", target=rollout_id, now=now,
+                         detail={"from": row["state"], "to": after.state, "wave": row["wave"] + 1,
+                                 "wave_count": row["wave_count"], "reason": reason})
+        log.warning("rollout %s paused: %s", rollout_id, reason)
 
     # ---------------------------------------------------------------- one rollout
 

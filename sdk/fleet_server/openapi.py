@@ -11,6 +11,7 @@ from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
 from sdk.fleet_server.actions import ACTION_REQUEST_SCHEMA, ACTIONS
+from sdk.fleet_server.bad_releases import REQUEST_SCHEMA as BAD_REQUEST_SCHEMA
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
 from sdk.fleet_server.history import DEFAULT_PAGE as HISTORY_DEFAULT_PAGE
 from sdk.fleet_server.history import MAX_PAGE as HISTORY_MAX_PAGE
@@ -112,6 +113,9 @@ SCHEMAS: dict[str, Any] = {
             "targets": {"type": "array", "items": {"type": "string"}}, "created_at": {"type": "number"},
             "created_by": {"type": "string"},
             "url": {"type": "string", "description": "where devices fetch it"},
+            "bad": {"type": ["object", "null"], "description": "the fleet-wide bad mark: never sent while set",
+                    "properties": {"at": {"type": "number"}, "actor": {"type": "string"},
+                                   "reason": {"type": "string"}}},
         },
     },
     # The schema the API validates with, plus what its own validator cannot say: exactly one target.
@@ -427,6 +431,17 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("get", "/api/artifacts/{sha256}", {
         "summary": "One artifact", "parameters": [_path("sha256", SHA256_PATTERN, "the artifact's sha256")],
         "responses": {"200": _json("the artifact", _ref("Artifact"))}}),
+    *[(method, "/api/artifacts/{sha256}/bad", {
+        "summary": summary, "parameters": [_path("sha256", SHA256_PATTERN, "the artifact's sha256")],
+        **({"requestBody": {"required": True, "content": {"application/json": {"schema": BAD_REQUEST_SCHEMA}}}}
+           if method == "post" else {}),
+        "responses": {"200": _json("the artifact and what names it", {"type": "object", "properties": {
+            "artifact": _ref("Artifact"), "targets": {"type": "array", "items": {"type": "object"}},
+            "rollouts": {"type": "array", "items": {"type": "object"}}}}),
+                      "404": _json("no such artifact", _ref("Error"))}})
+      for method, summary in (("post", "Mark a release bad fleet-wide (audited artifact.bad): never sent, new "
+                                       "rollouts and targets naming it refused, running rollouts paused"),
+                              ("delete", "Clear the bad mark (audited artifact.good)"))],
     ("get", "/api/rollouts", {
         "summary": "Rollouts, newest first",
         "parameters": [_query("state", {"type": "string", "enum": list(STATES)}, "only rollouts in this state"),

@@ -23,7 +23,7 @@ from edgepack_core.protocol.commands import field_schema
 from edgepack_core.protocol.ids import ID_PATTERN
 from sdk.deploy.policy import RolloutError, plan_wave_shares, planned_shares
 from sdk.errors import ApiError
-from sdk.fleet_server import audit
+from sdk.fleet_server import audit, bad_releases
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.artifacts import StoredArtifact
 from sdk.fleet_server.db import Database
@@ -352,9 +352,18 @@ def telemetry(database: Database, device: str, *, since: float, until: float, st
 
 
 def artifact_doc(row: Any, url: str) -> dict[str, Any]:
+    bad = None if row.get("bad_at") is None else {"at": row["bad_at"], "actor": row["bad_actor"],
+                                                  "reason": row["bad_reason"]}
     return {"sha256": row["sha256"], "name": row["name"], "version": row["version"], "size": row["size"],
             "key_id": row["key_id"], "targets": json.loads(row["targets"]), "created_at": row["created_at"],
-            "created_by": row["created_by"], "url": url}
+            "created_by": row["created_by"], "url": url, "bad": bad}
+
+
+def _artifact_rows() -> Any:
+    """Artifacts with their bad mark (``bad_*`` columns, None when not marked)."""
+    a, bad = tables.artifacts, tables.artifact_bad
+    return select(a, bad.c.at.label("bad_at"), bad.c.actor.label("bad_actor"), bad.c.reason.label("bad_reason")) \
+        .select_from(a.outerjoin(bad, bad.c.sha256 == a.c.sha256))
 
 
 def save_artifact(database: Database, stored: StoredArtifact, *, actor: str, remote: str) -> bool:
@@ -369,14 +378,13 @@ def save_artifact(database: Database, stored: StoredArtifact, *, actor: str, rem
 
 def list_artifacts(database: Database) -> list[Any]:
     with database.read() as connection:
-        return list(connection.execute(select(tables.artifacts).order_by(tables.artifacts.c.created_at.desc()))
+        return list(connection.execute(_artifact_rows().order_by(tables.artifacts.c.created_at.desc()))
                     .mappings().all())
 
 
 def get_artifact(database: Database, sha256: str) -> Any:
     with database.read() as connection:
-        row = connection.execute(select(tables.artifacts).where(tables.artifacts.c.sha256 == sha256)) \
-            .mappings().first()
+        row = connection.execute(_artifact_rows().where(tables.artifacts.c.sha256 == sha256)).mappings().first()
     if row is None:
         raise ApiError(404, "not_found", f"no artifact {sha256}")
     return row
@@ -467,6 +475,7 @@ def create_rollout(database: Database, request: RolloutRequest, *, actor: str, r
             tables.artifacts.c.sha256 == request.artifact)).mappings().first()
         if artifact is None:
             raise ApiError(404, "not_found", f"no artifact {request.artifact} (upload it first)")
+        bad_releases.refuse_if_bad(connection, request.artifact, "artifact")
         try:
             waves = plan_wave_shares(_targets(connection, request, now, silence_s), request.waves)
         except RolloutError as err:  # the shares' order: beyond what a schema can say
@@ -519,6 +528,8 @@ def rollout_action(database: Database, rollout_id: str, action: str, *, actor: s
                 .mappings().first()
             if row is None:
                 raise ApiError(404, "not_found", f"no rollout {rollout_id}")
+            if action == "resume":
+                bad_releases.refuse_resume(connection, row["artifact_sha256"])
             why = reason or f"{PAST_TENSE[action]} by {actor}"
             after = transition(rollout_of(row), ACTIONS[action], now, why)  # type: ignore[arg-type]
             if save_rollout(connection, row, after, now, event=ACTIONS[action], actor=actor, reason=why):

@@ -178,6 +178,12 @@ class ArtifactInfo:
     name: str
     version: str
     model_sha256: str | None = None
+    bad: str | None = None  # the operator's reason when the release is marked bad fleet-wide (never sent then)
+
+
+def marked_bad(sha256: str, reason: str) -> str:
+    """Why a release marked bad is not sent (the reconciler's wait, a refusal, a paused rollout)."""
+    return f"artifact {sha256[:12]} marked bad: {reason}"
 
 
 @dataclass(frozen=True)
@@ -334,6 +340,10 @@ def reconcile(device: str, effective: Effective, reported: Reported, artifacts: 
             continue
         if wanted.artifact not in artifacts:
             reasons.append(f"{model}: artifact {wanted.artifact[:12]} is not in the server's store")
+            continue
+        bad = artifacts[wanted.artifact].bad
+        if bad is not None:
+            reasons.append(f"{model}: {marked_bad(wanted.artifact, bad)}")
             continue
         refused = device_rejected(wanted, reported)
         if refused:

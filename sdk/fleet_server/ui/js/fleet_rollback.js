@@ -21,9 +21,9 @@ export function compareVersions(a, b) {
 }
 
 // The artifact to go back to: the newest build of the same model older than the current one
-// (else any other build of it); null when there is none.
+// (else any other build of it), never one marked bad; null when there is none.
 export function earlierArtifact(artifacts, current) {
-  const same = artifacts.filter((a) => a.name === current.name && a.sha256 !== current.sha256);
+  const same = artifacts.filter((a) => a.name === current.name && a.sha256 !== current.sha256 && !a.bad);
   const older = same.filter((a) => compareVersions(a.version, current.version) < 0);
   const pool = older.length ? older : same;
   return pool.sort((a, b) => compareVersions(b.version, a.version))[0] || null;
@@ -61,8 +61,9 @@ export function fleetRollbackCard() {
     const current = entry && artifacts.find((a) => a.sha256 === entry.sha);
     const others = entry ? artifacts.filter((a) => a.name === entry.model && a.sha256 !== entry.sha) : [];
     const pick = current ? earlierArtifact(artifacts, current) : others[0];
-    replace(to, others.map((a) => h("option", { value: a.sha256, selected: pick && a.sha256 === pick.sha256 },
-      `${a.name} ${a.version} (${a.sha256.slice(0, 12)})`)));
+    replace(to, others.map((a) => h("option", { value: a.sha256, selected: pick && a.sha256 === pick.sha256,
+                                                disabled: Boolean(a.bad), class: a.bad ? "bad" : null },
+      `${a.name} ${a.version} (${a.sha256.slice(0, 12)})`, a.bad ? ` (marked bad: ${a.bad.reason})` : "")));
   }
 
   async function load() {

@@ -125,8 +125,11 @@ function newRolloutForm(refreshList) {
 
   async function loadArtifacts(select) {
     const doc = await api("/api/artifacts");
-    replace(artifact, doc.artifacts.map((a) => h("option", { value: a.sha256, selected: a.sha256 === select },
-      `${a.name} ${a.version} (${a.sha256.slice(0, 12)}…, signed by ${a.key_id})`)));
+    // A release marked bad fleet-wide is listed, marked and not selectable (the server refuses it).
+    replace(artifact, doc.artifacts.map((a) => h("option", { value: a.sha256, selected: a.sha256 === select,
+                                                             disabled: Boolean(a.bad), class: a.bad ? "bad" : null },
+      `${a.name} ${a.version} (${a.sha256.slice(0, 12)}…, signed by ${a.key_id})`,
+      a.bad ? ` (marked bad: ${a.bad.reason})` : "")));
   }
 
   upload.addEventListener("click", async () => {
