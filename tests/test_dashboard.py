@@ -606,10 +606,16 @@ def test_a_failed_wave_looks_failed_and_an_undone_device_never_reads_active_fina
         import('/ui/js/rollouts.js').then((m) => {
           const wave = {index: 0, state: 'failed', devices: 2, active: 2, failed: 0, in_progress: 0, not_sent: 0};
           const job = {state: 'active', final: true, undo: {kind: 'rollback', state: 'done'}};
+          const rollout = {wave: 0, state: 'running', soak_started_at: null, gates: {soak_s: 0}};
+          const waiting = {...wave, state: 'running', offline: 2, deadline: 1600};
           done([m.progress(wave).className, m.progress({...wave, state: 'passed'}).className,
-                m.jobText(job), m.jobText({...job, undo: null})]);
+                m.jobText(job), m.jobText({...job, undo: null}),
+                m.waveWaits(rollout, waiting, 1000).textContent.split(' (')[0],
+                m.waveWaits({...rollout, soak_started_at: 900, gates: {soak_s: 3600}},
+                            {...waiting, state: 'soaking'}, 1000).textContent]);
         }, (e) => done(String(e)));""")
-    assert classes == ["progress wave-failed", "progress", "undone: rollback done", "active (final)"], classes
+    assert classes == ["progress wave-failed", "progress", "undone: rollback done", "active (final)",
+                       "2 offline; times out in 10 min 00 s", "soak ends in 58 min 20 s"], classes
 
 
 def test_a_fleet_wide_rollback_is_two_clicks_and_a_reason(browser, server, fleet, artifacts):
