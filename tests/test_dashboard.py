@@ -599,15 +599,23 @@ def test_the_rollout_form_has_every_gate_the_api_has_and_a_soaking_wave_counts_d
     assert server.call("POST", f"/api/rollouts/{rollout_id}/abort", {"reason": "test done"})[0] == 200
 
 
-def test_a_failed_wave_looks_failed_even_when_every_job_ended_active(browser, server):
+def test_a_failed_wave_looks_failed_and_an_undone_device_never_reads_active_final(browser, server):
     _open(browser, server, "/rollouts", "#rollouts")
     classes = browser.execute_async_script("""
         const done = arguments[arguments.length - 1];
         import('/ui/js/rollouts.js').then((m) => {
           const wave = {index: 0, state: 'failed', devices: 2, active: 2, failed: 0, in_progress: 0, not_sent: 0};
-          done([m.progress(wave).className, m.progress({...wave, state: 'passed'}).className]);
+          const job = {state: 'active', final: true, undo: {kind: 'rollback', state: 'done'}};
+          const rollout = {wave: 0, state: 'running', soak_started_at: null, gates: {soak_s: 0}};
+          const waiting = {...wave, state: 'running', offline: 2, deadline: 1600};
+          done([m.progress(wave).className, m.progress({...wave, state: 'passed'}).className,
+                m.jobText(job), m.jobText({...job, undo: null}),
+                m.waveWaits(rollout, waiting, 1000).textContent.split(' (')[0],
+                m.waveWaits({...rollout, soak_started_at: 900, gates: {soak_s: 3600}},
+                            {...waiting, state: 'soaking'}, 1000).textContent]);
         }, (e) => done(String(e)));""")
-    assert classes == ["progress wave-failed", "progress"], classes
+    assert classes == ["progress wave-failed", "progress", "undone: rollback done", "active (final)",
+                       "2 offline; times out in 10 min 00 s", "soak ends in 58 min 20 s"], classes
 
 
 def test_a_fleet_wide_rollback_is_two_clicks_and_a_reason(browser, server, fleet, artifacts):

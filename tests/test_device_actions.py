@@ -16,12 +16,7 @@ from edgepack_core import faults
 from edgepack_core.fsutil import sha256_file
 from tests.agent_process import AgentProcess
 from tests.artifacts import build_artifact
-from tests.fleet_server_process import CommandCounter, FleetServerProcess, edgepack, make_keys, wait_for
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory, keypair):
-    return make_keys(tmp_path_factory.mktemp("keys"), release=keypair)
+from tests.fleet_server_process import CommandCounter, FleetServerProcess, edgepack, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +47,10 @@ def _audit(server: FleetServerProcess, action: str) -> list[dict]:
 
 
 @pytest.fixture
-def cam(tmp_path, mosquitto_broker, keys, keypair, versions):
+def cam(tmp_path, mosquitto_broker, server_keys, keypair, versions):
     """A server and one real agent (cam-01 on 1.1.0, group kitchen) the server has heard."""
-    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=keys).start()
-    agent = _agent(tmp_path, mosquitto_broker, keys, keypair, versions["1.1.0"], server).start()
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
+    agent = _agent(tmp_path, mosquitto_broker, server_keys, keypair, versions["1.1.0"], server).start()
     try:
         assert wait_for(lambda: server.call("GET", "/api/devices/cam-01")[0] == 200, 30)
         yield server, agent
@@ -132,16 +127,17 @@ def test_device_actions_mistakes_are_4xx_naming_the_field_and_hold_release_rerun
 
 
 def test_a_server_killed_between_recording_and_publishing_a_ping_sends_it_after_the_restart(
-    tmp_path, mosquitto_broker, keys, keypair, versions
+    tmp_path, mosquitto_broker, server_keys, keypair, versions
 ):
     """SIGKILL after the action's command and audit row were committed, before the broker saw the
     command: the restarted server publishes that same recorded command (the driver's resend of
     what the broker never acknowledged), and the device's answer reaches the history."""
     counter = CommandCounter(mosquitto_broker.port)
-    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=keys,
-                                extra=("--resend-after", "1s"))
+    server = FleetServerProcess(
+        tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys, extra=("--resend-after", "1s")
+    )
     server.start(env=faults.switch("fleet-recorded-action"))
-    agent = _agent(tmp_path, mosquitto_broker, keys, keypair, versions["1.1.0"], server).start()
+    agent = _agent(tmp_path, mosquitto_broker, server_keys, keypair, versions["1.1.0"], server).start()
     try:
         assert wait_for(lambda: server.call("GET", "/api/devices/cam-01")[0] == 200, 30)
         with contextlib.suppress(OSError):  # the server dies answering

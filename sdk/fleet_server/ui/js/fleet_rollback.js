@@ -45,6 +45,9 @@ export function fleetRollbackCard() {
   const start = h("button", { type: "button", id: "rollback-start", "data-action": "abort" }, "Roll back…");
   const confirmBox = h("p", { id: "rollback-confirm", hidden: true });
   const message = h("p", { class: "muted", id: "rollback-result", role: "status" });
+  const note = h("p", { class: "muted", id: "rollback-none", hidden: true },
+                 "No fleet or group target yet: set one (edgepack target set, PUT /api/targets/...) and it can be set " +
+                 "back here.");
   const error = h("p", { class: "error", role: "alert", id: "rollback-error" });
   let entries = [];
   let artifacts = [];
@@ -76,6 +79,7 @@ export function fleetRollbackCard() {
     if (before !== "" && Number(before) < entries.length) which.value = before;
     fillArtifacts();
     start.disabled = !entries.length;
+    note.hidden = entries.length > 0;
   }
 
   which.addEventListener("change", fillArtifacts);
@@ -116,7 +120,7 @@ export function fleetRollbackCard() {
   const element = h("details", { class: "card", id: "fleet-rollback-box" },
     h("summary", {}, "Fleet rollback"),
     h("div", { class: "actions" }, h("label", {}, "Target ", which), h("label", {}, "back to ", to)),
-    h("div", { class: "actions" }, reason, start), confirmBox, message, error);
+    h("div", { class: "actions" }, reason, start), note, confirmBox, message, error);
   // Read again each time the box is opened: the targets may have changed since the page loaded.
   element.addEventListener("toggle", () => {
     if (element.open) load().catch((failure) => { error.textContent = failure.message; });

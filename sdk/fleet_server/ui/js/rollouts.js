@@ -260,14 +260,22 @@ export function waveWaits(rollout, wave, now = Date.now() / 1000) {
 }
 
 function jobKind(job) {
+  if (job.undo) return "warn";
   if (job.final) return job.state === "active" ? "ok" : "off";
   return job.state === "not_sent" ? "" : "run";
+}
+
+// A job the rollout undid (a rollback or cancel after a failed wave) never reads "active
+// (final)": the device is not on the rollout's artifact any more.
+export function jobText(job) {
+  if (job.undo) return `undone: ${job.undo.kind} ${job.undo.state}`;
+  return job.final ? `${job.state} (final)` : job.state;
 }
 
 function deviceRows(devices) {
   return devices.slice(0, MAX_DEVICE_ROWS).map((job) => h("tr", { "data-device": job.device },
     h("td", {}, h("a", { href: `#/devices/${pathId(job.device)}` }, job.device)), h("td", {}, String(job.wave + 1)),
-    h("td", {}, badge(job.final ? `${job.state} (final)` : job.state, jobKind(job))), h("td", {}, job.reason || ""),
+    h("td", {}, badge(jobText(job), jobKind(job))), h("td", {}, job.reason || ""),
     h("td", {}, when(job.sent_at)), h("td", {}, when(job.updated_at)),
     h("td", {}, job.undo ? `${job.undo.kind}: ${job.undo.state}${job.undo.reason ? ` (${job.undo.reason})` : ""}`
       : "")));
