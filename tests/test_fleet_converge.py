@@ -40,6 +40,7 @@ def test_the_rule_needs_999_per_mille_of_healthy_devices_and_every_faulted_one_s
     assert not Outcome(healthy_on_target=998, **base).holds
     assert not Outcome(healthy_on_target=1000, **{**base, "faulted_on_last_good": 29}).holds
     assert not Outcome(healthy_on_target=1000, **{**base, "unknown": 1}).holds
+    assert not Outcome(healthy_on_target=1000, **{**base, "rollout_state": "failed"}).holds  # the target never changed
 
 
 def test_a_three_wave_target_change_converges_a_small_fleet_with_every_fault(tmp_path: Path):

@@ -35,6 +35,8 @@ options are the host commands' (``--username``, ``--password-file``, ``--tls``, 
 ``--tls-cert``, ``--tls-key``; sdk/cli/broker_options.py).
 
     python tools/fleet_sim.py --devices 1000 --rate 1 --duration 30 --start-broker
+    python tools/fleet_sim.py --devices 100 --broker HOST:8883 --tls-ca ca.crt --username sim \
+        --password-file sim.password --fetch --trust release.pub --faults 0.05 --duration 600
 """
 
 from __future__ import annotations

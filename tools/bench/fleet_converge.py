@@ -71,11 +71,15 @@ class Outcome:
     ingest_last_lag_s: float
     ingest_max_lag_s: float
     ingest_lag_in_change_s: float = 0.0  # the largest last_lag_s sampled from target set to converged
+    rollout_reason: str = ""  # why the staged rollout ended as it did (the server's words)
 
     @property
     def holds(self) -> bool:
         healthy = self.devices - self.faulted
-        return (self.healthy_on_target >= HEALTHY_SHARE * healthy and self.unknown == 0
+        # A staged change whose rollout failed did not change the target: the rule is not met,
+        # even where the rollout had moved every healthy device before it failed.
+        return (self.rollout_state == "succeeded" and self.healthy_on_target >= HEALTHY_SHARE * healthy
+                and self.unknown == 0
                 and self.faulted_on_target + self.faulted_on_last_good == self.faulted)
 
 
@@ -171,7 +175,7 @@ def run_once(args: argparse.Namespace, folder: Path) -> Outcome:
                 raise RuntimeError(f"the fleet did not settle in {args.timeout:g} s")
             converge_s = time.monotonic() - started
             counts = judge(*_server_view(server), fleet.versions(), set(fleet.faulted()))
-            rollouts = server.get("/api/rollouts")["rollouts"]
+            rollouts = [server.get(f"/api/rollouts/{r['id']}") for r in server.get("/api/rollouts")["rollouts"]]
             ingest = server.get("/api/status")["ingest"]
     finally:
         server.stop()
@@ -179,7 +183,8 @@ def run_once(args: argparse.Namespace, folder: Path) -> Outcome:
     return Outcome(args.devices, len(behaviour.faults), counts["healthy_on_target"], counts["faulted_on_target"],
                    counts["faulted_on_last_good"], counts["unknown"], round(converge_s, 2),
                    rollouts[0]["state"] if rollouts else "none", float(ingest["rate_per_s"]),
-                   float(ingest["last_lag_s"]), float(ingest["max_lag_s"]), max(lags))
+                   float(ingest["last_lag_s"]), float(ingest["max_lag_s"]), max(lags),
+                   str(rollouts[0].get("reason") or "") if rollouts else "")
 
 
 def _median(outcomes: list[Outcome], name: str) -> float:
@@ -195,7 +200,8 @@ def main() -> int:
     parser.add_argument("--outage", type=float, default=5.0, help="seconds a power cut or link loss lasts")
     parser.add_argument("--health-window", type=float, default=1.0)
     parser.add_argument("--success-share", type=float, default=0.8, help="share of a wave that must end active")
-    parser.add_argument("--wave-timeout", type=float, default=120.0)
+    parser.add_argument("--wave-timeout", type=float, default=300.0,
+                        help="seconds a device has to answer finally (its answer can wait in the ingest lag)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take to settle")
     parser.add_argument("--runs", type=int, default=1)
     args = parser.parse_args()
