@@ -293,3 +293,37 @@ def _post(port: int, path: str) -> tuple[int, dict]:
             return response.status, json.load(response)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)
+
+
+def test_a_target_naming_a_model_absent_removes_it_from_the_device_and_converges(
+    tmp_path: Path, keypair, arts, mosquitto_broker, server_keys
+):
+    """Issue 24 items 1 and 2 together: the desired state says `beta: absent`; the server sends
+    the signed remove (the reconciler's, not a hand-sent one), the device stops serving beta and
+    the target reads converged, while alpha serves throughout."""
+    from tests.fleet_server_process import FleetServerProcess, edgepack, wait_for
+
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
+    agent = AgentProcess(tmp_path, device="cam-01", broker_port=mosquitto_broker.port, trust=keypair[1],
+                         artifact=None, operator_keys=[server_keys.operator_pub], health_window_s=1.0)
+    models = [{"name": name, "artifact": str(arts[(name, "1.0.0")])} for name in ("alpha", "beta")]
+    with agent.config.open("a") as config:
+        config.write(f"models: {json.dumps(models)}\n")
+    agent.start()
+    env = {"EDGEPACK_SERVER": server.url, "EDGEPACK_SERVER_TOKEN_FILE": str(server_keys.token_file)}
+    try:
+        assert wait_for(lambda: server.call("GET", "/api/devices/cam-01")[0] == 200, 30)
+        with TwoModelLoad(agent.port, names=("alpha",)) as load:
+            result = edgepack("target", "set", "--device", "cam-01", "--model", "beta", "absent", "--reason",
+                              "beta retired", env=env)
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert wait_for(lambda: [m["name"] for m in agent.health()["models"]] == ["alpha"], 60), agent.health()
+            assert wait_for(lambda: server.get("/api/devices/cam-01/target")["state"] == "converged", 60), \
+                server.get("/api/devices/cam-01/target")
+        assert load.failures == [] and load.answers > 0, load.failures[:5]
+        sent = [e for e in server.get("/api/audit?action=command.sent")["entries"] if e["target"] == "cam-01"]
+        assert [(e["detail"]["command"]["type"], e["detail"]["command"].get("model")) for e in sent] == [
+            ("remove", "beta")], sent
+    finally:
+        agent.stop()
+        server.stop()

@@ -247,3 +247,33 @@ def test_a_bad_release_does_not_stop_another_model_of_the_device():
                        heard_at=100.0, several=True)
     decision = reconcile("d", _effective(Target({"digits": V2, "kws": kws})), several, artifacts, {}, now=200.0)
     assert (decision.kind, decision.model, decision.artifact) == ("send", "kws", kws)
+
+
+LISTING = Reported(online=True, models={"digits": Running("2.0.0", "b" * 64), "kws": Running("1.0.0", None)},
+                   heard_at=100.0, several=True, lists_models=True)
+
+
+def test_an_absent_target_sends_the_signed_remove_to_an_agent_that_lists_its_models():
+    """Issue 24 items 1 and 2: a target's "absent" is carried out (the agent's remove command),
+    not left waiting, on an agent that lists its models; an older agent still waits, saying why."""
+    effective = _effective(Target({"kws": ABSENT}))
+    decision = reconcile("d", effective, LISTING, ARTIFACTS, {}, now=1.0)
+    assert (decision.kind, decision.model, decision.artifact) == ("send", "kws", ABSENT)
+    assert decision.reason == "kws: remove" and decision.command_id.startswith("tg-")
+    old = Reported(online=True, models=dict(LISTING.models), heard_at=100.0, several=True)
+    assert "removing a model is not supported" in reconcile("d", effective, old, ARTIFACTS, {}, now=1.0).reason
+    gone = Reported(online=True, models={"digits": Running("2.0.0", "b" * 64)}, heard_at=200.0, lists_models=True)
+    assert reconcile("d", effective, gone, ARTIFACTS, {}, now=1.0).kind == "converged"
+
+
+@pytest.mark.parametrize("state, final, kind", [("queued", False, "wait"), ("done", True, "wait"),
+                                                ("failed", True, "wait")])
+def test_a_remove_in_flight_or_ended_is_not_sent_again_until_the_device_reports(state, final, kind):
+    effective = _effective(Target({"kws": ABSENT}))
+    last = {"kws": LastCommand("tg-9", ABSENT, "fleet", 1, 1, 100.0, state, final, "", 150.0 if final else None)}
+    decision = reconcile("d", effective, LISTING, ARTIFACTS, last, now=120.0)
+    assert decision.kind == kind
+    if state == "done":  # ended done: the device's next state (heard after 150) settles it
+        assert "waiting for the device's state" in decision.reason
+    if state == "failed":
+        assert decision.reason.startswith("kws: the remove of kws failed on this device (failed")

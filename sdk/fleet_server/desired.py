@@ -206,7 +206,7 @@ def _reported(row: Any, view: View, rejected: Mapping[str, Rejection],
     models = dict(listed) if listed else \
         ({row.model_name: Running(row.model_version, row.model_sha256)} if row.model_name else {})
     return Reported(online=online, models=models, status_reason=reason, heard_at=row.state_heard, rejected=rejected,
-                    several=len(models) > 1)
+                    several=len(models) > 1, lists_models=listed is not None)
 
 
 def load_plan(connection: Connection, view: View, *, device: str | None = None, group: str | None = None,

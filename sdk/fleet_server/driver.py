@@ -64,7 +64,7 @@ from sdk.fleet_server.rollouts import (
     next_step,
     transition,
 )
-from sdk.fleet_server.targets import Decision, marked_bad
+from sdk.fleet_server.targets import ABSENT, Decision, marked_bad
 
 log = logging.getLogger("edgepack.fleet_server.driver")
 
@@ -179,8 +179,8 @@ def save_rollout(connection: Connection, row: Any, after: Rollout, now: float, *
 
 def command_summary(command: dict[str, Any]) -> dict[str, Any]:
     """What the audit keeps of a command: its id, kind, target and what it names (artifact sha256,
-    name, version; a rollback's from_version; a cancel's job), never its signature. Pure."""
-    kept = ("id", "type", "target", "sha256", "name", "version", "from_version", "job", "force_downgrade",
+    name, version; a rollback's from_version; a cancel's job; a remove's model), never its signature. Pure."""
+    kept = ("id", "type", "target", "sha256", "name", "version", "from_version", "job", "model", "force_downgrade",
             "expires_at")
     return {key: command[key] for key in kept if command.get(key) is not None}
 
@@ -335,6 +335,11 @@ class Driver:
             "created_at": now})
         if not new:
             return None
+        if decision.artifact == ABSENT:  # the target says the model must not be there: the signed remove
+            removal = build_command("remove", device=device, command_id=decision.command_id,
+                                    ttl_s=self.config.command_ttl_s, now=now, model=decision.model)
+            self.target_sent += 1
+            return self._record(connection, None, device, "remove", removal, now)
         artifact = connection.execute(select(tables.artifacts).where(
             tables.artifacts.c.sha256 == decision.artifact)).one()
         command = build_command("deploy", device=device, command_id=decision.command_id,

@@ -168,6 +168,7 @@ class Reported:
     heard_at: float | None = None  # when the server heard the state (None: never)
     rejected: Mapping[str, Rejection] = field(default_factory=dict)
     several: bool = False  # the device reported more than one model: its agent holds several
+    lists_models: bool = False  # its state lists its models: an agent that takes ``remove`` commands
 
 
 @dataclass(frozen=True)
@@ -267,12 +268,15 @@ def _job_decision(device: str, model: str, wanted: Wanted, last: LastCommand | N
     same = last is not None and (last.artifact, last.source, last.revision) == \
         (wanted.artifact, wanted.source, wanted.revision)
     attempt = last.attempt + 1 if same and last is not None else 1
+    succeeded = "done" if wanted.artifact == ABSENT else "active"  # a remove ends done, a deploy active
     if same and last is not None:
         if not last.final and now - last.sent_at < command_ttl_s:
             return Decision("wait", f"command {last.id} in flight ({last.state})", model=model,
                             artifact=wanted.artifact)
-        if last.final and last.state != "active" and ALREADY_ACTIVE not in last.reason:
-            return Decision("wait", f"artifact {wanted.artifact[:12]} rejected on this device ({last.state}: "
+        if last.final and last.state != succeeded and ALREADY_ACTIVE not in last.reason:
+            what = f"the remove of {model} failed" if wanted.artifact == ABSENT else \
+                f"artifact {wanted.artifact[:12]} rejected"
+            return Decision("wait", f"{what} on this device ({last.state}: "
                                     f"{last.reason or 'no reason given'}); set the target again to retry",
                             model=model, artifact=wanted.artifact)
         if last.final and (reported.heard_at is None or last.final_at is None or reported.heard_at <= last.final_at):
@@ -281,7 +285,8 @@ def _job_decision(device: str, model: str, wanted: Wanted, last: LastCommand | N
         if attempt > MAX_ATTEMPTS:
             return Decision("wait", f"{MAX_ATTEMPTS} commands sent for this target; set it again to retry",
                             model=model, artifact=wanted.artifact)
-    return Decision("send", f"{model}: {'resend' if attempt > 1 else 'deploy'} {wanted.artifact[:12]}",
+    step = "remove" if wanted.artifact == ABSENT else f"deploy {wanted.artifact[:12]}"
+    return Decision("send", f"{model}: {'resend ' if attempt > 1 else ''}{step}",
                     model=model, artifact=wanted.artifact, source=wanted.source, revision=wanted.revision,
                     attempt=attempt, command_id=target_command_id(device, model, wanted, attempt))
 
@@ -335,13 +340,13 @@ def reconcile(device: str, effective: Effective, reported: Reported, artifacts: 
             reasons.append(f"{model}: {diff[model]}; set a device target to choose")
             continue
         wanted = effective.models[model]
-        if wanted.artifact == ABSENT:
+        if wanted.artifact == ABSENT and not reported.lists_models:
             reasons.append(f"{model}: removing a model is not supported by the device's agent")
             continue
-        if wanted.artifact not in artifacts:
+        if wanted.artifact != ABSENT and wanted.artifact not in artifacts:
             reasons.append(f"{model}: artifact {wanted.artifact[:12]} is not in the server's store")
             continue
-        bad = artifacts[wanted.artifact].bad
+        bad = artifacts[wanted.artifact].bad if wanted.artifact != ABSENT else None
         if bad is not None:
             reasons.append(f"{model}: {marked_bad(wanted.artifact, bad)}")
             continue
