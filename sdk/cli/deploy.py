@@ -13,6 +13,7 @@ from edgepack_core.signing import SigningKey, TrustStore
 from sdk.broker import BrokerOptions
 from sdk.cli import main
 from sdk.cli.broker_options import broker_options
+from sdk.cli.rollout import _server_options, client_for
 from sdk.deploy import DeployOptions, parse_model_ref, send_command, send_rollback
 from sdk.deploy import deploy as run_deploy
 from sdk.errors import CommandFailed
@@ -140,7 +141,7 @@ def _through_server(server: str, token_file: Path | None, device_id: str, action
                     timeout: float) -> None:
     """One device action through the fleet server, then its job followed in the device's history
     until it ends (or ``timeout``): the same answer line as over MQTT."""
-    done, job = follow_action(_fleet_client(server, token_file), device_id, action, body, timeout)
+    done, job = follow_action(client_for(server, token_file), device_id, action, body, timeout)
     click.echo(json.dumps({"device": device_id, "command": done["command"], "job": job,
                            **({"held": done["held"]} if "held" in done else {})}))
     state = (job or {}).get("state")
@@ -255,41 +256,30 @@ def remove(device_id: str, model: str, broker: BrokerOptions, timeout: float, op
     _command(broker, device_id, "remove", timeout, operator_key, model=model)
 
 
-def _fleet_client(server: str, token_file: Path | None) -> Any:
-    from sdk.cli.rollout import client_for
-
-    return client_for(server, token_file)
 
 
-_SERVER = click.option("--server", required=True, envvar="EDGEPACK_SERVER",
-                       help="The fleet server's URL, e.g. http://127.0.0.1:8760 (or EDGEPACK_SERVER).")
-_TOKEN_FILE = click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                           envvar="EDGEPACK_SERVER_TOKEN_FILE",
-                           help="File holding the bearer token (or EDGEPACK_SERVER_TOKEN_FILE).")
 _REASON = click.option("--reason", default="", help="Why (kept in the audit; at most 500 characters).")
 
 
 @device.command(name="decommission")
 @click.argument("device_id")
-@_SERVER
-@_TOKEN_FILE
+@_server_options
 @_REASON
 def decommission(device_id: str, server: str, token_file: Path | None, reason: str) -> None:
     """Remove a device from the fleet through the fleet server: its records go, its retained state
     is cleared on the broker, and its later messages are dropped until it is enrolled again.
     Remove its broker account too (docs/fleet-server.md, "Devices")."""
-    done = _fleet_client(server, token_file).delete(f"/api/devices/{device_id}", {"reason": reason})
+    done = client_for(server, token_file).delete(f"/api/devices/{device_id}", {"reason": reason})
     click.echo(f"{done['device']} decommissioned" + (f": {done['reason']}" if done.get("reason") else ""))
 
 
 @device.command(name="enroll")
 @click.argument("device_id")
-@_SERVER
-@_TOKEN_FILE
+@_server_options
 @_REASON
 def enroll(device_id: str, server: str, token_file: Path | None, reason: str) -> None:
     """Take a decommissioned device back: its next state enrols it as a new device."""
-    done = _fleet_client(server, token_file).post(f"/api/devices/{device_id}/enroll", {"reason": reason})
+    done = client_for(server, token_file).post(f"/api/devices/{device_id}/enroll", {"reason": reason})
     click.echo(f"{done['device']} may join again; its next state enrols it")
 
 
@@ -315,8 +305,7 @@ def history_lines(doc: dict[str, Any]) -> list[str]:
 
 @device.command(name="history")
 @click.argument("device_id")
-@_SERVER
-@_TOKEN_FILE
+@_server_options
 @click.option("--limit", type=click.IntRange(1, 200), default=50, show_default=True, help="Jobs to show.")
 @click.option("--before", type=click.FloatRange(min=0), help="Only jobs started before this time (paging).")
 @click.option("--json", "as_json", is_flag=True, help="Print the server's JSON document.")
@@ -330,5 +319,5 @@ def history(device_id: str, server: str, token_file: Path | None, limit: int, be
     query: dict[str, Any] = {"limit": limit}
     if before is not None:
         query["before"] = repr(before)
-    doc = _fleet_client(server, token_file).get(f"/api/devices/{device_id}/history", **query)
+    doc = client_for(server, token_file).get(f"/api/devices/{device_id}/history", **query)
     click.echo(json.dumps(doc) if as_json else "\n".join(history_lines(doc)))
