@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar, Union
 T = TypeVar("T")
 
 # Metadata keys that are JSON Schema keywords of the field's value (bounds, lengths, patterns).
-_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "minLength", "pattern", "minItems", "maxItems")
+_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "minLength", "maxLength", "pattern", "minItems", "maxItems")
 _PRIMITIVES: dict[type, str] = {bool: "boolean", int: "integer", float: "number", str: "string"}
 
 
@@ -34,20 +34,28 @@ def option(
     schema: Mapping[str, Any] | None = None,
     parse: Callable[[Any], Any] | None = None,
     items: Mapping[str, Any] | None = None,
+    key: str | None = None,
     **keywords: Any,
 ) -> Any:
     """A dataclass field with what the schema says about it: ``description``, JSON Schema
     ``keywords`` (``minimum=0``, ``pattern=...``), ``items`` (keywords of an array's items),
-    or a whole ``schema`` fragment with its ``parse`` for a value the walk cannot express."""
+    or a whole ``schema`` fragment with its ``parse`` for a value the walk cannot express.
+    ``key`` is the document's name of the field where it cannot be the Python name (``from``)."""
     unknown = set(keywords) - set(_KEYWORDS)
     if unknown:
         raise TypeError(f"not a schema keyword of an option: {', '.join(sorted(unknown))}")
-    metadata = {"description": description, "schema": schema, "parse": parse, "items": items, "keywords": keywords}
+    metadata = {"description": description, "schema": schema, "parse": parse, "items": items, "keywords": keywords,
+                "key": key}
     if isinstance(default, (list, dict, set)):
         raise TypeError("a mutable default: use a tuple or a read-only Mapping")
     if isinstance(default, types.MappingProxyType):  # read-only, but unhashable: dataclasses want a factory
         return dataclasses.field(default_factory=lambda: default, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def document_key(field: dataclasses.Field[Any]) -> str:
+    """The name of ``field`` in a document: its ``key`` where one was given, else its own."""
+    return str(field.metadata.get("key") or field.name)
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -115,10 +123,11 @@ def schema_of(cls: type) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "object", "additionalProperties": False}
     if getattr(cls, "DESCRIPTION", None):
         schema["description"] = cls.DESCRIPTION  # type: ignore[attr-defined]
-    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    required = [document_key(f) for f in fields
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if required:
         schema["required"] = required
-    schema["properties"] = {f.name: field_schema(f, hints[f.name]) for f in fields}
+    schema["properties"] = {document_key(f): field_schema(f, hints[f.name]) for f in fields}
     return schema
 
 
@@ -144,10 +153,10 @@ def parse_fields(cls: type, document: Mapping[str, Any]) -> dict[str, Any]:
     hints = _hints(cls)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
-        if field.name not in document:
+        if document_key(field) not in document:
             continue
         reader = field.metadata.get("parse")
-        raw = document[field.name]
+        raw = document[document_key(field)]
         values[field.name] = (
             reader(raw) if reader is not None and raw is not None else _parse_value(hints[field.name], raw)
         )
@@ -168,7 +177,7 @@ def given(value: Any) -> dict[str, Any]:
         current = getattr(value, field.name)
         if field.default is not dataclasses.MISSING and current == field.default:
             continue
-        out[field.name] = _document(current)
+        out[document_key(field)] = _document(current)
     return out
 
 
