@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 from device_agent.errors import ConfigError
 from device_agent.pipelines.spec import PipelineSpec, parse_pipelines
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
-from device_agent.telemetry.outbox import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
+from device_agent.telemetry import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES
 from device_agent.updates.health import HealthPolicy
 from edgepack_core.artifact import Limits

@@ -45,6 +45,11 @@ class Daemon:
 
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
+        if config.mqtt is not None:
+            # Before any session is made: imported after onnxruntime's start-up allocations, the
+            # same modules cost 1.9 MiB more RSS (tools/bench/agent_rss.py --mqtt, BENCHMARKS.md).
+            import device_agent.telemetry.reporter
+            import device_agent.updates.service  # noqa: F401
         self.trust = TrustStore.from_paths(config.trust)
         # Operator keys sign commands (edgepack keygen --operator); without them, anyone who can
         # publish to the broker may order deploys, rollbacks and downgrades (warned at start).
