@@ -74,9 +74,13 @@ def _handshake_line(err: ssl.SSLError, where: str) -> str:
     reason = str(err.reason or "").upper()
     if reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"):
         return f"TLS handshake failed: the other end does not speak TLS on this port ({where})"
+    if isinstance(err, ssl.SSLEOFError) or reason == "UNEXPECTED_EOF_WHILE_READING":
+        return f"TLS handshake failed: the other end closed the connection (does it speak TLS on this port?) ({where})"
     if "CERTIFICATE_REQUIRED" in reason or "HANDSHAKE_FAILURE" in reason or "BAD_CERTIFICATE" in reason:
-        return (f"TLS handshake failed: the server refused this client's certificate or wants one "
-                f"({_clean(err.reason or '')}) ({where})")
+        return (
+            f"TLS handshake failed: the server refused this client's certificate or wants one "
+            f"({_clean(str(err.reason).lower().replace('_', ' '))}) ({where})"
+        )
     if "UNKNOWN_CA" in reason:
         return f"TLS handshake failed: the server does not trust this client's certificate (unknown ca) ({where})"
     detail = err.reason or err.strerror or type(err).__name__

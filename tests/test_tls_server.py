@@ -5,13 +5,11 @@ wrong host names, expired certificates, mutual TLS, and plain HTTP on the TLS po
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import os
 import socket
 import ssl
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from sdk.fleet_server.client import ClientTls, tls_hint
 from tests.broker import free_port, start_mosquitto
 from tests.conftest import cli, run_cli
 from tests.fleet_server_process import FleetServerProcess, make_keys
-from tests.tls_certs import make_ca
+from tests.tls_certs import make_ca, serve_https
 
 
 @pytest.fixture(scope="module")
@@ -124,24 +122,9 @@ def test_a_certificate_for_another_host_name_is_refused_in_one_line(https_server
     assert f"({url})" in line and "use a host name the server's certificate names" in line
 
 
-@contextlib.contextmanager
-def _https(cert, key) -> Iterator[str]:
-    """A minimal HTTPS server with ``cert`` (for certificates fleet serve would be pointless for)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
-    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    httpd.socket = context.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"https://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-
-
 def test_an_expired_server_certificate_is_refused_in_one_line(keys, pki):
-    with _https(pki["expired"].cert, pki["expired"].key) as url:
+    with serve_https(pki["expired"]) as server:
+        url = server.url
         line = _one_line(_status(url, keys, "--ca", str(pki["ca"].cert), env=_env_without_ca()))
     assert line.endswith(f"certificate verify failed: certificate has expired ({url})"), line
 

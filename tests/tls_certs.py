@@ -4,8 +4,13 @@ certificates). Every file is PEM; keys are written mode 0600."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import http.server
 import ipaddress
+import ssl
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,3 +88,51 @@ def make_ca(folder: Path, name: str = "edgepack test CA") -> Ca:
     path = folder / f"{name.replace(' ', '-')}.pem"
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return Ca(path, subject, key)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@dataclass
+class HttpsServer:
+    url: str
+    connections: list[int]  # one entry per accepted TCP connection (a TLS attempt)
+
+
+@contextlib.contextmanager
+def serve_https(issued: Issued, body: bytes = b"") -> Iterator[HttpsServer]:
+    """A small HTTPS server on loopback with ``issued``'s certificate, answering every GET with
+    ``body``; counts the connections it accepted (the handshake is done per request, in the
+    server's thread, so a refused handshake is one connection and no request)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(issued.cert, issued.key)
+    handler = type("Handler", (_Handler,), {"body": body})
+    connections: list[int] = []
+
+    class Server(http.server.ThreadingHTTPServer):
+        def get_request(self):  # type: ignore[no-untyped-def]
+            sock, address = self.socket.accept()
+            connections.append(1)
+            return context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
+
+        def handle_error(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
+            pass  # a refused handshake is the test's point, not noise
+
+    httpd = Server(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield HttpsServer(f"https://127.0.0.1:{httpd.server_address[1]}", connections)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

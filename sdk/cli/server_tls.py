@@ -28,15 +28,31 @@ def _keep(ctx: click.Context, param: click.Parameter, value: Path | None) -> Non
 
 def tls_options(func: Any) -> Any:
     """The three TLS flags, kept in the click context (not passed to ``func``)."""
-    func = click.option("--client-key", type=_FILE, expose_value=False, callback=_keep,
-                        envvar="EDGEPACK_SERVER_CLIENT_KEY",
-                        help="Mutual TLS: the private key of --client-cert (or EDGEPACK_SERVER_CLIENT_KEY).")(func)
-    func = click.option("--client-cert", type=_FILE, expose_value=False, callback=_keep,
-                        envvar="EDGEPACK_SERVER_CLIENT_CERT",
-                        help="Mutual TLS: this client's certificate (PEM; or EDGEPACK_SERVER_CLIENT_CERT).")(func)
-    return click.option("--ca", type=_FILE, expose_value=False, callback=_keep, envvar="EDGEPACK_SERVER_CA",
-                        help="Verify an https:// server with this CA certificate (PEM) instead of the system's "
-                             "(or EDGEPACK_SERVER_CA; docs/tls.md).")(func)
+    func = click.option(
+        "--client-key",
+        type=_FILE,
+        expose_value=False,
+        callback=_keep,
+        envvar="EDGEPACK_SERVER_CLIENT_KEY",
+        help="Mutual TLS: the private key of --client-cert (or EDGEPACK_SERVER_CLIENT_KEY).",
+    )(func)
+    func = click.option(
+        "--client-cert",
+        type=_FILE,
+        expose_value=False,
+        callback=_keep,
+        envvar="EDGEPACK_SERVER_CLIENT_CERT",
+        help="Mutual TLS: this client's certificate (PEM; or EDGEPACK_SERVER_CLIENT_CERT).",
+    )(func)
+    return click.option(
+        "--ca",
+        type=_FILE,
+        expose_value=False,
+        callback=_keep,
+        envvar="EDGEPACK_SERVER_CA",
+        help="Verify an https:// server with this CA certificate (PEM) instead of the system's "
+        "(or EDGEPACK_SERVER_CA; docs/tls.md).",
+    )(func)
 
 
 def server_tls() -> ClientTls | None:

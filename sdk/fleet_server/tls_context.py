@@ -42,13 +42,11 @@ def server_context(tls: ServerTls) -> ssl.SSLContext:
     try:
         context.load_cert_chain(tls.cert, tls.key)
     except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
-        raise ServerConfigError(f"cannot load --tls-cert {tls.cert} with --tls-key {tls.key}: "
-                                f"{_why(err)}") from err
+        raise ServerConfigError(f"cannot load --tls-cert {tls.cert} with --tls-key {tls.key}: {_why(err)}") from err
     if tls.client_ca is not None:
         try:
             context.load_verify_locations(cafile=tls.client_ca)
         except (OSError, ValueError) as err:
-            raise ServerConfigError(f"cannot load --tls-client-ca {tls.client_ca}: "
-                                    f"{_why(err)}") from err
+            raise ServerConfigError(f"cannot load --tls-client-ca {tls.client_ca}: {_why(err)}") from err
         context.verify_mode = ssl.CERT_REQUIRED
     return context

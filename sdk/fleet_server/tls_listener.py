@@ -136,8 +136,9 @@ class TlsSniffer(asyncio.Protocol):
         inner = self.inner(**self._inner_args)
         inner.sniffer = self  # type: ignore[attr-defined]  # read by the class tls_protocol_class makes
         left = max(0.1, self._timer.when() - self.loop.time()) if self._timer is not None else 1.0
-        protocol = _ServerTlsProtocol(self, self.loop, inner, self.context, None, server_side=True,
-                                      ssl_handshake_timeout=left)
+        protocol = _ServerTlsProtocol(
+            self, self.loop, inner, self.context, None, server_side=True, ssl_handshake_timeout=left
+        )
         self.transport.set_protocol(protocol)
         protocol.connection_made(self.transport)
         _feed(protocol, self._seen)
@@ -188,5 +189,6 @@ def tls_protocol_class(guard: Guard, context: ssl.SSLContext, address: str) -> t
                 self.sniffer.handed_over()
             super().connection_made(transport)
 
-    return type("FleetTlsSniffer", (TlsSniffer,), {"guard": guard, "context": context, "inner": TlsH11,
-                                                   "address": address})
+    return type(
+        "FleetTlsSniffer", (TlsSniffer,), {"guard": guard, "context": context, "inner": TlsH11, "address": address}
+    )
