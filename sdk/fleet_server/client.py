@@ -10,13 +10,14 @@ saying what failed and which flag fixes it (``--ca``, ``--client-cert``; docs/tl
 from __future__ import annotations
 
 import json
+import shutil
 import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from edgepack_core.tls import client_context, tls_failure
 from sdk.errors import ApiError, FleetServerError, ServerConfigError
@@ -72,7 +73,8 @@ class FleetClient:
         self._context = tls.context() if tls is not None else None
 
     def _request(self, method: str, path: str, *, body: Any = None, data: Any = None, length: int | None = None,
-                 timeout: float = TIMEOUT_S, content_type: str = "application/json") -> Any:
+                 timeout: float = TIMEOUT_S, content_type: str = "application/json",
+                 sink: BinaryIO | None = None) -> Any:
         headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
         payload = data
         if body is not None:
@@ -84,6 +86,9 @@ class FleetClient:
         request = urllib.request.Request(self.server + path, data=payload, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout, context=self._context) as answer:
+                if sink is not None:  # a stream (an export): copied as it comes, never held whole
+                    shutil.copyfileobj(answer, sink, 64 * 1024)
+                    return None
                 return self._decode(answer.read(MAX_ANSWER_BYTES + 1), answer.status)
         except urllib.error.HTTPError as err:
             raise self._error(err) from err
@@ -122,6 +127,11 @@ class FleetClient:
         params = {key: str(value).lower() if isinstance(value, bool) else value
                   for key, value in query.items() if value is not None}
         return self._request("GET", path + (f"?{urllib.parse.urlencode(params)}" if params else ""))
+
+    def download(self, path: str, sink: BinaryIO, **query: Any) -> None:
+        """GET ``path`` and copy the answer into ``sink`` as it arrives (an audit export)."""
+        params = {key: value for key, value in query.items() if value is not None}
+        self._request("GET", path + (f"?{urllib.parse.urlencode(params)}" if params else ""), sink=sink)
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         return self._request("POST", path, body=body if body is not None else {})
