@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
+from sdk.fleet_server import settings_api
 from sdk.fleet_server.actions import ACTION_REQUEST_SCHEMA, ACTIONS
 from sdk.fleet_server.bad_releases import REQUEST_SCHEMA as BAD_REQUEST_SCHEMA
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
@@ -489,7 +490,7 @@ def describe() -> dict[str, Any]:
     the request's Host header: a document that echoes it tells a client to send its token to
     whatever host the request named."""
     paths: dict[str, dict[str, Any]] = {}
-    for method, path, operation in OPERATIONS:
+    for method, path, operation in (*OPERATIONS, *settings_api.OPERATIONS):
         paths.setdefault(path, {})[method] = {**operation,
                                               "responses": {**operation["responses"], **_ERRORS}}
     document: dict[str, Any] = {
