@@ -65,8 +65,10 @@ def load_held(store: Path) -> Held:
         document = parse_document(doc["generation"], doc["settings"])
         results = tuple(sorted((str(k), str(v)) for k, v in doc["results"].items()))
     except (ValueError, KeyError, TypeError, AttributeError, SchemaError) as err:
-        raise ConfigError(str(path), f"held settings are not a settings document ({err}); move the file away to "
-                                     "start on agent.yaml alone") from err
+        raise ConfigError(
+            str(path),
+            f"held settings are not a settings document ({err}); move the file away to start on agent.yaml alone",
+        ) from err
     return Held(document, results)
 
 
@@ -89,8 +91,10 @@ def decide(document: SettingsDocument, config: AgentConfig) -> dict[str, str]:
 def _refusal(key: str, value: Any, config: AgentConfig) -> str:
     window = config.updates.health_window_s
     if key == "updates.health_window_s" and not window.min <= value <= window.max:
-        return f"refused: {value:g} s is outside this device's range [{window.min:g}, {window.max:g}] " \
-               "(updates.health_window_s in agent.yaml)"
+        return (
+            f"refused: {value:g} s is outside this device's range [{window.min:g}, {window.max:g}] "
+            "(updates.health_window_s in agent.yaml)"
+        )
     if key in ("mqtt.groups", "mqtt.telemetry_interval") and config.mqtt is None:
         return "refused: this device has no mqtt section"
     limits = config.limits
@@ -115,17 +119,26 @@ def overlay(config: AgentConfig, values: dict[str, Any]) -> AgentConfig:
             top[key] = value
     if changes["updates"].get("health_window_s") is not None:
         window = config.updates.health_window_s
-        changes["updates"]["health_window_s"] = HealthWindow(changes["updates"]["health_window_s"], window.min,
-                                                             window.max)
-    sections = {name: dataclasses.replace(getattr(config, name), **fields)
-                for name, fields in changes.items() if fields and getattr(config, name) is not None}
+        changes["updates"]["health_window_s"] = HealthWindow(
+            changes["updates"]["health_window_s"], window.min, window.max
+        )
+    sections = {
+        name: dataclasses.replace(getattr(config, name), **fields)
+        for name, fields in changes.items()
+        if fields and getattr(config, name) is not None
+    }
     return dataclasses.replace(config, **sections, **top)
 
 
 def _typed(name: str, value: Any) -> Any:
     if isinstance(value, list):
         return tuple(value)
-    if name in ("telemetry_interval", "health_window_s", "max_error_rate", "max_latency_factor",
-                "min_latency_increase_ms"):
+    if name in (
+        "telemetry_interval",
+        "health_window_s",
+        "max_error_rate",
+        "max_latency_factor",
+        "min_latency_increase_ms",
+    ):
         return float(value)
     return value

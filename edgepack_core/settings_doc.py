@@ -33,8 +33,12 @@ MAX_PEM_CHARS = 1024
 MAX_GENERATION = 2**53 - 1
 _NAME = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"}
 _ORIGIN = {"type": "string", "pattern": r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?$", "maxLength": 300}
-_PEMS = {"type": "array", "minItems": 1, "maxItems": MAX_KEYS,
-         "items": {"type": "string", "minLength": 1, "maxLength": MAX_PEM_CHARS}}
+_PEMS = {
+    "type": "array",
+    "minItems": 1,
+    "maxItems": MAX_KEYS,
+    "items": {"type": "string", "minLength": 1, "maxLength": MAX_PEM_CHARS},
+}
 _POSITIVE = {"type": "integer", "minimum": 1, "maximum": 2**50}
 
 SETTING_KEYS: dict[str, dict[str, Any]] = {
@@ -56,12 +60,33 @@ SETTING_KEYS: dict[str, dict[str, Any]] = {
 }
 """Every key a settings document may carry, with the JSON Schema of its value."""
 
-LOCAL_ONLY = frozenset({
-    "device_id", "store", "profile", "threads", "artifact", "models", "api", "api.listen", "api.enabled",
-    "mqtt", "mqtt.host", "mqtt.port", "mqtt.client_id", "mqtt.username", "mqtt.password", "mqtt.password_file",
-    "mqtt.tls", "mqtt.topic_root", "mqtt.protocol", "mqtt.keepalive", "mqtt.queue", "updates.enabled",
-    "updates.download_dir",
-})
+LOCAL_ONLY = frozenset(
+    {
+        "device_id",
+        "store",
+        "profile",
+        "threads",
+        "artifact",
+        "models",
+        "api",
+        "api.listen",
+        "api.enabled",
+        "mqtt",
+        "mqtt.host",
+        "mqtt.port",
+        "mqtt.client_id",
+        "mqtt.username",
+        "mqtt.password",
+        "mqtt.password_file",
+        "mqtt.tls",
+        "mqtt.topic_root",
+        "mqtt.protocol",
+        "mqtt.keepalive",
+        "mqtt.queue",
+        "updates.enabled",
+        "updates.download_dir",
+    }
+)
 """agent.yaml keys only the device's own file may change: who it is, where it keeps its models,
 where it listens, how it reaches the broker (a wrong value sent remotely would cut it off)."""
 
@@ -92,11 +117,15 @@ def check_value(key: str, value: Any) -> Any:
     """Refuse ``value`` for ``key`` unless its schema accepts it (:class:`SchemaError` naming
     the key); lists come back as lists, integers given for numbers stay numbers."""
     if key in LOCAL_ONLY:
-        raise SchemaError(key, "can only be changed in agent.yaml on the device (docs/agent.md, \"Remote settings\")")
+        raise SchemaError(key, 'can only be changed in agent.yaml on the device (docs/agent.md, "Remote settings")')
     schema = SETTING_KEYS.get(key)
     if schema is None:
         raise SchemaError(key, f"is not a remote setting (known: {', '.join(sorted(SETTING_KEYS))})")
-    validate(value, schema, document=key)
+    try:
+        validate(value, schema, document=key)
+    except SchemaError as err:  # named by the key alone: the value's own path is the key's
+        where = key if err.path in ("", "<root>") else f"{key}{err.path.removeprefix('<root>')}"
+        raise SchemaError(where, err.problem) from err
     if isinstance(value, float) and value != value:  # NaN passes every bound
         raise SchemaError(key, "is not a finite number")
     if key in KEY_KINDS_OF:

@@ -58,9 +58,23 @@ def test_a_release_key_passed_as_operator_key_is_refused(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("ops:" + "t" * 32 + "\n")
     tokens.chmod(0o600)
-    result = CliRunner().invoke(main, ["fleet", "serve", "--broker", "127.0.0.1:1", "--trust", str(release_public),
-                                       "--token-file", str(tokens), "--operator-key", str(release_private),
-                                       "--db", f"sqlite:///{tmp_path / 'fleet.db'}"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "fleet",
+            "serve",
+            "--broker",
+            "127.0.0.1:1",
+            "--trust",
+            str(release_public),
+            "--token-file",
+            str(tokens),
+            "--operator-key",
+            str(release_private),
+            "--db",
+            f"sqlite:///{tmp_path / 'fleet.db'}",
+        ],
+    )
     assert result.exit_code == 1, result.output
     assert "is a release key, but an operator key is needed here" in result.output
     assert result.output.strip().count("\n") == 0 and "Traceback" not in result.output
@@ -103,10 +117,17 @@ def test_an_unknown_kind_in_the_header_is_refused(tmp_path):
 def test_the_agent_refuses_a_release_key_in_operator_keys(tmp_path):
     pairs = _pairs(tmp_path)
     config = tmp_path / "agent.yaml"
-    config.write_text(f"device_id: d1\nstore: {tmp_path / 'store'}\ntrust: [{pairs[RELEASE][1]}]\n"
-                      f"operator_keys: [{pairs[RELEASE][1]}]\napi: {{enabled: false}}\n")
-    done = subprocess.run([sys.executable, "-m", "device_agent.cli", "run", "--config", str(config)],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    config.write_text(
+        f"device_id: d1\nstore: {tmp_path / 'store'}\ntrust: [{pairs[RELEASE][1]}]\n"
+        f"operator_keys: [{pairs[RELEASE][1]}]\napi: {{enabled: false}}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "device_agent.cli", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert done.returncode == 1, done.stderr
     assert "is a release key, but an operator key is needed here" in done.stderr
     assert "Traceback" not in done.stderr

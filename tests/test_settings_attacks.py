@@ -44,9 +44,12 @@ def arts(tmp_path_factory, keypair):
     write_keypair(folder / "r2.key", folder / "r2.pub")
     second = folder / "second"
     second.mkdir()
-    return {"v1": build_artifact(folder, keypair[0], version="1.0.0"),
-            "v2": build_artifact(folder, keypair[0], version="1.1.0", factor=3.0),
-            "r2": build_artifact(second, folder / "r2.key", version="1.2.0", factor=4.0), "r2.pub": folder / "r2.pub"}
+    return {
+        "v1": build_artifact(folder, keypair[0], version="1.0.0"),
+        "v2": build_artifact(folder, keypair[0], version="1.1.0", factor=3.0),
+        "r2": build_artifact(second, folder / "r2.key", version="1.2.0", factor=4.0),
+        "r2.pub": folder / "r2.pub",
+    }
 
 
 @pytest.fixture()
@@ -57,10 +60,16 @@ def observer(mosquitto_broker):
 
 
 def make_agent(tmp_path, broker, keypair, operators, arts, *, interval: float = 0.5) -> AgentProcess:
-    agent = AgentProcess(tmp_path, device=DEVICE, broker_port=broker.port, trust=keypair[1], artifact=arts["v1"],
-                         groups=["kitchen"], operator_keys=[operators[0][1]],
-                         updates={"allowed_origins": [NOWHERE], "health_window_s": {"default": 0.5, "min": 0.5,
-                                                                                     "max": 30}})
+    agent = AgentProcess(
+        tmp_path,
+        device=DEVICE,
+        broker_port=broker.port,
+        trust=keypair[1],
+        artifact=arts["v1"],
+        groups=["kitchen"],
+        operator_keys=[operators[0][1]],
+        updates={"allowed_origins": [NOWHERE], "health_window_s": {"default": 0.5, "min": 0.5, "max": 30}},
+    )
     text = agent.config.read_text().replace("telemetry_interval: 0.5", f"telemetry_interval: {interval}")
     agent.config.write_text(text)
     return agent
@@ -75,9 +84,17 @@ def agent(tmp_path, mosquitto_broker, keypair, operators, arts):
 
 def settings_command(generation: int, settings: dict, **fields) -> dict:
     now = time.time()
-    return {"schema": "edgepack.cmd/1", "id": f"settings-{uuid.uuid4().hex[:10]}", "type": "apply-settings",
-            "issued_at": round(now, 3), "expires_at": round(now + 600, 3), "target": {"device": DEVICE},
-            "generation": generation, "settings": settings, **fields}
+    return {
+        "schema": "edgepack.cmd/1",
+        "id": f"settings-{uuid.uuid4().hex[:10]}",
+        "type": "apply-settings",
+        "issued_at": round(now, 3),
+        "expires_at": round(now + 600, 3),
+        "target": {"device": DEVICE},
+        "generation": generation,
+        "settings": settings,
+        **fields,
+    }
 
 
 def send(observer: Observer, document: dict, topic: str = CMD_TOPIC) -> str:
@@ -86,19 +103,22 @@ def send(observer: Observer, document: dict, topic: str = CMD_TOPIC) -> str:
 
 
 def final_event(observer: Observer, job_id: str, timeout: float = 30) -> dict:
-    assert observer.wait_for(lambda: any(e.get("final") for e in observer.jobs(DEVICE, job_id)), timeout), \
+    assert observer.wait_for(lambda: any(e.get("final") for e in observer.jobs(DEVICE, job_id)), timeout), (
         observer.jobs(DEVICE, job_id)
+    )
     return [e for e in observer.jobs(DEVICE, job_id) if e.get("final")][-1]
 
 
 def reports(observer: Observer) -> list[dict]:
-    return [s["settings"] for s in observer.of(f"dev/{DEVICE}/state") if s.get("status") == "online"
-            and "settings" in s]
+    return [
+        s["settings"] for s in observer.of(f"dev/{DEVICE}/state") if s.get("status") == "online" and "settings" in s
+    ]
 
 
 def report_with(observer: Observer, generation: int) -> dict:
-    assert observer.wait_for(lambda: any(r["generation"] == generation for r in reports(observer)), 20), \
-        reports(observer)
+    assert observer.wait_for(lambda: any(r["generation"] == generation for r in reports(observer)), 20), reports(
+        observer
+    )
     return [r for r in reports(observer) if r["generation"] == generation][-1]
 
 
@@ -113,8 +133,9 @@ def test_an_unsigned_apply_settings_is_refused(agent, observer, operators):
     event = final_event(observer, send(observer, stranger))
     assert event["state"] == "rejected" and "not an operator key of this device" in event["reason"]
     assert not (agent.folder / f"{DEVICE}-store" / "settings.json").exists()
-    signed = final_event(observer, send(observer, sign_command(settings_command(1, {"log_level": "debug"}),
-                                                               operators[0][0])))
+    signed = final_event(
+        observer, send(observer, sign_command(settings_command(1, {"log_level": "debug"}), operators[0][0]))
+    )
     assert signed["state"] == "done" and signed["detail"]["results"] == {"log_level": "applied"}
 
 
@@ -126,38 +147,46 @@ def _stranger(agent: AgentProcess) -> Path:
 
 def test_a_settings_document_signed_by_a_retired_operator_key_is_refused(agent, observer, operators):
     (old, old_pub), (new, new_pub) = operators
-    both = final_event(observer, send(observer, sign_command(
-        settings_command(1, {"operator_keys": [pem(old_pub), pem(new_pub)]}), old)))
+    both = final_event(
+        observer,
+        send(observer, sign_command(settings_command(1, {"operator_keys": [pem(old_pub), pem(new_pub)]}), old)),
+    )
     assert both["state"] == "done", both
     assert set(report_with(observer, 1)["keys"]["operator"]) == {old.key_id, new.key_id}
-    retired = final_event(observer, send(observer, sign_command(
-        settings_command(2, {"operator_keys": [pem(new_pub)]}), new)))
+    retired = final_event(
+        observer, send(observer, sign_command(settings_command(2, {"operator_keys": [pem(new_pub)]}), new))
+    )
     assert retired["state"] == "done", retired
     assert report_with(observer, 2)["keys"]["operator"] == [new.key_id]
     kept = {"operator_keys": [pem(new_pub)]}  # every document carries the fleet's keys (the server's do)
-    by_old = final_event(observer, send(observer, sign_command(settings_command(3, {**kept, "log_level": "debug"}),
-                                                               old)))
+    by_old = final_event(
+        observer, send(observer, sign_command(settings_command(3, {**kept, "log_level": "debug"}), old))
+    )
     assert by_old["state"] == "rejected" and f"key id {old.key_id}, which is not an operator key" in by_old["reason"]
-    by_new = final_event(observer, send(observer, sign_command(settings_command(3, {**kept, "log_level": "debug"}),
-                                                               new)))
+    by_new = final_event(
+        observer, send(observer, sign_command(settings_command(3, {**kept, "log_level": "debug"}), new))
+    )
     assert by_new["state"] == "done"
     # the retirement holds across a restart: the held document wins over agent.yaml's operator_keys
     agent.stop()
     agent.start()
-    again = final_event(observer, send(observer, sign_command(settings_command(4, {**kept, "log_level": "info"}),
-                                                              old)))
+    again = final_event(observer, send(observer, sign_command(settings_command(4, {**kept, "log_level": "info"}), old)))
     assert again["state"] == "rejected" and "not an operator key" in again["reason"]
 
 
 def test_a_settings_document_that_drops_every_trusted_key_is_refused(agent, observer, operators, keypair):
     old = operators[0][0]
     release_id = key_id(load_public_key(keypair[1]))
-    for settings, says in (({"trust": []}, "trust: would leave the device without any key of this kind"),
-                           ({"operator_keys": [], "log_level": "debug"}, "operator_keys: would leave the device"),
-                           ({"trust": [pem(operators[1][1])]}, "is an operator key, but a release key is needed"),
-                           ({"store": "/tmp/x", "api.listen": "0.0.0.0:1"},
-                            "api.listen, store can only be changed in agent.yaml on the device"),
-                           ({"mqtt.telemetry_intreval": 1}, "unknown keys mqtt.telemetry_intreval")):
+    for settings, says in (
+        ({"trust": []}, "trust: would leave the device without any key of this kind"),
+        ({"operator_keys": [], "log_level": "debug"}, "operator_keys: would leave the device"),
+        ({"trust": [pem(operators[1][1])]}, "is an operator key, but a release key is needed"),
+        (
+            {"store": "/tmp/x", "api.listen": "0.0.0.0:1"},
+            "api.listen, store can only be changed in agent.yaml on the device",
+        ),
+        ({"mqtt.telemetry_intreval": 1}, "unknown keys mqtt.telemetry_intreval"),
+    ):
         event = final_event(observer, send(observer, sign_command(settings_command(1, settings), old)))
         assert event["state"] == "rejected" and "settings refused whole" in event["reason"], event
         assert says in event["reason"], event["reason"]
@@ -193,13 +222,21 @@ def _deploy(artifact: Path, origin: str, version: str) -> dict:
     data = artifact.read_bytes()
     command = settings_command(1, {})
     del command["generation"], command["settings"]
-    return {**command, "id": f"deploy-{uuid.uuid4().hex[:8]}", "type": "deploy", "name": "scale",
-            "artifact": {"url": f"{origin}/{artifact.name}"}, "version": version, "size": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}
+    return {
+        **command,
+        "id": f"deploy-{uuid.uuid4().hex[:8]}",
+        "type": "deploy",
+        "name": "scale",
+        "artifact": {"url": f"{origin}/{artifact.name}"},
+        "version": version,
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
 
 
-def test_a_settings_change_reaches_a_running_agent_with_no_restart(tmp_path, mosquitto_broker, observer, keypair,
-                                                                   operators, arts):
+def test_a_settings_change_reaches_a_running_agent_with_no_restart(
+    tmp_path, mosquitto_broker, observer, keypair, operators, arts
+):
     old = operators[0][0]
     agent = make_agent(tmp_path, mosquitto_broker, keypair, operators, arts, interval=3600).start()
     artifact = arts["v2"]
@@ -208,14 +245,30 @@ def test_a_settings_change_reaches_a_running_agent_with_no_restart(tmp_path, mos
         refused = final_event(observer, send(observer, sign_command(_deploy(artifact, origin, "1.1.0"), old)))
         assert refused["state"] == "failed" and "origin" in refused["reason"], refused
         assert observer.of(f"dev/{DEVICE}/telemetry") == []  # every 3600 s: none yet
-        changed = final_event(observer, send(observer, sign_command(settings_command(1, {
-            "mqtt.telemetry_interval": 0.2, "updates.allowed_origins": [origin], "mqtt.groups": ["garage"],
-            "updates.health_window_s": 31}), old)))
+        changed = final_event(
+            observer,
+            send(
+                observer,
+                sign_command(
+                    settings_command(
+                        1,
+                        {
+                            "mqtt.telemetry_interval": 0.2,
+                            "updates.allowed_origins": [origin],
+                            "mqtt.groups": ["garage"],
+                            "updates.health_window_s": 31,
+                        },
+                    ),
+                    old,
+                ),
+            ),
+        )
         assert changed["state"] == "done" and changed["detail"]["results"]["mqtt.telemetry_interval"] == "applied"
         assert changed["detail"]["results"]["updates.health_window_s"].startswith("refused: 31 s is outside")
         assert observer.wait_for(lambda: len(observer.of(f"dev/{DEVICE}/telemetry")) >= 3, 30)
-        deployed = final_event(observer, send(observer, sign_command(_deploy(artifact, origin, "1.1.0"), old)),
-                               timeout=60)
+        deployed = final_event(
+            observer, send(observer, sign_command(_deploy(artifact, origin, "1.1.0"), old)), timeout=60
+        )
         assert deployed["state"] == "active", deployed
         ping = {**settings_command(1, {}), "type": "ping", "target": {"group": "garage"}}
         del ping["generation"], ping["settings"]
@@ -235,27 +288,35 @@ def test_a_settings_change_reaches_a_running_agent_with_no_restart(tmp_path, mos
         agent.stop()
 
 
-def test_a_release_key_added_remotely_verifies_new_artifacts_live(tmp_path, mosquitto_broker, observer, keypair,
-                                                                  operators, arts):
+def test_a_release_key_added_remotely_verifies_new_artifacts_live(
+    tmp_path, mosquitto_broker, observer, keypair, operators, arts
+):
     old = operators[0][0]
     artifact = arts["r2"]
     agent = make_agent(tmp_path, mosquitto_broker, keypair, operators, arts).start()
     server, origin = _serve(artifact.parent)
     try:
-        allow = final_event(observer, send(observer, sign_command(settings_command(
-            1, {"updates.allowed_origins": [origin]}), old)))
+        allow = final_event(
+            observer, send(observer, sign_command(settings_command(1, {"updates.allowed_origins": [origin]}), old))
+        )
         assert allow["state"] == "done"
-        refused = final_event(observer, send(observer, sign_command(_deploy(artifact, origin, "1.2.0"), old)),
-                              timeout=60)
+        refused = final_event(
+            observer, send(observer, sign_command(_deploy(artifact, origin, "1.2.0"), old)), timeout=60
+        )
         assert refused["state"] == "rejected" and "trusted" in refused["reason"], refused
         both = [pem(keypair[1]), pem(arts["r2.pub"])]
         assert RELEASE in both[1].splitlines()[0]
-        added = final_event(observer, send(observer, sign_command(settings_command(
-            2, {"updates.allowed_origins": [origin], "trust": both}), old)))
+        added = final_event(
+            observer,
+            send(
+                observer, sign_command(settings_command(2, {"updates.allowed_origins": [origin], "trust": both}), old)
+            ),
+        )
         assert added["state"] == "done"
         assert len(report_with(observer, 2)["keys"]["release"]) == 2
-        deployed = final_event(observer, send(observer, sign_command(_deploy(artifact, origin, "1.2.0"), old)),
-                               timeout=60)
+        deployed = final_event(
+            observer, send(observer, sign_command(_deploy(artifact, origin, "1.2.0"), old)), timeout=60
+        )
         assert deployed["state"] == "active", deployed
     finally:
         server.shutdown()

@@ -31,8 +31,9 @@ def handle(service: Any, command: Command) -> None:
     host = service.host
     body = command.body
     if host.operator_trust is None:
-        service._reply(command, J.REJECTED, "settings are only taken signed: this device has no operator_keys "
-                                            "in agent.yaml")
+        service._reply(
+            command, J.REJECTED, "settings are only taken signed: this device has no operator_keys in agent.yaml"
+        )
         return
     try:
         document = parse_document(body.get("generation"), body.get("settings"))
@@ -41,8 +42,12 @@ def handle(service: Any, command: Command) -> None:
         return
     held: Held = host.held
     if document.generation <= held.generation:
-        service._reply(command, J.REJECTED, f"settings generation {document.generation} is not newer than the "
-                                            f"one this device holds ({held.generation}): refused (replayed or late)")
+        service._reply(
+            command,
+            J.REJECTED,
+            f"settings generation {document.generation} is not newer than the "
+            f"one this device holds ({held.generation}): refused (replayed or late)",
+        )
         return
     results = decide(document, host.base_config)
     fresh = Held(document, tuple(sorted(results.items())))
@@ -53,12 +58,20 @@ def handle(service: Any, command: Command) -> None:
         return
     apply_live(service, fresh)
     refused = sorted(key for key, result in results.items() if result != "applied")
-    log.info("settings generation %d applied (%d key(s); refused: %s)", document.generation, len(results),
-             ", ".join(refused) or "none")
+    log.info(
+        "settings generation %d applied (%d key(s); refused: %s)",
+        document.generation,
+        len(results),
+        ", ".join(refused) or "none",
+    )
     service.reporter.publish_state()
-    service._reply(command, J.DONE, f"settings generation {document.generation}: {len(results) - len(refused)} "
-                                    f"applied, {len(refused)} refused", generation=document.generation,
-                   results=results)
+    service._reply(
+        command,
+        J.DONE,
+        f"settings generation {document.generation}: {len(results) - len(refused)} applied, {len(refused)} refused",
+        generation=document.generation,
+        results=results,
+    )
 
 
 def apply_live(service: Any, held: Held) -> None:

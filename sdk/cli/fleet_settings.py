@@ -40,8 +40,16 @@ def settings() -> None:
 @click.option("--unset", "unset", multiple=True, help="A key to remove from this scope (repeatable).")
 @click.option("--reason", default="", help="Why (kept in the audit).")
 @click.argument("assignments", nargs=-1)
-def set_settings(server: str, token_file: Path | None, device: str | None, group: str | None, whole_fleet: bool,
-                 unset: tuple[str, ...], reason: str, assignments: tuple[str, ...]) -> None:
+def set_settings(
+    server: str,
+    token_file: Path | None,
+    device: str | None,
+    group: str | None,
+    whole_fleet: bool,
+    unset: tuple[str, ...],
+    reason: str,
+    assignments: tuple[str, ...],
+) -> None:
     """Set KEY=VALUE settings (e.g. mqtt.telemetry_interval=5, updates.allowed_origins=http://a:80,http://b:80).
 
     Lists are comma-separated; the keys are agent.yaml's (docs/agent.md, "Remote settings")."""
@@ -58,8 +66,10 @@ def set_settings(server: str, token_file: Path | None, device: str | None, group
             raise click.UsageError(str(err)) from err
         values[key] = value
     client_for(server, token_file).put(path, {"set": values, "unset": list(unset), "reason": reason})
-    click.echo(f"set {', '.join(sorted(values)) or '-'}; unset {', '.join(unset) or '-'}; devices get the new "
-               "document at the next reconciler round")
+    click.echo(
+        f"set {', '.join(sorted(values)) or '-'}; unset {', '.join(unset) or '-'}; devices get the new "
+        "document at the next reconciler round"
+    )
 
 
 @settings.command("show")
@@ -87,14 +97,19 @@ def _show_device(doc: dict[str, Any]) -> None:
     reported = doc.get("reported") or {}
     results = reported.get("results", {})
     sent = doc.get("sent") or {}
-    click.echo(f"{doc['device']}: generation sent {sent.get('generation', '-')}, held {reported.get('generation', '-')}"
-               f" ({doc['decision']['kind']}{': ' + doc['decision']['reason'] if doc['decision']['reason'] else ''})")
+    click.echo(
+        f"{doc['device']}: generation sent {sent.get('generation', '-')}, held {reported.get('generation', '-')}"
+        f" ({doc['decision']['kind']}{': ' + doc['decision']['reason'] if doc['decision']['reason'] else ''})"
+    )
     for key, value in sorted(doc["settings"].items()):
-        click.echo(f"  {key:<34} {json.dumps(value):<30} from {doc['sources'][key]:<14} "
-                   f"{results.get(key, 'not reported')}")
+        click.echo(
+            f"  {key:<34} {json.dumps(value):<30} from {doc['sources'][key]:<14} {results.get(key, 'not reported')}"
+        )
     keys = reported.get("keys") or {}
-    click.echo(f"  keys held: release {', '.join(keys.get('release', [])) or '-'}; operator "
-               f"{', '.join(keys.get('operator', [])) or '-'}")
+    click.echo(
+        f"  keys held: release {', '.join(keys.get('release', [])) or '-'}; operator "
+        f"{', '.join(keys.get('operator', [])) or '-'}"
+    )
 
 
 @fleet.group()
@@ -108,7 +123,7 @@ def keys() -> None:
 @click.argument("public_key", type=_FILE)
 def add_key(server: str, token_file: Path | None, kind: str, public_key: Path) -> None:
     """Add PUBLIC_KEY (a .pub file): devices trust it after the next settings document."""
-    data = public_key.read_bytes()[:64 * 1024]
+    data = public_key.read_bytes()[: 64 * 1024]
     check_kind(data, str(public_key), kind)
     if b"PRIVATE KEY" in data:
         raise KeyFileError(str(public_key), "this is a private key; give the public key")
@@ -123,7 +138,7 @@ def add_key(server: str, token_file: Path | None, kind: str, public_key: Path) -
 def retire_key(server: str, token_file: Path | None, key: str) -> None:
     """Retire KEY (a key id, or the .pub file): the next documents leave it out."""
     path = Path(key)
-    kid = key_id(public_key_from_pem(path.read_bytes()[:64 * 1024], key)) if path.is_file() else key
+    kid = key_id(public_key_from_pem(path.read_bytes()[: 64 * 1024], key)) if path.is_file() else key
     row = client_for(server, token_file).delete(f"/api/keys/{kid}")
     click.echo(f"retired {row['kind']} key {row['key_id']}")
 

@@ -114,8 +114,9 @@ def _canonical(value: Any) -> str:
     return digest({"v": value})
 
 
-def decide(document: Effective, sent: Sent | None, reported: int | None, *, online: bool, now: float,
-           retry_s: float) -> Decision:
+def decide(
+    document: Effective, sent: Sent | None, reported: int | None, *, online: bool, now: float, retry_s: float
+) -> Decision:
     """What the reconciler does for one device. Pure.
 
     ``reported``: the generation the device's newest state holds (None: it reports none, an
@@ -137,8 +138,9 @@ def decide(document: Effective, sent: Sent | None, reported: int | None, *, onli
         return Decision("wait", reason="the device does not report settings (an agent before remote settings?)")
     if online and now - sent.created_at >= retry_s:
         return Decision("send", next_generation)
-    return Decision("wait", sent.generation,
-                    f"generation {sent.generation} sent, the device holds {held}: waiting for its answer")
+    return Decision(
+        "wait", sent.generation, f"generation {sent.generation} sent, the device holds {held}: waiting for its answer"
+    )
 
 
 def signer_for(keys: Sequence[SigningKey], held: Sequence[str]) -> SigningKey:

@@ -29,20 +29,26 @@ from sdk.fleet_server.settings import DEVICE, FLEET, GROUP
 
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
 SETTINGS_BODY: dict[str, Any] = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "properties": {
-        "set": {"type": "object",
-                "description": "dotted agent.yaml keys to values (docs/fleet-server.md, \"Settings and keys\"); "
-                               "each key must be a remote setting"},
-        "unset": {"type": "array", "maxItems": settings_db.MAX_ENTRIES,
-                  "items": {"type": "string", "maxLength": 64}},
+        "set": {
+            "type": "object",
+            "description": 'dotted agent.yaml keys to values (docs/fleet-server.md, "Settings and keys"); '
+            "each key must be a remote setting",
+        },
+        "unset": {"type": "array", "maxItems": settings_db.MAX_ENTRIES, "items": {"type": "string", "maxLength": 64}},
         "reason": {"type": "string", "maxLength": 500},
     },
 }
 KEY_BODY: dict[str, Any] = {
-    "type": "object", "additionalProperties": False, "required": ["kind", "pem"],
-    "properties": {"kind": {"enum": list(KEY_KINDS)},
-                   "pem": {"type": "string", "minLength": 1, "maxLength": MAX_PEM_CHARS}},
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["kind", "pem"],
+    "properties": {
+        "kind": {"enum": list(KEY_KINDS)},
+        "pem": {"type": "string", "minLength": 1, "maxLength": MAX_PEM_CHARS},
+    },
 }
 _SETTINGS_VALIDATOR = Validator(SETTINGS_BODY, document="settings")
 _KEY_VALIDATOR = Validator(KEY_BODY, document="key")
@@ -79,10 +85,14 @@ class SettingsRoutes:
             body = await self._body(request, _SETTINGS_VALIDATOR)
             values, unset = body.get("set", {}), body.get("unset", [])
             remote = self._remote(request)
-            await run_in_threadpool(lambda: settings_db.set_entries(
-                self.database, scope, name, values, unset, actor=actor, remote=remote, reason=body.get("reason", "")))
+            await run_in_threadpool(
+                lambda: settings_db.set_entries(
+                    self.database, scope, name, values, unset, actor=actor, remote=remote, reason=body.get("reason", "")
+                )
+            )
             self.context.wake_driver()
             return JSONResponse(await run_in_threadpool(settings_db.scopes_view, self.database))
+
         return handler
 
     async def device(self, request: Request, _actor: str) -> Response:
@@ -100,8 +110,9 @@ class SettingsRoutes:
         _no_query(request)
         body = await self._body(request, _KEY_VALIDATOR)
         remote = self._remote(request)
-        key = await run_in_threadpool(lambda: settings_db.add_key(self.database, body["kind"], body["pem"],
-                                                                  actor=actor, remote=remote))
+        key = await run_in_threadpool(
+            lambda: settings_db.add_key(self.database, body["kind"], body["pem"], actor=actor, remote=remote)
+        )
         self.context.wake_driver()
         return JSONResponse(settings_db.keys_row(key), status_code=201)
 
@@ -112,16 +123,16 @@ class SettingsRoutes:
             raise ApiError(404, "not_found", "no such key")
         signers = [key.key_id for key in getattr(self.context.commands, "operator_keys", ())]
         remote = self._remote(request)
-        key = await run_in_threadpool(lambda: settings_db.retire_key(self.database, kid, signers, actor=actor,
-                                                                     remote=remote))
+        key = await run_in_threadpool(
+            lambda: settings_db.retire_key(self.database, kid, signers, actor=actor, remote=remote)
+        )
         self.context.wake_driver()
         return JSONResponse(settings_db.keys_row(key))
 
 
 def _no_query(request: Request) -> None:
     if request.query_params:
-        raise ApiError(400, "invalid", f"unknown query parameter {next(iter(request.query_params))!r} "
-                                       "(allowed: none)")
+        raise ApiError(400, "invalid", f"unknown query parameter {next(iter(request.query_params))!r} (allowed: none)")
 
 
 def routes(context: Any, guard: Any) -> list[Any]:
@@ -150,28 +161,56 @@ def _path(name: str, pattern: str) -> dict[str, Any]:
 
 
 _OBJECT = {"type": "object"}
-_KEY_ROW = {"type": "object", "required": ["key_id", "kind", "in_use"],
-            "properties": {"key_id": {"type": "string"}, "kind": {"enum": list(KEY_KINDS)},
-                           "in_use": {"type": "boolean"}}}
-_PUT = {"summary": "Set or unset settings of a scope (keys: " + ", ".join(sorted(SETTING_KEYS)) + ")",
-        "requestBody": {"required": True, "content": {"application/json": {"schema": SETTINGS_BODY}}},
-        "responses": {"200": _json("every scope's settings", _OBJECT)}}
+_KEY_ROW = {
+    "type": "object",
+    "required": ["key_id", "kind", "in_use"],
+    "properties": {"key_id": {"type": "string"}, "kind": {"enum": list(KEY_KINDS)}, "in_use": {"type": "boolean"}},
+}
+_PUT = {
+    "summary": "Set or unset settings of a scope (keys: " + ", ".join(sorted(SETTING_KEYS)) + ")",
+    "requestBody": {"required": True, "content": {"application/json": {"schema": SETTINGS_BODY}}},
+    "responses": {"200": _json("every scope's settings", _OBJECT)},
+}
 OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
-    ("get", "/api/settings", {"summary": "Every scope's settings and the fleet's keys",
-                              "responses": {"200": _json("settings", _OBJECT)}}),
+    (
+        "get",
+        "/api/settings",
+        {"summary": "Every scope's settings and the fleet's keys", "responses": {"200": _json("settings", _OBJECT)}},
+    ),
     ("put", "/api/settings/fleet", _PUT),
     ("put", "/api/settings/groups/{group}", {**_PUT, "parameters": [_path("group", ID_PATTERN)]}),
     ("put", "/api/settings/devices/{device_id}", {**_PUT, "parameters": [_path("device_id", ID_PATTERN)]}),
-    ("get", "/api/devices/{device_id}/settings", {
-        "summary": "A device's settings document: each key and where it came from, the generation sent, what the "
-                   "device reported (generation, applied or refused per key, keys held)",
-        "parameters": [_path("device_id", ID_PATTERN)], "responses": {"200": _json("the device's settings", _OBJECT)}}),
-    ("get", "/api/keys", {"summary": "The fleet's release and operator public keys",
-                          "responses": {"200": _json("keys", _OBJECT)}}),
-    ("post", "/api/keys", {"summary": "Add a public key for every device to hold",
-                           "requestBody": {"required": True, "content": {"application/json": {"schema": KEY_BODY}}},
-                           "responses": {"201": _json("the key", _KEY_ROW)}}),
-    ("delete", "/api/keys/{key_id}", {"summary": "Retire a key: the next documents leave it out",
-                                      "parameters": [_path("key_id", "^[0-9a-f]{16}$")],
-                                      "responses": {"200": _json("the key", _KEY_ROW)}}),
+    (
+        "get",
+        "/api/devices/{device_id}/settings",
+        {
+            "summary": "A device's settings document: each key and where it came from, the generation sent, what the "
+            "device reported (generation, applied or refused per key, keys held)",
+            "parameters": [_path("device_id", ID_PATTERN)],
+            "responses": {"200": _json("the device's settings", _OBJECT)},
+        },
+    ),
+    (
+        "get",
+        "/api/keys",
+        {"summary": "The fleet's release and operator public keys", "responses": {"200": _json("keys", _OBJECT)}},
+    ),
+    (
+        "post",
+        "/api/keys",
+        {
+            "summary": "Add a public key for every device to hold",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": KEY_BODY}}},
+            "responses": {"201": _json("the key", _KEY_ROW)},
+        },
+    ),
+    (
+        "delete",
+        "/api/keys/{key_id}",
+        {
+            "summary": "Retire a key: the next documents leave it out",
+            "parameters": [_path("key_id", "^[0-9a-f]{16}$")],
+            "responses": {"200": _json("the key", _KEY_ROW)},
+        },
+    ),
 ]

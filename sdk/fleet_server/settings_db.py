@@ -93,13 +93,15 @@ def _reports(connection: Connection, device: str | None = None) -> dict[str, Any
 
 def held_operator_keys(connection: Connection, device: str) -> tuple[str, ...]:
     """The operator key ids ``device`` last reported holding (() when it reported none)."""
-    row = connection.execute(select(tables.settings_reports.c.operator_keys).where(
-        tables.settings_reports.c.device == device)).first()
+    row = connection.execute(
+        select(tables.settings_reports.c.operator_keys).where(tables.settings_reports.c.device == device)
+    ).first()
     return () if row is None else tuple(json.loads(row[0]))
 
 
-def plans(connection: Connection, now: float, devices: Sequence[str] | None = None) -> list[
-        tuple[str, Effective, Decision]]:
+def plans(
+    connection: Connection, now: float, devices: Sequence[str] | None = None
+) -> list[tuple[str, Effective, Decision]]:
     """Each device's effective document and the reconciler's decision."""
     scopes, keys, groups = load_scopes(connection), load_keys(connection), _groups_of(connection)
     d = tables.devices
@@ -113,8 +115,14 @@ def plans(connection: Connection, now: float, devices: Sequence[str] | None = No
     for device, status in rows:
         document = effective(scopes, keys, device, groups.get(device, ()))
         report = reports.get(device)
-        decision = decide(document, sent.get(device), None if report is None else report["generation"],
-                          online=status == "online", now=now, retry_s=RETRY_S)
+        decision = decide(
+            document,
+            sent.get(device),
+            None if report is None else report["generation"],
+            online=status == "online",
+            now=now,
+            retry_s=RETRY_S,
+        )
         out.append((device, document, decision))
     return out
 
@@ -126,22 +134,37 @@ def reconcile(driver: Any, now: float) -> int:
     """Send every device that needs one its next settings document (signed by the driver's
     :meth:`record_command`). Returns how many were sent."""
     with driver.database.read() as connection:
-        if connection.execute(select(tables.settings_entries.c.key).limit(1)).first() is None and \
-                connection.execute(select(tables.fleet_keys.c.key_id).limit(1)).first() is None:
+        if (
+            connection.execute(select(tables.settings_entries.c.key).limit(1)).first() is None
+            and connection.execute(select(tables.fleet_keys.c.key_id).limit(1)).first() is None
+        ):
             return 0
-        sends = [(device, doc, decision) for device, doc, decision in plans(connection, now)
-                 if decision.kind == "send"]
+        sends = [(device, doc, decision) for device, doc, decision in plans(connection, now) if decision.kind == "send"]
     to_publish: list[dict[str, Any]] = []
     with driver.database.write() as connection:
         for device, document, decision in sends:
             command_id = new_command_id("settings", str(decision.generation))
-            if not driver.database.insert_new(connection, tables.settings_sent, {
-                    "device": device, "generation": decision.generation, "digest": document.digest,
-                    "command_id": command_id, "created_at": now}):
+            if not driver.database.insert_new(
+                connection,
+                tables.settings_sent,
+                {
+                    "device": device,
+                    "generation": decision.generation,
+                    "digest": document.digest,
+                    "command_id": command_id,
+                    "created_at": now,
+                },
+            ):
                 continue  # another server made this generation
-            command = build_command("apply-settings", device=device, command_id=command_id,
-                                    ttl_s=driver.config.command_ttl_s, now=now, generation=decision.generation,
-                                    settings=dict(document.settings))
+            command = build_command(
+                "apply-settings",
+                device=device,
+                command_id=command_id,
+                ttl_s=driver.config.command_ttl_s,
+                now=now,
+                generation=decision.generation,
+                settings=dict(document.settings),
+            )
             recorded = driver.record_command(connection, device, "apply-settings", command, now)
             if recorded is not None:
                 to_publish.append(recorded)
@@ -152,8 +175,18 @@ def reconcile(driver: Any, now: float) -> int:
 # ---------------------------------------------------------------- writes
 
 
-def set_entries(database: Database, scope: str, name: str, values: dict[str, Any], unset: Iterable[str], *,
-                actor: str, remote: str, reason: str = "", now: float | None = None) -> None:
+def set_entries(
+    database: Database,
+    scope: str,
+    name: str,
+    values: dict[str, Any],
+    unset: Iterable[str],
+    *,
+    actor: str,
+    remote: str,
+    reason: str = "",
+    now: float | None = None,
+) -> None:
     """Set and unset keys of one scope, each value checked as the device checks it (400 naming
     the key), audited ``settings.set`` with before and after."""
     now = time.time() if now is None else now
@@ -163,27 +196,47 @@ def set_entries(database: Database, scope: str, name: str, values: dict[str, Any
         check_value(key, value)
     entries = tables.settings_entries
     with database.write() as connection:
-        if scope == DEVICE and connection.execute(select(tables.devices.c.id).where(
-                tables.devices.c.id == name)).first() is None:
+        if (
+            scope == DEVICE
+            and connection.execute(select(tables.devices.c.id).where(tables.devices.c.id == name)).first() is None
+        ):
             raise ApiError(404, "not_found", f"no device {name}")
         mine = (entries.c.scope == scope) & (entries.c.name == name)
-        before = {row.key: json.loads(row.value) for row in connection.execute(
-            select(entries.c.key, entries.c.value).where(mine))}
+        before = {
+            row.key: json.loads(row.value)
+            for row in connection.execute(select(entries.c.key, entries.c.value).where(mine))
+        }
         for key in [*unset, *values]:
             connection.execute(delete(entries).where(mine, entries.c.key == key))
         if values:
-            connection.execute(entries.insert(), [
-                {"scope": scope, "name": name, "key": key, "value": json.dumps(value, allow_nan=False),
-                 "set_by": actor, "set_at": now} for key, value in sorted(values.items())])
+            connection.execute(
+                entries.insert(),
+                [
+                    {
+                        "scope": scope,
+                        "name": name,
+                        "key": key,
+                        "value": json.dumps(value, allow_nan=False),
+                        "set_by": actor,
+                        "set_at": now,
+                    }
+                    for key, value in sorted(values.items())
+                ],
+            )
         if len(set(before) - set(unset) | set(values)) > MAX_ENTRIES:
             raise ApiError(422, "invalid", f"the {scope} would hold more than {MAX_ENTRIES} settings")
-        audit.record(connection, actor=actor, action="settings.set", target=f"{scope}:{name}" if name else scope,
-                     remote=remote, now=now, detail={"reason": reason, "before": before, "set": values,
-                                                     "unset": sorted(unset)})
+        audit.record(
+            connection,
+            actor=actor,
+            action="settings.set",
+            target=f"{scope}:{name}" if name else scope,
+            remote=remote,
+            now=now,
+            detail={"reason": reason, "before": before, "set": values, "unset": sorted(unset)},
+        )
 
 
-def add_key(database: Database, kind: str, pem: str, *, actor: str, remote: str,
-            now: float | None = None) -> FleetKey:
+def add_key(database: Database, kind: str, pem: str, *, actor: str, remote: str, now: float | None = None) -> FleetKey:
     """Add a public key of ``kind`` (a file labelled with the other kind is refused); adding a
     key in use again changes nothing; a retired key is not taken back (409)."""
     now = time.time() if now is None else now
@@ -202,20 +255,27 @@ def add_key(database: Database, kind: str, pem: str, *, actor: str, remote: str,
         found = existing.get(kid)
         if found is not None:
             if not found.in_use or found.kind != kind:
-                raise ApiError(409, "conflict", f"key {kid} was added before as a {found.kind} key"
-                                                f"{'' if found.in_use else ' and retired'}: make a new key")
+                raise ApiError(
+                    409,
+                    "conflict",
+                    f"key {kid} was added before as a {found.kind} key"
+                    f"{'' if found.in_use else ' and retired'}: make a new key",
+                )
             return found
         if len(existing) >= MAX_FLEET_KEYS:
             raise ApiError(422, "invalid", f"the fleet holds {MAX_FLEET_KEYS} keys already")
-        connection.execute(tables.fleet_keys.insert().values(key_id=kid, kind=kind, pem=pem, added_by=actor,
-                                                             added_at=now))
-        audit.record(connection, actor=actor, action="key.add", target=kid, remote=remote, now=now,
-                     detail={"kind": kind})
+        connection.execute(
+            tables.fleet_keys.insert().values(key_id=kid, kind=kind, pem=pem, added_by=actor, added_at=now)
+        )
+        audit.record(
+            connection, actor=actor, action="key.add", target=kid, remote=remote, now=now, detail={"kind": kind}
+        )
     return FleetKey(kid, kind, pem, now)
 
 
-def retire_key(database: Database, kid: str, signers: Sequence[str], *, actor: str, remote: str,
-               now: float | None = None) -> FleetKey:
+def retire_key(
+    database: Database, kid: str, signers: Sequence[str], *, actor: str, remote: str, now: float | None = None
+) -> FleetKey:
     """Retire a key: the next documents leave it out. Refused (409) for the last key of its kind
     in use, and for an operator key whose retirement would leave no key in use that this server
     signs with (``signers``): the devices would refuse every command after it."""
@@ -231,27 +291,52 @@ def retire_key(database: Database, kid: str, signers: Sequence[str], *, actor: s
         if not left:
             raise ApiError(409, "conflict", f"{kid} is the last {found.kind} key in use: add the new key first")
         if found.kind == OPERATOR and not any(k.key_id in signers for k in left):
-            raise ApiError(409, "conflict", f"retiring {kid} leaves no operator key this server signs with: start "
-                                            "the server with the new key's --operator-key first")
+            raise ApiError(
+                409,
+                "conflict",
+                f"retiring {kid} leaves no operator key this server signs with: start "
+                "the server with the new key's --operator-key first",
+            )
         connection.execute(tables.fleet_keys.update().where(tables.fleet_keys.c.key_id == kid).values(retired_at=now))
-        audit.record(connection, actor=actor, action="key.retire", target=kid, remote=remote, now=now,
-                     detail={"kind": found.kind})
+        audit.record(
+            connection,
+            actor=actor,
+            action="key.retire",
+            target=kid,
+            remote=remote,
+            now=now,
+            detail={"kind": found.kind},
+        )
     return FleetKey(found.key_id, found.kind, found.pem, found.added_at, now)
 
 
 def save_reports(database: Database, connection: Connection, records: Sequence[tuple[DeviceState, float]]) -> None:
     """Keep ``settings_reports`` equal to each device's newest online report (ingest)."""
-    rows = [{"device": r.device, "generation": r.settings.generation,
-             "results": json.dumps(dict(r.settings.results)), "release_keys": json.dumps(r.settings.release_keys),
-             "operator_keys": json.dumps(r.settings.operator_keys), "heard_at": heard}
-            for r, heard in records if r.settings is not None]
+    rows = [
+        {
+            "device": r.device,
+            "generation": r.settings.generation,
+            "results": json.dumps(dict(r.settings.results)),
+            "release_keys": json.dumps(r.settings.release_keys),
+            "operator_keys": json.dumps(r.settings.operator_keys),
+            "heard_at": heard,
+        }
+        for r, heard in records
+        if r.settings is not None
+    ]
     if not rows:
         return
     statement = database.insert(tables.settings_reports)
-    connection.execute(statement.on_conflict_do_update(
-        index_elements=["device"], set_={name: statement.excluded[name] for name in
-                                         ("generation", "results", "release_keys", "operator_keys", "heard_at")}),
-        rows)
+    connection.execute(
+        statement.on_conflict_do_update(
+            index_elements=["device"],
+            set_={
+                name: statement.excluded[name]
+                for name in ("generation", "results", "release_keys", "operator_keys", "heard_at")
+            },
+        ),
+        rows,
+    )
 
 
 # ---------------------------------------------------------------- views
@@ -277,29 +362,58 @@ def device_view(database: Database, device: str, now: float | None = None) -> di
         _device, document, decision = found[0]
         sent = _sent(connection, device).get(device)
         report = _reports(connection, device).get(device)
-    return {"device": device, "settings": _shown(dict(document.settings)), "sources": dict(document.sources),
-            "conflicts": {k: list(v) for k, v in document.conflicts.items()},
-            "sent": None if sent is None else {"generation": sent.generation, "command": sent.command_id,
-                                               "at": sent.created_at},
-            "reported": None if report is None else {
-                "generation": report["generation"], "results": json.loads(report["results"]),
-                "keys": {"release": json.loads(report["release_keys"]),
-                         "operator": json.loads(report["operator_keys"])}, "heard_at": report["heard_at"]},
-            "decision": {"kind": decision.kind, "generation": decision.generation, "reason": decision.reason}}
+    return {
+        "device": device,
+        "settings": _shown(dict(document.settings)),
+        "sources": dict(document.sources),
+        "conflicts": {k: list(v) for k, v in document.conflicts.items()},
+        "sent": None
+        if sent is None
+        else {"generation": sent.generation, "command": sent.command_id, "at": sent.created_at},
+        "reported": None
+        if report is None
+        else {
+            "generation": report["generation"],
+            "results": json.loads(report["results"]),
+            "keys": {"release": json.loads(report["release_keys"]), "operator": json.loads(report["operator_keys"])},
+            "heard_at": report["heard_at"],
+        },
+        "decision": {"kind": decision.kind, "generation": decision.generation, "reason": decision.reason},
+    }
 
 
 def scopes_view(database: Database) -> dict[str, Any]:
     """``GET /api/settings``: every scope's entries with who set them, and the fleet's keys."""
     with database.read() as connection:
-        rows = connection.execute(select(tables.settings_entries).order_by(
-            tables.settings_entries.c.scope, tables.settings_entries.c.name,
-            tables.settings_entries.c.key)).mappings().all()
+        rows = (
+            connection.execute(
+                select(tables.settings_entries).order_by(
+                    tables.settings_entries.c.scope, tables.settings_entries.c.name, tables.settings_entries.c.key
+                )
+            )
+            .mappings()
+            .all()
+        )
         keys = load_keys(connection)
-    entries = [{"scope": r["scope"], "name": r["name"] or None, "key": r["key"], "value": json.loads(r["value"]),
-                "set_by": r["set_by"], "set_at": r["set_at"]} for r in rows]
+    entries = [
+        {
+            "scope": r["scope"],
+            "name": r["name"] or None,
+            "key": r["key"],
+            "value": json.loads(r["value"]),
+            "set_by": r["set_by"],
+            "set_at": r["set_at"],
+        }
+        for r in rows
+    ]
     return {"entries": entries, "keys": [keys_row(k) for k in keys]}
 
 
 def keys_row(key: FleetKey) -> dict[str, Any]:
-    return {"key_id": key.key_id, "kind": key.kind, "added_at": key.added_at, "retired_at": key.retired_at,
-            "in_use": key.in_use}
+    return {
+        "key_id": key.key_id,
+        "kind": key.kind,
+        "added_at": key.added_at,
+        "retired_at": key.retired_at,
+        "in_use": key.in_use,
+    }
