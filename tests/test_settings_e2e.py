@@ -185,7 +185,7 @@ def test_a_key_rotation_and_a_settings_change_reach_every_device_from_the_server
         assert [agent.proc.pid for agent in agents] == pids
         audit = server.get("/api/audit?limit=100")
         actions = {entry["action"] for entry in audit["entries"]}
-        assert {"key.add", "key.retire", "settings.set"} <= actions
+        assert {"keys.add", "keys.retire", "settings.set"} <= actions
     finally:
         observer.close()
         for agent in agents:

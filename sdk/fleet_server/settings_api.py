@@ -147,8 +147,8 @@ def routes(context: Any, guard: Any) -> list[Any]:
         Route("/api/settings/devices/{device_id}", guard(r.put(DEVICE), "settings.set"), methods=["PUT"]),
         Route("/api/devices/{device_id}/settings", guard(r.device), methods=["GET"]),
         Route("/api/keys", guard(r.keys), methods=["GET"]),
-        Route("/api/keys", guard(r.add_key, "key.add"), methods=["POST"]),
-        Route("/api/keys/{key_id}", guard(r.retire_key, "key.retire"), methods=["DELETE"]),
+        Route("/api/keys", guard(r.add_key, "keys.add"), methods=["POST"]),
+        Route("/api/keys/{key_id}", guard(r.retire_key, "keys.retire"), methods=["DELETE"]),
     ]
 
 

@@ -268,7 +268,7 @@ def add_key(database: Database, kind: str, pem: str, *, actor: str, remote: str,
             tables.fleet_keys.insert().values(key_id=kid, kind=kind, pem=pem, added_by=actor, added_at=now)
         )
         audit.record(
-            connection, actor=actor, action="key.add", target=kid, remote=remote, now=now, detail={"kind": kind}
+            connection, actor=actor, action="keys.add", target=kid, remote=remote, now=now, detail={"kind": kind}
         )
     return FleetKey(kid, kind, pem, now)
 
@@ -301,7 +301,7 @@ def retire_key(
         audit.record(
             connection,
             actor=actor,
-            action="key.retire",
+            action="keys.retire",
             target=kid,
             remote=remote,
             now=now,
