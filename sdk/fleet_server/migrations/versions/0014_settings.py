@@ -3,8 +3,8 @@ operator set per fleet, group or device), ``fleet_keys`` (release and operator p
 devices are told to hold), ``settings_sent`` (each signed document, by device and generation)
 and ``settings_reports`` (what each device says it holds). sdk/fleet_server/settings.py.
 
-Revision ID: 0013
-Revises: 0012
+Revision ID: 0014
+Revises: 0013
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0013"
-down_revision = "0012"
+revision = "0014"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 
