@@ -231,7 +231,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     warning = unauthenticated_commands_warning(config)
     if warning:  # on stderr whatever the log level, at every start
         print(f"edgepack-agent: warning: {warning}", file=sys.stderr, flush=True)
-    Daemon(config).run_until_signal()
+    from device_agent import logring
+
+    ring = logring.attach(config)  # records redacted before they are kept or printed
+    try:
+        Daemon(config, log_ring=ring).run_until_signal()
+    finally:
+        logring.detach(ring)
     return 0
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
+from device_agent.logring import LogRing
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
@@ -43,8 +44,9 @@ class Daemon:
     root store's, the slot of a single-model agent (and of the model a store laid out before
     named models holds)."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, log_ring: LogRing | None = None) -> None:
         self.config = config
+        self.log_ring = log_ring  # what a fetch-logs command reads (device_agent/logring.py)
         self.trust = TrustStore.from_paths(config.trust)
         # Operator keys sign commands (edgepack keygen --operator); without them, anyone who can
         # publish to the broker may order deploys, rollbacks and downgrades (warned at start).
