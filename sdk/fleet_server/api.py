@@ -47,7 +47,7 @@ from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError
-from sdk.fleet_server import actions, audit, bad_releases, desired, history, openapi, queries, wave_waits
+from sdk.fleet_server import actions, audit, bad_releases, desired, device_logs, history, openapi, queries, wave_waits
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
@@ -644,6 +644,9 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/decommissioned", guard(r.decommissioned), methods=["GET"]),
         Route("/api/devices/{device_id}/telemetry", guard(r.device_telemetry), methods=["GET"]),
         Route("/api/devices/{device_id}/history", guard(r.device_history), methods=["GET"]),
+        Route("/api/devices/{device_id}/logs", guard(device_logs.read_handler(context)), methods=["GET"]),
+        Route("/api/devices/{device_id}/logs/fetch", guard(device_logs.fetch_handler(context), "device.logs"),
+              methods=["POST"]),
         Route("/api/devices/{device_id}/groups", guard(r.set_groups, "device.groups"), methods=["PUT"]),
         Route("/api/devices/{device_id}/target", guard(r.device_target), methods=["GET"]),
         Route("/api/targets", guard(r.targets), methods=["GET"]),

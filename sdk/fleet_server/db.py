@@ -610,3 +610,6 @@ def migrate(database: Database) -> None:
             if not database.is_sqlite:
                 connection.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK})")
                 connection.commit()
+
+
+from sdk.fleet_server import log_tables  # noqa: E402,F401  its tables join metadata (db.py is over 600 lines)

@@ -1,0 +1,144 @@
+"""A device's logs through the server: ``POST /api/devices/{id}/logs/fetch`` (an operator asks the
+device for its records: a ``fetch-logs`` command, signed, recorded and published by the driver's
+code like a device action's, audited as ``device.logs``) and ``GET /api/devices/{id}/logs``
+(what devices sent, stored by :mod:`.log_ingest`; ``request=`` also says whether that fetch's
+answer is complete). The dashboard's device page and ``edgepack device logs`` use both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Connection
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from edgepack_core.protocol.commands import build_command, field_schema
+from edgepack_core.protocol.logs import LEVEL_NUMBERS, LEVELS
+from edgepack_core.schema import Validator
+from sdk.errors import ApiError
+from sdk.fleet_server import audit
+from sdk.fleet_server import db as tables
+from sdk.fleet_server.actions import CommandSink
+from sdk.fleet_server.db import Database
+from sdk.fleet_server.log_tables import device_log_chunks, device_logs
+
+MAX_PAGE = 10_000
+DEFAULT_PAGE = 1000
+FETCH_TTL_S = 300.0
+"""A fetch is worth answering for a few minutes only: a device that comes back later is asked again."""
+
+FETCH_REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "lines": field_schema("fetch-logs", "lines"),
+        "since": {"type": "number", "minimum": 0, "description": "only records logged after this time"},
+        "level": field_schema("fetch-logs", "level"),
+        "reason": {"type": "string", "maxLength": 500, "description": "why (kept in the audit)"},
+    },
+}
+_FETCH_VALIDATOR = Validator(FETCH_REQUEST_SCHEMA, document="request")
+
+Handler = Callable[[Request, str], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class LogQuery:
+    """A page of stored records: after ``since``, at ``level`` or above, the newest ``limit``."""
+
+    since: float | None = None
+    level: str = "debug"
+    limit: int = DEFAULT_PAGE
+    request: str | None = None
+
+
+def send_fetch(database: Database, sink: CommandSink, device: str, body: dict[str, Any], *, actor: str,
+               remote: str, now: float) -> dict[str, Any]:
+    """Build the fetch-logs command, record it (signed by the driver) with its audit row, publish it."""
+    fields: dict[str, Any] = {key: body[key] for key in ("lines", "since", "level") if key in body}
+    with database.write() as connection:
+        if connection.execute(select(tables.devices.c.id).where(tables.devices.c.id == device)).first() is None:
+            raise ApiError(404, "not_found", f"no device {device}")
+        command = build_command("fetch-logs", device=device, ttl_s=FETCH_TTL_S, now=now, **fields)
+        recorded = sink.record_command(connection, device, "fetch-logs", command, now)
+        audit.record(connection, actor=actor, action="device.logs", target=device, remote=remote, now=now,
+                     detail={"reason": body.get("reason", ""), "command": command["id"], **fields})
+    if recorded is not None:
+        sink.publish([recorded], now)
+    return {"device": device, "command": command["id"], **fields}
+
+
+def _request_state(connection: Connection, device: str, request: str) -> dict[str, Any]:
+    marks = device_log_chunks
+    rows = connection.execute(select(marks.c.chunk, marks.c.last, marks.c.records).where(
+        marks.c.request == request, marks.c.device == device)).all()
+    last = next((row.chunk for row in rows if row.last), None)
+    return {"id": request, "chunks": len(rows), "records": sum(row.records for row in rows),
+            "complete": last is not None and len(rows) == last + 1}
+
+
+def read_logs(database: Database, device: str, query: LogQuery) -> dict[str, Any]:
+    """Stored records of ``device`` (oldest first), the newest time among them, and the state of
+    ``query.request`` when given. 404 for a device the server knows nothing of."""
+    logs = device_logs
+    levels = [name for name in LEVELS if LEVEL_NUMBERS[name] >= LEVEL_NUMBERS[query.level]]
+    select_page = select(logs.c.seq, logs.c.ts, logs.c.level, logs.c.logger, logs.c.message, logs.c.received_at) \
+        .where(logs.c.device == device, logs.c.level.in_(levels))
+    if query.since is not None:
+        select_page = select_page.where(logs.c.ts > query.since)
+    with database.read() as connection:
+        rows = connection.execute(select_page.order_by(logs.c.ts.desc(), logs.c.seq.desc()).limit(query.limit)).all()
+        known = rows or connection.execute(select(tables.devices.c.id).where(tables.devices.c.id == device)).first() \
+            or connection.execute(select(func.count()).select_from(logs).where(logs.c.device == device)).scalar()
+        state = _request_state(connection, device, query.request) if query.request else None
+    if not known:
+        raise ApiError(404, "not_found", f"no device {device}")
+    records = [{"seq": r.seq, "ts": r.ts, "level": r.level, "logger": r.logger, "message": r.message,
+                "received_at": r.received_at} for r in reversed(rows)]
+    doc: dict[str, Any] = {"device": device, "records": records, "newest": records[-1]["ts"] if records else None}
+    if state is not None:
+        doc["request"] = state
+    return doc
+
+
+def fetch_handler(context: Any) -> Handler:
+    """``POST /api/devices/{id}/logs/fetch`` (an operator's write, behind the API's guard)."""
+    from sdk.fleet_server.api import Params, _path_id, _remote, _validate, read_json
+
+    async def fetch(request: Request, actor: str) -> Response:
+        Params(request, set())
+        device = _path_id(request, "device_id")
+        body = await read_json(request, optional=True)
+        _validate(_FETCH_VALIDATOR, body)
+        if context.commands is None:
+            raise ApiError(503, "unavailable", "this server sends no commands (no broker connection)")
+        done = await run_in_threadpool(send_fetch, context.database, context.commands, device, body, actor=actor,
+                                       remote=_remote(request), now=time.time())
+        return JSONResponse(done)
+
+    return fetch
+
+
+def read_handler(context: Any) -> Handler:
+    """``GET /api/devices/{id}/logs?since=&level=&limit=&request=`` (a read)."""
+    from sdk.fleet_server.api import Params, _path_id
+
+    async def read(request: Request, _actor: str) -> Response:
+        params = Params(request, {"since", "level", "limit", "request"})
+        device = _path_id(request, "device_id")
+        level = params.text("level") or "debug"
+        if level not in LEVEL_NUMBERS:
+            raise ApiError(400, "invalid", f"level: {level[:32]!r} is not one of {', '.join(LEVELS)}")
+        since = params.number("since", -1.0)
+        query = LogQuery(since=None if since < 0 else since, level=level,
+                         limit=params.integer("limit", DEFAULT_PAGE, 1, MAX_PAGE),
+                         request=params.text("request", id_like=True))
+        return JSONResponse(await run_in_threadpool(read_logs, context.database, device, query))
+
+    return read
