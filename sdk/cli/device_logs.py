@@ -39,7 +39,7 @@ def parse_since(text: str, now: float) -> float:
         return value
     try:
         parsed = datetime.datetime.fromisoformat(text)
-    except ValueError:
+    except ValueError:  # from None: the message names the forms; the parser's own text adds nothing
         raise click.BadParameter(f"{text[:64]!r} is not unix seconds, a duration like 10m or 2h, "
                                  "nor an ISO time like 2026-11-29T08:00:00") from None
     if parsed.tzinfo is None:

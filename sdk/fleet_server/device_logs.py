@@ -142,3 +142,43 @@ def read_handler(context: Any) -> Handler:
         return JSONResponse(await run_in_threadpool(read_logs, context.database, device, query))
 
     return read
+
+
+def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+_DEVICE = {"name": "device_id", "in": "path", "required": True,
+           "schema": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"}, "description": "device id"}
+_ERROR = {"$ref": "#/components/schemas/Error"}
+_RECORD = {"type": "object", "properties": {
+    "seq": {"type": "integer"}, "ts": {"type": "number"}, "level": {"type": "string", "enum": list(LEVELS)},
+    "logger": {"type": "string"}, "message": {"type": "string"}, "received_at": {"type": "number"}}}
+
+OPENAPI_OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
+    ("post", "/api/devices/{device_id}/logs/fetch", {
+        "summary": "Ask a device for its log records (a signed fetch-logs command, audited as device.logs); the "
+                   "device answers in chunks the server stores (GET .../logs?request=COMMAND says when complete)",
+        "parameters": [_DEVICE],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": FETCH_REQUEST_SCHEMA}}},
+        "responses": {"200": {"description": "the command sent", "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"device": {"type": "string"}, "command": {"type": "string"}}}}}},
+            "404": {"description": "no such device", "content": {"application/json": {"schema": _ERROR}}}}}),
+    ("get", "/api/devices/{device_id}/logs", {
+        "summary": "The log records devices sent (oldest first; the newest per device are kept)",
+        "parameters": [_DEVICE,
+                       _query("since", {"type": "number", "minimum": 0}, "only records logged after this time"),
+                       _query("level", {"type": "string", "enum": list(LEVELS)}, "this level and above"),
+                       _query("limit", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE,
+                                        "default": DEFAULT_PAGE}, "the newest this many"),
+                       _query("request", {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"},
+                              "a fetch's command id: its answer's state too")],
+        "responses": {"200": {"description": "records", "content": {"application/json": {"schema": {
+            "type": "object", "properties": {
+                "device": {"type": "string"}, "records": {"type": "array", "items": _RECORD},
+                "newest": {"type": ["number", "null"]},
+                "request": {"type": "object", "properties": {
+                    "id": {"type": "string"}, "chunks": {"type": "integer"}, "records": {"type": "integer"},
+                    "complete": {"type": "boolean"}}}}}}}},
+            "404": {"description": "no such device", "content": {"application/json": {"schema": _ERROR}}}}}),
+]
