@@ -53,14 +53,6 @@ def record_line(record: dict[str, Any]) -> str:
     return f"{when[:-3]}Z {record['level'].upper():<8} {record['logger']}: {record['message']}"
 
 
-def _outcome(client: FleetClient, device_id: str, command: str) -> dict[str, Any] | None:
-    """The fetch's job in the device's history, once the device answered (None before)."""
-    for entry in client.get(f"/api/devices/{device_id}/history", limit=20)["entries"]:
-        if entry["job"] == command and entry["outcome"] not in ("sent", "in_progress"):
-            return dict(entry)
-    return None
-
-
 def fetch(client: FleetClient, device_id: str, body: dict[str, Any], timeout: float) -> None:
     """Ask the device for its records and wait until its whole answer is stored; CommandFailed
     with the device's reason when it refused (the rate limit says when to retry)."""
@@ -70,9 +62,8 @@ def fetch(client: FleetClient, device_id: str, body: dict[str, Any], timeout: fl
         state = client.get(f"/api/devices/{device_id}/logs", request=command, limit=1)["request"]
         if state["complete"]:
             return
-        answer = _outcome(client, device_id, command)
-        if answer is not None and answer["outcome"] != "succeeded":
-            raise CommandFailed(f"{device_id}: {answer['reason'] or answer['outcome']}")
+        if state["final"] and state["state"] != "done":  # refused: the device says why
+            raise CommandFailed(f"{device_id}: {state['reason'] or state['state']}")
         time.sleep(0.3)  # polling the server for the device's answer
     raise CommandFailed(f"{device_id} sent no complete answer to {command} within {timeout:g} s (is it online?)")
 

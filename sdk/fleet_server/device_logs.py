@@ -75,12 +75,18 @@ def send_fetch(database: Database, sink: CommandSink, device: str, body: dict[st
 
 
 def _request_state(connection: Connection, device: str, request: str) -> dict[str, Any]:
-    marks = device_log_chunks
+    """How far a fetch's answer got: chunks stored, whether all of them, and the device's job
+    state with its reason (a refusal says why: the rate limit, a missing signature)."""
+    marks, events = device_log_chunks, tables.job_events
     rows = connection.execute(select(marks.c.chunk, marks.c.last, marks.c.records).where(
         marks.c.request == request, marks.c.device == device)).all()
     last = next((row.chunk for row in rows if row.last), None)
+    job = connection.execute(select(events.c.state, events.c.final, events.c.reason).where(
+        events.c.device == device, events.c.job == request).order_by(events.c.id.desc()).limit(1)).first()
     return {"id": request, "chunks": len(rows), "records": sum(row.records for row in rows),
-            "complete": last is not None and len(rows) == last + 1}
+            "complete": last is not None and len(rows) == last + 1,
+            "state": None if job is None else job.state, "final": bool(job is not None and job.final),
+            "reason": None if job is None else job.reason}
 
 
 def read_logs(database: Database, device: str, query: LogQuery) -> dict[str, Any]:
@@ -179,6 +185,7 @@ OPENAPI_OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                 "newest": {"type": ["number", "null"]},
                 "request": {"type": "object", "properties": {
                     "id": {"type": "string"}, "chunks": {"type": "integer"}, "records": {"type": "integer"},
-                    "complete": {"type": "boolean"}}}}}}}},
+                    "complete": {"type": "boolean"}, "state": {"type": ["string", "null"]},
+                    "final": {"type": "boolean"}, "reason": {"type": ["string", "null"]}}}}}}}},
             "404": {"description": "no such device", "content": {"application/json": {"schema": _ERROR}}}}}),
 ]
