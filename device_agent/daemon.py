@@ -14,7 +14,7 @@ import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
@@ -23,15 +23,15 @@ from device_agent.logring import LogRing
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
-from device_agent.telemetry.metrics import ModelInfo
-from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
-from device_agent.telemetry.session import ConnectionCounter
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.rejected import for_state
-from device_agent.updates.service import UpdateService
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.signing import TrustStore
+
+if TYPE_CHECKING:  # imported when used: an agent without mqtt: never loads MQTT, telemetry or updates
+    from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter
+    from device_agent.updates.service import UpdateService
 
 log = logging.getLogger("edgepack.agent")
 
@@ -145,6 +145,9 @@ class Daemon:
     def status(self) -> AgentStatus:
         import onnxruntime as ort
 
+        from device_agent.telemetry.metrics import ModelInfo
+        from device_agent.telemetry.reporter import AgentStatus
+
         slots = self.models.slots
         model = slots[0].service.model if slots else None
         info = None if model is None else ModelInfo(model.manifest.name, model.manifest.version,
@@ -176,6 +179,9 @@ class Daemon:
                 self.install_artifact(entry.artifact, slot=self.new_slot(entry.name))
         mqtt = self.config.mqtt
         if mqtt is not None:
+            from device_agent.telemetry.reporter import TelemetryReporter, settings_from_config
+            from device_agent.telemetry.session import ConnectionCounter
+
             counter = ConnectionCounter(self.config.store / "mqtt_session.json")
             self.reporter = TelemetryReporter(
                 self.config.device_id, settings_from_config(mqtt, self.config.device_id, counter),
@@ -241,6 +247,8 @@ class Daemon:
         if self.operator_trust is not None:  # without: `edgepack-agent run` warns on stderr at every start
             log.info("commands that change what runs must be signed by one of %d operator key(s)",
                      len(self.operator_trust))
+        from device_agent.updates.service import UpdateService
+
         self.updates = UpdateService(self)
         self.updates.start()
 

@@ -119,7 +119,7 @@ def test_the_agent_logs_the_server_fetches_and_the_cli_prints_the_lines(fleet, s
     lines = shown.stdout.splitlines()
     assert any(re.fullmatch(rf"\S+Z INFO +edgepack\.agent: HTTP API on http://127\.0\.0\.1:{agent.port}", line)
                for line in lines), shown.stdout
-    entry = server.get("/api/audit?action=device.logs")["entries"][0]
+    entry = server.get("/api/audit?action=logs.fetch")["entries"][0]
     assert entry["actor"] == "admin" and entry["detail"]["lines"] == 500
     assert all(e["kind"] != "fetch-logs" for e in server.get(f"/api/devices/{DEVICE}/history")["entries"])
     chunks = [json.loads(p) for t, p in inbox.messages if t == TOPICS.logs(DEVICE)]

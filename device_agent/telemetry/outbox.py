@@ -40,11 +40,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from device_agent.errors import MessageTooLargeError, OutboxError
 from edgepack_core.errors import EdgepackError, InvalidPublishError, UsageError
-from edgepack_core.mqtt_transport import MqttTransport
+
+if TYPE_CHECKING:  # agent.yaml's defaults come from here: the config must not load paho-mqtt
+    from edgepack_core.mqtt_transport import MqttTransport
 
 log = logging.getLogger(__name__)
 

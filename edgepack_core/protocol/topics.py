@@ -28,9 +28,9 @@ MAX_NAME_LENGTH = MAX_ID_LENGTH
 
 _ROOT_LEVEL = re.compile(r"[A-Za-z0-9._-]+")
 
-DeviceTopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "logs"]
-TopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "logs", "group_cmd"]
-_DEVICE_KINDS: tuple[DeviceTopicKind, ...] = ("state", "telemetry", "cmd", "job", "logs")
+DeviceTopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "events", "logs"]
+TopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "events", "logs", "group_cmd"]
+_DEVICE_KINDS: tuple[DeviceTopicKind, ...] = ("state", "telemetry", "cmd", "job", "events", "logs")
 
 
 def _check_name(field: str, value: object) -> str:
@@ -90,6 +90,10 @@ class Topics:
 
     def job(self, device_id: str) -> str:
         return f"{self.root}/dev/{validate_device_id(device_id)}/job"
+
+    def events(self, device_id: str) -> str:
+        """Where a device's pipelines publish their events (QoS 1, through the outbox)."""
+        return f"{self.root}/dev/{validate_device_id(device_id)}/events"
 
     def logs(self, device_id: str) -> str:
         return f"{self.root}/dev/{validate_device_id(device_id)}/logs"

@@ -1,6 +1,6 @@
 """A device's logs through the server: ``POST /api/devices/{id}/logs/fetch`` (an operator asks the
 device for its records: a ``fetch-logs`` command, signed, recorded and published by the driver's
-code like a device action's, audited as ``device.logs``) and ``GET /api/devices/{id}/logs``
+code like a device action's, audited as ``logs.fetch``) and ``GET /api/devices/{id}/logs``
 (what devices sent, stored by :mod:`.log_ingest`; ``request=`` also says whether that fetch's
 answer is complete). The dashboard's device page and ``edgepack device logs`` use both.
 """
@@ -67,7 +67,7 @@ def send_fetch(database: Database, sink: CommandSink, device: str, body: dict[st
             raise ApiError(404, "not_found", f"no device {device}")
         command = build_command("fetch-logs", device=device, ttl_s=FETCH_TTL_S, now=now, **fields)
         recorded = sink.record_command(connection, device, "fetch-logs", command, now)
-        audit.record(connection, actor=actor, action="device.logs", target=device, remote=remote, now=now,
+        audit.record(connection, actor=actor, action="logs.fetch", target=device, remote=remote, now=now,
                      detail={"reason": body.get("reason", ""), "command": command["id"], **fields})
     if recorded is not None:
         sink.publish([recorded], now)
@@ -163,7 +163,7 @@ _RECORD = {"type": "object", "properties": {
 
 OPENAPI_OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
     ("post", "/api/devices/{device_id}/logs/fetch", {
-        "summary": "Ask a device for its log records (a signed fetch-logs command, audited as device.logs); the "
+        "summary": "Ask a device for its log records (a signed fetch-logs command, audited as logs.fetch); the "
                    "device answers in chunks the server stores (GET .../logs?request=COMMAND says when complete)",
         "parameters": [_DEVICE],
         "requestBody": {"required": False, "content": {"application/json": {"schema": FETCH_REQUEST_SCHEMA}}},

@@ -6,6 +6,7 @@
 
 import { api, pathId, query } from "./api.js";
 import { h, replace } from "./dom.js";
+import { can } from "./role.js";
 
 export const TAIL_MS = 5000;
 export const MAX_SHOWN = 2000;
@@ -41,12 +42,16 @@ export function logsPanel(id) {
     if (busy || document.visibilityState !== "visible") return;
     busy = true;
     try {
-      try {
-        await api(`/api/devices/${pathId(id)}/logs/fetch`,
-                  { method: "POST", json: newest === null ? { lines: 200 } : { since: newest, lines: 1000 } });
-        status.textContent = "live: asking for newer records every few seconds while this page is open";
-      } catch (failure) {
-        status.textContent = `live tail paused: ${failure.message}`;
+      if (!can("logs.fetch")) {
+        status.textContent = "showing the records stored; asking the device for newer ones needs the operator role";
+      } else {
+        try {
+          await api(`/api/devices/${pathId(id)}/logs/fetch`,
+                    { method: "POST", json: newest === null ? { lines: 200 } : { since: newest, lines: 1000 } });
+          status.textContent = "live: asking for newer records every few seconds while this page is open";
+        } catch (failure) {
+          status.textContent = `live tail paused: ${failure.message}`;
+        }
       }
       await read();
     } catch (failure) {
