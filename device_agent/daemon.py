@@ -59,6 +59,7 @@ class Daemon:
         self._root_claim: str | None = None  # the model name an empty root store was handed to
         self.api: ApiServer | None = None
         self.reporter: TelemetryReporter | None = None
+        self.pipelines: Any = None  # device_agent.pipelines.host.PipelineSet, when agent.yaml has pipelines
         self.updates: UpdateService | None = None
         self._stopped = threading.Event()
 
@@ -139,8 +140,10 @@ class Daemon:
         slot.service.observers.append(lambda latency, error: self._observe(slot.name, latency, error))
 
     def health(self) -> dict[str, Any]:
-        """What /healthz adds to the models: the stores' condition and, on a full disk, ``degraded``."""
-        return {**self.health_of_stores(), **self.space.health()}
+        """What /healthz adds to the models: the stores' condition, on a full disk ``degraded``, and
+        each pipeline's state (running with its counters, or refused with the reason)."""
+        pipelines = {"pipelines": self.pipelines.status()} if self.pipelines is not None else {}
+        return {**self.health_of_stores(), **self.space.health(), **pipelines}
 
     def status(self) -> AgentStatus:
         import onnxruntime as ort
@@ -189,6 +192,7 @@ class Daemon:
                 interval=mqtt.telemetry_interval, outbox_limits=mqtt.queue, counter=counter)
             self.reporter.start()
             self._start_updates()
+        self._start_pipelines()
         address = self.config.api.address
         if address is not None:
             self.api = ApiServer(address, self.service, settings=self.config.api, health=self.health,
@@ -252,6 +256,28 @@ class Daemon:
         self.updates = UpdateService(self)
         self.updates.start()
 
+    def _start_pipelines(self) -> None:
+        """Start agent.yaml's pipelines, each checked against the models installed now
+        (docs/agent.md, "Pipelines"); imported only when there are some (an idle agent pays nothing)."""
+        if not self.config.pipelines:
+            return
+        from device_agent.pipelines.contracts import installed_contracts
+        from device_agent.pipelines.host import PipelineSet
+
+        reporter = self.reporter
+
+        def publish(event: Any) -> None:
+            if reporter is not None:
+                reporter.outbox.put(reporter.topics.events(self.config.device_id), event.to_payload(), 1, "events")
+
+        def service_of(name: str) -> Any:
+            slot = self.models.get(name)
+            return None if slot is None else slot.service
+
+        self.pipelines = PipelineSet(self.config.pipelines, self.config.device_id, service_of,
+                                     publish if reporter is not None else None)
+        self.pipelines.start(installed_contracts(self.config))
+
     def _observe(self, name: str, latency: float | None, error: str | None) -> None:
         if self.reporter is None:
             return
@@ -264,6 +290,8 @@ class Daemon:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.pipelines is not None:
+            self.pipelines.stop()
         if self.api is not None:
             self.api.stop()
         if self.updates is not None:

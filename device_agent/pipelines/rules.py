@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from device_agent.pipelines.spec import RuleSpec, rule_kind, rule_name
+from edgepack_core.protocol.events import EventKind
 
 # Half-width of the band around a line, in frame fractions, that an anchor must leave on the far
 # side before a crossing counts (and on the near side before it is "on a side" at all).
@@ -58,7 +59,7 @@ class RuleEvent:
     """An event before it gets its device, pipeline and sequence number."""
 
     rule: str
-    kind: str
+    kind: EventKind
     frame: int
     ts: float
     track: int | None = None
@@ -278,7 +279,8 @@ class _CountState:
         if new == self.state:
             return []
         self.state = new
-        kind = new if new != "normal" else "count_normal"
+        kind: EventKind = "count_above" if new == "count_above" else "count_below" if new == "count_below" \
+            else "count_normal"
         return [RuleEvent(self.rule.name, kind, frame.index, frame.ts, count=count)]
 
 
@@ -299,7 +301,7 @@ class _ConfidenceState:
         return [] if best is None else [_event(self.rule.name, "confidence", frame, best)]
 
 
-def _event(rule: str, kind: str, frame: Frame, seen: Seen, **extra: object) -> RuleEvent:
+def _event(rule: str, kind: EventKind, frame: Frame, seen: Seen, **extra: object) -> RuleEvent:
     return RuleEvent(rule, kind, frame.index, frame.ts, track=seen.track, label=seen.label, score=seen.score,
                      box=seen.box, **extra)  # type: ignore[arg-type]
 

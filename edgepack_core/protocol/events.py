@@ -57,6 +57,8 @@ class Event:
     count: int | None = option(None, description="count_*: the objects counted.", minimum=0)
     dwell_s: float | None = option(None, description="dwell and leave: seconds inside.", minimum=0)
     counts: Mapping[str, LineCount] | None = option(None, description="cross: per-label totals of the line.")
+    attributes: Mapping[str, str] | None = option(None, description="What the crop stages said of the object "
+                                                  "(stage name -> label).")
     detail: str | None = option(None, description="source events: why.", maxLength=512)
     snapshot: str | None = option(None, description="The snapshot file written for it, if any.", maxLength=256)
 
@@ -69,6 +71,8 @@ class Event:
                 continue
             if field.name == "counts":
                 value = {label: {"in": c.crossed_in, "out": c.crossed_out} for label, c in value.items()}
+            elif field.name == "attributes":
+                value = dict(value)
             elif isinstance(value, tuple):
                 value = list(value)
             out[field.name] = value
