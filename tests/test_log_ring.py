@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import click
@@ -28,11 +27,13 @@ from edgepack_core.errors import SchemaError
 from edgepack_core.protocol.logs import MAX_CHUNK_BYTES, LogLine, chunk_records, parse_logs_chunk
 from edgepack_core.protocol.topics import Topics
 from sdk.cli.device_logs import parse_since
+from sdk.fleet_server import db as tables
 from sdk.fleet_server import log_ingest
-from sdk.fleet_server.db import Database, open_database
+from sdk.fleet_server.db import Database
 from sdk.fleet_server.log_tables import device_log_chunks, device_logs
 from sdk.keys import write_keypair
 from tests.postgres import postgres_server, postgres_url  # noqa: F401  (fixtures)
+from tests.test_fleet_server_db import database  # noqa: F401  (the fixture: SQLite and PostgreSQL)
 
 NOW = 1_800_000_000.0
 
@@ -241,23 +242,19 @@ def test_the_logs_section_is_validated_up_front():
 # ------------------------------------------------------------------ the server's storage
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request, tmp_path: Path):
-    sqlite = f"sqlite:///{tmp_path / 'fleet.db'}"
-    url = sqlite if request.param == "sqlite" else request.getfixturevalue("postgres_url")
-    opened = open_database(url)
-    yield opened
-    opened.dispose()
-
-
-def _store(database: Database, *chunks: bytes, device: str = "pi-07") -> None:
+def _store(db: Database, *chunks: bytes, device: str = "pi-07") -> None:
     parsed = [(parse_logs_chunk(device, chunk), NOW) for chunk in chunks]
-    with database.write() as connection:
-        log_ingest.write_chunks(database, connection, parsed)  # type: ignore[arg-type]
+    with db.write() as connection:
+        log_ingest.write_chunks(db, connection, parsed)  # type: ignore[arg-type]
 
 
-def test_stored_logs_are_kept_once_and_the_newest_per_device(database, monkeypatch):
+def test_stored_logs_are_kept_once_and_the_newest_per_device(database, monkeypatch):  # noqa: F811
     monkeypatch.setattr(log_ingest, "MAX_RECORDS_PER_DEVICE", 50)
+    with database.write() as connection:  # the fetches that asked (the live tail sends one every few seconds)
+        connection.execute(tables.commands.insert(), [
+            {"id": f"fetch-{n}", "rollout_id": None, "device": "pi-07", "kind": "fetch-logs", "topic": "t",
+             "payload": b"{}", "created_at": NOW + n, "created_by": "s", "published_at": NOW + n, "attempts": 1}
+            for n in range(log_ingest.MAX_FETCHES_PER_DEVICE + 5)])
     first = chunk_records([_line(n) for n in range(30)], device="pi-07", request="r1", now=NOW)
     _store(database, *first)
     _store(database, *first)  # a redelivery, or a fetch that overlaps the one before
@@ -271,7 +268,10 @@ def test_stored_logs_are_kept_once_and_the_newest_per_device(database, monkeypat
         other = connection.execute(select(func.count()).select_from(device_logs).where(
             device_logs.c.device == "pi-08")).scalar()
         marks = connection.execute(select(func.count()).select_from(device_log_chunks)).scalar()
+        fetches = [row[0] for row in connection.execute(select(tables.commands.c.id).order_by(
+            tables.commands.c.created_at))]
     assert seqs == list(range(30, 80)) and other == 5 and marks == 3
+    assert fetches == [f"fetch-{n}" for n in range(5, log_ingest.MAX_FETCHES_PER_DEVICE + 5)]  # the newest kept
 
 
 def test_since_is_unix_seconds_a_duration_ago_or_an_iso_time():

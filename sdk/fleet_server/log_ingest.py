@@ -8,8 +8,8 @@ same shape of bounds: a per-device token bucket (:mod:`.budgets`; the excess is 
 counted), a queue bounded in items and bytes, one writer thread storing batches, every chunk
 parsed by :func:`edgepack_core.protocol.logs.parse_logs_chunk` before any value is used. A
 record already stored (the same device, ts and seq) is not stored twice; the newest
-:data:`MAX_RECORDS_PER_DEVICE` records and :data:`MAX_CHUNKS_PER_DEVICE` chunk marks of a
-device are kept. A decommissioned device's logs are dropped.
+:data:`MAX_RECORDS_PER_DEVICE` records, :data:`MAX_CHUNKS_PER_DEVICE` chunk marks and
+:data:`MAX_FETCHES_PER_DEVICE` recorded fetch commands of a device are kept. A decommissioned device's logs are dropped.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ log = logging.getLogger("edgepack.fleet_server.logs")
 
 MAX_RECORDS_PER_DEVICE = 10_000
 MAX_CHUNKS_PER_DEVICE = 1_000
+MAX_FETCHES_PER_DEVICE = 100
+"""``fetch-logs`` commands kept per device in ``commands`` (the live tail sends one every few
+seconds; a fetch is never resent once older than these, and the history leaves them out)."""
 QUEUE_ITEMS = 10_000
 QUEUE_BYTES = 16 * 1024 * 1024
 MAX_BATCH = 200
@@ -179,3 +182,9 @@ def _prune(connection: Any, device: str) -> None:
                               .order_by(marks.c.received_at.desc()).offset(MAX_CHUNKS_PER_DEVICE).limit(1)).scalar()
     if edge is not None:
         connection.execute(delete(marks).where(marks.c.device == device, marks.c.received_at <= edge))
+    sent = tables.commands
+    edge = connection.execute(select(sent.c.created_at).where(sent.c.device == device, sent.c.kind == "fetch-logs")
+                              .order_by(sent.c.created_at.desc()).offset(MAX_FETCHES_PER_DEVICE).limit(1)).scalar()
+    if edge is not None:
+        connection.execute(delete(sent).where(sent.c.device == device, sent.c.kind == "fetch-logs",
+                                              sent.c.created_at <= edge))
