@@ -1,6 +1,6 @@
 """Remote logs (issue 25, item 5), end to end: what an agent logged could only be read with
 journalctl on the device. A real agent (``edgepack-agent run``) logs in to the shipped broker
-config and ACL as pi-07 with its password; the fleet server (logged in as the operator) sends a
+config and ACL as pi-07 with its password (``mqtt.password_file``); the fleet server (logged in as the operator) sends a
 signed ``fetch-logs``, the agent answers on ``dev/pi-07/logs`` in chunks, the server stores
 them and ``edgepack device logs`` prints the lines. The ring survives a restart, the device's
 rate limit refuses a fetch over its burst with the time to retry, ``--follow`` ends on Ctrl-C
@@ -65,7 +65,11 @@ def _env(server: FleetServerProcess) -> dict[str, str]:
 def _agent(folder: Path, broker, keys, keypair, artifact: Path, logs: dict) -> AgentProcess:
     agent = AgentProcess(folder, device=DEVICE, broker_port=broker.port, trust=keypair[1], artifact=artifact,
                          operator_keys=[keys.operator_pub])
-    text = agent.config.read_text().replace("keepalive: 5,", f"keepalive: 5, username: {DEVICE}, password: {PASSWORD},")
+    secret = folder / "mqtt-password"
+    secret.write_text(PASSWORD + "\n")
+    secret.chmod(0o600)
+    login = f"keepalive: 5, username: {DEVICE}, password_file: {secret},"
+    text = agent.config.read_text().replace("keepalive: 5,", login)
     agent.config.write_text(text + f"logs: {json.dumps(logs)}\n")
     return agent
 

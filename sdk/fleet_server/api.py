@@ -58,6 +58,7 @@ from sdk.fleet_server import (
     openapi,
     queries,
     roles,
+    settings_api,
     wave_waits,
 )
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
@@ -681,6 +682,7 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/tokens", guard(u.tokens, needs="token.list"), methods=["GET"]),
         Route("/api/tokens", guard(u.create_token, "token.create"), methods=["POST"]),
         Route("/api/tokens/{name}", guard(u.revoke_token, "token.revoke"), methods=["DELETE"]),
+        *settings_api.routes(context, guard),
         Route("/artifacts/{file_name}", r.artifact_file, methods=["GET"]),
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]

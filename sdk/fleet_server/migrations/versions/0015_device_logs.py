@@ -2,8 +2,8 @@
 ts and seq; the newest per device kept) and ``device_log_chunks`` (which chunks of which request
 arrived). sdk/fleet_server/log_tables.py.
 
-Revision ID: 0014
-Revises: 0013
+Revision ID: 0015
+Revises: 0014
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0014"
-down_revision = "0013"
+revision = "0015"
+down_revision = "0014"
 branch_labels = None
 depends_on = None
 
