@@ -136,7 +136,8 @@ def test_the_configured_mqtt_password_and_client_key_material_are_the_secrets(tm
     write_keypair(key, public)
     tls = SimpleNamespace(key=str(key))
     found = configured_secrets(SimpleNamespace(mqtt=SimpleNamespace(password="s3cret-pw", tls=tls)))
-    body = [line for line in key.read_text().splitlines() if not line.startswith("-----")]
+    text = key.read_text()
+    body = [line for line in text[text.index("-----BEGIN"):].splitlines() if not line.startswith("-----")]
     assert found == ["s3cret-pw", *body] and body
     record = logging.LogRecord("x", logging.ERROR, __file__, 1, "pw %s, key %s", ("s3cret-pw", body[0]), None)
     assert RedactingFilter(Redactor(found)).filter(record)

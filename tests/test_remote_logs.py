@@ -75,7 +75,10 @@ def _agent(folder: Path, broker, keys, keypair, artifact: Path, logs: dict) -> A
 
 
 def _key_lines(pem: Path) -> list[str]:
-    return [line for line in pem.read_text().splitlines() if line and not line.startswith("-----")]
+    """The private key's base64 body (a label line such as ``edgepack-key: operator`` is no secret)."""
+    text = pem.read_text()
+    body = text[text.index("-----BEGIN PRIVATE KEY-----"):].splitlines()[1:]
+    return [line for line in body if line and not line.startswith("-----")]
 
 
 @pytest.fixture
