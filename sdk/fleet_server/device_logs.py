@@ -26,6 +26,7 @@ from sdk.fleet_server import audit
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.actions import CommandSink
 from sdk.fleet_server.db import Database
+from sdk.fleet_server.http_input import Params, _path_id, _remote, _validate, read_json
 from sdk.fleet_server.log_tables import device_log_chunks, device_logs
 
 MAX_PAGE = 10_000
@@ -115,8 +116,6 @@ def read_logs(database: Database, device: str, query: LogQuery) -> dict[str, Any
 
 def fetch_handler(context: Any) -> Handler:
     """``POST /api/devices/{id}/logs/fetch`` (an operator's write, behind the API's guard)."""
-    from sdk.fleet_server.api import Params, _path_id, _remote, _validate, read_json
-
     async def fetch(request: Request, actor: str) -> Response:
         Params(request, set())
         device = _path_id(request, "device_id")
@@ -133,8 +132,6 @@ def fetch_handler(context: Any) -> Handler:
 
 def read_handler(context: Any) -> Handler:
     """``GET /api/devices/{id}/logs?since=&level=&limit=&request=`` (a read)."""
-    from sdk.fleet_server.api import Params, _path_id
-
     async def read(request: Request, _actor: str) -> Response:
         params = Params(request, {"since", "level", "limit", "request"})
         device = _path_id(request, "device_id")
