@@ -33,9 +33,9 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pg
 
 
 def _trust(paths: Sequence[str]) -> Any:
-    from edgepack_core.signing import TrustStore
+    from edgepack_core.signing import RELEASE, TrustStore
 
-    return TrustStore.from_paths(paths)
+    return TrustStore.from_paths(paths, kind=RELEASE)
 
 
 def _read_input(path: Path) -> bytes | np.ndarray | dict[str, np.ndarray]:
@@ -223,15 +223,57 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from device_agent.config import load_config, unauthenticated_commands_warning
+    from device_agent import logring
+    from device_agent.config import load_config
     from device_agent.daemon import Daemon
 
     config = load_config(args.config)
-    logging.getLogger().setLevel(getattr(logging, config.log_level.upper()))
-    warning = unauthenticated_commands_warning(config)
-    if warning:  # on stderr whatever the log level, at every start
+    ring = logring.attach(config)  # records redacted before they are kept or printed
+    try:
+        _run_daemon(Daemon(config, log_ring=ring), config)  # reads the settings held from the fleet server
+    finally:
+        logring.detach(ring)
+    return 0
+
+
+def _run_daemon(daemon: Any, config: Any) -> None:
+    """Start the daemon at the log level of its settings (the fleet server's may set it), after
+    the warnings every start prints, and serve until a signal."""
+    from device_agent.config import inline_password_warning, unauthenticated_commands_warning
+
+    logging.getLogger().setLevel(getattr(logging, daemon.config.log_level.upper()))
+    warnings = [inline_password_warning(config)]
+    if daemon.operator_trust is None:
+        warnings.append(unauthenticated_commands_warning(config))
+    for warning in filter(None, warnings):  # on stderr whatever the log level, at every start
         print(f"edgepack-agent: warning: {warning}", file=sys.stderr, flush=True)
-    Daemon(config).run_until_signal()
+    daemon.run_until_signal()
+
+
+def cmd_pipeline_check(args: argparse.Namespace) -> int:
+    """Every pipeline of the config parsed (schema, cross-field rules) and checked against the
+    models the store holds; one line per pipeline, exit 1 at the first refusal."""
+    from device_agent.config import load_config
+    from device_agent.pipelines.checks import check_models
+    from device_agent.pipelines.contracts import installed_contracts
+
+    config = load_config(args.config)
+    if not config.pipelines:
+        print(f"{args.config}: no pipelines")
+        return 0
+    contracts = installed_contracts(config)
+    for index, spec in enumerate(config.pipelines):
+        check_models(spec, contracts, where=f"pipelines[{index}]")
+        stages = " -> ".join(stage.stage_name for stage in spec.stages)
+        print(f"{spec.name}: ok ({spec.source.kind} source, {stages}, {len(spec.rules)} rules, "
+              f"{len(spec.sinks)} sinks)")
+    return 0
+
+
+def cmd_pipeline_schema(args: argparse.Namespace) -> int:
+    from device_agent.pipelines.spec import pipeline_schema
+
+    print(json.dumps(pipeline_schema(), indent=2))
     return 0
 
 
@@ -288,6 +330,15 @@ def build_parser() -> argparse.ArgumentParser:
     runtime(rollback)
     rollback.add_argument("--model", metavar="NAME", help="the model to roll back (several named models)")
     rollback.set_defaults(func=cmd_rollback)
+
+    pipeline = sub.add_parser("pipeline", help="pipelines (streams): check a config's, print the schema")
+    pipeline_sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
+    check = pipeline_sub.add_parser("check", help="validate agent.yaml's pipelines against the installed models, "
+                                    "without running them")
+    check.add_argument("--config", required=True, help="agent.yaml")
+    check.set_defaults(func=cmd_pipeline_check)
+    schema = pipeline_sub.add_parser("schema", help="print the JSON Schema of one pipeline")
+    schema.set_defaults(func=cmd_pipeline_schema)
 
     from device_agent.system_files import add_commands  # files, install-unit: the shipped unit and schemas
 

@@ -14,23 +14,25 @@ import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
+from device_agent.logring import LogRing
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
+from device_agent.remote_settings import Held, load_held, overlay
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
-from device_agent.telemetry.metrics import ModelInfo
-from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
-from device_agent.telemetry.session import ConnectionCounter
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.rejected import for_state
-from device_agent.updates.service import UpdateService
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
-from edgepack_core.signing import TrustStore
+from edgepack_core.signing import OPERATOR, RELEASE, TrustStore
+
+if TYPE_CHECKING:  # imported when used: an agent without mqtt: never loads MQTT, telemetry or updates
+    from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter
+    from device_agent.updates.service import UpdateService
 
 log = logging.getLogger("edgepack.agent")
 
@@ -43,13 +45,27 @@ class Daemon:
     root store's, the slot of a single-model agent (and of the model a store laid out before
     named models holds)."""
 
-    def __init__(self, config: AgentConfig) -> None:
-        self.config = config
-        self.trust = TrustStore.from_paths(config.trust)
+    def __init__(self, config: AgentConfig, log_ring: LogRing | None = None) -> None:
+        self.log_ring = log_ring  # what a fetch-logs command reads (device_agent/logring.py)
+        # Settings from the fleet server (device_agent/remote_settings.py) win over agent.yaml's
+        # for the keys they carry; ``base_config`` is agent.yaml alone, what a new document overlays.
+        self.base_config = config
+        self.held = load_held(config.store)
+        self.config = overlay(config, self.held.applied())
+        if config.mqtt is not None:
+            # Before any session is made: imported after onnxruntime's start-up allocations, the
+            # same modules cost 1.9 MiB more RSS (tools/bench/agent_rss.py --mqtt, BENCHMARKS.md).
+            import device_agent.telemetry.reporter
+            import device_agent.updates.service  # noqa: F401
+        self._file_trust = TrustStore.from_paths(config.trust, kind=RELEASE)
+        self.trust = TrustStore(self._file_trust.public_keys())
         # Operator keys sign commands (edgepack keygen --operator); without them, anyone who can
         # publish to the broker may order deploys, rollbacks and downgrades (warned at start).
-        self.operator_trust = TrustStore.from_paths(config.operator_keys) if config.operator_keys else None
-        self.store = ModelStore(config.store, self.trust, config.limits.reader_limits())
+        self._file_operators = TrustStore.from_paths(config.operator_keys, kind=OPERATOR) \
+            if config.operator_keys else None
+        self.operator_trust: TrustStore | None = None
+        self.use_keys(self.held)
+        self.store = ModelStore(config.store, self.trust, self.config.limits.reader_limits())
         self.space = FreeSpace(config.store, config.updates.min_free_bytes)
         self.service = self._new_service()
         self.models = ModelSet()
@@ -57,8 +73,32 @@ class Daemon:
         self._root_claim: str | None = None  # the model name an empty root store was handed to
         self.api: ApiServer | None = None
         self.reporter: TelemetryReporter | None = None
+        self.pipelines: Any = None  # device_agent.pipelines.host.PipelineSet, when agent.yaml has pipelines
         self.updates: UpdateService | None = None
         self._stopped = threading.Event()
+
+    def use_keys(self, held: Held) -> None:
+        """Trust the release and operator keys of the applied settings document, or agent.yaml's
+        for a kind it does not carry (a store changed in place: every model store holds it)."""
+        applied = held.applied()
+        document = held.document
+        release = document.release_keys if document is not None and "trust" in applied else ()
+        self.trust.replace(release or self._file_trust.public_keys())
+        operators = document.operator_keys if document is not None and "operator_keys" in applied else ()
+        if not operators and self._file_operators is not None:
+            operators = tuple(self._file_operators.public_keys())
+        if not operators:
+            self.operator_trust = None
+        elif self.operator_trust is None:
+            self.operator_trust = TrustStore(operators)
+        else:
+            self.operator_trust.replace(operators)
+
+    def settings_report(self) -> dict[str, Any]:
+        """The state message's ``settings``: the generation held, each key's result, the keys held."""
+        return {"generation": self.held.generation, "results": dict(self.held.results),
+                "keys": {"release": self.trust.key_ids,
+                         "operator": [] if self.operator_trust is None else self.operator_trust.key_ids}}
 
     def _new_service(self) -> InferenceService:
         return InferenceService(max_streams=self.config.api.max_streams, stream_idle_s=self.config.api.stream_idle_s)
@@ -137,11 +177,16 @@ class Daemon:
         slot.service.observers.append(lambda latency, error: self._observe(slot.name, latency, error))
 
     def health(self) -> dict[str, Any]:
-        """What /healthz adds to the models: the stores' condition and, on a full disk, ``degraded``."""
-        return {**self.health_of_stores(), **self.space.health()}
+        """What /healthz adds to the models: the stores' condition, on a full disk ``degraded``, and
+        each pipeline's state (running with its counters, or refused with the reason)."""
+        pipelines = {"pipelines": self.pipelines.status()} if self.pipelines is not None else {}
+        return {**self.health_of_stores(), **self.space.health(), **pipelines}
 
     def status(self) -> AgentStatus:
         import onnxruntime as ort
+
+        from device_agent.telemetry.metrics import ModelInfo
+        from device_agent.telemetry.reporter import AgentStatus
 
         slots = self.models.slots
         model = slots[0].service.model if slots else None
@@ -152,7 +197,8 @@ class Daemon:
                            profile=self.config.profile, available_providers=list(ort.get_available_providers()),
                            provider_fallbacks=[] if model is None else model.fallbacks_json(),
                            rejected=for_state([r for store in stores for r in store.rejected.records()]),
-                           models=[state_entry(slot) for slot in slots], extra=self.health_of_stores())
+                           models=[state_entry(slot) for slot in slots],
+                           extra={**self.health_of_stores(), "settings": self.settings_report()})
 
     def health_of_stores(self) -> dict[str, Any]:
         """The stores' condition (read-only, recovered): nothing while they are sound."""
@@ -174,6 +220,9 @@ class Daemon:
                 self.install_artifact(entry.artifact, slot=self.new_slot(entry.name))
         mqtt = self.config.mqtt
         if mqtt is not None:
+            from device_agent.telemetry.reporter import TelemetryReporter, settings_from_config
+            from device_agent.telemetry.session import ConnectionCounter
+
             counter = ConnectionCounter(self.config.store / "mqtt_session.json")
             self.reporter = TelemetryReporter(
                 self.config.device_id, settings_from_config(mqtt, self.config.device_id, counter),
@@ -181,6 +230,7 @@ class Daemon:
                 interval=mqtt.telemetry_interval, outbox_limits=mqtt.queue, counter=counter)
             self.reporter.start()
             self._start_updates()
+        self._start_pipelines()
         address = self.config.api.address
         if address is not None:
             self.api = ApiServer(address, self.service, settings=self.config.api, health=self.health,
@@ -239,8 +289,32 @@ class Daemon:
         if self.operator_trust is not None:  # without: `edgepack-agent run` warns on stderr at every start
             log.info("commands that change what runs must be signed by one of %d operator key(s)",
                      len(self.operator_trust))
+        from device_agent.updates.service import UpdateService
+
         self.updates = UpdateService(self)
         self.updates.start()
+
+    def _start_pipelines(self) -> None:
+        """Start agent.yaml's pipelines, each checked against the models installed now
+        (docs/agent.md, "Pipelines"); imported only when there are some (an idle agent pays nothing)."""
+        if not self.config.pipelines:
+            return
+        from device_agent.pipelines.contracts import installed_contracts
+        from device_agent.pipelines.host import PipelineSet
+
+        reporter = self.reporter
+
+        def publish(event: Any) -> None:
+            if reporter is not None:
+                reporter.outbox.put(reporter.topics.events(self.config.device_id), event.to_payload(), 1, "events")
+
+        def service_of(name: str) -> Any:
+            slot = self.models.get(name)
+            return None if slot is None else slot.service
+
+        self.pipelines = PipelineSet(self.config.pipelines, self.config.device_id, service_of,
+                                     publish if reporter is not None else None)
+        self.pipelines.start(installed_contracts(self.config))
 
     def _observe(self, name: str, latency: float | None, error: str | None) -> None:
         if self.reporter is None:
@@ -254,6 +328,8 @@ class Daemon:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.pipelines is not None:
+            self.pipelines.stop()
         if self.api is not None:
             self.api.stop()
         if self.updates is not None:

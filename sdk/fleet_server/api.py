@@ -23,9 +23,7 @@ Blocking work (database, verification) runs in Starlette's thread pool, never on
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -46,17 +44,37 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
-from sdk.errors import ApiError
-from sdk.fleet_server import actions, audit, bad_releases, desired, history, openapi, queries, wave_waits
+from sdk.errors import ApiError, ForbiddenError
+from sdk.fleet_server import (
+    access,
+    actions,
+    audit,
+    bad_releases,
+    desired,
+    device_logs,
+    history,
+    openapi,
+    queries,
+    roles,
+    settings_api,
+    wave_waits,
+)
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
+from sdk.fleet_server.http_input import (  # noqa: F401  (read_json, Params, ... are imported from here too)
+    MAX_JSON_BYTES,
+    Params,
+    _path_id,
+    _remote,
+    _validate,
+    read_json,
+)
 from sdk.fleet_server.retention import RetentionPolicy
 from sdk.fleet_server.rollouts import STATES, Gates, check_gates
 
 log = logging.getLogger("edgepack.fleet_server.api")
 
-MAX_JSON_BYTES = 64 * 1024
 MAX_ROLLOUT_JSON_BYTES = 8 * 1024 * 1024  # a rollout may list up to 100,000 devices
 UI_DIR = Path(__file__).resolve().parent / "ui"
 SECURITY_HEADERS = [
@@ -129,7 +147,11 @@ def as_api_error(exc: Exception) -> ApiError:
 
 async def _api_error(_request: Request, exc: Exception) -> Response:
     refusal = as_api_error(exc)
-    return error_response(refusal.status, refusal.code, refusal.message)
+    response = error_response(refusal.status, refusal.code, refusal.message)
+    if isinstance(refusal, ForbiddenError):  # the least role that may, for programs
+        response = JSONResponse({"error": {"status": 403, "code": "forbidden", "message": refusal.message,
+                                           "needs": refusal.needs}}, status_code=403)
+    return response
 
 
 def allowed_methods(app: Any, path: str) -> list[str]:
@@ -187,105 +209,6 @@ class SecurityHeaders:
         await self.app(scope, receive, with_headers)
 
 
-# --------------------------------------------------------------------------- input
-
-
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-async def read_json(request: Request, limit: int = MAX_JSON_BYTES, *, optional: bool = False) -> dict[str, Any]:
-    """The request's body as one JSON object, bounded before it is read and parsed."""
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes")
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes")
-    except ClientDisconnect:  # from None: a disconnect has nothing more to say
-        raise ApiError(400, "invalid", "the client went away before the body was complete") from None
-    if not body and optional:
-        return {}
-    try:
-        document = json.loads(bytes(body), parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise ApiError(400, "invalid", f"the body is not JSON: {str(err)[:200]}") from err
-    if not isinstance(document, dict):
-        raise ApiError(400, "invalid", "the body must be a JSON object")
-    return document
-
-
-def _validate(validator: Validator, document: dict[str, Any]) -> None:
-    try:
-        validator.validate(document)
-    except SchemaError as err:
-        raise ApiError(400, "invalid", str(err)) from err
-
-
-class Params:
-    """Typed, bounded query parameters; unknown ones are refused (a typo must not be ignored)."""
-
-    def __init__(self, request: Request, allowed: set[str]) -> None:
-        self.values = request.query_params
-        unknown = sorted(set(self.values.keys()) - allowed)
-        if unknown:
-            raise ApiError(400, "invalid", f"unknown query parameter {unknown[0]!r} (allowed: "
-                                           f"{', '.join(sorted(allowed)) or 'none'})")
-        for key in self.values:
-            if len(self.values.getlist(key)) > 1:
-                raise ApiError(400, "invalid", f"query parameter {key!r} given twice")
-
-    def text(self, name: str, *, id_like: bool = False, limit: int = 128) -> str | None:
-        value = self.values.get(name)
-        if value is None:
-            return None
-        if len(value) > limit or (id_like and not is_valid_id(value)):
-            raise ApiError(400, "invalid", f"{name}: {value[:64]!r} is not a valid value")
-        return value
-
-    def integer(self, name: str, default: int, low: int, high: int) -> int:
-        value = self.values.get(name)
-        if value is None:
-            return default
-        if not value.lstrip("-").isdigit() or len(value) > 18 or not low <= int(value) <= high:
-            raise ApiError(400, "invalid", f"{name}: must be a whole number in {low}..{high}")
-        return int(value)
-
-    def number(self, name: str, default: float) -> float:
-        value = self.values.get(name)
-        if value is None:
-            return default
-        try:
-            number = float(value) if len(value) <= 32 else math.nan
-        except ValueError:
-            number = math.nan
-        if not math.isfinite(number) or number < 0:
-            raise ApiError(400, "invalid", f"{name}: must be a non-negative number (unix seconds)")
-        return number
-
-    def boolean(self, name: str) -> bool | None:
-        value = self.values.get(name)
-        if value is None:
-            return None
-        if value not in ("true", "false"):
-            raise ApiError(400, "invalid", f"{name}: must be true or false")
-        return value == "true"
-
-
-def _path_id(request: Request, name: str) -> str:
-    value = request.path_params[name]
-    if not is_valid_id(value):
-        raise ApiError(404, "not_found", f"no such {name.removesuffix('_id')}")
-    return value
-
-
-def _remote(request: Request) -> str:
-    return f"{request.client.host}:{request.client.port}" if request.client else ""
-
-
 # --------------------------------------------------------------------------- routes
 
 Handler = Callable[[Request, str], Awaitable[Response]]
@@ -299,29 +222,30 @@ class Routes:
         self.context = context
         self.database = context.database
 
-    def guard(self, handler: Handler, write_action: str | None = None) -> Endpoint:
-        """Authenticate (401 without a valid token) and, for a write, audit a refusal."""
+    def guard(self, handler: Handler, write_action: str | None = None, *, needs: str | None = None) -> Endpoint:
+        """Authenticate (401 without a valid token), authorize (403 naming the role needed:
+        :mod:`.roles`; a read is ``read`` unless ``needs`` names it) and audit a write's refusal."""
         context = self.context
+        action = write_action or needs or roles.READ
 
         async def endpoint(request: Request) -> Response:
             context.requests += 1
-            actor = context.tokens.identify(request.headers.get("authorization"))
-            if actor is None:
+            identity = await access.identify(context.tokens, context.database, request.headers.get("authorization"))
+            if identity is None:
                 context.auth_failures += 1
                 raise ApiError(401, "unauthorized", "a valid token is needed: Authorization: Bearer TOKEN")
-            if write_action is None:
-                return await handler(request, actor)
+            request.state.identity = identity
             try:
-                return await handler(request, actor)
+                access.authorize(identity, action)
+                return await handler(request, identity.name)
             except _REFUSALS as err:
-                refusal = as_api_error(err)
-                params = request.path_params
-                target = str(params.get("rollout_id") or params.get("sha256") or params.get("device_id")
-                             or params.get("group") or "")
-                await run_in_threadpool(audit.record_refusal, context.database, actor=actor, action=write_action,
-                                        target=target, reason=f"{refusal.status} {refusal.message}",
-                                        remote=_remote(request))
+                if write_action is not None:
+                    refusal = as_api_error(err)
+                    await run_in_threadpool(audit.record_refusal, context.database, actor=identity.name,
+                                            action=write_action, target=access.refusal_target(request.path_params),
+                                            reason=f"{refusal.status} {refusal.message}", remote=_remote(request))
                 raise
+        setattr(endpoint, "action", action)  # noqa: B010  the permission table's test reads it
         return endpoint
 
     # ---------------------------------------------------------------- open routes
@@ -428,15 +352,6 @@ class Routes:
         """The rollout's document with what its waves wait for (offline devices, the deadline)."""
         return wave_waits.annotate(self.database, queries.get_rollout(self.database, rollout_id), now=time.time(),
                                    silence_s=self.context.silence_s)
-
-    async def audit_entries(self, request: Request, _actor: str) -> Response:
-        params = Params(request, {"limit", "before", "action"})
-        before = params.values.get("before")
-        entries = await run_in_threadpool(
-            audit.entries, self.database, limit=params.integer("limit", 100, 1, audit.MAX_PAGE),
-            before=None if before is None else params.integer("before", 0, 0, queries.MAX_ROW_ID),
-            action=params.text("action", limit=64))
-        return JSONResponse({"entries": entries})
 
     async def dead_letters(self, request: Request, _actor: str) -> Response:
         params = Params(request, {"limit", "before", "device"})
@@ -628,7 +543,10 @@ def _artifact_sha(request: Request) -> str:
 
 def build_app(context: ApiContext) -> Starlette:
     """The ASGI application."""
+    from sdk.fleet_server.users_api import UserRoutes  # it imports this module's helpers
+
     r = Routes(context)
+    u = UserRoutes(context)
     guard = r.guard
     routes = [
         Route("/", r.root, methods=["GET"], include_in_schema=False),
@@ -644,6 +562,9 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/decommissioned", guard(r.decommissioned), methods=["GET"]),
         Route("/api/devices/{device_id}/telemetry", guard(r.device_telemetry), methods=["GET"]),
         Route("/api/devices/{device_id}/history", guard(r.device_history), methods=["GET"]),
+        Route("/api/devices/{device_id}/logs", guard(device_logs.read_handler(context)), methods=["GET"]),
+        Route("/api/devices/{device_id}/logs/fetch", guard(device_logs.fetch_handler(context), "logs.fetch"),
+              methods=["POST"]),
         Route("/api/devices/{device_id}/groups", guard(r.set_groups, "device.groups"), methods=["PUT"]),
         Route("/api/devices/{device_id}/target", guard(r.device_target), methods=["GET"]),
         Route("/api/targets", guard(r.targets), methods=["GET"]),
@@ -662,7 +583,12 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/rollouts/{rollout_id}", guard(r.rollout), methods=["GET"]),
         *[Route(f"/api/rollouts/{{rollout_id}}/{name}", guard(r.action(name), f"rollout.{name}"), methods=["POST"])
           for name in ("pause", "resume", "abort")],
-        Route("/api/audit", guard(r.audit_entries), methods=["GET"]),
+        Route("/api/audit", guard(u.audit_log), methods=["GET"]),
+        Route("/api/whoami", guard(u.whoami), methods=["GET"]),
+        Route("/api/tokens", guard(u.tokens, needs="token.list"), methods=["GET"]),
+        Route("/api/tokens", guard(u.create_token, "token.create"), methods=["POST"]),
+        Route("/api/tokens/{name}", guard(u.revoke_token, "token.revoke"), methods=["DELETE"]),
+        *settings_api.routes(context, guard),
         Route("/artifacts/{file_name}", r.artifact_file, methods=["GET"]),
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]

@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
+from sdk.fleet_server import settings_api
 from sdk.fleet_server.actions import ACTION_REQUEST_SCHEMA, ACTIONS
 from sdk.fleet_server.bad_releases import REQUEST_SCHEMA as BAD_REQUEST_SCHEMA
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
+from sdk.fleet_server.device_logs import OPENAPI_OPERATIONS as LOG_OPERATIONS
 from sdk.fleet_server.history import DEFAULT_PAGE as HISTORY_DEFAULT_PAGE
 from sdk.fleet_server.history import MAX_PAGE as HISTORY_MAX_PAGE
 from sdk.fleet_server.history import OUTCOMES as HISTORY_OUTCOMES
@@ -37,7 +39,8 @@ SCHEMAS: dict[str, Any] = {
             "status": {"type": "integer"},
             "code": {"type": "string", "description": "unauthorized, forbidden, not_found, invalid, too_large, "
                                                       "refused, conflict, method_not_allowed, internal"},
-            "message": {"type": "string", "description": "one line for a human"}}}},
+            "message": {"type": "string", "description": "one line for a human"},
+            "needs": {"type": "string", "description": "forbidden (403) only: the least role that may"}}}},
     },
     "Device": {
         "type": "object",
@@ -337,6 +340,7 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                               "only jobs started before this time (unix seconds; the previous page's next_before)")],
         "responses": {"200": _json("the history", _ref("DeviceHistory")),
                       "404": _json("no such device", _ref("Error"))}}),
+    *LOG_OPERATIONS,
     ("put", "/api/devices/{device_id}/groups", {
         "summary": "Enroll a device in exactly these groups (audited as device.groups); rollouts target enrolled "
                    "groups only, never what a device claims",
@@ -466,13 +470,6 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
       for action, what in (("pause", "no new commands; jobs already sent go on"),
                            ("resume", "the wave's clocks skip the paused time"),
                            ("abort", "final; no new commands"))],
-    ("get", "/api/audit", {
-        "summary": "Every write, newest first",
-        "parameters": [_LIMIT, _query("before", {"type": "integer", "minimum": 0, "maximum": MAX_ROW_ID},
-                                      "entries with a smaller id (paging)"),
-                       _query("action", {"type": "string", "maxLength": 64}, "only this action")],
-        "responses": {"200": _json("entries", {"type": "object", "properties": {
-            "entries": {"type": "array", "items": _ref("AuditEntry")}}})}}),
     ("get", "/artifacts/{file_name}", {
         "summary": "An artifact's bytes, with HTTP Range (no token: devices fetch it; they verify the signature)",
         "security": [],
@@ -488,8 +485,10 @@ def describe() -> dict[str, Any]:
     """The whole document. Its server is "/" (relative to where the document was fetched), never
     the request's Host header: a document that echoes it tells a client to send its token to
     whatever host the request named."""
+    from sdk.fleet_server.users_api import OPERATIONS as USER_OPERATIONS  # it imports this module's helpers
+
     paths: dict[str, dict[str, Any]] = {}
-    for method, path, operation in OPERATIONS:
+    for method, path, operation in (*OPERATIONS, *USER_OPERATIONS, *settings_api.OPERATIONS):
         paths.setdefault(path, {})[method] = {**operation,
                                               "responses": {**operation["responses"], **_ERRORS}}
     document: dict[str, Any] = {

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
-from edgepack_core.signing import SigningKey, TrustStore
+from edgepack_core.signing import RELEASE, SigningKey, TrustStore
 from sdk.broker import BrokerOptions
 from sdk.errors import ServerConfigError
 from sdk.fleet_server import queries
@@ -37,8 +37,10 @@ from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.driver import Driver, DriverConfig, Lease
 from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
+from sdk.fleet_server.log_ingest import LogIngest
 from sdk.fleet_server.retention import JOB_ROWS_PER_DEVICE, Pruner, RetentionPolicy
 from sdk.fleet_server.startup import joining_problem
+from sdk.fleet_server.tls_context import ServerTls, server_context
 from sdk.keys import load_operator_key
 
 if TYPE_CHECKING:  # uvicorn (under http_guard) is imported by serve() only
@@ -83,6 +85,7 @@ class ServerConfig:
     trust: tuple[Path, ...]
     token_file: Path
     operator_key: Path
+    rotation_operator_keys: tuple[Path, ...] = ()  # more --operator-key: devices not holding the first yet
     db_url: str = DEFAULT_DB
     listen: str = DEFAULT_LISTEN
     artifacts_dir: Path = Path("artifacts")
@@ -99,6 +102,7 @@ class ServerConfig:
     ingest_limits: IngestLimits = field(default_factory=IngestLimits)
     job_events_kept: int = JOB_ROWS_PER_DEVICE  # per device, the newest
     per_server_urls: bool = False  # several servers without --public-url: devices allow every server's origin
+    tls: ServerTls | None = None  # HTTPS on --listen (tls_context.py, tls_listener.py)
 
     def resolved_id(self) -> str:
         server_id = self.server_id or default_server_id(self.listen)
@@ -125,13 +129,20 @@ class FleetServer:
         if not config.trust:
             raise ServerConfigError("give at least one --trust release public key (uploads are verified with it)")
         self.tokens = TokenCheck(read_token_file(config.token_file))
-        self.trust = TrustStore.from_paths(config.trust)
+        self.trust = TrustStore.from_paths(config.trust, kind=RELEASE)
         self.operator_key: SigningKey = load_operator_key(config.operator_key)
+        self.operator_keys: tuple[SigningKey, ...] = (self.operator_key, *(
+            load_operator_key(path) for path in config.rotation_operator_keys))
+        if len({key.key_id for key in self.operator_keys}) != len(self.operator_keys):
+            raise ServerConfigError("--operator-key names the same key twice")
+        self.tls_context = server_context(config.tls) if config.tls is not None else None
+        self.scheme = "https" if self.tls_context is not None else "http"
         if not 0 < config.max_upload <= 16 * 1024**3:
             raise ServerConfigError(f"--max-upload {config.max_upload} must be 1 byte to 16 GiB")
         self.started_at = time.time()
         self.database: Database | None = None
         self.ingest: Ingest | None = None
+        self.logs: LogIngest | None = None
         self.driver: Driver | None = None
         self.pruner: Pruner | None = None
         self._threads: list[threading.Thread] = []
@@ -144,7 +155,7 @@ class FleetServer:
         if self.public_url is not None:
             return f"{self.public_url}/{sha256}.edgepkg"
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/artifacts/{sha256}.edgepkg"
+        return f"{self.scheme}://{host}:{self.port}/artifacts/{sha256}.edgepkg"
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -162,15 +173,20 @@ class FleetServer:
         self.ingest = Ingest(self.database, self.config.broker, server_id=self.server_id,
                              limits=self.config.ingest_limits,
                              share_group=self.config.share_group)
+        self.logs = LogIngest(self.database, self.config.broker, server_id=self.server_id,
+                              share_group=self.config.share_group)  # device logs (fetch-logs answers)
         try:
             self.ingest.start()
+            self.logs.start()
         except EdgepackError:
+            self.logs.stop()
             self.ingest.stop()
             raise
         assert self.ingest.control is not None
         self.driver = Driver(self.database, self.ingest.control, self.ingest.topics, self.operator_key,
                              self.artifact_url, self.server_id, self.config.driver, on_lead=self._on_lead,
-                             artifact_available=lambda sha: self.public_url is not None or self.store.has(sha))
+                             artifact_available=lambda sha: self.public_url is not None or self.store.has(sha),
+                             rotation_keys=self.operator_keys[1:])
         self._next_prune = time.time() + self.config.retention.interval_s
         thread = threading.Thread(target=self.driver.run, name="fleet-driver", daemon=True)
         thread.start()
@@ -201,6 +217,8 @@ class FleetServer:
             thread.join(15)
         if self.ingest is not None:
             self.ingest.stop()
+        if self.logs is not None:
+            self.logs.stop()
         if self.database is not None:
             self.database.close()  # on SQLite: the WAL checkpointed into the file
 
@@ -221,6 +239,7 @@ class FleetServer:
                        "rate_per_s": round(self.ingest.rate(time.time()), 3),
                        "control_connected": bool(self.ingest.control and self.ingest.control.connected),
                        "telemetry_connected": bool(self.ingest.telemetry and self.ingest.telemetry.connected)},
+            "logs": {name: dict(counter) for name, counter in self.logs.counters.items()} if self.logs else {},
             "driver": {"ticks": self.driver.ticks, "sent": self.driver.sent, "resent": self.driver.resent,
                        "refused_by_broker": self.driver.refused_by_broker,
                        "rollout_errors": self.driver.rollout_errors,
@@ -228,7 +247,7 @@ class FleetServer:
                        "targets": {"sent": self.driver.target_sent, "converged": self.driver.converged,
                                    "errors": self.driver.reconcile_errors}},
             "retention": {"raw_s": self.config.retention.raw_s, "rollup_s": self.config.retention.rollup_s,
-                          "step_s": self.config.retention.step_s,
+                          "step_s": self.config.retention.step_s, "audit_s": self.config.retention.audit_s,
                           "runs": self.pruner.runs if self.pruner else 0,
                           "folded": self.pruner.folded if self.pruner else 0},
             "artifact_base_url": self.artifact_url("0" * 64).rsplit("/", 1)[0],
@@ -331,6 +350,18 @@ def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
     raise SystemExit(0)
 
 
+def _protocol(server: FleetServer, guard: Guard) -> type[Any]:
+    """The guarded h11 protocol, behind the TLS sniffer when the server speaks HTTPS."""
+    from sdk.fleet_server.http_guard import protocol_class
+
+    if server.tls_context is None:
+        return protocol_class(guard)
+    from sdk.fleet_server.tls_listener import tls_protocol_class
+
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    return tls_protocol_class(guard, server.tls_context, f"{host}:{server.port}")
+
+
 def serve(config: ServerConfig) -> None:
     """Run the fleet server until SIGTERM or SIGINT, then stop its parts (the database last).
 
@@ -343,7 +374,7 @@ def serve(config: ServerConfig) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
-    from sdk.fleet_server.http_guard import Guard, protocol_class, raise_fd_limit
+    from sdk.fleet_server.http_guard import Guard, raise_fd_limit
 
     server = FleetServer(config)
     server.http_guard = guard = Guard(config.http, raise_fd_limit(config.http))
@@ -354,8 +385,8 @@ def serve(config: ServerConfig) -> None:
         app = build_app(context)
         uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=5, server_header=False,
-                                           http=protocol_class(guard), backlog=ACCEPT_BACKLOG))
-        log.info("listening on http://%s:%d (pid %d)", server.host, server.port, os.getpid())
+                                           http=_protocol(server, guard), backlog=ACCEPT_BACKLOG))
+        log.info("listening on %s://%s:%d (pid %d)", server.scheme, server.host, server.port, os.getpid())
         uv.run(sockets=[sock])
     finally:
         server.stop()
