@@ -81,30 +81,26 @@ def _record(driver: Any, connection: Connection, device: str, decision: Decision
     )
     if not new:
         return None
+    fields: dict[str, Any]
     if decision.artifact == ABSENT:  # the target says the model must not be there: the signed remove
-        removal = build_command(
-            "remove",
-            device=device,
-            command_id=decision.command_id,
-            ttl_s=driver.config.command_ttl_s,
-            now=now,
-            model=decision.model,
+        kind, fields = "remove", {"model": decision.model}
+    else:
+        artifact = connection.execute(
+            select(tables.artifacts).where(tables.artifacts.c.sha256 == decision.artifact)
+        ).one()
+        kind, fields = (
+            "deploy",
+            {
+                "name": artifact.name,
+                "version": artifact.version,
+                "size": artifact.size,
+                "sha256": artifact.sha256,
+                "artifact": {"url": driver.artifact_url(artifact.sha256)},
+                "force_downgrade": True,
+            },
         )
-        driver.target_sent += 1
-        return driver.record_command(connection, device, "remove", removal, now)
-    artifact = connection.execute(select(tables.artifacts).where(tables.artifacts.c.sha256 == decision.artifact)).one()
     command = build_command(
-        "deploy",
-        device=device,
-        command_id=decision.command_id,
-        ttl_s=driver.config.command_ttl_s,
-        now=now,
-        name=artifact.name,
-        version=artifact.version,
-        size=artifact.size,
-        sha256=artifact.sha256,
-        artifact={"url": driver.artifact_url(artifact.sha256)},
-        force_downgrade=True,
+        kind, device=device, command_id=decision.command_id, ttl_s=driver.config.command_ttl_s, now=now, **fields
     )
     driver.target_sent += 1
-    return driver.record_command(connection, device, "deploy", command, now)
+    return driver.record_command(connection, device, kind, command, now)
