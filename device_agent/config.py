@@ -371,6 +371,12 @@ class AgentConfig:
     mqtt: BrokerSettings | None = None
     updates: UpdateSettings = UpdateSettings()
 
+    def client_certificate(self) -> tuple[str, str] | None:
+        """The device's certificate and key (``mqtt.tls.cert``/``key``), also presented to an
+        HTTPS artifact server that asks for one (mutual TLS, ``fleet serve --tls-client-ca``)."""
+        tls = self.mqtt.tls if self.mqtt is not None else None
+        return (tls.cert, tls.key) if tls is not None and tls.cert and tls.key else None
+
 
 def _section(cls: type[_Section], values: Mapping[str, Any]) -> _Section:
     """A section's dataclass from its validated mapping (the schema refused unknown keys and

@@ -110,12 +110,16 @@ class HttpsServer:
 
 
 @contextlib.contextmanager
-def serve_https(issued: Issued, body: bytes = b"") -> Iterator[HttpsServer]:
+def serve_https(issued: Issued, body: bytes = b"", client_ca: Path | None = None) -> Iterator[HttpsServer]:
     """A small HTTPS server on loopback with ``issued``'s certificate, answering every GET with
-    ``body``; counts the connections it accepted (the handshake is done per request, in the
-    server's thread, so a refused handshake is one connection and no request)."""
+    ``body`` (with ``client_ca``: only to clients with a certificate from it); counts the
+    connections it accepted (the handshake is done per request, in the server's thread, so a
+    refused handshake is one connection and no request)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(issued.cert, issued.key)
+    if client_ca is not None:
+        context.load_verify_locations(cafile=client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
     handler = type("Handler", (_Handler,), {"body": body})
     connections: list[int] = []
 
