@@ -30,7 +30,6 @@ from edgepack_core.mqtt_settings import TlsSettings
 from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
-from edgepack_core.tls import client_context
 from edgepack_core.yamlfile import read_yaml_file
 
 MAX_CONFIG_BYTES = 256 * 1024
@@ -515,6 +514,8 @@ def _updates(updates: Mapping[str, Any], base: Path, name: str) -> UpdateSetting
 
 def _check_ca(path: Path, name: str) -> None:
     """``updates.ca`` must load as CA certificates now, not at the first download."""
+    from edgepack_core.tls import client_context  # ssl only for an agent that sets updates.ca
+
     try:
         client_context(str(path))
     except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
