@@ -284,3 +284,18 @@ def test_server_commands_say_certificate_verify_failed_in_one_line_and_work_with
     assert line.endswith(f"({https_server.url}); pass --ca FILE or set EDGEPACK_SERVER_CA"), line
     ok = _run("edgepack", *command, *flags, "--ca", str(pki["ca"].cert), env=_env_without_ca())
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--tls-cert", "CERT"), "give both --tls-cert and --tls-key"),
+    (("--tls-client-ca", "CA"), "--tls-client-ca goes with --tls-cert and --tls-key"),
+    (("--broker-tls-cert", "CERT"), "--broker-tls-cert and --broker-tls-key go together"),
+])
+def test_fleet_serve_tls_flags_that_do_not_go_together_are_usage_errors(tmp_path, broker, keys, pki, flags, message):
+    """On fleet serve, --tls-cert/--tls-key are its HTTPS certificate; the broker's client
+    certificate is --broker-tls-cert/--broker-tls-key."""
+    files = {"CERT": str(pki["server"].cert), "CA": str(pki["ca"].cert)}
+    result = run_cli("edgepack", "fleet", "serve", "--broker", broker.address, "--trust", str(keys.release_pub),
+                     "--token-file", str(keys.token_file), "--operator-key", str(keys.operator_key),
+                     "--db", f"sqlite:///{tmp_path}/f.db", *(files.get(flag, flag) for flag in flags), timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
