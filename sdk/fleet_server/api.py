@@ -47,7 +47,7 @@ from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError
-from sdk.fleet_server import actions, audit, bad_releases, desired, history, openapi, queries, wave_waits
+from sdk.fleet_server import actions, alerts_http, audit, bad_releases, desired, history, openapi, queries, wave_waits
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
@@ -663,6 +663,7 @@ def build_app(context: ApiContext) -> Starlette:
         *[Route(f"/api/rollouts/{{rollout_id}}/{name}", guard(r.action(name), f"rollout.{name}"), methods=["POST"])
           for name in ("pause", "resume", "abort")],
         Route("/api/audit", guard(r.audit_entries), methods=["GET"]),
+        Route("/api/alerts", guard(alerts_http.list_alerts(context.database)), methods=["GET"]),
         Route("/artifacts/{file_name}", r.artifact_file, methods=["GET"]),
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]

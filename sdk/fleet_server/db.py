@@ -44,6 +44,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from sdk.errors import FleetServerError, ServerConfigError
+from sdk.fleet_server.disk import private_database_file
 
 log = logging.getLogger("edgepack.fleet_server.db")
 
@@ -358,6 +359,21 @@ leases = Table(
     Column("acquired_at", Float, nullable=False),
 )
 
+alerts = Table(  # sdk/fleet_server/alert_store.py: one row per incident (fired, resolved) or rollout notice
+    "alerts", metadata,
+    Column("id", RowId, primary_key=True, autoincrement=True),
+    Column("kind", String(32), nullable=False),  # offline | error_rate | failed_update | rollout
+    Column("subject", String(128), nullable=False),  # the device or the rollout
+    Column("state", String(16), nullable=False),  # open | resolved | notice
+    Column("open_key", String(200), unique=True),  # kind:subject while open (one per key); a notice's own key
+    Column("opened_at", Float, nullable=False),
+    Column("resolved_at", Float),
+    Column("summary", String(500), nullable=False),
+    Column("detail", Text, nullable=False),  # JSON, bounded
+    Column("source_id", BigInteger),  # a rollout notice's rollout_transitions id (where the next look starts)
+    Index(None, "opened_at"),
+)
+
 audit_log = Table(
     "audit_log", metadata,
     Column("id", RowId, primary_key=True, autoincrement=True),
@@ -418,7 +434,7 @@ class Database:
         parsed = make_url(self.url)
         self.dialect = parsed.get_backend_name()
         if self.dialect == "sqlite":
-            _database_file(parsed).resolve().parent.mkdir(parents=True, exist_ok=True)
+            private_database_file(_database_file(parsed).resolve())  # 0600, or tightened to it
             self.engine: Engine = create_engine(self.url, connect_args={"check_same_thread": False, "timeout": 10},
                                                 pool_size=pool_size, max_overflow=8)
             event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -571,6 +587,8 @@ def open_database(url: str, *, migrate_schema: bool = True, stored_artifacts: in
             database.dispose()
             raise
         if migrate_schema:
+            from sdk.fleet_server.schema_upgrade import migrate
+
             migrate(database)
     except SQLAlchemyError as err:
         database.dispose()
@@ -578,35 +596,3 @@ def open_database(url: str, *, migrate_schema: bool = True, stored_artifacts: in
         raise FleetServerError(f"cannot use the database {make_url(database.url).render_as_string()}: "
                                f"{reason}") from err
     return database
-
-
-MIGRATION_LOCK = 0x6564_6765_7061_636B  # "edgepack": the PostgreSQL advisory lock held while migrating
-
-
-def migrate(database: Database) -> None:
-    """Upgrade the schema to the newest Alembic revision (programmatically, at start). Two
-    servers starting together on PostgreSQL take turns through an advisory lock."""
-    from alembic import command
-    from alembic.config import Config
-    from alembic.util.exc import CommandError
-
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-plugin INFO lines are noise at start
-
-    config = Config()
-    config.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
-    with database.engine.connect() as connection:
-        if not database.is_sqlite:
-            connection.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK})")
-            connection.commit()
-        try:
-            config.attributes["connection"] = connection
-            try:
-                command.upgrade(config, "head")
-            except CommandError as err:  # a revision this release does not know: a newer one migrated it
-                raise FleetServerError(f"the database's schema is from a newer Edgepack release ({err}): run the "
-                                       "release that migrated it, or restore a backup taken before") from err
-            connection.commit()
-        finally:
-            if not database.is_sqlite:
-                connection.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK})")
-                connection.commit()

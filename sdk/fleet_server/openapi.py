@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
+from sdk.fleet_server import alerts_http
 from sdk.fleet_server.actions import ACTION_REQUEST_SCHEMA, ACTIONS
 from sdk.fleet_server.bad_releases import REQUEST_SCHEMA as BAD_REQUEST_SCHEMA
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
@@ -473,6 +474,7 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                        _query("action", {"type": "string", "maxLength": 64}, "only this action")],
         "responses": {"200": _json("entries", {"type": "object", "properties": {
             "entries": {"type": "array", "items": _ref("AuditEntry")}}})}}),
+    *alerts_http.OPERATIONS,
     ("get", "/artifacts/{file_name}", {
         "summary": "An artifact's bytes, with HTTP Range (no token: devices fetch it; they verify the signature)",
         "security": [],
