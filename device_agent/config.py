@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from device_agent.errors import ConfigError
+from device_agent.pipelines.spec import PipelineSpec, parse_pipelines
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
 from device_agent.telemetry.outbox import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES
@@ -53,6 +54,11 @@ CONFIG_SCHEMA: dict[str, Any] = {
         "profile": {"enum": sorted(PROFILES)},
         "threads": {"type": "integer", "minimum": 0, "maximum": 256},
         "artifact": _PATH,
+        "pipelines": {
+            "type": "array",
+            "description": "streams: sources, stages, tracker, rules and sinks (docs/agent.md, Pipelines; each item "
+                           "is checked against schemas/pipeline.schema.json)",
+        },
         "models": {
             "type": "array",
             "minItems": 1,
@@ -355,6 +361,7 @@ class AgentConfig:
     threads: int = 0
     artifact: Path | None = None
     models: tuple[ModelEntry, ...] = ()  # (): one unnamed model (``artifact:``, or what the store holds)
+    pipelines: tuple[PipelineSpec, ...] = ()
     log_level: str = "info"
     api: ApiSettings = ApiSettings()
     limits: LimitSettings = LimitSettings()
@@ -476,6 +483,8 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         values["artifact"] = _resolve(base, document["artifact"])
     if "models" in document:
         values["models"] = _models(document, base, name)
+    if "pipelines" in document:
+        values["pipelines"] = parse_pipelines(document["pipelines"], where=f"{name}: pipelines")
     return AgentConfig(
         path=path,
         device_id=document["device_id"],

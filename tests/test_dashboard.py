@@ -483,13 +483,13 @@ def test_the_audit_page_shows_who_did_what_and_when(browser, server, fleet, shot
 
 
 def test_the_alerts_page_lists_open_alerts_apart_from_the_resolved(browser, server):
-    from sdk.fleet_server import db as tables
+    from sdk.fleet_server import alert_table
     from sdk.fleet_server.db import Database
 
     database = Database(server.db_url)
     try:
         with database.write() as connection:
-            connection.execute(tables.alerts.insert(), [
+            connection.execute(alert_table.alerts.insert(), [
                 {"kind": "offline", "subject": "cam-1", "state": "resolved", "open_key": None,
                  "opened_at": time.time() - 60, "resolved_at": time.time() - 30,
                  "summary": "cam-1 not heard from for 301 s", "detail": "{}"},
@@ -687,6 +687,35 @@ def test_a_release_marked_bad_is_listed_as_bad_and_not_offered_for_a_rollout(bro
         assert not option.is_enabled()
     finally:
         server.call("DELETE", f"/api/artifacts/{sha}/bad")
+
+
+def _sign_in_as(driver, server, token: str) -> None:
+    driver.get(f"{server.url}/ui/")
+    driver.execute_script("sessionStorage.clear()")
+    driver.get(f"{server.url}/ui/")
+    _wait(driver, lambda d: d.find_element(By.ID, "login").is_displayed(), message="the sign-in form")
+    driver.find_element(By.ID, "token").send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "#login-form button[type=submit]").click()
+    _wait(driver, lambda d: d.find_element(By.ID, "nav").is_displayed(), message="signed in")
+
+
+def test_a_viewer_sees_who_is_signed_in_and_no_button_it_cannot_use(browser, server, fleet):
+    status, made = server.call("POST", "/api/tokens", {"name": "dash-viewer", "role": "viewer"})
+    assert status == 201, made
+    try:
+        _sign_in_as(browser, server, made["token"])
+        _wait(browser, lambda d: _text(d, "#whoami") == "dash-viewer · viewer", message="who is signed in")
+        _open(browser, server, "/rollouts", "#rollouts")
+        for box in ("new-rollout-box", "fleet-rollback-box"):
+            assert not browser.find_element(By.ID, box).is_displayed(), box
+        _open(browser, server, "/devices/sim-00000", "#device-facts")
+        assert not browser.find_element(By.ID, "device-actions").is_displayed()
+        assert not browser.find_element(By.ID, "device-decommission").is_displayed()
+    finally:
+        _sign_in_as(browser, server, server.keys.token)
+    _wait(browser, lambda d: _text(d, "#whoami") == "admin · admin", message="the admin signed in")
+    _open(browser, server, "/rollouts", "#rollouts")
+    assert browser.find_element(By.ID, "new-rollout-box").is_displayed()
 
 
 def test_no_page_broke_the_content_security_policy_or_threw(browser, server):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert, select
 
-from sdk.fleet_server import audit
+from sdk.fleet_server import alert_table, audit
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database, metadata, open_database
 from sdk.fleet_server.migrate_db import NOT_COPIED, TableCount, migrate_db, occupied
@@ -160,7 +160,7 @@ def _fill(database: Database) -> None:
         for n in range(30):
             audit.record(c, actor="admin", action="rollout.create", target="r1", detail={"n": n}, now=NOW + n)
         c.execute(
-            insert(tables.alerts).values(
+            insert(alert_table.alerts).values(
                 kind="offline",
                 subject="cam-4",
                 state="open",

@@ -110,6 +110,8 @@ def _rate(text: str, flag: str) -> Any:
               help="State messages each device may send: PER_SECOND/BURST.")
 @click.option("--budget-telemetry", default="20/2000", show_default=True,
               help="Telemetry messages each device may send to this server: PER_SECOND/BURST.")
+@click.option("--audit-keep-days", type=click.IntRange(1, 36500), default=365, show_default=True,
+              help="Days the audit log keeps an entry (older ones are deleted by the retention job).")
 @click.option("--job-events-kept", type=click.IntRange(1, 10_000_000), default=1000, show_default=True,
               help="Job events kept per device (the newest), besides --retention-rollups.")
 def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, trust: tuple[Path, ...],
@@ -118,8 +120,8 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
           max_upload: str, lease_ttl: str, tick: str, requery_after: str, resend_after: str, head_timeout: str,
           body_min_rate: str,
           max_connections: int, init: bool, artifact_recheck: str, budget_job: str, budget_state: str,
-          budget_telemetry: str, job_events_kept: int, per_server_urls: bool, db_password_file: Path | None,
-          alerts_file: Path | None) -> None:
+          budget_telemetry: str, job_events_kept: int, per_server_urls: bool, audit_keep_days: int,
+          db_password_file: Path | None, alerts_file: Path | None) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
 
     Devices, telemetry and job events are kept in the database; rollouts run on the server and
@@ -142,7 +144,8 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
     db_url = database_url(db_url, db_password_file)
     alerts = load_alerts(alerts_file) if alerts_file is not None else None
     retention = RetentionPolicy(raw_s=_duration(retention_raw), rollup_s=_duration(retention_rollups),
-                                step_s=rollup_step, interval_s=_duration(prune_interval))
+                                step_s=rollup_step, interval_s=_duration(prune_interval),
+                                audit_s=audit_keep_days * 86400.0)
     driver = DriverConfig(tick_s=_duration(tick), lease_ttl_s=_duration(lease_ttl),
                           resend_after_s=_duration(resend_after), silence_s=_duration(silence),
                           requery_after_s=_duration(requery_after))

@@ -19,8 +19,8 @@ from sqlalchemy import and_, func, select, update
 from sqlalchemy.engine import Connection
 
 from edgepack_core.mqtt_transport import MqttTransport
+from sdk.fleet_server import alert_table, audit
 from sdk.fleet_server import alerts as rules
-from sdk.fleet_server import audit
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.alert_config import AlertsConfig
 from sdk.fleet_server.alert_sinks import MqttOutlet, Outgoing, Sink, WebhookOutlet
@@ -93,7 +93,7 @@ def _changes(connection: Connection, after: int) -> list[rules.Change]:
 def newest_noted(connection: Connection) -> int | None:
     """The newest rollout transition a notice was recorded for (None: none ever)."""
     found = connection.execute(
-        select(func.max(tables.alerts.c.source_id)).where(tables.alerts.c.kind == rules.ROLLOUT)
+        select(func.max(alert_table.alerts.c.source_id)).where(alert_table.alerts.c.kind == rules.ROLLOUT)
     ).scalar()
     return None if found is None else int(found)
 
@@ -147,7 +147,7 @@ class AlertRunner:
         with self.database.write() as connection:
             opened = {
                 row.open_key: row
-                for row in connection.execute(select(tables.alerts).where(tables.alerts.c.state == "open"))
+                for row in connection.execute(select(alert_table.alerts).where(alert_table.alerts.c.state == "open"))
             }
             decided = rules.plan(opened, conditions)
             outgoing = [
@@ -195,7 +195,7 @@ class AlertRunner:
 
     def _insert(self, connection: Connection, values: dict[str, Any]) -> int | None:
         """The new row's id, or None when its open_key exists (another server recorded it first)."""
-        statement = self.database.insert(tables.alerts).on_conflict_do_nothing().returning(tables.alerts.c.id)
+        statement = self.database.insert(alert_table.alerts).on_conflict_do_nothing().returning(alert_table.alerts.c.id)
         row = connection.execute(statement, values).first()
         return None if row is None else int(row[0])
 
@@ -233,7 +233,7 @@ class AlertRunner:
 
     def _resolve(self, connection: Connection, keys: Sequence[str], now: float) -> list[Outgoing]:
         out = []
-        alerts = tables.alerts
+        alerts = alert_table.alerts
         for key in keys:
             row = connection.execute(select(alerts).where(alerts.c.open_key == key)).first()
             if row is None:
@@ -317,7 +317,7 @@ class AlertRunner:
 
 def listing(database: Database, *, limit: int = 100, state: str | None = None) -> dict[str, Any]:
     """``GET /api/alerts``: every open alert, and the newest ``limit`` alerts (any state, or ``state``)."""
-    alerts = tables.alerts
+    alerts = alert_table.alerts
 
     def doc(row: Any) -> dict[str, Any]:
         return {

@@ -9,11 +9,12 @@ one-line message, and an unreachable server one line naming the address.
 from __future__ import annotations
 
 import json
+import shutil
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from sdk.errors import ApiError, FleetServerError, ServerConfigError
 
@@ -37,7 +38,8 @@ class FleetClient:
         self.token = token
 
     def _request(self, method: str, path: str, *, body: Any = None, data: Any = None, length: int | None = None,
-                 timeout: float = TIMEOUT_S, content_type: str = "application/json") -> Any:
+                 timeout: float = TIMEOUT_S, content_type: str = "application/json",
+                 sink: BinaryIO | None = None) -> Any:
         headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
         payload = data
         if body is not None:
@@ -49,6 +51,9 @@ class FleetClient:
         request = urllib.request.Request(self.server + path, data=payload, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as answer:
+                if sink is not None:  # a stream (an export): copied as it comes, never held whole
+                    shutil.copyfileobj(answer, sink, 64 * 1024)
+                    return None
                 return self._decode(answer.read(MAX_ANSWER_BYTES + 1), answer.status)
         except urllib.error.HTTPError as err:
             raise self._error(err) from err
@@ -84,6 +89,11 @@ class FleetClient:
         params = {key: str(value).lower() if isinstance(value, bool) else value
                   for key, value in query.items() if value is not None}
         return self._request("GET", path + (f"?{urllib.parse.urlencode(params)}" if params else ""))
+
+    def download(self, path: str, sink: BinaryIO, **query: Any) -> None:
+        """GET ``path`` and copy the answer into ``sink`` as it arrives (an audit export)."""
+        params = {key: value for key, value in query.items() if value is not None}
+        self._request("GET", path + (f"?{urllib.parse.urlencode(params)}" if params else ""), sink=sink)
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         return self._request("POST", path, body=body if body is not None else {})

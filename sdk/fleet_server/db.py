@@ -359,21 +359,6 @@ leases = Table(
     Column("acquired_at", Float, nullable=False),
 )
 
-alerts = Table(  # sdk/fleet_server/alert_store.py: one row per incident (fired, resolved) or rollout notice
-    "alerts", metadata,
-    Column("id", RowId, primary_key=True, autoincrement=True),
-    Column("kind", String(32), nullable=False),  # offline | error_rate | failed_update | rollout
-    Column("subject", String(128), nullable=False),  # the device or the rollout
-    Column("state", String(16), nullable=False),  # open | resolved | notice
-    Column("open_key", String(200), unique=True),  # kind:subject while open (one per key); a notice's own key
-    Column("opened_at", Float, nullable=False),
-    Column("resolved_at", Float),
-    Column("summary", String(500), nullable=False),
-    Column("detail", Text, nullable=False),  # JSON, bounded
-    Column("source_id", BigInteger),  # a rollout notice's rollout_transitions id (where the next look starts)
-    Index(None, "opened_at"),
-)
-
 audit_log = Table(
     "audit_log", metadata,
     Column("id", RowId, primary_key=True, autoincrement=True),
@@ -596,3 +581,7 @@ def open_database(url: str, *, migrate_schema: bool = True, stored_artifacts: in
         raise FleetServerError(f"cannot use the database {make_url(database.url).render_as_string()}: "
                                f"{reason}") from err
     return database
+
+
+from sdk.fleet_server import users as _users  # noqa: E402,F401  isort: skip  (its api_tokens table joins metadata)
+from sdk.fleet_server import alert_table as _alert_table  # noqa: E402,F401  isort: skip  (the alerts table)

@@ -241,7 +241,7 @@ class FleetServer:
                        "targets": {"sent": self.driver.target_sent, "converged": self.driver.converged,
                                    "errors": self.driver.reconcile_errors}},
             "retention": {"raw_s": self.config.retention.raw_s, "rollup_s": self.config.retention.rollup_s,
-                          "step_s": self.config.retention.step_s,
+                          "step_s": self.config.retention.step_s, "audit_s": self.config.retention.audit_s,
                           "runs": self.pruner.runs if self.pruner else 0,
                           "folded": self.pruner.folded if self.pruner else 0},
             "artifact_base_url": self.artifact_url("0" * 64).rsplit("/", 1)[0],
