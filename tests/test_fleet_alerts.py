@@ -352,6 +352,55 @@ def test_a_hanging_receiver_never_blocks_the_server_the_queue_is_bounded(databas
 # ------------------------------------------------------------------ rules read from the database
 
 
+def stored_rollout(
+    connection, rollout_id: str, state: str, moves: list[tuple[str, str, str, str]], sha256: str = "a" * 64
+) -> None:
+    """An artifact, a one-wave rollout in ``state`` and its transitions (event, from, to, reason)."""
+    connection.execute(
+        insert(tables.artifacts).values(
+            sha256=sha256, name="m", version="1.0.0", size=1, key_id="k", targets="[]", created_at=NOW, created_by="t"
+        )
+    )
+    connection.execute(
+        insert(tables.rollouts).values(
+            id=rollout_id,
+            artifact_sha256=sha256,
+            name="m",
+            version="1.0.0",
+            state=state,
+            wave=0,
+            waves="[100]",
+            wave_count=1,
+            min_success_share=1.0,
+            soak_s=0,
+            wave_timeout_s=60,
+            rollback_on_failure=False,
+            force_downgrade=False,
+            allow_contract_change=False,
+            created_at=NOW,
+            created_by="t",
+            updated_at=NOW,
+            revision=len(moves),
+        )
+    )
+    connection.execute(
+        insert(tables.rollout_transitions),
+        [
+            {
+                "rollout_id": rollout_id,
+                "at": NOW + n,
+                "event": event,
+                "from_state": before,
+                "to_state": after,
+                "wave": 1,
+                "actor": "server:s1",
+                "reason": reason,
+            }
+            for n, (event, before, after, reason) in enumerate(moves)
+        ],
+    )
+
+
 def test_error_rate_and_failed_update_and_rollout_notices_come_from_the_stored_rows(database: Database):
     config = parse_alerts(
         {
@@ -406,63 +455,11 @@ def test_error_rate_and_failed_update_and_rollout_notices_come_from_the_stored_r
                 },
             ],
         )  # d's newest update succeeded
-        c.execute(
-            insert(tables.artifacts).values(
-                sha256="a" * 64,
-                name="m",
-                version="1.0.0",
-                size=1,
-                key_id="k",
-                targets="[]",
-                created_at=NOW,
-                created_by="t",
-            )
-        )
-        c.execute(
-            insert(tables.rollouts).values(
-                id="r1",
-                artifact_sha256="a" * 64,
-                name="m",
-                version="1.0.0",
-                state="failed",
-                wave=0,
-                waves="[100]",
-                wave_count=1,
-                min_success_share=1.0,
-                soak_s=0,
-                wave_timeout_s=60,
-                rollback_on_failure=False,
-                force_downgrade=False,
-                allow_contract_change=False,
-                created_at=NOW,
-                created_by="t",
-                updated_at=NOW,
-                revision=2,
-            )
-        )
-        c.execute(
-            insert(tables.rollout_transitions),
-            [
-                {
-                    "rollout_id": "r1",
-                    "at": NOW,
-                    "event": "start",
-                    "from_state": "pending",
-                    "to_state": "running",
-                    "wave": 1,
-                    "actor": "t",
-                },
-                {
-                    "rollout_id": "r1",
-                    "at": NOW,
-                    "event": "fail",
-                    "from_state": "running",
-                    "to_state": "failed",
-                    "wave": 1,
-                    "actor": "t",
-                    "reason": "wave 1 missed its gates",
-                },
-            ],
+        stored_rollout(
+            c,
+            "r1",
+            "failed",
+            [("start", "pending", "running", ""), ("fail", "running", "failed", "wave 1 missed its gates")],
         )
     keys = sorted(item.key for item in runner.run_once(NOW))
     assert keys[:2] == ["error_rate:a", "failed_update:c"] and keys[2].startswith("rollout:r1:")

@@ -16,6 +16,7 @@ from sdk.fleet_server.db import Database, metadata, open_database
 from sdk.fleet_server.migrate_db import NOT_COPIED, TableCount, migrate_db, occupied
 from tests.conftest import run_cli
 from tests.postgres import postgres_server, postgres_url  # noqa: F401  (fixtures)
+from tests.test_fleet_alerts import stored_rollout
 
 NOW = 1_800_000_000.0
 SHA = "b" * 64
@@ -46,39 +47,12 @@ def _fill(database: Database) -> None:
             insert(tables.telemetry_raw),
             [{"device": "cam-1", "ts": NOW + i, "inferences": 10, "errors": i} for i in range(20)],
         )
-        c.execute(
-            insert(tables.artifacts).values(
-                sha256=SHA,
-                name="m",
-                version="1.1.0",
-                size=99,
-                key_id="k1",
-                targets='["x86"]',
-                created_at=NOW,
-                created_by="admin",
-            )
-        )
-        c.execute(
-            insert(tables.rollouts).values(
-                id="r1",
-                artifact_sha256=SHA,
-                name="m",
-                version="1.1.0",
-                state="succeeded",
-                wave=0,
-                waves="[100]",
-                wave_count=1,
-                min_success_share=1.0,
-                soak_s=0,
-                wave_timeout_s=60,
-                rollback_on_failure=True,
-                force_downgrade=False,
-                allow_contract_change=False,
-                created_at=NOW,
-                created_by="admin",
-                updated_at=NOW,
-                revision=3,
-            )
+        stored_rollout(
+            c,
+            "r1",
+            "succeeded",
+            [("start", "pending", "running", ""), ("succeed", "running", "succeeded", "")],
+            sha256=SHA,
         )
         c.execute(
             insert(tables.rollout_devices),
@@ -110,29 +84,6 @@ def _fill(database: Database) -> None:
                     "attempts": 1,
                 }
                 for i in range(5)
-            ],
-        )
-        c.execute(
-            insert(tables.rollout_transitions),
-            [
-                {
-                    "rollout_id": "r1",
-                    "at": NOW,
-                    "event": "start",
-                    "from_state": "pending",
-                    "to_state": "running",
-                    "wave": 1,
-                    "actor": "server:s1",
-                },
-                {
-                    "rollout_id": "r1",
-                    "at": NOW + 9,
-                    "event": "succeed",
-                    "from_state": "running",
-                    "to_state": "succeeded",
-                    "wave": 1,
-                    "actor": "server:s1",
-                },
             ],
         )
         c.execute(

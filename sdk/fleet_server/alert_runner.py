@@ -162,74 +162,49 @@ class AlertRunner:
             log.info("alerts: %s", ", ".join(f"{item.event} {item.key}" for item in outgoing[:10]))
         return outgoing
 
-    def _body(
-        self,
-        alert_id: int,
-        event: str,
-        kind: str,
-        subject: str,
-        key: str,
-        summary: str,
-        detail: Any,
-        opened_at: float,
-        resolved_at: float | None,
-        now: float,
-    ) -> Outgoing:
-        return Outgoing(
-            key,
-            event,
-            rules.message(
-                alert_id=alert_id,
-                event=event,
-                kind=kind,
-                subject=subject,
-                key=key,
-                summary=summary,
-                detail=detail,
-                opened_at=opened_at,
-                resolved_at=resolved_at,
-                server=self.server_id,
-                now=now,
-            ),
+    def _outgoing(self, event: str, now: float, **fields: Any) -> Outgoing:
+        """An alert's message; ``fields`` are :func:`~.alerts.message`'s (alert_id, kind, subject, key, ...)."""
+        return Outgoing(fields["key"], event, rules.message(event=event, server=self.server_id, now=now, **fields))
+
+    def _open(self, connection: Connection, item: rules.Condition | rules.Notice, now: float) -> Outgoing | None:
+        """Record a condition that fires (``open``) or a rollout notice; its message, or None when
+        its key is already recorded (open, or noticed by another server first)."""
+        notice = isinstance(item, rules.Notice)
+        values = {
+            "kind": item.kind,
+            "subject": item.subject[:128],
+            "state": "notice" if notice else "open",
+            "open_key": item.key[:200],
+            "opened_at": now,
+            "resolved_at": now if notice else None,
+            "summary": item.summary[:500],
+            "detail": rules.detail_text(item.detail),
+            "source_id": item.source_id if isinstance(item, rules.Notice) else None,
+        }
+        table = alert_table.alerts
+        row = connection.execute(
+            self.database.insert(table).on_conflict_do_nothing().returning(table.c.id), values
+        ).first()
+        if row is None:
+            return None
+        return self._outgoing(
+            "notice" if notice else "fired",
+            now,
+            alert_id=int(row[0]),
+            kind=item.kind,
+            subject=item.subject,
+            key=item.key,
+            summary=item.summary,
+            detail=item.detail,
+            opened_at=now,
+            resolved_at=values["resolved_at"],
         )
 
-    def _insert(self, connection: Connection, values: dict[str, Any]) -> int | None:
-        """The new row's id, or None when its open_key exists (another server recorded it first)."""
-        statement = self.database.insert(alert_table.alerts).on_conflict_do_nothing().returning(alert_table.alerts.c.id)
-        row = connection.execute(statement, values).first()
-        return None if row is None else int(row[0])
-
     def _fire(self, connection: Connection, fired: Sequence[rules.Condition], now: float) -> list[Outgoing]:
-        out = []
-        for condition in fired:
-            alert_id = self._insert(
-                connection,
-                {
-                    "kind": condition.kind,
-                    "subject": condition.subject[:128],
-                    "state": "open",
-                    "open_key": condition.key[:200],
-                    "opened_at": now,
-                    "summary": condition.summary[:500],
-                    "detail": rules.detail_text(condition.detail),
-                },
-            )
-            if alert_id is not None:
-                out.append(
-                    self._body(
-                        alert_id,
-                        "fired",
-                        condition.kind,
-                        condition.subject,
-                        condition.key,
-                        condition.summary,
-                        condition.detail,
-                        now,
-                        None,
-                        now,
-                    )
-                )
-        return out
+        return [out for condition in fired if (out := self._open(connection, condition, now)) is not None]
+
+    def _notice(self, connection: Connection, notices: Sequence[rules.Notice], now: float) -> list[Outgoing]:
+        return [out for notice in notices if (out := self._open(connection, notice, now)) is not None]
 
     def _resolve(self, connection: Connection, keys: Sequence[str], now: float) -> list[Outgoing]:
         out = []
@@ -244,53 +219,19 @@ class AlertRunner:
                 .values(state="resolved", open_key=None, resolved_at=now)
             )
             out.append(
-                self._body(
-                    row.id,
+                self._outgoing(
                     "resolved",
-                    row.kind,
-                    row.subject,
-                    key,
-                    row.summary,
-                    json.loads(row.detail),
-                    row.opened_at,
                     now,
-                    now,
+                    alert_id=row.id,
+                    kind=row.kind,
+                    subject=row.subject,
+                    key=key,
+                    summary=row.summary,
+                    detail=json.loads(row.detail),
+                    opened_at=row.opened_at,
+                    resolved_at=now,
                 )
             )
-        return out
-
-    def _notice(self, connection: Connection, notices: Sequence[rules.Notice], now: float) -> list[Outgoing]:
-        out = []
-        for notice in notices:
-            alert_id = self._insert(
-                connection,
-                {
-                    "kind": notice.kind,
-                    "subject": notice.subject[:128],
-                    "state": "notice",
-                    "open_key": notice.key[:200],
-                    "opened_at": now,
-                    "resolved_at": now,
-                    "summary": notice.summary[:500],
-                    "detail": rules.detail_text(notice.detail),
-                    "source_id": notice.source_id,
-                },
-            )
-            if alert_id is not None:
-                out.append(
-                    self._body(
-                        alert_id,
-                        "notice",
-                        notice.kind,
-                        notice.subject,
-                        notice.key,
-                        notice.summary,
-                        notice.detail,
-                        now,
-                        now,
-                        now,
-                    )
-                )
         return out
 
     def record_outcome(self, sink: str, item: Outgoing, sent: bool, attempts: int, reason: str) -> None:
