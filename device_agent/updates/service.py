@@ -42,6 +42,7 @@ from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates import rejected as R
+from device_agent.updates import settings_apply
 from device_agent.updates.admission import DEVICE_STATE_RULES, DevicePolicy, policy_names, refusal, rollback_refusal
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
@@ -157,7 +158,7 @@ class UpdateService:
         return Bounds(origins=allowed_origins(origins),
                       any_port_hosts=frozenset() if origins else frozenset({broker_host} - {""}),
                       max_bytes=settings.max_download_bytes, deadline_s=settings.download_deadline_s,
-                      min_rate_bytes_s=settings.min_rate_bytes_s)
+                      min_rate_bytes_s=settings.min_rate_bytes_s, ca=settings.ca)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -328,6 +329,8 @@ class UpdateService:
         elif kind == "set-telemetry-interval":
             self.reporter.set_interval(float(command.body["seconds"]))
             self._reply(command, J.DONE, f"telemetry every {command.body['seconds']} s")
+        elif kind == "apply-settings":
+            settings_apply.handle(self, command)
         elif kind == "cancel":
             found = self._cancel(command.body["job"], f"cancelled by command {command.id}")
             self._reply(command, J.DONE if found else J.FAILED,

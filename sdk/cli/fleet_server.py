@@ -45,8 +45,21 @@ def _rate(text: str, flag: str) -> Any:
         raise click.BadParameter(str(err)) from err
 
 
+def _tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> Any:
+    """``--tls-*`` into the server's TLS settings, or None for plain HTTP."""
+    from sdk.fleet_server.tls_context import ServerTls
+
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise click.UsageError("--tls-client-ca goes with --tls-cert and --tls-key")
+        return None
+    if cert is None or key is None:
+        raise click.UsageError("give both --tls-cert and --tls-key")
+    return ServerTls(cert=cert, key=key, client_ca=client_ca)
+
+
 @fleet.command()
-@broker_options
+@broker_options(cert_flag="--broker-tls-cert", key_flag="--broker-tls-key")
 @click.option("--db", "db_url", default="sqlite:///fleet.db", show_default=True, envvar="EDGEPACK_FLEET_DB",
               help="Database URL: sqlite:///FILE (WAL; one server) or postgresql://USER@HOST/DB (several servers; "
                    "or EDGEPACK_FLEET_DB); its password from --db-password-file or EDGEPACK_DB_PASSWORD.")
@@ -61,8 +74,11 @@ def _rate(text: str, flag: str) -> Any:
               help="Release public key that uploads must be signed by (repeatable, for rotation).")
 @click.option("--token-file", required=True, type=_FILE, envvar="EDGEPACK_FLEET_TOKEN_FILE",
               help="Bearer tokens, one NAME:TOKEN per line, mode 600 (or EDGEPACK_FLEET_TOKEN_FILE).")
-@click.option("--operator-key", required=True, type=_FILE, envvar="EDGEPACK_OPERATOR_KEY",
-              help="Operator private key that signs the commands the server sends (edgepack keygen --operator).")
+@click.option("--operator-key", "operator_keys", required=True, multiple=True, type=_FILE,
+              envvar="EDGEPACK_OPERATOR_KEY",
+              help="Operator private key that signs the commands the server sends (edgepack keygen --operator); "
+                   "repeatable for a rotation: a device's commands are signed by the first key it reports holding "
+                   "(the first key for a device that reported none).")
 @click.option("--public-url", help="Devices fetch artifacts from this base URL (a CDN or object store holding "
                                    "<sha256>.edgepkg) instead of this server.")
 @click.option("--per-server-urls", is_flag=True,
@@ -110,17 +126,24 @@ def _rate(text: str, flag: str) -> Any:
               help="State messages each device may send: PER_SECOND/BURST.")
 @click.option("--budget-telemetry", default="20/2000", show_default=True,
               help="Telemetry messages each device may send to this server: PER_SECOND/BURST.")
+@click.option("--tls-cert", "https_cert", type=_FILE,
+              help="Serve HTTPS with this certificate chain (PEM; with --tls-key; docs/tls.md).")
+@click.option("--tls-key", "https_key", type=_FILE, help="The private key of --tls-cert (PEM, mode 600).")
+@click.option("--tls-client-ca", "https_client_ca", type=_FILE,
+              help="Mutual TLS: refuse every client without a certificate from this CA (PEM).")
 @click.option("--audit-keep-days", type=click.IntRange(1, 36500), default=365, show_default=True,
               help="Days the audit log keeps an entry (older ones are deleted by the retention job).")
 @click.option("--job-events-kept", type=click.IntRange(1, 10_000_000), default=1000, show_default=True,
               help="Job events kept per device (the newest), besides --retention-rollups.")
 def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, trust: tuple[Path, ...],
-          token_file: Path, operator_key: Path, public_url: str | None, retention_raw: str, retention_rollups: str,
+          token_file: Path, operator_keys: tuple[Path, ...], public_url: str | None, retention_raw: str,
+          retention_rollups: str,
           rollup_step: int, prune_interval: str, silence: str, server_id: str | None, share_group: str,
           max_upload: str, lease_ttl: str, tick: str, requery_after: str, resend_after: str, head_timeout: str,
           body_min_rate: str,
           max_connections: int, init: bool, artifact_recheck: str, budget_job: str, budget_state: str,
           budget_telemetry: str, job_events_kept: int, per_server_urls: bool, audit_keep_days: int,
+          https_cert: Path | None, https_key: Path | None, https_client_ca: Path | None,
           db_password_file: Path | None, alerts_file: Path | None) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
 
@@ -153,13 +176,14 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                           telemetry=_rate(budget_telemetry, "--budget-telemetry"))
     http = HttpLimits(head_timeout_s=_duration(head_timeout), body_min_rate=parse_size(body_min_rate),
                       max_connections=max_connections)
-    config = ServerConfig(broker=broker, trust=trust, token_file=token_file, operator_key=operator_key, db_url=db_url,
+    config = ServerConfig(broker=broker, trust=trust, token_file=token_file, operator_key=operator_keys[0],
+                          rotation_operator_keys=operator_keys[1:], db_url=db_url,
                           listen=listen, artifacts_dir=artifacts_dir, public_url=public_url, retention=retention,
                           server_id=server_id, share_group=share_group, silence_s=_duration(silence),
                           max_upload=parse_size(max_upload), driver=driver,
                           http=http, init=init, artifact_recheck_s=_duration(artifact_recheck),
                           ingest_limits=limits, job_events_kept=job_events_kept, per_server_urls=per_server_urls,
-                          alerts=alerts)
+                          tls=_tls(https_cert, https_key, https_client_ca), alerts=alerts)
     run_server(config)
 
 

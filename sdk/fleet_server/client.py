@@ -3,19 +3,23 @@
 Standard library only (``urllib``), so these commands work with the ``host`` extra alone: the
 operator's laptop does not need the server's database drivers. Every answer is bounded before
 it is parsed; an error answer becomes :class:`~sdk.errors.ApiError` with the server's own
-one-line message, and an unreachable server one line naming the address.
+one-line message, an unreachable server one line naming the address, and a TLS failure one line
+saying what failed and which flag fixes it (``--ca``, ``--client-cert``; docs/tls.md).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from edgepack_core.tls import client_context, tls_failure
 from sdk.errors import ApiError, FleetServerError, ServerConfigError
 
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
@@ -30,12 +34,43 @@ def check_server_url(url: str) -> str:
     return url.rstrip("/")
 
 
+@dataclass(frozen=True)
+class ClientTls:
+    """``--ca`` (instead of the system's CAs) and a client certificate for mutual TLS."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+
+    def context(self) -> ssl.SSLContext:
+        try:
+            return client_context(str(self.ca) if self.ca else None, str(self.cert) if self.cert else None,
+                                  str(self.key) if self.key else None)
+        except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+            files = ", ".join(str(path) for path in (self.ca, self.cert, self.key) if path)
+            raise ServerConfigError(f"cannot load the TLS files ({files}): "
+                                    f"{getattr(err, 'reason', None) or err}") from err
+
+
+def tls_hint(line: str, tls: ClientTls | None) -> str:
+    """What to do about a TLS failure line, for the CLI's user. Pure."""
+    if "local issuer" in line or "self-signed" in line or "self signed" in line:
+        return f"{line}; pass --ca FILE or set EDGEPACK_SERVER_CA"
+    if "Hostname mismatch" in line or "IP address mismatch" in line:
+        return f"{line}; use a host name the server's certificate names"
+    if "client's certificate" in line and (tls is None or tls.cert is None):
+        return f"{line}; pass --client-cert FILE and --client-key FILE"
+    return line
+
+
 class FleetClient:
     """Calls on one fleet server with one bearer token."""
 
-    def __init__(self, server: str, token: str) -> None:
+    def __init__(self, server: str, token: str, tls: ClientTls | None = None) -> None:
         self.server = check_server_url(server)
         self.token = token
+        self.tls = tls
+        self._context = tls.context() if tls is not None else None
 
     def _request(self, method: str, path: str, *, body: Any = None, data: Any = None, length: int | None = None,
                  timeout: float = TIMEOUT_S, content_type: str = "application/json",
@@ -50,7 +85,7 @@ class FleetClient:
             headers["Content-Length"] = str(length)
         request = urllib.request.Request(self.server + path, data=payload, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
+            with urllib.request.urlopen(request, timeout=timeout, context=self._context) as answer:
                 if sink is not None:  # a stream (an export): copied as it comes, never held whole
                     shutil.copyfileobj(answer, sink, 64 * 1024)
                     return None
@@ -58,6 +93,9 @@ class FleetClient:
         except urllib.error.HTTPError as err:
             raise self._error(err) from err
         except (TimeoutError, urllib.error.URLError, OSError) as err:
+            line = tls_failure(err, self.server)
+            if line is not None:
+                raise FleetServerError(tls_hint(line, self.tls)) from err
             reason = getattr(err, "reason", None) or err
             raise FleetServerError(f"cannot reach the fleet server at {self.server}: {reason}") from err
 

@@ -45,6 +45,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from sdk.errors import FleetServerError, ServerConfigError
 from sdk.fleet_server.disk import private_database_file
+from sdk.fleet_server.startup import new_fleet_refusal
 
 log = logging.getLogger("edgepack.fleet_server.db")
 
@@ -351,6 +352,45 @@ artifact_bad = Table(  # releases the operator marked bad fleet-wide: never sent
     Column("at", Float, nullable=False),
 )
 
+settings_entries = Table(  # desired agent settings: one row per (scope, key) the operator set (settings.py)
+    "settings_entries", metadata,
+    Column("scope", String(8), primary_key=True),  # fleet | group | device
+    Column("name", String(ID), primary_key=True),  # "" for the fleet
+    Column("key", String(64), primary_key=True),  # a dotted agent.yaml key (settings.py: SETTING_KEYS)
+    Column("value", Text, nullable=False),  # JSON, validated when set
+    Column("set_by", String(ID), nullable=False),
+    Column("set_at", Float, nullable=False),
+)
+
+fleet_keys = Table(  # release and operator public keys the fleet's devices are told to hold (settings.py)
+    "fleet_keys", metadata,
+    Column("key_id", String(16), primary_key=True),
+    Column("kind", String(16), nullable=False),  # release | operator
+    Column("pem", Text, nullable=False),
+    Column("added_by", String(ID), nullable=False),
+    Column("added_at", Float, nullable=False),
+    Column("retired_at", Float),  # None: in use
+)
+
+settings_sent = Table(  # each settings document the server signed for a device (generation: per device, rising)
+    "settings_sent", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("generation", Integer, primary_key=True),
+    Column("digest", String(64), nullable=False),  # sha256 of the document's canonical JSON
+    Column("command_id", String(ID), nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+settings_reports = Table(  # what each device's newest online state says about its settings
+    "settings_reports", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("generation", Integer, nullable=False),  # 0: none from the server applied
+    Column("results", Text, nullable=False),  # JSON: key -> "applied" | "refused: reason"
+    Column("release_keys", Text, nullable=False),  # JSON list of key ids
+    Column("operator_keys", Text, nullable=False),  # JSON list of key ids
+    Column("heard_at", Float, nullable=False),
+)
+
 leases = Table(
     "leases", metadata,
     Column("name", String(ID), primary_key=True),
@@ -493,13 +533,6 @@ class Database:
             log.warning("the SQLite checkpoint at stop was blocked by another connection: the WAL keeps data")
 
 
-def is_disk_full(err: BaseException) -> bool:
-    """Whether a database error says there is no space left: SQLite's ``SQLITE_FULL`` ("database
-    or disk is full"), PostgreSQL's ``disk_full`` (SQLSTATE 53100)."""
-    cause = getattr(err, "orig", None) or err
-    return getattr(cause, "sqlite_errorcode", None) == 13 or getattr(cause, "sqlstate", None) == "53100"
-
-
 def sqlite_file(url: str) -> Path | None:
     """The file of a ``sqlite:///`` URL (None for other databases)."""
     parsed = make_url(normalise_url(url))
@@ -519,27 +552,6 @@ def has_fleet_schema(database: Database) -> bool:
 
     names = set(inspect(database.engine).get_table_names())
     return "alembic_version" in names or bool(names & set(metadata.tables))
-
-
-def new_fleet_refusal(*, has_schema: bool, empty_file: bool, stored_artifacts: int, init: bool,
-                      where: str) -> str | None:
-    """Why the server must not start on this database, or None. Pure.
-
-    A database without a fleet schema beside an artifact store that holds artifacts, or a
-    SQLite file of 0 bytes, is a fleet whose database was lost or damaged, not a new fleet:
-    starting would serve an empty fleet without a word. ``--init`` says a new fleet is meant;
-    on a database that holds one it is refused (it would mean the operator expected none)."""
-    if has_schema:
-        return f"--init: {where} already holds a fleet; start without --init" if init else None
-    if init:
-        return None
-    if empty_file:
-        return (f"{where} is an empty file (0 bytes), not a fleet: restore it from a backup, or start with --init "
-                "to create a new, empty fleet")
-    if stored_artifacts:
-        return (f"{where} holds no fleet but the artifact store holds {stored_artifacts} artifact(s): restore the "
-                "database from a backup, or start with --init to create a new fleet beside them")
-    return None
 
 
 def open_database(url: str, *, migrate_schema: bool = True, stored_artifacts: int | None = None,

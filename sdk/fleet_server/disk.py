@@ -134,3 +134,10 @@ def warn_password_in_url(url: str) -> None:
                 "--db-password-file or %s instead",
                 PASSWORD_ENV,
             )
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether a database error says there is no space left: SQLite's ``SQLITE_FULL`` ("database
+    or disk is full"), PostgreSQL's ``disk_full`` (SQLSTATE 53100)."""
+    cause = getattr(err, "orig", None) or err
+    return getattr(cause, "sqlite_errorcode", None) == 13 or getattr(cause, "sqlstate", None) == "53100"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
-from edgepack_core.signing import SigningKey, TrustStore
+from edgepack_core.signing import RELEASE, SigningKey, TrustStore
 from sdk.broker import BrokerOptions
 from sdk.errors import ServerConfigError
 from sdk.fleet_server import queries
@@ -41,6 +41,7 @@ from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
 from sdk.fleet_server.retention import JOB_ROWS_PER_DEVICE, Pruner, RetentionPolicy
 from sdk.fleet_server.startup import joining_problem
+from sdk.fleet_server.tls_context import ServerTls, server_context
 from sdk.keys import load_operator_key
 
 if TYPE_CHECKING:  # uvicorn (under http_guard) is imported by serve() only
@@ -85,6 +86,7 @@ class ServerConfig:
     trust: tuple[Path, ...]
     token_file: Path
     operator_key: Path
+    rotation_operator_keys: tuple[Path, ...] = ()  # more --operator-key: devices not holding the first yet
     db_url: str = DEFAULT_DB
     listen: str = DEFAULT_LISTEN
     artifacts_dir: Path = Path("artifacts")
@@ -101,6 +103,7 @@ class ServerConfig:
     ingest_limits: IngestLimits = field(default_factory=IngestLimits)
     job_events_kept: int = JOB_ROWS_PER_DEVICE  # per device, the newest
     per_server_urls: bool = False  # several servers without --public-url: devices allow every server's origin
+    tls: ServerTls | None = None  # HTTPS on --listen (tls_context.py, tls_listener.py)
     alerts: AlertsConfig | None = None  # --alerts FILE: rules and sinks (sdk/fleet_server/alert_runner.py)
 
     def resolved_id(self) -> str:
@@ -128,8 +131,14 @@ class FleetServer:
         if not config.trust:
             raise ServerConfigError("give at least one --trust release public key (uploads are verified with it)")
         self.tokens = TokenCheck(read_token_file(config.token_file))
-        self.trust = TrustStore.from_paths(config.trust)
+        self.trust = TrustStore.from_paths(config.trust, kind=RELEASE)
         self.operator_key: SigningKey = load_operator_key(config.operator_key)
+        self.operator_keys: tuple[SigningKey, ...] = (self.operator_key, *(
+            load_operator_key(path) for path in config.rotation_operator_keys))
+        if len({key.key_id for key in self.operator_keys}) != len(self.operator_keys):
+            raise ServerConfigError("--operator-key names the same key twice")
+        self.tls_context = server_context(config.tls) if config.tls is not None else None
+        self.scheme = "https" if self.tls_context is not None else "http"
         if not 0 < config.max_upload <= 16 * 1024**3:
             raise ServerConfigError(f"--max-upload {config.max_upload} must be 1 byte to 16 GiB")
         self.started_at = time.time()
@@ -148,7 +157,7 @@ class FleetServer:
         if self.public_url is not None:
             return f"{self.public_url}/{sha256}.edgepkg"
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/artifacts/{sha256}.edgepkg"
+        return f"{self.scheme}://{host}:{self.port}/artifacts/{sha256}.edgepkg"
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -174,7 +183,8 @@ class FleetServer:
         assert self.ingest.control is not None
         self.driver = Driver(self.database, self.ingest.control, self.ingest.topics, self.operator_key,
                              self.artifact_url, self.server_id, self.config.driver, on_lead=self._on_lead,
-                             artifact_available=lambda sha: self.public_url is not None or self.store.has(sha))
+                             artifact_available=lambda sha: self.public_url is not None or self.store.has(sha),
+                             rotation_keys=self.operator_keys[1:])
         self._next_prune = time.time() + self.config.retention.interval_s
         if self.config.alerts is not None:
             self.alerts = start_alerts(self.database, self.config.alerts, self.ingest.control, server_id=self.server_id)
@@ -344,6 +354,18 @@ def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
     raise SystemExit(0)
 
 
+def _protocol(server: FleetServer, guard: Guard) -> type[Any]:
+    """The guarded h11 protocol, behind the TLS sniffer when the server speaks HTTPS."""
+    from sdk.fleet_server.http_guard import protocol_class
+
+    if server.tls_context is None:
+        return protocol_class(guard)
+    from sdk.fleet_server.tls_listener import tls_protocol_class
+
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    return tls_protocol_class(guard, server.tls_context, f"{host}:{server.port}")
+
+
 def serve(config: ServerConfig) -> None:
     """Run the fleet server until SIGTERM or SIGINT, then stop its parts (the database last).
 
@@ -356,7 +378,7 @@ def serve(config: ServerConfig) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
-    from sdk.fleet_server.http_guard import Guard, protocol_class, raise_fd_limit
+    from sdk.fleet_server.http_guard import Guard, raise_fd_limit
 
     server = FleetServer(config)
     server.http_guard = guard = Guard(config.http, raise_fd_limit(config.http))
@@ -367,8 +389,8 @@ def serve(config: ServerConfig) -> None:
         app = build_app(context)
         uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=5, server_header=False,
-                                           http=protocol_class(guard), backlog=ACCEPT_BACKLOG))
-        log.info("listening on http://%s:%d (pid %d)", server.host, server.port, os.getpid())
+                                           http=_protocol(server, guard), backlog=ACCEPT_BACKLOG))
+        log.info("listening on %s://%s:%d (pid %d)", server.scheme, server.host, server.port, os.getpid())
         uv.run(sockets=[sock])
     finally:
         server.stop()
