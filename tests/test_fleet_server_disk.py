@@ -171,3 +171,26 @@ def test_fleet_serve_starts_quietly_keeps_its_files_private_and_sends_an_offline
         hook.close()
     log = server.log_text()
     assert "alembic" not in log, log  # no "setup plugin" nor "Running upgrade" INFO lines at start
+
+
+_START = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+from sdk.fleet_server.schema_upgrade import quiet_alembic
+quiet_alembic(verbose=sys.argv[2] == "verbose")
+from sdk.fleet_server.db import open_database
+open_database("sqlite:///" + sys.argv[1]).close()
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_alembic_speaks_at_a_start_only_when_asked_with_v(tmp_path: Path, verbose: bool):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _START, str(tmp_path / "fleet.db"), "verbose" if verbose else "quiet"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("INFO alembic")]
+    assert bool(lines) is verbose, run.stderr
+    if verbose:
+        assert any("Running upgrade" in line for line in lines)
