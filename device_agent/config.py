@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from device_agent.errors import ConfigError
+from device_agent.logring import LOGS_CONFIG_SCHEMA, LogSettings
 from device_agent.pipelines.spec import PipelineSpec, parse_pipelines
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
-from device_agent.telemetry.outbox import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
+from device_agent.telemetry import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES
 from device_agent.updates.health import HealthPolicy
 from edgepack_core.artifact import Limits
@@ -73,6 +74,7 @@ CONFIG_SCHEMA: dict[str, Any] = {
             },
         },
         "log_level": {"enum": ["debug", "info", "warning", "error"]},
+        "logs": LOGS_CONFIG_SCHEMA,
         "api": {
             "type": "object",
             "additionalProperties": False,
@@ -372,6 +374,7 @@ class AgentConfig:
     limits: LimitSettings = LimitSettings()
     mqtt: BrokerSettings | None = None
     updates: UpdateSettings = UpdateSettings()
+    logs: LogSettings = field(default_factory=LogSettings)
 
 
 def _section(cls: type[_Section], values: Mapping[str, Any]) -> _Section:
@@ -553,6 +556,7 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         limits=_section(LimitSettings, document.get("limits", {})),
         mqtt=_broker(document["mqtt"], base, name) if "mqtt" in document else None,
         updates=_updates(document.get("updates", {}), base, name),
+        logs=_section(LogSettings, document.get("logs", {})),
         **values,
     )
 

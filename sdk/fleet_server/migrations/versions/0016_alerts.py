@@ -1,8 +1,8 @@
 """Alerts: ``alerts`` (one row per incident, open or resolved, and per rollout notice; an open
 incident's ``open_key`` is unique, so each fires once until it resolved; sdk/fleet_server/alert_store.py).
 
-Revision ID: 0015_alerts
-Revises: 0014
+Revision ID: 0016_alerts
+Revises: 0015
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0015_alerts"
-down_revision = "0014"
+revision = "0016_alerts"
+down_revision = "0015"
 branch_labels = None
 depends_on = None
 
