@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
+from device_agent.logring import LogRing
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
 from device_agent.remote_settings import Held, load_held, overlay
 from device_agent.runtime import InferenceService, LoadedModel, load_model
@@ -44,12 +45,18 @@ class Daemon:
     root store's, the slot of a single-model agent (and of the model a store laid out before
     named models holds)."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, log_ring: LogRing | None = None) -> None:
+        self.log_ring = log_ring  # what a fetch-logs command reads (device_agent/logring.py)
         # Settings from the fleet server (device_agent/remote_settings.py) win over agent.yaml's
         # for the keys they carry; ``base_config`` is agent.yaml alone, what a new document overlays.
         self.base_config = config
         self.held = load_held(config.store)
         self.config = overlay(config, self.held.applied())
+        if config.mqtt is not None:
+            # Before any session is made: imported after onnxruntime's start-up allocations, the
+            # same modules cost 1.9 MiB more RSS (tools/bench/agent_rss.py --mqtt, BENCHMARKS.md).
+            import device_agent.telemetry.reporter
+            import device_agent.updates.service  # noqa: F401
         self._file_trust = TrustStore.from_paths(config.trust, kind=RELEASE)
         self.trust = TrustStore(self._file_trust.public_keys())
         # Operator keys sign commands (edgepack keygen --operator); without them, anyone who can

@@ -46,6 +46,7 @@ from device_agent.updates import settings_apply
 from device_agent.updates.admission import DEVICE_STATE_RULES, DevicePolicy, policy_names, refusal, rollback_refusal
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
+from device_agent.updates.fetch_logs import LogFetcher
 from device_agent.updates.golden_probe import probe
 from device_agent.updates.health import (
     Probes,
@@ -139,6 +140,8 @@ class UpdateService:
         self.space = FreeSpace(config.store, settings.min_free_bytes)
         self.journal = Journal(config.store / "jobs")
         self.replay = ReplayGuard(config.store / "command-ids.json")
+        self.logs = LogFetcher(getattr(host, "log_ring", None), self.transport, self.topics, self.device_id,
+                               config.logs, time.time())
         # One deploy lane per model name (deploys of two models run side by side, two of one model
         # one after the other), and one for deploys that name no model (key "")
         self._deploys: dict[str, queue.Queue[Job | None]] = {}
@@ -158,7 +161,7 @@ class UpdateService:
         return Bounds(origins=allowed_origins(origins),
                       any_port_hosts=frozenset() if origins else frozenset({broker_host} - {""}),
                       max_bytes=settings.max_download_bytes, deadline_s=settings.download_deadline_s,
-                      min_rate_bytes_s=settings.min_rate_bytes_s, ca=settings.ca)
+                      min_rate_bytes_s=settings.min_rate_bytes_s, ca=settings.ca, client=config.client_certificate())
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -326,6 +329,9 @@ class UpdateService:
             self._reply(command, J.DONE, "pong", record=False)
         elif kind == "get-state":
             self._reply(command, J.DONE, "state", record=False, **self.state_detail())
+        elif kind == "fetch-logs":  # device_agent/updates/fetch_logs.py
+            answer = self.logs.answer(command.id, command.body, time.time())
+            self._reply(command, answer.state, answer.reason, **answer.detail)
         elif kind == "set-telemetry-interval":
             self.reporter.set_interval(float(command.body["seconds"]))
             self._reply(command, J.DONE, f"telemetry every {command.body['seconds']} s")

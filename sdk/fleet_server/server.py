@@ -29,6 +29,8 @@ from edgepack_core.signing import RELEASE, SigningKey, TrustStore
 from sdk.broker import BrokerOptions
 from sdk.errors import ServerConfigError
 from sdk.fleet_server import queries
+from sdk.fleet_server.alert_config import AlertsConfig
+from sdk.fleet_server.alert_runner import AlertRunner, start_alerts
 from sdk.fleet_server.api import ApiContext, build_app
 from sdk.fleet_server.artifacts import DEFAULT_MAX_UPLOAD, DEFAULT_RECHECK_S, ArtifactStore
 from sdk.fleet_server.auth import TokenCheck, read_token_file
@@ -37,6 +39,7 @@ from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.driver import Driver, DriverConfig, Lease
 from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
+from sdk.fleet_server.log_ingest import LogIngest
 from sdk.fleet_server.retention import JOB_ROWS_PER_DEVICE, Pruner, RetentionPolicy
 from sdk.fleet_server.startup import joining_problem
 from sdk.fleet_server.tls_context import ServerTls, server_context
@@ -102,6 +105,7 @@ class ServerConfig:
     job_events_kept: int = JOB_ROWS_PER_DEVICE  # per device, the newest
     per_server_urls: bool = False  # several servers without --public-url: devices allow every server's origin
     tls: ServerTls | None = None  # HTTPS on --listen (tls_context.py, tls_listener.py)
+    alerts: AlertsConfig | None = None  # --alerts FILE: rules and sinks (sdk/fleet_server/alert_runner.py)
 
     def resolved_id(self) -> str:
         server_id = self.server_id or default_server_id(self.listen)
@@ -141,8 +145,10 @@ class FleetServer:
         self.started_at = time.time()
         self.database: Database | None = None
         self.ingest: Ingest | None = None
+        self.logs: LogIngest | None = None
         self.driver: Driver | None = None
         self.pruner: Pruner | None = None
+        self.alerts: AlertRunner | None = None
         self._threads: list[threading.Thread] = []
         self._api: ApiContext | None = None
         self.http_guard: Guard | None = None  # the connection guard, once serve() made it
@@ -171,9 +177,13 @@ class FleetServer:
         self.ingest = Ingest(self.database, self.config.broker, server_id=self.server_id,
                              limits=self.config.ingest_limits,
                              share_group=self.config.share_group)
+        self.logs = LogIngest(self.database, self.config.broker, server_id=self.server_id,
+                              share_group=self.config.share_group)  # device logs (fetch-logs answers)
         try:
             self.ingest.start()
+            self.logs.start()
         except EdgepackError:
+            self.logs.stop()
             self.ingest.stop()
             raise
         assert self.ingest.control is not None
@@ -182,6 +192,8 @@ class FleetServer:
                              artifact_available=lambda sha: self.public_url is not None or self.store.has(sha),
                              rotation_keys=self.operator_keys[1:])
         self._next_prune = time.time() + self.config.retention.interval_s
+        if self.config.alerts is not None:
+            self.alerts = start_alerts(self.database, self.config.alerts, self.ingest.control, server_id=self.server_id)
         thread = threading.Thread(target=self.driver.run, name="fleet-driver", daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -203,14 +215,23 @@ class FleetServer:
                 self.pruner.run_once(now)
             except Exception:  # retried at the next interval; never stops the rollouts
                 log.exception("telemetry pruning failed")
+        if self.alerts is not None:
+            try:
+                self.alerts.maybe_run(now)
+            except Exception:  # judged again at the next interval; never stops the rollouts
+                log.exception("judging the alert rules failed")
 
     def stop(self) -> None:
         if self.driver is not None:
             self.driver.stop()
         for thread in self._threads:
             thread.join(15)
+        if self.alerts is not None:
+            self.alerts.stop()
         if self.ingest is not None:
             self.ingest.stop()
+        if self.logs is not None:
+            self.logs.stop()
         if self.database is not None:
             self.database.close()  # on SQLite: the WAL checkpointed into the file
 
@@ -231,6 +252,7 @@ class FleetServer:
                        "rate_per_s": round(self.ingest.rate(time.time()), 3),
                        "control_connected": bool(self.ingest.control and self.ingest.control.connected),
                        "telemetry_connected": bool(self.ingest.telemetry and self.ingest.telemetry.connected)},
+            "logs": {name: dict(counter) for name, counter in self.logs.counters.items()} if self.logs else {},
             "driver": {"ticks": self.driver.ticks, "sent": self.driver.sent, "resent": self.driver.resent,
                        "refused_by_broker": self.driver.refused_by_broker,
                        "rollout_errors": self.driver.rollout_errors,
