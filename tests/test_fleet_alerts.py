@@ -349,6 +349,23 @@ def test_a_hanging_receiver_never_blocks_the_server_the_queue_is_bounded(databas
         hook.close()
 
 
+def test_alerts_still_queued_when_the_server_stops_are_audited_as_given_up(database: Database):
+    release = threading.Event()
+    hook = Receiver(hold=release)
+    runner = AlertRunner(database, parse_alerts({}), [], server_id="s1")
+    sink = Sink(WebhookOutlet(hook.url, secret=None, timeout_s=30), Delivery(), runner.record_outcome)
+    try:
+        sink.enqueue(Outgoing("a", "fired", b"{}"))
+        assert wait_until(lambda: sink.depth == 0)  # in flight, held by the receiver
+        sink.enqueue(Outgoing("b", "fired", b"{}"))
+        sink.stop(timeout_s=0.01)
+        (entry,) = _audit(database, "alert.given_up")
+        assert entry["target"] == "b" and "server stopped" in entry["detail"]["reason"]
+    finally:
+        release.set()
+        hook.close()
+
+
 # ------------------------------------------------------------------ rules read from the database
 
 

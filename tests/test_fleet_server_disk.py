@@ -165,6 +165,10 @@ def test_fleet_serve_starts_quietly_keeps_its_files_private_and_sends_an_offline
         assert [a["key"] for a in opened] == ["offline:cam-1"]
         sent = wait_for(lambda: server.get("/api/audit?action=alert.sent")["entries"], 10)
         assert sent and sent[0]["target"] == "offline:cam-1" and sent[0]["detail"]["attempts"] == 2
+        (sink,) = server.get("/api/status")["alerts"]["sinks"]
+        assert (sink["sent"], sink["given_up"], sink["queued"]) == (1, 0, 0)
+        metrics = server.get("/metrics").decode()
+        assert f'edgepack_fleet_alerts_total{{sink="{sink["name"]}",outcome="sent"}} 1' in metrics
         assert (_mode(server.folder / "fleet.db"), _mode(server.artifacts)) == (0o600, 0o700)
     finally:
         server.stop()

@@ -251,6 +251,16 @@ class AlertRunner:
                 },
             )
 
+    def to_json(self) -> dict[str, Any]:
+        """What ``/api/status`` shows: rounds judged, and each sink's queue and counts."""
+        return {
+            "rounds": self.rounds,
+            "sinks": [
+                {"name": sink.name, "queued": sink.depth, "sent": sink.sent, "given_up": sink.given_up}
+                for sink in self.sinks
+            ],
+        }
+
     def stop(self) -> None:
         for sink in self.sinks:
             sink.stop()

@@ -159,10 +159,17 @@ class Sink:
         return False
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop sending; what is still queued is given up (and so audited), not lost without a word."""
         self._stop.set()
         with self._ready:
             self._ready.notify_all()
         self._thread.join(timeout_s)
+        while True:
+            with self._ready:
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+            self._report(item, False, 0, "the server stopped before it was sent")
 
     def _next(self) -> Outgoing | None:
         with self._ready:

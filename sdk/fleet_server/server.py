@@ -265,6 +265,7 @@ class FleetServer:
                           "folded": self.pruner.folded if self.pruner else 0},
             "artifact_base_url": self.artifact_url("0" * 64).rsplit("/", 1)[0],
             "http": self.http_guard.to_json() if self.http_guard is not None else None,
+            "alerts": self.alerts.to_json() if self.alerts is not None else None,
         }
 
     def metrics(self) -> str:
@@ -331,6 +332,10 @@ class FleetServer:
                [({}, api.requests if api else 0)])
         metric("edgepack_fleet_api_auth_failures_total", "counter", "API requests refused for a missing or "
                "wrong token.", [({}, api.auth_failures if api else 0)])
+        if self.alerts is not None:
+            metric("edgepack_fleet_alerts_total", "counter", "Alerts each sink sent or gave up, by sink and outcome.",
+                   [({"sink": sink.name, "outcome": outcome}, count) for sink in self.alerts.sinks
+                    for outcome, count in (("sent", sink.sent), ("given_up", sink.given_up))] or [({}, 0)])
         return "\n".join(lines) + "\n"
 
     def api_context(self) -> ApiContext:
