@@ -31,6 +31,8 @@ from edgepack_core.signing import OPERATOR, RELEASE, check_kind, public_key_from
 MAX_KEYS = 16
 """Keys of one kind in a document (a rotation needs two; a few more for several release lines)."""
 MAX_PEM_CHARS = 1024
+MAX_DOCUMENT_KEYS = 64
+"""Keys in one document: each is answered in the state message, which has to stay small."""
 MAX_GENERATION = 2**53 - 1
 _NAME = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"}
 _ORIGIN = {"type": "string", "pattern": r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?$", "maxLength": 300}
@@ -198,6 +200,8 @@ def parse_document(generation: Any, settings: Any) -> SettingsDocument:
         raise SchemaError("generation", f"must be an integer from 1 to {MAX_GENERATION}")
     if not isinstance(settings, dict):
         raise SchemaError("settings", "must be an object of dotted agent.yaml keys")
+    if len(settings) > MAX_DOCUMENT_KEYS:
+        raise SchemaError("settings", f"holds {len(settings)} keys, at most {MAX_DOCUMENT_KEYS}")
     refused = unknown_keys(settings)
     if refused:
         raise SchemaError("settings", refused)

@@ -63,6 +63,10 @@ def test_a_document_is_checked_whole_naming_unknown_and_local_only_keys():
             parse_document(bad, {})
     assert parse_document(2**53 - 1, {}).generation == 2**53 - 1
     assert {"store", "device_id", "api.listen", "mqtt.host"} <= LOCAL_ONLY
+    limits = {f"models.m{i}.limits.max_total_bytes": 1 for i in range(64)}
+    assert len(parse_document(1, limits).values) == 64
+    with pytest.raises(SchemaError, match="holds 65 keys, at most 64"):
+        parse_document(1, {**limits, "log_level": "info"})
 
 
 def test_key_lists_are_bounded_non_empty_and_of_their_kind():
