@@ -235,6 +235,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_enroll(args: argparse.Namespace) -> int:
+    from device_agent.enroll import cmd_enroll as enroll
+
+    return enroll(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgepack-agent", description="The Edgepack device agent.")
     parser.add_argument("--version", action="version", version=f"edgepack-agent {__version__}")
@@ -288,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     runtime(rollback)
     rollback.add_argument("--model", metavar="NAME", help="the model to roll back (several named models)")
     rollback.set_defaults(func=cmd_rollback)
+
+    enroll = sub.add_parser("enroll", help="get this device's certificate from the fleet server (key made here)")
+    enroll.add_argument("--server", required=True, help="the fleet server's URL, e.g. https://fleet.example:8760")
+    enroll.add_argument("--token", required=True, help="the one-time token edgepack fleet enroll printed")
+    enroll.add_argument("--config", required=True, help="agent.yaml to update (comments are not kept)")
+    enroll.add_argument("--ca", help="CA certificate of the fleet server's HTTPS certificate (a private CA)")
+    enroll.add_argument("--device-id", help="the device id the token was made for (default: agent.yaml's)")
+    enroll.set_defaults(func=cmd_enroll)
 
     from device_agent.system_files import add_commands  # files, install-unit: the shipped unit and schemas
 

@@ -173,6 +173,16 @@ CONFIG_SCHEMA: dict[str, Any] = {
                 },
             },
         },
+        "enrollment": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["server"],
+            "description": "where edgepack-agent enroll got this device's certificate: renewals go there too",
+            "properties": {
+                "server": {"type": "string", "pattern": r"^https?://[^\s]+$", "maxLength": 2048},
+                "ca": _PATH,
+            },
+        },
         "updates": {
             "type": "object",
             "additionalProperties": False,
@@ -296,6 +306,15 @@ class BrokerSettings:
 
 
 @dataclass(frozen=True)
+class EnrollmentSettings:
+    """``enrollment:``: the fleet server that issued the device's certificate (renewals redeem
+    their token there) and the CA its HTTPS certificate is checked with (None: the system's)."""
+
+    server: str
+    ca: Path | None = None
+
+
+@dataclass(frozen=True)
 class HealthWindow:
     """``updates.health_window_s``: the window after a swap, and the range a command may ask for."""
 
@@ -360,6 +379,7 @@ class AgentConfig:
     limits: LimitSettings = LimitSettings()
     mqtt: BrokerSettings | None = None
     updates: UpdateSettings = UpdateSettings()
+    enrollment: EnrollmentSettings | None = None
 
 
 def _section(cls: type[_Section], values: Mapping[str, Any]) -> _Section:
@@ -476,6 +496,10 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         values["artifact"] = _resolve(base, document["artifact"])
     if "models" in document:
         values["models"] = _models(document, base, name)
+    if "enrollment" in document:
+        given = document["enrollment"]
+        ca = _resolve(base, given["ca"]) if "ca" in given else None
+        values["enrollment"] = EnrollmentSettings(given["server"], ca)
     return AgentConfig(
         path=path,
         device_id=document["device_id"],

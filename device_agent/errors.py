@@ -12,8 +12,8 @@ from edgepack_core.errors import EdgepackError, UsageError
 
 __all__ = [
     "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "Busy", "ConfigError", "DownloadCancelled",
-    "DownloadError", "InferenceError", "JournalError", "MessageTooLargeError", "NoModelError", "NonFiniteOutput",
-    "OutboxError", "ProviderError", "ReplayError", "RequestError", "SmokeTestError", "StoreError", "TransferError",
+    "DownloadError", "EnrollError", "InferenceError", "JournalError", "MessageTooLargeError", "NoModelError",
+    "NonFiniteOutput", "OutboxError", "ProviderError", "ReplayError", "RequestError", "SmokeTestError", "StoreError", "TransferError",
 ]
 
 
@@ -123,6 +123,11 @@ class Busy(RequestError):
 
 
 # --------------------------------------------------------------------------- updates
+
+
+class EnrollError(AgentError):
+    """``edgepack-agent enroll`` or a certificate renewal failed: the server refused, could not be
+    reached, or answered something unusable (the message says which, in one line)."""
 
 
 class DownloadError(AgentError):

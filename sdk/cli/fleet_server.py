@@ -11,6 +11,7 @@ import click
 
 from sdk.broker import BrokerOptions
 from sdk.cli.broker_options import broker_options
+from sdk.cli.enroll import enroll_options
 from sdk.cli.fleet import fleet
 from sdk.errors import ServerConfigError
 
@@ -46,6 +47,7 @@ def _rate(text: str, flag: str) -> Any:
 
 @fleet.command()
 @broker_options
+@enroll_options
 @click.option("--db", "db_url", default="sqlite:///fleet.db", show_default=True, envvar="EDGEPACK_FLEET_DB",
               help="Database URL: sqlite:///FILE (WAL; one server) or postgresql://USER@HOST/DB (several servers; "
                    "or EDGEPACK_FLEET_DB).")
@@ -113,7 +115,7 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
           max_upload: str, lease_ttl: str, tick: str, requery_after: str, resend_after: str, head_timeout: str,
           body_min_rate: str,
           max_connections: int, init: bool, artifact_recheck: str, budget_job: str, budget_state: str,
-          budget_telemetry: str, job_events_kept: int, per_server_urls: bool) -> None:
+          budget_telemetry: str, job_events_kept: int, per_server_urls: bool, enroll: Any) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
 
     Devices, telemetry and job events are kept in the database; rollouts run on the server and
@@ -144,7 +146,8 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                           server_id=server_id, share_group=share_group, silence_s=_duration(silence),
                           max_upload=parse_size(max_upload), driver=driver,
                           http=http, init=init, artifact_recheck_s=_duration(artifact_recheck),
-                          ingest_limits=limits, job_events_kept=job_events_kept, per_server_urls=per_server_urls)
+                          ingest_limits=limits, job_events_kept=job_events_kept, per_server_urls=per_server_urls,
+                          enroll=enroll)
     run_server(config)
 
 
