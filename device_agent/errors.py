@@ -13,7 +13,8 @@ from edgepack_core.errors import EdgepackError, UsageError
 __all__ = [
     "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "Busy", "ConfigError", "DownloadCancelled",
     "DownloadError", "EnrollError", "InferenceError", "JournalError", "MessageTooLargeError", "NoModelError",
-    "NonFiniteOutput", "OutboxError", "ProviderError", "ReplayError", "RequestError", "SmokeTestError", "StoreError", "TransferError",
+    "NonFiniteOutput", "OutboxError", "ProviderError", "ReplayError", "RequestError", "SmokeTestError", "StoreError",
+    "TransferError",
 ]
 
 
