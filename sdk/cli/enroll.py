@@ -37,6 +37,8 @@ _SERVE_OPTIONS = [
                                                             "are not devices, e.g. operator."),
     click.option("--broker-reload-command", help="Run after a broker file changed, e.g. 'systemctl reload "
                                                  "mosquitto' (no shell)."),
+    click.option("--renew-interval", default="60s", show_default=True,
+                 help="How often the leading server looks for certificates to rotate."),
 ]
 
 
@@ -46,7 +48,8 @@ def enroll_options(func: Callable[..., Any]) -> Any:
     @functools.wraps(func)
     def wrapper(*args: Any, ca_dir: Path, cert_validity: int, enroll_broker: str | None, broker_ca: Path | None,
                 broker_acl_file: Path | None, broker_crl_file: Path | None, broker_password_file: Path | None,
-                broker_password_base: Path | None, broker_reload_command: str | None, **kwargs: Any) -> Any:
+                broker_password_base: Path | None, broker_reload_command: str | None, renew_interval: str,
+                **kwargs: Any) -> Any:
         from sdk.fleet_server.broker_files import BrokerFiles
         from sdk.fleet_server.enrollment import EnrollConfig, parse_enroll_broker
 
@@ -59,7 +62,7 @@ def enroll_options(func: Callable[..., Any]) -> Any:
         files = BrokerFiles(acl=broker_acl_file, crl=broker_crl_file, passwords=broker_password_file,
                             password_base=broker_password_base, reload_command=broker_reload_command)
         enroll = EnrollConfig(ca_dir=ca_dir, validity_days=cert_validity, broker=broker, broker_ca=broker_ca,
-                              files=files)
+                              files=files, renew_interval_s=_duration(renew_interval, "--renew-interval"))
         return func(*args, enroll=enroll, **kwargs)
 
     for option in reversed(_SERVE_OPTIONS):
@@ -67,13 +70,13 @@ def enroll_options(func: Callable[..., Any]) -> Any:
     return wrapper
 
 
-def _duration(text: str) -> float:
+def _duration(text: str, flag: str = "--expires") -> float:
     from sdk.fleet_server.retention import parse_duration
 
     try:
         return parse_duration(text)
     except ServerConfigError as err:
-        raise click.BadParameter(str(err), param_hint="--expires") from err
+        raise click.BadParameter(str(err), param_hint=flag) from err
 
 
 @fleet.command()
@@ -115,3 +118,22 @@ def _when(ts: float) -> str:
     import time
 
     return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(ts))
+
+
+@fleet.command(name="ca-init")
+@click.option("--ca-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("fleet-ca"),
+              show_default=True, help="Folder of the fleet CA (as given to fleet serve).")
+@click.option("--crl-file", type=_OUT, help="Also write an empty CRL here when none exists (mosquitto will not start "
+                                            "without its crlfile; fleet serve keeps it current).")
+def ca_init(ca_dir: Path, crl_file: Path | None) -> None:
+    """Make the fleet CA (if it does not exist) before the broker first starts, and print its
+    certificate's path: the broker's cafile for device certificates."""
+    import time
+
+    from sdk.fleet_server.ca import CA_CERT, FleetCA
+    from sdk.fleet_server.enrollment import write_first_crl
+
+    ca = FleetCA.open(ca_dir, now=time.time())
+    if crl_file is not None:
+        write_first_crl(ca, crl_file, time.time())
+    click.echo(ca_dir / CA_CERT)

@@ -34,6 +34,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.engine import Connection
 
 from edgepack_core.errors import SchemaError
+from edgepack_core.fsutil import atomic_write
 from edgepack_core.protocol.commands import build_command
 from sdk.broker import parse_broker
 from sdk.errors import ApiError, BrokerOptionError, ServerConfigError
@@ -57,6 +58,16 @@ one that expired unused is sent again."""
 MAX_RENEWALS_PER_ROUND = 500
 RENEW_COMMAND_KIND = "renew-cert"  # the commands table's kind (16 characters at most)
 USED = "this enrollment token was already used (a token works once: ask for a new one)"
+
+
+def write_first_crl(ca: FleetCA, path: Path, now: float) -> bool:
+    """An empty CRL at ``path`` unless a file is there (``edgepack fleet ca-init``: the broker
+    needs its crlfile before the server that keeps it current can start). True if written."""
+    try:
+        atomic_write(path, ca.crl([], now, int(now) * 1000), mode=0o644, overwrite=False)
+    except FileExistsError:
+        return False
+    return True
 
 
 def token_digest(token: str) -> str:
