@@ -70,6 +70,12 @@ def write_first_crl(ca: FleetCA, path: Path, now: float) -> bool:
     return True
 
 
+def new_token() -> str:
+    """A one-time token: 256 random bits, URL-safe, after a prefix that names it (and keeps a
+    leading ``-`` from reading as a command-line flag)."""
+    return f"ept{secrets.token_urlsafe(32)}"
+
+
 def token_digest(token: str) -> str:
     """What the database keeps of a token. A plain SHA-256 suffices: a token is 256 random bits."""
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
@@ -170,7 +176,7 @@ class Enrollment:
         now = time.time() if now is None else now
         if not MIN_TOKEN_TTL_S <= ttl_s <= MAX_TOKEN_TTL_S:
             raise SchemaError("expires_in_s", f"must be {MIN_TOKEN_TTL_S:.0f} to {MAX_TOKEN_TTL_S:.0f} seconds")
-        token = secrets.token_urlsafe(32)
+        token = new_token()
         kind = PASSWORD if password else CERTIFICATE
         row = {"token_sha256": token_digest(token), "device": device, "kind": kind, "groups": json.dumps(groups),
                "created_at": now, "created_by": actor[:128], "expires_at": now + ttl_s, "used_at": None}
@@ -284,7 +290,7 @@ class Enrollment:
     def _renew(self, sink: CommandSink, row: Any, now: float) -> dict[str, Any] | None:
         c = device_certificates
         ttl = min(RENEWAL_TTL_S, row.not_after - now)
-        token = secrets.token_urlsafe(32)
+        token = new_token()
         command = build_command("renew-certificate", device=row.device, ttl_s=ttl, now=now, token=token)
         with self.database.write() as connection:
             unchanged = (c.c.renewal_sent_at.is_(None) if row.renewal_sent_at is None
