@@ -241,6 +241,33 @@ def cmd_enroll(args: argparse.Namespace) -> int:
     return enroll(args)
 
 
+def cmd_pipeline_check(args: argparse.Namespace) -> int:
+    """Every pipeline of the config parsed (schema, cross-field rules) and checked against the
+    models the store holds; one line per pipeline, exit 1 at the first refusal."""
+    from device_agent.config import load_config
+    from device_agent.pipelines.checks import check_models
+    from device_agent.pipelines.contracts import installed_contracts
+
+    config = load_config(args.config)
+    if not config.pipelines:
+        print(f"{args.config}: no pipelines")
+        return 0
+    contracts = installed_contracts(config)
+    for index, spec in enumerate(config.pipelines):
+        check_models(spec, contracts, where=f"pipelines[{index}]")
+        stages = " -> ".join(stage.stage_name for stage in spec.stages)
+        print(f"{spec.name}: ok ({spec.source.kind} source, {stages}, {len(spec.rules)} rules, "
+              f"{len(spec.sinks)} sinks)")
+    return 0
+
+
+def cmd_pipeline_schema(args: argparse.Namespace) -> int:
+    from device_agent.pipelines.spec import pipeline_schema
+
+    print(json.dumps(pipeline_schema(), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edgepack-agent", description="The Edgepack device agent.")
     parser.add_argument("--version", action="version", version=f"edgepack-agent {__version__}")
@@ -302,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
     enroll.add_argument("--ca", help="CA certificate of the fleet server's HTTPS certificate (a private CA)")
     enroll.add_argument("--device-id", help="the device id the token was made for (default: agent.yaml's)")
     enroll.set_defaults(func=cmd_enroll)
+    pipeline = sub.add_parser("pipeline", help="pipelines (streams): check a config's, print the schema")
+    pipeline_sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
+    check = pipeline_sub.add_parser("check", help="validate agent.yaml's pipelines against the installed models, "
+                                    "without running them")
+    check.add_argument("--config", required=True, help="agent.yaml")
+    check.set_defaults(func=cmd_pipeline_check)
+    schema = pipeline_sub.add_parser("schema", help="print the JSON Schema of one pipeline")
+    schema.set_defaults(func=cmd_pipeline_schema)
 
     from device_agent.system_files import add_commands  # files, install-unit: the shipped unit and schemas
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from device_agent.errors import ConfigError
+from device_agent.pipelines.spec import PipelineSpec, parse_pipelines
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
 from device_agent.telemetry.outbox import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES
@@ -28,6 +29,7 @@ from edgepack_core.mqtt_settings import TlsSettings
 from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
+from edgepack_core.tls import client_context
 from edgepack_core.yamlfile import read_yaml_file
 
 MAX_CONFIG_BYTES = 256 * 1024
@@ -53,6 +55,11 @@ CONFIG_SCHEMA: dict[str, Any] = {
         "profile": {"enum": sorted(PROFILES)},
         "threads": {"type": "integer", "minimum": 0, "maximum": 256},
         "artifact": _PATH,
+        "pipelines": {
+            "type": "array",
+            "description": "streams: sources, stages, tracker, rules and sinks (docs/agent.md, Pipelines; each item "
+                           "is checked against schemas/pipeline.schema.json)",
+        },
         "models": {
             "type": "array",
             "minItems": 1,
@@ -214,6 +221,7 @@ CONFIG_SCHEMA: dict[str, Any] = {
                 "allowed_origins": {"type": "array", "minItems": 1, "items": {"type": "string", "pattern": _ORIGIN}},
                 "download_deadline_s": {"type": "number", "exclusiveMinimum": 0},
                 "min_rate_bytes_s": {"type": "number", "minimum": 0},
+                "ca": _PATH,
             },
         },
     },
@@ -341,6 +349,7 @@ class UpdateSettings:
     allowed_origins: tuple[str, ...] = ()  # (): any port on mqtt.host
     download_deadline_s: float = 3600.0
     min_rate_bytes_s: float = 1024.0
+    ca: Path | None = None  # None: the system's CAs verify https:// downloads
 
     def health_policy(self) -> HealthPolicy:
         return HealthPolicy(
@@ -374,6 +383,7 @@ class AgentConfig:
     threads: int = 0
     artifact: Path | None = None
     models: tuple[ModelEntry, ...] = ()  # (): one unnamed model (``artifact:``, or what the store holds)
+    pipelines: tuple[PipelineSpec, ...] = ()
     log_level: str = "info"
     api: ApiSettings = ApiSettings()
     limits: LimitSettings = LimitSettings()
@@ -464,7 +474,19 @@ def _updates(updates: Mapping[str, Any], base: Path, name: str) -> UpdateSetting
         values["health_window_s"] = _window(updates["health_window_s"], name)
     if "download_dir" in updates:
         values["download_dir"] = _resolve(base, updates["download_dir"])
+    if "ca" in updates:
+        values["ca"] = _resolve(base, updates["ca"])
+        _check_ca(values["ca"], name)
     return _section(UpdateSettings, values)
+
+
+def _check_ca(path: Path, name: str) -> None:
+    """``updates.ca`` must load as CA certificates now, not at the first download."""
+    try:
+        client_context(str(path))
+    except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+        why = getattr(err, "reason", None) or getattr(err, "strerror", None) or err
+        raise ConfigError("updates.ca", f"cannot load {path} as CA certificates (PEM): {why}", config=name) from err
 
 
 def _models(document: Mapping[str, Any], base: Path, name: str) -> tuple[ModelEntry, ...]:
@@ -500,6 +522,8 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         given = document["enrollment"]
         ca = _resolve(base, given["ca"]) if "ca" in given else None
         values["enrollment"] = EnrollmentSettings(given["server"], ca)
+    if "pipelines" in document:
+        values["pipelines"] = parse_pipelines(document["pipelines"], where=f"{name}: pipelines")
     return AgentConfig(
         path=path,
         device_id=document["device_id"],

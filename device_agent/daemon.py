@@ -14,7 +14,7 @@ import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
@@ -22,15 +22,15 @@ from device_agent.http.server import ApiServer
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
-from device_agent.telemetry.metrics import ModelInfo
-from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter, settings_from_config
-from device_agent.telemetry.session import ConnectionCounter
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.rejected import for_state
-from device_agent.updates.service import UpdateService
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.signing import TrustStore
+
+if TYPE_CHECKING:  # imported when used: an agent without mqtt: never loads MQTT, telemetry or updates
+    from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter
+    from device_agent.updates.service import UpdateService
 
 log = logging.getLogger("edgepack.agent")
 
@@ -57,6 +57,7 @@ class Daemon:
         self._root_claim: str | None = None  # the model name an empty root store was handed to
         self.api: ApiServer | None = None
         self.reporter: TelemetryReporter | None = None
+        self.pipelines: Any = None  # device_agent.pipelines.host.PipelineSet, when agent.yaml has pipelines
         self.updates: UpdateService | None = None
         self._stopped = threading.Event()
 
@@ -137,11 +138,16 @@ class Daemon:
         slot.service.observers.append(lambda latency, error: self._observe(slot.name, latency, error))
 
     def health(self) -> dict[str, Any]:
-        """What /healthz adds to the models: the stores' condition and, on a full disk, ``degraded``."""
-        return {**self.health_of_stores(), **self.space.health()}
+        """What /healthz adds to the models: the stores' condition, on a full disk ``degraded``, and
+        each pipeline's state (running with its counters, or refused with the reason)."""
+        pipelines = {"pipelines": self.pipelines.status()} if self.pipelines is not None else {}
+        return {**self.health_of_stores(), **self.space.health(), **pipelines}
 
     def status(self) -> AgentStatus:
         import onnxruntime as ort
+
+        from device_agent.telemetry.metrics import ModelInfo
+        from device_agent.telemetry.reporter import AgentStatus
 
         slots = self.models.slots
         model = slots[0].service.model if slots else None
@@ -174,6 +180,9 @@ class Daemon:
                 self.install_artifact(entry.artifact, slot=self.new_slot(entry.name))
         mqtt = self.config.mqtt
         if mqtt is not None:
+            from device_agent.telemetry.reporter import TelemetryReporter, settings_from_config
+            from device_agent.telemetry.session import ConnectionCounter
+
             counter = ConnectionCounter(self.config.store / "mqtt_session.json")
             self.reporter = TelemetryReporter(
                 self.config.device_id, settings_from_config(mqtt, self.config.device_id, counter),
@@ -181,6 +190,7 @@ class Daemon:
                 interval=mqtt.telemetry_interval, outbox_limits=mqtt.queue, counter=counter)
             self.reporter.start()
             self._start_updates()
+        self._start_pipelines()
         address = self.config.api.address
         if address is not None:
             self.api = ApiServer(address, self.service, settings=self.config.api, health=self.health,
@@ -239,8 +249,32 @@ class Daemon:
         if self.operator_trust is not None:  # without: `edgepack-agent run` warns on stderr at every start
             log.info("commands that change what runs must be signed by one of %d operator key(s)",
                      len(self.operator_trust))
+        from device_agent.updates.service import UpdateService
+
         self.updates = UpdateService(self)
         self.updates.start()
+
+    def _start_pipelines(self) -> None:
+        """Start agent.yaml's pipelines, each checked against the models installed now
+        (docs/agent.md, "Pipelines"); imported only when there are some (an idle agent pays nothing)."""
+        if not self.config.pipelines:
+            return
+        from device_agent.pipelines.contracts import installed_contracts
+        from device_agent.pipelines.host import PipelineSet
+
+        reporter = self.reporter
+
+        def publish(event: Any) -> None:
+            if reporter is not None:
+                reporter.outbox.put(reporter.topics.events(self.config.device_id), event.to_payload(), 1, "events")
+
+        def service_of(name: str) -> Any:
+            slot = self.models.get(name)
+            return None if slot is None else slot.service
+
+        self.pipelines = PipelineSet(self.config.pipelines, self.config.device_id, service_of,
+                                     publish if reporter is not None else None)
+        self.pipelines.start(installed_contracts(self.config))
 
     def _observe(self, name: str, latency: float | None, error: str | None) -> None:
         if self.reporter is None:
@@ -254,6 +288,8 @@ class Daemon:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self.pipelines is not None:
+            self.pipelines.stop()
         if self.api is not None:
             self.api.stop()
         if self.updates is not None:

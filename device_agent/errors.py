@@ -13,7 +13,8 @@ from edgepack_core.errors import EdgepackError, UsageError
 __all__ = [
     "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "Busy", "ConfigError", "DownloadCancelled",
     "DownloadError", "EnrollError", "InferenceError", "JournalError", "MessageTooLargeError", "NoModelError",
-    "NonFiniteOutput", "OutboxError", "ProviderError", "ReplayError", "RequestError", "SmokeTestError", "StoreError",
+    "NonFiniteOutput", "OutboxError", "PipelineRefused", "ProviderError", "ReplayError", "RequestError",
+    "SmokeTestError", "StoreError",
     "TransferError",
 ]
 
@@ -32,6 +33,16 @@ class ConfigError(AgentError, UsageError):
     def __init__(self, key: str, problem: str, *, config: str = "") -> None:
         where = f"{config}: " if config else ""
         super().__init__(f"{where}{key}: {problem}")
+        self.key = key
+        self.problem = problem
+
+
+class PipelineRefused(AgentError):
+    """A pipeline the installed models cannot run (a missing model, a video source into an audio
+    model, crops of a stage that gives no boxes): refused before it starts, naming the key."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}")
         self.key = key
         self.problem = problem
 

@@ -254,3 +254,8 @@ class BrokerLoginRefused(BrokerConnectError):
 
 class BrokerUnreachable(BrokerConnectError):
     """No CONNACK within the time allowed: nothing listens, TLS failed, or the network is down."""
+
+
+class BrokerTlsError(BrokerConnectError):
+    """TLS stands between the client and the broker: a certificate the client cannot verify, or
+    TLS on one side only (a plain client on a TLS port, or the reverse). Retrying cannot help."""

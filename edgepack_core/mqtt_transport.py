@@ -47,12 +47,14 @@ from paho.mqtt.reasoncodes import ReasonCode
 from edgepack_core.errors import (  # the broker errors are named here too (re-exported)
     BrokerConnectError,
     BrokerLoginRefused,
+    BrokerTlsError,
     BrokerUnreachable,
     InvalidPublishError,
     MqttSettingsError,
     UsageError,
 )
 from edgepack_core.mqtt_settings import MqttSettings, Payload, backoff_delay, encode_payload
+from edgepack_core.mqtt_tls import TlsDiagnosis
 
 log = logging.getLogger("edgepack.mqtt")
 
@@ -140,6 +142,8 @@ class MqttTransport:
         self.refused: str | None = None  # the last CONNACK failure reason, until a connect succeeds
         self._answered = threading.Event()  # any CONNACK, success or failure
         self._refused_code: int | None = None
+        self._tls = TlsDiagnosis(settings.host, settings.port, tls=settings.tls is not None,
+                                 timeout=settings.connect_timeout)  # names TLS failures (mqtt_tls.py)
         self._client = self._make_client()
 
     # ------------------------------------------------------------------ setup
@@ -239,6 +243,8 @@ class MqttTransport:
                 raise BrokerUnreachable(f"cannot reach the broker at {address}{detail}")
             self._answered.wait(min(remaining, 0.5))
             self._answered.clear()
+            if self._tls.problem is not None and not self._connected.is_set():
+                raise BrokerTlsError(self._tls.problem)
             refused = self.refused
             if refused is not None and not self._connected.is_set():
                 if self._refused_code in _LOGIN_REFUSED:
@@ -406,8 +412,10 @@ class MqttTransport:
                             self._set_will(self._client)  # a fresh timestamp for this connection
                         self._client.reconnect()  # closes any old socket first
                     except OSError as err:  # refused, unreachable, DNS, TLS handshake, timeout
-                        self.last_error = f"connect to {self.settings.host}:{self.settings.port} failed: {err}"
+                        self.last_error = self._tls.connect_error(err)
                         log.info("%s", self.last_error)
+                        if self._tls.problem is not None:
+                            self._answered.set()
                         continue
                     broken = False
                 self._client.loop(loop_timeout)
@@ -464,6 +472,7 @@ class MqttTransport:
         self._failures = 0
         self.last_error = None
         self.refused = None
+        self._tls.connected()
         with self._lock:
             self._generation += 1
             self._connected.set()
@@ -480,6 +489,9 @@ class MqttTransport:
     ) -> None:
         if self._connected.is_set():
             log.info("disconnected from %s:%s: %s", self.settings.host, self.settings.port, reason)
+        elif self.refused is None and self._tls.closed_before_connack():
+            self.last_error = self._tls.problem
+            self._answered.set()
         self._mark_lost()
 
     def _send_subscribe(self, filters: list[str]) -> None:

@@ -125,6 +125,14 @@ class ApiError(FleetServerError):
         self.code = code
 
 
+class ForbiddenError(ApiError):
+    """A valid token whose role may not do what it asked (403); ``needs`` is the least role that may."""
+
+    def __init__(self, needs: str, message: str) -> None:
+        super().__init__(403, "forbidden", message)
+        self.needs = needs
+
+
 class BrokerOptionError(HostError, UsageError):
     """A broker address, password file or TLS file that cannot be used."""
 

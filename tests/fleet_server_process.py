@@ -7,6 +7,7 @@ import os
 import resource
 import secrets
 import signal
+import ssl
 import subprocess
 import threading
 import time
@@ -58,8 +59,9 @@ class FleetServerProcess:
 
     def __init__(self, folder: Path, *, broker: str, keys: ServerKeys, db_url: str | None = None,
                  server_id: str | None = None, extra: tuple[str, ...] = (), port: int | None = None,
-                 artifacts: Path | None = None) -> None:
+                 artifacts: Path | None = None, context: ssl.SSLContext | None = None) -> None:
         self.folder = folder
+        self.context = context  # set: the server speaks HTTPS (--tls-cert) and calls verify with it
         folder.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.keys = keys
@@ -75,7 +77,7 @@ class FleetServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.context else 'http'}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0, env: dict[str, str] | None = None,
               fd_limits: tuple[int, int] | None = None) -> FleetServerProcess:
@@ -117,7 +119,7 @@ class FleetServerProcess:
             sent.setdefault("Content-Type", "application/json")
         request = urllib.request.Request(self.url + path, data=payload, method=method, headers=sent)
         try:
-            with urllib.request.urlopen(request, timeout=30) as answer:
+            with urllib.request.urlopen(request, timeout=30, context=self.context) as answer:
                 return answer.status, _decode(answer.read(), answer.headers.get("Content-Type", ""))
         except urllib.error.HTTPError as err:
             return err.code, _decode(err.read(), err.headers.get("Content-Type", ""))

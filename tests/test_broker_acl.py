@@ -130,6 +130,24 @@ def test_device_cannot_publish_on_or_read_another_devices_topics(secured_broker:
             transport.close()
 
 
+def test_a_device_publishes_its_own_pipeline_events_and_cannot_forge_another_devices(secured_broker: Broker
+                                                                                     ) -> None:
+    inbox = Inbox()
+    operator = login(secured_broker, "operator")
+    operator.subscribe(TOPICS.everything(), 1, inbox)
+    device = login(secured_broker, "pi-07")
+    try:
+        up(operator, TOPICS.everything())
+        up(device)
+        device.publish(TOPICS.events("pi-08"), b"forged event", qos=1)
+        device.publish(TOPICS.events("pi-07"), b"own event", qos=1)
+        assert wait_until(lambda: b"own event" in inbox.payloads(), timeout=5)
+        assert b"forged event" not in inbox.payloads()
+    finally:
+        operator.close()
+        device.close()
+
+
 def test_group_commands_reach_only_members(secured_broker: Broker) -> None:
     kitchen, lobby = TOPICS.group_cmd("kitchen"), TOPICS.group_cmd("lobby")
     a_inbox, b_inbox = Inbox(), Inbox()

@@ -665,6 +665,35 @@ def test_a_release_marked_bad_is_listed_as_bad_and_not_offered_for_a_rollout(bro
         server.call("DELETE", f"/api/artifacts/{sha}/bad")
 
 
+def _sign_in_as(driver, server, token: str) -> None:
+    driver.get(f"{server.url}/ui/")
+    driver.execute_script("sessionStorage.clear()")
+    driver.get(f"{server.url}/ui/")
+    _wait(driver, lambda d: d.find_element(By.ID, "login").is_displayed(), message="the sign-in form")
+    driver.find_element(By.ID, "token").send_keys(token)
+    driver.find_element(By.CSS_SELECTOR, "#login-form button[type=submit]").click()
+    _wait(driver, lambda d: d.find_element(By.ID, "nav").is_displayed(), message="signed in")
+
+
+def test_a_viewer_sees_who_is_signed_in_and_no_button_it_cannot_use(browser, server, fleet):
+    status, made = server.call("POST", "/api/tokens", {"name": "dash-viewer", "role": "viewer"})
+    assert status == 201, made
+    try:
+        _sign_in_as(browser, server, made["token"])
+        _wait(browser, lambda d: _text(d, "#whoami") == "dash-viewer · viewer", message="who is signed in")
+        _open(browser, server, "/rollouts", "#rollouts")
+        for box in ("new-rollout-box", "fleet-rollback-box"):
+            assert not browser.find_element(By.ID, box).is_displayed(), box
+        _open(browser, server, "/devices/sim-00000", "#device-facts")
+        assert not browser.find_element(By.ID, "device-actions").is_displayed()
+        assert not browser.find_element(By.ID, "device-decommission").is_displayed()
+    finally:
+        _sign_in_as(browser, server, server.keys.token)
+    _wait(browser, lambda d: _text(d, "#whoami") == "admin · admin", message="the admin signed in")
+    _open(browser, server, "/rollouts", "#rollouts")
+    assert browser.find_element(By.ID, "new-rollout-box").is_displayed()
+
+
 def test_no_page_broke_the_content_security_policy_or_threw(browser, server):
     _signed_in(browser, server)
     problems = [entry for entry in _console(browser)

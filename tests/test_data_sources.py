@@ -17,10 +17,11 @@ from edgepack_core.artifact import extract_artifact
 from edgepack_core.preprocess_spec import PreprocessSpec
 from edgepack_core.signing import TrustStore, load_public_key
 from sdk.errors import BuildError, RecipeError, ValidationFailed
-from sdk.packager.data import split_samples, synthetic_samples
+from sdk.packager.data import split_samples
 from sdk.packager.onnx_graph import index_ranges
 from sdk.packager.pipeline import build
 from sdk.packager.sources import InputOptions
+from sdk.packager.synthetic import synthetic_samples
 from sdk.recipe import recipe_from_dict
 
 # ---------------------------------------------------------------- models

@@ -206,7 +206,7 @@ def tls_connects(fleet: Fleet, identity: Path, ca: Path) -> bool:
 
 def test_an_enrolled_device_connects_is_rotated_and_after_revocation_cannot_connect(fleet: Fleet) -> None:
     agent = enrolled_agent(fleet, "pi-07", "kitchen")
-    other = enrolled_agent(fleet, "pi-08", "lobby")
+    enrolled_agent(fleet, "pi-08", "lobby")
     identity = fleet.folder / "pi-07" / "identity" / "device.pem"
     ca = fleet.folder / "pi-07" / "identity" / "ca.crt"
     acl = (fleet.folder / "broker" / "acl").read_text()

@@ -15,11 +15,12 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from sdk.errors import RecipeError
-from sdk.packager.data import synthetic_options, synthetic_samples
+from sdk.packager.data import synthetic_options
 from sdk.packager.passes.base import BuildContext
 from sdk.packager.pipeline import build, run_passes
 from sdk.packager.self_check import MADE_UP, REAL, check_feeds
 from sdk.packager.sources import InputOptions
+from sdk.packager.synthetic import synthetic_samples
 from sdk.recipe import load_recipe
 from tests import real_world_graphs as graphs
 

@@ -49,6 +49,18 @@ def test_messages_come_out_in_order_and_ack_counts_them_delivered(tmp_path: Path
         outbox.put("t", b"x", 1, "bogus")  # type: ignore[arg-type]
 
 
+def test_pipeline_events_go_after_telemetry_and_before_state(tmp_path: Path) -> None:
+    outbox = Outbox(tmp_path / "outbox.db", max_messages=3)
+    outbox.put("s", b"state-0", 1, "state", retain=True)
+    outbox.put("e", b"event-0", 1, "events")
+    outbox.put("t", b"tel-0", 1, "telemetry")
+    outbox.put("e", b"event-1", 1, "events")  # full: the telemetry goes first
+    assert [m.payload for m in outbox.peek(10)] == [b"state-0", b"event-0", b"event-1"]
+    outbox.put("e", b"event-2", 1, "events")  # no telemetry left: the oldest event, not the state
+    assert [m.payload for m in outbox.peek(10)] == [b"state-0", b"event-1", b"event-2"]
+    assert assert_accounting(outbox)["dropped_by_kind"] == {"telemetry": 1, "job": 0, "state": 0, "events": 1}
+
+
 def test_bound_drops_oldest_telemetry_first_and_never_job_events(tmp_path: Path) -> None:
     outbox = Outbox(tmp_path / "outbox.db", max_messages=5, job_max_messages=8)
     outbox.put("j", b"job-0", 1, "job")
@@ -58,21 +70,21 @@ def test_bound_drops_oldest_telemetry_first_and_never_job_events(tmp_path: Path)
     # 8 produced, bound 5: the three oldest telemetry messages went; the job event and state stayed.
     assert [m.payload for m in outbox.peek(10)] == [b"job-0", b"state-0", b"tel-3", b"tel-4", b"tel-5"]
     counters = assert_accounting(outbox)
-    assert counters["dropped_by_kind"] == {"telemetry": 3, "job": 0, "state": 0}
+    assert counters["dropped_by_kind"] == {"telemetry": 3, "job": 0, "state": 0, "events": 0}
 
     # Job events push everything else out and then grow past the soft bound, up to the hard cap.
     for i in range(1, 8):
         outbox.put("j", f"job-{i}".encode(), 1, "job")
     assert [m.payload for m in outbox.peek(20)] == [f"job-{i}".encode() for i in range(8)]
     counters = assert_accounting(outbox)
-    assert counters["dropped_by_kind"] == {"telemetry": 6, "job": 0, "state": 1}  # state goes after telemetry
+    assert counters["dropped_by_kind"] == {"telemetry": 6, "job": 0, "state": 1, "events": 0}  # state after telemetry
 
     outbox.put("t", b"late telemetry", 1, "telemetry")  # no room for it while jobs fill the queue
     assert b"late telemetry" not in [m.payload for m in outbox.peek(20)]
     outbox.put("j", b"job-8", 1, "job")  # over the hard cap: the oldest job event goes, and is counted
     assert [m.payload for m in outbox.peek(20)] == [f"job-{i}".encode() for i in range(1, 9)]
     counters = assert_accounting(outbox)
-    assert counters["dropped_by_kind"] == {"telemetry": 7, "job": 1, "state": 1}
+    assert counters["dropped_by_kind"] == {"telemetry": 7, "job": 1, "state": 1, "events": 0}
     assert counters["produced"] == 17
 
 

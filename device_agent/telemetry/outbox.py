@@ -14,8 +14,8 @@ available for deployments that prefer the fsync.
 
 Drop policy when full (``max_messages`` / ``max_bytes``):
 
-1. the oldest ``telemetry`` row goes first, then the oldest ``state`` row; job events are
-   never dropped to make room for those kinds;
+1. the oldest ``telemetry`` row goes first, then the oldest pipeline ``events`` row, then the
+   oldest ``state`` row; job events are never dropped to make room for those kinds;
 2. job events may therefore exceed the soft bound, up to their own hard cap
    (``job_max_messages`` / ``job_max_bytes``, by default twice the soft bound); beyond that
    the oldest job event is dropped.
@@ -40,18 +40,20 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from device_agent.errors import MessageTooLargeError, OutboxError
 from edgepack_core.errors import EdgepackError, InvalidPublishError, UsageError
-from edgepack_core.mqtt_transport import MqttTransport
+
+if TYPE_CHECKING:  # agent.yaml's defaults come from here: the config must not load paho-mqtt
+    from edgepack_core.mqtt_transport import MqttTransport
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["telemetry", "job", "state"]
-KINDS: tuple[Kind, ...] = ("telemetry", "job", "state")
+Kind = Literal["telemetry", "job", "state", "events"]
+KINDS: tuple[Kind, ...] = ("telemetry", "job", "state", "events")
 # Non-job kinds in the order they are sacrificed when the soft bound is reached.
-_DROP_ORDER: tuple[Kind, ...] = ("telemetry", "state")
+_DROP_ORDER: tuple[Kind, ...] = ("telemetry", "events", "state")
 
 DEFAULT_MAX_MESSAGES = 10_000  # agent.yaml mqtt.queue.max_messages
 DEFAULT_MAX_BYTES = 16 << 20  # agent.yaml mqtt.queue.max_bytes

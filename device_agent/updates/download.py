@@ -13,6 +13,12 @@ not per read. Otherwise anyone allowed to send a deploy could scan the ports of 
 host (the default allowed origin) by reading job events. The detail goes to the local log at
 debug level only.
 
+One failure is named: a certificate the device cannot verify (``certificate verify failed:
+<OpenSSL's reason> (host:port)``, edgepack_core/tls.py), at once and without the retries, since
+no retry can make it verify. The operator needs it (a private CA not in ``updates.ca``), and it
+tells a prober only that a port on an allowed origin speaks TLS with a certificate this device
+does not trust; OpenSSL's reasons are fixed texts with the host name the device asked for.
+
 The command's sha256 is not what makes the artifact trusted (the signature check after the
 download does that); it makes a corrupt or swapped download fail early and lets a resumed
 download prove that its two halves belong together.
@@ -21,6 +27,7 @@ download prove that its two halves belong together.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import logging
 import socket
@@ -36,6 +43,7 @@ from typing import IO
 
 from device_agent.errors import DownloadCancelled, DownloadError
 from edgepack_core.fsutil import sha256_file
+from edgepack_core.tls import client_context, tls_failure
 
 log = logging.getLogger("edgepack.agent.download")
 
@@ -62,6 +70,7 @@ class Bounds:
     min_rate_bytes_s: float = 1024.0
     any_port_hosts: frozenset[str] = frozenset()
     stall_s: float = STALL_S
+    ca: Path | None = None  # agent.yaml updates.ca; None: the system's CAs verify https:// downloads
 
 
 def origin_of(url: str) -> str | None:
@@ -166,6 +175,28 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
 _OPENER = urllib.request.build_opener(_SameOriginRedirects, _HTTPHandler, _HTTPSHandler)
 
 
+@functools.lru_cache(maxsize=4)
+def _opener_with(ca: Path) -> urllib.request.OpenerDirector:
+    """An opener that verifies https:// with ``ca`` instead of the system's CAs (made once)."""
+    https = _HTTPSHandler(context=client_context(str(ca)))
+    return urllib.request.build_opener(_SameOriginRedirects, _HTTPHandler, https)
+
+
+def _opener(bounds: Bounds) -> urllib.request.OpenerDirector:
+    return _OPENER if bounds.ca is None else _opener_with(bounds.ca)
+
+
+def certificate_failure(err: BaseException, url: str) -> str | None:
+    """The job reason for a certificate this device cannot verify, or None. Only a verify failure
+    is named (module docstring); every other failure stays ``FETCH_FAILED``."""
+    line = tls_failure(err, (origin_of(url) or "").split("://", 1)[-1])
+    if line is None or not line.startswith("certificate verify failed"):
+        return None
+    if "local issuer" in line or "self-signed" in line or "self signed" in line:
+        return f"{line}; set updates.ca to the CA that signed it"
+    return line
+
+
 def _detail(err: BaseException) -> str:
     """Which way a fetch failed, for the local debug log only (never the remote side's bytes)."""
     if isinstance(err, urllib.error.HTTPError):
@@ -214,7 +245,7 @@ def _attempt(url: str, partial: Path, have: int, size: int, progress: _Progress)
     """One HTTP request appending to ``partial``; returns the bytes now held."""
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
     timeout = max(0.1, min(progress.bounds.stall_s, progress.remaining()))
-    with _OPENER.open(request, timeout=timeout) as response:
+    with _opener(progress.bounds).open(request, timeout=timeout) as response:
         if have and response.status != 206:
             have = 0  # the server ignored Range: start over
         with open(partial, "ab" if have else "wb") as sink:
@@ -278,6 +309,10 @@ def _fetched(url: str, partial: Path, size: int, progress: _Progress, attempt: i
         except DownloadError:
             raise
         except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as err:
+            certificate = certificate_failure(err, url)
+            if certificate is not None:
+                log.warning("download of %s refused: %s", url, certificate)
+                raise DownloadError(certificate) from err
             log.debug("download attempt %d failed at %d bytes: %s", attempt + 1, have, _detail(err))
             return False
     if have != size:

@@ -27,9 +27,9 @@ MAX_NAME_LENGTH = MAX_ID_LENGTH
 
 _ROOT_LEVEL = re.compile(r"[A-Za-z0-9._-]+")
 
-DeviceTopicKind = Literal["state", "telemetry", "cmd", "job", "xfer"]
-TopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "group_cmd"]
-_DEVICE_KINDS: tuple[DeviceTopicKind, ...] = ("state", "telemetry", "cmd", "job")
+DeviceTopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "events"]
+TopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "events", "group_cmd"]
+_DEVICE_KINDS: tuple[DeviceTopicKind, ...] = ("state", "telemetry", "cmd", "job", "events")
 
 
 def _check_name(field: str, value: object) -> str:
@@ -89,6 +89,10 @@ class Topics:
 
     def job(self, device_id: str) -> str:
         return f"{self.root}/dev/{validate_device_id(device_id)}/job"
+
+    def events(self, device_id: str) -> str:
+        """Where a device's pipelines publish their events (QoS 1, through the outbox)."""
+        return f"{self.root}/dev/{validate_device_id(device_id)}/events"
 
     def xfer(self, device_id: str, *levels: str) -> str:
         """``{root}/dev/{d}/xfer/<levels...>``; each level is checked like a name (no wildcards)."""

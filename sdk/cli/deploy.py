@@ -14,6 +14,7 @@ from sdk.broker import BrokerOptions
 from sdk.cli import main
 from sdk.cli.broker_options import broker_options
 from sdk.cli.rollout import _server_options, client_for
+from sdk.cli.server_tls import tls_options
 from sdk.deploy import DeployOptions, parse_model_ref, send_command, send_rollback
 from sdk.deploy import deploy as run_deploy
 from sdk.errors import CommandFailed
@@ -186,6 +187,7 @@ def _read_only_command(kind: str, doc: str, *, via_server: bool = False) -> None
     @_TIMEOUT
     @_SERVER_OR_BROKER
     @_SERVER_TOKEN
+    @tls_options
     @_ACTION_REASON
     def command(device_id: str, broker: BrokerOptions | None, timeout: float, server: str | None,
                 token_file: Path | None, reason: str) -> None:
@@ -215,6 +217,7 @@ _read_only_command("get-state", "The device's active model, store and profile.")
 @_OPERATOR_KEY
 @_SERVER_OR_BROKER
 @_SERVER_TOKEN
+@tls_options
 @_ACTION_REASON
 def rollback(device_id: str, from_ref: str | None, model: str | None, broker: BrokerOptions | None, timeout: float,
              operator_key: Path | None, server: str | None, token_file: Path | None, reason: str) -> None:

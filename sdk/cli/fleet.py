@@ -13,6 +13,7 @@ from edgepack_core.protocol.messages import ModelRef, Telemetry
 from sdk.broker import BrokerOptions
 from sdk.cli import main
 from sdk.cli.broker_options import broker_options
+from sdk.cli.server_tls import tls_options
 from sdk.fleet import DeviceRow, FleetView, collect, format_table
 
 _SILENCE = click.option("--silence", "silence_s", default=60.0, show_default=True,
@@ -62,6 +63,7 @@ def _server_status(server: str, token_file: Path | None, group: str | None, as_j
                    "(or EDGEPACK_SERVER).")
 @click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               envvar="EDGEPACK_SERVER_TOKEN_FILE", help="With --server: the bearer token's file.")
+@tls_options
 @click.option("--group", help="With --server: only this group.")
 @_SILENCE
 @_SHARE

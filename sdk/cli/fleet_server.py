@@ -45,8 +45,21 @@ def _rate(text: str, flag: str) -> Any:
         raise click.BadParameter(str(err)) from err
 
 
+def _tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> Any:
+    """``--tls-*`` into the server's TLS settings, or None for plain HTTP."""
+    from sdk.fleet_server.tls_context import ServerTls
+
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise click.UsageError("--tls-client-ca goes with --tls-cert and --tls-key")
+        return None
+    if cert is None or key is None:
+        raise click.UsageError("give both --tls-cert and --tls-key")
+    return ServerTls(cert=cert, key=key, client_ca=client_ca)
+
+
 @fleet.command()
-@broker_options
+@broker_options(cert_flag="--broker-tls-cert", key_flag="--broker-tls-key")
 @enroll_options
 @click.option("--db", "db_url", default="sqlite:///fleet.db", show_default=True, envvar="EDGEPACK_FLEET_DB",
               help="Database URL: sqlite:///FILE (WAL; one server) or postgresql://USER@HOST/DB (several servers; "
@@ -107,6 +120,13 @@ def _rate(text: str, flag: str) -> Any:
               help="State messages each device may send: PER_SECOND/BURST.")
 @click.option("--budget-telemetry", default="20/2000", show_default=True,
               help="Telemetry messages each device may send to this server: PER_SECOND/BURST.")
+@click.option("--tls-cert", "https_cert", type=_FILE,
+              help="Serve HTTPS with this certificate chain (PEM; with --tls-key; docs/tls.md).")
+@click.option("--tls-key", "https_key", type=_FILE, help="The private key of --tls-cert (PEM, mode 600).")
+@click.option("--tls-client-ca", "https_client_ca", type=_FILE,
+              help="Mutual TLS: refuse every client without a certificate from this CA (PEM).")
+@click.option("--audit-keep-days", type=click.IntRange(1, 36500), default=365, show_default=True,
+              help="Days the audit log keeps an entry (older ones are deleted by the retention job).")
 @click.option("--job-events-kept", type=click.IntRange(1, 10_000_000), default=1000, show_default=True,
               help="Job events kept per device (the newest), besides --retention-rollups.")
 def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, trust: tuple[Path, ...],
@@ -115,7 +135,8 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
           max_upload: str, lease_ttl: str, tick: str, requery_after: str, resend_after: str, head_timeout: str,
           body_min_rate: str,
           max_connections: int, init: bool, artifact_recheck: str, budget_job: str, budget_state: str,
-          budget_telemetry: str, job_events_kept: int, per_server_urls: bool, enroll: Any) -> None:
+          budget_telemetry: str, job_events_kept: int, per_server_urls: bool, audit_keep_days: int,
+          https_cert: Path | None, https_key: Path | None, https_client_ca: Path | None, enroll: Any) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
 
     Devices, telemetry and job events are kept in the database; rollouts run on the server and
@@ -133,7 +154,8 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("edgepack.mqtt").setLevel(logging.WARNING)
     retention = RetentionPolicy(raw_s=_duration(retention_raw), rollup_s=_duration(retention_rollups),
-                                step_s=rollup_step, interval_s=_duration(prune_interval))
+                                step_s=rollup_step, interval_s=_duration(prune_interval),
+                                audit_s=audit_keep_days * 86400.0)
     driver = DriverConfig(tick_s=_duration(tick), lease_ttl_s=_duration(lease_ttl),
                           resend_after_s=_duration(resend_after), silence_s=_duration(silence),
                           requery_after_s=_duration(requery_after))
@@ -147,7 +169,7 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                           max_upload=parse_size(max_upload), driver=driver,
                           http=http, init=init, artifact_recheck_s=_duration(artifact_recheck),
                           ingest_limits=limits, job_events_kept=job_events_kept, per_server_urls=per_server_urls,
-                          enroll=enroll)
+                          tls=_tls(https_cert, https_key, https_client_ca), enroll=enroll)
     run_server(config)
 
 

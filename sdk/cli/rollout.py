@@ -17,6 +17,7 @@ import click
 
 from edgepack_core.fsutil import sha256_file
 from sdk.cli import main
+from sdk.cli.server_tls import server_tls, tls_options
 from sdk.errors import CommandFailed, FleetServerError
 from sdk.fleet_server.auth import client_token
 from sdk.fleet_server.client import FleetClient
@@ -28,10 +29,11 @@ _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 def client_for(server: str, token_file: Path | None) -> FleetClient:
     if token_file is None:
         raise click.UsageError("give --token-file F (or EDGEPACK_SERVER_TOKEN_FILE): the server needs a token")
-    return FleetClient(server, client_token(token_file))
+    return FleetClient(server, client_token(token_file), server_tls())
 
 
 def _server_options(func: Any) -> Any:
+    func = tls_options(func)
     func = click.option("--token-file", type=_FILE, envvar="EDGEPACK_SERVER_TOKEN_FILE",
                         help="File holding the bearer token (or EDGEPACK_SERVER_TOKEN_FILE).")(func)
     return click.option("--server", required=True, envvar="EDGEPACK_SERVER",

@@ -46,8 +46,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
-from sdk.errors import ApiError
-from sdk.fleet_server import actions, audit, bad_releases, desired, history, openapi, queries, wave_waits
+from sdk.errors import ApiError, ForbiddenError
+from sdk.fleet_server import access, actions, audit, bad_releases, desired, history, openapi, queries, roles, wave_waits
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
@@ -130,7 +130,11 @@ def as_api_error(exc: Exception) -> ApiError:
 
 async def _api_error(_request: Request, exc: Exception) -> Response:
     refusal = as_api_error(exc)
-    return error_response(refusal.status, refusal.code, refusal.message)
+    response = error_response(refusal.status, refusal.code, refusal.message)
+    if isinstance(refusal, ForbiddenError):  # the least role that may, for programs
+        response = JSONResponse({"error": {"status": 403, "code": "forbidden", "message": refusal.message,
+                                           "needs": refusal.needs}}, status_code=403)
+    return response
 
 
 def allowed_methods(app: Any, path: str) -> list[str]:
@@ -300,29 +304,30 @@ class Routes:
         self.context = context
         self.database = context.database
 
-    def guard(self, handler: Handler, write_action: str | None = None) -> Endpoint:
-        """Authenticate (401 without a valid token) and, for a write, audit a refusal."""
+    def guard(self, handler: Handler, write_action: str | None = None, *, needs: str | None = None) -> Endpoint:
+        """Authenticate (401 without a valid token), authorize (403 naming the role needed:
+        :mod:`.roles`; a read is ``read`` unless ``needs`` names it) and audit a write's refusal."""
         context = self.context
+        action = write_action or needs or roles.READ
 
         async def endpoint(request: Request) -> Response:
             context.requests += 1
-            actor = context.tokens.identify(request.headers.get("authorization"))
-            if actor is None:
+            identity = await access.identify(context.tokens, context.database, request.headers.get("authorization"))
+            if identity is None:
                 context.auth_failures += 1
                 raise ApiError(401, "unauthorized", "a valid token is needed: Authorization: Bearer TOKEN")
-            if write_action is None:
-                return await handler(request, actor)
+            request.state.identity = identity
             try:
-                return await handler(request, actor)
+                access.authorize(identity, action)
+                return await handler(request, identity.name)
             except _REFUSALS as err:
-                refusal = as_api_error(err)
-                params = request.path_params
-                target = str(params.get("rollout_id") or params.get("sha256") or params.get("device_id")
-                             or params.get("group") or "")
-                await run_in_threadpool(audit.record_refusal, context.database, actor=actor, action=write_action,
-                                        target=target, reason=f"{refusal.status} {refusal.message}",
-                                        remote=_remote(request))
+                if write_action is not None:
+                    refusal = as_api_error(err)
+                    await run_in_threadpool(audit.record_refusal, context.database, actor=identity.name,
+                                            action=write_action, target=access.refusal_target(request.path_params),
+                                            reason=f"{refusal.status} {refusal.message}", remote=_remote(request))
                 raise
+        setattr(endpoint, "action", action)  # noqa: B010  the permission table's test reads it
         return endpoint
 
     # ---------------------------------------------------------------- open routes
@@ -429,15 +434,6 @@ class Routes:
         """The rollout's document with what its waves wait for (offline devices, the deadline)."""
         return wave_waits.annotate(self.database, queries.get_rollout(self.database, rollout_id), now=time.time(),
                                    silence_s=self.context.silence_s)
-
-    async def audit_entries(self, request: Request, _actor: str) -> Response:
-        params = Params(request, {"limit", "before", "action"})
-        before = params.values.get("before")
-        entries = await run_in_threadpool(
-            audit.entries, self.database, limit=params.integer("limit", 100, 1, audit.MAX_PAGE),
-            before=None if before is None else params.integer("before", 0, 0, queries.MAX_ROW_ID),
-            action=params.text("action", limit=64))
-        return JSONResponse({"entries": entries})
 
     async def dead_letters(self, request: Request, _actor: str) -> Response:
         params = Params(request, {"limit", "before", "device"})
@@ -630,8 +626,10 @@ def _artifact_sha(request: Request) -> str:
 def build_app(context: ApiContext) -> Starlette:
     """The ASGI application."""
     from sdk.fleet_server import enrollment_api  # it builds on this module
+    from sdk.fleet_server.users_api import UserRoutes  # it imports this module's helpers
 
     r = Routes(context)
+    u = UserRoutes(context)
     guard = r.guard
     routes = [
         Route("/", r.root, methods=["GET"], include_in_schema=False),
@@ -666,7 +664,11 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/rollouts/{rollout_id}", guard(r.rollout), methods=["GET"]),
         *[Route(f"/api/rollouts/{{rollout_id}}/{name}", guard(r.action(name), f"rollout.{name}"), methods=["POST"])
           for name in ("pause", "resume", "abort")],
-        Route("/api/audit", guard(r.audit_entries), methods=["GET"]),
+        Route("/api/audit", guard(u.audit_log), methods=["GET"]),
+        Route("/api/whoami", guard(u.whoami), methods=["GET"]),
+        Route("/api/tokens", guard(u.tokens, needs="token.list"), methods=["GET"]),
+        Route("/api/tokens", guard(u.create_token, "token.create"), methods=["POST"]),
+        Route("/api/tokens/{name}", guard(u.revoke_token, "token.revoke"), methods=["DELETE"]),
         Route("/artifacts/{file_name}", r.artifact_file, methods=["GET"]),
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.engine import Connection
 
 from edgepack_core.protocol.commands import MAX_COMMAND_BYTES, Command, parse_command
@@ -50,13 +51,62 @@ def record_refusal(database: Database, *, actor: str, action: str, target: str, 
                detail={**(detail or {}), "reason": reason[:500]}, remote=remote)
 
 
-def entries(database: Database, *, limit: int = 100, before: int | None = None,
-            action: str | None = None) -> list[dict[str, Any]]:
+def _entry(row: Any) -> dict[str, Any]:
+    return {"id": row["id"], "ts": row["ts"], "actor": row["actor"], "action": row["action"],
+            "target": row["target"], "outcome": row["outcome"], "detail": json.loads(row["detail"]),
+            "remote": row["remote"]}
+
+
+@dataclass(frozen=True)
+class AuditQuery:
+    """Which entries: ids below ``before``, of one ``action``, from ``since`` (unix seconds) on."""
+
+    before: int | None = None
+    action: str | None = None
+    since: float | None = None
+
+    def where(self, query: Any) -> Any:
+        log = tables.audit_log
+        if self.before is not None:
+            query = query.where(log.c.id < self.before)
+        if self.action is not None:
+            query = query.where(log.c.action == self.action)
+        if self.since is not None:
+            query = query.where(log.c.ts >= self.since)
+        return query
+
+
+def entries(database: Database, *, limit: int = 100, before: int | None = None, action: str | None = None,
+            since: float | None = None) -> list[dict[str, Any]]:
     """The newest entries first; ``before`` (an entry id) pages back."""
-    rows = database.newest_first(tables.audit_log, limit=min(limit, MAX_PAGE), before=before, action=action)
-    return [{"id": row["id"], "ts": row["ts"], "actor": row["actor"], "action": row["action"],
-             "target": row["target"], "outcome": row["outcome"], "detail": json.loads(row["detail"]),
-             "remote": row["remote"]} for row in rows]
+    log = tables.audit_log
+    query = AuditQuery(before, action, since).where(select(log).order_by(log.c.id.desc())
+                                                     .limit(max(1, min(limit, MAX_PAGE))))
+    with database.read() as connection:
+        return [_entry(row) for row in connection.execute(query).mappings()]
+
+
+EXPORT_BATCH = 1000
+
+
+def export_lines(database: Database, which: AuditQuery, limit: int | None = None) -> Iterator[bytes]:
+    """The entries ``which`` selects, oldest first (at most ``limit``), as JSON lines: the same
+    documents as :func:`entries`, read :data:`EXPORT_BATCH` at a time, so an export of a year
+    holds one batch in memory. It ends at the newest entry there was when it began."""
+    log = tables.audit_log
+    with database.read() as connection:
+        last = connection.execute(select(func.max(log.c.id))).scalar()
+    after, left = 0, limit
+    while last is not None and after < last and (left is None or left > 0):
+        batch = EXPORT_BATCH if left is None else min(EXPORT_BATCH, left)
+        query = which.where(select(log).where(log.c.id > after, log.c.id <= last).order_by(log.c.id).limit(batch))
+        with database.read() as connection:
+            rows = connection.execute(query).mappings().all()
+        if not rows:
+            return
+        yield "".join(json.dumps(_entry(row), separators=(",", ":")) + "\n" for row in rows).encode()
+        after = rows[-1]["id"]
+        left = None if left is None else left - len(rows)
 
 
 # --------------------------------------------------------------------------- commands the server did not send

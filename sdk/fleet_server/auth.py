@@ -1,8 +1,11 @@
 """Bearer tokens of the fleet server: read from a file, compared in constant time.
 
 The token file holds one token per line, ``NAME:TOKEN`` (NAME is what the audit table records
-as the actor, so the token itself is never stored or logged) or a bare ``TOKEN`` (named
-``token-<first 8 hex of its sha256>``). Blank lines and ``#`` comments are skipped. Like an
+as the actor, so the token itself is never stored or logged), ``NAME:TOKEN:ROLE`` (ROLE one of
+:data:`~.roles.ROLES`; without it a file token is ``admin``, as every token was before roles)
+or a bare ``TOKEN`` (named ``token-<first 8 hex of its sha256>``, admin). Blank lines and ``#``
+comments are skipped. Tokens made with ``edgepack fleet token create`` live in the database
+(:mod:`.users`), not here. Like an
 ssh key, the file must not be readable by other users, and a token must be at least
 :data:`MIN_TOKEN_CHARS` characters of ``[A-Za-z0-9._~+/=-]`` (``openssl rand -hex 32``).
 
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from edgepack_core.protocol.ids import is_valid_id
 from sdk.errors import ServerConfigError
+from sdk.fleet_server.roles import DEFAULT_ROLE, ROLES, Identity
 
 MIN_TOKEN_CHARS = 16
 MAX_TOKEN_CHARS = 512
@@ -33,10 +37,26 @@ _TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]+")
 class Token:
     name: str
     digest: bytes  # sha256 of the token
+    role: str = DEFAULT_ROLE
 
 
-def _digest(token: str) -> bytes:
+def digest_of(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def is_token_text(token: str) -> bool:
+    """Whether ``token`` has a token's length and characters (checked before any lookup)."""
+    return MIN_TOKEN_CHARS <= len(token) <= MAX_TOKEN_CHARS and _TOKEN.fullmatch(token) is not None
+
+
+def _split_line(line: str) -> tuple[str, str, str | None, bool]:
+    """``(name, token, role, named)`` of one line: ``NAME:TOKEN[:ROLE]`` or ``TOKEN`` (the token
+    characters hold no ``:``, so the parts cannot be confused)."""
+    name, sep, rest = line.partition(":")
+    if not sep:
+        return "", line, None, False
+    token, sep, role = rest.partition(":")
+    return name, token, role if sep else None, True
 
 
 def parse_tokens(text: str, source: str = "the token file") -> list[Token]:
@@ -46,17 +66,18 @@ def parse_tokens(text: str, source: str = "the token file") -> list[Token]:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        name, sep, token = line.partition(":")
-        if not sep:
-            name, token = "", line
-        if len(token) < MIN_TOKEN_CHARS or len(token) > MAX_TOKEN_CHARS or not _TOKEN.fullmatch(token):
+        name, token, role, named = _split_line(line)
+        if not is_token_text(token):
             raise ServerConfigError(f"{source} line {number}: a token is {MIN_TOKEN_CHARS} to {MAX_TOKEN_CHARS} "
                                     "characters of letters, digits and ._~+/=- (e.g. openssl rand -hex 32)")
-        if sep and not is_valid_id(name):
+        if named and not is_valid_id(name):
             raise ServerConfigError(f"{source} line {number}: the name before ':' must be 1 to 64 letters, digits, "
                                     "'.', '_' or '-'")
-        digest = _digest(token)
-        tokens.append(Token(name or f"token-{digest.hex()[:8]}", digest))
+        if role is not None and role not in ROLES:
+            raise ServerConfigError(f"{source} line {number}: the role after the token must be one of "
+                                    f"{', '.join(ROLES)}")
+        digest = digest_of(token)
+        tokens.append(Token(name or f"token-{digest.hex()[:8]}", digest, role or DEFAULT_ROLE))
     if not tokens:
         raise ServerConfigError(f"{source} holds no token")
     names = [t.name for t in tokens]
@@ -85,7 +106,7 @@ def read_token_file(path: Path, *, check_mode: bool = True) -> list[Token]:
 
 
 def client_token(path: Path) -> str:
-    """The token a client sends: the first token of the file (its ``NAME:`` part dropped)."""
+    """The token a client sends: the first token of the file (its ``NAME:`` and ``:ROLE`` parts dropped)."""
     try:
         with open(path, "rb") as handle:
             data = handle.read(MAX_TOKEN_FILE_BYTES + 1)
@@ -96,28 +117,46 @@ def client_token(path: Path) -> str:
     for raw in text.splitlines():
         line = raw.strip()
         if line and not line.startswith("#"):
-            name, sep, token = line.partition(":")
-            return token if sep and is_valid_id(name) else line
+            name, token, _role, named = _split_line(line)
+            return token if named and is_valid_id(name) else line
     raise ServerConfigError(f"the token file {path} holds no token")
 
 
+def presented(header: str | None) -> str | None:
+    """The token of ``Authorization: Bearer <token>``, if it looks like one; None otherwise."""
+    if not header or len(header) > MAX_TOKEN_CHARS + 16:
+        return None
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and is_token_text(token) else None
+
+
 class TokenCheck:
-    """Who a request's ``Authorization`` header belongs to, or None."""
+    """Who a request's ``Authorization`` header belongs to among the token file's tokens, or None."""
 
     def __init__(self, tokens: list[Token]) -> None:
         self.tokens = list(tokens)
 
-    def identify(self, header: str | None) -> str | None:
-        """The token's name for ``Bearer <token>``; None for anything else. Every configured
+    def who(self, header: str | None) -> Identity | None:
+        """The file token sent as ``Bearer <token>``; None for anything else. Every configured
         token is compared (constant time, no early exit)."""
-        if not header or len(header) > MAX_TOKEN_CHARS + 16:
+        token = presented(header)
+        if token is None:
             return None
-        scheme, _, presented = header.partition(" ")
-        if scheme.lower() != "bearer" or not presented.strip():
-            return None
-        digest = _digest(presented.strip())
+        digest = digest_of(token)
         found = None
-        for token in self.tokens:
-            if hmac.compare_digest(digest, token.digest):
-                found = token.name
+        for known in self.tokens:
+            if hmac.compare_digest(digest, known.digest):
+                found = Identity(known.name, known.role, "file")
         return found
+
+    def identify(self, header: str | None) -> str | None:
+        """The name of :meth:`who`."""
+        identity = self.who(header)
+        return None if identity is None else identity.name
+
+    def names(self) -> set[str]:
+        return {token.name for token in self.tokens}
+
+    def admins(self) -> int:
+        return sum(1 for token in self.tokens if token.role == "admin")

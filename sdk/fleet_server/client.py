@@ -3,18 +3,23 @@
 Standard library only (``urllib``), so these commands work with the ``host`` extra alone: the
 operator's laptop does not need the server's database drivers. Every answer is bounded before
 it is parsed; an error answer becomes :class:`~sdk.errors.ApiError` with the server's own
-one-line message, and an unreachable server one line naming the address.
+one-line message, an unreachable server one line naming the address, and a TLS failure one line
+saying what failed and which flag fixes it (``--ca``, ``--client-cert``; docs/tls.md).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from edgepack_core.tls import client_context, tls_failure
 from sdk.errors import ApiError, FleetServerError, ServerConfigError
 
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
@@ -29,15 +34,47 @@ def check_server_url(url: str) -> str:
     return url.rstrip("/")
 
 
+@dataclass(frozen=True)
+class ClientTls:
+    """``--ca`` (instead of the system's CAs) and a client certificate for mutual TLS."""
+
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+
+    def context(self) -> ssl.SSLContext:
+        try:
+            return client_context(str(self.ca) if self.ca else None, str(self.cert) if self.cert else None,
+                                  str(self.key) if self.key else None)
+        except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+            files = ", ".join(str(path) for path in (self.ca, self.cert, self.key) if path)
+            raise ServerConfigError(f"cannot load the TLS files ({files}): "
+                                    f"{getattr(err, 'reason', None) or err}") from err
+
+
+def tls_hint(line: str, tls: ClientTls | None) -> str:
+    """What to do about a TLS failure line, for the CLI's user. Pure."""
+    if "local issuer" in line or "self-signed" in line or "self signed" in line:
+        return f"{line}; pass --ca FILE or set EDGEPACK_SERVER_CA"
+    if "Hostname mismatch" in line or "IP address mismatch" in line:
+        return f"{line}; use a host name the server's certificate names"
+    if "client's certificate" in line and (tls is None or tls.cert is None):
+        return f"{line}; pass --client-cert FILE and --client-key FILE"
+    return line
+
+
 class FleetClient:
     """Calls on one fleet server with one bearer token."""
 
-    def __init__(self, server: str, token: str) -> None:
+    def __init__(self, server: str, token: str, tls: ClientTls | None = None) -> None:
         self.server = check_server_url(server)
         self.token = token
+        self.tls = tls
+        self._context = tls.context() if tls is not None else None
 
     def _request(self, method: str, path: str, *, body: Any = None, data: Any = None, length: int | None = None,
-                 timeout: float = TIMEOUT_S, content_type: str = "application/json") -> Any:
+                 timeout: float = TIMEOUT_S, content_type: str = "application/json",
+                 sink: BinaryIO | None = None) -> Any:
         headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
         payload = data
         if body is not None:
@@ -48,11 +85,17 @@ class FleetClient:
             headers["Content-Length"] = str(length)
         request = urllib.request.Request(self.server + path, data=payload, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
+            with urllib.request.urlopen(request, timeout=timeout, context=self._context) as answer:
+                if sink is not None:  # a stream (an export): copied as it comes, never held whole
+                    shutil.copyfileobj(answer, sink, 64 * 1024)
+                    return None
                 return self._decode(answer.read(MAX_ANSWER_BYTES + 1), answer.status)
         except urllib.error.HTTPError as err:
             raise self._error(err) from err
         except (TimeoutError, urllib.error.URLError, OSError) as err:
+            line = tls_failure(err, self.server)
+            if line is not None:
+                raise FleetServerError(tls_hint(line, self.tls)) from err
             reason = getattr(err, "reason", None) or err
             raise FleetServerError(f"cannot reach the fleet server at {self.server}: {reason}") from err
 
@@ -84,6 +127,11 @@ class FleetClient:
         params = {key: str(value).lower() if isinstance(value, bool) else value
                   for key, value in query.items() if value is not None}
         return self._request("GET", path + (f"?{urllib.parse.urlencode(params)}" if params else ""))
+
+    def download(self, path: str, sink: BinaryIO, **query: Any) -> None:
+        """GET ``path`` and copy the answer into ``sink`` as it arrives (an audit export)."""
+        params = {key: value for key, value in query.items() if value is not None}
+        self._request("GET", path + (f"?{urllib.parse.urlencode(params)}" if params else ""), sink=sink)
 
     def post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         return self._request("POST", path, body=body if body is not None else {})

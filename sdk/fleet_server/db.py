@@ -610,3 +610,6 @@ def migrate(database: Database) -> None:
             if not database.is_sqlite:
                 connection.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK})")
                 connection.commit()
+
+
+from sdk.fleet_server import users as _users  # noqa: E402,F401  isort: skip  (its api_tokens table joins metadata)

@@ -31,7 +31,7 @@ import json
 import logging
 import resource
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -69,6 +69,13 @@ def raise_fd_limit(limits: HttpLimits) -> int:
     return soft
 
 
+class Connection(Protocol):
+    """What the guard holds: a connection it can drop (the h11 protocol, or a TLS port's
+    connection before its handshake, :mod:`.tls_listener`)."""
+
+    def drop(self) -> None: ...
+
+
 class Guard:
     """The limits in force and the server's connections: which ones wait for a request head (in
     the order they began to wait: the first is the one a new connection over the cap drops)."""
@@ -77,12 +84,12 @@ class Guard:
         self.limits = limits
         self.fd_limit = fd_limit
         self.cap = connection_cap(limits, fd_limit)
-        self.open: set[GuardedH11Protocol] = set()
-        self.waiting: dict[GuardedH11Protocol, None] = {}  # insertion order: longest waiting first
-        self.lingering: dict[GuardedH11Protocol, None] = {}  # answered and closing: dropped first
+        self.open: set[Connection] = set()
+        self.waiting: dict[Connection, None] = {}  # insertion order: longest waiting first
+        self.lingering: dict[Connection, None] = {}  # answered and closing: dropped first
         self.dropped: Counter[str] = Counter()
 
-    def admit(self, connection: GuardedH11Protocol) -> bool:
+    def admit(self, connection: Connection) -> bool:
         """A new connection: True if it may go on (possibly after dropping the one that has waited
         longest for a head), False if it must be refused (every connection has a request)."""
         self.open.add(connection)
@@ -98,7 +105,7 @@ class Guard:
         victim.drop()
         return True
 
-    def forget(self, connection: GuardedH11Protocol) -> None:
+    def forget(self, connection: Connection) -> None:
         self.open.discard(connection)
         self.waiting.pop(connection, None)
         self.lingering.pop(connection, None)

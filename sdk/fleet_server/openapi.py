@@ -38,7 +38,8 @@ SCHEMAS: dict[str, Any] = {
             "status": {"type": "integer"},
             "code": {"type": "string", "description": "unauthorized, forbidden, not_found, invalid, too_large, "
                                                       "refused, conflict, method_not_allowed, internal"},
-            "message": {"type": "string", "description": "one line for a human"}}}},
+            "message": {"type": "string", "description": "one line for a human"},
+            "needs": {"type": "string", "description": "forbidden (403) only: the least role that may"}}}},
     },
     "Device": {
         "type": "object",
@@ -467,13 +468,6 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
       for action, what in (("pause", "no new commands; jobs already sent go on"),
                            ("resume", "the wave's clocks skip the paused time"),
                            ("abort", "final; no new commands"))],
-    ("get", "/api/audit", {
-        "summary": "Every write, newest first",
-        "parameters": [_LIMIT, _query("before", {"type": "integer", "minimum": 0, "maximum": MAX_ROW_ID},
-                                      "entries with a smaller id (paging)"),
-                       _query("action", {"type": "string", "maxLength": 64}, "only this action")],
-        "responses": {"200": _json("entries", {"type": "object", "properties": {
-            "entries": {"type": "array", "items": _ref("AuditEntry")}}})}}),
     ("get", "/artifacts/{file_name}", {
         "summary": "An artifact's bytes, with HTTP Range (no token: devices fetch it; they verify the signature)",
         "security": [],
@@ -492,8 +486,10 @@ def describe() -> dict[str, Any]:
     """The whole document. Its server is "/" (relative to where the document was fetched), never
     the request's Host header: a document that echoes it tells a client to send its token to
     whatever host the request named."""
+    from sdk.fleet_server.users_api import OPERATIONS as USER_OPERATIONS  # it imports this module's helpers
+
     paths: dict[str, dict[str, Any]] = {}
-    for method, path, operation in OPERATIONS:
+    for method, path, operation in (*OPERATIONS, *USER_OPERATIONS):
         paths.setdefault(path, {})[method] = {**operation,
                                               "responses": {**operation["responses"], **_ERRORS}}
     document: dict[str, Any] = {

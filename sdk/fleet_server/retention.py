@@ -4,8 +4,10 @@ Why: a thousand devices at 1 Hz write 86 million rows a day; kept raw, the datab
 until the disk is full. Raw samples are kept ``raw_s`` (default 1 hour: charts of the last
 minutes at full resolution); older samples are folded into one row per device and bucket
 (``step_s``, 60 by default: per-minute rollups) and kept ``rollup_s`` (default 30 days); job
-events and finished rollouts' history stay with the rollups' window. So under a constant
-load the row count, and with it the database, stops growing (a test measures it).
+events and finished rollouts' history stay with the rollups' window; audit entries are kept
+``audit_s`` (default 365 days: ``fleet serve --audit-keep-days``; an entry exactly that old
+stays). So under a constant load the row count, and with it the database, stops growing (a test
+measures it).
 
 Sums cannot overflow: every stored counter is below 2^62 (edgepack_core.protocol.bounds), and a rollup's integer
 sums saturate at :data:`MAX_BIGINT` (its sample counts at :data:`MAX_INT`), the largest values
@@ -61,11 +63,12 @@ class RetentionPolicy:
     rollup_s: float = 30 * 86400.0
     step_s: int = 60
     interval_s: float = 60.0  # how often the pruning job runs
+    audit_s: float = 365 * 86400.0  # audit entries older than this are deleted
 
     def __post_init__(self) -> None:
         if not (isinstance(self.step_s, int) and 1 <= self.step_s <= 86400):
             raise ServerConfigError(f"rollup step {self.step_s!r} must be a whole number of seconds in 1..86400")
-        for name in ("raw_s", "rollup_s", "interval_s"):
+        for name in ("raw_s", "rollup_s", "interval_s", "audit_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ServerConfigError(f"retention {name} {value!r} must be a positive number of seconds")
@@ -271,6 +274,7 @@ class Pruner:
     folded: int = 0
     deleted_rollups: int = 0
     deleted_events: int = 0
+    deleted_audit: int = 0
     runs: int = 0
 
     def run_once(self, now: float | None = None) -> None:
@@ -285,6 +289,9 @@ class Pruner:
             rollups = connection.execute(delete(tables.telemetry_rollup).where(
                 tables.telemetry_rollup.c.bucket < bucket_of(horizon, self.policy.step_s)))
             events = connection.execute(delete(tables.job_events).where(tables.job_events.c.received_at < horizon))
+            old_audit = connection.execute(delete(tables.audit_log).where(
+                tables.audit_log.c.ts < now - self.policy.audit_s))
+        self.deleted_audit += old_audit.rowcount or 0
         self.deleted_rollups += rollups.rowcount or 0
         self.deleted_events += (events.rowcount or 0) + self._cap_job_events()
         self.runs += 1

@@ -40,6 +40,7 @@ from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
 from sdk.fleet_server.retention import JOB_ROWS_PER_DEVICE, Pruner, RetentionPolicy
 from sdk.fleet_server.startup import joining_problem
+from sdk.fleet_server.tls_context import ServerTls, server_context
 from sdk.keys import load_operator_key
 
 if TYPE_CHECKING:  # uvicorn (under http_guard) is imported by serve() only
@@ -101,6 +102,7 @@ class ServerConfig:
     job_events_kept: int = JOB_ROWS_PER_DEVICE  # per device, the newest
     per_server_urls: bool = False  # several servers without --public-url: devices allow every server's origin
     enroll: EnrollConfig = field(default_factory=EnrollConfig)
+    tls: ServerTls | None = None  # HTTPS on --listen (tls_context.py, tls_listener.py)
 
     def resolved_id(self) -> str:
         server_id = self.server_id or default_server_id(self.listen)
@@ -129,6 +131,8 @@ class FleetServer:
         self.tokens = TokenCheck(read_token_file(config.token_file))
         self.trust = TrustStore.from_paths(config.trust)
         self.operator_key: SigningKey = load_operator_key(config.operator_key)
+        self.tls_context = server_context(config.tls) if config.tls is not None else None
+        self.scheme = "https" if self.tls_context is not None else "http"
         if not 0 < config.max_upload <= 16 * 1024**3:
             raise ServerConfigError(f"--max-upload {config.max_upload} must be 1 byte to 16 GiB")
         self.started_at = time.time()
@@ -148,7 +152,7 @@ class FleetServer:
         if self.public_url is not None:
             return f"{self.public_url}/{sha256}.edgepkg"
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/artifacts/{sha256}.edgepkg"
+        return f"{self.scheme}://{host}:{self.port}/artifacts/{sha256}.edgepkg"
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -274,7 +278,7 @@ class FleetServer:
                        "targets": {"sent": self.driver.target_sent, "converged": self.driver.converged,
                                    "errors": self.driver.reconcile_errors}},
             "retention": {"raw_s": self.config.retention.raw_s, "rollup_s": self.config.retention.rollup_s,
-                          "step_s": self.config.retention.step_s,
+                          "step_s": self.config.retention.step_s, "audit_s": self.config.retention.audit_s,
                           "runs": self.pruner.runs if self.pruner else 0,
                           "folded": self.pruner.folded if self.pruner else 0},
             "artifact_base_url": self.artifact_url("0" * 64).rsplit("/", 1)[0],
@@ -378,6 +382,18 @@ def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
     raise SystemExit(0)
 
 
+def _protocol(server: FleetServer, guard: Guard) -> type[Any]:
+    """The guarded h11 protocol, behind the TLS sniffer when the server speaks HTTPS."""
+    from sdk.fleet_server.http_guard import protocol_class
+
+    if server.tls_context is None:
+        return protocol_class(guard)
+    from sdk.fleet_server.tls_listener import tls_protocol_class
+
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    return tls_protocol_class(guard, server.tls_context, f"{host}:{server.port}")
+
+
 def serve(config: ServerConfig) -> None:
     """Run the fleet server until SIGTERM or SIGINT, then stop its parts (the database last).
 
@@ -390,7 +406,7 @@ def serve(config: ServerConfig) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
-    from sdk.fleet_server.http_guard import Guard, protocol_class, raise_fd_limit
+    from sdk.fleet_server.http_guard import Guard, raise_fd_limit
 
     server = FleetServer(config)
     server.http_guard = guard = Guard(config.http, raise_fd_limit(config.http))
@@ -401,8 +417,8 @@ def serve(config: ServerConfig) -> None:
         app = build_app(context)
         uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=5, server_header=False,
-                                           http=protocol_class(guard), backlog=ACCEPT_BACKLOG))
-        log.info("listening on http://%s:%d (pid %d)", server.host, server.port, os.getpid())
+                                           http=_protocol(server, guard), backlog=ACCEPT_BACKLOG))
+        log.info("listening on %s://%s:%d (pid %d)", server.scheme, server.host, server.port, os.getpid())
         uv.run(sockets=[sock])
     finally:
         server.stop()

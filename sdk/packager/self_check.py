@@ -4,7 +4,7 @@ recipe's real validation data whenever it gives some, made-up inputs only when i
 Made-up inputs that set every named dim to 1 a real graph may not run at all (a Reshape to
 ``[-1, 4]``, a window of 512 samples) or run on a path the real data never takes; the real data
 is what the build's validation and the device will see. Without any, the made-up inputs follow
-the spec (:func:`sdk.packager.data.synthetic_samples`: an audio frame plus its context, the
+the spec (:func:`sdk.packager.synthetic.synthetic_samples`: an audio frame plus its context, the
 image size the resize produces, the recipe's dims, states from init)."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import numpy as np
 from edgepack_core.errors import PreprocessError
 from edgepack_core.manifest import TensorSpec
 from sdk.errors import RecipeError
-from sdk.packager.data import Feed, context_options, load_samples, synthetic_options, synthetic_samples
+from sdk.packager.data import Feed, context_options, load_samples, synthetic_options
 from sdk.packager.passes.base import BuildContext
 from sdk.packager.sources import DataSource
+from sdk.packager.synthetic import synthetic_samples
 
 REAL = "validation data"
 MADE_UP = "made-up inputs"

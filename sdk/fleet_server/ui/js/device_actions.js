@@ -32,7 +32,8 @@ export function actionsPanel(id, shell) {
   const error = h("p", { class: "error", role: "alert", id: "device-action-error" });
   const buttons = DEVICE_ACTIONS.map((spec) =>
     h("button", { type: "button", id: `device-${spec.action}`, "data-action": spec.action }, spec.label));
-  const decommission = h("button", { type: "button", id: "device-decommission", class: "danger" }, "Decommission");
+  const decommission = h("button", { type: "button", id: "device-decommission", class: "danger",
+                                     "data-needs": "device.decommission" }, "Decommission");
 
   async function run(spec) {
     error.textContent = "";
@@ -75,6 +76,6 @@ export function actionsPanel(id, shell) {
 
   DEVICE_ACTIONS.forEach((spec, index) => buttons[index].addEventListener("click", () => run(spec)));
   decommission.addEventListener("click", remove);
-  return h("div", { id: "device-actions" },
+  return h("div", { id: "device-actions", "data-needs": "device.action" },
     h("div", { class: "actions" }, reason, buttons, decommission), result, error);
 }

@@ -117,7 +117,7 @@ export function fleetRollbackCard() {
     }
   }
 
-  const element = h("details", { class: "card", id: "fleet-rollback-box" },
+  const element = h("details", { class: "card", id: "fleet-rollback-box", "data-needs": "target.set" },
     h("summary", {}, "Fleet rollback"),
     h("div", { class: "actions" }, h("label", {}, "Target ", which), h("label", {}, "back to ", to)),
     h("div", { class: "actions" }, reason, start), note, confirmBox, message, error);

@@ -7,6 +7,7 @@
 
 import { ApiFailure, api, forgetToken, setUnauthorizedHandler, storeToken, token, validToken } from "./api.js";
 import { replace } from "./dom.js";
+import { applyRole, forgetIdentity, loadIdentity, watchRole } from "./role.js";
 import * as audit from "./audit.js";
 import * as device from "./device.js";
 import * as fleet from "./fleet.js";
@@ -117,6 +118,8 @@ function showLogin(message) {
   $("nav").hidden = true;
   $("logout").hidden = true;
   $("server-status").textContent = "";
+  $("whoami").hidden = true;
+  forgetIdentity();
   $("login").hidden = false;
   $("login-error").textContent = message;
   document.body.dataset.page = "login";
@@ -140,8 +143,23 @@ async function signIn(event) {
     return;
   }
   $("token").value = "";
+  await identityLine();
   route();
   statusLine();
+}
+
+// The header names the token and its role; the pages hide what the role may not do (role.js).
+async function identityLine() {
+  if (!token()) return;
+  try {
+    const me = await loadIdentity();
+    $("whoami").textContent = `${me.name} · ${me.role}`;
+    $("whoami").hidden = false;
+    document.body.dataset.role = me.role;
+  } catch {
+    $("whoami").hidden = true;
+  }
+  applyRole($("page"));
 }
 
 async function statusLine() {
@@ -169,7 +187,11 @@ $("logout").addEventListener("click", () => {
 });
 window.addEventListener("hashchange", route);
 setInterval(() => {
-  if (document.visibilityState === "visible") statusLine();
+  if (document.visibilityState === "visible") {
+    statusLine();
+    identityLine();
+  }
 }, 10000);
-route();
+watchRole($("page"));
+identityLine().finally(route);
 statusLine();

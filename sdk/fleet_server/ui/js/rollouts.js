@@ -102,7 +102,7 @@ function gateFields() {
 function newRolloutForm(refreshList) {
   const artifact = h("select", { id: "new-artifact", name: "artifact", required: true });
   const file = h("input", { id: "upload-file", type: "file", accept: ".edgepkg" });
-  const upload = h("button", { type: "button", id: "upload" }, "Upload");
+  const upload = h("button", { type: "button", id: "upload", "data-needs": "artifact.upload" }, "Upload");
   const group = h("input", { id: "new-group", name: "group", placeholder: "group", maxlength: 64,
                              pattern: "[A-Za-z0-9][A-Za-z0-9._\\-]{0,63}" });
   const devices = h("textarea", { id: "new-devices", name: "devices", rows: 2,
@@ -185,7 +185,7 @@ function newRolloutForm(refreshList) {
       refreshList();
     }
   });
-  return { element: h("details", { class: "card", id: "new-rollout-box" }, h("summary", {}, "New rollout"), form),
+  return { element: h("details", { class: "card", id: "new-rollout-box", "data-needs": "rollout.create" }, h("summary", {}, "New rollout"), form),
            loadArtifacts };
 }
 
@@ -314,7 +314,8 @@ function mountDetail(root, id, shell) {
   replace(root,
     h("p", { class: "crumbs" }, h("a", { href: "#/rollouts" }, "Rollouts"), " / ", id),
     h("h1", {}, "Rollout ", h("span", { id: "rollout-id" }, id), " ", state),
-    h("div", { class: "actions" }, reason, buttons.pause, buttons.resume, buttons.abort), actionError,
+    h("div", { class: "actions", "data-needs": "rollout.pause" }, reason, buttons.pause, buttons.resume, buttons.abort),
+    actionError,
     facts, h("h2", {}, "Waves"), waves, h("h2", {}, "Devices"), deviceNote, devices,
     h("h2", {}, "History"), history);
 

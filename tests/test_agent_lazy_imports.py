@@ -1,0 +1,90 @@
+"""What an idle agent has imported: the run path loads the MQTT client, telemetry and the update
+machinery only when agent.yaml has ``mqtt:`` and Pillow only when an image arrives, so an
+agent serving a model over HTTP does not hold them (issue 25 item 10; the memory they cost is
+measured by ``tools/bench/agent_rss.py``, BENCHMARKS.md, never asserted here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.artifacts import build_artifact
+from tests.broker import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+# The run path as `edgepack-agent run` takes it (the CLI module, then the daemon started on the
+# config), in a fresh interpreter: prints whether a model is served and every module loaded.
+RUN_PATH = """
+import json, sys
+import device_agent.cli
+from device_agent.config import load_config
+from device_agent.daemon import Daemon
+daemon = Daemon(load_config(sys.argv[1])).start()
+try:
+    print(json.dumps({"served": daemon.service.model is not None, "modules": sorted(sys.modules)}))
+finally:
+    daemon.stop()
+"""
+MQTT_AND_UPDATES = (
+    "paho",
+    "edgepack_core.mqtt_transport",
+    "device_agent.telemetry.reporter",
+    "device_agent.telemetry.metrics",
+    "device_agent.updates.service",
+    "device_agent.updates.download",
+    "device_agent.updates.xfer",
+    "device_agent.updates.journal",
+)
+ONLY_FOR_IMAGES = ("PIL",)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, keypair) -> Path:
+    return build_artifact(tmp_path_factory.mktemp("lazy"), keypair[0])
+
+
+def loaded_by_an_idle_agent(folder: Path, artifact: Path, public: Path, mqtt_port: int | None) -> set[str]:
+    config = folder / "agent.yaml"
+    mqtt = f"mqtt: {{host: 127.0.0.1, port: {mqtt_port}}}\n" if mqtt_port else ""
+    config.write_text(
+        f"device_id: lazy-01\nstore: {folder / 'store'}\ntrust: [{public}]\nprofile: x86\n"
+        f'artifact: {artifact}\napi: {{listen: "127.0.0.1:{free_port()}"}}\n{mqtt}'
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_PATH, str(config)], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = json.loads(done.stdout.splitlines()[-1])
+    assert answer["served"]
+    return set(answer["modules"])
+
+
+@pytest.fixture(scope="module")
+def without_mqtt(tmp_path_factory, artifact, keypair) -> set[str]:
+    return loaded_by_an_idle_agent(tmp_path_factory.mktemp("http-only"), artifact, keypair[1], None)
+
+
+def matching(modules: set[str], names: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in modules if any(m == name or m.startswith(name + ".") for name in names))
+
+
+def test_an_agent_without_mqtt_never_loads_the_mqtt_client_telemetry_or_updates(without_mqtt):
+    assert "onnxruntime" in without_mqtt and "device_agent.http.server" in without_mqtt  # it really serves
+    assert matching(without_mqtt, MQTT_AND_UPDATES) == []
+
+
+def test_an_idle_agent_has_not_loaded_pillow_before_an_image_arrives(without_mqtt):
+    assert matching(without_mqtt, ONLY_FOR_IMAGES) == []
+
+
+def test_an_agent_with_mqtt_loads_them_when_it_starts_them(tmp_path, artifact, keypair, mosquitto_broker):
+    modules = loaded_by_an_idle_agent(tmp_path, artifact, keypair[1], mosquitto_broker.port)
+    assert matching(modules, MQTT_AND_UPDATES) != []
+    assert {"paho.mqtt.client", "device_agent.telemetry.reporter", "device_agent.updates.service"} <= modules
+    assert matching(modules, ONLY_FOR_IMAGES) == []
