@@ -33,9 +33,9 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pg
 
 
 def _trust(paths: Sequence[str]) -> Any:
-    from edgepack_core.signing import TrustStore
+    from edgepack_core.signing import RELEASE, TrustStore
 
-    return TrustStore.from_paths(paths)
+    return TrustStore.from_paths(paths, kind=RELEASE)
 
 
 def _read_input(path: Path) -> bytes | np.ndarray | dict[str, np.ndarray]:
@@ -223,15 +223,18 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from device_agent.config import load_config, unauthenticated_commands_warning
+    from device_agent.config import inline_password_warning, load_config, unauthenticated_commands_warning
     from device_agent.daemon import Daemon
 
     config = load_config(args.config)
-    logging.getLogger().setLevel(getattr(logging, config.log_level.upper()))
-    warning = unauthenticated_commands_warning(config)
-    if warning:  # on stderr whatever the log level, at every start
+    daemon = Daemon(config)  # reads the settings held from the fleet server (they may set the log level)
+    logging.getLogger().setLevel(getattr(logging, daemon.config.log_level.upper()))
+    warnings = [inline_password_warning(config)]
+    if daemon.operator_trust is None:
+        warnings.append(unauthenticated_commands_warning(config))
+    for warning in filter(None, warnings):  # on stderr whatever the log level, at every start
         print(f"edgepack-agent: warning: {warning}", file=sys.stderr, flush=True)
-    Daemon(config).run_until_signal()
+    daemon.run_until_signal()
     return 0
 
 

@@ -167,6 +167,7 @@ CONFIG_SCHEMA: dict[str, Any] = {
                 "client_id": {"type": "string", "minLength": 1},
                 "username": {"type": "string"},
                 "password": {"type": "string"},
+                "password_file": _PATH,
                 "topic_root": {"type": "string", "minLength": 1},
                 "tls": {
                     "type": "object",
@@ -308,6 +309,7 @@ class BrokerSettings:
     client_id: str | None = None  # None: the device id
     username: str | None = None
     password: str | None = field(default=None, repr=False)
+    password_file: Path | None = None  # where ``password`` was read from (None: inline, deprecated, or none)
     topic_root: str = DEFAULT_ROOT
     tls: TlsSettings | None = None
     queue: OutboxSettings = OutboxSettings()
@@ -429,13 +431,19 @@ def _api(api: Mapping[str, Any], name: str) -> ApiSettings:
 
 def _broker(mqtt: Mapping[str, Any], base: Path, name: str) -> BrokerSettings:
     """The ``mqtt:`` section, its TLS files and outbox path resolved against ``base``."""
-    if "password" in mqtt and "username" not in mqtt:
-        raise ConfigError("mqtt.password", "is set without mqtt.username", config=name)
+    for key in ("password", "password_file"):
+        if key in mqtt and "username" not in mqtt:
+            raise ConfigError(f"mqtt.{key}", "is set without mqtt.username", config=name)
+    if "password" in mqtt and "password_file" in mqtt:
+        raise ConfigError("mqtt.password", "is set together with mqtt.password_file: keep the file alone", config=name)
     try:
         validate_root(mqtt.get("topic_root", DEFAULT_ROOT))
     except InvalidNameError as err:
         raise ConfigError("mqtt.topic_root", err.problem, config=name) from err
     values = dict(mqtt)
+    if "password_file" in mqtt:
+        values["password_file"] = _resolve(base, mqtt["password_file"])
+        values["password"] = read_password_file(values["password_file"], name)
     if "tls" in mqtt:
         values["tls"] = _section(
             TlsSettings,
@@ -450,6 +458,42 @@ def _broker(mqtt: Mapping[str, Any], base: Path, name: str) -> BrokerSettings:
             queue["path"] = _resolve(base, queue["path"])
         values["queue"] = _section(OutboxSettings, queue)
     return _section(BrokerSettings, values)
+
+
+MAX_PASSWORD_FILE_BYTES = 4096
+
+
+def read_password_file(path: Path, name: str) -> str:
+    """The first line of ``mqtt.password_file``, refusing a file others can read (mode & 077,
+    like the fleet server's token file): the password must not sit where any user can copy it."""
+    try:
+        mode = path.stat().st_mode
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_PASSWORD_FILE_BYTES + 1)
+    except OSError as err:
+        raise ConfigError("mqtt.password_file", f"cannot read {path}: {err.strerror or err}", config=name) from err
+    if mode & 0o077:
+        raise ConfigError("mqtt.password_file", f"{path} is readable by others (mode {mode & 0o777:o}); chmod 600 it",
+                          config=name)
+    if len(data) > MAX_PASSWORD_FILE_BYTES:
+        raise ConfigError("mqtt.password_file", f"{path} is over {MAX_PASSWORD_FILE_BYTES} bytes", config=name)
+    try:
+        password = data.decode("utf-8").splitlines()[0].strip() if data.strip() else ""
+    except UnicodeDecodeError as err:
+        raise ConfigError("mqtt.password_file", f"{path} is not UTF-8 text", config=name) from err
+    if not password:
+        raise ConfigError("mqtt.password_file", f"{path} holds no password (its first line is empty)", config=name)
+    return password
+
+
+def inline_password_warning(config: AgentConfig) -> str:
+    """The warning ``edgepack-agent run`` prints once at start while agent.yaml holds the MQTT
+    password inline, "" otherwise. Pure."""
+    mqtt = config.mqtt
+    if mqtt is None or mqtt.password is None or mqtt.password_file is not None:
+        return ""
+    return ("mqtt.password in agent.yaml is deprecated: put the password in a file only this user can read "
+            "(chmod 600) and name it as mqtt.password_file (docs/agent.md)")
 
 
 def _window(given: Any, name: str) -> HealthWindow:

@@ -20,13 +20,14 @@ from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
+from device_agent.remote_settings import Held, load_held, overlay
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.rejected import for_state
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
-from edgepack_core.signing import TrustStore
+from edgepack_core.signing import OPERATOR, RELEASE, TrustStore
 
 if TYPE_CHECKING:  # imported when used: an agent without mqtt: never loads MQTT, telemetry or updates
     from device_agent.telemetry.reporter import AgentStatus, TelemetryReporter
@@ -44,12 +45,20 @@ class Daemon:
     named models holds)."""
 
     def __init__(self, config: AgentConfig) -> None:
-        self.config = config
-        self.trust = TrustStore.from_paths(config.trust)
+        # Settings from the fleet server (device_agent/remote_settings.py) win over agent.yaml's
+        # for the keys they carry; ``base_config`` is agent.yaml alone, what a new document overlays.
+        self.base_config = config
+        self.held = load_held(config.store)
+        self.config = overlay(config, self.held.applied())
+        self._file_trust = TrustStore.from_paths(config.trust, kind=RELEASE)
+        self.trust = TrustStore(self._file_trust.public_keys())
         # Operator keys sign commands (edgepack keygen --operator); without them, anyone who can
         # publish to the broker may order deploys, rollbacks and downgrades (warned at start).
-        self.operator_trust = TrustStore.from_paths(config.operator_keys) if config.operator_keys else None
-        self.store = ModelStore(config.store, self.trust, config.limits.reader_limits())
+        self._file_operators = TrustStore.from_paths(config.operator_keys, kind=OPERATOR) \
+            if config.operator_keys else None
+        self.operator_trust: TrustStore | None = None
+        self.use_keys(self.held)
+        self.store = ModelStore(config.store, self.trust, self.config.limits.reader_limits())
         self.space = FreeSpace(config.store, config.updates.min_free_bytes)
         self.service = self._new_service()
         self.models = ModelSet()
@@ -60,6 +69,29 @@ class Daemon:
         self.pipelines: Any = None  # device_agent.pipelines.host.PipelineSet, when agent.yaml has pipelines
         self.updates: UpdateService | None = None
         self._stopped = threading.Event()
+
+    def use_keys(self, held: Held) -> None:
+        """Trust the release and operator keys of the applied settings document, or agent.yaml's
+        for a kind it does not carry (a store changed in place: every model store holds it)."""
+        applied = held.applied()
+        document = held.document
+        release = document.release_keys if document is not None and "trust" in applied else ()
+        self.trust.replace(release or self._file_trust.public_keys())
+        operators = document.operator_keys if document is not None and "operator_keys" in applied else ()
+        if not operators and self._file_operators is not None:
+            operators = tuple(self._file_operators.public_keys())
+        if not operators:
+            self.operator_trust = None
+        elif self.operator_trust is None:
+            self.operator_trust = TrustStore(operators)
+        else:
+            self.operator_trust.replace(operators)
+
+    def settings_report(self) -> dict[str, Any]:
+        """The state message's ``settings``: the generation held, each key's result, the keys held."""
+        return {"generation": self.held.generation, "results": dict(self.held.results),
+                "keys": {"release": self.trust.key_ids,
+                         "operator": [] if self.operator_trust is None else self.operator_trust.key_ids}}
 
     def _new_service(self) -> InferenceService:
         return InferenceService(max_streams=self.config.api.max_streams, stream_idle_s=self.config.api.stream_idle_s)
@@ -158,7 +190,8 @@ class Daemon:
                            profile=self.config.profile, available_providers=list(ort.get_available_providers()),
                            provider_fallbacks=[] if model is None else model.fallbacks_json(),
                            rejected=for_state([r for store in stores for r in store.rejected.records()]),
-                           models=[state_entry(slot) for slot in slots], extra=self.health_of_stores())
+                           models=[state_entry(slot) for slot in slots],
+                           extra={**self.health_of_stores(), "settings": self.settings_report()})
 
     def health_of_stores(self) -> dict[str, Any]:
         """The stores' condition (read-only, recovered): nothing while they are sound."""

@@ -123,14 +123,15 @@ class TrustStore:
             self._keys[key_id(key)] = key
 
     @classmethod
-    def from_paths(cls, paths: Iterable[str | os.PathLike[str]]) -> TrustStore:
-        """Load PEM public keys; a directory contributes every ``*.pub`` file inside it."""
+    def from_paths(cls, paths: Iterable[str | os.PathLike[str]], *, kind: str | None = None) -> TrustStore:
+        """Load PEM public keys; a directory contributes every ``*.pub`` file inside it. A file
+        labelled with another kind than ``kind`` is refused."""
         keys: list[Ed25519PublicKey] = []
         for entry in paths:
             path = Path(entry)
             files = sorted(path.glob("*.pub")) if path.is_dir() else [path]
             for file in files:
-                keys.append(load_public_key(file))
+                keys.append(load_public_key(file, kind=kind))
         if not keys:
             raise KeyFileError(", ".join(str(p) for p in paths) or "<none>", "no trusted public keys given")
         return cls(keys)
@@ -138,6 +139,17 @@ class TrustStore:
     @property
     def key_ids(self) -> list[str]:
         return sorted(self._keys)
+
+    def replace(self, keys: Iterable[Ed25519PublicKey]) -> None:
+        """Trust exactly ``keys`` from now on (a settings document from the server): every holder
+        of this store (the model stores, the update service) sees the change at once."""
+        fresh = {key_id(key): key for key in keys}
+        if not fresh:
+            raise ValueError("a trust store cannot be emptied")
+        self._keys = fresh
+
+    def public_keys(self) -> list[Ed25519PublicKey]:
+        return [self._keys[kid] for kid in sorted(self._keys)]
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -205,23 +217,69 @@ def _verify_entry(public: Ed25519PublicKey, kid: str, algorithm: Any, sig: str, 
 # --------------------------------------------------------------------------- key files
 
 
+RELEASE = "release"
+OPERATOR = "operator"
+KEY_KINDS = (RELEASE, OPERATOR)
+"""What a key is for: a release key signs artifacts (devices' ``trust``), an operator key signs
+commands (devices' ``operator_keys``). Key files say which in their first line, a header
+``edgepack-key: release`` (or ``operator``) before the PEM block: PEM readers (cryptography,
+openssl) skip text before ``-----BEGIN``, so the files stay plain PEM. A file without the line
+(written before keys had kinds) loads as either kind."""
+_KIND_HEADER = b"edgepack-key:"
+
+
+def kind_header(kind: str) -> bytes:
+    """The first line of a key file of ``kind``."""
+    if kind not in KEY_KINDS:
+        raise ValueError(f"unknown key kind {kind!r} (known: {', '.join(KEY_KINDS)})")
+    return _KIND_HEADER + b" " + kind.encode("ascii") + b"\n"
+
+
+def file_kind(data: bytes, path: str) -> str | None:
+    """The kind a key file's header line names, or None for a file without one (an old key)."""
+    first = data.lstrip().split(b"\n", 1)[0].strip()
+    if not first.startswith(_KIND_HEADER):
+        return None
+    kind = first[len(_KIND_HEADER):].strip().decode("ascii", "replace")
+    if kind not in KEY_KINDS:
+        raise KeyFileError(path, f"unknown key kind {kind[:20]!r} in its header (known: {', '.join(KEY_KINDS)})")
+    return kind
+
+
+def _article(kind: str) -> str:
+    return "an" if kind[0] in "aeiou" else "a"
+
+
+def check_kind(data: bytes, path: str, wanted: str | None) -> None:
+    """Refuse a key file labelled with another kind than ``wanted`` (None: any kind), in one line
+    naming both kinds."""
+    found = file_kind(data, path)
+    if wanted is not None and found is not None and found != wanted:
+        raise KeyFileError(path, f"is {_article(found)} {found} key, but {_article(wanted)} {wanted} key is needed "
+                                 "here (release keys sign artifacts, operator keys sign commands)")
+
+
 def generate_private_key() -> SigningKey:
     return SigningKey(Ed25519PrivateKey.generate())
 
 
-def private_key_pem(key: SigningKey) -> bytes:
+def private_key_pem(key: SigningKey, kind: str | None = None) -> bytes:
+    """The PKCS#8 PEM of ``key``, after the header line of ``kind`` when given."""
     from cryptography.hazmat.primitives import serialization
 
-    return key.private.private_bytes(
+    pem = key.private.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
+    return (kind_header(kind) if kind else b"") + pem
 
 
-def public_key_pem(key: SigningKey | Ed25519PublicKey) -> bytes:
+def public_key_pem(key: SigningKey | Ed25519PublicKey, kind: str | None = None) -> bytes:
+    """The SubjectPublicKeyInfo PEM of ``key``, after the header line of ``kind`` when given."""
     from cryptography.hazmat.primitives import serialization
 
     public = key.private.public_key() if isinstance(key, SigningKey) else key
-    return public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    pem = public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return (kind_header(kind) if kind else b"") + pem
 
 
 def _read_key_file(path: Path) -> bytes:
@@ -236,11 +294,14 @@ def _read_key_file(path: Path) -> bytes:
     return data
 
 
-def load_private_key(path: str | os.PathLike[str], password: bytes | None = None) -> SigningKey:
+def load_private_key(path: str | os.PathLike[str], password: bytes | None = None, *,
+                     kind: str | None = None) -> SigningKey:
+    """A private key file; one labelled with another kind than ``kind`` is refused."""
     from cryptography.hazmat.primitives import serialization
 
     path = Path(path)
     data = _read_key_file(path)
+    check_kind(data, str(path), kind)
     try:
         key = serialization.load_pem_private_key(data, password=password)
     except TypeError as err:
@@ -263,6 +324,8 @@ def _plain_ed25519_pem(data: bytes) -> Ed25519PublicKey | None:
     import is about a tenth of ``edgepack-agent predict``'s cold start; None for anything else,
     which then goes through cryptography's full PEM reader."""
     lines = data.strip().splitlines()
+    if lines and lines[0].startswith(_KIND_HEADER):
+        lines = lines[1:]
     if (
         len(lines) < 3
         or lines[0].strip() != b"-----BEGIN PUBLIC KEY-----"
@@ -278,9 +341,16 @@ def _plain_ed25519_pem(data: bytes) -> Ed25519PublicKey | None:
     return Ed25519PublicKey.from_public_bytes(der[len(_ED25519_SPKI_PREFIX) :])
 
 
-def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
+def load_public_key(path: str | os.PathLike[str], *, kind: str | None = None) -> Ed25519PublicKey:
+    """A public key file; one labelled with another kind than ``kind`` is refused."""
     path = Path(path)
     data = _read_key_file(path)
+    check_kind(data, str(path), kind)
+    return public_key_from_pem(data, str(path))
+
+
+def public_key_from_pem(data: bytes, path: str = "<key>") -> Ed25519PublicKey:
+    """The Ed25519 key of PEM bytes (a file's, or a settings document's); ``path`` names it."""
     plain = _plain_ed25519_pem(data)
     if plain is not None:
         return plain
@@ -290,8 +360,8 @@ def load_public_key(path: str | os.PathLike[str]) -> Ed25519PublicKey:
         key = serialization.load_pem_public_key(data)
     except ValueError as err:
         if b"PRIVATE KEY" in data:
-            raise KeyFileError(str(path), "this is a private key; trust the public key instead") from err
-        raise KeyFileError(str(path), "not a PEM public key") from err
+            raise KeyFileError(path, "this is a private key; trust the public key instead") from err
+        raise KeyFileError(path, "not a PEM public key") from err
     if not isinstance(key, Ed25519PublicKey):
-        raise KeyFileError(str(path), "not an Ed25519 public key")
+        raise KeyFileError(path, "not an Ed25519 public key")
     return key

@@ -8,6 +8,8 @@ from pathlib import Path
 from edgepack_core.errors import KeyFileError
 from edgepack_core.fsutil import atomic_write
 from edgepack_core.signing import (
+    OPERATOR,
+    RELEASE,
     SigningKey,
     generate_private_key,
     load_private_key,
@@ -26,8 +28,9 @@ def _write_new(path: Path, data: bytes, mode: int, force: bool) -> None:
         raise KeyFileError(str(path), "already exists (use --force to overwrite)") from err
 
 
-def write_keypair(private_path: Path, public_path: Path, *, force: bool = False) -> str:
-    """Generate an Ed25519 pair; write the private key 0600 and the public key 0644."""
+def write_keypair(private_path: Path, public_path: Path, *, force: bool = False, kind: str = RELEASE) -> str:
+    """Generate an Ed25519 pair; write the private key 0600 and the public key 0644, both
+    labelled with ``kind`` (``edgepack_core.signing.KEY_KINDS``)."""
     if private_path.resolve() == public_path.resolve():
         raise KeyFileError(str(private_path), "private and public key paths are the same file")
     if not force:
@@ -35,8 +38,8 @@ def write_keypair(private_path: Path, public_path: Path, *, force: bool = False)
             if path.exists():
                 raise KeyFileError(str(path), "already exists (use --force to overwrite)")
     key = generate_private_key()
-    _write_new(private_path, private_key_pem(key), 0o600, force)
-    _write_new(public_path, public_key_pem(key), 0o644, force)
+    _write_new(private_path, private_key_pem(key, kind), 0o600, force)
+    _write_new(public_path, public_key_pem(key, kind), 0o644, force)
     return key.key_id
 
 
@@ -44,7 +47,7 @@ def write_operator_keypair(private_path: Path, public_path: Path, *, force: bool
     """An operator key pair: the private half signs commands (``--operator-key``), the public
     half goes into devices' ``operator_keys``. Same format as artifact keys, kept as a separate
     pair so that the key that builds models cannot also order devices around, and vice versa."""
-    return write_keypair(private_path, public_path, force=force)
+    return write_keypair(private_path, public_path, force=force, kind=OPERATOR)
 
 
 def load_operator_key(path: Path) -> SigningKey:
@@ -59,4 +62,4 @@ def load_operator_key(path: Path) -> SigningKey:
     if mode & 0o077:
         raise KeyFileError(str(path), f"operator key is readable by others (mode {mode & 0o777:o}); chmod 600 it")
     password = os.environ.get("EDGEPACK_KEY_PASSWORD")
-    return load_private_key(path, password.encode() if password else None)
+    return load_private_key(path, password.encode() if password else None, kind=OPERATOR)

@@ -20,7 +20,7 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 
-from sdk.keys import write_keypair
+from sdk.keys import write_keypair, write_operator_keypair
 from tests.broker import free_port
 from tests.conftest import cli
 
@@ -46,7 +46,7 @@ def make_keys(folder: Path, release: tuple[Path, Path] | None = None) -> ServerK
         release = (folder / "release.key", folder / "release.pub")
         write_keypair(*release)
     operator = (folder / "operator.key", folder / "operator.pub")
-    write_keypair(*operator)
+    write_operator_keypair(*operator)
     token = secrets.token_hex(24)
     token_file = folder / "tokens"
     token_file.write_text(f"# test tokens\nadmin:{token}\n")

@@ -145,3 +145,36 @@ def moving_squares_clip(out: Path, paths: Sequence[Path2D], frames: int, *, widt
         for packet in stream.encode():
             container.mux(packet)
     return out
+
+
+COLOUR_NAMES = ("red", "green", "blue")
+
+
+def colour_classifier(path: Path, size: int = 16) -> Path:
+    """A classifier of a crop's dominant colour: the mean of each channel, x10, through a
+    softmax (``probs [1, 3]``: red, green, blue), for the crop stage of a chain."""
+    nodes = [helper.make_node("ReduceMean", ["input"], ["means"], axes=[2, 3], keepdims=0),  # [1, 3]
+             helper.make_node("Mul", ["means", "ten"], ["logits"]),
+             helper.make_node("Softmax", ["logits"], ["probs"], axis=1)]
+    graph = helper.make_graph(nodes, "colour", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
+                                                                              ["batch", 3, size, size])],
+                              [helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["batch", 3])],
+                              [helper.make_tensor("ten", TensorProto.FLOAT, [], [10.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, path)
+    return path
+
+
+def classifier_recipe(folder: Path, size: int = 16, *, version: str = "1.0.0") -> Path:
+    colour_classifier(folder / "colour.onnx", size)
+    (folder / "colours.txt").write_text("\n".join(COLOUR_NAMES) + "\n")
+    recipe = folder / f"colour-{version}.yaml"
+    recipe.write_text(
+        f"name: colour\nversion: {version}\nmodel: {{path: colour.onnx}}\n"
+        "preprocess: {kind: image, color: rgb, resize: {size: [" + f"{size}, {size}" + "], mode: stretch}, "
+        "scale: 0.00392156862745098, layout: NCHW, dtype: float32}\n"
+        "postprocess: {kind: topk, k: 1, labels: colours.txt}\n"
+        "validate: {data: {images: val/}}\ngolden: {count: 2}\ntargets: [x86, rpi]\n")
+    return recipe

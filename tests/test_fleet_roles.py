@@ -280,6 +280,17 @@ def test_each_role_passes_its_routes_and_the_role_below_is_refused(server):
         assert server.call(method, path, body, token=tokens[role])[0] != 403, (role, path)
 
 
+def test_an_operator_cannot_make_itself_an_admin_token_or_revoke_one(server):
+    operator = _token(server, "climber", "operator")
+    status, doc = server.call("POST", "/api/tokens", {"name": "climber-admin", "role": "admin"}, token=operator)
+    assert status == 403 and doc["error"]["needs"] == "admin"
+    assert server.call("DELETE", "/api/tokens/admin", token=operator)[0] == 403
+    names = {t["name"] for t in server.get("/api/tokens")["tokens"]}
+    assert "climber-admin" not in names and "admin" in names
+    refused = server.get("/api/audit?action=token.create")["entries"][0]
+    assert (refused["actor"], refused["outcome"], refused["target"]) == ("climber", "refused", "")
+
+
 def test_a_revoked_token_is_refused_at_once(server, tmp_path: Path):
     token = _token(server, "short-lived", "operator")
     assert server.call("GET", "/api/status", token=token)[0] == 200

@@ -15,7 +15,7 @@ def test_keygen_writes_private_key_0600_and_matching_public_key(tmp_path):
     private, public = tmp_path / "k.key", tmp_path / "k.pub"
     key_id = write_keypair(private, public)
     assert stat.S_IMODE(private.stat().st_mode) == 0o600
-    assert private.read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
+    assert private.read_bytes().startswith(b"edgepack-key: release\n-----BEGIN PRIVATE KEY-----")
     signing = load_private_key(private)
     assert signing.key_id == key_id
     message = b"manifest bytes"

@@ -25,7 +25,7 @@ from edgepack_core.artifact import extract_artifact
 from edgepack_core.signing import TrustStore
 from sdk.packager.pipeline import build
 from sdk.recipe import load_recipe
-from tests.stream_models import Path2D, detector_recipe, draw, moving_squares_clip
+from tests.stream_models import Path2D, classifier_recipe, detector_recipe, draw, moving_squares_clip
 
 WIDTH, HEIGHT, FRAMES, FPS = 320, 240, 60, 10
 PATHS = (
@@ -82,9 +82,12 @@ def scene(tmp_path_factory, keypair) -> dict[str, Any]:
         Image.fromarray(draw(PATHS, index, WIDTH, HEIGHT)).save(folder / "build" / "val" / f"f{index:03d}.png")
     artifact = folder / "detector.edgepkg"
     build(load_recipe(recipe), key_paths=[str(keypair[0])], output=artifact)
+    colour_recipe = classifier_recipe(folder / "build")
+    build(load_recipe(colour_recipe), key_paths=[str(keypair[0])], output=folder / "colour.edgepkg")
+    colour = extract_artifact(folder / "colour.edgepkg", folder / "colour", TrustStore.from_paths([keypair[1]]))
     clip = moving_squares_clip(folder / "clip.mp4", PATHS, FRAMES, width=WIDTH, height=HEIGHT, fps=FPS)
     verified = extract_artifact(artifact, folder / "model", TrustStore.from_paths([keypair[1]]))
-    return {"folder": folder, "artifact": artifact, "clip": clip, "verified": verified}
+    return {"folder": folder, "artifact": artifact, "clip": clip, "verified": verified, "colour": colour}
 
 
 def service_of(scene: dict[str, Any]) -> InferenceService:
@@ -146,13 +149,13 @@ def test_every_drops_nothing_and_latest_drops_the_oldest_counting_each(scene, po
     held = HeldService(service_of(scene), release)
     runner = PipelineRunner(spec(scene["clip"], policy=policy, queue=2), "pi-07", lambda name: held, [])
     processed: list[int] = []
-    process = runner.process
+    finish = runner._finish
 
-    def counting(frame: SourceFrame) -> list:
-        processed.append(frame.index)
-        return process(frame)
+    def counting(item: Any) -> list:
+        processed.append(item.frame.index)
+        return finish(item)
 
-    runner.process = counting  # type: ignore[method-assign]
+    runner._finish = counting  # type: ignore[method-assign]
     runner.start()
     if policy == "latest":
         reader = runner.reader._thread  # type: ignore[union-attr]
@@ -215,6 +218,33 @@ def test_a_model_swapped_under_a_running_pipeline_fails_no_frame_and_double_coun
     assert as_tuples(lines) == expected_events()
 
 
+def test_a_chain_labels_each_tracked_object_with_its_crop_and_a_crop_model_swaps_alone(scene, tmp_path):
+    """Detector -> colour classifier on each box's crop, each stage on its own thread: every
+    crossing carries the colour its square is painted; the classifier's model is swapped alone
+    half way, with no failed frame and the same events."""
+    detector, classifier = service_of(scene), InferenceService(load_model(scene["colour"].root,
+                                                                          scene["colour"].manifest))
+    services = {"detector": detector, "colour": classifier}
+    document = {**PIPELINE, "source": {"push": True, "policy": "every", "queue": 4},
+                "stages": [{"model": "detector"}, {"model": "colour", "crop": {"from": "detector", "max": 8}}]}
+    (chain,) = parse_pipelines([document])
+    runner = PipelineRunner(chain, "pi-07", services.get, [FileSink(tmp_path / "chain.jsonl", 1 << 20, 2)])
+    runner.start()
+    for index in range(FRAMES):
+        if index == FRAMES // 2:
+            classifier.swap(load_model(scene["colour"].root, scene["colour"].manifest))
+        runner.push(draw(PATHS, index, WIDTH, HEIGHT), ts=index / FPS)
+    runner.queue.close()
+    assert runner.finished.wait(60)
+    runner.stop()
+    lines = [json.loads(line) for line in (tmp_path / "chain.jsonl").read_text().splitlines()]
+    assert as_tuples(lines) == expected_events()
+    painted = {"person": "red", "car": "green", "bicycle": "blue"}
+    assert [e["attributes"] for e in lines if e["kind"] == "cross"] == \
+        [{"colour": painted[e["label"]]} for e in lines if e["kind"] == "cross"]
+    assert runner.counters.stage_errors == 0 and runner.counters.frames == FRAMES
+
+
 def test_a_file_sink_rotates_and_keeps_its_files(tmp_path):
     from edgepack_core.protocol.events import Event
     from edgepack_core.protocol.payloads import EVENTS_SCHEMA_ID
@@ -272,3 +302,22 @@ def test_the_pipeline_document_in_agent_yaml_round_trips(tmp_path, scene):
                                     "pipelines": [json.loads(json.dumps(PIPELINE).replace("CLIP", "c.mp4"))]}))
     config = load_config(path)
     assert config.pipelines[0].name == "door-cam" and config.pipelines[0].tracker is not None
+
+
+def test_realtime_waits_for_each_frames_time_and_restarts_its_clock_when_the_stream_does(monkeypatch):
+    (parsed,) = parse_pipelines([{**PIPELINE, "source": {"file": "clip.mp4", "realtime": True, "loop": True}}])
+    reader = SourceReader(parsed.source, FrameQueue(2, "latest"))
+    waits: list[float] = []
+
+    class Stop:
+        def wait(self, seconds: float) -> bool:
+            waits.append(round(seconds, 6))
+            return False
+
+        def is_set(self) -> bool:
+            return False
+
+    monkeypatch.setattr("device_agent.pipelines.sources.time.monotonic", lambda: 100.0)
+    reader._stop = Stop()  # type: ignore[assignment]
+    assert [reader._pace(ts) for ts in (5.0, 5.1, 5.25, 0.0, 0.2)] == [True] * 5
+    assert waits == [0.1, 0.25, 0.2]  # 5.0 starts the clock; the loop back to 0.0 starts it again

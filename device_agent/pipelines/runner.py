@@ -1,8 +1,10 @@
 """One pipeline running: frames from its source's reader through its stages, tracker and rules
 to its sinks, on its own thread.
 
-The reader decodes on its thread (PyAV releases the GIL) while this thread runs the models, so
-a stream's rate approaches 1 / the slower of the two, not 1 / their sum. Each stage asks for
+The reader decodes on its thread (PyAV releases the GIL) and each stage runs on a thread of its
+own (onnxruntime and Pillow release it too), frames handed on in order through small bounded
+queues, so a stream's rate approaches 1 / its slowest stage, not 1 / their sum; the last
+stage's thread runs the tracker, the rules and the sinks, in frame order. Each stage asks for
 its model's service by name at every frame (``services``), so a model hot-swapped under a
 running pipeline answers the next frame, with no failed frame and no restart of the source; a
 stage whose model is missing or fails skips that frame, counted, and the pipeline goes on.
@@ -15,9 +17,11 @@ from __future__ import annotations
 
 import io
 import logging
+import queue
 import threading
 import time
 import wave
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +42,8 @@ from edgepack_core.protocol.payloads import EVENTS_SCHEMA_ID
 log = logging.getLogger(__name__)
 
 GET_TIMEOUT_S = 0.5
+HANDOFF = 2  # frames waiting between two stages' threads (backpressure beyond)
+AGE_SAMPLES = 10_000  # frame ages kept (how old a frame is when its inference starts): p50/p99
 
 
 @dataclass
@@ -48,6 +54,16 @@ class PipelineCounters:
     missing_model: int = 0
     by_rule: dict[str, int] = field(default_factory=dict)
     last_age_s: float = 0.0
+    ages_s: deque[float] = field(default_factory=lambda: deque(maxlen=AGE_SAMPLES))  # the newest frames' ages
+
+
+@dataclass
+class _InFlight:
+    """A frame on its way through the stages: what each stage found, or that one failed."""
+
+    frame: SourceFrame
+    by_stage: dict[str, list[Found]] = field(default_factory=dict)
+    failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,7 +140,11 @@ class PipelineRunner:
         self._seq = 0
         self._attributes: dict[int, tuple[tuple[str, str], ...]] = {}
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=f"pipeline-{spec.name}", daemon=True)
+        self._pushed = 0
+        count = len(spec.stages)
+        self._handoffs: list[queue.Queue[_InFlight | None]] = [queue.Queue(HANDOFF) for _ in range(count - 1)]
+        self._threads = [threading.Thread(target=self._stage_loop, args=(k,), name=f"pipeline-{spec.name}-{k}",
+                                          daemon=True) for k in range(count)]
         self.finished = threading.Event()
 
     def _pick_tracked_stage(self) -> str:
@@ -136,47 +156,60 @@ class PipelineRunner:
     def start(self) -> None:
         if self.reader is not None:
             self.reader.start()
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.reader is not None:
             self.reader.stop(timeout)
         self.queue.close()
-        self._thread.join(timeout)
+        for thread in self._threads:
+            thread.join(timeout)
         for sink in self.sinks:
             sink.close()
 
     def push(self, image: np.ndarray, ts: float | None = None) -> bool:
         """Hand a frame to a ``push: true`` pipeline (False once stopped)."""
-        frame = SourceFrame(self.counters.frames + len(self.queue), time.time() if ts is None else ts,
-                            image=image, read_at=time.monotonic())
+        frame = SourceFrame(self._pushed, time.time() if ts is None else ts, image=image, read_at=time.monotonic())
+        self._pushed += 1
         return self.queue.put(frame)
 
-    def _run(self) -> None:
+    def _stage_loop(self, k: int) -> None:
+        """Stage ``k``'s thread: items in frame order from the source (k = 0) or the stage
+        before, out to the next stage or, for the last, to the tracker, rules and sinks."""
+        last = k == len(self.spec.stages) - 1
         try:
-            while True:
-                frame = self.queue.get(GET_TIMEOUT_S)
-                if frame is None:
-                    if self.queue.closed:
-                        return
-                    continue
-                self.process(frame)
+            while (item := self._next_item(k)) is not None:
+                self._stage_step(k, item)
+                if last:
+                    self._finish(item)
+                else:
+                    self._handoffs[k].put(item)
         finally:
-            self.finished.set()
+            if not last:
+                self._handoffs[k].put(None)
+            else:
+                self.finished.set()
+
+    def _next_item(self, k: int) -> _InFlight | None:
+        if k > 0:
+            return self._handoffs[k - 1].get()
+        while True:
+            frame = self.queue.get(GET_TIMEOUT_S)
+            if frame is not None:
+                return _InFlight(frame)
+            if self.queue.closed:
+                return None
 
     # ---------------------------------------------------------------- one frame
 
     def process(self, frame: SourceFrame) -> list[Event]:
-        """Run one frame through the stages, tracker, rules and sinks; its events."""
-        self.counters.frames += 1
-        self.counters.last_age_s = time.monotonic() - frame.read_at if frame.read_at else 0.0
-        found = self._run_stages(frame)
-        if found is None:
-            return []
-        height, width = self._size(frame)
-        objects, live = self._track(found, width, height)
-        rule_events = self.engine.step(Frame(frame.index, frame.ts, objects, live))
-        return [self._publish(e, frame, objects) for e in rule_events]
+        """Run one frame through every stage, the tracker, the rules and the sinks on the
+        caller's thread; its events."""
+        item = _InFlight(frame)
+        for k in range(len(self.spec.stages)):
+            self._stage_step(k, item)
+        return self._finish(item)
 
     @staticmethod
     def _size(frame: SourceFrame) -> tuple[int, int]:
@@ -184,23 +217,39 @@ class PipelineRunner:
             return int(frame.image.shape[0]), int(frame.image.shape[1])
         return 1, 1
 
-    def _run_stages(self, frame: SourceFrame) -> list[Found] | None:
-        """The tracked stage's objects, with the crop stages' labels attached; None when a
-        stage could not run (missing model, a model error): the frame is skipped."""
-        by_stage: dict[str, list[Found]] = {}
-        for stage in self.spec.stages:
-            service = self._services(stage.model)
-            if service is None:
-                self.counters.missing_model += 1
-                return None
-            try:
-                by_stage[stage.stage_name] = self._run_stage(stage, service, frame, by_stage)
-            except RequestError as err:
-                self.counters.stage_errors += 1
-                log.warning("pipeline %s: stage %s failed on frame %d: %s", self.spec.name, stage.stage_name,
-                            frame.index, err)
-                return None
-        return by_stage.get(self._tracked_stage, [])
+    def _stage_step(self, k: int, item: _InFlight) -> None:
+        """Run stage ``k`` on ``item``, unless an earlier stage failed on it; a missing model or a
+        failing one marks the frame skipped (counted), never the pipeline."""
+        if k == 0:
+            age = time.monotonic() - item.frame.read_at if item.frame.read_at else 0.0
+            self.counters.last_age_s = age
+            self.counters.ages_s.append(age)
+        if item.failed:
+            return
+        stage = self.spec.stages[k]
+        service = self._services(stage.model)
+        if service is None:
+            self.counters.missing_model += 1
+            item.failed = True
+            return
+        try:
+            item.by_stage[stage.stage_name] = self._run_stage(stage, service, item.frame, item.by_stage)
+        except RequestError as err:
+            self.counters.stage_errors += 1
+            item.failed = True
+            log.warning("pipeline %s: stage %s failed on frame %d: %s", self.spec.name, stage.stage_name,
+                        item.frame.index, err)
+
+    def _finish(self, item: _InFlight) -> list[Event]:
+        """The tracker, the rules and the sinks, in frame order (the last stage's thread)."""
+        self.counters.frames += 1
+        if item.failed:
+            return []
+        frame = item.frame
+        height, width = self._size(frame)
+        objects, live = self._track(item.by_stage.get(self._tracked_stage, []), width, height)
+        rule_events = self.engine.step(Frame(frame.index, frame.ts, objects, live))
+        return [self._publish(e, frame, objects) for e in rule_events]
 
     def _run_stage(self, stage: StageSpec, service: Any, frame: SourceFrame,
                    by_stage: dict[str, list[Found]]) -> list[Found]:

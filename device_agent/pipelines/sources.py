@@ -191,6 +191,7 @@ class SourceReader:
         self._thread = threading.Thread(target=self._run, name=f"source-{spec.kind}", daemon=True)
         self._index = 0
         self._got_frame = False
+        self._clock: tuple[float, float] | None = None  # (monotonic, stream ts) where pacing started
 
     def start(self) -> None:
         self._thread.start()
@@ -225,6 +226,7 @@ class SourceReader:
         closed) or ``failed`` (reported as down, to be reopened)."""
         last_kept: float | None = None
         self._got_frame = False
+        self._clock = None
         try:
             for ts, data, rate in self._frames(self.plan, self._stop):
                 if not keep_frame(ts, last_kept, self.spec.max_fps):
@@ -242,7 +244,18 @@ class SourceReader:
             return "failed"
         return "ended"
 
+    def _pace(self, ts: float) -> bool:
+        """``realtime``: wait until the frame's time comes, as a camera would deliver it (a
+        stream's clock, not a synchronisation); False when stopped meanwhile."""
+        now = time.monotonic()
+        if self._clock is None or ts < self._clock[1]:
+            self._clock = (now, ts)
+        due = self._clock[0] + (ts - self._clock[1])
+        return not (due > now and self._stop.wait(due - now))
+
     def _hand_over(self, ts: float, data: np.ndarray, rate: int) -> bool:
+        if self.spec.realtime and not self._pace(ts):
+            return False
         if self.status.state != "up":
             self._set("up", "")
         frame = SourceFrame(self._index, ts, image=None if self.plan.audio else data,

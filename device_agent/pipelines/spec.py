@@ -56,6 +56,8 @@ class SourceSpec:
     watchdog_s: float = option(10.0, description="A source that gives no frame for this long is reconnected.",
                                minimum=0.1)
     loop: bool = option(False, description="Files: start again at the end (demos, soak tests).")
+    realtime: bool = option(False, description="Files: hand frames over at the file's own frame rate, as a camera "
+                            "would (demos, soak tests); otherwise as fast as they decode.")
     sample_rate: int | None = option(None, description="Audio: the capture rate (the model's own by default).",
                                      minimum=1000, maximum=384000)
 

@@ -42,7 +42,7 @@ from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates import rejected as R
-from device_agent.updates import renewal
+from device_agent.updates import renewal, settings_apply
 from device_agent.updates.admission import DEVICE_STATE_RULES, DevicePolicy, policy_names, refusal, rollback_refusal
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
@@ -331,6 +331,8 @@ class UpdateService:
             self._reply(command, J.DONE, f"telemetry every {command.body['seconds']} s")
         elif kind == "renew-certificate":  # on a thread of its own (device_agent/updates/renewal.py)
             renewal.start(self.host.config, self.transport, command, self._reply)
+        elif kind == "apply-settings":
+            settings_apply.handle(self, command)
         elif kind == "cancel":
             found = self._cancel(command.body["job"], f"cancelled by command {command.id}")
             self._reply(command, J.DONE if found else J.FAILED,

@@ -99,6 +99,18 @@ SESSION_EPOCH = re.compile(r"[0-9a-f]{8,32}")
 
 
 @dataclass(frozen=True)
+class SettingsReport:
+    """What a device says about its settings from the fleet server: the generation it holds (0:
+    none), each key's result (``applied`` or ``refused: reason``) and the ids of the release and
+    operator keys it trusts."""
+
+    generation: int
+    results: tuple[tuple[str, str], ...]
+    release_keys: tuple[str, ...]
+    operator_keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class DeviceState:
     """A retained state: the birth ("online", with capabilities) or the last will ("offline")."""
 
@@ -116,6 +128,7 @@ class DeviceState:
     # Every model the device holds (several named models); () from an agent before them, whose
     # one model is ``model``.
     models: tuple[ModelRef, ...] = ()
+    settings: SettingsReport | None = None  # None: an agent before remote settings, or a malformed report
 
     def capabilities_dict(self) -> dict[str, Any]:
         """The capabilities as a fresh dict (empty when the message had none)."""
@@ -329,6 +342,37 @@ def _rejected(value: Any) -> tuple[RejectedRef, ...]:
     return tuple(ref for ref in map(_rejected_ref, value[:MAX_REJECTED]) if ref is not None)
 
 
+MAX_SETTING_RESULTS = 64  # results kept from one report (a document holds at most a few dozen keys)
+MAX_REPORTED_KEYS = 16  # keys of one kind a settings document may carry
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
+_SETTING_KEY = re.compile(r"[a-z_][a-z0-9_.]{0,63}")
+
+
+def _key_ids(value: Any) -> tuple[str, ...] | None:
+    if not isinstance(value, list) or len(value) > MAX_REPORTED_KEYS:
+        return None
+    if not all(isinstance(kid, str) and _KEY_ID.fullmatch(kid) for kid in value):
+        return None
+    return tuple(dict.fromkeys(value))
+
+
+def _settings(value: Any) -> SettingsReport | None:
+    """The device's settings report, or None when absent or malformed (bounded: at most
+    :data:`MAX_SETTING_RESULTS` results of :data:`MAX_STATE_REASON` characters each)."""
+    if not isinstance(value, dict):
+        return None
+    generation, results, keys = count(value.get("generation")), value.get("results"), value.get("keys")
+    if generation is None or not isinstance(results, dict) or len(results) > MAX_SETTING_RESULTS \
+            or not isinstance(keys, dict):
+        return None
+    release, operator = _key_ids(keys.get("release")), _key_ids(keys.get("operator"))
+    if release is None or operator is None:
+        return None
+    kept = tuple(sorted((key, text(result, MAX_STATE_REASON) or "") for key, result in results.items()
+                        if isinstance(key, str) and _SETTING_KEY.fullmatch(key)))
+    return SettingsReport(generation, kept, release, operator)
+
+
 def _session(value: Any) -> SessionMark | None:
     """The connection mark, or None when absent or malformed (ordering then falls back to when
     the state was heard)."""
@@ -370,7 +414,8 @@ def parse_state(device: str, payload: bytes) -> DeviceState | Decommissioned | R
                        groups=_groups(doc.get("groups")), model=_model(doc.get("model")),
                        provider=text(doc.get("provider"), MAX_NAME_CHARS), profile=text(profile, MAX_NAME_CHARS),
                        capabilities=_capabilities(capabilities), session=_session(doc.get("session")),
-                       rejected=_rejected(doc.get("rejected")), models=_models(doc.get("models")))
+                       rejected=_rejected(doc.get("rejected")), models=_models(doc.get("models")),
+                       settings=_settings(doc.get("settings")) if status == "online" else None)
 
 
 def _queue(value: Any) -> QueueCounters | None:

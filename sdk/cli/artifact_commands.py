@@ -12,7 +12,7 @@ import click
 
 from edgepack_core.artifact import verify_artifact
 from edgepack_core.errors import EdgepackError, UsageError
-from edgepack_core.signing import TrustStore
+from edgepack_core.signing import RELEASE, TrustStore
 from sdk.cli import VERBOSE, main
 from sdk.inspect import (
     format_model_summary,
@@ -141,7 +141,7 @@ def verify(artifact: Path, trust: tuple[Path, ...]) -> None:
     """Verify ARTIFACT's signature and every file's hash; exit 1 if refused."""
     if not trust:
         raise click.UsageError("give at least one --trust PUBLIC key")
-    result = verify_artifact(artifact, TrustStore.from_paths(trust))
+    result = verify_artifact(artifact, TrustStore.from_paths(trust, kind=RELEASE))
     click.echo(f"OK {artifact}: {result.manifest.name} {result.manifest.version}, "
                f"{len(result.manifest.files)} files verified, signed by key {result.key_id}")
 
@@ -156,7 +156,7 @@ def verify(artifact: Path, trust: tuple[Path, ...]) -> None:
 def inspect(artifact: Path, trust: tuple[Path, ...], as_json: bool, nodes: bool, netron: bool) -> None:
     """Show ARTIFACT's manifest, inputs/outputs, preprocessing, signer and build report, or a
     MODEL's inputs, outputs and ops; --nodes lists the graph's nodes with their shapes."""
-    store = TrustStore.from_paths(trust) if trust else None
+    store = TrustStore.from_paths(trust, kind=RELEASE) if trust else None
     model_file = artifact.exists() and not is_tar_archive(artifact)
     if nodes or model_file:
         _inspect_model(artifact, store, as_json, nodes)

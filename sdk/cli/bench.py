@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from edgepack_core.signing import TrustStore
+from edgepack_core.signing import RELEASE, TrustStore
 from sdk.bench import bench as run_bench
 from sdk.cli import VERBOSE, main
 
@@ -39,7 +39,8 @@ def bench(model_or_artifact: Path, original: Path | None, trust: tuple[Path, ...
         recipe_inputs = dict(load_recipe(recipe, allow_external_paths=True).data.get("inputs") or {})
     if runs < 1:
         raise click.BadParameter("must be at least 1", param_hint="--runs")
-    results = run_bench(model_or_artifact, original=original, trust=TrustStore.from_paths(trust) if trust else None,
+    store = TrustStore.from_paths(trust, kind=RELEASE) if trust else None
+    results = run_bench(model_or_artifact, original=original, trust=store,
                         runs=runs, threads=threads, shapes=list(shapes), recipe_inputs=recipe_inputs)
     if as_json:
         click.echo(json.dumps([r.to_json() for r in results]))

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from edgepack_core.protocol.messages import JobEvent
-from edgepack_core.signing import SigningKey, TrustStore
+from edgepack_core.signing import RELEASE, SigningKey, TrustStore
 from sdk.broker import BrokerOptions
 from sdk.cli import main
 from sdk.cli.broker_options import broker_options
@@ -95,7 +95,7 @@ def deploy(artifact: Path, devices: tuple[str, ...], group: str | None, broker: 
     options = DeployOptions(
         artifact=artifact, broker=broker, devices=devices, group=group, wait=wait, timeout=timeout,
         canary_percent=_percent(canary), url=url, transfer=transfer,  # type: ignore[arg-type]
-        serve_host=serve_host, trust=TrustStore.from_paths(trust) if trust else None,
+        serve_host=serve_host, trust=TrustStore.from_paths(trust, kind=RELEASE) if trust else None,
         force_downgrade=force_downgrade, health_window_s=health_window, allow_contract_change=allow_contract_change,
         expect=expect, operator_key=_key(operator_key), on_event=show,
     )

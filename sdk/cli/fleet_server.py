@@ -71,8 +71,11 @@ def _tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> Any:
               help="Release public key that uploads must be signed by (repeatable, for rotation).")
 @click.option("--token-file", required=True, type=_FILE, envvar="EDGEPACK_FLEET_TOKEN_FILE",
               help="Bearer tokens, one NAME:TOKEN per line, mode 600 (or EDGEPACK_FLEET_TOKEN_FILE).")
-@click.option("--operator-key", required=True, type=_FILE, envvar="EDGEPACK_OPERATOR_KEY",
-              help="Operator private key that signs the commands the server sends (edgepack keygen --operator).")
+@click.option("--operator-key", "operator_keys", required=True, multiple=True, type=_FILE,
+              envvar="EDGEPACK_OPERATOR_KEY",
+              help="Operator private key that signs the commands the server sends (edgepack keygen --operator); "
+                   "repeatable for a rotation: a device's commands are signed by the first key it reports holding "
+                   "(the first key for a device that reported none).")
 @click.option("--public-url", help="Devices fetch artifacts from this base URL (a CDN or object store holding "
                                    "<sha256>.edgepkg) instead of this server.")
 @click.option("--per-server-urls", is_flag=True,
@@ -130,7 +133,8 @@ def _tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> Any:
 @click.option("--job-events-kept", type=click.IntRange(1, 10_000_000), default=1000, show_default=True,
               help="Job events kept per device (the newest), besides --retention-rollups.")
 def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, trust: tuple[Path, ...],
-          token_file: Path, operator_key: Path, public_url: str | None, retention_raw: str, retention_rollups: str,
+          token_file: Path, operator_keys: tuple[Path, ...], public_url: str | None, retention_raw: str,
+          retention_rollups: str,
           rollup_step: int, prune_interval: str, silence: str, server_id: str | None, share_group: str,
           max_upload: str, lease_ttl: str, tick: str, requery_after: str, resend_after: str, head_timeout: str,
           body_min_rate: str,
@@ -163,7 +167,8 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                           telemetry=_rate(budget_telemetry, "--budget-telemetry"))
     http = HttpLimits(head_timeout_s=_duration(head_timeout), body_min_rate=parse_size(body_min_rate),
                       max_connections=max_connections)
-    config = ServerConfig(broker=broker, trust=trust, token_file=token_file, operator_key=operator_key, db_url=db_url,
+    config = ServerConfig(broker=broker, trust=trust, token_file=token_file, operator_key=operator_keys[0],
+                          rotation_operator_keys=operator_keys[1:], db_url=db_url,
                           listen=listen, artifacts_dir=artifacts_dir, public_url=public_url, retention=retention,
                           server_id=server_id, share_group=share_group, silence_s=_duration(silence),
                           max_upload=parse_size(max_upload), driver=driver,

@@ -47,7 +47,19 @@ from edgepack_core.errors import InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError, ForbiddenError
-from sdk.fleet_server import access, actions, audit, bad_releases, desired, history, openapi, queries, roles, wave_waits
+from sdk.fleet_server import (
+    access,
+    actions,
+    audit,
+    bad_releases,
+    desired,
+    history,
+    openapi,
+    queries,
+    roles,
+    settings_api,
+    wave_waits,
+)
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
 from sdk.fleet_server.db import Database, is_disk_full
@@ -669,6 +681,7 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/tokens", guard(u.tokens, needs="token.list"), methods=["GET"]),
         Route("/api/tokens", guard(u.create_token, "token.create"), methods=["POST"]),
         Route("/api/tokens/{name}", guard(u.revoke_token, "token.revoke"), methods=["DELETE"]),
+        *settings_api.routes(context, guard),
         Route("/artifacts/{file_name}", r.artifact_file, methods=["GET"]),
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]

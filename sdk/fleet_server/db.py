@@ -350,6 +350,45 @@ artifact_bad = Table(  # releases the operator marked bad fleet-wide: never sent
     Column("at", Float, nullable=False),
 )
 
+settings_entries = Table(  # desired agent settings: one row per (scope, key) the operator set (settings.py)
+    "settings_entries", metadata,
+    Column("scope", String(8), primary_key=True),  # fleet | group | device
+    Column("name", String(ID), primary_key=True),  # "" for the fleet
+    Column("key", String(64), primary_key=True),  # a dotted agent.yaml key (settings.py: SETTING_KEYS)
+    Column("value", Text, nullable=False),  # JSON, validated when set
+    Column("set_by", String(ID), nullable=False),
+    Column("set_at", Float, nullable=False),
+)
+
+fleet_keys = Table(  # release and operator public keys the fleet's devices are told to hold (settings.py)
+    "fleet_keys", metadata,
+    Column("key_id", String(16), primary_key=True),
+    Column("kind", String(16), nullable=False),  # release | operator
+    Column("pem", Text, nullable=False),
+    Column("added_by", String(ID), nullable=False),
+    Column("added_at", Float, nullable=False),
+    Column("retired_at", Float),  # None: in use
+)
+
+settings_sent = Table(  # each settings document the server signed for a device (generation: per device, rising)
+    "settings_sent", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("generation", Integer, primary_key=True),
+    Column("digest", String(64), nullable=False),  # sha256 of the document's canonical JSON
+    Column("command_id", String(ID), nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+settings_reports = Table(  # what each device's newest online state says about its settings
+    "settings_reports", metadata,
+    Column("device", String(ID), primary_key=True),
+    Column("generation", Integer, nullable=False),  # 0: none from the server applied
+    Column("results", Text, nullable=False),  # JSON: key -> "applied" | "refused: reason"
+    Column("release_keys", Text, nullable=False),  # JSON list of key ids
+    Column("operator_keys", Text, nullable=False),  # JSON list of key ids
+    Column("heard_at", Float, nullable=False),
+)
+
 leases = Table(
     "leases", metadata,
     Column("name", String(ID), primary_key=True),

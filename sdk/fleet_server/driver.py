@@ -46,7 +46,7 @@ from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.commands import build_command, encode_command
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey
-from sdk.fleet_server import audit, bad_releases
+from sdk.fleet_server import audit, bad_releases, settings_db
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.desired import View, apply_staged, load_plan
@@ -64,6 +64,7 @@ from sdk.fleet_server.rollouts import (
     next_step,
     transition,
 )
+from sdk.fleet_server.settings import signer_for
 from sdk.fleet_server.targets import ABSENT, Decision, marked_bad
 
 log = logging.getLogger("edgepack.fleet_server.driver")
@@ -201,11 +202,13 @@ class Driver:
     def __init__(self, database: Database, transport: MqttTransport, topics: Topics, operator_key: SigningKey,
                  artifact_url: Callable[[str], str], server_id: str, config: DriverConfig | None = None,
                  on_lead: Callable[[float], None] | None = None,
-                 artifact_available: Callable[[str], bool] = lambda _sha: True) -> None:
+                 artifact_available: Callable[[str], bool] = lambda _sha: True,
+                 rotation_keys: Sequence[SigningKey] = ()) -> None:
         self.database = database
         self.transport = transport
         self.topics = topics
         self.operator_key = operator_key
+        self.operator_keys = (operator_key, *rotation_keys)  # signs with the first the device holds
         self.artifact_url = artifact_url
         self.artifact_available = artifact_available
         self.server_id = server_id
@@ -222,6 +225,7 @@ class Driver:
         self.rollout_errors = 0  # rounds of one rollout that raised (each is that rollout's alone)
         self.reconcile_errors = 0  # rounds of the targets' reconciler that raised
         self.target_sent = 0  # deploys the reconciler recorded
+        self.settings_sent = 0  # settings documents the reconciler recorded (settings_db.py)
         self.converged = 0  # devices on their effective target at the last round
         self.requeried = 0  # deploys published again because their job went silent
         self._requeried: dict[str, float] = {}  # command id: when it was last asked again
@@ -292,6 +296,7 @@ class Driver:
             if now >= self._next_reconcile:
                 self._next_reconcile = now + self.config.reconcile_every_s
                 self._reconcile(now)
+                self.settings_sent += settings_db.reconcile(self, now)
         except Exception as err:  # the targets' round alone; rollouts and resends go on
             self.reconcile_errors += 1
             log.error("reconciling targets failed: %s", _one_line(err), exc_info=not isinstance(err, EdgepackError))
@@ -476,7 +481,9 @@ class Driver:
     def _record(self, connection: Connection, rollout_id: str | None, device: str, kind: str, command: dict[str, Any],
                 now: float) -> dict[str, Any] | None:
         """Record one signed command; the row (to publish) if this call created it, else None."""
-        signed = sign_command(command, self.operator_key)
+        signer = self.operator_key if len(self.operator_keys) == 1 else \
+            signer_for(self.operator_keys, settings_db.held_operator_keys(connection, device))
+        signed = sign_command(command, signer)
         topic = self.topics.cmd(device)
         values = {"id": command["id"], "rollout_id": rollout_id, "device": device, "kind": kind, "topic": topic,
                   "payload": encode_command(signed), "created_at": now, "created_by": self.server_id,

@@ -62,6 +62,7 @@ from edgepack_core.protocol.messages import (
 from edgepack_core.protocol.topics import Topics
 from sdk.broker import BrokerOptions
 from sdk.fleet_server import db as tables
+from sdk.fleet_server import settings_db
 from sdk.fleet_server.audit import SeenCommand, record_external, seen_command
 from sdk.fleet_server.budgets import Buckets, DropLedger, IngestLimits
 from sdk.fleet_server.db import Database
@@ -265,7 +266,7 @@ class Writer:
         if gone:
             connection.execute(delete(tables.devices).where(tables.devices.c.id.in_(gone)))
             for table in (tables.device_groups, tables.device_claimed_groups, tables.device_rejected,
-                          tables.device_models):
+                          tables.device_models, tables.settings_reports):
                 connection.execute(delete(table).where(table.c.device.in_(gone)))
         if not latest:
             return
@@ -293,6 +294,7 @@ class Writer:
         self._groups(connection, [r for r, _ in fresh if r.groups is not None], unenrolled)
         self._rejected(connection, [(r, heard) for r, heard in fresh if r.status == "online"])
         self._models(connection, [r for r, _heard in fresh if r.status == "online" and r.models])
+        settings_db.save_reports(self.database, connection, [(r, heard) for r, heard in fresh if r.status == "online"])
 
     def _models(self, connection: Any, records: list[DeviceState]) -> None:
         """Keep ``device_models`` equal to the models each device's newest online state lists

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
+from sdk.fleet_server import settings_api
 from sdk.fleet_server.actions import ACTION_REQUEST_SCHEMA, ACTIONS
 from sdk.fleet_server.bad_releases import REQUEST_SCHEMA as BAD_REQUEST_SCHEMA
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
@@ -489,7 +490,7 @@ def describe() -> dict[str, Any]:
     from sdk.fleet_server.users_api import OPERATIONS as USER_OPERATIONS  # it imports this module's helpers
 
     paths: dict[str, dict[str, Any]] = {}
-    for method, path, operation in (*OPERATIONS, *USER_OPERATIONS):
+    for method, path, operation in (*OPERATIONS, *USER_OPERATIONS, *settings_api.OPERATIONS):
         paths.setdefault(path, {})[method] = {**operation,
                                               "responses": {**operation["responses"], **_ERRORS}}
     document: dict[str, Any] = {

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
-from edgepack_core.signing import SigningKey, TrustStore
+from edgepack_core.signing import RELEASE, SigningKey, TrustStore
 from sdk.broker import BrokerOptions, parse_broker
 from sdk.errors import ServerConfigError
 from sdk.fleet_server import queries
@@ -85,6 +85,7 @@ class ServerConfig:
     trust: tuple[Path, ...]
     token_file: Path
     operator_key: Path
+    rotation_operator_keys: tuple[Path, ...] = ()  # more --operator-key: devices not holding the first yet
     db_url: str = DEFAULT_DB
     listen: str = DEFAULT_LISTEN
     artifacts_dir: Path = Path("artifacts")
@@ -129,8 +130,12 @@ class FleetServer:
         if not config.trust:
             raise ServerConfigError("give at least one --trust release public key (uploads are verified with it)")
         self.tokens = TokenCheck(read_token_file(config.token_file))
-        self.trust = TrustStore.from_paths(config.trust)
+        self.trust = TrustStore.from_paths(config.trust, kind=RELEASE)
         self.operator_key: SigningKey = load_operator_key(config.operator_key)
+        self.operator_keys: tuple[SigningKey, ...] = (self.operator_key, *(
+            load_operator_key(path) for path in config.rotation_operator_keys))
+        if len({key.key_id for key in self.operator_keys}) != len(self.operator_keys):
+            raise ServerConfigError("--operator-key names the same key twice")
         self.tls_context = server_context(config.tls) if config.tls is not None else None
         self.scheme = "https" if self.tls_context is not None else "http"
         if not 0 < config.max_upload <= 16 * 1024**3:
@@ -178,7 +183,8 @@ class FleetServer:
         assert self.ingest.control is not None
         self.driver = Driver(self.database, self.ingest.control, self.ingest.topics, self.operator_key,
                              self.artifact_url, self.server_id, self.config.driver, on_lead=self._on_lead,
-                             artifact_available=lambda sha: self.public_url is not None or self.store.has(sha))
+                             artifact_available=lambda sha: self.public_url is not None or self.store.has(sha),
+                             rotation_keys=self.operator_keys[1:])
         self._next_prune = time.time() + self.config.retention.interval_s
         self._start_enrollment()
         thread = threading.Thread(target=self.driver.run, name="fleet-driver", daemon=True)

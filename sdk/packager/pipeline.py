@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 import edgepack_core
 from edgepack_core.manifest import FORMAT_VERSION, REPORT_NAME, Manifest, parse_manifest
-from edgepack_core.signing import SigningKey, load_private_key
+from edgepack_core.signing import RELEASE, SigningKey, load_private_key
 from edgepack_core.targets import profile_providers
 from sdk.artifact_writer import write_artifact
 from sdk.errors import RecipeError
@@ -93,7 +93,7 @@ def resolve_signing_keys(recipe: Recipe, key_paths: list[str] | None) -> list[Si
         raise RecipeError("sign.key", "no signing key: pass --key PRIVATE or set sign.key in the recipe",
                           recipe=str(recipe.path))
     password = os.environ.get("EDGEPACK_KEY_PASSWORD")
-    return [load_private_key(p, password.encode() if password else None) for p in paths]
+    return [load_private_key(p, password.encode() if password else None, kind=RELEASE) for p in paths]
 
 
 def resolve_output(recipe: Recipe, output: str | os.PathLike[str] | None) -> Path:

@@ -5,6 +5,7 @@ import { api, pathId, query } from "./api.js";
 import { lineChart } from "./chart.js";
 import { badge, bytes, h, ms, number, percent, replace, table, time, when } from "./dom.js";
 import { actionsPanel } from "./device_actions.js";
+import { settingsPanel } from "./device_settings.js";
 import { artifactText } from "./rollouts.js";
 
 // Range -> bucket step: about 180 points a chart (the API allows 5,000).
@@ -121,11 +122,13 @@ export function mount(root, route, shell) {
   });
   const header = h("div");
   const desired = h("div");
+  const settings = h("div");
   const charts = h("div", { class: "charts", id: "charts" });
   const updates = h("div", { class: "table-wrap" });
   replace(root,
     h("p", { class: "crumbs" }, h("a", { href: "#/fleet" }, "Fleet"), " / ", id),
     h("h1", { id: "device-id" }, id), actionsPanel(id, shell), header, h("h2", {}, "Target"), desired,
+    h("h2", {}, "Settings"), settings,
     h("h2", {}, "Update history"), updates,
     h("div", { class: "row" }, h("h2", {}, "Over time"), h("label", {}, "Range ", select)),
     charts);
@@ -133,12 +136,14 @@ export function mount(root, route, shell) {
   async function refresh() {
     const now = Math.floor(Date.now() / 1000);
     const since = now - chosen.seconds;
-    const [device, wanted, series, history] = await Promise.all([
+    const [device, wanted, series, history, held] = await Promise.all([
       api(`/api/devices/${pathId(id)}`),
       api(`/api/devices/${pathId(id)}/target`),
       api(`/api/devices/${pathId(id)}/telemetry${query({ since, until: now + 1, step: chosen.step })}`),
       api(`/api/devices/${pathId(id)}/history${query({ limit: 50 })}`),
+      api(`/api/devices/${pathId(id)}/settings`),
     ]);
+    replace(settings, settingsPanel(held));
     replace(header, facts(device, runningArtifact(history)));
     replace(desired, target(wanted));
     replace(updates, table(["Started", "Kind", "Artifact", "Rollout", "Outcome", "Reason"],

@@ -1,0 +1,144 @@
+"""Settings from the fleet server, held on the device: the document last applied, kept in the
+store (``<store>/settings.json``, written atomically) so that it survives a restart and wins
+over agent.yaml for the keys it carries; the per-key decision (pure); the config it makes.
+
+The document arrives in a signed ``apply-settings`` command (``device_agent/updates/
+settings_apply.py`` applies it live). Keys and their bounds: :mod:`edgepack_core.settings_doc`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from device_agent.config import AgentConfig, HealthWindow
+from device_agent.errors import ConfigError
+from edgepack_core.errors import SchemaError
+from edgepack_core.fsutil import atomic_write
+from edgepack_core.settings_doc import SettingsDocument, parse_document
+
+SETTINGS_FILE = "settings.json"
+MAX_FILE_BYTES = 256 * 1024
+APPLIED = "applied"
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """The document this device applied last (None: none yet) and each key's result."""
+
+    document: SettingsDocument | None = None
+    results: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def generation(self) -> int:
+        return 0 if self.document is None else self.document.generation
+
+    def applied(self) -> dict[str, Any]:
+        """The values of the keys that were applied (what wins over agent.yaml)."""
+        if self.document is None:
+            return {}
+        results = dict(self.results)
+        return {key: value for key, value in self.document.values if results.get(key) == APPLIED}
+
+
+def settings_path(store: Path) -> Path:
+    return store / SETTINGS_FILE
+
+
+def load_held(store: Path) -> Held:
+    """The held document, or an empty :class:`Held` when there is none. A file that cannot be read
+    back is a :class:`ConfigError` naming it: it was written atomically, so it is not a torn
+    write, and starting on agent.yaml's keys instead would silently undo the operator's change."""
+    path = settings_path(store)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return Held()
+    except OSError as err:
+        raise ConfigError(str(path), f"cannot read the held settings: {err.strerror}") from err
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(str(path), f"held settings over {MAX_FILE_BYTES} bytes")
+    try:
+        doc = json.loads(data)
+        document = parse_document(doc["generation"], doc["settings"])
+        results = tuple(sorted((str(k), str(v)) for k, v in doc["results"].items()))
+    except (ValueError, KeyError, TypeError, AttributeError, SchemaError) as err:
+        raise ConfigError(
+            str(path),
+            f"held settings are not a settings document ({err}); move the file away to start on agent.yaml alone",
+        ) from err
+    return Held(document, results)
+
+
+def save_held(store: Path, held: Held) -> None:
+    """Write the held document atomically (a crash leaves the old one or the new one)."""
+    assert held.document is not None
+    body = {**held.document.to_json(), "results": dict(held.results)}
+    atomic_write(settings_path(store), json.dumps(body, sort_keys=True, indent=1).encode() + b"\n", mode=0o600)
+
+
+def decide(document: SettingsDocument, config: AgentConfig) -> dict[str, str]:
+    """Each key's result, ``applied`` or ``refused: reason``. Pure. The device's own bounds win
+    over the server's values: a health window outside agent.yaml's range is refused."""
+    results: dict[str, str] = {}
+    for key, value in document.values:
+        results[key] = _refusal(key, value, config) or APPLIED
+    return results
+
+
+def _refusal(key: str, value: Any, config: AgentConfig) -> str:
+    window = config.updates.health_window_s
+    if key == "updates.health_window_s" and not window.min <= value <= window.max:
+        return (
+            f"refused: {value:g} s is outside this device's range [{window.min:g}, {window.max:g}] "
+            "(updates.health_window_s in agent.yaml)"
+        )
+    if key in ("mqtt.groups", "mqtt.telemetry_interval") and config.mqtt is None:
+        return "refused: this device has no mqtt section"
+    limits = config.limits
+    if key == "limits.max_member_bytes" and value > limits.max_total_bytes:
+        return f"refused: over limits.max_total_bytes ({limits.max_total_bytes})"
+    return ""
+
+
+_SECTIONS = ("mqtt", "updates", "limits")
+
+
+def overlay(config: AgentConfig, values: dict[str, Any]) -> AgentConfig:
+    """``config`` with the applied ``values`` over its keys (``trust`` and ``operator_keys`` are
+    public keys the daemon holds itself, not paths: they are skipped here). Pure."""
+    changes: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
+    top: dict[str, Any] = {}
+    for key, value in values.items():
+        section, _, name = key.partition(".")
+        if section in _SECTIONS and name:
+            changes[section][name] = _typed(name, value)
+        elif key == "log_level":
+            top[key] = value
+    if changes["updates"].get("health_window_s") is not None:
+        window = config.updates.health_window_s
+        changes["updates"]["health_window_s"] = HealthWindow(
+            changes["updates"]["health_window_s"], window.min, window.max
+        )
+    sections = {
+        name: dataclasses.replace(getattr(config, name), **fields)
+        for name, fields in changes.items()
+        if fields and getattr(config, name) is not None
+    }
+    return dataclasses.replace(config, **sections, **top)
+
+
+def _typed(name: str, value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(value)
+    if name in (
+        "telemetry_interval",
+        "health_window_s",
+        "max_error_rate",
+        "max_latency_factor",
+        "min_latency_increase_ms",
+    ):
+        return float(value)
+    return value

@@ -1,0 +1,106 @@
+"""``apply-settings``: a signed settings document from the fleet server, applied live.
+
+The command was authorised (always signed: ``edgepack_core.command_auth``) and de-duplicated by
+the update service. Here: the whole document is checked up front (unknown or local-only keys,
+values out of bounds, a key list left empty: refused whole, nothing changed); a generation not
+newer than the held one is refused (a replay or a reordering); each key is decided against the
+device's own bounds (:func:`device_agent.remote_settings.decide`); the document is persisted
+atomically before anything changes, then every applied key takes effect at once, with no
+restart: trust and operator keys, groups (their command topics subscribed or dropped), the
+telemetry period, health limits, allowed origins, log level, artifact limits. The state message
+then reports the generation, each key's result and the keys the device holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from device_agent.remote_settings import Held, decide, overlay, save_held
+from device_agent.updates import jobs as J
+from edgepack_core.errors import EdgepackError, SchemaError
+from edgepack_core.protocol.commands import Command
+from edgepack_core.settings_doc import parse_document
+
+log = logging.getLogger("edgepack.agent.settings")
+
+
+def handle(service: Any, command: Command) -> None:
+    """Answer one ``apply-settings`` command: ``done`` with each key's result, ``rejected`` when
+    the document is refused whole, ``failed`` when it could not be persisted (nothing changed)."""
+    host = service.host
+    body = command.body
+    if host.operator_trust is None:
+        service._reply(
+            command, J.REJECTED, "settings are only taken signed: this device has no operator_keys in agent.yaml"
+        )
+        return
+    try:
+        document = parse_document(body.get("generation"), body.get("settings"))
+    except SchemaError as err:
+        service._reply(command, J.REJECTED, f"settings refused whole: {err}")
+        return
+    held: Held = host.held
+    if document.generation <= held.generation:
+        service._reply(
+            command,
+            J.REJECTED,
+            f"settings generation {document.generation} is not newer than the "
+            f"one this device holds ({held.generation}): refused (replayed or late)",
+        )
+        return
+    results = decide(document, host.base_config)
+    fresh = Held(document, tuple(sorted(results.items())))
+    try:
+        save_held(host.config.store, fresh)
+    except (OSError, EdgepackError) as err:
+        service._reply(command, J.FAILED, f"settings not applied: they could not be persisted ({err})")
+        return
+    apply_live(service, fresh)
+    refused = sorted(key for key, result in results.items() if result != "applied")
+    log.info(
+        "settings generation %d applied (%d key(s); refused: %s)",
+        document.generation,
+        len(results),
+        ", ".join(refused) or "none",
+    )
+    service.reporter.publish_state()
+    service._reply(
+        command,
+        J.DONE,
+        f"settings generation {document.generation}: {len(results) - len(refused)} applied, {len(refused)} refused",
+        generation=document.generation,
+        results=results,
+    )
+
+
+def apply_live(service: Any, held: Held) -> None:
+    """Make ``held`` the device's settings now: every part that reads them is told."""
+    host = service.host
+    values = held.applied()
+    config = overlay(host.base_config, values)
+    host.held = held
+    host.config = config
+    host.use_keys(held)
+    logging.getLogger().setLevel(getattr(logging, config.log_level.upper()))
+    service.window = config.updates.health_window_s
+    service.health = config.updates.health_policy()
+    service.bounds = service._bounds(config)
+    limits = config.limits.reader_limits()
+    for store in {id(s): s for s in (host.store, *(slot.store for slot in host.models.slots))}.values():
+        store.limits = limits
+    if config.mqtt is not None:
+        service.reporter.set_interval(config.mqtt.telemetry_interval)
+        _use_groups(service, list(config.mqtt.groups))
+
+
+def _use_groups(service: Any, groups: list[str]) -> None:
+    """Subscribe to the command topics of groups joined, drop those of groups left."""
+    old = set(service.groups)
+    for group in sorted(old - set(groups)):
+        service.transport.unsubscribe(service.topics.group_cmd(group))
+    for group in groups:
+        if group not in old:
+            service.transport.subscribe(service.topics.group_cmd(group), 1, service._on_command)
+    service.groups = list(groups)
+    service.reporter.groups = list(groups)
