@@ -223,11 +223,24 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from device_agent.config import inline_password_warning, load_config, unauthenticated_commands_warning
+    from device_agent import logring
+    from device_agent.config import load_config
     from device_agent.daemon import Daemon
 
     config = load_config(args.config)
-    daemon = Daemon(config)  # reads the settings held from the fleet server (they may set the log level)
+    ring = logring.attach(config)  # records redacted before they are kept or printed
+    try:
+        _run_daemon(Daemon(config, log_ring=ring), config)  # reads the settings held from the fleet server
+    finally:
+        logring.detach(ring)
+    return 0
+
+
+def _run_daemon(daemon: Any, config: Any) -> None:
+    """Start the daemon at the log level of its settings (the fleet server's may set it), after
+    the warnings every start prints, and serve until a signal."""
+    from device_agent.config import inline_password_warning, unauthenticated_commands_warning
+
     logging.getLogger().setLevel(getattr(logging, daemon.config.log_level.upper()))
     warnings = [inline_password_warning(config)]
     if daemon.operator_trust is None:
@@ -235,7 +248,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     for warning in filter(None, warnings):  # on stderr whatever the log level, at every start
         print(f"edgepack-agent: warning: {warning}", file=sys.stderr, flush=True)
     daemon.run_until_signal()
-    return 0
 
 
 def cmd_enroll(args: argparse.Namespace) -> int:

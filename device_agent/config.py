@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from device_agent.errors import ConfigError
+from device_agent.logring import LOGS_CONFIG_SCHEMA, LogSettings
 from device_agent.pipelines.spec import PipelineSpec, parse_pipelines
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
 from device_agent.telemetry.outbox import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
@@ -73,6 +74,7 @@ CONFIG_SCHEMA: dict[str, Any] = {
             },
         },
         "log_level": {"enum": ["debug", "info", "warning", "error"]},
+        "logs": LOGS_CONFIG_SCHEMA,
         "api": {
             "type": "object",
             "additionalProperties": False,
@@ -391,6 +393,7 @@ class AgentConfig:
     limits: LimitSettings = LimitSettings()
     mqtt: BrokerSettings | None = None
     updates: UpdateSettings = UpdateSettings()
+    logs: LogSettings = field(default_factory=LogSettings)
     enrollment: EnrollmentSettings | None = None
 
 
@@ -577,6 +580,7 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         limits=_section(LimitSettings, document.get("limits", {})),
         mqtt=_broker(document["mqtt"], base, name) if "mqtt" in document else None,
         updates=_updates(document.get("updates", {}), base, name),
+        logs=_section(LogSettings, document.get("logs", {})),
         **values,
     )
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
+from device_agent.logring import LogRing
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
 from device_agent.remote_settings import Held, load_held, overlay
 from device_agent.runtime import InferenceService, LoadedModel, load_model
@@ -44,7 +45,8 @@ class Daemon:
     root store's, the slot of a single-model agent (and of the model a store laid out before
     named models holds)."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, log_ring: LogRing | None = None) -> None:
+        self.log_ring = log_ring  # what a fetch-logs command reads (device_agent/logring.py)
         # Settings from the fleet server (device_agent/remote_settings.py) win over agent.yaml's
         # for the keys they carry; ``base_config`` is agent.yaml alone, what a new document overlays.
         self.base_config = config

@@ -694,6 +694,43 @@ def test_a_viewer_sees_who_is_signed_in_and_no_button_it_cannot_use(browser, ser
     assert browser.find_element(By.ID, "new-rollout-box").is_displayed()
 
 
+def _publish_logs(broker, device: str, *messages: str, ts: float) -> None:
+    """A device's answer to a fetch-logs, as it publishes one (the simulated devices do not log)."""
+    from edgepack_core.protocol.logs import LogLine, chunk_records
+
+    records = [LogLine(index, ts + index / 1000, "warning", "edgepack.agent", text)
+               for index, text in enumerate(messages)]
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"logs-{free_port()}", protocol=mqtt.MQTTv5)
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    try:
+        for chunk in chunk_records(records, device=device, request=f"r-{int(ts)}", now=ts):
+            client.publish(f"{TOPIC_ROOT}/dev/{device}/logs", chunk, qos=1).wait_for_publish(10)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def test_the_device_page_shows_the_devices_log_lines_with_a_live_tail(browser, server, fleet, broker):
+    """Issue 25, item 5: the device page shows what the device logged (markup as text), asks the
+    device for newer records while it is open, and adds those that arrive without a reload."""
+    device = "sim-00001"
+    now = time.time()
+    _publish_logs(broker, device, "LOG-LINE-ONE model loaded", HOSTILE, ts=now - 60)
+    assert wait_for(lambda: len(server.get(f"/api/devices/{device}/logs")["records"]) == 2, 30)
+    _open(browser, server, f"/devices/{device}", "#device-logs .log-line")
+    lines = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#device-logs .log-line")]
+    assert len(lines) == 2 and lines[0].endswith("WARNING  edgepack.agent: LOG-LINE-ONE model loaded"), lines
+    assert lines[1].endswith(HOSTILE)
+    assert browser.execute_script("return document.querySelectorAll('main img, [onerror]').length") == 0
+    # The live tail: the page asked the device (an audited fetch-logs), and a newer record shows up.
+    assert wait_for(lambda: [e for e in server.get("/api/audit?action=logs.fetch")["entries"]
+                             if e["target"] == device], 30)
+    _publish_logs(broker, device, "LOG-LINE-TWO after the page opened", ts=time.time())
+    _wait(browser, lambda d: "LOG-LINE-TWO" in _text(d, "#device-logs"), message="the tailed line")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#device-logs .log-line")) == 3
+
+
 def test_no_page_broke_the_content_security_policy_or_threw(browser, server):
     _signed_in(browser, server)
     problems = [entry for entry in _console(browser)
@@ -753,3 +790,4 @@ def test_the_device_page_charts_errors_by_kind(browser, server, broker):
         found = re.fullmatch(r"errors: ([\d.,]+)\s+non_finite_output: ([\d.,]+)", legend)
         assert found and found[1] == found[2] and found[1] != "0", legend  # every error of the device is that kind
         assert browser.find_elements(By.CSS_SELECTOR, "#charts figure:nth-of-type(3) svg.chart .s1")
+

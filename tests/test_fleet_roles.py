@@ -187,6 +187,17 @@ def test_names_are_validated_and_unique_among_tokens_in_force(database: Database
     assert missing.value.status == 404
 
 
+def test_two_servers_making_one_name_at_once_get_one_token_and_a_409(database: Database, monkeypatch):
+    """The race: the other server's insert lands between this one's check and insert (the check
+    is skipped here to put this insert second); the index on names in force refuses it."""
+    users.create(database, "ann", "viewer", _caller(1))
+    monkeypatch.setattr(users, "_in_force", lambda _connection, _name: None)
+    with pytest.raises(ApiError, match="exists") as refused:
+        users.create(database, "ann", "admin", _caller(1))
+    assert refused.value.status == 409
+    assert [t["role"] for t in users.listing(database) if t["name"] == "ann"] == ["viewer"]
+
+
 # ------------------------------------------------------------------ audit retention
 
 

@@ -46,6 +46,7 @@ from device_agent.updates import renewal, settings_apply
 from device_agent.updates.admission import DEVICE_STATE_RULES, DevicePolicy, policy_names, refusal, rollback_refusal
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
+from device_agent.updates.fetch_logs import LogFetcher
 from device_agent.updates.golden_probe import probe
 from device_agent.updates.health import (
     Probes,
@@ -139,6 +140,8 @@ class UpdateService:
         self.space = FreeSpace(config.store, settings.min_free_bytes)
         self.journal = Journal(config.store / "jobs")
         self.replay = ReplayGuard(config.store / "command-ids.json")
+        self.logs = LogFetcher(getattr(host, "log_ring", None), self.transport, self.topics, self.device_id,
+                               config.logs, time.time())
         # One deploy lane per model name (deploys of two models run side by side, two of one model
         # one after the other), and one for deploys that name no model (key "")
         self._deploys: dict[str, queue.Queue[Job | None]] = {}
@@ -326,6 +329,9 @@ class UpdateService:
             self._reply(command, J.DONE, "pong", record=False)
         elif kind == "get-state":
             self._reply(command, J.DONE, "state", record=False, **self.state_detail())
+        elif kind == "fetch-logs":  # device_agent/updates/fetch_logs.py
+            answer = self.logs.answer(command.id, command.body, time.time())
+            self._reply(command, answer.state, answer.reason, **answer.detail)
         elif kind == "set-telemetry-interval":
             self.reporter.set_interval(float(command.body["seconds"]))
             self._reply(command, J.DONE, f"telemetry every {command.body['seconds']} s")

@@ -652,3 +652,4 @@ def migrate(database: Database) -> None:
 
 
 from sdk.fleet_server import users as _users  # noqa: E402,F401  isort: skip  (its api_tokens table joins metadata)
+from sdk.fleet_server import log_tables  # noqa: E402,F401  its tables join metadata (db.py is over 600 lines)

@@ -38,6 +38,7 @@ from sdk.fleet_server.driver import Driver, DriverConfig, Lease
 from sdk.fleet_server.enrollment import Broker, EnrollConfig, Enrollment
 from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
+from sdk.fleet_server.log_ingest import LogIngest
 from sdk.fleet_server.retention import JOB_ROWS_PER_DEVICE, Pruner, RetentionPolicy
 from sdk.fleet_server.startup import joining_problem
 from sdk.fleet_server.tls_context import ServerTls, server_context
@@ -143,6 +144,7 @@ class FleetServer:
         self.started_at = time.time()
         self.database: Database | None = None
         self.ingest: Ingest | None = None
+        self.logs: LogIngest | None = None
         self.driver: Driver | None = None
         self.pruner: Pruner | None = None
         self.enrollment: Enrollment | None = None
@@ -175,9 +177,13 @@ class FleetServer:
         self.ingest = Ingest(self.database, self.config.broker, server_id=self.server_id,
                              limits=self.config.ingest_limits,
                              share_group=self.config.share_group)
+        self.logs = LogIngest(self.database, self.config.broker, server_id=self.server_id,
+                              share_group=self.config.share_group)  # device logs (fetch-logs answers)
         try:
             self.ingest.start()
+            self.logs.start()
         except EdgepackError:
+            self.logs.stop()
             self.ingest.stop()
             raise
         assert self.ingest.control is not None
@@ -257,6 +263,8 @@ class FleetServer:
             thread.join(15)
         if self.ingest is not None:
             self.ingest.stop()
+        if self.logs is not None:
+            self.logs.stop()
         if self.database is not None:
             self.database.close()  # on SQLite: the WAL checkpointed into the file
 
@@ -277,6 +285,7 @@ class FleetServer:
                        "rate_per_s": round(self.ingest.rate(time.time()), 3),
                        "control_connected": bool(self.ingest.control and self.ingest.control.connected),
                        "telemetry_connected": bool(self.ingest.telemetry and self.ingest.telemetry.connected)},
+            "logs": {name: dict(counter) for name, counter in self.logs.counters.items()} if self.logs else {},
             "driver": {"ticks": self.driver.ticks, "sent": self.driver.sent, "resent": self.driver.resent,
                        "refused_by_broker": self.driver.refused_by_broker,
                        "rollout_errors": self.driver.rollout_errors,
