@@ -344,23 +344,28 @@ class UpdateService:
             self._reply(command, J.DONE if found else J.FAILED,
                         found or f"no queued or running deploy {command.body['job']}")
         else:
-            job = self._new_job(command)
-            model = deploy_target(self.host.models.names, job_model(job))
-            if model is not None:  # job events name the model
-                job = dataclasses.replace(job, detail={"model": model})
-            slot = self.host.models.get(model) if model is not None else None
-            serving = None if slot is None else slot.service.model
-            if kind == "rollback" and serving is not None:
-                job = dataclasses.replace(job, detail={**job.detail, "from_sha256": serving.manifest.model_sha256})
-            self.journal.save(job)
-            self._publish(job)
-            if kind in ("rollback", "remove"):
-                self._supersede_deploys(f"superseded by {kind} {command.id}", model)
-                self._control.put(job)
-            else:
-                self._supersede_deploys(f"superseded by deploy {command.id}", model)
-                self._pending[job.id] = job
-                self._deploy_lane(job).put(job)
+            self._queue(command)
+
+    def _queue(self, command: Command) -> None:
+        """A deploy, rollback or remove: journaled, published, then on its lane."""
+        kind = command.type
+        job = self._new_job(command)
+        model = deploy_target(self.host.models.names, job_model(job))
+        if model is not None:  # job events name the model
+            job = dataclasses.replace(job, detail={"model": model})
+        slot = self.host.models.get(model) if model is not None else None
+        serving = None if slot is None else slot.service.model
+        if kind == "rollback" and serving is not None:
+            job = dataclasses.replace(job, detail={**job.detail, "from_sha256": serving.manifest.model_sha256})
+        self.journal.save(job)
+        self._publish(job)
+        if kind in ("rollback", "remove"):
+            self._supersede_deploys(f"superseded by {kind} {command.id}", model)
+            self._control.put(job)
+        else:
+            self._supersede_deploys(f"superseded by deploy {command.id}", model)
+            self._pending[job.id] = job
+            self._deploy_lane(job).put(job)
 
     def _cancel(self, job_id: str, why: str) -> str:
         """Stop a queued deploy now, or a running one at its next safe point. Returns what was
