@@ -21,7 +21,7 @@ from device_agent.errors import ConfigError
 from device_agent.logring import LOGS_CONFIG_SCHEMA, LogSettings
 from device_agent.pipelines.spec import PipelineSpec, parse_pipelines
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
-from device_agent.telemetry.outbox import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
+from device_agent.telemetry import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES
 from device_agent.updates.health import HealthPolicy
 from edgepack_core.artifact import Limits
@@ -30,7 +30,6 @@ from edgepack_core.mqtt_settings import TlsSettings
 from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
-from edgepack_core.tls import client_context
 from edgepack_core.yamlfile import read_yaml_file
 
 MAX_CONFIG_BYTES = 256 * 1024
@@ -396,6 +395,12 @@ class AgentConfig:
     logs: LogSettings = field(default_factory=LogSettings)
     enrollment: EnrollmentSettings | None = None
 
+    def client_certificate(self) -> tuple[str, str] | None:
+        """The device's certificate and key (``mqtt.tls.cert``/``key``), also presented to an
+        HTTPS artifact server that asks for one (mutual TLS, ``fleet serve --tls-client-ca``)."""
+        tls = self.mqtt.tls if self.mqtt is not None else None
+        return (tls.cert, tls.key) if tls is not None and tls.cert and tls.key else None
+
 
 def _section(cls: type[_Section], values: Mapping[str, Any]) -> _Section:
     """A section's dataclass from its validated mapping (the schema refused unknown keys and
@@ -529,6 +534,8 @@ def _updates(updates: Mapping[str, Any], base: Path, name: str) -> UpdateSetting
 
 def _check_ca(path: Path, name: str) -> None:
     """``updates.ca`` must load as CA certificates now, not at the first download."""
+    from edgepack_core.tls import client_context  # ssl only for an agent that sets updates.ca
+
     try:
         client_context(str(path))
     except (OSError, ValueError) as err:  # ssl.SSLError is an OSError

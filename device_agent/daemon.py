@@ -52,6 +52,11 @@ class Daemon:
         self.base_config = config
         self.held = load_held(config.store)
         self.config = overlay(config, self.held.applied())
+        if config.mqtt is not None:
+            # Before any session is made: imported after onnxruntime's start-up allocations, the
+            # same modules cost 1.9 MiB more RSS (tools/bench/agent_rss.py --mqtt, BENCHMARKS.md).
+            import device_agent.telemetry.reporter
+            import device_agent.updates.service  # noqa: F401
         self._file_trust = TrustStore.from_paths(config.trust, kind=RELEASE)
         self.trust = TrustStore(self._file_trust.public_keys())
         # Operator keys sign commands (edgepack keygen --operator); without them, anyone who can

@@ -161,7 +161,7 @@ class UpdateService:
         return Bounds(origins=allowed_origins(origins),
                       any_port_hosts=frozenset() if origins else frozenset({broker_host} - {""}),
                       max_bytes=settings.max_download_bytes, deadline_s=settings.download_deadline_s,
-                      min_rate_bytes_s=settings.min_rate_bytes_s, ca=settings.ca)
+                      min_rate_bytes_s=settings.min_rate_bytes_s, ca=settings.ca, client=config.client_certificate())
 
     # ---------------------------------------------------------------- lifecycle
 
