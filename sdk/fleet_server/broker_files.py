@@ -41,6 +41,7 @@ SHIPPED_PATTERNS = (
     "pattern write {root}/dev/%u/telemetry",
     "pattern write {root}/dev/%u/job",
     "pattern write {root}/dev/%u/events",
+    "pattern write {root}/dev/%u/logs",
     "pattern write {root}/dev/%u/xfer/+/req",
     "pattern read {root}/dev/%u/cmd",
     "pattern read {root}/dev/%u/xfer/#",
