@@ -59,9 +59,11 @@ from sdk.fleet_server import (
     settings_api,
     wave_waits,
 )
+from sdk.fleet_server.alerts_http import list_alerts
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
-from sdk.fleet_server.db import Database, is_disk_full
+from sdk.fleet_server.db import Database
+from sdk.fleet_server.disk import is_disk_full
 from sdk.fleet_server.http_input import (  # noqa: F401  (read_json, Params, ... are imported from here too)
     MAX_JSON_BYTES,
     Params,
@@ -592,6 +594,7 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/tokens", guard(u.create_token, "token.create"), methods=["POST"]),
         Route("/api/tokens/{name}", guard(u.revoke_token, "token.revoke"), methods=["DELETE"]),
         *settings_api.routes(context, guard),
+        Route("/api/alerts", guard(list_alerts(context.database)), methods=["GET"]),
         Route("/artifacts/{file_name}", r.artifact_file, methods=["GET"]),
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]

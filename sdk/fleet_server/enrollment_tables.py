@@ -1,5 +1,5 @@
 """The tables of device enrollment (sdk/fleet_server/enrollment.py), on the fleet's one
-``metadata`` (migration 0016_enroll).
+``metadata`` (migration 0017_enroll).
 
 They live beside :mod:`.db` rather than in it so that module stays within its size; the Alembic
 environment and :mod:`.enrollment` import this module, so the tables are known wherever the

@@ -29,6 +29,8 @@ from edgepack_core.signing import RELEASE, SigningKey, TrustStore
 from sdk.broker import BrokerOptions, parse_broker
 from sdk.errors import ServerConfigError
 from sdk.fleet_server import queries
+from sdk.fleet_server.alert_config import AlertsConfig
+from sdk.fleet_server.alert_runner import AlertRunner, start_alerts
 from sdk.fleet_server.api import ApiContext, build_app
 from sdk.fleet_server.artifacts import DEFAULT_MAX_UPLOAD, DEFAULT_RECHECK_S, ArtifactStore
 from sdk.fleet_server.auth import TokenCheck, read_token_file
@@ -105,6 +107,7 @@ class ServerConfig:
     per_server_urls: bool = False  # several servers without --public-url: devices allow every server's origin
     enroll: EnrollConfig = field(default_factory=EnrollConfig)
     tls: ServerTls | None = None  # HTTPS on --listen (tls_context.py, tls_listener.py)
+    alerts: AlertsConfig | None = None  # --alerts FILE: rules and sinks (sdk/fleet_server/alert_runner.py)
 
     def resolved_id(self) -> str:
         server_id = self.server_id or default_server_id(self.listen)
@@ -149,6 +152,7 @@ class FleetServer:
         self.pruner: Pruner | None = None
         self.enrollment: Enrollment | None = None
         self._files_stop = threading.Event()
+        self.alerts: AlertRunner | None = None
         self._threads: list[threading.Thread] = []
         self._api: ApiContext | None = None
         self.http_guard: Guard | None = None  # the connection guard, once serve() made it
@@ -193,6 +197,8 @@ class FleetServer:
                              rotation_keys=self.operator_keys[1:])
         self._next_prune = time.time() + self.config.retention.interval_s
         self._start_enrollment()
+        if self.config.alerts is not None:
+            self.alerts = start_alerts(self.database, self.config.alerts, self.ingest.control, server_id=self.server_id)
         thread = threading.Thread(target=self.driver.run, name="fleet-driver", daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -254,6 +260,11 @@ class FleetServer:
                 self.pruner.run_once(now)
             except Exception:  # retried at the next interval; never stops the rollouts
                 log.exception("telemetry pruning failed")
+        if self.alerts is not None:
+            try:
+                self.alerts.maybe_run(now)
+            except Exception:  # judged again at the next interval; never stops the rollouts
+                log.exception("judging the alert rules failed")
 
     def stop(self) -> None:
         self._files_stop.set()
@@ -261,6 +272,8 @@ class FleetServer:
             self.driver.stop()
         for thread in self._threads:
             thread.join(15)
+        if self.alerts is not None:
+            self.alerts.stop()
         if self.ingest is not None:
             self.ingest.stop()
         if self.logs is not None:
@@ -298,6 +311,7 @@ class FleetServer:
                           "folded": self.pruner.folded if self.pruner else 0},
             "artifact_base_url": self.artifact_url("0" * 64).rsplit("/", 1)[0],
             "http": self.http_guard.to_json() if self.http_guard is not None else None,
+            "alerts": self.alerts.to_json() if self.alerts is not None else None,
         }
 
     def metrics(self) -> str:
@@ -364,6 +378,10 @@ class FleetServer:
                [({}, api.requests if api else 0)])
         metric("edgepack_fleet_api_auth_failures_total", "counter", "API requests refused for a missing or "
                "wrong token.", [({}, api.auth_failures if api else 0)])
+        if self.alerts is not None:
+            metric("edgepack_fleet_alerts_total", "counter", "Alerts each sink sent or gave up, by sink and outcome.",
+                   [({"sink": sink.name, "outcome": outcome}, count) for sink in self.alerts.sinks
+                    for outcome, count in (("sent", sink.sent), ("given_up", sink.given_up))] or [({}, 0)])
         return "\n".join(lines) + "\n"
 
     def api_context(self) -> ApiContext:

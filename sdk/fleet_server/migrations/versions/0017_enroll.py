@@ -4,8 +4,8 @@
 ``device_certificates`` (serial -> device, validity, revocation, the renewal sent) and
 ``device_passwords`` (device -> its mosquitto password-file hash) (sdk/fleet_server/enrollment.py).
 
-Revision ID: 0016_enroll
-Revises: 0015
+Revision ID: 0017_enroll
+Revises: 0016_alerts
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0016_enroll"
-down_revision = "0015"
+revision = "0017_enroll"
+down_revision = "0016_alerts"
 branch_labels = None
 depends_on = None
 
