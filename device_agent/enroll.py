@@ -78,13 +78,22 @@ def parse_answer(answer: Any, device: str) -> Credentials:
     if not isinstance(broker, dict) or not isinstance(broker.get("port"), int) or not 0 < broker["port"] < 65536:
         raise EnrollError("the server's answer has no usable broker address")
     groups = answer.get("groups")
-    if groups is not None and (not isinstance(groups, list) or not all(isinstance(g, str) and is_valid_id(g)
-                                                                       for g in groups)):
+    if groups is not None and (
+        not isinstance(groups, list) or not all(isinstance(g, str) and is_valid_id(g) for g in groups)
+    ):
         raise EnrollError("the server's answer has unusable groups")
     certificate = _text(answer, "certificate") if "certificate" in answer else None
     password = _text(answer, "password", 256) if certificate is None else None
-    return Credentials(device, _text(answer, "ca"), _text(broker, "host", 255), broker["port"],
-                       bool(broker.get("tls")), None if groups is None else tuple(groups), certificate, password)
+    return Credentials(
+        device,
+        _text(answer, "ca"),
+        _text(broker, "host", 255),
+        broker["port"],
+        bool(broker.get("tls")),
+        None if groups is None else tuple(groups),
+        certificate,
+        password,
+    )
 
 
 def new_key() -> ec.EllipticCurvePrivateKey:
@@ -107,7 +116,8 @@ def identity_pem(key: ec.EllipticCurvePrivateKey, certificate: str) -> bytes:
     if cert.public_key() != key.public_key():
         raise EnrollError("the server's certificate is not for the key made here")
     return cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _error_text(err: urllib.error.HTTPError) -> str:
@@ -121,8 +131,12 @@ def _error_text(err: urllib.error.HTTPError) -> str:
 def post(server: str, body: dict[str, Any], ca: Path | None, timeout: float = TIMEOUT_S) -> Any:
     """POST ``body`` to the server's ``/api/enroll``; the JSON answer, bounded."""
     context = ssl.create_default_context(cafile=str(ca) if ca else None) if server.startswith("https:") else None
-    request = urllib.request.Request(f"{server.rstrip('/')}/api/enroll", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+    request = urllib.request.Request(
+        f"{server.rstrip('/')}/api/enroll",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             data = response.read(MAX_ANSWER_BYTES + 1)
@@ -131,8 +145,7 @@ def post(server: str, body: dict[str, Any], ca: Path | None, timeout: float = TI
     except (urllib.error.URLError, OSError) as err:
         reason = getattr(err, "reason", err)
         if isinstance(reason, ssl.SSLCertVerificationError):
-            raise EnrollError(f"certificate verify failed: {reason.verify_message} ({server}; give --ca FILE)") \
-                from err
+            raise EnrollError(f"certificate verify failed: {reason.verify_message} ({server}; give --ca FILE)") from err
         raise EnrollError(f"cannot reach the fleet server {server}: {reason}") from err
     if len(data) > MAX_ANSWER_BYTES:
         raise EnrollError(f"the server's answer is over {MAX_ANSWER_BYTES} bytes")
@@ -152,21 +165,26 @@ def request_certificate(server: str, token: str, device: str, ca: Path | None) -
 
 
 def _read(config: Path) -> dict[str, Any]:
-    document = read_yaml_file(config, MAX_CONFIG_BYTES,
-                              lambda problem: ConfigError("<file>", problem, config=str(config)), kind="config")
+    document = read_yaml_file(
+        config, MAX_CONFIG_BYTES, lambda problem: ConfigError("<file>", problem, config=str(config)), kind="config"
+    )
     if not isinstance(document, dict):
         raise ConfigError("<root>", "must be a mapping of keys", config=str(config))
     return document
 
 
-def updated_config(document: Mapping[str, Any], credentials: Credentials, files: Mapping[str, str],
-                   server: str, ca: str | None) -> dict[str, Any]:
+def updated_config(
+    document: Mapping[str, Any], credentials: Credentials, files: Mapping[str, str], server: str, ca: str | None
+) -> dict[str, Any]:
     """agent.yaml after enrollment: the device id, the broker, groups, TLS files or the password,
     the enrollment section; everything else as it was. Pure."""
     updated = dict(document)
     updated["device_id"] = credentials.device
-    mqtt = {key: value for key, value in dict(document.get("mqtt") or {}).items()
-            if key not in ("username", "password", "password_file")}
+    mqtt = {
+        key: value
+        for key, value in dict(document.get("mqtt") or {}).items()
+        if key not in ("username", "password", "password_file")
+    }
     mqtt.update(host=credentials.host, port=credentials.port)
     if credentials.groups is not None:
         mqtt["groups"] = list(credentials.groups)
@@ -196,8 +214,9 @@ def enroll(config: Path, server: str, token: str, *, ca: Path | None = None, dev
     document = _read(config)
     device = device or document.get("device_id")
     if not isinstance(device, str) or not is_valid_id(device):
-        raise ConfigError("device_id", "is not set: give --device-id (the id the token was made for)",
-                          config=str(config))
+        raise ConfigError(
+            "device_id", "is not set: give --device-id (the id the token was made for)", config=str(config)
+        )
     folder = config.parent / IDENTITY_DIR
     folder.mkdir(mode=0o700, exist_ok=True)
     if len(token) > 128:
@@ -205,8 +224,11 @@ def enroll(config: Path, server: str, token: str, *, ca: Path | None = None, dev
     key = new_key()
     answer = post(server, {"token": token, "csr": csr_pem(key, device)}, ca)
     credentials = parse_answer(answer, device)
-    files = {"ca": f"{IDENTITY_DIR}/{CA_PEM}", "identity": f"{IDENTITY_DIR}/{DEVICE_PEM}",
-             "password": f"{IDENTITY_DIR}/{PASSWORD_FILE}"}
+    files = {
+        "ca": f"{IDENTITY_DIR}/{CA_PEM}",
+        "identity": f"{IDENTITY_DIR}/{DEVICE_PEM}",
+        "password": f"{IDENTITY_DIR}/{PASSWORD_FILE}",
+    }
     ca_text = str(ca.resolve()) if ca else None
     new_document = updated_config(document, credentials, files, server, ca_text)
     check_config(new_document, config.resolve())  # never write an agent.yaml the agent would refuse
@@ -220,13 +242,15 @@ def enroll(config: Path, server: str, token: str, *, ca: Path | None = None, dev
     return credentials
 
 
-
 def cmd_enroll(args: Any) -> int:
     """``edgepack-agent enroll`` (the parser is device_agent/cli.py's)."""
-    credentials = enroll(Path(args.config), args.server, args.token, ca=Path(args.ca) if args.ca else None,
-                         device=args.device_id)
+    credentials = enroll(
+        Path(args.config), args.server, args.token, ca=Path(args.ca) if args.ca else None, device=args.device_id
+    )
     how = "certificate" if credentials.certificate is not None else "broker password"
     groups = ", ".join(credentials.groups or ()) or "none"
-    print(f"enrolled {credentials.device} with a {how} for {credentials.host}:{credentials.port} (groups: {groups}); "
-          f"{args.config} updated")
+    print(
+        f"enrolled {credentials.device} with a {how} for {credentials.host}:{credentials.port} (groups: {groups}); "
+        f"{args.config} updated"
+    )
     return 0

@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from device_agent.enroll import csr_pem, new_key
-from sdk.fleet_server.broker_files import SHIPPED_OPERATOR, SHIPPED_PATTERNS, acl_text, password_entry, password_text
+from sdk.fleet_server.broker_files import acl_base, acl_text, password_entry, password_text
 from sdk.fleet_server.ca import MAX_CSR_BYTES
 from sdk.fleet_server.enrollment import Broker, Enrollment, renewal_due
 from tests.broker import Broker as Mosquitto
@@ -40,12 +40,30 @@ def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
 def server(tmp_path_factory: pytest.TempPathFactory, mosquitto: Mosquitto) -> Iterator[FleetServerProcess]:
     folder = tmp_path_factory.mktemp("enroll-server")
     base = folder / "passwd-base"
-    subprocess.run(["mosquitto_passwd", "-c", "-b", str(base), "operator", "pw-operator"], check=True,
-                   capture_output=True)
-    process = FleetServerProcess(folder, broker=mosquitto.address, keys=make_keys(folder / "keys"), extra=(
-        "--ca-dir", str(folder / "ca"), "--broker-crl-file", str(folder / "fleet.crl"),
-        "--broker-acl-file", str(folder / "acl"), "--broker-password-file", str(folder / "passwd"),
-        "--broker-password-base", str(base), "--enroll-broker", "mqtts://mqtt.example:8883")).start()
+    subprocess.run(
+        ["mosquitto_passwd", "-c", "-b", str(base), "operator", "pw-operator"], check=True, capture_output=True
+    )
+    process = FleetServerProcess(
+        folder,
+        broker=mosquitto.address,
+        keys=make_keys(folder / "keys"),
+        extra=(
+            "--ca-dir",
+            str(folder / "ca"),
+            "--broker-crl-file",
+            str(folder / "fleet.crl"),
+            "--broker-acl-file",
+            str(folder / "acl"),
+            "--broker-acl-base",
+            str(DEPLOY / "acl"),
+            "--broker-password-file",
+            str(folder / "passwd"),
+            "--broker-password-base",
+            str(base),
+            "--enroll-broker",
+            "mqtts://mqtt.example:8883",
+        ),
+    ).start()
     yield process
     process.stop()
 
@@ -57,8 +75,7 @@ def token_for(server: FleetServerProcess, device: str, **body: object) -> str:
 
 
 def redeem(server: FleetServerProcess, token: str, csr: str | None) -> tuple[int, dict]:
-    return server.call("POST", "/api/enroll", {"token": token, **({"csr": csr} if csr is not None else {})},
-                       token=None)
+    return server.call("POST", "/api/enroll", {"token": token, **({"csr": csr} if csr is not None else {})}, token=None)
 
 
 def test_a_token_used_twice_is_refused(server: FleetServerProcess) -> None:
@@ -73,8 +90,10 @@ def test_a_token_used_twice_is_refused(server: FleetServerProcess) -> None:
     # Two redemptions at once: the conditional claim lets exactly one through.
     token = token_for(server, "tw-02")
     answers: list[int] = []
-    threads = [threading.Thread(target=lambda: answers.append(redeem(server, token, csr_pem(new_key(), "tw-02"))[0]))
-               for _ in range(4)]
+    threads = [
+        threading.Thread(target=lambda: answers.append(redeem(server, token, csr_pem(new_key(), "tw-02"))[0]))
+        for _ in range(4)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -97,8 +116,11 @@ def test_an_unknown_token_and_a_csr_its_key_did_not_sign_are_refused(server: Fle
     csr = x509.load_pem_x509_csr(csr_pem(new_key(), "sg-01").encode())
     der = bytearray(csr.public_bytes(serialization.Encoding.DER))
     der[-1] ^= 0x01  # a flipped bit in the signature
-    forged = "-----BEGIN CERTIFICATE REQUEST-----\n" + base64.encodebytes(bytes(der)).decode() + \
-        "-----END CERTIFICATE REQUEST-----\n"
+    forged = (
+        "-----BEGIN CERTIFICATE REQUEST-----\n"
+        + base64.encodebytes(bytes(der)).decode()
+        + "-----END CERTIFICATE REQUEST-----\n"
+    )
     status, answer = redeem(server, token, forged)
     assert status == 422 and "csr" in answer["error"]["message"], answer
     weak = ec.generate_private_key(ec.SECP256K1())  # not a curve the CA takes
@@ -114,8 +136,10 @@ def test_an_oversize_csr_is_refused_with_413(server: FleetServerProcess) -> None
     over = redeem(server, token, "A" * (MAX_CSR_BYTES + 1))
     assert over[0] == 413 and "csr" in over[1]["error"]["message"]
     body = json.dumps({"token": token, "csr": "A" * 16 * 1024}).encode()
-    assert server.call("POST", "/api/enroll", data=body, token=None,
-                       headers={"Content-Type": "application/json"})[0] == 413
+    assert (
+        server.call("POST", "/api/enroll", data=body, token=None, headers={"Content-Type": "application/json"})[0]
+        == 413
+    )
     assert redeem(server, token, csr_pem(new_key(), "big-01"))[0] == 200
 
 
@@ -167,13 +191,36 @@ def test_a_password_enrollment_logs_in_to_a_real_mosquitto(server: FleetServerPr
     entries = (server.folder / "passwd").read_text()
     assert entries.startswith("operator:$7$") and "\npw-01:$7$101$" in entries and password not in entries
     assert password.encode() not in (server.folder / "fleet.db").read_bytes()
-    broker = start_mosquitto(f"password_file {server.folder / 'passwd'}\n", anonymous=False,
-                             workdir=tmp_path / "mosquitto")
+    broker = start_mosquitto(
+        f"password_file {server.folder / 'passwd'}\n", anonymous=False, workdir=tmp_path / "mosquitto"
+    )
     try:
-        for user, secret, code in (("pw-01", password, 0), ("pw-01", password[:-1] + "x", 5),
-                                   ("operator", "pw-operator", 0)):
-            done = subprocess.run(["mosquitto_pub", "-h", "127.0.0.1", "-p", str(broker.port), "-u", user, "-P",
-                                   secret, "-t", "t", "-m", "m", "-q", "1"], capture_output=True, timeout=30)
+        for user, secret, code in (
+            ("pw-01", password, 0),
+            ("pw-01", password[:-1] + "x", 5),
+            ("operator", "pw-operator", 0),
+        ):
+            done = subprocess.run(
+                [
+                    "mosquitto_pub",
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(broker.port),
+                    "-u",
+                    user,
+                    "-P",
+                    secret,
+                    "-t",
+                    "t",
+                    "-m",
+                    "m",
+                    "-q",
+                    "1",
+                ],
+                capture_output=True,
+                timeout=30,
+            )
             assert done.returncode == code, (user, done.stderr)
     finally:
         broker.kill()
@@ -181,20 +228,41 @@ def test_a_password_enrollment_logs_in_to_a_real_mosquitto(server: FleetServerPr
 
 
 def test_the_cli_enrolls_and_a_refusal_is_one_line(server: FleetServerProcess, tmp_path: Path) -> None:
-    base = [cli("edgepack"), "fleet", "enroll", "cl-01", "--group", "g1", "--server", server.url, "--token-file",
-            str(server.keys.token_file)]
+    base = [
+        cli("edgepack"),
+        "fleet",
+        "enroll",
+        "cl-01",
+        "--group",
+        "g1",
+        "--server",
+        server.url,
+        "--token-file",
+        str(server.keys.token_file),
+    ]
     done = subprocess.run(base, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.startswith("ept") and len(done.stdout.strip()) == 46, done.stderr
     config = tmp_path / "agent.yaml"
     config.write_text("# a comment\ndevice_id: cl-01\nstore: store\ntrust: [release.pub]\nlog_level: debug\n")
-    agent = [cli("edgepack-agent"), "enroll", "--server", server.url, "--token", done.stdout.strip(), "--config",
-             str(config)]
+    agent = [
+        cli("edgepack-agent"),
+        "enroll",
+        "--server",
+        server.url,
+        "--token",
+        done.stdout.strip(),
+        "--config",
+        str(config),
+    ]
     enrolled = subprocess.run(agent, capture_output=True, text=True, timeout=60)
     assert enrolled.returncode == 0, enrolled.stderr
     document = yaml.safe_load(config.read_text())
     assert document["log_level"] == "debug" and document["mqtt"]["groups"] == ["g1"]
-    assert document["mqtt"]["tls"] == {"ca": "identity/ca.crt", "cert": "identity/device.pem",
-                                       "key": "identity/device.pem"}
+    assert document["mqtt"]["tls"] == {
+        "ca": "identity/ca.crt",
+        "cert": "identity/device.pem",
+        "key": "identity/device.pem",
+    }
     assert document["enrollment"] == {"server": server.url}
     assert ((tmp_path / "identity" / "device.pem").stat().st_mode & 0o777) == 0o600
     again = subprocess.run(agent, capture_output=True, text=True, timeout=60)
@@ -211,16 +279,24 @@ def test_rotation_is_due_after_two_thirds_of_the_life() -> None:
     assert not renewal_due(0.0, 90.0, 90.0)  # expired: too late to rotate, enroll again
 
 
-def test_the_generated_acl_keeps_the_shipped_patterns_and_operator_section() -> None:
-    shipped = [line for line in (DEPLOY / "acl").read_text().splitlines() if line and not line.startswith("#")]
-    patterns = [line.format(root="edgepack/v1") for line in SHIPPED_PATTERNS]
-    operator = [line.format(root="edgepack/v1") for line in SHIPPED_OPERATOR]
-    assert [line for line in shipped if line.startswith("pattern ")] == patterns
-    start = shipped.index("user operator")
-    assert shipped[start:start + len(operator)] == operator and len(shipped) == start + len(operator)
-    text = acl_text({"pi-07": ["kitchen", "hall", "kitchen"], "pi-09": []})
+def test_the_generated_acl_keeps_every_line_of_the_shipped_one_but_its_group_examples() -> None:
+    shipped = (DEPLOY / "acl").read_text().splitlines()
+    base = acl_base((DEPLOY / "acl").read_text())
+    examples = {
+        "user pi-07",
+        "user pi-08",
+        "topic read edgepack/v1/grp/kitchen/cmd",
+        "topic read edgepack/v1/grp/lobby/cmd",
+    }
+    assert [line for line in base if line] == [line for line in shipped if line and line not in examples]
+    assert "user operator" in base and "pattern read edgepack/v1/dev/%u/cmd" in base
+    text = acl_text(base, {"pi-07": ["kitchen", "hall", "kitchen"], "pi-09": []})
     assert text.endswith("user pi-07\ntopic read edgepack/v1/grp/hall/cmd\ntopic read edgepack/v1/grp/kitchen/cmd\n")
-    assert "pi-09" not in text and all(line in text for line in patterns + operator)
+    assert "pi-09" not in text
+    assert acl_base(text) == base  # read back as its own base (a restart): nothing doubles, nothing is lost
+    # An operator's own section that grants more than group commands is kept.
+    custom = acl_base("user tool\ntopic read edgepack/v1/grp/a/cmd\ntopic read edgepack/v1/dev/+/state\n")
+    assert custom == ["user tool", "topic read edgepack/v1/grp/a/cmd", "topic read edgepack/v1/dev/+/state"]
 
 
 def test_password_entries_are_mosquitto_passwd_hashes(tmp_path: Path) -> None:

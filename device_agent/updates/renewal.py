@@ -48,8 +48,7 @@ def renew(config: AgentConfig, token: str) -> float:
 
     assert config.enrollment is not None and config.mqtt is not None and config.mqtt.tls is not None
     tls = config.mqtt.tls
-    credentials, identity = request_certificate(config.enrollment.server, token, config.device_id,
-                                                config.enrollment.ca)
+    credentials, identity = request_certificate(config.enrollment.server, token, config.device_id, config.enrollment.ca)
     if tls.ca is not None:
         atomic_write(Path(tls.ca), credentials.ca.encode(), mode=0o644)
     atomic_write(Path(str(tls.cert)), identity, mode=0o600)

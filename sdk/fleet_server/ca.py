@@ -109,8 +109,9 @@ def check_csr(pem: str) -> tuple[x509.CertificateSigningRequest, str]:
 class FleetCA:
     """The CA key and certificate of one fleet server's data folder."""
 
-    def __init__(self, key: ec.EllipticCurvePrivateKey, certificate: x509.Certificate,
-                 validity_days: int = DEFAULT_VALIDITY_DAYS) -> None:
+    def __init__(
+        self, key: ec.EllipticCurvePrivateKey, certificate: x509.Certificate, validity_days: int = DEFAULT_VALIDITY_DAYS
+    ) -> None:
         if not 1 <= validity_days <= MAX_VALIDITY_DAYS:
             raise ServerConfigError(f"--cert-validity {validity_days} days must be 1 to {MAX_VALIDITY_DAYS}")
         self.key = key
@@ -122,8 +123,9 @@ class FleetCA:
         return self.certificate.public_bytes(serialization.Encoding.PEM).decode()
 
     @classmethod
-    def open(cls, folder: Path, *, validity_days: int = DEFAULT_VALIDITY_DAYS, name: str = "Edgepack fleet CA",
-             now: float) -> FleetCA:
+    def open(
+        cls, folder: Path, *, validity_days: int = DEFAULT_VALIDITY_DAYS, name: str = "Edgepack fleet CA", now: float
+    ) -> FleetCA:
         """The CA of ``folder``, made there on first use (the key 0600, the folder 0700). A key
         file that others can read is refused, as the token file is."""
         key_path, cert_path = folder / CA_KEY, folder / CA_CERT
@@ -137,8 +139,9 @@ class FleetCA:
         except (OSError, ValueError) as err:
             raise ServerConfigError(f"cannot load the fleet CA in {folder}: {str(err)[:200]}") from err
         if mode & 0o077:
-            raise ServerConfigError(f"the fleet CA key {key_path} is readable by others (mode {mode & 0o777:o}); "
-                                    "chmod 600 it")
+            raise ServerConfigError(
+                f"the fleet CA key {key_path} is readable by others (mode {mode & 0o777:o}); chmod 600 it"
+            )
         if not isinstance(key, ec.EllipticCurvePrivateKey):
             raise ServerConfigError(f"the fleet CA key {key_path} is not an EC key")
         return cls(key, certificate, validity_days)
@@ -149,18 +152,34 @@ class FleetCA:
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         public = key.public_key()
         certificate = (
-            x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(public)
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(public)
             .serial_number(x509.random_serial_number())
-            .not_valid_before(_utc(now - CLOCK_SKEW_S)).not_valid_after(_utc(now + CA_VALIDITY_DAYS * 86400.0))
+            .not_valid_before(_utc(now - CLOCK_SKEW_S))
+            .not_valid_after(_utc(now + CA_VALIDITY_DAYS * 86400.0))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=False,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
             .sign(key, hashes.SHA256())
         )
-        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                    serialization.NoEncryption())
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         try:  # never over another key: of two servers starting at once, one makes the CA
             atomic_write(key_path, key_pem, mode=0o600, overwrite=False)
         except FileExistsError:
@@ -176,29 +195,49 @@ class FleetCA:
         certificate = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, device)]))
-            .issuer_name(self.certificate.subject).public_key(public)
-            .serial_number(serial).not_valid_before(_utc(not_before)).not_valid_after(_utc(not_after))
+            .issuer_name(self.certificate.subject)
+            .public_key(public)
+            .serial_number(serial)
+            .not_valid_before(_utc(not_before))
+            .not_valid_after(_utc(not_after))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=False,
+                    crl_sign=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False)
             .sign(self.key, hashes.SHA256())
         )
-        return Issued(certificate.public_bytes(serialization.Encoding.PEM).decode(), f"{serial:x}",
-                      not_before, not_after)
+        return Issued(
+            certificate.public_bytes(serialization.Encoding.PEM).decode(), f"{serial:x}", not_before, not_after
+        )
 
     def crl(self, revoked: Iterable[Revoked], now: float, number: int) -> bytes:
         """The CRL (PEM) listing ``revoked``, valid until the CA itself expires."""
         builder = (
-            x509.CertificateRevocationListBuilder().issuer_name(self.certificate.subject)
-            .last_update(_utc(now - CLOCK_SKEW_S)).next_update(self.certificate.not_valid_after_utc)
+            x509.CertificateRevocationListBuilder()
+            .issuer_name(self.certificate.subject)
+            .last_update(_utc(now - CLOCK_SKEW_S))
+            .next_update(self.certificate.not_valid_after_utc)
             .add_extension(x509.CRLNumber(number), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()), critical=False)
         )
         for entry in revoked:
             builder = builder.add_revoked_certificate(
-                x509.RevokedCertificateBuilder().serial_number(int(entry.serial, 16))
-                .revocation_date(_utc(entry.at)).build())
+                x509.RevokedCertificateBuilder()
+                .serial_number(int(entry.serial, 16))
+                .revocation_date(_utc(entry.at))
+                .build()
+            )
         return builder.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)

@@ -169,8 +169,17 @@ class Enrollment:
 
     # ---------------------------------------------------------------- tokens (admins)
 
-    def create_token(self, device: str, groups: list[str], *, password: bool, ttl_s: float, actor: str,
-                     remote: str, now: float | None = None) -> dict[str, Any]:
+    def create_token(
+        self,
+        device: str,
+        groups: list[str],
+        *,
+        password: bool,
+        ttl_s: float,
+        actor: str,
+        remote: str,
+        now: float | None = None,
+    ) -> dict[str, Any]:
         """A new one-time token for ``device`` (printed once; only its hash is kept), audited
         ``device.enroll_identity``."""
         now = time.time() if now is None else now
@@ -178,12 +187,27 @@ class Enrollment:
             raise SchemaError("expires_in_s", f"must be {MIN_TOKEN_TTL_S:.0f} to {MAX_TOKEN_TTL_S:.0f} seconds")
         token = new_token()
         kind = PASSWORD if password else CERTIFICATE
-        row = {"token_sha256": token_digest(token), "device": device, "kind": kind, "groups": json.dumps(groups),
-               "created_at": now, "created_by": actor[:128], "expires_at": now + ttl_s, "used_at": None}
+        row = {
+            "token_sha256": token_digest(token),
+            "device": device,
+            "kind": kind,
+            "groups": json.dumps(groups),
+            "created_at": now,
+            "created_by": actor[:128],
+            "expires_at": now + ttl_s,
+            "used_at": None,
+        }
         with self.database.write() as connection:
             connection.execute(enrollment_tokens.insert(), row)
-            audit.record(connection, actor=actor, action="device.enroll_identity", target=device, remote=remote,
-                         now=now, detail={"kind": kind, "groups": groups, "expires_at": now + ttl_s})
+            audit.record(
+                connection,
+                actor=actor,
+                action="device.enroll_identity",
+                target=device,
+                remote=remote,
+                now=now,
+                detail={"kind": kind, "groups": groups, "expires_at": now + ttl_s},
+            )
         return {"device": device, "token": token, "kind": kind, "groups": groups, "expires_at": now + ttl_s}
 
     # ---------------------------------------------------------------- redeeming (devices)
@@ -203,13 +227,21 @@ class Enrollment:
             refusal = token_refusal(row, None if parsed is None else parsed[1], now)
             if refusal or row is None:
                 raise ApiError(403, "forbidden", refusal)
-            claimed = connection.execute(update(t).where(t.c.token_sha256 == digest, t.c.used_at.is_(None))
-                                         .values(used_at=now))
+            claimed = connection.execute(
+                update(t).where(t.c.token_sha256 == digest, t.c.used_at.is_(None)).values(used_at=now)
+            )
             if claimed.rowcount != 1:  # another request used it in between
                 raise ApiError(403, "forbidden", USED)
             answer = self._issue(connection, row, parsed, now)
-            audit.record(connection, actor=f"device:{row.device}", action=f"device.{row.kind}", target=row.device,
-                         remote=remote, now=now, detail={k: v for k, v in answer.items() if k in ("serial", "groups")})
+            audit.record(
+                connection,
+                actor=f"device:{row.device}",
+                action=f"device.{row.kind}",
+                target=row.device,
+                remote=remote,
+                now=now,
+                detail={k: v for k, v in answer.items() if k in ("serial", "groups")},
+            )
         self.refresh_files(now)
         return answer
 
@@ -227,9 +259,19 @@ class Enrollment:
             return {**answer, "username": device, "password": password}
         assert parsed is not None
         issued = self.ca.issue(parsed[0], device, now)
-        connection.execute(device_certificates.insert(), {
-            "serial": issued.serial, "device": device, "issued_at": now, "not_before": issued.not_before,
-            "not_after": issued.not_after, "revoked_at": None, "renewal_command": None, "renewal_sent_at": None})
+        connection.execute(
+            device_certificates.insert(),
+            {
+                "serial": issued.serial,
+                "device": device,
+                "issued_at": now,
+                "not_before": issued.not_before,
+                "not_after": issued.not_after,
+                "revoked_at": None,
+                "renewal_command": None,
+                "renewal_sent_at": None,
+            },
+        )
         return {**answer, "certificate": issued.pem, "serial": issued.serial, "not_after": issued.not_after}
 
     def _enroll_groups(self, connection: Connection, device: str, groups: list[str], now: float) -> list[str]:
@@ -237,8 +279,10 @@ class Enrollment:
         when the server has not heard of it yet, and a decommission mark is lifted."""
         d, g = tables.devices, tables.device_groups
         if connection.execute(select(d.c.id).where(d.c.id == device)).first() is None:
-            connection.execute(d.insert(), {"id": device, "status": "unknown", "status_reason": "enrolled",
-                                            "first_seen": now, "last_seen": now})
+            connection.execute(
+                d.insert(),
+                {"id": device, "status": "unknown", "status_reason": "enrolled", "first_seen": now, "last_seen": now},
+            )
         connection.execute(d.update().where(d.c.id == device).values(groups_enrolled_at=now))
         connection.execute(g.delete().where(g.c.device == device))
         if groups:
@@ -248,23 +292,34 @@ class Enrollment:
 
     # ---------------------------------------------------------------- revocation
 
-    def revoke(self, device: str, *, reason: str, actor: str, remote: str, now: float | None = None,
-               must_exist: bool = True) -> dict[str, Any]:
+    def revoke(
+        self, device: str, *, reason: str, actor: str, remote: str, now: float | None = None, must_exist: bool = True
+    ) -> dict[str, Any]:
         """Revoke every unexpired certificate of ``device`` and remove its broker password; its
         unused tokens are voided. Audited ``device.revoke``; 404 for a device with neither
         (unless ``must_exist`` is off: a decommission revokes what there is)."""
         now = time.time() if now is None else now
         c, p, t = device_certificates, device_passwords, enrollment_tokens
         with self.database.write() as connection:
-            serials = list(connection.execute(select(c.c.serial).where(
-                c.c.device == device, c.c.revoked_at.is_(None), c.c.not_after > now)).scalars())
+            serials = list(
+                connection.execute(
+                    select(c.c.serial).where(c.c.device == device, c.c.revoked_at.is_(None), c.c.not_after > now)
+                ).scalars()
+            )
             connection.execute(update(c).where(c.c.serial.in_(serials)).values(revoked_at=now))
             removed = connection.execute(p.delete().where(p.c.device == device)).rowcount > 0
             connection.execute(update(t).where(t.c.device == device, t.c.used_at.is_(None)).values(used_at=now))
             if not serials and not removed and must_exist:
                 raise ApiError(404, "not_found", f"{device} holds no valid certificate or broker password")
-            audit.record(connection, actor=actor, action="device.revoke", target=device, remote=remote, now=now,
-                         detail={"reason": reason, "serials": serials, "password_removed": removed})
+            audit.record(
+                connection,
+                actor=actor,
+                action="device.revoke",
+                target=device,
+                remote=remote,
+                now=now,
+                detail={"reason": reason, "serials": serials, "password_removed": removed},
+            )
         self.refresh_files(now)
         return {"device": device, "revoked": serials, "password_removed": removed, "reason": reason}
 
@@ -277,10 +332,16 @@ class Enrollment:
         c = device_certificates
         resend_before = now - RENEWAL_TTL_S
         with self.database.read() as connection:
-            rows = connection.execute(select(c).where(
-                c.c.revoked_at.is_(None), c.c.not_after > now,
-                or_(c.c.renewal_sent_at.is_(None), c.c.renewal_sent_at < resend_before))
-                .order_by(c.c.not_after).limit(MAX_RENEWALS_PER_ROUND)).all()
+            rows = connection.execute(
+                select(c)
+                .where(
+                    c.c.revoked_at.is_(None),
+                    c.c.not_after > now,
+                    or_(c.c.renewal_sent_at.is_(None), c.c.renewal_sent_at < resend_before),
+                )
+                .order_by(c.c.not_after)
+                .limit(MAX_RENEWALS_PER_ROUND)
+            ).all()
         due = [row for row in rows if renewal_due(row.not_before, row.not_after, now)]
         recorded = [command for row in due if (command := self._renew(sink, row, now)) is not None]
         if recorded:
@@ -293,15 +354,31 @@ class Enrollment:
         token = new_token()
         command = build_command("renew-certificate", device=row.device, ttl_s=ttl, now=now, token=token)
         with self.database.write() as connection:
-            unchanged = (c.c.renewal_sent_at.is_(None) if row.renewal_sent_at is None
-                         else c.c.renewal_sent_at == row.renewal_sent_at)
-            claimed = connection.execute(update(c).where(c.c.serial == row.serial, unchanged)
-                                         .values(renewal_command=command["id"], renewal_sent_at=now))
+            unchanged = (
+                c.c.renewal_sent_at.is_(None)
+                if row.renewal_sent_at is None
+                else c.c.renewal_sent_at == row.renewal_sent_at
+            )
+            claimed = connection.execute(
+                update(c)
+                .where(c.c.serial == row.serial, unchanged)
+                .values(renewal_command=command["id"], renewal_sent_at=now)
+            )
             if claimed.rowcount != 1:  # another server sent it
                 return None
-            connection.execute(enrollment_tokens.insert(), {
-                "token_sha256": token_digest(token), "device": row.device, "kind": RENEWAL, "groups": "[]",
-                "created_at": now, "created_by": "server", "expires_at": now + ttl, "used_at": None})
+            connection.execute(
+                enrollment_tokens.insert(),
+                {
+                    "token_sha256": token_digest(token),
+                    "device": row.device,
+                    "kind": RENEWAL,
+                    "groups": "[]",
+                    "created_at": now,
+                    "created_by": "server",
+                    "expires_at": now + ttl,
+                    "used_at": None,
+                },
+            )
             return sink.record_command(connection, row.device, RENEW_COMMAND_KIND, command, now)
 
     # ---------------------------------------------------------------- broker files
@@ -309,9 +386,14 @@ class Enrollment:
     def revoked(self, now: float) -> list[Revoked]:
         c = device_certificates
         with self.database.read() as connection:
-            return [Revoked(serial, at) for serial, at in connection.execute(
-                select(c.c.serial, c.c.revoked_at).where(c.c.revoked_at.is_not(None), c.c.not_after > now)
-                .order_by(c.c.serial))]
+            return [
+                Revoked(serial, at)
+                for serial, at in connection.execute(
+                    select(c.c.serial, c.c.revoked_at)
+                    .where(c.c.revoked_at.is_not(None), c.c.not_after > now)
+                    .order_by(c.c.serial)
+                )
+            ]
 
     def refresh_files(self, now: float | None = None) -> bool:
         """Rewrite the broker files that changed (ACL from the groups the server holds, CRL,
@@ -320,7 +402,8 @@ class Enrollment:
         files = self.files
         changed = False
         if files.acl is not None:
-            changed |= files.write(files.acl, acl_text(self._groups(), files.root).encode(), 0o644)
+            text = acl_text(files.acl_base_lines(), self._groups(), files.root)
+            changed |= files.write(files.acl, text.encode(), 0o644)
         if files.crl is not None:
             revoked = self.revoked(now)
             key = ",".join(r.serial for r in revoked)

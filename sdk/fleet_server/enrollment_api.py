@@ -57,9 +57,15 @@ class EnrollmentRoutes:
         enrollment = _enrollment(self.context)
         groups = list(dict.fromkeys(body.get("groups", [])))
         done = await run_in_threadpool(
-            lambda: enrollment.create_token(device, groups, password=bool(body.get("password")),
-                                            ttl_s=float(body.get("expires_in_s", DEFAULT_TOKEN_TTL_S)), actor=actor,
-                                            remote=api._remote(request)))
+            lambda: enrollment.create_token(
+                device,
+                groups,
+                password=bool(body.get("password")),
+                ttl_s=float(body.get("expires_in_s", DEFAULT_TOKEN_TTL_S)),
+                actor=actor,
+                remote=api._remote(request),
+            )
+        )
         return JSONResponse(done, status_code=201)
 
     async def redeem(self, request: Request) -> Response:
@@ -79,21 +85,30 @@ class EnrollmentRoutes:
         body = await api.read_json(request, optional=True)
         api._validate(_REVOKE_VALIDATOR, body)
         enrollment = _enrollment(self.context)
-        return JSONResponse(await run_in_threadpool(
-            lambda: enrollment.revoke(device, reason=body.get("reason", ""), actor=actor,
-                                      remote=api._remote(request))))
+        return JSONResponse(
+            await run_in_threadpool(
+                lambda: enrollment.revoke(
+                    device, reason=body.get("reason", ""), actor=actor, remote=api._remote(request)
+                )
+            )
+        )
 
     def decommission(self, handler: Handler) -> Handler:
         """The decommission handler, then the device's credentials revoked (when this server
         enrolls devices): a decommissioned device cannot connect with them again."""
+
         async def decommission_and_revoke(request: Request, actor: str) -> Response:
             response = await handler(request, actor)
             enrollment = self.context.enrollment
             if enrollment is not None:
                 device = api._path_id(request, "device_id")
-                await run_in_threadpool(lambda: enrollment.revoke(device, reason="decommissioned", actor=actor,
-                                                                  remote=api._remote(request), must_exist=False))
+                await run_in_threadpool(
+                    lambda: enrollment.revoke(
+                        device, reason="decommissioned", actor=actor, remote=api._remote(request), must_exist=False
+                    )
+                )
             return response
+
         return decommission_and_revoke
 
 
@@ -102,13 +117,15 @@ def routes(context: api.ApiContext, guard: Callable[..., Endpoint]) -> list[Rout
     r = EnrollmentRoutes(context)
     return [
         Route("/api/enroll", r.redeem, methods=["POST"]),
-        Route("/api/devices/{device_id}/enrollment", guard(r.create_token, "device.enroll_identity"),
-              methods=["POST"]),
+        Route("/api/devices/{device_id}/enrollment", guard(r.create_token, "device.enroll_identity"), methods=["POST"]),
         Route("/api/devices/{device_id}/revoke", guard(r.revoke, "device.revoke"), methods=["POST"]),
     ]
 
 
 def decommission_route(context: api.ApiContext, guard: Callable[..., Endpoint], handler: Handler) -> Route:
     """``DELETE /api/devices/{id}``: the decommission that also revokes."""
-    return Route("/api/devices/{device_id}", guard(EnrollmentRoutes(context).decommission(handler),
-                                                   "device.decommission"), methods=["DELETE"])
+    return Route(
+        "/api/devices/{device_id}",
+        guard(EnrollmentRoutes(context).decommission(handler), "device.decommission"),
+        methods=["DELETE"],
+    )

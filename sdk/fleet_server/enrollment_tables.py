@@ -13,7 +13,8 @@ from sqlalchemy import Column, Float, Index, String, Table, Text
 from sdk.fleet_server.db import ID, metadata
 
 enrollment_tokens = Table(  # one-time tokens: only their sha256 is kept (the token is printed once)
-    "enrollment_tokens", metadata,
+    "enrollment_tokens",
+    metadata,
     Column("token_sha256", String(64), primary_key=True),
     Column("device", String(ID), nullable=False),
     Column("kind", String(16), nullable=False),  # certificate | password | renewal
@@ -26,7 +27,8 @@ enrollment_tokens = Table(  # one-time tokens: only their sha256 is kept (the to
 )
 
 device_certificates = Table(  # every certificate the fleet CA issued
-    "device_certificates", metadata,
+    "device_certificates",
+    metadata,
     Column("serial", String(40), primary_key=True),  # hex
     Column("device", String(ID), nullable=False),
     Column("issued_at", Float, nullable=False),
@@ -40,7 +42,8 @@ device_certificates = Table(  # every certificate the fleet CA issued
 )
 
 device_passwords = Table(  # devices enrolled with a broker password (--password): the mosquitto entry
-    "device_passwords", metadata,
+    "device_passwords",
+    metadata,
     Column("device", String(ID), primary_key=True),
     Column("entry", String(300), nullable=False),  # mosquitto's $7$ PBKDF2-SHA512 hash (never the password)
     Column("created_at", Float, nullable=False),
