@@ -525,6 +525,18 @@ def test_the_device_page_shows_its_target_the_difference_and_why_it_persists(bro
     _wait(browser, lambda d: "no target for this device" in _text(d, "#device-target"), message="no target")
 
 
+def test_the_device_page_shows_the_settings_the_server_holds_for_it(browser, server, fleet):
+    status, doc = server.call("PUT", "/api/settings/devices/sim-00017",
+                              {"set": {"mqtt.telemetry_interval": 7, "log_level": "debug"}, "reason": "bench"})
+    assert status == 200, doc
+    _open(browser, server, "/devices/sim-00017", "#device-settings")
+    _wait(browser, lambda d: "mqtt.telemetry_interval" in _text(d, "#device-settings"), message="the settings")
+    shown = _text(browser, "#device-settings")
+    for value in ("mqtt.telemetry_interval", "7 from device", "log_level", "debug from device", "Generation",
+                  "Release keys held"):
+        assert value in shown, (value, shown)
+
+
 # ------------------------------------------------------------------ incidents (issue 24, items 5 and 9)
 
 
