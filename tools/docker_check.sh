@@ -164,6 +164,7 @@ done
 run_logged "build the postgres stand-in" docker build -q -f "$REPO/tools/docker/postgres.Dockerfile" \
   --build-arg "BASE=edgepack-check/services:$TAG" -t "edgepack-check/postgres:$TAG" "$REPO/tools/docker"
 AGENT_MB=$(( $(docker image inspect -f '{{.Size}}' "edgepack-check/agent:$TAG") / 1000000 ))
+VENV_MB=$(docker run --rm --entrypoint du "edgepack-check/agent:$TAG" -sm /opt/edgepack | cut -f1)
 pass "images built: agent $AGENT_MB MB, server $(( $(docker image inspect -f '{{.Size}}' "edgepack-check/server:$TAG") / 1000000 )) MB"
 [ "$(docker image inspect -f '{{.Config.User}}' "edgepack-check/agent:$TAG")" = 10001:10001 ] \
   && pass "agent image runs as uid 10001" || fail "agent image does not run as uid 10001"
@@ -234,10 +235,11 @@ done
 wait_healthy agent || stop_for "the restarted agent is not healthy (health: $(health "$AGENT_ID"))"
 # idle: the model loaded and smoke-tested, no request yet (BENCHMARKS.md)
 AGENT_RSS=$(docker exec "$AGENT_ID" sh -c 'grep VmRSS /proc/1/status' | awk '{printf "%.1f", $2 / 1024}')
+AGENT_MEM=$(docker stats --no-stream --format '{{.MemUsage}}' "$AGENT_ID" | cut -d/ -f1)
 AGAIN=$(predict 2>>"$LOG") || stop_for "the restarted agent's /predict did not answer"
 [ "$AGAIN" = "$SERVED" ] && pass "agent killed with SIGKILL came back healthy, serving $AGAIN" \
   || fail "the restarted agent serves $AGAIN, not $SERVED"
-pass "agent image $AGENT_MB MB; agent idle RSS serving digits $AGENT_RSS MiB (VmRSS of its PID 1 after the restart)"
+pass "agent image $AGENT_MB MB (its venv $VENV_MB MiB); idle serving digits after the restart: VmRSS $AGENT_RSS MiB, docker stats $AGENT_MEM"
 
 teardown
 pass "torn down: the stack, its volumes and the images made here"
