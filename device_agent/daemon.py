@@ -21,7 +21,7 @@ from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
 from device_agent.logring import LogRing
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
-from device_agent.remote_settings import Held, load_held, overlay
+from device_agent.remote_settings import Held, limits_for, load_held, overlay
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.updates.disk import FreeSpace
@@ -138,7 +138,8 @@ class Daemon:
             if not root_taken and self._root_claim in (None, name) and self.store.active_version() is None:
                 self._root_claim = name
                 return ModelSlot(name, self.store, self.service)
-        store = ModelStore(slot_directory(self.config.store, name), self.trust, self.config.limits.reader_limits())
+        store = ModelStore(slot_directory(self.config.store, name), self.trust,
+                           limits_for(self.config, self.held.applied(), name))
         return ModelSlot(name, store, self._new_service())
 
     def activate_loaded(self, model: LoadedModel, slot: ModelSlot | None = None) -> LoadedModel | None:
@@ -211,6 +212,8 @@ class Daemon:
 
     def start(self) -> Daemon:
         self._recover_slots()
+        root_model = next((slot.name for slot in self.models.slots if slot.store is self.store), None)
+        self.store.limits = limits_for(self.config, self.held.applied(), root_model)  # its model's own limits
         if not self.models and self.config.artifact is not None:
             log.info("store is empty: installing %s", self.config.artifact)
             self.install_artifact(self.config.artifact)

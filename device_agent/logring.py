@@ -87,10 +87,10 @@ class Segments:
         self._size = 0
         self._count = 0
 
-    def load(self) -> tuple[list[LogLine], list[str]]:
-        """The records kept (oldest first) and warnings about what was dropped."""
+    def load(self) -> tuple[list[tuple[LogLine, int]], list[str]]:
+        """The records kept (oldest first) with their line sizes, and warnings about what was dropped."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lines: list[LogLine] = []
+        lines: list[tuple[LogLine, int]] = []
         notes: list[str] = []
         for name in (PREVIOUS, CURRENT):
             path = self.directory / name
@@ -105,7 +105,7 @@ class Segments:
                 self._size, self._count = keep, len(found)
         return lines, notes
 
-    def _read(self, path: Path) -> tuple[list[LogLine], int]:
+    def _read(self, path: Path) -> tuple[list[tuple[LogLine, int]], int]:
         """A segment's records, and the size its valid part ends at (a torn tail is cut off)."""
         if not path.exists():
             return [], 0
@@ -115,7 +115,7 @@ class Segments:
         if len(data) > limit:
             raise ValueError(f"over its bound of {limit} bytes")
         end = data.rfind(b"\n") + 1
-        lines = [_decode_line(raw) for raw in data[:end].splitlines() if raw]
+        lines = [(_decode_line(raw), len(raw) + 1) for raw in data[:end].splitlines() if raw]
         if len(lines) > self.max_records + 1:
             raise ValueError(f"{len(lines)} records is over its bound of {self.max_records}")
         if end < len(data):
@@ -165,9 +165,9 @@ class LogRing(logging.Handler):
             return []
         lines, notes = self._segments.load()
         with self._guard:
-            for line in lines:
-                self._keep(line, len(encode_line(line)))
-            self._seq = max((line.seq for line in lines), default=-1) + 1
+            for line, size in lines:
+                self._keep(line, size)
+            self._seq = max((line.seq for line, _ in lines), default=-1) + 1
         return notes
 
     def _keep(self, line: LogLine, size: int) -> None:

@@ -482,6 +482,30 @@ def test_the_audit_page_shows_who_did_what_and_when(browser, server, fleet, shot
           message="filtered by action")
 
 
+def test_the_alerts_page_lists_open_alerts_apart_from_the_resolved(browser, server):
+    from sdk.fleet_server import alert_table
+    from sdk.fleet_server.db import Database
+
+    database = Database(server.db_url)
+    try:
+        with database.write() as connection:
+            connection.execute(alert_table.alerts.insert(), [
+                {"kind": "offline", "subject": "cam-1", "state": "resolved", "open_key": None,
+                 "opened_at": time.time() - 60, "resolved_at": time.time() - 30,
+                 "summary": "cam-1 not heard from for 301 s", "detail": "{}"},
+                {"kind": "offline", "subject": "cam-2", "state": "open", "open_key": "offline:cam-2",
+                 "opened_at": time.time(), "resolved_at": None, "summary": f"cam-2 {HOSTILE}", "detail": "{}"}])
+    finally:
+        database.dispose()
+    _open(browser, server, "/alerts", "#alerts-open tbody tr[data-alert]")
+    opened = browser.find_elements(By.CSS_SELECTOR, "#alerts-open tbody tr[data-alert]")
+    assert [r.get_attribute("data-key") for r in opened] == ["offline:cam-2"]
+    assert HOSTILE in opened[0].text  # shown as text
+    recent = browser.find_elements(By.CSS_SELECTOR, "#alerts-recent tbody tr[data-alert]")
+    assert [r.find_elements(By.TAG_NAME, "td")[1].text for r in recent] == ["open", "resolved"]
+    assert browser.find_element(By.CSS_SELECTOR, "#nav a[data-page='alerts']").get_attribute("class") == "current"
+
+
 def test_the_device_page_shows_its_target_the_difference_and_why_it_persists(browser, server, fleet, artifacts):
     status, stored = server.call("POST", "/api/artifacts", data=artifacts["1.1.0"].read_bytes(),
                                  headers={"Content-Type": "application/octet-stream"})
@@ -499,6 +523,18 @@ def test_the_device_page_shows_its_target_the_difference_and_why_it_persists(bro
         assert value in shown, (value, shown)
     _open(browser, server, "/devices/sim-00018", "#device-target")
     _wait(browser, lambda d: "no target for this device" in _text(d, "#device-target"), message="no target")
+
+
+def test_the_device_page_shows_the_settings_the_server_holds_for_it(browser, server, fleet):
+    status, doc = server.call("PUT", "/api/settings/devices/sim-00017",
+                              {"set": {"mqtt.telemetry_interval": 7, "log_level": "debug"}, "reason": "bench"})
+    assert status == 200, doc
+    _open(browser, server, "/devices/sim-00017", "#device-settings")
+    _wait(browser, lambda d: "mqtt.telemetry_interval" in _text(d, "#device-settings"), message="the settings")
+    shown = _text(browser, "#device-settings")
+    for value in ("mqtt.telemetry_interval", "7 from device", "log_level", "debug from device", "Generation",
+                  "Release keys held"):
+        assert value in shown, (value, shown)
 
 
 # ------------------------------------------------------------------ incidents (issue 24, items 5 and 9)

@@ -214,3 +214,24 @@ def test_an_unsigned_fetch_logs_is_refused(tmp_path, mosquitto_broker, server_ke
     finally:
         observer.close()
         agent.stop()
+
+
+def test_log_fetch_mistakes_are_4xx_naming_the_field_and_a_viewer_reads_but_cannot_fetch(fleet):
+    server, _agent, _inbox = fleet
+    path = f"/api/devices/{DEVICE}/logs"
+    for body, field in (({"lines": 10_001}, "lines"), ({"lines": 0}, "lines"), ({"level": "loud"}, "level"),
+                        ({"since": -1}, "since"), ({"tail": True}, "tail")):
+        status, doc = server.call("POST", f"{path}/fetch", body)
+        assert status == 400 and field in doc["error"]["message"], (body, doc)
+    assert server.call("POST", "/api/devices/nobody/logs/fetch", {})[0] == 404
+    assert server.call("GET", "/api/devices/nobody/logs")[0] == 404
+    for query, field in (("level=loud", "level"), ("limit=10001", "limit"), ("since=-1", "since"), ("tail=1", "tail")):
+        status, doc = server.call("GET", f"{path}?{query}")
+        assert status == 400 and field in doc["error"]["message"], (query, doc)
+    _fetch_done(server, {"lines": 10_000})  # the limit itself passes
+    assert server.get(f"{path}?limit=10000")["records"]
+    status, made = server.call("POST", "/api/tokens", {"name": "logs-viewer", "role": "viewer"})
+    assert status == 201, made
+    assert server.call("GET", path, token=made["token"])[0] == 200
+    status, doc = server.call("POST", f"{path}/fetch", {}, token=made["token"])
+    assert status == 403 and "logs.fetch needs the operator role" in doc["error"]["message"], doc

@@ -59,9 +59,11 @@ from sdk.fleet_server import (
     settings_api,
     wave_waits,
 )
+from sdk.fleet_server.alerts_http import list_alerts
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
-from sdk.fleet_server.db import Database, is_disk_full
+from sdk.fleet_server.db import Database
+from sdk.fleet_server.disk import is_disk_full
 from sdk.fleet_server.http_input import (  # noqa: F401  (read_json, Params, ... are imported from here too)
     MAX_JSON_BYTES,
     Params,
@@ -116,6 +118,7 @@ class ApiContext:
     auth_failures: int = 0
     requests: int = 0
     ui_dir: Path = UI_DIR
+    enrollment: Any = None  # an enrollment.Enrollment (sdk/fleet_server/enrollment_api.py); None: off
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -543,6 +546,7 @@ def _artifact_sha(request: Request) -> str:
 
 def build_app(context: ApiContext) -> Starlette:
     """The ASGI application."""
+    from sdk.fleet_server import enrollment_api  # it builds on this module
     from sdk.fleet_server.users_api import UserRoutes  # it imports this module's helpers
 
     r = Routes(context)
@@ -556,7 +560,8 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/status", guard(r.status), methods=["GET"]),
         Route("/api/devices", guard(r.devices), methods=["GET"]),
         Route("/api/devices/{device_id}", guard(r.device), methods=["GET"]),
-        Route("/api/devices/{device_id}", guard(r.decommission, "device.decommission"), methods=["DELETE"]),
+        enrollment_api.decommission_route(context, guard, r.decommission),
+        *enrollment_api.routes(context, guard),
         Route("/api/devices/{device_id}/enroll", guard(r.enroll, "device.enroll"), methods=["POST"]),
         Route("/api/devices/{device_id}/actions/{action}", guard(r.device_action, "device.action"), methods=["POST"]),
         Route("/api/decommissioned", guard(r.decommissioned), methods=["GET"]),
@@ -589,6 +594,7 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/tokens", guard(u.create_token, "token.create"), methods=["POST"]),
         Route("/api/tokens/{name}", guard(u.revoke_token, "token.revoke"), methods=["DELETE"]),
         *settings_api.routes(context, guard),
+        Route("/api/alerts", guard(list_alerts(context.database)), methods=["GET"]),
         Route("/artifacts/{file_name}", r.artifact_file, methods=["GET"]),
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]
