@@ -250,6 +250,12 @@ def _run_daemon(daemon: Any, config: Any) -> None:
     daemon.run_until_signal()
 
 
+def cmd_enroll(args: argparse.Namespace) -> int:
+    from device_agent.enroll import cmd_enroll as enroll
+
+    return enroll(args)
+
+
 def cmd_pipeline_check(args: argparse.Namespace) -> int:
     """Every pipeline of the config parsed (schema, cross-field rules) and checked against the
     models the store holds; one line per pipeline, exit 1 at the first refusal."""
@@ -331,6 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.add_argument("--model", metavar="NAME", help="the model to roll back (several named models)")
     rollback.set_defaults(func=cmd_rollback)
 
+    enroll = sub.add_parser("enroll", help="get this device's certificate from the fleet server (key made here)")
+    enroll.add_argument("--server", required=True, help="the fleet server's URL, e.g. https://fleet.example:8760")
+    enroll.add_argument("--token", required=True, help="the one-time token edgepack fleet enroll printed")
+    enroll.add_argument("--config", required=True, help="agent.yaml to update (comments are not kept)")
+    enroll.add_argument("--ca", help="CA certificate of the fleet server's HTTPS certificate (a private CA)")
+    enroll.add_argument("--device-id", help="the device id the token was made for (default: agent.yaml's)")
+    enroll.set_defaults(func=cmd_enroll)
     pipeline = sub.add_parser("pipeline", help="pipelines (streams): check a config's, print the schema")
     pipeline_sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
     check = pipeline_sub.add_parser("check", help="validate agent.yaml's pipelines against the installed models, "

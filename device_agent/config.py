@@ -182,6 +182,16 @@ CONFIG_SCHEMA: dict[str, Any] = {
                 },
             },
         },
+        "enrollment": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["server"],
+            "description": "where edgepack-agent enroll got this device's certificate: renewals go there too",
+            "properties": {
+                "server": {"type": "string", "pattern": r"^https?://[^\s]+$", "maxLength": 2048},
+                "ca": _PATH,
+            },
+        },
         "updates": {
             "type": "object",
             "additionalProperties": False,
@@ -307,6 +317,15 @@ class BrokerSettings:
 
 
 @dataclass(frozen=True)
+class EnrollmentSettings:
+    """``enrollment:``: the fleet server that issued the device's certificate (renewals redeem
+    their token there) and the CA its HTTPS certificate is checked with (None: the system's)."""
+
+    server: str
+    ca: Path | None = None
+
+
+@dataclass(frozen=True)
 class HealthWindow:
     """``updates.health_window_s``: the window after a swap, and the range a command may ask for."""
 
@@ -374,6 +393,7 @@ class AgentConfig:
     mqtt: BrokerSettings | None = None
     updates: UpdateSettings = UpdateSettings()
     logs: LogSettings = field(default_factory=LogSettings)
+    enrollment: EnrollmentSettings | None = None
 
     def client_certificate(self) -> tuple[str, str] | None:
         """The device's certificate and key (``mqtt.tls.cert``/``key``), also presented to an
@@ -552,6 +572,10 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         values["artifact"] = _resolve(base, document["artifact"])
     if "models" in document:
         values["models"] = _models(document, base, name)
+    if "enrollment" in document:
+        given = document["enrollment"]
+        ca = _resolve(base, given["ca"]) if "ca" in given else None
+        values["enrollment"] = EnrollmentSettings(given["server"], ca)
     if "pipelines" in document:
         values["pipelines"] = parse_pipelines(document["pipelines"], where=f"{name}: pipelines")
     return AgentConfig(

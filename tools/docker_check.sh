@@ -39,6 +39,7 @@ BASE_PACKAGES=python3,python3-venv
 SERVICE_PACKAGES="mosquitto mosquitto-clients postgresql-15"
 # shellcheck source=tools/check_helpers.sh
 . "$REPO/tools/check_helpers.sh"  # say, pass, fail, run_logged; FAILED=0
+say() { printf '[%4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }  # each line with the time since the start
 
 DOCKER=/usr/bin/docker
 [ -x "$DOCKER" ] || DOCKER=$(command -v docker)
@@ -46,20 +47,25 @@ if command -v docker-compose >/dev/null; then COMPOSE=(docker-compose); else COM
 DOCKERD_PID=
 STACK_UP=0
 
-cleanup() {
+teardown() {  # the stack with its volumes, the images made here, the daemon if started here
   set +e
   if [ "$STACK_UP" = 1 ]; then
     compose down -v --remove-orphans >>"$LOG" 2>&1
+    STACK_UP=0
   fi
   # the images tagged here, and the untagged build stages they left behind
   "$DOCKER" image rm -f "edgepack-check/agent:$TAG" "edgepack-check/server:$TAG" "edgepack-check/postgres:$TAG" \
     "edgepack-check/base:$TAG" "edgepack-check/services:$TAG" >>"$LOG" 2>&1
-  comm -13 <(echo "$DANGLING_BEFORE") <("$DOCKER" images -q -f dangling=true | sort) | xargs -r "$DOCKER" image rm -f >>"$LOG" 2>&1
+  if [ -n "${DANGLING_BEFORE+set}" ]; then
+    comm -13 <(echo "$DANGLING_BEFORE") <("$DOCKER" images -q -f dangling=true | sort) | xargs -r "$DOCKER" image rm -f >>"$LOG" 2>&1
+  fi
   if [ -n "$DOCKERD_PID" ]; then
     kill "$DOCKERD_PID" 2>/dev/null && wait "$DOCKERD_PID" 2>/dev/null
+    DOCKERD_PID=
   fi
-  rm -rf "$WORK"
+  set -e
 }
+cleanup() { teardown; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 docker() { "$DOCKER" "$@"; }
@@ -158,6 +164,7 @@ done
 run_logged "build the postgres stand-in" docker build -q -f "$REPO/tools/docker/postgres.Dockerfile" \
   --build-arg "BASE=edgepack-check/services:$TAG" -t "edgepack-check/postgres:$TAG" "$REPO/tools/docker"
 AGENT_MB=$(( $(docker image inspect -f '{{.Size}}' "edgepack-check/agent:$TAG") / 1000000 ))
+VENV_MB=$(docker run --rm --entrypoint du "edgepack-check/agent:$TAG" -sm /opt/edgepack | cut -f1)
 pass "images built: agent $AGENT_MB MB, server $(( $(docker image inspect -f '{{.Size}}' "edgepack-check/server:$TAG") / 1000000 )) MB"
 [ "$(docker image inspect -f '{{.Config.User}}' "edgepack-check/agent:$TAG")" = 10001:10001 ] \
   && pass "agent image runs as uid 10001" || fail "agent image does not run as uid 10001"
@@ -168,7 +175,7 @@ else
   fail "tools/device_install_check.py in the agent image:"; sed 's/^/    /' "$WORK/install-check.txt"
 fi
 
-# 4. Secrets, the artifact, the stack.
+# 4. Secrets (as docs/docker.md makes them), the artifact, the stack with the shipped agent.yaml.
 SECRETS=$WORK/secrets
 mkdir -p "$SECRETS"
 run_logged "release keys" "$BIN/edgepack" keygen --private "$WORK/release.key" --public "$SECRETS/release.pub"
@@ -178,25 +185,8 @@ printf 'admin:%s\n' "$(rand)" > "$SECRETS/tokens"
 rand > "$SECRETS/mqtt-operator.pw"
 rand > "$SECRETS/mqtt-device.pw"
 DB_PASSWORD=$(rand)
-cat > "$SECRETS/agent.yaml" <<YAML
-device_id: agent-1
-store: /var/lib/edgepack
-trust: [/run/secrets/release.pub]
-operator_keys: [/run/secrets/operator.pub]
-api: {listen: "0.0.0.0:8750"}
-mqtt:
-  host: mosquitto
-  port: 1883
-  username: agent-1
-  password: "$(cat "$SECRETS/mqtt-device.pw")"
-  telemetry_interval: 2
-updates:
-  allowed_names: [digits]
-  allowed_origins: ["http://server:8760"]
-YAML
 chown -R 10001:10001 "$SECRETS"
 chmod 600 "$SECRETS"/*
-mkdir -p "$WORK/out"
 run_logged "build the digits demo" "$PY" "$REPO/tools/build_demos.py" --out "$WORK/demo" --only digits
 cp -r "$REPO/recipes" "$WORK/recipes"
 run_logged "build the digits artifact" "$BIN/edgepack" build "$WORK/recipes/digits.yaml" --allow-external-paths \
@@ -245,11 +235,14 @@ done
 wait_healthy agent || stop_for "the restarted agent is not healthy (health: $(health "$AGENT_ID"))"
 # idle: the model loaded and smoke-tested, no request yet (BENCHMARKS.md)
 AGENT_RSS=$(docker exec "$AGENT_ID" sh -c 'grep VmRSS /proc/1/status' | awk '{printf "%.1f", $2 / 1024}')
+AGENT_MEM=$(docker stats --no-stream --format '{{.MemUsage}}' "$AGENT_ID" | cut -d/ -f1)
 AGAIN=$(predict 2>>"$LOG") || stop_for "the restarted agent's /predict did not answer"
 [ "$AGAIN" = "$SERVED" ] && pass "agent killed with SIGKILL came back healthy, serving $AGAIN" \
   || fail "the restarted agent serves $AGAIN, not $SERVED"
-pass "agent image $AGENT_MB MB; agent idle RSS serving digits $AGENT_RSS MiB (VmRSS of its PID 1 after the restart)"
+pass "agent image $AGENT_MB MB (its venv $VENV_MB MiB); idle serving digits after the restart: VmRSS $AGENT_RSS MiB, docker stats $AGENT_MEM"
 
+teardown
+pass "torn down: the stack, its volumes and the images made here"
 ELAPSED=$(( $(date +%s) - START ))
 if [ "$FAILED" = 0 ]; then say "docker check passed in ${ELAPSED}s"; else say "docker check FAILED after ${ELAPSED}s"; fi
 exit "$FAILED"

@@ -42,7 +42,7 @@ from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates import rejected as R
-from device_agent.updates import settings_apply
+from device_agent.updates import renewal, settings_apply
 from device_agent.updates.admission import DEVICE_STATE_RULES, DevicePolicy, policy_names, refusal, rollback_refusal
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
@@ -335,6 +335,8 @@ class UpdateService:
         elif kind == "set-telemetry-interval":
             self.reporter.set_interval(float(command.body["seconds"]))
             self._reply(command, J.DONE, f"telemetry every {command.body['seconds']} s")
+        elif kind == "renew-certificate":  # on a thread of its own (device_agent/updates/renewal.py)
+            renewal.start(self.host.config, self.transport, command, self._reply)
         elif kind == "apply-settings":
             settings_apply.handle(self, command)
         elif kind == "cancel":
@@ -342,23 +344,28 @@ class UpdateService:
             self._reply(command, J.DONE if found else J.FAILED,
                         found or f"no queued or running deploy {command.body['job']}")
         else:
-            job = self._new_job(command)
-            model = deploy_target(self.host.models.names, job_model(job))
-            if model is not None:  # job events name the model
-                job = dataclasses.replace(job, detail={"model": model})
-            slot = self.host.models.get(model) if model is not None else None
-            serving = None if slot is None else slot.service.model
-            if kind == "rollback" and serving is not None:
-                job = dataclasses.replace(job, detail={**job.detail, "from_sha256": serving.manifest.model_sha256})
-            self.journal.save(job)
-            self._publish(job)
-            if kind in ("rollback", "remove"):
-                self._supersede_deploys(f"superseded by {kind} {command.id}", model)
-                self._control.put(job)
-            else:
-                self._supersede_deploys(f"superseded by deploy {command.id}", model)
-                self._pending[job.id] = job
-                self._deploy_lane(job).put(job)
+            self._queue(command)
+
+    def _queue(self, command: Command) -> None:
+        """A deploy, rollback or remove: journaled, published, then on its lane."""
+        kind = command.type
+        job = self._new_job(command)
+        model = deploy_target(self.host.models.names, job_model(job))
+        if model is not None:  # job events name the model
+            job = dataclasses.replace(job, detail={"model": model})
+        slot = self.host.models.get(model) if model is not None else None
+        serving = None if slot is None else slot.service.model
+        if kind == "rollback" and serving is not None:
+            job = dataclasses.replace(job, detail={**job.detail, "from_sha256": serving.manifest.model_sha256})
+        self.journal.save(job)
+        self._publish(job)
+        if kind in ("rollback", "remove"):
+            self._supersede_deploys(f"superseded by {kind} {command.id}", model)
+            self._control.put(job)
+        else:
+            self._supersede_deploys(f"superseded by deploy {command.id}", model)
+            self._pending[job.id] = job
+            self._deploy_lane(job).put(job)
 
     def _cancel(self, job_id: str, why: str) -> str:
         """Stop a queued deploy now, or a running one at its next safe point. Returns what was

@@ -11,6 +11,7 @@ import click
 
 from sdk.broker import BrokerOptions
 from sdk.cli.broker_options import broker_options
+from sdk.cli.enroll import enroll_options
 from sdk.cli.fleet import fleet
 from sdk.cli.fleet_db import database_url, db_password_option
 from sdk.errors import ServerConfigError
@@ -60,6 +61,7 @@ def _tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> Any:
 
 @fleet.command()
 @broker_options(cert_flag="--broker-tls-cert", key_flag="--broker-tls-key")
+@enroll_options
 @click.option("--db", "db_url", default="sqlite:///fleet.db", show_default=True, envvar="EDGEPACK_FLEET_DB",
               help="Database URL: sqlite:///FILE (WAL; one server) or postgresql://USER@HOST/DB (several servers; "
                    "or EDGEPACK_FLEET_DB); its password from --db-password-file or EDGEPACK_DB_PASSWORD.")
@@ -144,7 +146,7 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
           max_connections: int, init: bool, artifact_recheck: str, budget_job: str, budget_state: str,
           budget_telemetry: str, job_events_kept: int, per_server_urls: bool, audit_keep_days: int,
           https_cert: Path | None, https_key: Path | None, https_client_ca: Path | None,
-          db_password_file: Path | None, alerts_file: Path | None) -> None:
+          db_password_file: Path | None, alerts_file: Path | None, enroll: Any) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
 
     Devices, telemetry and job events are kept in the database; rollouts run on the server and
@@ -183,7 +185,7 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                           max_upload=parse_size(max_upload), driver=driver,
                           http=http, init=init, artifact_recheck_s=_duration(artifact_recheck),
                           ingest_limits=limits, job_events_kept=job_events_kept, per_server_urls=per_server_urls,
-                          tls=_tls(https_cert, https_key, https_client_ca), alerts=alerts)
+                          tls=_tls(https_cert, https_key, https_client_ca), alerts=alerts, enroll=enroll)
     run_server(config)
 
 

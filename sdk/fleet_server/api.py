@@ -118,6 +118,7 @@ class ApiContext:
     auth_failures: int = 0
     requests: int = 0
     ui_dir: Path = UI_DIR
+    enrollment: Any = None  # an enrollment.Enrollment (sdk/fleet_server/enrollment_api.py); None: off
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -545,6 +546,7 @@ def _artifact_sha(request: Request) -> str:
 
 def build_app(context: ApiContext) -> Starlette:
     """The ASGI application."""
+    from sdk.fleet_server import enrollment_api  # it builds on this module
     from sdk.fleet_server.users_api import UserRoutes  # it imports this module's helpers
 
     r = Routes(context)
@@ -558,7 +560,8 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/status", guard(r.status), methods=["GET"]),
         Route("/api/devices", guard(r.devices), methods=["GET"]),
         Route("/api/devices/{device_id}", guard(r.device), methods=["GET"]),
-        Route("/api/devices/{device_id}", guard(r.decommission, "device.decommission"), methods=["DELETE"]),
+        enrollment_api.decommission_route(context, guard, r.decommission),
+        *enrollment_api.routes(context, guard),
         Route("/api/devices/{device_id}/enroll", guard(r.enroll, "device.enroll"), methods=["POST"]),
         Route("/api/devices/{device_id}/actions/{action}", guard(r.device_action, "device.action"), methods=["POST"]),
         Route("/api/decommissioned", guard(r.decommissioned), methods=["GET"]),

@@ -15,6 +15,7 @@ from sdk.fleet_server.actions import ACTION_REQUEST_SCHEMA, ACTIONS
 from sdk.fleet_server.bad_releases import REQUEST_SCHEMA as BAD_REQUEST_SCHEMA
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
 from sdk.fleet_server.device_logs import OPENAPI_OPERATIONS as LOG_OPERATIONS
+from sdk.fleet_server.enrollment_openapi import OPERATIONS as ENROLLMENT_OPERATIONS
 from sdk.fleet_server.history import DEFAULT_PAGE as HISTORY_DEFAULT_PAGE
 from sdk.fleet_server.history import MAX_PAGE as HISTORY_MAX_PAGE
 from sdk.fleet_server.history import OUTCOMES as HISTORY_OUTCOMES
@@ -480,6 +481,9 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                       "410": _json("the stored file was damaged and is quarantined (upload it again)", _ref("Error")),
                       "416": {"description": "range past the end"}}}),
 ]
+
+
+OPERATIONS += ENROLLMENT_OPERATIONS
 
 
 def describe() -> dict[str, Any]:

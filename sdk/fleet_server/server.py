@@ -19,14 +19,14 @@ import socket
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.signing import RELEASE, SigningKey, TrustStore
-from sdk.broker import BrokerOptions
+from sdk.broker import BrokerOptions, parse_broker
 from sdk.errors import ServerConfigError
 from sdk.fleet_server import queries
 from sdk.fleet_server.alert_config import AlertsConfig
@@ -37,6 +37,7 @@ from sdk.fleet_server.auth import TokenCheck, read_token_file
 from sdk.fleet_server.budgets import IngestLimits
 from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.driver import Driver, DriverConfig, Lease
+from sdk.fleet_server.enrollment import Broker, EnrollConfig, Enrollment
 from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
 from sdk.fleet_server.log_ingest import LogIngest
@@ -104,6 +105,7 @@ class ServerConfig:
     ingest_limits: IngestLimits = field(default_factory=IngestLimits)
     job_events_kept: int = JOB_ROWS_PER_DEVICE  # per device, the newest
     per_server_urls: bool = False  # several servers without --public-url: devices allow every server's origin
+    enroll: EnrollConfig = field(default_factory=EnrollConfig)
     tls: ServerTls | None = None  # HTTPS on --listen (tls_context.py, tls_listener.py)
     alerts: AlertsConfig | None = None  # --alerts FILE: rules and sinks (sdk/fleet_server/alert_runner.py)
 
@@ -148,6 +150,8 @@ class FleetServer:
         self.logs: LogIngest | None = None
         self.driver: Driver | None = None
         self.pruner: Pruner | None = None
+        self.enrollment: Enrollment | None = None
+        self._files_stop = threading.Event()
         self.alerts: AlertRunner | None = None
         self._threads: list[threading.Thread] = []
         self._api: ApiContext | None = None
@@ -192,6 +196,7 @@ class FleetServer:
                              artifact_available=lambda sha: self.public_url is not None or self.store.has(sha),
                              rotation_keys=self.operator_keys[1:])
         self._next_prune = time.time() + self.config.retention.interval_s
+        self._start_enrollment()
         if self.config.alerts is not None:
             self.alerts = start_alerts(self.database, self.config.alerts, self.ingest.control, server_id=self.server_id)
         thread = threading.Thread(target=self.driver.run, name="fleet-driver", daemon=True)
@@ -199,6 +204,40 @@ class FleetServer:
         self._threads.append(thread)
         log.info("fleet server %s: database %s, broker %s, artifacts %s", self.server_id, self.database.dialect,
                  self.config.broker.address, self.config.artifacts_dir)
+
+    def _start_enrollment(self) -> None:
+        """Device enrollment (sdk/fleet_server/enrollment.py) and its broker files: written now (a
+        broker with ``crlfile`` needs the CRL to start) and kept current by their own thread."""
+        assert self.database is not None
+        enroll = self.config.enroll
+        broker = enroll.broker
+        if broker is None:
+            host, port = parse_broker(self.config.broker.address)
+            broker = Broker(host, port, self.config.broker.tls is not None)
+        extra = ""
+        if enroll.broker_ca is not None:
+            try:
+                extra = enroll.broker_ca.read_text()
+            except (OSError, UnicodeDecodeError) as err:
+                raise ServerConfigError(f"cannot read --broker-ca {enroll.broker_ca}: {err}") from err
+        files = replace(enroll.files, root=self.config.broker.topic_root)
+        self.enrollment = Enrollment(self.database, enroll.ca_dir, broker, enroll.validity_days, extra, files)
+        self._next_renewal = 0.0
+        if files.acl or files.crl or files.passwords:
+            self.enrollment.refresh_files()
+            thread = threading.Thread(target=self._keep_broker_files, name="fleet-broker-files", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _keep_broker_files(self) -> None:
+        """Rewrite the broker files when the database says otherwise (another server enrolled a
+        device, an operator changed its groups)."""
+        assert self.enrollment is not None
+        while not self._files_stop.wait(self.config.enroll.files_interval_s):
+            try:
+                self.enrollment.refresh_files()
+            except Exception:  # retried at the next interval; the files keep their last content
+                log.exception("writing the broker files failed")
 
     def _clear_retained_state(self, device: str) -> None:
         """Publish the empty retained state that removes a decommissioned device from the broker
@@ -209,6 +248,12 @@ class FleetServer:
 
     def _on_lead(self, now: float) -> None:
         """Called by the driver on each round it leads: the retention job runs there, on one server."""
+        if now >= self._next_renewal and self.enrollment is not None and self.driver is not None:
+            self._next_renewal = now + self.config.enroll.renew_interval_s
+            try:
+                self.enrollment.send_renewals(self.driver, now)
+            except Exception:  # retried at the next interval
+                log.exception("sending certificate renewals failed")
         if now >= self._next_prune and self.pruner is not None:
             self._next_prune = now + self.config.retention.interval_s
             try:
@@ -222,6 +267,7 @@ class FleetServer:
                 log.exception("judging the alert rules failed")
 
     def stop(self) -> None:
+        self._files_stop.set()
         if self.driver is not None:
             self.driver.stop()
         for thread in self._threads:
@@ -345,7 +391,8 @@ class FleetServer:
                           silence_s=self.config.silence_s, status=self.status, metrics=self.metrics,
                           wake_driver=self.driver.wake if self.driver else (lambda: None),
                           clear_retained_state=self._clear_retained_state,
-                          command_ttl_s=self.config.driver.command_ttl_s, commands=self.driver)
+                          command_ttl_s=self.config.driver.command_ttl_s, commands=self.driver,
+                          enrollment=self.enrollment)
         return self._api
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from alembic import context
 
+from sdk.fleet_server import enrollment_tables  # noqa: F401  (its tables join the metadata)
 from sdk.fleet_server.db import metadata
 
 connection = context.config.attributes.get("connection")
