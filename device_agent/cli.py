@@ -223,11 +223,24 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from device_agent.config import inline_password_warning, load_config, unauthenticated_commands_warning
+    from device_agent import logring
+    from device_agent.config import load_config
     from device_agent.daemon import Daemon
 
     config = load_config(args.config)
-    daemon = Daemon(config)  # reads the settings held from the fleet server (they may set the log level)
+    ring = logring.attach(config)  # records redacted before they are kept or printed
+    try:
+        _run_daemon(Daemon(config, log_ring=ring), config)  # reads the settings held from the fleet server
+    finally:
+        logring.detach(ring)
+    return 0
+
+
+def _run_daemon(daemon: Any, config: Any) -> None:
+    """Start the daemon at the log level of its settings (the fleet server's may set it), after
+    the warnings every start prints, and serve until a signal."""
+    from device_agent.config import inline_password_warning, unauthenticated_commands_warning
+
     logging.getLogger().setLevel(getattr(logging, daemon.config.log_level.upper()))
     warnings = [inline_password_warning(config)]
     if daemon.operator_trust is None:
@@ -235,7 +248,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     for warning in filter(None, warnings):  # on stderr whatever the log level, at every start
         print(f"edgepack-agent: warning: {warning}", file=sys.stderr, flush=True)
     daemon.run_until_signal()
-    return 0
+
+
+def cmd_enroll(args: argparse.Namespace) -> int:
+    from device_agent.enroll import cmd_enroll as enroll
+
+    return enroll(args)
 
 
 def cmd_pipeline_check(args: argparse.Namespace) -> int:
@@ -319,6 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     rollback.add_argument("--model", metavar="NAME", help="the model to roll back (several named models)")
     rollback.set_defaults(func=cmd_rollback)
 
+    enroll = sub.add_parser("enroll", help="get this device's certificate from the fleet server (key made here)")
+    enroll.add_argument("--server", required=True, help="the fleet server's URL, e.g. https://fleet.example:8760")
+    enroll.add_argument("--token", required=True, help="the one-time token edgepack fleet enroll printed")
+    enroll.add_argument("--config", required=True, help="agent.yaml to update (comments are not kept)")
+    enroll.add_argument("--ca", help="CA certificate of the fleet server's HTTPS certificate (a private CA)")
+    enroll.add_argument("--device-id", help="the device id the token was made for (default: agent.yaml's)")
+    enroll.set_defaults(func=cmd_enroll)
     pipeline = sub.add_parser("pipeline", help="pipelines (streams): check a config's, print the schema")
     pipeline_sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
     check = pipeline_sub.add_parser("check", help="validate agent.yaml's pipelines against the installed models, "

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from device_agent.errors import ConfigError
+from device_agent.logring import LOGS_CONFIG_SCHEMA, LogSettings
 from device_agent.pipelines.spec import PipelineSpec, parse_pipelines
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
-from device_agent.telemetry.outbox import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
+from device_agent.telemetry import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES
 from device_agent.updates.health import HealthPolicy
 from edgepack_core.artifact import Limits
@@ -29,7 +30,6 @@ from edgepack_core.mqtt_settings import TlsSettings
 from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
-from edgepack_core.tls import client_context
 from edgepack_core.yamlfile import read_yaml_file
 
 MAX_CONFIG_BYTES = 256 * 1024
@@ -73,6 +73,7 @@ CONFIG_SCHEMA: dict[str, Any] = {
             },
         },
         "log_level": {"enum": ["debug", "info", "warning", "error"]},
+        "logs": LOGS_CONFIG_SCHEMA,
         "api": {
             "type": "object",
             "additionalProperties": False,
@@ -179,6 +180,16 @@ CONFIG_SCHEMA: dict[str, Any] = {
                     "additionalProperties": False,
                     "properties": {"path": _PATH, "max_messages": _POSITIVE, "max_bytes": _POSITIVE},
                 },
+            },
+        },
+        "enrollment": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["server"],
+            "description": "where edgepack-agent enroll got this device's certificate: renewals go there too",
+            "properties": {
+                "server": {"type": "string", "pattern": r"^https?://[^\s]+$", "maxLength": 2048},
+                "ca": _PATH,
             },
         },
         "updates": {
@@ -306,6 +317,15 @@ class BrokerSettings:
 
 
 @dataclass(frozen=True)
+class EnrollmentSettings:
+    """``enrollment:``: the fleet server that issued the device's certificate (renewals redeem
+    their token there) and the CA its HTTPS certificate is checked with (None: the system's)."""
+
+    server: str
+    ca: Path | None = None
+
+
+@dataclass(frozen=True)
 class HealthWindow:
     """``updates.health_window_s``: the window after a swap, and the range a command may ask for."""
 
@@ -372,6 +392,14 @@ class AgentConfig:
     limits: LimitSettings = LimitSettings()
     mqtt: BrokerSettings | None = None
     updates: UpdateSettings = UpdateSettings()
+    logs: LogSettings = field(default_factory=LogSettings)
+    enrollment: EnrollmentSettings | None = None
+
+    def client_certificate(self) -> tuple[str, str] | None:
+        """The device's certificate and key (``mqtt.tls.cert``/``key``), also presented to an
+        HTTPS artifact server that asks for one (mutual TLS, ``fleet serve --tls-client-ca``)."""
+        tls = self.mqtt.tls if self.mqtt is not None else None
+        return (tls.cert, tls.key) if tls is not None and tls.cert and tls.key else None
 
 
 def _section(cls: type[_Section], values: Mapping[str, Any]) -> _Section:
@@ -506,6 +534,8 @@ def _updates(updates: Mapping[str, Any], base: Path, name: str) -> UpdateSetting
 
 def _check_ca(path: Path, name: str) -> None:
     """``updates.ca`` must load as CA certificates now, not at the first download."""
+    from edgepack_core.tls import client_context  # ssl only for an agent that sets updates.ca
+
     try:
         client_context(str(path))
     except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
@@ -542,6 +572,10 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         values["artifact"] = _resolve(base, document["artifact"])
     if "models" in document:
         values["models"] = _models(document, base, name)
+    if "enrollment" in document:
+        given = document["enrollment"]
+        ca = _resolve(base, given["ca"]) if "ca" in given else None
+        values["enrollment"] = EnrollmentSettings(given["server"], ca)
     if "pipelines" in document:
         values["pipelines"] = parse_pipelines(document["pipelines"], where=f"{name}: pipelines")
     return AgentConfig(
@@ -553,6 +587,7 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         limits=_section(LimitSettings, document.get("limits", {})),
         mqtt=_broker(document["mqtt"], base, name) if "mqtt" in document else None,
         updates=_updates(document.get("updates", {}), base, name),
+        logs=_section(LogSettings, document.get("logs", {})),
         **values,
     )
 

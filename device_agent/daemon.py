@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
+from device_agent.logring import LogRing
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
-from device_agent.remote_settings import Held, load_held, overlay
+from device_agent.remote_settings import Held, limits_for, load_held, overlay
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.updates.disk import FreeSpace
@@ -44,12 +45,18 @@ class Daemon:
     root store's, the slot of a single-model agent (and of the model a store laid out before
     named models holds)."""
 
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, log_ring: LogRing | None = None) -> None:
+        self.log_ring = log_ring  # what a fetch-logs command reads (device_agent/logring.py)
         # Settings from the fleet server (device_agent/remote_settings.py) win over agent.yaml's
         # for the keys they carry; ``base_config`` is agent.yaml alone, what a new document overlays.
         self.base_config = config
         self.held = load_held(config.store)
         self.config = overlay(config, self.held.applied())
+        if config.mqtt is not None:
+            # Before any session is made: imported after onnxruntime's start-up allocations, the
+            # same modules cost 1.9 MiB more RSS (tools/bench/agent_rss.py --mqtt, BENCHMARKS.md).
+            import device_agent.telemetry.reporter
+            import device_agent.updates.service  # noqa: F401
         self._file_trust = TrustStore.from_paths(config.trust, kind=RELEASE)
         self.trust = TrustStore(self._file_trust.public_keys())
         # Operator keys sign commands (edgepack keygen --operator); without them, anyone who can
@@ -131,7 +138,8 @@ class Daemon:
             if not root_taken and self._root_claim in (None, name) and self.store.active_version() is None:
                 self._root_claim = name
                 return ModelSlot(name, self.store, self.service)
-        store = ModelStore(slot_directory(self.config.store, name), self.trust, self.config.limits.reader_limits())
+        store = ModelStore(slot_directory(self.config.store, name), self.trust,
+                           limits_for(self.config, self.held.applied(), name))
         return ModelSlot(name, store, self._new_service())
 
     def activate_loaded(self, model: LoadedModel, slot: ModelSlot | None = None) -> LoadedModel | None:
@@ -204,6 +212,8 @@ class Daemon:
 
     def start(self) -> Daemon:
         self._recover_slots()
+        root_model = next((slot.name for slot in self.models.slots if slot.store is self.store), None)
+        self.store.limits = limits_for(self.config, self.held.applied(), root_model)  # its model's own limits
         if not self.models and self.config.artifact is not None:
             log.info("store is empty: installing %s", self.config.artifact)
             self.install_artifact(self.config.artifact)

@@ -12,8 +12,9 @@ from edgepack_core.errors import EdgepackError, UsageError
 
 __all__ = [
     "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "Busy", "ConfigError", "DownloadCancelled",
-    "DownloadError", "InferenceError", "JournalError", "MessageTooLargeError", "NoModelError", "NonFiniteOutput",
-    "OutboxError", "PipelineRefused", "ProviderError", "ReplayError", "RequestError", "SmokeTestError", "StoreError",
+    "DownloadError", "EnrollError", "InferenceError", "JournalError", "MessageTooLargeError", "NoModelError",
+    "NonFiniteOutput", "OutboxError", "PipelineRefused", "ProviderError", "ReplayError", "RequestError",
+    "SmokeTestError", "StoreError",
     "TransferError",
 ]
 
@@ -134,6 +135,11 @@ class Busy(RequestError):
 
 
 # --------------------------------------------------------------------------- updates
+
+
+class EnrollError(AgentError):
+    """``edgepack-agent enroll`` or a certificate renewal failed: the server refused, could not be
+    reached, or answered something unusable (the message says which, in one line)."""
 
 
 class DownloadError(AgentError):

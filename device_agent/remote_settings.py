@@ -15,9 +15,10 @@ from typing import Any
 
 from device_agent.config import AgentConfig, HealthWindow
 from device_agent.errors import ConfigError
+from edgepack_core.artifact import Limits
 from edgepack_core.errors import SchemaError
 from edgepack_core.fsutil import atomic_write
-from edgepack_core.settings_doc import SettingsDocument, parse_document
+from edgepack_core.settings_doc import SettingsDocument, model_limits, parse_document
 
 SETTINGS_FILE = "settings.json"
 MAX_FILE_BYTES = 256 * 1024
@@ -128,6 +129,13 @@ def overlay(config: AgentConfig, values: dict[str, Any]) -> AgentConfig:
         if fields and getattr(config, name) is not None
     }
     return dataclasses.replace(config, **sections, **top)
+
+
+def limits_for(config: AgentConfig, values: dict[str, Any], model: str | None) -> Limits:
+    """The artifact limits of ``model``'s store: ``limits.*`` (agent.yaml, or the document over
+    it, already in ``config``) with the document's ``models.NAME.limits.*`` over them. Pure."""
+    own = model_limits(values).get(model or "", {})
+    return dataclasses.replace(config.limits, **own).reader_limits()
 
 
 def _typed(name: str, value: Any) -> Any:

@@ -36,8 +36,9 @@ SIGNATURE_FIELD = "signature"
 READ_ONLY_TYPES = frozenset({"ping", "get-state"})
 """The only command types that may arrive unsigned; everything else must be signed."""
 STATE_CHANGING_TYPES = frozenset({"deploy", "rollback", "cancel", "remove", "set-telemetry-interval",
-                                  "apply-settings"})
-"""Types that change what runs, how it is judged, or what the device reports: always signed."""
+                                  "apply-settings", "fetch-logs", "renew-certificate"})
+"""Types that change what runs, how it is judged, or what the device reports (``fetch-logs``: its
+logs leave the device; ``renew-certificate``: its identity files): always signed."""
 SIGNED_FIELDS = frozenset({"force_downgrade", "health_window_s", "allow_contract_change"})
 """Fields that make any command carrying them need a signature, whatever its type."""
 

@@ -262,6 +262,24 @@ class MqttTransport:
         except OSError:
             return None
 
+    def reload_tls(self) -> None:
+        """Load the TLS client certificate, key and CA files again and reconnect with them (a
+        certificate renewal replaced the files): the next connection uses the new certificate,
+        and until then the current one stays up. paho keeps its SSL context private and lets it
+        be set once, so the context it holds is reloaded in place."""
+        tls = self.settings.tls
+        context = getattr(self._client, "_ssl_context", None)
+        if tls is None or context is None:
+            raise MqttSettingsError("tls", "this connection does not use TLS: nothing to reload")
+        try:
+            if tls.cert is not None:
+                context.load_cert_chain(tls.cert, tls.key)
+            if tls.ca is not None:
+                context.load_verify_locations(tls.ca)
+        except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+            raise MqttSettingsError("tls", f"cannot load the TLS files: {err}") from err
+        self._client.disconnect()  # the network thread reconnects, with the reloaded files
+
     def on_connected(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` after every successful (re)connect, once subscriptions are re-issued
         (the place to publish a retained "online" birth message)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,8 @@ from edgepack_core.signing import OPERATOR, RELEASE, check_kind, public_key_from
 MAX_KEYS = 16
 """Keys of one kind in a document (a rotation needs two; a few more for several release lines)."""
 MAX_PEM_CHARS = 1024
+MAX_DOCUMENT_KEYS = 64
+"""Keys in one document: each is answered in the state message, which has to stay small."""
 MAX_GENERATION = 2**53 - 1
 _NAME = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"}
 _ORIGIN = {"type": "string", "pattern": r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?$", "maxLength": 300}
@@ -58,7 +61,28 @@ SETTING_KEYS: dict[str, dict[str, Any]] = {
     "limits.max_member_bytes": _POSITIVE,
     "limits.max_total_bytes": _POSITIVE,
 }
-"""Every key a settings document may carry, with the JSON Schema of its value."""
+"""Every key a settings document may carry, with the JSON Schema of its value; besides these, the
+per-model artifact limits :data:`MODEL_LIMIT` matches."""
+
+MODEL_LIMIT = re.compile(
+    r"^models\.([A-Za-z0-9][A-Za-z0-9._-]{0,63})\.limits\.(max_artifact_bytes|max_member_bytes|max_total_bytes)$"
+)
+"""``models.NAME.limits.FIELD``: one model's artifact limits, over ``limits.FIELD`` for that model."""
+
+
+def schema_of(key: str) -> dict[str, Any] | None:
+    """The JSON Schema of ``key``'s value, None for a key that is not a remote setting."""
+    return SETTING_KEYS.get(key) or (_POSITIVE if MODEL_LIMIT.match(key) else None)
+
+
+def model_limits(values: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Model name -> its limit fields, from a document's ``models.NAME.limits.FIELD`` keys."""
+    out: dict[str, dict[str, int]] = {}
+    for key, value in values.items():
+        found = MODEL_LIMIT.match(key)
+        if found:
+            out.setdefault(found.group(1), {})[found.group(2)] = value
+    return out
 
 LOCAL_ONLY = frozenset(
     {
@@ -118,9 +142,10 @@ def check_value(key: str, value: Any) -> Any:
     the key); lists come back as lists, integers given for numbers stay numbers."""
     if key in LOCAL_ONLY:
         raise SchemaError(key, 'can only be changed in agent.yaml on the device (docs/agent.md, "Remote settings")')
-    schema = SETTING_KEYS.get(key)
+    schema = schema_of(key)
     if schema is None:
-        raise SchemaError(key, f"is not a remote setting (known: {', '.join(sorted(SETTING_KEYS))})")
+        raise SchemaError(key, f"is not a remote setting (known: {', '.join(sorted(SETTING_KEYS))}, "
+                               "models.NAME.limits.max_artifact_bytes|max_member_bytes|max_total_bytes)")
     try:
         validate(value, schema, document=key)
     except SchemaError as err:  # named by the key alone: the value's own path is the key's
@@ -158,7 +183,7 @@ def unknown_keys(settings: Mapping[str, Any]) -> str:
     """Why a document's keys are refused ("" when all are remote settings): every unknown and
     every local-only key, by name."""
     local = sorted(key for key in settings if key in LOCAL_ONLY)
-    unknown = sorted(key for key in settings if key not in LOCAL_ONLY and key not in SETTING_KEYS)
+    unknown = sorted(key for key in settings if key not in LOCAL_ONLY and schema_of(key) is None)
     problems = []
     if unknown:
         problems.append(f"unknown keys {', '.join(unknown)}")
@@ -175,6 +200,8 @@ def parse_document(generation: Any, settings: Any) -> SettingsDocument:
         raise SchemaError("generation", f"must be an integer from 1 to {MAX_GENERATION}")
     if not isinstance(settings, dict):
         raise SchemaError("settings", "must be an object of dotted agent.yaml keys")
+    if len(settings) > MAX_DOCUMENT_KEYS:
+        raise SchemaError("settings", f"holds {len(settings)} keys, at most {MAX_DOCUMENT_KEYS}")
     refused = unknown_keys(settings)
     if refused:
         raise SchemaError("settings", refused)

@@ -112,6 +112,11 @@ class ServerConfigError(HostError, UsageError):
     """A fleet server setting that cannot be used (a flag, a token file, a database URL)."""
 
 
+class AlertDeliveryError(FleetServerError):
+    """An alert sink could not deliver one alert (an HTTP status, a refused connection, no PUBACK);
+    retried with backoff, then given up and audited."""
+
+
 class ApiError(FleetServerError):
     """A request the fleet server's REST API refuses, or a client's view of such a refusal.
 

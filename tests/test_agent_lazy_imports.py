@@ -39,6 +39,8 @@ MQTT_AND_UPDATES = (
     "device_agent.updates.download",
     "device_agent.updates.xfer",
     "device_agent.updates.journal",
+    "device_agent.telemetry.outbox",
+    "sqlite3",
 )
 ONLY_FOR_IMAGES = ("PIL",)
 

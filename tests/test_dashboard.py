@@ -482,6 +482,30 @@ def test_the_audit_page_shows_who_did_what_and_when(browser, server, fleet, shot
           message="filtered by action")
 
 
+def test_the_alerts_page_lists_open_alerts_apart_from_the_resolved(browser, server):
+    from sdk.fleet_server import alert_table
+    from sdk.fleet_server.db import Database
+
+    database = Database(server.db_url)
+    try:
+        with database.write() as connection:
+            connection.execute(alert_table.alerts.insert(), [
+                {"kind": "offline", "subject": "cam-1", "state": "resolved", "open_key": None,
+                 "opened_at": time.time() - 60, "resolved_at": time.time() - 30,
+                 "summary": "cam-1 not heard from for 301 s", "detail": "{}"},
+                {"kind": "offline", "subject": "cam-2", "state": "open", "open_key": "offline:cam-2",
+                 "opened_at": time.time(), "resolved_at": None, "summary": f"cam-2 {HOSTILE}", "detail": "{}"}])
+    finally:
+        database.dispose()
+    _open(browser, server, "/alerts", "#alerts-open tbody tr[data-alert]")
+    opened = browser.find_elements(By.CSS_SELECTOR, "#alerts-open tbody tr[data-alert]")
+    assert [r.get_attribute("data-key") for r in opened] == ["offline:cam-2"]
+    assert HOSTILE in opened[0].text  # shown as text
+    recent = browser.find_elements(By.CSS_SELECTOR, "#alerts-recent tbody tr[data-alert]")
+    assert [r.find_elements(By.TAG_NAME, "td")[1].text for r in recent] == ["open", "resolved"]
+    assert browser.find_element(By.CSS_SELECTOR, "#nav a[data-page='alerts']").get_attribute("class") == "current"
+
+
 def test_the_device_page_shows_its_target_the_difference_and_why_it_persists(browser, server, fleet, artifacts):
     status, stored = server.call("POST", "/api/artifacts", data=artifacts["1.1.0"].read_bytes(),
                                  headers={"Content-Type": "application/octet-stream"})
@@ -499,6 +523,18 @@ def test_the_device_page_shows_its_target_the_difference_and_why_it_persists(bro
         assert value in shown, (value, shown)
     _open(browser, server, "/devices/sim-00018", "#device-target")
     _wait(browser, lambda d: "no target for this device" in _text(d, "#device-target"), message="no target")
+
+
+def test_the_device_page_shows_the_settings_the_server_holds_for_it(browser, server, fleet):
+    status, doc = server.call("PUT", "/api/settings/devices/sim-00017",
+                              {"set": {"mqtt.telemetry_interval": 7, "log_level": "debug"}, "reason": "bench"})
+    assert status == 200, doc
+    _open(browser, server, "/devices/sim-00017", "#device-settings")
+    _wait(browser, lambda d: "mqtt.telemetry_interval" in _text(d, "#device-settings"), message="the settings")
+    shown = _text(browser, "#device-settings")
+    for value in ("mqtt.telemetry_interval", "7 from device", "log_level", "debug from device", "Generation",
+                  "Release keys held"):
+        assert value in shown, (value, shown)
 
 
 # ------------------------------------------------------------------ incidents (issue 24, items 5 and 9)
@@ -684,6 +720,8 @@ def test_a_viewer_sees_who_is_signed_in_and_no_button_it_cannot_use(browser, ser
         _open(browser, server, "/rollouts", "#rollouts")
         for box in ("new-rollout-box", "fleet-rollback-box"):
             assert not browser.find_element(By.ID, box).is_displayed(), box
+        _open(browser, server, "/fleet", "#devices")
+        assert not browser.find_element(By.ID, "enroll-box").is_displayed()
         _open(browser, server, "/devices/sim-00000", "#device-facts")
         assert not browser.find_element(By.ID, "device-actions").is_displayed()
         assert not browser.find_element(By.ID, "device-decommission").is_displayed()
@@ -692,6 +730,67 @@ def test_a_viewer_sees_who_is_signed_in_and_no_button_it_cannot_use(browser, ser
     _wait(browser, lambda d: _text(d, "#whoami") == "admin · admin", message="the admin signed in")
     _open(browser, server, "/rollouts", "#rollouts")
     assert browser.find_element(By.ID, "new-rollout-box").is_displayed()
+
+
+def test_an_admin_enrolls_a_device_from_the_fleet_page_with_a_token_that_works_once(browser, server, fleet):
+    from device_agent.enroll import csr_pem, new_key
+
+    _open(browser, server, "/fleet", "#enroll-box")
+    browser.find_element(By.CSS_SELECTOR, "#enroll-box summary").click()
+    browser.find_element(By.ID, "enroll-device").send_keys("bad id!")
+    browser.find_element(By.ID, "enroll-submit").click()
+    _wait(browser, lambda d: _text(d, "#enroll-error").startswith("bad id!:"), message="an id the server refuses")
+    browser.find_element(By.ID, "enroll-device").clear()
+    browser.find_element(By.ID, "enroll-device").send_keys("dash-new-1")
+    browser.find_element(By.ID, "enroll-groups").send_keys("sim, lab")
+    browser.find_element(By.ID, "enroll-submit").click()
+    _wait(browser, lambda d: d.find_elements(By.ID, "enroll-command"), message="the token and its command")
+    command = browser.find_element(By.ID, "enroll-command")
+    token = command.get_attribute("data-token")
+    assert f"edgepack-agent enroll --server {server.url} --token {token} --config agent.yaml" == command.text
+    status, answer = server.call("POST", "/api/enroll", {"token": token, "csr": csr_pem(new_key(), "dash-new-1")},
+                                 token=None)
+    assert status == 200 and answer["groups"] == ["sim", "lab"], answer
+    assert server.call("POST", "/api/enroll", {"token": token, "csr": csr_pem(new_key(), "dash-new-1")},
+                       token=None)[0] == 403
+    assert server.get("/api/audit?action=device.enroll_identity")["entries"][0]["target"] == "dash-new-1"
+
+
+def _publish_logs(broker, device: str, *messages: str, ts: float) -> None:
+    """A device's answer to a fetch-logs, as it publishes one (the simulated devices do not log)."""
+    from edgepack_core.protocol.logs import LogLine, chunk_records
+
+    records = [LogLine(index, ts + index / 1000, "warning", "edgepack.agent", text)
+               for index, text in enumerate(messages)]
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"logs-{free_port()}", protocol=mqtt.MQTTv5)
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    try:
+        for chunk in chunk_records(records, device=device, request=f"r-{int(ts)}", now=ts):
+            client.publish(f"{TOPIC_ROOT}/dev/{device}/logs", chunk, qos=1).wait_for_publish(10)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def test_the_device_page_shows_the_devices_log_lines_with_a_live_tail(browser, server, fleet, broker):
+    """Issue 25, item 5: the device page shows what the device logged (markup as text), asks the
+    device for newer records while it is open, and adds those that arrive without a reload."""
+    device = "sim-00001"
+    now = time.time()
+    _publish_logs(broker, device, "LOG-LINE-ONE model loaded", HOSTILE, ts=now - 60)
+    assert wait_for(lambda: len(server.get(f"/api/devices/{device}/logs")["records"]) == 2, 30)
+    _open(browser, server, f"/devices/{device}", "#device-logs .log-line")
+    lines = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#device-logs .log-line")]
+    assert len(lines) == 2 and lines[0].endswith("WARNING  edgepack.agent: LOG-LINE-ONE model loaded"), lines
+    assert lines[1].endswith(HOSTILE)
+    assert browser.execute_script("return document.querySelectorAll('main img, [onerror]').length") == 0
+    # The live tail: the page asked the device (an audited fetch-logs), and a newer record shows up.
+    assert wait_for(lambda: [e for e in server.get("/api/audit?action=logs.fetch")["entries"]
+                             if e["target"] == device], 30)
+    _publish_logs(broker, device, "LOG-LINE-TWO after the page opened", ts=time.time())
+    _wait(browser, lambda d: "LOG-LINE-TWO" in _text(d, "#device-logs"), message="the tailed line")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#device-logs .log-line")) == 3
 
 
 def test_no_page_broke_the_content_security_policy_or_threw(browser, server):
@@ -753,3 +852,4 @@ def test_the_device_page_charts_errors_by_kind(browser, server, broker):
         found = re.fullmatch(r"errors: ([\d.,]+)\s+non_finite_output: ([\d.,]+)", legend)
         assert found and found[1] == found[2] and found[1] != "0", legend  # every error of the device is that kind
         assert browser.find_elements(By.CSS_SELECTOR, "#charts figure:nth-of-type(3) svg.chart .s1")
+

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sdk.errors import ApiError
-from sdk.fleet_server.db import new_fleet_refusal
+from sdk.fleet_server.startup import new_fleet_refusal
 from tests.artifacts import build_artifact
 from tests.broker import free_port
 from tests.fleet_server_process import FleetServerProcess, edgepack, make_keys

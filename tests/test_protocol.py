@@ -375,7 +375,7 @@ def test_rejection_reasons_and_refs_are_exact():
         (b"[" * 100_00, None, "command is not JSON: nested too deeply", ids.digest_ref((b"[" * 100_00).hex())),
         (_raw({"id": "c-9", "type": "format-disk"}), "c-9",
          "type: unknown command type 'format-disk' (known: deploy, rollback, cancel, remove, ping, get-state, "
-         "set-telemetry-interval, apply-settings)", "c-9"),
+         "set-telemetry-interval, apply-settings, fetch-logs, renew-certificate)", "c-9"),
         (_raw({"id": 5, "type": "ping"}), None, "type", ids.digest_ref(_raw({"id": 5, "type": "ping"}).hex())),
     ]
     for payload, command_id, reason, ref in cases:

@@ -321,3 +321,26 @@ def test_a_release_key_added_remotely_verifies_new_artifacts_live(
     finally:
         server.shutdown()
         agent.stop()
+
+
+def test_a_models_own_artifact_limit_applies_live_to_that_model(tmp_path, mosquitto_broker, observer, keypair,
+                                                                operators, arts):
+    old = operators[0][0]
+    agent = make_agent(tmp_path, mosquitto_broker, keypair, operators, arts).start()
+    server, origin = _serve(arts["v2"].parent)
+    size = arts["v2"].stat().st_size
+    try:
+        small = {"updates.allowed_origins": [origin], "models.scale.limits.max_artifact_bytes": size - 1,
+                 "models.other.limits.max_artifact_bytes": 1}
+        assert final_event(observer, send(observer, sign_command(settings_command(1, small), old)))["state"] == "done"
+        refused = final_event(observer, send(observer, sign_command(_deploy(arts["v2"], origin, "1.1.0"), old)),
+                              timeout=60)
+        assert refused["state"] in ("rejected", "failed") and str(size - 1) in refused["reason"], refused
+        exact = {**small, "models.scale.limits.max_artifact_bytes": size}
+        assert final_event(observer, send(observer, sign_command(settings_command(2, exact), old)))["state"] == "done"
+        deployed = final_event(observer, send(observer, sign_command(_deploy(arts["v2"], origin, "1.1.0"), old)),
+                               timeout=60)
+        assert deployed["state"] == "active", deployed
+    finally:
+        server.shutdown()
+        agent.stop()

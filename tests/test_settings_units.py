@@ -63,6 +63,10 @@ def test_a_document_is_checked_whole_naming_unknown_and_local_only_keys():
             parse_document(bad, {})
     assert parse_document(2**53 - 1, {}).generation == 2**53 - 1
     assert {"store", "device_id", "api.listen", "mqtt.host"} <= LOCAL_ONLY
+    limits = {f"models.m{i}.limits.max_total_bytes": 1 for i in range(64)}
+    assert len(parse_document(1, limits).values) == 64
+    with pytest.raises(SchemaError, match="holds 65 keys, at most 64"):
+        parse_document(1, {**limits, "log_level": "info"})
 
 
 def test_key_lists_are_bounded_non_empty_and_of_their_kind():
@@ -190,3 +194,18 @@ def test_cli_assignments_are_typed_by_the_key():
         parse_assignment("updates.health_min_requests=many")
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_assignment("log_level")
+
+
+def test_a_models_own_limits_are_keys_of_their_own(tmp_path):
+    from device_agent.remote_settings import limits_for
+
+    document = parse_document(1, {"models.scale.limits.max_member_bytes": 10, "limits.max_member_bytes": 20})
+    assert parse_assignment("models.scale.limits.max_total_bytes=5") == ("models.scale.limits.max_total_bytes", 5)
+    with pytest.raises(SchemaError, match=re.escape("unknown keys models.scale.limits.colour")):
+        parse_document(1, {"models.scale.limits.colour": 1})
+    with pytest.raises(SchemaError, match=re.escape("models.scale.limits.max_total_bytes")):
+        parse_document(1, {"models.scale.limits.max_total_bytes": 0})
+    agent = overlay(config(tmp_path), dict(document.values))
+    assert limits_for(agent, dict(document.values), "scale").max_member_bytes == 10
+    assert limits_for(agent, dict(document.values), "other").max_member_bytes == 20
+    assert limits_for(agent, dict(document.values), None).max_member_bytes == 20

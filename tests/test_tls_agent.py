@@ -26,11 +26,12 @@ def pki(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("pki")
     ca, other = make_ca(folder / "ca"), make_ca(folder / "other", "another CA")
     return {"ca": ca, "other": other, "server": ca.issue(folder / "s", "artifacts"),
-            "foreign": other.issue(folder / "f", "foreign"), "expired": ca.issue(folder / "e", "old", expired=True)}
+            "foreign": other.issue(folder / "f", "foreign"), "expired": ca.issue(folder / "e", "old", expired=True),
+            "device": ca.issue(folder / "d", "pi-07", client=True)}
 
 
-def _fetch(url: str, target: Path, ca: Path | None) -> Path:
-    bounds = Bounds(origins=allowed_origins([url]), max_bytes=1 << 20, ca=ca, stall_s=5.0)
+def _fetch(url: str, target: Path, ca: Path | None, client: tuple[str, str] | None = None) -> Path:
+    bounds = Bounds(origins=allowed_origins([url]), max_bytes=1 << 20, ca=ca, stall_s=5.0, client=client)
     return download(f"{url}/a.edgepkg", target, size=len(PAYLOAD), sha256=hashlib.sha256(PAYLOAD).hexdigest(),
                     bounds=bounds)
 
@@ -63,6 +64,29 @@ def test_an_expired_artifact_server_certificate_is_named_in_the_reason(tmp_path,
     with serve_https(pki["expired"], PAYLOAD) as server, pytest.raises(DownloadError) as failure:
         _fetch(server.url, tmp_path / "a.edgepkg", pki["ca"].cert)
     assert str(failure.value) == f"certificate verify failed: certificate has expired ({server.url.split('://')[1]})"
+
+
+def test_the_device_presents_its_certificate_to_an_artifact_server_with_mutual_tls(tmp_path, pki):
+    device = (str(pki["device"].cert), str(pki["device"].key))
+    with serve_https(pki["server"], PAYLOAD, client_ca=pki["ca"].cert) as server:
+        assert _fetch(server.url, tmp_path / "a.edgepkg", pki["ca"].cert, device).read_bytes() == PAYLOAD
+
+
+def test_a_device_without_a_certificate_is_refused_by_mutual_tls_and_told_why(tmp_path, pki):
+    with serve_https(pki["server"], PAYLOAD, client_ca=pki["ca"].cert) as server, \
+            pytest.raises(DownloadError) as failure:
+        _fetch(server.url, tmp_path / "a.edgepkg", pki["ca"].cert)
+    assert str(failure.value).startswith("TLS handshake failed: the server refused this client's certificate or "
+                                         f"wants one (tlsv13 alert certificate required) ({server.url.split('://')[1]})")
+    assert len(server.connections) == 1
+
+
+def test_agent_yaml_hands_the_mqtt_client_certificate_to_downloads(tmp_path, pki):
+    (tmp_path / "agent.yaml").write_text(
+        f"device_id: pi-07\nstore: store\ntrust: [k.pub]\nmqtt: {{host: broker, tls: {{ca: {pki['ca'].cert}, "
+        f"cert: {pki['device'].cert}, key: {pki['device'].key}}}}}\n")
+    assert load_config(tmp_path / "agent.yaml").client_certificate() == (str(pki["device"].cert),
+                                                                         str(pki["device"].key))
 
 
 def test_updates_ca_is_resolved_beside_agent_yaml_and_a_file_that_is_no_ca_is_refused(tmp_path, pki):

@@ -223,3 +223,88 @@ def test_a_tls_failure_is_found_under_the_url_error_and_hinted():
     assert tls_failure(urllib.error.URLError(ConnectionRefusedError(111, "refused")), "https://h:1") is None
     assert tls_hint("TLS handshake failed: the server refused this client's certificate or wants one (x) (u)",
                     ClientTls(cert=Path("c"), key=Path("k"))).endswith("(u)")
+
+
+def test_connections_stalled_in_their_tls_handshake_cannot_take_the_https_server_down(tmp_path, broker, keys, pki):
+    """600 connections that start a TLS handshake (or send nothing) and stall, under a 512-descriptor
+    limit the server cannot raise: they count against the connection cap from the moment they are
+    accepted, the ones that waited longest are dropped, and a real HTTPS client is answered."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 900:
+        if hard != resource.RLIM_INFINITY and hard < 900:
+            pytest.skip(f"the test needs 900 open files; the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (900, hard))
+    server = _server(tmp_path / "server", broker, keys, pki, "--head-timeout", "60s").start(fd_limits=(512, 512))
+    held: list[socket.socket] = []
+    try:
+        for index in range(600):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=20)
+            if index % 2:
+                sock.sendall(b"\x16\x03\x01\x02\x00\x01\x00")  # the start of a ClientHello, never finished
+            held.append(sock)
+        status, doc = server.call("GET", "/api/status")
+        assert status == 200, doc
+        http = doc["http"]
+        assert http["max_connections"] == 512 - 256 and http["open"] <= http["max_connections"]
+        assert http["dropped"].get("evicted", 0) >= 600 - http["max_connections"]
+        assert server.proc.poll() is None
+    finally:
+        for sock in held:
+            sock.close()
+        server.stop()
+
+
+def _commands(group, path=()):
+    import click
+
+    for name, command in sorted(group.commands.items()):
+        if isinstance(command, click.Group):
+            yield from _commands(command, (*path, name))
+        else:
+            yield (*path, name), command
+
+
+def test_every_command_that_takes_server_takes_ca_and_a_client_certificate():
+    """Found by walking the CLI, so a command added later with its own --server is caught."""
+    from sdk.cli import main
+
+    with_server = {" ".join(path): {opt for p in cmd.params for opt in p.opts}
+                   for path, cmd in _commands(main) if any("--server" in p.opts for p in cmd.params)}
+    assert {"rollout list", "fleet status", "device ping", "target show"} <= set(with_server)
+    missing = [name for name, opts in with_server.items() if not {"--ca", "--client-cert", "--client-key"} <= opts]
+    assert missing == []
+
+
+@pytest.mark.parametrize("command", [("rollout", "list"), ("fleet", "token", "list"), ("target", "show")])
+def test_server_commands_say_certificate_verify_failed_in_one_line_and_work_with_ca(https_server, keys, pki, command):
+    flags = ("--server", https_server.url, "--token-file", str(keys.token_file))
+    line = _one_line(_run("edgepack", *command, *flags, env=_env_without_ca()))
+    assert line.endswith(f"({https_server.url}); pass --ca FILE or set EDGEPACK_SERVER_CA"), line
+    ok = _run("edgepack", *command, *flags, "--ca", str(pki["ca"].cert), env=_env_without_ca())
+    assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--tls-cert", "CERT"), "give both --tls-cert and --tls-key"),
+    (("--tls-client-ca", "CA"), "--tls-client-ca goes with --tls-cert and --tls-key"),
+    (("--broker-tls-cert", "CERT"), "--broker-tls-cert and --broker-tls-key go together"),
+])
+def test_fleet_serve_tls_flags_that_do_not_go_together_are_usage_errors(tmp_path, broker, keys, pki, flags, message):
+    """On fleet serve, --tls-cert/--tls-key are its HTTPS certificate; the broker's client
+    certificate is --broker-tls-cert/--broker-tls-key."""
+    files = {"CERT": str(pki["server"].cert), "CA": str(pki["ca"].cert)}
+    result = run_cli("edgepack", "fleet", "serve", "--broker", broker.address, "--trust", str(keys.release_pub),
+                     "--token-file", str(keys.token_file), "--operator-key", str(keys.operator_key),
+                     "--db", f"sqlite:///{tmp_path}/f.db", *(files.get(flag, flag) for flag in flags), timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_plain_request_whose_client_half_closes_still_gets_the_answer(https_server):
+    """`printf 'GET / ...' | nc host port` sends its FIN right after the request."""
+    with socket.create_connection(("127.0.0.1", https_server.port), timeout=20) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        answer = _answer(sock)
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"this port speaks HTTPS: use https://127.0.0.1:" in answer

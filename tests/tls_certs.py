@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import http.server
 import ipaddress
+import socket
 import ssl
 import threading
 from collections.abc import Iterator
@@ -110,12 +111,16 @@ class HttpsServer:
 
 
 @contextlib.contextmanager
-def serve_https(issued: Issued, body: bytes = b"") -> Iterator[HttpsServer]:
+def serve_https(issued: Issued, body: bytes = b"", client_ca: Path | None = None) -> Iterator[HttpsServer]:
     """A small HTTPS server on loopback with ``issued``'s certificate, answering every GET with
-    ``body``; counts the connections it accepted (the handshake is done per request, in the
-    server's thread, so a refused handshake is one connection and no request)."""
+    ``body`` (with ``client_ca``: only to clients with a certificate from it); counts the
+    connections it accepted (the handshake is done per request, in the server's thread, so a
+    refused handshake is one connection and no request)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(issued.cert, issued.key)
+    if client_ca is not None:
+        context.load_verify_locations(cafile=client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
     handler = type("Handler", (_Handler,), {"body": body})
     connections: list[int] = []
 
@@ -127,6 +132,16 @@ def serve_https(issued: Issued, body: bytes = b"") -> Iterator[HttpsServer]:
 
         def handle_error(self, request, client_address) -> None:  # type: ignore[no-untyped-def]
             pass  # a refused handshake is the test's point, not noise
+
+        def shutdown_request(self, request) -> None:  # type: ignore[no-untyped-def]
+            """Close lingering, as a real server should: a client whose TLS 1.3 request is still
+            arriving would otherwise get a reset instead of the alert sent before it."""
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(request, socket.SHUT_WR)
+                request.settimeout(2)
+                while socket.socket.recv(request, 65536):
+                    pass
+            self.close_request(request)
 
     httpd = Server(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)

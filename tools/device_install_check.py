@@ -31,8 +31,8 @@ from pathlib import Path
 # Distributions only the host brings (click: its command line, and uvicorn's; uvicorn: the fleet
 # server's). Not sympy: older onnxruntime releases require it themselves (1.16 does).
 HOST_ONLY = {"onnx", "click", "uvicorn", "scikit-learn", "torch", "onnxscript", "sqlalchemy", "alembic", "psycopg"}
-SHIPPED = {"systemd-unit", "systemd-gpu-dropin", "schema-cmd", "schema-job", "schema-state", "schema-telemetry",
-           "schema-xfer"}
+SHIPPED = {"systemd-unit", "systemd-gpu-dropin", "schema-cmd", "schema-events", "schema-job", "schema-logs",
+           "schema-state", "schema-telemetry", "schema-xfer"}
 _IMPORT_PROBE = """
 import sys
 import device_agent.cli, device_agent.daemon, device_agent.updates.service

@@ -77,7 +77,7 @@ from edgepack_core.protocol.commands import Command, parse_command  # noqa: E402
 from edgepack_core.protocol.messages import JobEvent  # noqa: E402
 from edgepack_core.protocol.payloads import STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID  # noqa: E402
 from edgepack_core.protocol.topics import Topics  # noqa: E402
-from edgepack_core.signing import TrustStore  # noqa: E402
+from edgepack_core.signing import OPERATOR, RELEASE, TrustStore  # noqa: E402
 from sdk.broker import BrokerOptions  # noqa: E402
 from sdk.errors import BrokerOptionError  # noqa: E402
 
@@ -604,8 +604,8 @@ class SimFleet:
 
 
 def _behaviour(args: argparse.Namespace, broker: BrokerOptions | None) -> Behaviour:
-    trust = TrustStore.from_paths(args.operator_pub) if args.operator_pub else None
-    release = TrustStore.from_paths(args.trust) if args.trust else None
+    trust = TrustStore.from_paths(args.operator_pub, kind=OPERATOR) if args.operator_pub else None
+    release = TrustStore.from_paths(args.trust, kind=RELEASE) if args.trust else None
     return Behaviour(health_window_s=args.health_window, rollback_versions=frozenset(args.rollback_version),
                      error_versions=frozenset(args.error_version), fetch=args.fetch, operator_trust=trust,
                      groups=tuple(args.group), release_trust=release,

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from device_agent.errors import MessageTooLargeError, OutboxError
+from device_agent.telemetry import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
 from edgepack_core.errors import EdgepackError, InvalidPublishError, UsageError
 
 if TYPE_CHECKING:  # agent.yaml's defaults come from here: the config must not load paho-mqtt
@@ -55,8 +56,6 @@ KINDS: tuple[Kind, ...] = ("telemetry", "job", "state", "events")
 # Non-job kinds in the order they are sacrificed when the soft bound is reached.
 _DROP_ORDER: tuple[Kind, ...] = ("telemetry", "events", "state")
 
-DEFAULT_MAX_MESSAGES = 10_000  # agent.yaml mqtt.queue.max_messages
-DEFAULT_MAX_BYTES = 16 << 20  # agent.yaml mqtt.queue.max_bytes
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS messages (

@@ -13,9 +13,10 @@ not per read. Otherwise anyone allowed to send a deploy could scan the ports of 
 host (the default allowed origin) by reading job events. The detail goes to the local log at
 debug level only.
 
-One failure is named: a certificate the device cannot verify (``certificate verify failed:
-<OpenSSL's reason> (host:port)``, edgepack_core/tls.py), at once and without the retries, since
-no retry can make it verify. The operator needs it (a private CA not in ``updates.ca``), and it
+Certificate failures are named: a certificate the device cannot verify (``certificate verify
+failed: <OpenSSL's reason> (host:port)``, edgepack_core/tls.py), or a server that refuses the
+device's own certificate (mutual TLS), at once and without the retries, since no retry can
+change either. The operator needs it (a private CA not in ``updates.ca``), and it
 tells a prober only that a port on an allowed origin speaks TLS with a certificate this device
 does not trust; OpenSSL's reasons are fixed texts with the host name the device asked for.
 
@@ -71,6 +72,7 @@ class Bounds:
     any_port_hosts: frozenset[str] = frozenset()
     stall_s: float = STALL_S
     ca: Path | None = None  # agent.yaml updates.ca; None: the system's CAs verify https:// downloads
+    client: tuple[str, str] | None = None  # the device's certificate and key, for a server that asks (mutual TLS)
 
 
 def origin_of(url: str) -> str | None:
@@ -176,21 +178,30 @@ _OPENER = urllib.request.build_opener(_SameOriginRedirects, _HTTPHandler, _HTTPS
 
 
 @functools.lru_cache(maxsize=4)
-def _opener_with(ca: Path) -> urllib.request.OpenerDirector:
-    """An opener that verifies https:// with ``ca`` instead of the system's CAs (made once)."""
-    https = _HTTPSHandler(context=client_context(str(ca)))
+def _opener_with(ca: Path | None, client: tuple[str, str] | None) -> urllib.request.OpenerDirector:
+    """An opener that verifies https:// with ``ca`` (else the system's CAs) and presents
+    ``client`` when the server asks for a certificate (made once per pair)."""
+    cert, key = client if client is not None else (None, None)
+    https = _HTTPSHandler(context=client_context(str(ca) if ca else None, cert, key))
     return urllib.request.build_opener(_SameOriginRedirects, _HTTPHandler, https)
 
 
 def _opener(bounds: Bounds) -> urllib.request.OpenerDirector:
-    return _OPENER if bounds.ca is None else _opener_with(bounds.ca)
+    if bounds.ca is None and bounds.client is None:
+        return _OPENER
+    return _opener_with(bounds.ca, bounds.client)
 
 
 def certificate_failure(err: BaseException, url: str) -> str | None:
-    """The job reason for a certificate this device cannot verify, or None. Only a verify failure
-    is named (module docstring); every other failure stays ``FETCH_FAILED``."""
+    """The job reason for a certificate problem, or None: a server certificate this device cannot
+    verify, or a server that refused (or wanted) the device's. Only these are named (module
+    docstring); every other failure stays ``FETCH_FAILED``."""
     line = tls_failure(err, (origin_of(url) or "").split("://", 1)[-1])
-    if line is None or not line.startswith("certificate verify failed"):
+    if line is None:
+        return None
+    if "client's certificate" in line:
+        return f"{line}; the device presents mqtt.tls.cert and mqtt.tls.key when a server asks for one"
+    if not line.startswith("certificate verify failed"):
         return None
     if "local issuer" in line or "self-signed" in line or "self signed" in line:
         return f"{line}; set updates.ca to the CA that signed it"

@@ -42,10 +42,11 @@ from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
 from device_agent.updates import rejected as R
-from device_agent.updates import settings_apply
+from device_agent.updates import renewal, settings_apply
 from device_agent.updates.admission import DEVICE_STATE_RULES, DevicePolicy, policy_names, refusal, rollback_refusal
 from device_agent.updates.disk import FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
+from device_agent.updates.fetch_logs import LogFetcher
 from device_agent.updates.golden_probe import probe
 from device_agent.updates.health import (
     Probes,
@@ -139,6 +140,8 @@ class UpdateService:
         self.space = FreeSpace(config.store, settings.min_free_bytes)
         self.journal = Journal(config.store / "jobs")
         self.replay = ReplayGuard(config.store / "command-ids.json")
+        self.logs = LogFetcher(getattr(host, "log_ring", None), self.transport, self.topics, self.device_id,
+                               config.logs, time.time())
         # One deploy lane per model name (deploys of two models run side by side, two of one model
         # one after the other), and one for deploys that name no model (key "")
         self._deploys: dict[str, queue.Queue[Job | None]] = {}
@@ -158,7 +161,7 @@ class UpdateService:
         return Bounds(origins=allowed_origins(origins),
                       any_port_hosts=frozenset() if origins else frozenset({broker_host} - {""}),
                       max_bytes=settings.max_download_bytes, deadline_s=settings.download_deadline_s,
-                      min_rate_bytes_s=settings.min_rate_bytes_s, ca=settings.ca)
+                      min_rate_bytes_s=settings.min_rate_bytes_s, ca=settings.ca, client=config.client_certificate())
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -326,9 +329,14 @@ class UpdateService:
             self._reply(command, J.DONE, "pong", record=False)
         elif kind == "get-state":
             self._reply(command, J.DONE, "state", record=False, **self.state_detail())
+        elif kind == "fetch-logs":  # device_agent/updates/fetch_logs.py
+            answer = self.logs.answer(command.id, command.body, time.time())
+            self._reply(command, answer.state, answer.reason, **answer.detail)
         elif kind == "set-telemetry-interval":
             self.reporter.set_interval(float(command.body["seconds"]))
             self._reply(command, J.DONE, f"telemetry every {command.body['seconds']} s")
+        elif kind == "renew-certificate":  # on a thread of its own (device_agent/updates/renewal.py)
+            renewal.start(self.host.config, self.transport, command, self._reply)
         elif kind == "apply-settings":
             settings_apply.handle(self, command)
         elif kind == "cancel":
@@ -336,23 +344,28 @@ class UpdateService:
             self._reply(command, J.DONE if found else J.FAILED,
                         found or f"no queued or running deploy {command.body['job']}")
         else:
-            job = self._new_job(command)
-            model = deploy_target(self.host.models.names, job_model(job))
-            if model is not None:  # job events name the model
-                job = dataclasses.replace(job, detail={"model": model})
-            slot = self.host.models.get(model) if model is not None else None
-            serving = None if slot is None else slot.service.model
-            if kind == "rollback" and serving is not None:
-                job = dataclasses.replace(job, detail={**job.detail, "from_sha256": serving.manifest.model_sha256})
-            self.journal.save(job)
-            self._publish(job)
-            if kind in ("rollback", "remove"):
-                self._supersede_deploys(f"superseded by {kind} {command.id}", model)
-                self._control.put(job)
-            else:
-                self._supersede_deploys(f"superseded by deploy {command.id}", model)
-                self._pending[job.id] = job
-                self._deploy_lane(job).put(job)
+            self._queue(command)
+
+    def _queue(self, command: Command) -> None:
+        """A deploy, rollback or remove: journaled, published, then on its lane."""
+        kind = command.type
+        job = self._new_job(command)
+        model = deploy_target(self.host.models.names, job_model(job))
+        if model is not None:  # job events name the model
+            job = dataclasses.replace(job, detail={"model": model})
+        slot = self.host.models.get(model) if model is not None else None
+        serving = None if slot is None else slot.service.model
+        if kind == "rollback" and serving is not None:
+            job = dataclasses.replace(job, detail={**job.detail, "from_sha256": serving.manifest.model_sha256})
+        self.journal.save(job)
+        self._publish(job)
+        if kind in ("rollback", "remove"):
+            self._supersede_deploys(f"superseded by {kind} {command.id}", model)
+            self._control.put(job)
+        else:
+            self._supersede_deploys(f"superseded by deploy {command.id}", model)
+            self._pending[job.id] = job
+            self._deploy_lane(job).put(job)
 
     def _cancel(self, job_id: str, why: str) -> str:
         """Stop a queued deploy now, or a running one at its next safe point. Returns what was

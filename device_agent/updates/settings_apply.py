@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from device_agent.remote_settings import Held, decide, overlay, save_held
+from device_agent.remote_settings import Held, decide, limits_for, overlay, save_held
 from device_agent.updates import jobs as J
 from edgepack_core.errors import EdgepackError, SchemaError
 from edgepack_core.protocol.commands import Command
@@ -86,9 +86,10 @@ def apply_live(service: Any, held: Held) -> None:
     service.window = config.updates.health_window_s
     service.health = config.updates.health_policy()
     service.bounds = service._bounds(config)
-    limits = config.limits.reader_limits()
-    for store in {id(s): s for s in (host.store, *(slot.store for slot in host.models.slots))}.values():
-        store.limits = limits
+    root_model = next((slot.name for slot in host.models.slots if slot.store is host.store), None)
+    host.store.limits = limits_for(config, values, root_model)
+    for slot in host.models.slots:
+        slot.store.limits = limits_for(config, values, slot.name)
     if config.mqtt is not None:
         service.reporter.set_interval(config.mqtt.telemetry_interval)
         _use_groups(service, list(config.mqtt.groups))

@@ -34,7 +34,7 @@ MAX_LIFETIME_S = 7 * 24 * 3600
 command ids, which stops replays, lasts until expiry and must stay bounded."""
 MAX_REASON_CHARS = 300
 COMMAND_TYPES = ("deploy", "rollback", "cancel", "remove", "ping", "get-state", "set-telemetry-interval",
-                 "apply-settings")
+                 "apply-settings", "fetch-logs", "renew-certificate")
 READ_ONLY_TYPES = ("ping", "get-state")
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from edgepack_core.schema import Validator
 
-PayloadKind = Literal["cmd", "job", "state", "telemetry", "xfer", "events"]
-KINDS: tuple[PayloadKind, ...] = ("cmd", "job", "state", "telemetry", "xfer", "events")
+PayloadKind = Literal["cmd", "job", "state", "telemetry", "xfer", "events", "logs"]
+KINDS: tuple[PayloadKind, ...] = ("cmd", "job", "state", "telemetry", "xfer", "events", "logs")
 
 CMD_SCHEMA_ID = "edgepack.cmd/1"
 JOB_SCHEMA_ID = "edgepack.job/1"
@@ -25,10 +25,12 @@ STATE_SCHEMA_ID = "edgepack.state/1"
 TELEMETRY_SCHEMA_ID = "edgepack.telemetry/1"
 XFER_SCHEMA_ID = "edgepack.xfer/1"
 EVENTS_SCHEMA_ID = "edgepack.events/1"  # generated from edgepack_core.protocol.events.Event
+LOGS_SCHEMA_ID = "edgepack.logs/1"
 
 SCHEMA_IDS: dict[PayloadKind, str] = {
     "cmd": CMD_SCHEMA_ID, "job": JOB_SCHEMA_ID, "state": STATE_SCHEMA_ID,
     "telemetry": TELEMETRY_SCHEMA_ID, "xfer": XFER_SCHEMA_ID, "events": EVENTS_SCHEMA_ID,
+    "logs": LOGS_SCHEMA_ID,
 }
 
 SCHEMA_DIR = Path(__file__).resolve().parent / "schemas"

@@ -11,6 +11,7 @@ here before it can reach a topic string. Everything is pure: no I/O, no paho.
     {root}/grp/{g}/cmd          commands to a group
     {root}/dev/{d}/job          job progress and results
     {root}/dev/{d}/xfer/...     chunked artifact transfer
+    {root}/dev/{d}/logs         log records a fetch-logs command asked for, in chunks
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ MAX_NAME_LENGTH = MAX_ID_LENGTH
 
 _ROOT_LEVEL = re.compile(r"[A-Za-z0-9._-]+")
 
-DeviceTopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "events"]
-TopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "events", "group_cmd"]
-_DEVICE_KINDS: tuple[DeviceTopicKind, ...] = ("state", "telemetry", "cmd", "job", "events")
+DeviceTopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "events", "logs"]
+TopicKind = Literal["state", "telemetry", "cmd", "job", "xfer", "events", "logs", "group_cmd"]
+_DEVICE_KINDS: tuple[DeviceTopicKind, ...] = ("state", "telemetry", "cmd", "job", "events", "logs")
 
 
 def _check_name(field: str, value: object) -> str:
@@ -93,6 +94,9 @@ class Topics:
     def events(self, device_id: str) -> str:
         """Where a device's pipelines publish their events (QoS 1, through the outbox)."""
         return f"{self.root}/dev/{validate_device_id(device_id)}/events"
+
+    def logs(self, device_id: str) -> str:
+        return f"{self.root}/dev/{validate_device_id(device_id)}/logs"
 
     def xfer(self, device_id: str, *levels: str) -> str:
         """``{root}/dev/{d}/xfer/<levels...>``; each level is checked like a name (no wildcards)."""

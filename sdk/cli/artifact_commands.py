@@ -211,9 +211,14 @@ def _open_in_netron(artifact: Path, member: str) -> None:
 
 
 @main.command()
-@click.argument("kind", type=click.Choice(["recipe"]), default="recipe")
+@click.argument("kind", type=click.Choice(["recipe", "alerts"]), default="recipe")
 def schema(kind: str) -> None:
-    """Print the JSON Schema of a recipe (for editors and CI checks)."""
+    """Print the JSON Schema of a recipe, or of fleet serve's --alerts file (for editors and CI checks)."""
+    if kind == "alerts":
+        from sdk.fleet_server.alert_config import ALERTS_SCHEMA
+
+        click.echo(json.dumps(ALERTS_SCHEMA, indent=2))
+        return
     from sdk.recipe import RECIPE_SCHEMA
 
     click.echo(json.dumps(RECIPE_SCHEMA, indent=2))

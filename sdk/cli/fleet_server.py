@@ -11,7 +11,9 @@ import click
 
 from sdk.broker import BrokerOptions
 from sdk.cli.broker_options import broker_options
+from sdk.cli.enroll import enroll_options
 from sdk.cli.fleet import fleet
+from sdk.cli.fleet_db import database_url, db_password_option
 from sdk.errors import ServerConfigError
 
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -59,9 +61,14 @@ def _tls(cert: Path | None, key: Path | None, client_ca: Path | None) -> Any:
 
 @fleet.command()
 @broker_options(cert_flag="--broker-tls-cert", key_flag="--broker-tls-key")
+@enroll_options
 @click.option("--db", "db_url", default="sqlite:///fleet.db", show_default=True, envvar="EDGEPACK_FLEET_DB",
               help="Database URL: sqlite:///FILE (WAL; one server) or postgresql://USER@HOST/DB (several servers; "
-                   "or EDGEPACK_FLEET_DB).")
+                   "or EDGEPACK_FLEET_DB); its password from --db-password-file or EDGEPACK_DB_PASSWORD.")
+@db_password_option
+@click.option("--alerts", "alerts_file", type=_FILE,
+              help="Alert rules and where alerts go (webhooks, an MQTT topic): a YAML file (docs/fleet-server.md, "
+                   "\"Alerts\").")
 @click.option("--listen", default="127.0.0.1:8760", show_default=True, help="HOST:PORT of the HTTP API.")
 @click.option("--artifacts", "artifacts_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("artifacts"), show_default=True, help="Folder of the artifact store.")
@@ -138,16 +145,19 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
           body_min_rate: str,
           max_connections: int, init: bool, artifact_recheck: str, budget_job: str, budget_state: str,
           budget_telemetry: str, job_events_kept: int, per_server_urls: bool, audit_keep_days: int,
-          https_cert: Path | None, https_key: Path | None, https_client_ca: Path | None) -> None:
+          https_cert: Path | None, https_key: Path | None, https_client_ca: Path | None,
+          db_password_file: Path | None, alerts_file: Path | None, enroll: Any) -> None:
     """Run the fleet server: store state, telemetry and jobs, drive rollouts, serve the REST API.
 
     Devices, telemetry and job events are kept in the database; rollouts run on the server and
     survive its restart; the API (docs/fleet-server.md) needs the bearer token."""
     try:
+        from sdk.fleet_server.alert_config import load_alerts
         from sdk.fleet_server.budgets import IngestLimits
         from sdk.fleet_server.driver import DriverConfig
         from sdk.fleet_server.http_limits import HttpLimits
         from sdk.fleet_server.retention import RetentionPolicy
+        from sdk.fleet_server.schema_upgrade import quiet_alembic
         from sdk.fleet_server.server import ServerConfig
         from sdk.fleet_server.server import serve as run_server
     except ImportError as err:
@@ -155,6 +165,9 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                                 f"{err}") from err
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("edgepack.mqtt").setLevel(logging.WARNING)
+    quiet_alembic(verbose=bool(click.get_current_context().find_root().meta.get("edgepack.verbose")))
+    db_url = database_url(db_url, db_password_file)
+    alerts = load_alerts(alerts_file) if alerts_file is not None else None
     retention = RetentionPolicy(raw_s=_duration(retention_raw), rollup_s=_duration(retention_rollups),
                                 step_s=rollup_step, interval_s=_duration(prune_interval),
                                 audit_s=audit_keep_days * 86400.0)
@@ -172,15 +185,16 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
                           max_upload=parse_size(max_upload), driver=driver,
                           http=http, init=init, artifact_recheck_s=_duration(artifact_recheck),
                           ingest_limits=limits, job_events_kept=job_events_kept, per_server_urls=per_server_urls,
-                          tls=_tls(https_cert, https_key, https_client_ca))
+                          tls=_tls(https_cert, https_key, https_client_ca), alerts=alerts, enroll=enroll)
     run_server(config)
 
 
 @fleet.command()
 @click.option("--db", "db_url", envvar="EDGEPACK_FLEET_DB", required=True,
               help="The fleet server's database URL (as given to fleet serve; or EDGEPACK_FLEET_DB).")
+@db_password_option
 @click.argument("out", type=click.Path(dir_okay=False, writable=True, path_type=Path))
-def backup(db_url: str, out: Path) -> None:
+def backup(db_url: str, out: Path, db_password_file: Path | None) -> None:
     """Write a consistent copy of the fleet's database to OUT while servers run.
 
     SQLite: the online backup API (a plain copy of a WAL database can miss commits). PostgreSQL:
@@ -190,4 +204,4 @@ def backup(db_url: str, out: Path) -> None:
     except ImportError as err:
         raise ServerConfigError(f"edgepack fleet backup needs the server extra (pip install 'edgepack[server]'): "
                                 f"{err}") from err
-    click.echo(run_backup(db_url, out))
+    click.echo(run_backup(database_url(db_url, db_password_file), out))

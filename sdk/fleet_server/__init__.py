@@ -5,7 +5,7 @@ One module per concern; the pure decisions are separate from the I/O around them
 | module | job |
 | --- | --- |
 | :mod:`.db` | the tables (SQLAlchemy Core), engines for SQLite (WAL) and PostgreSQL, write transactions |
-| :mod:`.migrations` | Alembic environment and versions, run at start (:func:`.db.migrate`) |
+| :mod:`.migrations` | Alembic environment and versions, run at start (:func:`.schema_upgrade.migrate`) |
 | :mod:`.ingest` | the MQTT consumer (messages parsed by :mod:`edgepack_core.protocol.messages`): state and |
 | | jobs on a persistent session acknowledged after commit, |
 | | telemetry through an MQTT 5 shared subscription; batched writes; counters |

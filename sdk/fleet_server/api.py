@@ -23,9 +23,7 @@ Blocking work (database, verification) runs in Starlette's thread pool, never on
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -53,6 +51,7 @@ from sdk.fleet_server import (
     audit,
     bad_releases,
     desired,
+    device_logs,
     history,
     openapi,
     queries,
@@ -60,15 +59,24 @@ from sdk.fleet_server import (
     settings_api,
     wave_waits,
 )
+from sdk.fleet_server.alerts_http import list_alerts
 from sdk.fleet_server.artifacts import ArtifactStore, check_sha256
 from sdk.fleet_server.auth import TokenCheck
-from sdk.fleet_server.db import Database, is_disk_full
+from sdk.fleet_server.db import Database
+from sdk.fleet_server.disk import is_disk_full
+from sdk.fleet_server.http_input import (  # noqa: F401  (read_json, Params, ... are imported from here too)
+    MAX_JSON_BYTES,
+    Params,
+    _path_id,
+    _remote,
+    _validate,
+    read_json,
+)
 from sdk.fleet_server.retention import RetentionPolicy
 from sdk.fleet_server.rollouts import STATES, Gates, check_gates
 
 log = logging.getLogger("edgepack.fleet_server.api")
 
-MAX_JSON_BYTES = 64 * 1024
 MAX_ROLLOUT_JSON_BYTES = 8 * 1024 * 1024  # a rollout may list up to 100,000 devices
 UI_DIR = Path(__file__).resolve().parent / "ui"
 SECURITY_HEADERS = [
@@ -110,6 +118,7 @@ class ApiContext:
     auth_failures: int = 0
     requests: int = 0
     ui_dir: Path = UI_DIR
+    enrollment: Any = None  # an enrollment.Enrollment (sdk/fleet_server/enrollment_api.py); None: off
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -201,105 +210,6 @@ class SecurityHeaders:
             await send(message)
 
         await self.app(scope, receive, with_headers)
-
-
-# --------------------------------------------------------------------------- input
-
-
-def _refuse_constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-async def read_json(request: Request, limit: int = MAX_JSON_BYTES, *, optional: bool = False) -> dict[str, Any]:
-    """The request's body as one JSON object, bounded before it is read and parsed."""
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes")
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise ApiError(413, "too_large", f"the body is over the limit of {limit} bytes")
-    except ClientDisconnect:  # from None: a disconnect has nothing more to say
-        raise ApiError(400, "invalid", "the client went away before the body was complete") from None
-    if not body and optional:
-        return {}
-    try:
-        document = json.loads(bytes(body), parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise ApiError(400, "invalid", f"the body is not JSON: {str(err)[:200]}") from err
-    if not isinstance(document, dict):
-        raise ApiError(400, "invalid", "the body must be a JSON object")
-    return document
-
-
-def _validate(validator: Validator, document: dict[str, Any]) -> None:
-    try:
-        validator.validate(document)
-    except SchemaError as err:
-        raise ApiError(400, "invalid", str(err)) from err
-
-
-class Params:
-    """Typed, bounded query parameters; unknown ones are refused (a typo must not be ignored)."""
-
-    def __init__(self, request: Request, allowed: set[str]) -> None:
-        self.values = request.query_params
-        unknown = sorted(set(self.values.keys()) - allowed)
-        if unknown:
-            raise ApiError(400, "invalid", f"unknown query parameter {unknown[0]!r} (allowed: "
-                                           f"{', '.join(sorted(allowed)) or 'none'})")
-        for key in self.values:
-            if len(self.values.getlist(key)) > 1:
-                raise ApiError(400, "invalid", f"query parameter {key!r} given twice")
-
-    def text(self, name: str, *, id_like: bool = False, limit: int = 128) -> str | None:
-        value = self.values.get(name)
-        if value is None:
-            return None
-        if len(value) > limit or (id_like and not is_valid_id(value)):
-            raise ApiError(400, "invalid", f"{name}: {value[:64]!r} is not a valid value")
-        return value
-
-    def integer(self, name: str, default: int, low: int, high: int) -> int:
-        value = self.values.get(name)
-        if value is None:
-            return default
-        if not value.lstrip("-").isdigit() or len(value) > 18 or not low <= int(value) <= high:
-            raise ApiError(400, "invalid", f"{name}: must be a whole number in {low}..{high}")
-        return int(value)
-
-    def number(self, name: str, default: float) -> float:
-        value = self.values.get(name)
-        if value is None:
-            return default
-        try:
-            number = float(value) if len(value) <= 32 else math.nan
-        except ValueError:
-            number = math.nan
-        if not math.isfinite(number) or number < 0:
-            raise ApiError(400, "invalid", f"{name}: must be a non-negative number (unix seconds)")
-        return number
-
-    def boolean(self, name: str) -> bool | None:
-        value = self.values.get(name)
-        if value is None:
-            return None
-        if value not in ("true", "false"):
-            raise ApiError(400, "invalid", f"{name}: must be true or false")
-        return value == "true"
-
-
-def _path_id(request: Request, name: str) -> str:
-    value = request.path_params[name]
-    if not is_valid_id(value):
-        raise ApiError(404, "not_found", f"no such {name.removesuffix('_id')}")
-    return value
-
-
-def _remote(request: Request) -> str:
-    return f"{request.client.host}:{request.client.port}" if request.client else ""
 
 
 # --------------------------------------------------------------------------- routes
@@ -636,6 +546,7 @@ def _artifact_sha(request: Request) -> str:
 
 def build_app(context: ApiContext) -> Starlette:
     """The ASGI application."""
+    from sdk.fleet_server import enrollment_api  # it builds on this module
     from sdk.fleet_server.users_api import UserRoutes  # it imports this module's helpers
 
     r = Routes(context)
@@ -649,12 +560,16 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/status", guard(r.status), methods=["GET"]),
         Route("/api/devices", guard(r.devices), methods=["GET"]),
         Route("/api/devices/{device_id}", guard(r.device), methods=["GET"]),
-        Route("/api/devices/{device_id}", guard(r.decommission, "device.decommission"), methods=["DELETE"]),
+        enrollment_api.decommission_route(context, guard, r.decommission),
+        *enrollment_api.routes(context, guard),
         Route("/api/devices/{device_id}/enroll", guard(r.enroll, "device.enroll"), methods=["POST"]),
         Route("/api/devices/{device_id}/actions/{action}", guard(r.device_action, "device.action"), methods=["POST"]),
         Route("/api/decommissioned", guard(r.decommissioned), methods=["GET"]),
         Route("/api/devices/{device_id}/telemetry", guard(r.device_telemetry), methods=["GET"]),
         Route("/api/devices/{device_id}/history", guard(r.device_history), methods=["GET"]),
+        Route("/api/devices/{device_id}/logs", guard(device_logs.read_handler(context)), methods=["GET"]),
+        Route("/api/devices/{device_id}/logs/fetch", guard(device_logs.fetch_handler(context), "logs.fetch"),
+              methods=["POST"]),
         Route("/api/devices/{device_id}/groups", guard(r.set_groups, "device.groups"), methods=["PUT"]),
         Route("/api/devices/{device_id}/target", guard(r.device_target), methods=["GET"]),
         Route("/api/targets", guard(r.targets), methods=["GET"]),
@@ -679,6 +594,7 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/tokens", guard(u.create_token, "token.create"), methods=["POST"]),
         Route("/api/tokens/{name}", guard(u.revoke_token, "token.revoke"), methods=["DELETE"]),
         *settings_api.routes(context, guard),
+        Route("/api/alerts", guard(list_alerts(context.database)), methods=["GET"]),
         Route("/artifacts/{file_name}", r.artifact_file, methods=["GET"]),
         Mount("/ui", app=StaticFiles(directory=context.ui_dir, html=True, check_dir=False), name="ui"),
     ]

@@ -43,6 +43,7 @@ from edgepack_core.fsutil import atomic_write, fsync_dir, sha256_file
 from edgepack_core.signing import TrustStore
 from sdk.deploy.server import parse_range
 from sdk.errors import ApiError
+from sdk.fleet_server.disk import private_store_dir
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 FILE_NAME = re.compile(r"([0-9a-f]{64})\.edgepkg")
@@ -164,6 +165,7 @@ class ArtifactStore:
         self.directory = Path(directory)
         self.incoming = self.directory / ".incoming"
         self.quarantine = self.directory / ".quarantine"
+        private_store_dir(self.directory)  # 0700, or tightened to it
         self.incoming.mkdir(parents=True, exist_ok=True)
         self.recheck_s = recheck_s
         self._checked: dict[str, tuple[tuple[int, ...], float]] = {}  # sha: (stat identity, when hashed)

@@ -44,6 +44,8 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from sdk.errors import FleetServerError, ServerConfigError
+from sdk.fleet_server.disk import private_database_file
+from sdk.fleet_server.startup import new_fleet_refusal
 
 log = logging.getLogger("edgepack.fleet_server.db")
 
@@ -457,7 +459,7 @@ class Database:
         parsed = make_url(self.url)
         self.dialect = parsed.get_backend_name()
         if self.dialect == "sqlite":
-            _database_file(parsed).resolve().parent.mkdir(parents=True, exist_ok=True)
+            private_database_file(_database_file(parsed).resolve())  # 0600, or tightened to it
             self.engine: Engine = create_engine(self.url, connect_args={"check_same_thread": False, "timeout": 10},
                                                 pool_size=pool_size, max_overflow=8)
             event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -531,13 +533,6 @@ class Database:
             log.warning("the SQLite checkpoint at stop was blocked by another connection: the WAL keeps data")
 
 
-def is_disk_full(err: BaseException) -> bool:
-    """Whether a database error says there is no space left: SQLite's ``SQLITE_FULL`` ("database
-    or disk is full"), PostgreSQL's ``disk_full`` (SQLSTATE 53100)."""
-    cause = getattr(err, "orig", None) or err
-    return getattr(cause, "sqlite_errorcode", None) == 13 or getattr(cause, "sqlstate", None) == "53100"
-
-
 def sqlite_file(url: str) -> Path | None:
     """The file of a ``sqlite:///`` URL (None for other databases)."""
     parsed = make_url(normalise_url(url))
@@ -557,27 +552,6 @@ def has_fleet_schema(database: Database) -> bool:
 
     names = set(inspect(database.engine).get_table_names())
     return "alembic_version" in names or bool(names & set(metadata.tables))
-
-
-def new_fleet_refusal(*, has_schema: bool, empty_file: bool, stored_artifacts: int, init: bool,
-                      where: str) -> str | None:
-    """Why the server must not start on this database, or None. Pure.
-
-    A database without a fleet schema beside an artifact store that holds artifacts, or a
-    SQLite file of 0 bytes, is a fleet whose database was lost or damaged, not a new fleet:
-    starting would serve an empty fleet without a word. ``--init`` says a new fleet is meant;
-    on a database that holds one it is refused (it would mean the operator expected none)."""
-    if has_schema:
-        return f"--init: {where} already holds a fleet; start without --init" if init else None
-    if init:
-        return None
-    if empty_file:
-        return (f"{where} is an empty file (0 bytes), not a fleet: restore it from a backup, or start with --init "
-                "to create a new, empty fleet")
-    if stored_artifacts:
-        return (f"{where} holds no fleet but the artifact store holds {stored_artifacts} artifact(s): restore the "
-                "database from a backup, or start with --init to create a new fleet beside them")
-    return None
 
 
 def open_database(url: str, *, migrate_schema: bool = True, stored_artifacts: int | None = None,
@@ -610,6 +584,8 @@ def open_database(url: str, *, migrate_schema: bool = True, stored_artifacts: in
             database.dispose()
             raise
         if migrate_schema:
+            from sdk.fleet_server.schema_upgrade import migrate
+
             migrate(database)
     except SQLAlchemyError as err:
         database.dispose()
@@ -619,36 +595,6 @@ def open_database(url: str, *, migrate_schema: bool = True, stored_artifacts: in
     return database
 
 
-MIGRATION_LOCK = 0x6564_6765_7061_636B  # "edgepack": the PostgreSQL advisory lock held while migrating
-
-
-def migrate(database: Database) -> None:
-    """Upgrade the schema to the newest Alembic revision (programmatically, at start). Two
-    servers starting together on PostgreSQL take turns through an advisory lock."""
-    from alembic import command
-    from alembic.config import Config
-    from alembic.util.exc import CommandError
-
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # its per-plugin INFO lines are noise at start
-
-    config = Config()
-    config.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
-    with database.engine.connect() as connection:
-        if not database.is_sqlite:
-            connection.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK})")
-            connection.commit()
-        try:
-            config.attributes["connection"] = connection
-            try:
-                command.upgrade(config, "head")
-            except CommandError as err:  # a revision this release does not know: a newer one migrated it
-                raise FleetServerError(f"the database's schema is from a newer Edgepack release ({err}): run the "
-                                       "release that migrated it, or restore a backup taken before") from err
-            connection.commit()
-        finally:
-            if not database.is_sqlite:
-                connection.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK})")
-                connection.commit()
-
-
 from sdk.fleet_server import users as _users  # noqa: E402,F401  isort: skip  (its api_tokens table joins metadata)
+from sdk.fleet_server import alert_table as _alert_table  # noqa: E402,F401  isort: skip  (the alerts table)
+from sdk.fleet_server import log_tables  # noqa: E402,F401  its tables join metadata (db.py is over 600 lines)

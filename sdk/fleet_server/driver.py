@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Float, and_, case, cast, func, select, update
+from sqlalchemy import Float, and_, cast, func, select, update
 from sqlalchemy.engine import Connection
 
 from edgepack_core import faults
@@ -46,10 +46,11 @@ from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.commands import build_command, encode_command
 from edgepack_core.protocol.topics import Topics
 from edgepack_core.signing import SigningKey
-from sdk.fleet_server import audit, bad_releases, settings_db
+from sdk.fleet_server import audit, bad_releases, settings_db, target_round
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database
-from sdk.fleet_server.desired import View, apply_staged, load_plan
+from sdk.fleet_server.desired import apply_staged
+from sdk.fleet_server.lease import LEASE_NAME, Lease  # noqa: F401  (imported from here by others)
 from sdk.fleet_server.rollouts import (
     NOT_SENT,
     RUNNING,
@@ -65,24 +66,11 @@ from sdk.fleet_server.rollouts import (
     transition,
 )
 from sdk.fleet_server.settings import signer_for
-from sdk.fleet_server.targets import ABSENT, Decision, marked_bad
+from sdk.fleet_server.targets import marked_bad
 
 log = logging.getLogger("edgepack.fleet_server.driver")
 
 
-class _Available(dict[str, bool]):
-    """sha256 -> whether this server's store can serve it, asked on first use."""
-
-    def __init__(self, check: Callable[[str], bool]) -> None:
-        super().__init__()
-        self.check = check
-
-    def get(self, key: str, default: Any = None) -> bool:
-        if key not in self:
-            self[key] = self.check(key)
-        return self[key]
-
-LEASE_NAME = "driver"
 @dataclass(frozen=True)
 class DriverConfig:
     tick_s: float = 0.5
@@ -104,43 +92,6 @@ def _one_line(err: BaseException) -> str:
     """An exception as one bounded line (it becomes a rollout's reason)."""
     text = " ".join(str(err).split()) or type(err).__name__
     return text[:500]
-
-
-class Lease:
-    """A named lease in the database: one holder at a time, until ``expires_at``.
-
-    Taking it is one conditional UPDATE (``holder = me OR expires_at < now``), atomic on both
-    backends; the row is created on first use. Servers compare their own clocks with the
-    stored expiry, so their clocks must agree to well within the TTL (NTP)."""
-
-    def __init__(self, database: Database, holder: str, ttl_s: float, name: str = LEASE_NAME) -> None:
-        self.database, self.holder, self.ttl_s, self.name = database, holder, ttl_s, name
-
-    def hold(self, now: float) -> bool:
-        """Take or renew the lease; True while this holder has it."""
-        leases = tables.leases
-        with self.database.write() as connection:
-            connection.execute(self.database.insert(leases).on_conflict_do_nothing(),
-                               {"name": self.name, "holder": self.holder, "expires_at": now + self.ttl_s,
-                                "acquired_at": now})
-            result = connection.execute(
-                update(leases).where(leases.c.name == self.name,
-                                     (leases.c.holder == self.holder) | (leases.c.expires_at < now))
-                .values(holder=self.holder, expires_at=now + self.ttl_s,
-                        acquired_at=case((leases.c.holder == self.holder, leases.c.acquired_at), else_=now)))
-        return bool(result.rowcount)
-
-    def release(self) -> None:
-        """Give the lease up now (a clean stop), so another server need not wait for the expiry."""
-        leases = tables.leases
-        with self.database.write() as connection:
-            connection.execute(update(leases).where(leases.c.name == self.name, leases.c.holder == self.holder)
-                               .values(expires_at=0.0))
-
-    def current(self) -> dict[str, Any] | None:
-        with self.database.read() as connection:
-            row = connection.execute(select(tables.leases).where(tables.leases.c.name == self.name)).mappings().first()
-        return None if row is None else dict(row)
 
 
 def rollout_of(row: Any) -> Rollout:
@@ -306,53 +257,8 @@ class Driver:
     # ---------------------------------------------------------------- targets
 
     def _reconcile(self, now: float) -> None:
-        """Send each device that differs from its effective target, and may get a command now,
-        the signed deploy the pure :func:`~.targets.reconcile` chose (:mod:`.desired` reads the
-        inputs from the database, so this resumes from targets and reported states alone)."""
-        with self.database.read() as connection:
-            if connection.execute(select(tables.target_entries.c.model).limit(1)).first() is None:
-                return
-            view = View(now, self.config.silence_s, self.config.command_ttl_s)
-            plans = load_plan(connection, view, available=_Available(self.artifact_available))
-        sends = [plan for plan in plans if plan.decision.kind == "send"]
-        self.converged = sum(plan.decision.kind == "converged" for plan in plans)
-        if not sends:
-            return
-        to_publish: list[dict[str, Any]] = []
-        with self.database.write() as connection:
-            for plan in sends:
-                recorded = self._record_target_command(connection, plan.device, plan.decision, now)
-                if recorded is not None:
-                    to_publish.append(recorded)
-        faults.point("fleet-recorded-targets")
-        self._publish(to_publish, now)
-        if to_publish:
-            log.info("targets: %d deploy(s) sent (%s)", len(to_publish),
-                     ", ".join(f"{c['device']}" for c in to_publish[:10]))
-
-    def _record_target_command(self, connection: Connection, device: str, decision: Decision,
-                               now: float) -> dict[str, Any] | None:
-        """Record one reconciler deploy (its target_commands row and its signed bytes); the
-        command to publish if this call created it. A downgrade is signed: the operator chose it."""
-        new = self.database.insert_new(connection, tables.target_commands, {
-            "id": decision.command_id, "device": device, "model": decision.model, "artifact": decision.artifact,
-            "source": decision.source, "revision": decision.revision, "attempt": decision.attempt,
-            "created_at": now})
-        if not new:
-            return None
-        if decision.artifact == ABSENT:  # the target says the model must not be there: the signed remove
-            removal = build_command("remove", device=device, command_id=decision.command_id,
-                                    ttl_s=self.config.command_ttl_s, now=now, model=decision.model)
-            self.target_sent += 1
-            return self._record(connection, None, device, "remove", removal, now)
-        artifact = connection.execute(select(tables.artifacts).where(
-            tables.artifacts.c.sha256 == decision.artifact)).one()
-        command = build_command("deploy", device=device, command_id=decision.command_id,
-                                ttl_s=self.config.command_ttl_s, now=now, name=artifact.name,
-                                version=artifact.version, size=artifact.size, sha256=artifact.sha256,
-                                artifact={"url": self.artifact_url(artifact.sha256)}, force_downgrade=True)
-        self.target_sent += 1
-        return self._record(connection, None, device, "deploy", command, now)
+        """The targets' round (:func:`.target_round.reconcile`)."""
+        target_round.reconcile(self, now)
 
     def _advance_alone(self, row: Any, now: float) -> None:
         """One rollout's round, isolated: what it raises is counted against that rollout alone

@@ -40,6 +40,9 @@ SUCCEEDED, FAILED, CANCELLED, IN_PROGRESS, SENT, UNANSWERED, NOT_SENT = (
     "not_sent",
 )
 OUTCOMES = (SUCCEEDED, FAILED, CANCELLED, IN_PROGRESS, SENT, UNANSWERED, NOT_SENT)
+NOT_UPDATES = ("fetch-logs",)
+"""Command types that are not part of the update history: a log fetch (the device page's live
+tail sends one every few seconds) is read through the logs API (sdk/fleet_server/device_logs.py)."""
 
 
 def not_sent_reason(wave: int, rollout_state: str) -> str:
@@ -88,7 +91,7 @@ def _sent(connection: Connection, device: str, page: Page) -> list[dict[str, Any
             targets.c.source,
         )
         .select_from(commands.outerjoin(targets, targets.c.id == commands.c.id))
-        .where(commands.c.device == device)
+        .where(commands.c.device == device, commands.c.kind.not_in(NOT_UPDATES))
     )
     if page.before is not None:
         query = query.where(commands.c.created_at < page.before)
@@ -122,7 +125,8 @@ def _answered_only(connection: Connection, device: str, page: Page) -> list[dict
     first = func.min(events.c.received_at)
     query = (
         select(events.c.job, func.max(events.c.type), first)
-        .where(events.c.device == device, events.c.job.not_in(select(commands.c.id).where(commands.c.device == device)))
+        .where(events.c.device == device, events.c.type.not_in(NOT_UPDATES),
+               events.c.job.not_in(select(commands.c.id).where(commands.c.device == device)))
         .group_by(events.c.job)
     )
     if page.before is not None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from edgepack_core.protocol.ids import ID_PATTERN
-from sdk.fleet_server import settings_api
+from sdk.fleet_server import alerts_http, settings_api
 from sdk.fleet_server.actions import ACTION_REQUEST_SCHEMA, ACTIONS
 from sdk.fleet_server.bad_releases import REQUEST_SCHEMA as BAD_REQUEST_SCHEMA
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
+from sdk.fleet_server.device_logs import OPENAPI_OPERATIONS as LOG_OPERATIONS
+from sdk.fleet_server.enrollment_openapi import OPERATIONS as ENROLLMENT_OPERATIONS
 from sdk.fleet_server.history import DEFAULT_PAGE as HISTORY_DEFAULT_PAGE
 from sdk.fleet_server.history import MAX_PAGE as HISTORY_MAX_PAGE
 from sdk.fleet_server.history import OUTCOMES as HISTORY_OUTCOMES
@@ -339,6 +341,7 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                               "only jobs started before this time (unix seconds; the previous page's next_before)")],
         "responses": {"200": _json("the history", _ref("DeviceHistory")),
                       "404": _json("no such device", _ref("Error"))}}),
+    *LOG_OPERATIONS,
     ("put", "/api/devices/{device_id}/groups", {
         "summary": "Enroll a device in exactly these groups (audited as device.groups); rollouts target enrolled "
                    "groups only, never what a device claims",
@@ -468,6 +471,7 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
       for action, what in (("pause", "no new commands; jobs already sent go on"),
                            ("resume", "the wave's clocks skip the paused time"),
                            ("abort", "final; no new commands"))],
+    *alerts_http.OPERATIONS,
     ("get", "/artifacts/{file_name}", {
         "summary": "An artifact's bytes, with HTTP Range (no token: devices fetch it; they verify the signature)",
         "security": [],
@@ -477,6 +481,9 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                       "410": _json("the stored file was damaged and is quarantined (upload it again)", _ref("Error")),
                       "416": {"description": "range past the end"}}}),
 ]
+
+
+OPERATIONS += ENROLLMENT_OPERATIONS
 
 
 def describe() -> dict[str, Any]:

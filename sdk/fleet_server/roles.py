@@ -42,6 +42,7 @@ PERMISSIONS: dict[str, str] = {
     "token.list": "admin",
     "token.revoke": "admin",
     "device.enroll": "admin",
+    "device.enroll_identity": "admin",
     "device.decommission": "admin",
     "device.revoke": "admin",
     "device.rotate": "admin",

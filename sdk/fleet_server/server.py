@@ -19,24 +19,28 @@ import socket
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.signing import RELEASE, SigningKey, TrustStore
-from sdk.broker import BrokerOptions
+from sdk.broker import BrokerOptions, parse_broker
 from sdk.errors import ServerConfigError
 from sdk.fleet_server import queries
+from sdk.fleet_server.alert_config import AlertsConfig
+from sdk.fleet_server.alert_runner import AlertRunner, start_alerts
 from sdk.fleet_server.api import ApiContext, build_app
 from sdk.fleet_server.artifacts import DEFAULT_MAX_UPLOAD, DEFAULT_RECHECK_S, ArtifactStore
 from sdk.fleet_server.auth import TokenCheck, read_token_file
 from sdk.fleet_server.budgets import IngestLimits
 from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.driver import Driver, DriverConfig, Lease
+from sdk.fleet_server.enrollment import Broker, EnrollConfig, Enrollment
 from sdk.fleet_server.http_limits import ACCEPT_BACKLOG, HttpLimits
 from sdk.fleet_server.ingest import Ingest
+from sdk.fleet_server.log_ingest import LogIngest
 from sdk.fleet_server.retention import JOB_ROWS_PER_DEVICE, Pruner, RetentionPolicy
 from sdk.fleet_server.startup import joining_problem
 from sdk.fleet_server.tls_context import ServerTls, server_context
@@ -101,7 +105,9 @@ class ServerConfig:
     ingest_limits: IngestLimits = field(default_factory=IngestLimits)
     job_events_kept: int = JOB_ROWS_PER_DEVICE  # per device, the newest
     per_server_urls: bool = False  # several servers without --public-url: devices allow every server's origin
+    enroll: EnrollConfig = field(default_factory=EnrollConfig)
     tls: ServerTls | None = None  # HTTPS on --listen (tls_context.py, tls_listener.py)
+    alerts: AlertsConfig | None = None  # --alerts FILE: rules and sinks (sdk/fleet_server/alert_runner.py)
 
     def resolved_id(self) -> str:
         server_id = self.server_id or default_server_id(self.listen)
@@ -141,8 +147,12 @@ class FleetServer:
         self.started_at = time.time()
         self.database: Database | None = None
         self.ingest: Ingest | None = None
+        self.logs: LogIngest | None = None
         self.driver: Driver | None = None
         self.pruner: Pruner | None = None
+        self.enrollment: Enrollment | None = None
+        self._files_stop = threading.Event()
+        self.alerts: AlertRunner | None = None
         self._threads: list[threading.Thread] = []
         self._api: ApiContext | None = None
         self.http_guard: Guard | None = None  # the connection guard, once serve() made it
@@ -171,9 +181,13 @@ class FleetServer:
         self.ingest = Ingest(self.database, self.config.broker, server_id=self.server_id,
                              limits=self.config.ingest_limits,
                              share_group=self.config.share_group)
+        self.logs = LogIngest(self.database, self.config.broker, server_id=self.server_id,
+                              share_group=self.config.share_group)  # device logs (fetch-logs answers)
         try:
             self.ingest.start()
+            self.logs.start()
         except EdgepackError:
+            self.logs.stop()
             self.ingest.stop()
             raise
         assert self.ingest.control is not None
@@ -182,11 +196,48 @@ class FleetServer:
                              artifact_available=lambda sha: self.public_url is not None or self.store.has(sha),
                              rotation_keys=self.operator_keys[1:])
         self._next_prune = time.time() + self.config.retention.interval_s
+        self._start_enrollment()
+        if self.config.alerts is not None:
+            self.alerts = start_alerts(self.database, self.config.alerts, self.ingest.control, server_id=self.server_id)
         thread = threading.Thread(target=self.driver.run, name="fleet-driver", daemon=True)
         thread.start()
         self._threads.append(thread)
         log.info("fleet server %s: database %s, broker %s, artifacts %s", self.server_id, self.database.dialect,
                  self.config.broker.address, self.config.artifacts_dir)
+
+    def _start_enrollment(self) -> None:
+        """Device enrollment (sdk/fleet_server/enrollment.py) and its broker files: written now (a
+        broker with ``crlfile`` needs the CRL to start) and kept current by their own thread."""
+        assert self.database is not None
+        enroll = self.config.enroll
+        broker = enroll.broker
+        if broker is None:
+            host, port = parse_broker(self.config.broker.address)
+            broker = Broker(host, port, self.config.broker.tls is not None)
+        extra = ""
+        if enroll.broker_ca is not None:
+            try:
+                extra = enroll.broker_ca.read_text()
+            except (OSError, UnicodeDecodeError) as err:
+                raise ServerConfigError(f"cannot read --broker-ca {enroll.broker_ca}: {err}") from err
+        files = replace(enroll.files, root=self.config.broker.topic_root)
+        self.enrollment = Enrollment(self.database, enroll.ca_dir, broker, enroll.validity_days, extra, files)
+        self._next_renewal = 0.0
+        if files.acl or files.crl or files.passwords:
+            self.enrollment.refresh_files()
+            thread = threading.Thread(target=self._keep_broker_files, name="fleet-broker-files", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _keep_broker_files(self) -> None:
+        """Rewrite the broker files when the database says otherwise (another server enrolled a
+        device, an operator changed its groups)."""
+        assert self.enrollment is not None
+        while not self._files_stop.wait(self.config.enroll.files_interval_s):
+            try:
+                self.enrollment.refresh_files()
+            except Exception:  # retried at the next interval; the files keep their last content
+                log.exception("writing the broker files failed")
 
     def _clear_retained_state(self, device: str) -> None:
         """Publish the empty retained state that removes a decommissioned device from the broker
@@ -197,20 +248,36 @@ class FleetServer:
 
     def _on_lead(self, now: float) -> None:
         """Called by the driver on each round it leads: the retention job runs there, on one server."""
+        if now >= self._next_renewal and self.enrollment is not None and self.driver is not None:
+            self._next_renewal = now + self.config.enroll.renew_interval_s
+            try:
+                self.enrollment.send_renewals(self.driver, now)
+            except Exception:  # retried at the next interval
+                log.exception("sending certificate renewals failed")
         if now >= self._next_prune and self.pruner is not None:
             self._next_prune = now + self.config.retention.interval_s
             try:
                 self.pruner.run_once(now)
             except Exception:  # retried at the next interval; never stops the rollouts
                 log.exception("telemetry pruning failed")
+        if self.alerts is not None:
+            try:
+                self.alerts.maybe_run(now)
+            except Exception:  # judged again at the next interval; never stops the rollouts
+                log.exception("judging the alert rules failed")
 
     def stop(self) -> None:
+        self._files_stop.set()
         if self.driver is not None:
             self.driver.stop()
         for thread in self._threads:
             thread.join(15)
+        if self.alerts is not None:
+            self.alerts.stop()
         if self.ingest is not None:
             self.ingest.stop()
+        if self.logs is not None:
+            self.logs.stop()
         if self.database is not None:
             self.database.close()  # on SQLite: the WAL checkpointed into the file
 
@@ -231,6 +298,7 @@ class FleetServer:
                        "rate_per_s": round(self.ingest.rate(time.time()), 3),
                        "control_connected": bool(self.ingest.control and self.ingest.control.connected),
                        "telemetry_connected": bool(self.ingest.telemetry and self.ingest.telemetry.connected)},
+            "logs": {name: dict(counter) for name, counter in self.logs.counters.items()} if self.logs else {},
             "driver": {"ticks": self.driver.ticks, "sent": self.driver.sent, "resent": self.driver.resent,
                        "refused_by_broker": self.driver.refused_by_broker,
                        "rollout_errors": self.driver.rollout_errors,
@@ -243,6 +311,7 @@ class FleetServer:
                           "folded": self.pruner.folded if self.pruner else 0},
             "artifact_base_url": self.artifact_url("0" * 64).rsplit("/", 1)[0],
             "http": self.http_guard.to_json() if self.http_guard is not None else None,
+            "alerts": self.alerts.to_json() if self.alerts is not None else None,
         }
 
     def metrics(self) -> str:
@@ -309,6 +378,10 @@ class FleetServer:
                [({}, api.requests if api else 0)])
         metric("edgepack_fleet_api_auth_failures_total", "counter", "API requests refused for a missing or "
                "wrong token.", [({}, api.auth_failures if api else 0)])
+        if self.alerts is not None:
+            metric("edgepack_fleet_alerts_total", "counter", "Alerts each sink sent or gave up, by sink and outcome.",
+                   [({"sink": sink.name, "outcome": outcome}, count) for sink in self.alerts.sinks
+                    for outcome, count in (("sent", sink.sent), ("given_up", sink.given_up))] or [({}, 0)])
         return "\n".join(lines) + "\n"
 
     def api_context(self) -> ApiContext:
@@ -318,7 +391,8 @@ class FleetServer:
                           silence_s=self.config.silence_s, status=self.status, metrics=self.metrics,
                           wake_driver=self.driver.wake if self.driver else (lambda: None),
                           clear_retained_state=self._clear_retained_state,
-                          command_ttl_s=self.config.driver.command_ttl_s, commands=self.driver)
+                          command_ttl_s=self.config.driver.command_ttl_s, commands=self.driver,
+                          enrollment=self.enrollment)
         return self._api
 
 

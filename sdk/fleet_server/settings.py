@@ -155,13 +155,13 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` from the command line as (key, JSON value), typed by the key's schema: a list
     key takes comma-separated items (empty: an empty list), a number key a number; the value is
     then checked by the server. Pure; :class:`ValueError` naming what to fix."""
-    from edgepack_core.settings_doc import SETTING_KEYS
+    from edgepack_core.settings_doc import schema_of
 
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ValueError(f"{text!r} is not KEY=VALUE")
-    schema = SETTING_KEYS.get(key, {})
+    schema = schema_of(key) or {}
     kind = schema.get("type")
     if kind == "array":
         return key, [item.strip() for item in raw.split(",") if item.strip()]

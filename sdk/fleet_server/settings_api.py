@@ -12,9 +12,12 @@ The API module wires them (``build_app``) and the OpenAPI document lists :data:`
 
 from __future__ import annotations
 
+import json
 import re
+import time
 from typing import Any
 
+from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,10 +25,12 @@ from starlette.responses import JSONResponse, Response
 from edgepack_core.protocol.ids import ID_PATTERN, is_valid_id
 from edgepack_core.schema import Validator
 from edgepack_core.settings_doc import MAX_PEM_CHARS, SETTING_KEYS
-from edgepack_core.signing import KEY_KINDS
+from edgepack_core.signing import KEY_KINDS, key_id, public_key_from_pem
 from sdk.errors import ApiError
+from sdk.fleet_server import db as tables
 from sdk.fleet_server import settings_db
-from sdk.fleet_server.settings import DEVICE, FLEET, GROUP
+from sdk.fleet_server.db import Database
+from sdk.fleet_server.settings import DEVICE, FLEET, GROUP, KEY_SETTING, FleetKey
 
 _KEY_ID = re.compile(r"^[0-9a-f]{16}$")
 SETTINGS_BODY: dict[str, Any] = {
@@ -54,6 +59,86 @@ _SETTINGS_VALIDATOR = Validator(SETTINGS_BODY, document="settings")
 _KEY_VALIDATOR = Validator(KEY_BODY, document="key")
 
 
+# ---------------------------------------------------------------- views
+
+
+def _shown(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings for display: key lists as their ids (a PEM says nothing to a reader)."""
+    out = dict(settings)
+    for key in KEY_SETTING.values():
+        if key in out:
+            out[key] = [key_id(public_key_from_pem(pem.encode())) for pem in out[key]]
+    return out
+
+
+def device_view(database: Database, device: str, now: float | None = None) -> dict[str, Any]:
+    """``GET /api/devices/{id}/settings``: the effective document, where each key came from, the
+    newest generation sent, and what the device reported (generation, per key, keys held)."""
+    now = time.time() if now is None else now
+    with database.read() as connection:
+        found = settings_db.plans(connection, now, [device])
+        if not found:
+            raise ApiError(404, "not_found", f"no device {device}")
+        _device, document, decision = found[0]
+        sent = settings_db.sent_documents(connection, device).get(device)
+        report = settings_db.device_reports(connection, device).get(device)
+    return {
+        "device": device,
+        "settings": _shown(dict(document.settings)),
+        "sources": dict(document.sources),
+        "conflicts": {k: list(v) for k, v in document.conflicts.items()},
+        "sent": None
+        if sent is None
+        else {"generation": sent.generation, "command": sent.command_id, "at": sent.created_at},
+        "reported": None
+        if report is None
+        else {
+            "generation": report["generation"],
+            "results": json.loads(report["results"]),
+            "keys": {"release": json.loads(report["release_keys"]), "operator": json.loads(report["operator_keys"])},
+            "heard_at": report["heard_at"],
+        },
+        "decision": {"kind": decision.kind, "generation": decision.generation, "reason": decision.reason},
+    }
+
+
+def scopes_view(database: Database) -> dict[str, Any]:
+    """``GET /api/settings``: every scope's entries with who set them, and the fleet's keys."""
+    with database.read() as connection:
+        rows = (
+            connection.execute(
+                select(tables.settings_entries).order_by(
+                    tables.settings_entries.c.scope, tables.settings_entries.c.name, tables.settings_entries.c.key
+                )
+            )
+            .mappings()
+            .all()
+        )
+        keys = settings_db.load_keys(connection)
+    entries = [
+        {
+            "scope": r["scope"],
+            "name": r["name"] or None,
+            "key": r["key"],
+            "value": json.loads(r["value"]),
+            "set_by": r["set_by"],
+            "set_at": r["set_at"],
+        }
+        for r in rows
+    ]
+    return {"entries": entries, "keys": [keys_row(k) for k in keys]}
+
+
+def keys_row(key: FleetKey) -> dict[str, Any]:
+    return {
+        "key_id": key.key_id,
+        "kind": key.kind,
+        "added_at": key.added_at,
+        "retired_at": key.retired_at,
+        "in_use": key.in_use,
+    }
+
+
 class SettingsRoutes:
     """The handlers; each takes ``(request, actor)`` and runs behind the API's guard."""
 
@@ -74,7 +159,7 @@ class SettingsRoutes:
 
     async def show(self, request: Request, _actor: str) -> Response:
         _no_query(request)
-        return JSONResponse(await run_in_threadpool(settings_db.scopes_view, self.database))
+        return JSONResponse(await run_in_threadpool(scopes_view, self.database))
 
     def put(self, scope: str) -> Any:
         async def handler(request: Request, actor: str) -> Response:
@@ -91,7 +176,7 @@ class SettingsRoutes:
                 )
             )
             self.context.wake_driver()
-            return JSONResponse(await run_in_threadpool(settings_db.scopes_view, self.database))
+            return JSONResponse(await run_in_threadpool(scopes_view, self.database))
 
         return handler
 
@@ -100,11 +185,11 @@ class SettingsRoutes:
         device = str(request.path_params["device_id"])
         if not is_valid_id(device):
             raise ApiError(404, "not_found", "no such device")
-        return JSONResponse(await run_in_threadpool(settings_db.device_view, self.database, device))
+        return JSONResponse(await run_in_threadpool(device_view, self.database, device))
 
     async def keys(self, request: Request, _actor: str) -> Response:
         _no_query(request)
-        return JSONResponse({"keys": (await run_in_threadpool(settings_db.scopes_view, self.database))["keys"]})
+        return JSONResponse({"keys": (await run_in_threadpool(scopes_view, self.database))["keys"]})
 
     async def add_key(self, request: Request, actor: str) -> Response:
         _no_query(request)
@@ -114,7 +199,7 @@ class SettingsRoutes:
             lambda: settings_db.add_key(self.database, body["kind"], body["pem"], actor=actor, remote=remote)
         )
         self.context.wake_driver()
-        return JSONResponse(settings_db.keys_row(key), status_code=201)
+        return JSONResponse(keys_row(key), status_code=201)
 
     async def retire_key(self, request: Request, actor: str) -> Response:
         _no_query(request)
@@ -127,7 +212,7 @@ class SettingsRoutes:
             lambda: settings_db.retire_key(self.database, kid, signers, actor=actor, remote=remote)
         )
         self.context.wake_driver()
-        return JSONResponse(settings_db.keys_row(key))
+        return JSONResponse(keys_row(key))
 
 
 def _no_query(request: Request) -> None:

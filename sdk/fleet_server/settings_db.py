@@ -74,7 +74,7 @@ def _groups_of(connection: Connection) -> dict[str, list[str]]:
     return out
 
 
-def _sent(connection: Connection, device: str | None = None) -> dict[str, Sent]:
+def sent_documents(connection: Connection, device: str | None = None) -> dict[str, Sent]:
     table = tables.settings_sent
     query = select(table) if device is None else select(table).where(table.c.device == device)
     newest: dict[str, Sent] = {}
@@ -85,7 +85,7 @@ def _sent(connection: Connection, device: str | None = None) -> dict[str, Sent]:
     return newest
 
 
-def _reports(connection: Connection, device: str | None = None) -> dict[str, Any]:
+def device_reports(connection: Connection, device: str | None = None) -> dict[str, Any]:
     table = tables.settings_reports
     query = select(table) if device is None else select(table).where(table.c.device == device)
     return {row["device"]: row for row in connection.execute(query).mappings()}
@@ -110,11 +110,11 @@ def plans(
         query = query.where(d.c.id.in_(list(devices)))
     rows = connection.execute(query).all()
     one = rows[0].id if devices is not None and len(rows) == 1 else None
-    sent, reports = _sent(connection, one), _reports(connection, one)
+    sent, reported = sent_documents(connection, one), device_reports(connection, one)
     out = []
     for device, status in rows:
         document = effective(scopes, keys, device, groups.get(device, ()))
-        report = reports.get(device)
+        report = reported.get(device)
         decision = decide(
             document,
             sent.get(device),
@@ -337,83 +337,3 @@ def save_reports(database: Database, connection: Connection, records: Sequence[t
         ),
         rows,
     )
-
-
-# ---------------------------------------------------------------- views
-
-
-def _shown(settings: dict[str, Any]) -> dict[str, Any]:
-    """Settings for display: key lists as their ids (a PEM says nothing to a reader)."""
-    out = dict(settings)
-    for key in KEY_SETTING.values():
-        if key in out:
-            out[key] = [key_id(public_key_from_pem(pem.encode())) for pem in out[key]]
-    return out
-
-
-def device_view(database: Database, device: str, now: float | None = None) -> dict[str, Any]:
-    """``GET /api/devices/{id}/settings``: the effective document, where each key came from, the
-    newest generation sent, and what the device reported (generation, per key, keys held)."""
-    now = time.time() if now is None else now
-    with database.read() as connection:
-        found = plans(connection, now, [device])
-        if not found:
-            raise ApiError(404, "not_found", f"no device {device}")
-        _device, document, decision = found[0]
-        sent = _sent(connection, device).get(device)
-        report = _reports(connection, device).get(device)
-    return {
-        "device": device,
-        "settings": _shown(dict(document.settings)),
-        "sources": dict(document.sources),
-        "conflicts": {k: list(v) for k, v in document.conflicts.items()},
-        "sent": None
-        if sent is None
-        else {"generation": sent.generation, "command": sent.command_id, "at": sent.created_at},
-        "reported": None
-        if report is None
-        else {
-            "generation": report["generation"],
-            "results": json.loads(report["results"]),
-            "keys": {"release": json.loads(report["release_keys"]), "operator": json.loads(report["operator_keys"])},
-            "heard_at": report["heard_at"],
-        },
-        "decision": {"kind": decision.kind, "generation": decision.generation, "reason": decision.reason},
-    }
-
-
-def scopes_view(database: Database) -> dict[str, Any]:
-    """``GET /api/settings``: every scope's entries with who set them, and the fleet's keys."""
-    with database.read() as connection:
-        rows = (
-            connection.execute(
-                select(tables.settings_entries).order_by(
-                    tables.settings_entries.c.scope, tables.settings_entries.c.name, tables.settings_entries.c.key
-                )
-            )
-            .mappings()
-            .all()
-        )
-        keys = load_keys(connection)
-    entries = [
-        {
-            "scope": r["scope"],
-            "name": r["name"] or None,
-            "key": r["key"],
-            "value": json.loads(r["value"]),
-            "set_by": r["set_by"],
-            "set_at": r["set_at"],
-        }
-        for r in rows
-    ]
-    return {"entries": entries, "keys": [keys_row(k) for k in keys]}
-
-
-def keys_row(key: FleetKey) -> dict[str, Any]:
-    return {
-        "key_id": key.key_id,
-        "kind": key.kind,
-        "added_at": key.added_at,
-        "retired_at": key.retired_at,
-        "in_use": key.in_use,
-    }

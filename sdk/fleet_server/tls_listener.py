@@ -52,7 +52,44 @@ class _ServerTlsProtocol(sslproto.SSLProtocol):
         flush = getattr(self, "_process_outgoing", None)
         if handshake_exc is not None and flush is not None:
             flush()
+            self._refused = True
         super()._on_handshake_complete(handshake_exc)
+
+    def _fatal_error(self, exc: BaseException, message: str = "Fatal error on transport") -> None:
+        """After a refused handshake, close lingering instead of at once: under TLS 1.3 the
+        client's request is already on its way, and closing with it unread would reset the
+        connection, which can reach the client before the alert does."""
+        raw = self._transport
+        if getattr(self, "_refused", False) and isinstance(raw, asyncio.Transport) and raw.can_write_eof():
+            self._refused = False
+            self._transport = None
+            _Drain(self._sniffer, raw)
+            return
+        super()._fatal_error(exc, message)
+
+
+class _Drain(asyncio.Protocol):
+    """A refused TLS connection's last moments: the alert is sent, a FIN follows, and what the
+    client still sends is read and dropped until it closes or :data:`LINGER_S` passed."""
+
+    def __init__(self, sniffer: TlsSniffer, transport: asyncio.Transport) -> None:
+        self._sniffer = sniffer
+        sniffer.guard.waiting.pop(sniffer, None)
+        sniffer.guard.lingering[sniffer] = None
+        transport.set_protocol(self)
+        transport.write_eof()
+        sniffer.loop.call_later(LINGER_S, transport.abort)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool | None:
+        self._transport.abort()
+        return None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._sniffer.ended()
 
 
 class TlsSniffer(asyncio.Protocol):
@@ -121,7 +158,10 @@ class TlsSniffer(asyncio.Protocol):
             self.drop()
 
     def eof_received(self) -> bool | None:
-        self.drop()
+        if self._done and self.transport is not None:
+            self.transport.close()  # the 400 was answered: let it flush, then close
+        else:
+            self.drop()
         return None
 
     # ---------------------------------------------------------------- outcomes

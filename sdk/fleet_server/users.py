@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Column, Float, Index, LargeBinary, String, Table, func, select
+from sqlalchemy.exc import IntegrityError
 
 from edgepack_core.protocol.ids import is_valid_id
 from sdk.errors import ApiError
@@ -91,16 +92,20 @@ def create(database: Database, name: object, role: object, caller: Caller,
     secret = secrets.token_hex(32)
     values = {"name": name, "role": role, "digest": digest_of(secret), "created_at": now,
               "created_by": caller.actor}
-    with database.write() as connection:
-        if _in_force(connection, name) is not None:
-            raise ApiError(409, "conflict", f"a token named {name!r} exists; revoke it first or choose another name")
-        count = connection.execute(select(func.count()).select_from(api_tokens)
-                                   .where(api_tokens.c.revoked_at.is_(None))).scalar_one()
-        if count >= MAX_TOKENS:
-            raise ApiError(409, "conflict", f"{MAX_TOKENS} tokens are in force; revoke some first")
-        connection.execute(api_tokens.insert().values(**values))
-        audit.record(connection, actor=caller.actor, action="token.create", target=name, detail={"role": role},
-                     remote=caller.remote, now=now)
+    taken = ApiError(409, "conflict", f"a token named {name!r} exists; revoke it first or choose another name")
+    try:
+        with database.write() as connection:
+            if _in_force(connection, name) is not None:
+                raise taken
+            count = connection.execute(select(func.count()).select_from(api_tokens)
+                                       .where(api_tokens.c.revoked_at.is_(None))).scalar_one()
+            if count >= MAX_TOKENS:
+                raise ApiError(409, "conflict", f"{MAX_TOKENS} tokens are in force; revoke some first")
+            connection.execute(api_tokens.insert().values(**values))
+            audit.record(connection, actor=caller.actor, action="token.create", target=name, detail={"role": role},
+                         remote=caller.remote, now=now)
+    except IntegrityError as err:  # another server made one of that name between the check and the insert
+        raise taken from err
     return document({**values, "revoked_at": None, "revoked_by": None, "last_used_at": None}), secret
 
 

@@ -14,7 +14,8 @@ from edgepack_core.protocol.ids import ID_PATTERN, is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError
 from sdk.fleet_server import audit, queries, roles, users
-from sdk.fleet_server.api import ApiContext, Params, _remote, _validate, read_json
+from sdk.fleet_server.api import ApiContext
+from sdk.fleet_server.http_input import Params, _remote, _validate, read_json
 from sdk.fleet_server.openapi import _json, _path, _query, _ref
 
 TOKEN_REQUEST_SCHEMA: dict[str, Any] = {

@@ -334,7 +334,7 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=3.0, help="seconds of idling before the samples")
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--mqtt", action="store_true", help="with a real mosquitto and the mqtt: section")
-    parser.add_argument("--before", help="also measure the agent as of this git revision")
+    parser.add_argument("--before", help="also measure the agent as of this git revision (or in this folder)")
     parser.add_argument("--env", action="append", default=[], help="also measure this agent with NAME=VALUE set")
     parser.add_argument("--attribution-runs", type=int, default=3)
     parser.add_argument(
@@ -349,7 +349,8 @@ def main() -> None:
         png = next(iter(sorted((folder / "demo" / "digits" / "val").glob("*.png")))).read_bytes()
         agents: dict[str, tuple[Path, dict[str, str]]] = {"this checkout": (ROOT, {})}
         if args.before:
-            agents[f"before ({args.before})"] = (code_at(args.before, folder / "before"), {})
+            before = Path(args.before) if Path(args.before).is_dir() else code_at(args.before, folder / "before")
+            agents[f"before ({args.before})"] = (before, {})
         for assignment in args.env:
             name, _, value = assignment.partition("=")
             agents[f"this checkout, {assignment}"] = (ROOT, {name: value})

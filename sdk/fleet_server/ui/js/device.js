@@ -5,6 +5,7 @@ import { api, pathId, query } from "./api.js";
 import { lineChart } from "./chart.js";
 import { badge, bytes, h, ms, number, percent, replace, table, time, when } from "./dom.js";
 import { actionsPanel } from "./device_actions.js";
+import { logsPanel } from "./device_logs.js";
 import { settingsPanel } from "./device_settings.js";
 import { artifactText } from "./rollouts.js";
 
@@ -125,11 +126,12 @@ export function mount(root, route, shell) {
   const settings = h("div");
   const charts = h("div", { class: "charts", id: "charts" });
   const updates = h("div", { class: "table-wrap" });
+  const logs = logsPanel(id);
   replace(root,
     h("p", { class: "crumbs" }, h("a", { href: "#/fleet" }, "Fleet"), " / ", id),
     h("h1", { id: "device-id" }, id), actionsPanel(id, shell), header, h("h2", {}, "Target"), desired,
     h("h2", {}, "Settings"), settings,
-    h("h2", {}, "Update history"), updates,
+    h("h2", {}, "Update history"), updates, logs.node,
     h("div", { class: "row" }, h("h2", {}, "Over time"), h("label", {}, "Range ", select)),
     charts);
 
@@ -165,5 +167,5 @@ export function mount(root, route, shell) {
         `${series.points.length} points of ${series.step} s since ${time(frame.since)}`));
   }
 
-  return { title: id, refresh };
+  return { title: id, refresh, destroy: logs.destroy };
 }

@@ -1,12 +1,14 @@
 // The dashboard's shell: sign-in, the hash router, the refresh loop, the server status line.
 //
 // Pages live behind the URL's hash (#/fleet, #/devices/ID, #/rollouts, #/rollouts/ID,
-// #/audit) so that the server serves one static file set and a page reload keeps its place.
+// #/audit, #/alerts) so that the server serves one static file set and a page reload keeps its
+// place.
 // Each page module exports mount(root, route) returning { refresh, title }; the shell calls
 // refresh() at once and then every few seconds while the tab is visible, never two at a time.
 
 import { ApiFailure, api, forgetToken, setUnauthorizedHandler, storeToken, token, validToken } from "./api.js";
 import { replace } from "./dom.js";
+import * as alerts from "./alerts.js";
 import { applyRole, forgetIdentity, loadIdentity, watchRole } from "./role.js";
 import * as audit from "./audit.js";
 import * as device from "./device.js";
@@ -37,6 +39,7 @@ function pageFor(route) {
   if (first === "devices" && second) return { module: device, page: "fleet" };
   if (first === "rollouts") return { module: rollouts, page: "rollouts" };
   if (first === "audit") return { module: audit, page: "audit" };
+  if (first === "alerts") return { module: alerts, page: "alerts" };
   return null;
 }
 
