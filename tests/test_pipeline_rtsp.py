@@ -18,7 +18,7 @@ from device_agent.pipelines.sinks import SinkCounters
 from device_agent.pipelines.sources import SourceReader, SourceStatus
 from device_agent.pipelines.spec import parse_pipelines
 from device_agent.runtime import InferenceService, load_model
-from tests.rtsp import CuttingProxy, RtspCamera
+from tests.rtsp import CuttingProxy, RtspCamera, require_rtsp_server
 from tests.stream_models import Path2D, moving_squares_clip
 from tests.test_pipeline_streams import FPS, FRAMES, HEIGHT, PATHS, PIPELINE, WIDTH, expected_events, scene  # noqa: F401
 
@@ -26,9 +26,9 @@ LONG = (Path2D("person", (0, 100), (1, 0)),)  # a slow square, for a camera that
 CYCLES = int(os.environ.get("EDGEPACK_RTSP_CYCLES", "1000"))
 
 
-def source(url: str, **options: object) -> object:
-    (spec,) = parse_pipelines([{**PIPELINE, "source": {"url": url, **options}}])
-    return spec
+@pytest.fixture(autouse=True)
+def _camera_parts() -> None:
+    require_rtsp_server()
 
 
 class Watch:
