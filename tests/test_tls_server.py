@@ -299,3 +299,12 @@ def test_fleet_serve_tls_flags_that_do_not_go_together_are_usage_errors(tmp_path
                      "--token-file", str(keys.token_file), "--operator-key", str(keys.operator_key),
                      "--db", f"sqlite:///{tmp_path}/f.db", *(files.get(flag, flag) for flag in flags), timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_plain_request_whose_client_half_closes_still_gets_the_answer(https_server):
+    """`printf 'GET / ...' | nc host port` sends its FIN right after the request."""
+    with socket.create_connection(("127.0.0.1", https_server.port), timeout=20) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        answer = _answer(sock)
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"this port speaks HTTPS: use https://127.0.0.1:" in answer
