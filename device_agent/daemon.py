@@ -21,7 +21,7 @@ from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
 from device_agent.logring import LogRing
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
-from device_agent.remote_settings import Held, limits_for, load_held, overlay
+from device_agent.remote_settings import Held, held_keys, limits_for, load_held, overlay
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.updates.disk import FreeSpace
@@ -80,11 +80,9 @@ class Daemon:
     def use_keys(self, held: Held) -> None:
         """Trust the release and operator keys of the applied settings document, or agent.yaml's
         for a kind it does not carry (a store changed in place: every model store holds it)."""
-        applied = held.applied()
-        document = held.document
-        release = document.release_keys if document is not None and "trust" in applied else ()
+        release = held_keys(held, "trust")
         self.trust.replace(release or self._file_trust.public_keys())
-        operators = document.operator_keys if document is not None and "operator_keys" in applied else ()
+        operators = held_keys(held, "operator_keys")
         if not operators and self._file_operators is not None:
             operators = tuple(self._file_operators.public_keys())
         if not operators:
