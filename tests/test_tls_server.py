@@ -308,3 +308,15 @@ def test_a_plain_request_whose_client_half_closes_still_gets_the_answer(https_se
         sock.shutdown(socket.SHUT_WR)
         answer = _answer(sock)
     assert answer.startswith(b"HTTP/1.1 400 ") and b"this port speaks HTTPS: use https://127.0.0.1:" in answer
+
+
+def test_a_client_certificate_without_its_key_or_a_ca_file_that_is_no_certificate_is_one_line(tmp_path, keys, pki):
+    flags = ("--server", "https://127.0.0.1:9", "--token-file", str(keys.token_file))
+    alone = _run("edgepack", "rollout", "list", *flags, "--client-cert", str(pki["client"].cert),
+                 env=_env_without_ca())
+    assert alone.returncode == 2 and "give --client-cert and --client-key together" in alone.stderr, alone.stderr
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    bad = _run("edgepack", "rollout", "list", *flags, "--ca", str(junk), env=_env_without_ca())
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert f"cannot load the TLS files ({junk})" in bad.stderr
