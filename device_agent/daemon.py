@@ -25,6 +25,7 @@ from device_agent.remote_settings import Held, held_keys, limits_for, load_held,
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.updates.disk import FreeSpace
+from device_agent.updates.golden_stream import check_golden_stream
 from device_agent.updates.rejected import for_state
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
@@ -117,6 +118,7 @@ class Daemon:
             if slot is not None and installed.name != slot.name:
                 raise StoreError(f"{artifact} holds model {installed.name!r}, not {slot.name!r} as models: says")
             loaded.append(self.load(installed))
+            check_golden_stream(loaded[-1])  # a mismatch refuses the install, as a golden sample's would
 
         store = self.store if slot is None else slot.store
         installed = store.install(artifact, force=force, smoke_test=smoke_test)

@@ -227,3 +227,15 @@ def test_a_refused_key_keeps_what_the_device_held(tmp_path):
     keys = parse_document(3, {"trust": [pem()]})
     assert decide(keys, agent, ("scale 1.0.0",))["trust"].startswith("refused: scale 1.0.0 would verify by none")
     assert decide(keys, agent)["trust"] == "applied"
+
+
+def test_every_remote_setting_and_every_local_only_key_is_documented():
+    from pathlib import Path
+
+    from edgepack_core.settings_doc import SETTING_KEYS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "agent.md").read_text()
+    section = text[text.index("### Remote settings") :]
+    named = (*SETTING_KEYS, *(key for key in LOCAL_ONLY if "." in key and not key.startswith("api.")))
+    missing = [key for key in named if key not in section]
+    assert not missing, f"docs/agent.md's Remote settings does not name: {', '.join(missing)}"
