@@ -22,8 +22,8 @@ from device_agent.report_card import (
 )
 from device_agent.runtime import InferenceService, load_model
 from edgepack_core.artifact import extract_artifact
-from edgepack_core.protocol.messages import DeviceState, parse_state
 from edgepack_core.errors import SchemaError
+from edgepack_core.protocol.messages import DeviceState, parse_state
 from edgepack_core.protocol.payloads import STATE_SCHEMA_ID, validate_payload
 from edgepack_core.protocol.report_card import ReportCard, parse_report_card
 from edgepack_core.signing import TrustStore, load_public_key
