@@ -231,12 +231,12 @@ def enroll(config: Path, server: str, token: str, *, ca: Path | None = None, dev
     }
     ca_text = str(ca.resolve()) if ca else None
     new_document = updated_config(document, credentials, files, server, ca_text)
-    check_config(new_document, config.resolve())  # never write an agent.yaml the agent would refuse
     if credentials.certificate is not None:
         atomic_write(folder / DEVICE_PEM, identity_pem(key, credentials.certificate), mode=0o600)
     elif _has_password_file():
         atomic_write(folder / PASSWORD_FILE, f"{credentials.password}\n".encode(), mode=0o600)
     atomic_write(folder / CA_PEM, credentials.ca.encode(), mode=0o644)
+    check_config(new_document, config.resolve())  # never write an agent.yaml the agent would refuse
     mode = config.stat().st_mode & 0o777
     atomic_write(config, yaml.safe_dump(new_document, sort_keys=False).encode(), mode=mode)
     return credentials

@@ -72,6 +72,17 @@ class SmokeTestError(AgentError):
         self.problem = problem
 
 
+class GoldenStreamMismatch(AgentError):
+    """A candidate's golden clip did not give its signed events: it is not activated.
+    ``counts``: the job's ``golden_stream`` detail (events expected, mismatches)."""
+
+    def __init__(self, model: str, problem: str, counts: dict[str, int]) -> None:
+        super().__init__(f"golden stream of {model} failed: {problem}")
+        self.model = model
+        self.problem = problem
+        self.counts = counts
+
+
 class ProviderError(AgentError):
     """No execution provider on the list could create a session for the model."""
 

@@ -70,7 +70,8 @@ class FleetServerProcess:
                      "--listen", f"127.0.0.1:{self.port}", "--artifacts", str(artifacts or folder / "artifacts"),
                      "--trust", str(keys.release_pub), "--token-file", str(keys.token_file),
                      "--operator-key", str(keys.operator_key), "--tick", "0.1", "--silence", "20s",
-                     *(("--server-id", server_id) if server_id else ()), *extra]
+                     *(("--server-id", server_id) if server_id else ()),
+                     *(() if "--ca-dir" in extra else ("--ca-dir", str(folder / "fleet-ca"))), *extra]
         self.artifacts = artifacts or folder / "artifacts"
         self.log = folder / "server.log"
         self.proc: subprocess.Popen | None = None

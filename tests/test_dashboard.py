@@ -720,6 +720,8 @@ def test_a_viewer_sees_who_is_signed_in_and_no_button_it_cannot_use(browser, ser
         _open(browser, server, "/rollouts", "#rollouts")
         for box in ("new-rollout-box", "fleet-rollback-box"):
             assert not browser.find_element(By.ID, box).is_displayed(), box
+        _open(browser, server, "/fleet", "#devices")
+        assert not browser.find_element(By.ID, "enroll-box").is_displayed()
         _open(browser, server, "/devices/sim-00000", "#device-facts")
         assert not browser.find_element(By.ID, "device-actions").is_displayed()
         assert not browser.find_element(By.ID, "device-decommission").is_displayed()
@@ -728,6 +730,30 @@ def test_a_viewer_sees_who_is_signed_in_and_no_button_it_cannot_use(browser, ser
     _wait(browser, lambda d: _text(d, "#whoami") == "admin · admin", message="the admin signed in")
     _open(browser, server, "/rollouts", "#rollouts")
     assert browser.find_element(By.ID, "new-rollout-box").is_displayed()
+
+
+def test_an_admin_enrolls_a_device_from_the_fleet_page_with_a_token_that_works_once(browser, server, fleet):
+    from device_agent.enroll import csr_pem, new_key
+
+    _open(browser, server, "/fleet", "#enroll-box")
+    browser.find_element(By.CSS_SELECTOR, "#enroll-box summary").click()
+    browser.find_element(By.ID, "enroll-device").send_keys("bad id!")
+    browser.find_element(By.ID, "enroll-submit").click()
+    _wait(browser, lambda d: _text(d, "#enroll-error").startswith("bad id!:"), message="an id the server refuses")
+    browser.find_element(By.ID, "enroll-device").clear()
+    browser.find_element(By.ID, "enroll-device").send_keys("dash-new-1")
+    browser.find_element(By.ID, "enroll-groups").send_keys("sim, lab")
+    browser.find_element(By.ID, "enroll-submit").click()
+    _wait(browser, lambda d: d.find_elements(By.ID, "enroll-command"), message="the token and its command")
+    command = browser.find_element(By.ID, "enroll-command")
+    token = command.get_attribute("data-token")
+    assert f"edgepack-agent enroll --server {server.url} --token {token} --config agent.yaml" == command.text
+    status, answer = server.call("POST", "/api/enroll", {"token": token, "csr": csr_pem(new_key(), "dash-new-1")},
+                                 token=None)
+    assert status == 200 and answer["groups"] == ["sim", "lab"], answer
+    assert server.call("POST", "/api/enroll", {"token": token, "csr": csr_pem(new_key(), "dash-new-1")},
+                       token=None)[0] == 403
+    assert server.get("/api/audit?action=device.enroll_identity")["entries"][0]["target"] == "dash-new-1"
 
 
 def _publish_logs(broker, device: str, *messages: str, ts: float) -> None:

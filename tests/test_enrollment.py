@@ -306,3 +306,53 @@ def test_password_entries_are_mosquitto_passwd_hashes(tmp_path: Path) -> None:
     _, _, iterations, salt, _ = line.split(":", 1)[1].split("$")
     assert line == f"dev:{password_entry('s3cret-pw', base64.b64decode(salt), int(iterations))}"
     assert password_text("operator:x\ndev:old\n", {"dev": "$7$new"}) == "operator:x\ndev:$7$new\n"
+
+
+
+def test_a_device_enrolls_over_https_with_a_private_ca_and_says_so_without_it(
+    tmp_path: Path, mosquitto: Mosquitto
+) -> None:
+    import ssl
+
+    from tests.tls_certs import make_ca
+
+    ca = make_ca(tmp_path / "ca")
+    issued = ca.issue(tmp_path / "ca", "fleet")
+    keys = make_keys(tmp_path / "keys")
+    https = FleetServerProcess(tmp_path / "server", broker=mosquitto.address, keys=keys,
+                               extra=("--tls-cert", str(issued.cert), "--tls-key", str(issued.key)),
+                               context=ssl.create_default_context(cafile=str(ca.cert))).start()
+    try:
+        token = token_for(https, "tls-01")
+        config = tmp_path / "agent.yaml"
+        config.write_text("device_id: tls-01\nstore: store\ntrust: [release.pub]\n")
+        agent = [cli("edgepack-agent"), "enroll", "--server", https.url, "--token", token, "--config", str(config)]
+        refused = subprocess.run(agent, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "certificate verify failed" in refused.stderr and https.url in refused.stderr
+        done = subprocess.run([*agent, "--ca", str(ca.cert)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert yaml.safe_load(config.read_text())["enrollment"] == {"server": https.url, "ca": str(ca.cert)}
+    finally:
+        https.stop()
+
+
+def test_a_password_enrollment_writes_the_password_to_a_file_never_into_agent_yaml(
+    server: FleetServerProcess, tmp_path: Path
+) -> None:
+    from device_agent.config import load_config
+
+    token = token_for(server, "pf-01", password=True, groups=["g2"])
+    config = tmp_path / "agent.yaml"
+    config.write_text("device_id: pf-01\nstore: store\ntrust: [release.pub]\n")
+    done = subprocess.run([cli("edgepack-agent"), "enroll", "--server", server.url, "--token", token, "--config",
+                           str(config)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    secret = tmp_path / "identity" / "mqtt-password"
+    password = secret.read_text().strip()
+    assert len(password) == 43 and (secret.stat().st_mode & 0o777) == 0o600
+    assert password not in config.read_text()
+    loaded = load_config(config)
+    assert loaded.mqtt is not None and loaded.mqtt.username == "pf-01" and loaded.mqtt.password == password
+    assert loaded.mqtt.tls is not None and loaded.mqtt.tls.cert is None  # the broker's CA only: mqtts://
+    assert "pf-01:$7$" in (server.folder / "passwd").read_text()

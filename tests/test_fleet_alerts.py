@@ -4,6 +4,7 @@ a real mosquitto. The end-to-end `fleet serve --alerts` run is in test_fleet_ser
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -262,7 +263,7 @@ def test_a_webhook_that_fails_twice_gets_the_alert_on_the_third_try_signed_with_
         }
     )
     secret = b"shared-secret"
-    config = type(config)(**{**config.__dict__, "secrets": (secret,)})
+    config = dataclasses.replace(config, secrets=(secret,))
     runner = start_alerts(database, config, None, server_id="s1")
     try:
         _device(database, "cam-1", NOW - 61)

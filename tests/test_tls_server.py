@@ -299,3 +299,24 @@ def test_fleet_serve_tls_flags_that_do_not_go_together_are_usage_errors(tmp_path
                      "--token-file", str(keys.token_file), "--operator-key", str(keys.operator_key),
                      "--db", f"sqlite:///{tmp_path}/f.db", *(files.get(flag, flag) for flag in flags), timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_plain_request_whose_client_half_closes_still_gets_the_answer(https_server):
+    """`printf 'GET / ...' | nc host port` sends its FIN right after the request."""
+    with socket.create_connection(("127.0.0.1", https_server.port), timeout=20) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        answer = _answer(sock)
+    assert answer.startswith(b"HTTP/1.1 400 ") and b"this port speaks HTTPS: use https://127.0.0.1:" in answer
+
+
+def test_a_client_certificate_without_its_key_or_a_ca_file_that_is_no_certificate_is_one_line(tmp_path, keys, pki):
+    flags = ("--server", "https://127.0.0.1:9", "--token-file", str(keys.token_file))
+    alone = _run("edgepack", "rollout", "list", *flags, "--client-cert", str(pki["client"].cert),
+                 env=_env_without_ca())
+    assert alone.returncode == 2 and "give --client-cert and --client-key together" in alone.stderr, alone.stderr
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    bad = _run("edgepack", "rollout", "list", *flags, "--ca", str(junk), env=_env_without_ca())
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert f"cannot load the TLS files ({junk})" in bad.stderr

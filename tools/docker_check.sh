@@ -53,12 +53,11 @@ teardown() {  # the stack with its volumes, the images made here, the daemon if 
     compose down -v --remove-orphans >>"$LOG" 2>&1
     STACK_UP=0
   fi
-  # the images tagged here, and the untagged build stages they left behind
-  "$DOCKER" image rm -f "edgepack-check/agent:$TAG" "edgepack-check/server:$TAG" "edgepack-check/postgres:$TAG" \
-    "edgepack-check/base:$TAG" "edgepack-check/services:$TAG" >>"$LOG" 2>&1
-  if [ -n "${DANGLING_BEFORE+set}" ]; then
-    comm -13 <(echo "$DANGLING_BEFORE") <("$DOCKER" images -q -f dangling=true | sort) | xargs -r "$DOCKER" image rm -f >>"$LOG" 2>&1
-  fi
+  # the images tagged here (their untagged parent layers go with them). Only these: another run
+  # may share the daemon, and an untagged image of its build in progress is not ours to remove.
+  "$DOCKER" image rm -f "edgepack-check/agent:$TAG" "edgepack-check/agent-build:$TAG" "edgepack-check/server:$TAG" \
+    "edgepack-check/server-build:$TAG" "edgepack-check/postgres:$TAG" "edgepack-check/base:$TAG" \
+    "edgepack-check/services:$TAG" >>"$LOG" 2>&1
   if [ -n "$DOCKERD_PID" ]; then
     kill "$DOCKERD_PID" 2>/dev/null && wait "$DOCKERD_PID" 2>/dev/null
     DOCKERD_PID=
@@ -78,13 +77,15 @@ compose() {
     "${COMPOSE[@]}" -f "$REPO/deploy/docker/compose.yaml" "$@"
 }
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-container() { compose ps -q "$1"; }
-health() { docker inspect -f '{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}' "$1" 2>/dev/null; }
+declare -A ID  # service -> container id, read once after `compose up` (a restart keeps the container)
+health() { docker inspect -f '{{if .State.Health}}{{.State.Health.Status}}{{else}}none{{end}}' "${ID[$1]}" 2>/dev/null; }
+restarts() { docker inspect -f '{{.RestartCount}}' "${ID[$1]}"; }
 wait_healthy() {  # wait_healthy SERVICE: polls docker's health state until healthy, within WAIT_S
-  local id deadline=$(( $(date +%s) + WAIT_S ))
+  local deadline=$(( $(date +%s) + WAIT_S ))
   while [ "$(date +%s)" -lt "$deadline" ]; do
-    id=$(container "$1")
-    if [ -n "$id" ] && [ "$(health "$id")" = healthy ]; then return 0; fi
+    [ "$(health "$1")" = healthy ] && return 0
+    # a container that keeps failing at start will not get healthy: stop waiting
+    [ "$(restarts "$1")" -lt 3 ] || return 1
     sleep 1
   done
   return 1
@@ -116,8 +117,6 @@ if ! docker info >/dev/null 2>&1; then
 else
   pass "dockerd running: $(docker version -f '{{.Server.Version}}')"
 fi
-
-DANGLING_BEFORE=$(docker images -q -f dangling=true | sort)
 
 # 2. The bases: one minbase root (cached as a tarball), a copy with the services added.
 slim_root() {  # what images do not need: package caches and lists, docs, man pages, locales
@@ -158,12 +157,17 @@ pass "bases imported: base $(du -m "$BASE_TAR" | cut -f1) MB, services $(du -m "
 # 3. The images, built offline from the wheels.
 run_logged "the build context (tools/docker_context.sh)" env PYTHON="$PY" bash "$REPO/tools/docker_context.sh" "$WORK/ctx"
 for image in agent server; do
-  run_logged "build the $image image" docker build -q -f "$REPO/deploy/docker/$image.Dockerfile" \
-    --build-arg "BASE=edgepack-check/base:$TAG" -t "edgepack-check/$image:$TAG" "$WORK/ctx"
+  # the build stage tagged too (built first, then reused from the cache), so no untagged image is left
+  for target in build ""; do
+    run_logged "build the $image image${target:+ (stage $target)}" docker build -q \
+      -f "$REPO/deploy/docker/$image.Dockerfile" --build-arg "BASE=edgepack-check/base:$TAG" \
+      ${target:+--target "$target"} -t "edgepack-check/$image${target:+-$target}:$TAG" "$WORK/ctx"
+  done
 done
 run_logged "build the postgres stand-in" docker build -q -f "$REPO/tools/docker/postgres.Dockerfile" \
   --build-arg "BASE=edgepack-check/services:$TAG" -t "edgepack-check/postgres:$TAG" "$REPO/tools/docker"
 AGENT_MB=$(( $(docker image inspect -f '{{.Size}}' "edgepack-check/agent:$TAG") / 1000000 ))
+VENV_MB=$(docker run --rm --entrypoint du "edgepack-check/agent:$TAG" -sm /opt/edgepack | cut -f1)
 pass "images built: agent $AGENT_MB MB, server $(( $(docker image inspect -f '{{.Size}}' "edgepack-check/server:$TAG") / 1000000 )) MB"
 [ "$(docker image inspect -f '{{.Config.User}}' "edgepack-check/agent:$TAG")" = 10001:10001 ] \
   && pass "agent image runs as uid 10001" || fail "agent image does not run as uid 10001"
@@ -193,8 +197,9 @@ run_logged "build the digits artifact" "$BIN/edgepack" build "$WORK/recipes/digi
 MQTT_PORT=$(free_port); SERVER_PORT=$(free_port); AGENT_PORT=$(free_port)
 STACK_UP=1
 run_logged "compose up" compose up -d
+for service in mosquitto postgres server agent; do ID[$service]=$(compose ps -q "$service"); done
 for service in mosquitto postgres server; do
-  wait_healthy "$service" || stop_for "$service not healthy within ${WAIT_S}s (health: $(health "$(container "$service")"))"
+  wait_healthy "$service" || stop_for "$service not healthy within ${WAIT_S}s (health: $(health "$service"), restarts: $(restarts "$service"))"
 done
 pass "mosquitto, postgres and the fleet server healthy"
 
@@ -210,7 +215,7 @@ pass "the fleet server knows agent-1 (over mosquitto with the shipped ACL)"
 run_logged "rollout of digits to agent-1" "$BIN/edgepack" rollout create "$WORK/digits.edgepkg" --device agent-1 \
   --health-window 5 --wait --timeout "$WAIT_S" --server "$SERVER" --token-file "$SECRETS/tokens" --reason "docker check"
 pass "rollout succeeded: agent-1 runs digits"
-wait_healthy agent || stop_for "the agent is not healthy after the rollout (health: $(health "$(container agent)"))"
+wait_healthy agent || stop_for "the agent is not healthy after the rollout (health: $(health agent))"
 predict() {
   "$PY" - "http://127.0.0.1:$AGENT_PORT/predict" "$WORK/demo/digits/val/digit_0000.png" <<'PY'
 import json, sys, urllib.request
@@ -223,21 +228,22 @@ SERVED=$(predict 2>>"$LOG") || stop_for "the agent's /predict did not answer"
 pass "agent healthy, /predict answers from $SERVED"
 
 # 6. kill -9 the agent: restart: unless-stopped brings it back, healthy, serving from its store volume.
-AGENT_ID=$(container agent)
-RESTARTS=$(docker inspect -f '{{.RestartCount}}' "$AGENT_ID")
+AGENT_ID=${ID[agent]}
+RESTARTS=$(restarts agent)
 kill -9 "$(docker inspect -f '{{.State.Pid}}' "$AGENT_ID")"
 deadline=$(( $(date +%s) + WAIT_S ))
-until [ "$(docker inspect -f '{{.RestartCount}}' "$AGENT_ID")" -gt "$RESTARTS" ]; do
+until [ "$(restarts agent)" -gt "$RESTARTS" ]; do
   [ "$(date +%s)" -lt "$deadline" ] || stop_for "the killed agent was not restarted"
   sleep 1
 done
-wait_healthy agent || stop_for "the restarted agent is not healthy (health: $(health "$AGENT_ID"))"
+wait_healthy agent || stop_for "the restarted agent is not healthy (health: $(health agent))"
 # idle: the model loaded and smoke-tested, no request yet (BENCHMARKS.md)
 AGENT_RSS=$(docker exec "$AGENT_ID" sh -c 'grep VmRSS /proc/1/status' | awk '{printf "%.1f", $2 / 1024}')
+AGENT_MEM=$(docker stats --no-stream --format '{{.MemUsage}}' "$AGENT_ID" | cut -d/ -f1)
 AGAIN=$(predict 2>>"$LOG") || stop_for "the restarted agent's /predict did not answer"
 [ "$AGAIN" = "$SERVED" ] && pass "agent killed with SIGKILL came back healthy, serving $AGAIN" \
   || fail "the restarted agent serves $AGAIN, not $SERVED"
-pass "agent image $AGENT_MB MB; agent idle RSS serving digits $AGENT_RSS MiB (VmRSS of its PID 1 after the restart)"
+pass "agent image $AGENT_MB MB (its venv $VENV_MB MiB); idle serving digits after the restart: VmRSS $AGENT_RSS MiB, docker stats $AGENT_MEM"
 
 teardown
 pass "torn down: the stack, its volumes and the images made here"

@@ -10,6 +10,7 @@ its defaults. A webhook's shared secret is read from a file here, once, at start
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,7 +189,7 @@ def parse_alerts(document: Any, *, source: str = "the alerts file", base: Path =
         else _read_secret(base / Path(hook.secret_file).expanduser(), f"{source}: webhooks[{i}]")
         for i, hook in enumerate(config.webhooks)
     )
-    return AlertsConfig(**{**config.__dict__, "secrets": secrets})
+    return dataclasses.replace(config, secrets=secrets)
 
 
 def load_alerts(path: Path) -> AlertsConfig:

@@ -142,8 +142,6 @@ class AlertRunner:
             ]
             changes = _changes(connection, self._cursor) if config.rollout else []
         notices = rules.rollout_notices(config.rollout, changes)
-        if changes:
-            self._cursor = changes[-1].id
         with self.database.write() as connection:
             opened = {
                 row.open_key: row
@@ -155,6 +153,8 @@ class AlertRunner:
                 *self._resolve(connection, decided.resolve, now),
                 *self._notice(connection, notices, now),
             ]
+        if changes:  # only once recorded: a round whose write failed looks at the same transitions again
+            self._cursor = changes[-1].id
         for item in outgoing:
             for sink in self.sinks:
                 sink.enqueue(item)

@@ -46,8 +46,8 @@ ENROLL_REQUEST_SCHEMA: dict[str, Any] = {
         },
         "csr": {
             "type": "string",
-            "maxLength": MAX_CSR_BYTES,
-            "description": "PEM CSR whose subject CN is the device id (not with a password token)",
+            "description": f"PEM CSR whose subject CN is the device id; over {MAX_CSR_BYTES} bytes (UTF-8) it is "
+            "refused with 413 before it is parsed",
         },
     },
 }

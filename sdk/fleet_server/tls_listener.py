@@ -158,7 +158,10 @@ class TlsSniffer(asyncio.Protocol):
             self.drop()
 
     def eof_received(self) -> bool | None:
-        self.drop()
+        if self._done and self.transport is not None:
+            self.transport.close()  # the 400 was answered: let it flush, then close
+        else:
+            self.drop()
         return None
 
     # ---------------------------------------------------------------- outcomes

@@ -62,8 +62,8 @@ export function actionsPanel(id, shell) {
       error.textContent = "reason: say why the device leaves the fleet";
       return;
     }
-    if (!window.confirm(`Decommission ${id}? Its records go and its messages are dropped until it is enrolled ` +
-                        "again. Remove its broker account too.")) {
+    if (!window.confirm(`Decommission ${id}? Its records go, its certificates are revoked and its messages are ` +
+                        "dropped until it is enrolled again.")) {
       return;
     }
     try {

@@ -3,6 +3,7 @@
 
 import { api, pathId, query } from "./api.js";
 import { badge, h, ms, number, percent, replace, table, when } from "./dom.js";
+import { enrollPanel } from "./enroll.js";
 
 const PAGE = 500;
 const knownGroups = new Set();
@@ -98,7 +99,7 @@ export function mount(root, route) {
     h("h1", {}, "Fleet"),
     h("form", { class: "filters", id: "fleet-filters" },
       h("label", {}, "Group ", group), h("label", {}, "State ", online), h("label", {}, "Version ", version)),
-    summary, counts, list, pager);
+    summary, counts, enrollPanel(), list, pager);
 
   async function refresh() {
     const doc = await api(`/api/devices${query({ group: filters.group, online: filters.online,
