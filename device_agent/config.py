@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from device_agent.errors import ConfigError
 from device_agent.logring import LOGS_CONFIG_SCHEMA, LogSettings
+from device_agent.password_file import MAX_PASSWORD_FILE_BYTES, read_password_file  # noqa: F401  (re-exported)
 from device_agent.pipelines.spec import PipelineSpec, parse_pipelines
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
 from device_agent.telemetry import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
@@ -466,32 +467,6 @@ def _broker(mqtt: Mapping[str, Any], base: Path, name: str) -> BrokerSettings:
             queue["path"] = _resolve(base, queue["path"])
         values["queue"] = _section(OutboxSettings, queue)
     return _section(BrokerSettings, values)
-
-
-MAX_PASSWORD_FILE_BYTES = 4096
-
-
-def read_password_file(path: Path, name: str) -> str:
-    """The first line of ``mqtt.password_file``, refusing a file others can read (mode & 077,
-    like the fleet server's token file): the password must not sit where any user can copy it."""
-    try:
-        mode = path.stat().st_mode
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_PASSWORD_FILE_BYTES + 1)
-    except OSError as err:
-        raise ConfigError("mqtt.password_file", f"cannot read {path}: {err.strerror or err}", config=name) from err
-    if mode & 0o077:
-        raise ConfigError("mqtt.password_file", f"{path} is readable by others (mode {mode & 0o777:o}); chmod 600 it",
-                          config=name)
-    if len(data) > MAX_PASSWORD_FILE_BYTES:
-        raise ConfigError("mqtt.password_file", f"{path} is over {MAX_PASSWORD_FILE_BYTES} bytes", config=name)
-    try:
-        password = data.decode("utf-8").splitlines()[0].strip() if data.strip() else ""
-    except UnicodeDecodeError as err:
-        raise ConfigError("mqtt.password_file", f"{path} is not UTF-8 text", config=name) from err
-    if not password:
-        raise ConfigError("mqtt.password_file", f"{path} holds no password (its first line is empty)", config=name)
-    return password
 
 
 def inline_password_warning(config: AgentConfig) -> str:

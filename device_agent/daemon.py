@@ -21,10 +21,11 @@ from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
 from device_agent.logring import LogRing
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
-from device_agent.remote_settings import Held, limits_for, load_held, overlay
+from device_agent.remote_settings import Held, held_keys, limits_for, load_held, overlay
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.updates.disk import FreeSpace
+from device_agent.updates.golden_stream import check_golden_stream
 from device_agent.updates.rejected import for_state
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
@@ -80,11 +81,9 @@ class Daemon:
     def use_keys(self, held: Held) -> None:
         """Trust the release and operator keys of the applied settings document, or agent.yaml's
         for a kind it does not carry (a store changed in place: every model store holds it)."""
-        applied = held.applied()
-        document = held.document
-        release = document.release_keys if document is not None and "trust" in applied else ()
+        release = held_keys(held, "trust")
         self.trust.replace(release or self._file_trust.public_keys())
-        operators = document.operator_keys if document is not None and "operator_keys" in applied else ()
+        operators = held_keys(held, "operator_keys")
         if not operators and self._file_operators is not None:
             operators = tuple(self._file_operators.public_keys())
         if not operators:
@@ -106,9 +105,10 @@ class Daemon:
     # ---------------------------------------------------------------- models
 
     def load(self, installed: InstalledModel) -> LoadedModel:
-        """Load an installed model with this device's profile; runs its smoke test."""
+        """Load an installed model with this device's profile; runs its smoke test and measures
+        its report card (every activation: start, install, update, rollback)."""
         return load_model(installed.directory, installed.verified.manifest, profile=self.config.profile,
-                          threads=self.config.threads)
+                          threads=self.config.threads, report_card=True)
 
     def install_artifact(self, artifact: Path, *, force: bool = False, slot: ModelSlot | None = None) -> LoadedModel:
         """Verify, stage, smoke-test and activate an artifact, then hot-swap it in; into the root
@@ -119,6 +119,7 @@ class Daemon:
             if slot is not None and installed.name != slot.name:
                 raise StoreError(f"{artifact} holds model {installed.name!r}, not {slot.name!r} as models: says")
             loaded.append(self.load(installed))
+            check_golden_stream(loaded[-1])  # a mismatch refuses the install, as a golden sample's would
 
         store = self.store if slot is None else slot.store
         installed = store.install(artifact, force=force, smoke_test=smoke_test)

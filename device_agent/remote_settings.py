@@ -18,7 +18,7 @@ from device_agent.errors import ConfigError
 from edgepack_core.artifact import Limits
 from edgepack_core.errors import SchemaError
 from edgepack_core.fsutil import atomic_write
-from edgepack_core.settings_doc import SettingsDocument, model_limits, parse_document
+from edgepack_core.settings_doc import SettingsDocument, check_value, model_limits, parse_document, parse_keys
 
 SETTINGS_FILE = "settings.json"
 MAX_FILE_BYTES = 256 * 1024
@@ -27,10 +27,13 @@ APPLIED = "applied"
 
 @dataclasses.dataclass(frozen=True)
 class Held:
-    """The document this device applied last (None: none yet) and each key's result."""
+    """The document this device applied last (None: none yet), each key's result, and the values
+    kept from the document before for keys this one carries but were refused (a refused key keeps
+    what the device held, never falls back to agent.yaml behind the operator's back)."""
 
     document: SettingsDocument | None = None
     results: tuple[tuple[str, str], ...] = ()
+    kept: tuple[tuple[str, Any], ...] = ()
 
     @property
     def generation(self) -> int:
@@ -41,7 +44,13 @@ class Held:
         if self.document is None:
             return {}
         results = dict(self.results)
-        return {key: value for key, value in self.document.values if results.get(key) == APPLIED}
+        return {**dict(self.kept), **{key: value for key, value in self.document.values if results.get(key) == APPLIED}}
+
+    def after(self, document: SettingsDocument, results: dict[str, str]) -> Held:
+        """The held settings once ``document`` is decided: a refused key keeps the value it had."""
+        before = self.applied()
+        kept = {key: before[key] for key, result in results.items() if result != APPLIED and key in before}
+        return Held(document, tuple(sorted(results.items())), tuple(sorted(kept.items())))
 
 
 def settings_path(store: Path) -> Path:
@@ -65,28 +74,45 @@ def load_held(store: Path) -> Held:
         doc = json.loads(data)
         document = parse_document(doc["generation"], doc["settings"])
         results = tuple(sorted((str(k), str(v)) for k, v in doc["results"].items()))
+        kept = doc.get("kept", {})
+        for key, value in kept.items():
+            check_value(key, value)
     except (ValueError, KeyError, TypeError, AttributeError, SchemaError) as err:
         raise ConfigError(
             str(path),
             f"held settings are not a settings document ({err}); move the file away to start on agent.yaml alone",
         ) from err
-    return Held(document, results)
+    return Held(document, results, tuple(sorted(kept.items())))
 
 
 def save_held(store: Path, held: Held) -> None:
     """Write the held document atomically (a crash leaves the old one or the new one)."""
     assert held.document is not None
-    body = {**held.document.to_json(), "results": dict(held.results)}
+    body = {**held.document.to_json(), "results": dict(held.results), "kept": dict(held.kept)}
     atomic_write(settings_path(store), json.dumps(body, sort_keys=True, indent=1).encode() + b"\n", mode=0o600)
 
 
-def decide(document: SettingsDocument, config: AgentConfig) -> dict[str, str]:
+def decide(document: SettingsDocument, config: AgentConfig, unverifiable: tuple[str, ...] = ()) -> dict[str, str]:
     """Each key's result, ``applied`` or ``refused: reason``. Pure. The device's own bounds win
-    over the server's values: a health window outside agent.yaml's range is refused."""
+    over the server's values: a health window outside agent.yaml's range is refused, and so is a
+    ``trust`` that verifies none of the signatures of the models it serves (``unverifiable``: their
+    labels), since the next start could not load them."""
     results: dict[str, str] = {}
     for key, value in document.values:
         results[key] = _refusal(key, value, config) or APPLIED
+    if "trust" in results and unverifiable:
+        results["trust"] = (
+            f"refused: {', '.join(unverifiable)} would verify by none of these keys (the next start "
+            "could not load it): roll out an artifact signed by a key kept here first"
+        )
     return results
+
+
+def held_keys(held: Held, key: str) -> tuple[Any, ...]:
+    """The public keys of ``trust`` or ``operator_keys`` the device holds from the server (()
+    when it holds none of that kind: agent.yaml's then)."""
+    applied = held.applied()
+    return parse_keys(key, applied[key]) if key in applied else ()
 
 
 def _refusal(key: str, value: Any, config: AgentConfig) -> str:

@@ -357,10 +357,13 @@ def test_the_audit_names_the_user_on_every_write_route(server, tmp_path: Path, k
 
 
 def test_the_audit_exports_as_json_lines_that_round_trip(server, tmp_path: Path):
-    _token(server, "exported", "viewer")
+    secret = _token(server, "exported", "viewer")
     page = server.get("/api/audit?limit=1000")["entries"]
     exported = _cli(server, "audit", "export")
     assert exported.returncode == 0 and exported.stderr == ""
+    assert secret not in exported.stdout and secret not in server.log_text()  # the token is shown once, only
+    stored = [path.read_bytes() for path in server.folder.glob("fleet.db*")]  # the database and its WAL
+    assert stored and not any(secret.encode() in data for data in stored)
     lines = [json.loads(line) for line in exported.stdout.splitlines()]
     assert lines[: len(page)] == list(reversed(page))  # oldest first, the same documents
     middle = lines[len(lines) // 2]

@@ -22,7 +22,7 @@ from tests.test_broker_acl import USERS, shipped_config
 from tests.test_mqtt_transport import _write_ca_and_server_cert
 
 _TLS_BLOCK = ("#listener 8883\n#certfile /etc/mosquitto/certs/broker.crt\n#keyfile /etc/mosquitto/certs/broker.key\n"
-              "#cafile /etc/mosquitto/certs/ca.crt\n#tls_version tlsv1.2\n")
+              "#tls_version tlsv1.2\n")
 
 
 @dataclass

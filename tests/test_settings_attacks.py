@@ -304,16 +304,29 @@ def test_a_release_key_added_remotely_verifies_new_artifacts_live(
             observer, send(observer, sign_command(_deploy(artifact, origin, "1.2.0"), old)), timeout=60
         )
         assert refused["state"] == "rejected" and "trusted" in refused["reason"], refused
+        release_id = key_id(load_public_key(keypair[1]))
+        only_new = final_event(
+            observer,
+            send(
+                observer,
+                sign_command(
+                    settings_command(2, {"updates.allowed_origins": [origin], "trust": [pem(arts["r2.pub"])]}), old
+                ),
+            ),
+        )
+        assert only_new["state"] == "done"  # the document is taken, its trust is not: scale 1.0.0 needs the old key
+        assert only_new["detail"]["results"]["trust"].startswith("refused: scale 1.0.0 would verify by none")
+        assert report_with(observer, 2)["keys"]["release"] == [release_id]
         both = [pem(keypair[1]), pem(arts["r2.pub"])]
         assert RELEASE in both[1].splitlines()[0]
         added = final_event(
             observer,
             send(
-                observer, sign_command(settings_command(2, {"updates.allowed_origins": [origin], "trust": both}), old)
+                observer, sign_command(settings_command(3, {"updates.allowed_origins": [origin], "trust": both}), old)
             ),
         )
         assert added["state"] == "done"
-        assert len(report_with(observer, 2)["keys"]["release"]) == 2
+        assert len(report_with(observer, 3)["keys"]["release"]) == 2
         deployed = final_event(
             observer, send(observer, sign_command(_deploy(artifact, origin, "1.2.0"), old)), timeout=60
         )
@@ -323,23 +336,29 @@ def test_a_release_key_added_remotely_verifies_new_artifacts_live(
         agent.stop()
 
 
-def test_a_models_own_artifact_limit_applies_live_to_that_model(tmp_path, mosquitto_broker, observer, keypair,
-                                                                operators, arts):
+def test_a_models_own_artifact_limit_applies_live_to_that_model(
+    tmp_path, mosquitto_broker, observer, keypair, operators, arts
+):
     old = operators[0][0]
     agent = make_agent(tmp_path, mosquitto_broker, keypair, operators, arts).start()
     server, origin = _serve(arts["v2"].parent)
     size = arts["v2"].stat().st_size
     try:
-        small = {"updates.allowed_origins": [origin], "models.scale.limits.max_artifact_bytes": size - 1,
-                 "models.other.limits.max_artifact_bytes": 1}
+        small = {
+            "updates.allowed_origins": [origin],
+            "models.scale.limits.max_artifact_bytes": size - 1,
+            "models.other.limits.max_artifact_bytes": 1,
+        }
         assert final_event(observer, send(observer, sign_command(settings_command(1, small), old)))["state"] == "done"
-        refused = final_event(observer, send(observer, sign_command(_deploy(arts["v2"], origin, "1.1.0"), old)),
-                              timeout=60)
+        refused = final_event(
+            observer, send(observer, sign_command(_deploy(arts["v2"], origin, "1.1.0"), old)), timeout=60
+        )
         assert refused["state"] in ("rejected", "failed") and str(size - 1) in refused["reason"], refused
         exact = {**small, "models.scale.limits.max_artifact_bytes": size}
         assert final_event(observer, send(observer, sign_command(settings_command(2, exact), old)))["state"] == "done"
-        deployed = final_event(observer, send(observer, sign_command(_deploy(arts["v2"], origin, "1.1.0"), old)),
-                               timeout=60)
+        deployed = final_event(
+            observer, send(observer, sign_command(_deploy(arts["v2"], origin, "1.1.0"), old)), timeout=60
+        )
         assert deployed["state"] == "active", deployed
     finally:
         server.shutdown()

@@ -209,3 +209,33 @@ def test_a_models_own_limits_are_keys_of_their_own(tmp_path):
     assert limits_for(agent, dict(document.values), "scale").max_member_bytes == 10
     assert limits_for(agent, dict(document.values), "other").max_member_bytes == 20
     assert limits_for(agent, dict(document.values), None).max_member_bytes == 20
+
+
+def test_a_refused_key_keeps_what_the_device_held(tmp_path):
+    agent = config(tmp_path)
+    first = parse_document(1, {"updates.health_window_s": 30, "log_level": "debug"})
+    held = Held().after(first, decide(first, agent))
+    assert held.applied() == {"updates.health_window_s": 30, "log_level": "debug"}
+    second = parse_document(2, {"updates.health_window_s": 61})
+    later = held.after(second, decide(second, agent))
+    assert dict(later.results)["updates.health_window_s"].startswith("refused")
+    assert later.applied() == {"updates.health_window_s": 30}  # kept, not agent.yaml's; log_level left out: dropped
+    store = tmp_path / "store"
+    store.mkdir()
+    save_held(store, later)
+    assert load_held(store).applied() == {"updates.health_window_s": 30}
+    keys = parse_document(3, {"trust": [pem()]})
+    assert decide(keys, agent, ("scale 1.0.0",))["trust"].startswith("refused: scale 1.0.0 would verify by none")
+    assert decide(keys, agent)["trust"] == "applied"
+
+
+def test_every_remote_setting_and_every_local_only_key_is_documented():
+    from pathlib import Path
+
+    from edgepack_core.settings_doc import SETTING_KEYS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "agent.md").read_text()
+    section = text[text.index("### Remote settings") :]
+    named = (*SETTING_KEYS, *(key for key in LOCAL_ONLY if "." in key and not key.startswith("api.")))
+    missing = [key for key in named if key not in section]
+    assert not missing, f"docs/agent.md's Remote settings does not name: {', '.join(missing)}"

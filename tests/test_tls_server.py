@@ -176,6 +176,8 @@ def test_a_plain_http_request_to_the_tls_port_is_told_to_use_https(https_server)
     assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr  # a wrong URL: bad usage
     assert plain.stderr.strip().endswith(f"this port speaks HTTPS: use https://127.0.0.1:{https_server.port}")
     assert https_server.get("/api/status")["http"]["dropped"].get("plain_http_on_tls", 0) >= 2
+    assert 'edgepack_fleet_http_connections_dropped_total{reason="plain_http_on_tls"}' in \
+        https_server.get("/metrics").decode()
 
 
 def test_a_tls_handshake_that_never_finishes_is_closed_at_the_head_deadline(https_server):
@@ -308,3 +310,15 @@ def test_a_plain_request_whose_client_half_closes_still_gets_the_answer(https_se
         sock.shutdown(socket.SHUT_WR)
         answer = _answer(sock)
     assert answer.startswith(b"HTTP/1.1 400 ") and b"this port speaks HTTPS: use https://127.0.0.1:" in answer
+
+
+def test_a_client_certificate_without_its_key_or_a_ca_file_that_is_no_certificate_is_one_line(tmp_path, keys, pki):
+    flags = ("--server", "https://127.0.0.1:9", "--token-file", str(keys.token_file))
+    alone = _run("edgepack", "rollout", "list", *flags, "--client-cert", str(pki["client"].cert),
+                 env=_env_without_ca())
+    assert alone.returncode == 2 and "give --client-cert and --client-key together" in alone.stderr, alone.stderr
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    bad = _run("edgepack", "rollout", "list", *flags, "--ca", str(junk), env=_env_without_ca())
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert f"cannot load the TLS files ({junk})" in bad.stderr

@@ -52,7 +52,8 @@ class SourceSpec:
     transport: Literal["tcp", "udp"] = option("tcp", description="RTSP transport.")
     reconnect_s: float = option(0.5, description="First delay before reconnecting a failed source; doubles.",
                                 minimum=0.01)
-    reconnect_max_s: float = option(30.0, description="Longest delay between reconnects.", minimum=0.01)
+    reconnect_max_s: float = option(4.0, description="Longest delay between reconnects (a camera that comes back "
+                                    "is read again within this and an open).", minimum=0.01)
     watchdog_s: float = option(10.0, description="A source that gives no frame for this long is reconnected.",
                                minimum=0.1)
     loop: bool = option(False, description="Files: start again at the end (demos, soak tests).")

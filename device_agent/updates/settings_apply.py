@@ -18,9 +18,10 @@ from typing import Any
 
 from device_agent.remote_settings import Held, decide, limits_for, overlay, save_held
 from device_agent.updates import jobs as J
-from edgepack_core.errors import EdgepackError, SchemaError
+from edgepack_core.errors import EdgepackError, SchemaError, SignatureError
 from edgepack_core.protocol.commands import Command
-from edgepack_core.settings_doc import parse_document
+from edgepack_core.settings_doc import SettingsDocument, parse_document
+from edgepack_core.signing import TrustStore
 
 log = logging.getLogger("edgepack.agent.settings")
 
@@ -49,8 +50,8 @@ def handle(service: Any, command: Command) -> None:
             f"one this device holds ({held.generation}): refused (replayed or late)",
         )
         return
-    results = decide(document, host.base_config)
-    fresh = Held(document, tuple(sorted(results.items())))
+    results = decide(document, host.base_config, _unverifiable(host, document))
+    fresh = held.after(document, results)
     try:
         save_held(host.config.store, fresh)
     except (OSError, EdgepackError) as err:
@@ -72,6 +73,24 @@ def handle(service: Any, command: Command) -> None:
         generation=document.generation,
         results=results,
     )
+
+
+def _unverifiable(host: Any, document: SettingsDocument) -> tuple[str, ...]:
+    """The models this device serves whose manifest signature none of the document's release
+    keys verifies (read from their verified directories; () when the document carries no trust)."""
+    if not document.release_keys:
+        return ()
+    trust = TrustStore(document.release_keys)
+    out = []
+    for slot in host.models.slots:
+        model = slot.service.model
+        if model is None:
+            continue
+        try:
+            trust.verify((model.root / "manifest.json").read_bytes(), (model.root / "manifest.sig").read_bytes())
+        except (SignatureError, OSError):
+            out.append(f"{model.manifest.name} {model.manifest.version}")
+    return tuple(out)
 
 
 def apply_live(service: Any, held: Held) -> None:
