@@ -311,3 +311,21 @@ def test_a_rollout_wave_failed_by_golden_stream_mismatches_counts_them_in_its_re
     assert step.kind == "fail" and step.reason.endswith("; golden stream: 24 event mismatch(es) on 2 device(s)")
     plain = next_step(rollout, wave[2:], 1.0)
     assert plain.kind == "fail" and "golden stream" not in plain.reason
+
+
+def test_a_clip_over_its_frame_bound_is_refused_as_it_decodes(golden):
+    clip = golden["folder"] / "build" / "clip.mp4"
+    assert len(decode_clip(clip, max_frames=FRAMES)) == FRAMES
+    with pytest.raises(PipelineRefused, match=f"more than {FRAMES - 1} frames"):
+        decode_clip(clip, max_frames=FRAMES - 1)
+
+
+def test_a_manifest_naming_golden_stream_members_it_does_not_list_is_refused(golden):
+    from edgepack_core.errors import ManifestError
+    from edgepack_core.manifest import check_manifest
+
+    document = golden["result"].manifest.to_json()
+    check_manifest(document)
+    del document["files"]["golden_stream/events.json"]
+    with pytest.raises(ManifestError, match=r"golden_stream/events\.json is referenced but not listed"):
+        check_manifest(document)

@@ -5,7 +5,6 @@ never speed)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +28,7 @@ from edgepack_core.protocol.report_card import ReportCard, parse_report_card
 from edgepack_core.signing import TrustStore, load_public_key
 from edgepack_core.targets import CPU
 from tests.artifacts import build_artifact
+from tests.fake_ort import FakeGpuOrt
 
 CUDA, TRT = "CUDAExecutionProvider", "TensorrtExecutionProvider"
 
@@ -200,7 +200,34 @@ def test_the_card_is_in_healthz_and_in_the_state_entry(loaded):
         validate_payload("state", json.loads(_state([wrong])))
 
 
+def test_a_tensorrt_session_reports_its_nodes_on_the_accelerator(loaded, monkeypatch):
+    """A Jetson's onnxruntime-gpu as tests/fake_ort.py fakes it: the session heads with TensorRT
+    and its profile names TensorRT for the kernels, so the whole graph is accelerated."""
+    import onnxruntime as ort
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [TRT, CUDA, CPU])
+    model = load_model(loaded.root, loaded.manifest, profile="jetson", factory=FakeGpuOrt(), report_card=True)
+    card = model.report_card
+    assert card is not None and card.provider == TRT
+    assert card.nodes is not None and card.accelerated_nodes == card.nodes >= 1 and card.accelerated_share == 1.0
+    assert card.p99_ms is not None and card.p50_ms is not None and card.p99_ms >= card.p50_ms > 0
+
+
 def test_no_profile_file_is_left_behind(loaded, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+    """Profiles go to a temporary directory removed with the load: none in the working
+    directory, none left in the temporary one (also after a provider that failed its check)."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    work, temp = tmp_path / "work", tmp_path / "temp"
+    work.mkdir()
+    temp.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     load_model(loaded.root, loaded.manifest, report_card=True)
-    assert not list(Path(tmp_path).iterdir())
+    monkeypatch.setattr(ort, "get_available_providers", lambda: [TRT, CUDA, CPU])
+    model = load_model(loaded.root, loaded.manifest, profile="jetson", factory=FakeGpuOrt(distort={TRT: 1.5}),
+                       report_card=True)
+    assert model.provider == CUDA and model.report_card is not None and model.report_card.provider == CUDA
+    assert not list(work.iterdir()) and not list(temp.iterdir())
