@@ -105,9 +105,10 @@ class Daemon:
     # ---------------------------------------------------------------- models
 
     def load(self, installed: InstalledModel) -> LoadedModel:
-        """Load an installed model with this device's profile; runs its smoke test."""
+        """Load an installed model with this device's profile; runs its smoke test and measures
+        its report card (every activation: start, install, update, rollback)."""
         return load_model(installed.directory, installed.verified.manifest, profile=self.config.profile,
-                          threads=self.config.threads)
+                          threads=self.config.threads, report_card=True)
 
     def install_artifact(self, artifact: Path, *, force: bool = False, slot: ModelSlot | None = None) -> LoadedModel:
         """Verify, stage, smoke-test and activate an artifact, then hot-swap it in; into the root

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from edgepack_core.protocol.bounds import Refusal, count, counter_map, counter_sum, decode_document, number, text
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.protocol.payloads import JOB_SCHEMA_ID, STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID
+from edgepack_core.protocol.report_card import ReportCard, parse_report_card
 
 MAX_GROUPS = 64  # the state schema's maxItems
 MAX_CAPABILITIES_BYTES = 8 * 1024
@@ -52,9 +53,11 @@ class ModelRef:
     name: str | None
     version: str | None
     sha256: str | None = None
+    report_card: ReportCard | None = None  # an entry of ``models`` only; None from older agents
 
-    def to_json(self) -> dict[str, str | None]:
-        return {"name": self.name, "version": self.version, "sha256": self.sha256}
+    def to_json(self) -> dict[str, Any]:
+        card = {} if self.report_card is None else {"report_card": self.report_card.to_json()}
+        return {"name": self.name, "version": self.version, "sha256": self.sha256, **card}
 
 
 @dataclass(frozen=True)
@@ -313,7 +316,7 @@ def _models(value: Any) -> tuple[ModelRef, ...]:
     for item in value[:MAX_MODELS]:
         ref = _model(item)
         if ref is not None and ref.name is not None and ref.name not in found:
-            found[ref.name] = ref
+            found[ref.name] = dataclasses.replace(ref, report_card=parse_report_card(item.get("report_card")))
     return tuple(found.values())
 
 

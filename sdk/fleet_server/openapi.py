@@ -26,6 +26,7 @@ from sdk.fleet_server.queries import (
     ROLLOUT_REQUEST_SCHEMA,
     SHA256_PATTERN,
 )
+from sdk.fleet_server.report_cards import OPENAPI_OPERATIONS as REPORT_CARD_OPERATIONS
 from sdk.fleet_server.rollouts import STATES
 
 API_VERSION = "1"
@@ -342,6 +343,7 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
         "responses": {"200": _json("the history", _ref("DeviceHistory")),
                       "404": _json("no such device", _ref("Error"))}}),
     *LOG_OPERATIONS,
+    *REPORT_CARD_OPERATIONS,
     ("put", "/api/devices/{device_id}/groups", {
         "summary": "Enroll a device in exactly these groups (audited as device.groups); rollouts target enrolled "
                    "groups only, never what a device claims",
