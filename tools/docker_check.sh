@@ -71,7 +71,7 @@ trap cleanup EXIT
 
 docker() { "$DOCKER" "$@"; }
 compose() {
-  env COMPOSE_PROJECT_NAME="$PROJECT" EDGEPACK_SECRETS="$WORK/secrets" EDGEPACK_DB_PASSWORD="$DB_PASSWORD" \
+  env COMPOSE_PROJECT_NAME="$PROJECT" EDGEPACK_SECRETS="$WORK/secrets" \
     EDGEPACK_AGENT_IMAGE="edgepack-check/agent:$TAG" EDGEPACK_SERVER_IMAGE="edgepack-check/server:$TAG" \
     EDGEPACK_MOSQUITTO_IMAGE="edgepack-check/services:$TAG" EDGEPACK_POSTGRES_IMAGE="edgepack-check/postgres:$TAG" \
     EDGEPACK_MQTT_ADDRESS=127.0.0.1 EDGEPACK_MQTT_PORT="$MQTT_PORT" EDGEPACK_SERVER_PORT="$SERVER_PORT" \
@@ -192,7 +192,7 @@ rand() { "$PY" -c 'import secrets; print(secrets.token_hex(24))'; }
 printf 'admin:%s\n' "$(rand)" > "$SECRETS/tokens"
 rand > "$SECRETS/mqtt-operator.pw"
 rand > "$SECRETS/mqtt-device.pw"
-DB_PASSWORD=$(rand)
+rand > "$SECRETS/db.pw"
 chown -R 10001:10001 "$SECRETS"
 chmod 600 "$SECRETS"/*
 run_logged "build the digits demo" "$PY" "$REPO/tools/build_demos.py" --out "$WORK/demo" --only digits
