@@ -9,6 +9,7 @@ with 503, and keeps serving.
 from __future__ import annotations
 
 from edgepack_core.errors import EdgepackError, UsageError
+from edgepack_core.golden_stream import mismatch_reason
 
 __all__ = [
     "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "Busy", "ConfigError", "DownloadCancelled",
@@ -77,7 +78,7 @@ class GoldenStreamMismatch(AgentError):
     ``counts``: the job's ``golden_stream`` detail (events expected, mismatches)."""
 
     def __init__(self, model: str, problem: str, counts: dict[str, int]) -> None:
-        super().__init__(f"golden stream of {model} failed: {problem}")
+        super().__init__(mismatch_reason(model, problem))
         self.model = model
         self.problem = problem
         self.counts = counts

@@ -11,6 +11,7 @@ number objects differently and still see the same crossings).
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -170,3 +171,22 @@ def compare(expected: Iterable[EventKey], got: Iterable[EventKey]) -> Comparison
         key, why = differing[0]
         first = f"{key.describe()}: {'expected, not seen' if why == 'missing' else 'seen, not expected'}"
     return Comparison(sum(want.values()), sum(missing.values()) + sum(extra.values()), first)
+
+
+def mismatch_reason(model: str, problem: str) -> str:
+    """The one line a device's refusal gives (the job's reason): :func:`mismatches_in` reads its
+    count back on the fleet server, which keeps a job's reason but not its detail."""
+    return f"golden stream of {model} failed: {problem}"
+
+
+def mismatch_problem(comparison: Comparison) -> str:
+    return f"{comparison.mismatches} event(s) differ from the {comparison.events} expected; first: {comparison.first}"
+
+
+_MISMATCHES = re.compile(r"golden stream of \S+ \S+ failed: (\d{1,9}) event\(s\) differ")
+
+
+def mismatches_in(reason: str) -> int:
+    """The event mismatches a job's reason reports (0: not a golden stream refusal). Pure."""
+    found = _MISMATCHES.search(reason)
+    return int(found.group(1)) if found else 0

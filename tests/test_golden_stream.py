@@ -281,3 +281,51 @@ def test_a_deploy_reports_the_golden_stream_in_the_job_and_a_mismatch_fails_it_n
     finally:
         observer.close()
         agent.stop()
+
+
+def test_a_rollout_wave_failed_by_golden_stream_mismatches_counts_them_in_its_reason():
+    """The fleet server keeps a job's reason: the rollout's failure counts the event mismatches
+    its devices' refusals report (the agent's own reason line, read back by the shared rule)."""
+    from edgepack_core.golden_stream import Comparison, mismatch_problem, mismatch_reason, mismatches_in
+    from sdk.fleet_server.rollouts import RUNNING, DeviceStatus, Gates, Rollout, next_step
+
+    refused = mismatch_reason("detector 1.1.0", mismatch_problem(Comparison(6, 12, "frame 10 hall enter car")))
+    assert mismatches_in(refused + " (the previous model keeps serving)") == 12
+    assert mismatches_in("smoke test of detector 1.1.0 failed: output differs") == 0
+    rollout = Rollout(
+        id="ro-000000000001",
+        state=RUNNING,
+        wave=0,
+        wave_count=2,
+        started_at=0.0,
+        wave_started_at=0.0,
+        gates=Gates(soak_s=10.0, wave_timeout_s=100.0),
+    )
+    wave = [
+        DeviceStatus("cam-1", 0, "failed", True, refused),
+        DeviceStatus("cam-2", 0, "failed", True, refused),
+        DeviceStatus("cam-3", 0, "failed", True, "download failed"),
+        DeviceStatus("cam-4", 0, "active", True),
+    ]
+    step = next_step(rollout, wave, 1.0)
+    assert step.kind == "fail" and step.reason.endswith("; golden stream: 24 event mismatch(es) on 2 device(s)")
+    plain = next_step(rollout, wave[2:], 1.0)
+    assert plain.kind == "fail" and "golden stream" not in plain.reason
+
+
+def test_a_clip_over_its_frame_bound_is_refused_as_it_decodes(golden):
+    clip = golden["folder"] / "build" / "clip.mp4"
+    assert len(decode_clip(clip, max_frames=FRAMES)) == FRAMES
+    with pytest.raises(PipelineRefused, match=f"more than {FRAMES - 1} frames"):
+        decode_clip(clip, max_frames=FRAMES - 1)
+
+
+def test_a_manifest_naming_golden_stream_members_it_does_not_list_is_refused(golden):
+    from edgepack_core.errors import ManifestError
+    from edgepack_core.manifest import check_manifest
+
+    document = golden["result"].manifest.to_json()
+    check_manifest(document)
+    del document["files"]["golden_stream/events.json"]
+    with pytest.raises(ManifestError, match=r"golden_stream/events\.json is referenced but not listed"):
+        check_manifest(document)

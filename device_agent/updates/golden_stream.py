@@ -19,7 +19,7 @@ from typing import Any
 from device_agent.errors import GoldenStreamMismatch, PipelineRefused
 from device_agent.runtime import InferenceService, LoadedModel
 from edgepack_core.errors import EdgepackError
-from edgepack_core.golden_stream import MAX_EVENTS_BYTES, compare, parse_events
+from edgepack_core.golden_stream import MAX_EVENTS_BYTES, compare, mismatch_problem, parse_events
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def check_golden_stream(model: LoadedModel) -> GoldenStreamReport:
     if comparison.mismatches:
         raise GoldenStreamMismatch(
             label,
-            f"{comparison.mismatches} event(s) differ from the {comparison.events} expected; first: {comparison.first}",
+            mismatch_problem(comparison),
             comparison.to_json(),
         )
     log.info("%s: golden stream matched its %d events", label, comparison.events)
