@@ -400,3 +400,16 @@ def test_only_a_devices_newest_certificate_is_rotated_and_once_until_its_token_e
         assert enrollment.send_renewals(sink, due + RENEWAL_TTL_S + 3) == 0  # the new one is not due
     finally:
         database.dispose()
+
+
+def test_a_device_renews_only_the_identity_file_enroll_wrote() -> None:
+    from device_agent.config import check_config
+    from device_agent.updates.renewal import renewal_problem
+
+    base = {"device_id": "d", "store": "/s", "trust": ["/t.pub"]}
+    tls = {"ca": "/i/ca.crt", "cert": "/i/device.pem", "key": "/i/device.pem"}
+    enrolled = {**base, "mqtt": {"host": "m", "tls": tls}, "enrollment": {"server": "https://fleet.example"}}
+    assert renewal_problem(check_config(enrolled, None)) == ""
+    assert "no enrollment section" in renewal_problem(check_config({**base, "mqtt": enrolled["mqtt"]}, None))
+    split = {**enrolled, "mqtt": {"host": "m", "tls": {**tls, "key": "/i/device.key"}}}
+    assert "one file" in renewal_problem(check_config(split, None))

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from edgepack_core.protocol.messages import parse_state
+from sdk.broker import BrokerOptions
+from sdk.deploy import DeployOptions, deploy
 from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.ingest import Writer
 from sdk.fleet_server.queries import decommission_device, get_device
@@ -102,6 +104,7 @@ def test_a_real_agent_s_report_card_reaches_the_fleet_server_and_its_api(
     from tests.fleet_server_process import FleetServerProcess, wait_for
 
     artifact = build_artifact(tmp_path / "art", keypair[0])
+    newer = build_artifact(tmp_path / "art", keypair[0], version="1.1.0", factor=3.0)
     server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
     agent = AgentProcess(tmp_path, device="cam-01", broker_port=mosquitto_broker.port, trust=keypair[1],
                          artifact=artifact).start()
@@ -125,6 +128,12 @@ def test_a_real_agent_s_report_card_reaches_the_fleet_server_and_its_api(
         assert versions[0]["median"]["p50_ms"] == card["p50_ms"]
         status, error = server.call("GET", "/api/report-cards?model=no/such")
         assert status == 400 and "model" in json.dumps(error)
+        # An update's activation (the update service's load) measures the new version's card.
+        result = deploy(DeployOptions(newer, BrokerOptions(mosquitto_broker.address), devices=("cam-01",), timeout=60))
+        assert result.succeeded, result
+        assert wait_for(lambda: [r["version"] for r in stored()] == ["1.1.0"], 30), stored()
+        assert agent.health()["models"][0]["report_card"]["measured_at"] >= card["measured_at"]
+        assert [v["version"] for v in server.get("/api/report-cards")["versions"]] == ["1.1.0"]
     finally:
         agent.stop()
         server.stop()

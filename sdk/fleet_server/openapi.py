@@ -26,6 +26,7 @@ from sdk.fleet_server.queries import (
     ROLLOUT_REQUEST_SCHEMA,
     SHA256_PATTERN,
 )
+from sdk.fleet_server.report_cards import CARD_SCHEMA as REPORT_CARD_SCHEMA
 from sdk.fleet_server.report_cards import OPENAPI_OPERATIONS as REPORT_CARD_OPERATIONS
 from sdk.fleet_server.rollouts import STATES
 
@@ -75,6 +76,9 @@ SCHEMAS: dict[str, Any] = {
             "cpu_percent": _NUMBER_OR_NULL, "memory_rss_bytes": {"type": ["integer", "null"]},
             "temperature_c": _NUMBER_OR_NULL, "telemetry_at": _NUMBER_OR_NULL,
             "capabilities": {"type": "object", "description": "only on GET /api/devices/{device_id}"},
+            "report_cards": {"type": "array", "items": REPORT_CARD_SCHEMA,
+                             "description": "only on GET /api/devices/{device_id}: per model, what the device "
+                                            "measured at activation (docs/fleet-server.md, \"Report cards\")"},
         },
     },
     "DeviceList": {
