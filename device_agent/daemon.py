@@ -25,6 +25,7 @@ from device_agent.remote_settings import Held, held_keys, limits_for, load_held,
 from device_agent.runtime import InferenceService, LoadedModel, load_model
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.updates.disk import FreeSpace
+from device_agent.updates.golden_stream import check_golden_stream
 from device_agent.updates.rejected import for_state
 from edgepack_core.errors import EdgepackError
 from edgepack_core.protocol.ids import is_valid_id
@@ -104,9 +105,10 @@ class Daemon:
     # ---------------------------------------------------------------- models
 
     def load(self, installed: InstalledModel) -> LoadedModel:
-        """Load an installed model with this device's profile; runs its smoke test."""
+        """Load an installed model with this device's profile; runs its smoke test and measures
+        its report card (every activation: start, install, update, rollback)."""
         return load_model(installed.directory, installed.verified.manifest, profile=self.config.profile,
-                          threads=self.config.threads)
+                          threads=self.config.threads, report_card=True)
 
     def install_artifact(self, artifact: Path, *, force: bool = False, slot: ModelSlot | None = None) -> LoadedModel:
         """Verify, stage, smoke-test and activate an artifact, then hot-swap it in; into the root
@@ -117,6 +119,7 @@ class Daemon:
             if slot is not None and installed.name != slot.name:
                 raise StoreError(f"{artifact} holds model {installed.name!r}, not {slot.name!r} as models: says")
             loaded.append(self.load(installed))
+            check_golden_stream(loaded[-1])  # a mismatch refuses the install, as a golden sample's would
 
         store = self.store if slot is None else slot.store
         installed = store.install(artifact, force=force, smoke_test=smoke_test)
@@ -197,7 +200,8 @@ class Daemon:
                            provider_fallbacks=[] if model is None else model.fallbacks_json(),
                            rejected=for_state([r for store in stores for r in store.rejected.records()]),
                            models=[state_entry(slot) for slot in slots],
-                           extra={**self.health_of_stores(), "settings": self.settings_report()})
+                           extra={**self.health_of_stores(), "settings": self.settings_report()},
+                           pipelines=() if self.pipelines is None else self.pipelines.figures())
 
     def health_of_stores(self) -> dict[str, Any]:
         """The stores' condition (read-only, recovered): nothing while they are sound."""
@@ -235,7 +239,8 @@ class Daemon:
         address = self.config.api.address
         if address is not None:
             self.api = ApiServer(address, self.service, settings=self.config.api, health=self.health,
-                                 models=lambda: self.models.services()).start()
+                                 models=lambda: self.models.services(),
+                                 pipelines=lambda: () if self.pipelines is None else self.pipelines.figures()).start()
             log.info("HTTP API on http://%s:%d", address[0], self.api.port)
         return self
 

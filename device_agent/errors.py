@@ -9,6 +9,7 @@ with 503, and keeps serving.
 from __future__ import annotations
 
 from edgepack_core.errors import EdgepackError, UsageError
+from edgepack_core.golden_stream import mismatch_reason
 
 __all__ = [
     "AdmissionRefused", "AgentError", "BackgroundError", "BadRequest", "Busy", "ConfigError", "DownloadCancelled",
@@ -70,6 +71,17 @@ class SmokeTestError(AgentError):
         self.model = model
         self.sample = sample
         self.problem = problem
+
+
+class GoldenStreamMismatch(AgentError):
+    """A candidate's golden clip did not give its signed events: it is not activated.
+    ``counts``: the job's ``golden_stream`` detail (events expected, mismatches)."""
+
+    def __init__(self, model: str, problem: str, counts: dict[str, int]) -> None:
+        super().__init__(mismatch_reason(model, problem))
+        self.model = model
+        self.problem = problem
+        self.counts = counts
 
 
 class ProviderError(AgentError):

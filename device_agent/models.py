@@ -21,7 +21,7 @@ from typing import Any
 
 from device_agent.config import MAX_MODELS
 from device_agent.errors import BadRequest, NoModelError
-from device_agent.runtime import InferenceService
+from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.store import ModelStore
 from edgepack_core.protocol.ids import is_valid_id
 
@@ -146,7 +146,7 @@ def describe_service(name: str, service: InferenceService) -> dict[str, Any]:
     model = service.model
     if model is None:
         return {"name": name, "state": "no model"}
-    return {**model.describe(), "state": "serving", "model_bytes": model_bytes(model.root)}
+    return {**model.describe(), "state": "serving", "model_bytes": model_bytes(model.root), **card_entry(model)}
 
 
 @functools.lru_cache(maxsize=4 * MAX_MODELS)
@@ -176,4 +176,10 @@ def state_entry(slot: ModelSlot) -> dict[str, Any]:
         "provider": model.provider,
         "state": "serving",
         "model_bytes": model_bytes(model.root),
+        **card_entry(model),
     }
+
+
+def card_entry(model: LoadedModel) -> dict[str, Any]:
+    """``report_card`` of a model entry (/healthz, the state message), where the load measured one."""
+    return {} if model.report_card is None else {"report_card": model.report_card.to_json()}

@@ -342,11 +342,16 @@ class SessionResult(NamedTuple):
     session_providers: tuple[str, ...] = ()
 
 
-def session_options(threads: int) -> Any:
+def session_options(threads: int, profile_prefix: str | None = None) -> Any:
+    """``profile_prefix``: profile the session into files of that prefix (the report card reads
+    which provider ran each node, then ends the profile: ``device_agent/report_card.py``)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
     if threads:
         options.intra_op_num_threads = threads
     # With two models in one process (active + shadow during an update), spinning pool
@@ -365,7 +370,7 @@ def _first_line(err: BaseException) -> str:
 def create_session(model_path: Path, plan: ProviderPlan, *, threads: int = 0,
                    factory: Callable[..., Any] | None = None,
                    check: Callable[[Any, str], None] | None = None,
-                   disabled_optimizers: Sequence[str] = ()) -> SessionResult:
+                   disabled_optimizers: Sequence[str] = (), profile_prefix: str | None = None) -> SessionResult:
     """Create one session, walking down the plan; report the provider really used and why
     every earlier choice was not.
 
@@ -390,7 +395,7 @@ def create_session(model_path: Path, plan: ProviderPlan, *, threads: int = 0,
     workarounds = {"disabled_optimizers": list(disabled_optimizers)} if disabled_optimizers else {}
     for index, choice in enumerate(plan.choices):
         last = index == len(plan.choices) - 1
-        options = options or session_options(threads)
+        options = options or session_options(threads, profile_prefix)
         accelerator = choice.name != CPU
         with capture_provider_log(accelerator) as said:
             try:

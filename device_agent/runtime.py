@@ -12,11 +12,13 @@ none failing. The old session is freed when its last request drops its reference
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, overload
@@ -28,6 +30,7 @@ from device_agent.feeds import BatchFeed, Frames, batch_feed, batch_refusal, inp
 from device_agent.finiteness import Finiteness, judge_outputs, non_finite_counts
 from device_agent.prediction import PredictRequest, PredictResult, Tensors
 from device_agent.providers import ModelTraits, choose_providers, create_session
+from device_agent.report_card import build_card, golden_feeds, node_providers, profile_prefix
 from device_agent.request_stats import RequestStats
 from device_agent.run_failures import batch_symbols, judge_run_failure
 from device_agent.smoke import SmokeReport, run_smoke_test
@@ -38,6 +41,7 @@ from edgepack_core.ort_compat import runtime_refusal
 from edgepack_core.ort_workarounds import disabled_optimizers
 from edgepack_core.postprocess import Postprocessor, load_charset, load_labels
 from edgepack_core.preprocess import Preprocessor
+from edgepack_core.protocol.report_card import ReportCard
 from edgepack_core.targets import CPU
 
 log = logging.getLogger("edgepack.agent.runtime")
@@ -82,6 +86,9 @@ class LoadedModel:
     # raised with the same text and judged by run_failures.py), so a client's wrong-size input
     # writes no log line and the CLI's error stays one line. None (tests' fake sessions): defaults.
     run_options: Any = None
+    # What this device measured of the model at activation (device_agent/report_card.py); None
+    # where the load did not ask for one (the CLI's one-shot predict).
+    report_card: ReportCard | None = None
 
     @property
     def init_state(self) -> dict[str, np.ndarray]:
@@ -196,16 +203,19 @@ def _zeros_feed(model: LoadedModel) -> dict[str, np.ndarray]:
     return feed
 
 
-def warm_up(model: LoadedModel, *, smoke_test: bool = True) -> SmokeReport | None:
+def warm_up(model: LoadedModel, *, smoke_test: bool = True,
+            run: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]] | None = None) -> SmokeReport | None:
     """Run the golden samples on the model's session (the smoke test; on TensorRT also the
     engine build, so it happens before the swap, not on the first live request). Without
     golden samples, an accelerator runs zeros once (a failure there is logged: the first
-    request then pays the build); the CPU provider has nothing to build and skips it."""
+    request then pays the build); the CPU provider has nothing to build and skips it. ``run``
+    stands in for ``model.run`` (the report card times the first answer through it)."""
+    run = run or model.run
     if smoke_test and model.manifest.golden.get("samples"):
-        return run_smoke_test(model.root, model.manifest, model.run)
+        return run_smoke_test(model.root, model.manifest, run)
     if model.provider != CPU:
         try:
-            model.run(_zeros_feed(model))
+            run(_zeros_feed(model))
         except Exception as err:  # zeros are not every model's valid input (indices, lengths)
             log.warning("%s: warm-up with zeros on %s failed (%s); the first request pays the build",
                         model.label, model.provider, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
@@ -213,16 +223,20 @@ def warm_up(model: LoadedModel, *, smoke_test: bool = True) -> SmokeReport | Non
 
 
 def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads: int = 0,
-               smoke_test: bool = True, factory: Callable[..., Any] | None = None) -> LoadedModel:
+               smoke_test: bool = True, factory: Callable[..., Any] | None = None,
+               report_card: bool = False) -> LoadedModel:
     """Create the session with the best provider that works, warmed up on the golden samples.
 
     Each provider choice gets a session and the golden smoke test on that same session (no
     second session): a provider onnxruntime silently left out, or whose outputs miss the golden
     samples, counts as failing and the next one is tried (``create_session``). The returned
     model is ready: a TensorRT engine is built (and cached) before anyone swaps it in.
-    ``factory`` stands in for ``onnxruntime.InferenceSession`` in tests.
+    ``factory`` stands in for ``onnxruntime.InferenceSession`` in tests. ``report_card``: measure
+    the model's report card on this device (``device_agent/report_card.py``; the daemon's loads).
     """
     import onnxruntime as ort
+
+    load_started = time.perf_counter()
 
     refusal = runtime_refusal(f"{manifest.name} {manifest.version}",
                               str(manifest.raw["model"].get("min_onnxruntime", "0")), ort.__version__)
@@ -262,26 +276,80 @@ def load_model(root: Path, manifest: Manifest, *, profile: str = "x86", threads:
         cache_dir=cache_dir, run_options=quiet_run_options(ort),
     )
     ready: list[LoadedModel] = []
+    probe = _CardProbe(report_card)
 
     def check(session: Any, provider: str) -> None:
         model = replace(template, session=session, provider=provider,
                         output_names=[o.name for o in session.get_outputs()])
         started = time.perf_counter()
-        model.smoke = warm_up(model, smoke_test=smoke_test)
+        model.smoke = warm_up(model, smoke_test=smoke_test, run=probe.run_of(model))
         model.warmup_s = time.perf_counter() - started
+        probe.profiled(session)
         ready[:] = [model]
 
     disabled = disabled_optimizers(float16=traits.precision == "fp16", machine=platform.machine())
     if disabled:
         log.debug("%s: onnxruntime optimizers off for this fp16 model on %s: %s (microsoft/onnxruntime#28392)",
                   template.label, platform.machine(), ", ".join(disabled))
-    result = create_session(root / manifest.model_path, plan, threads=threads, factory=factory, check=check,
-                            disabled_optimizers=disabled)
+    with probe.profile_dir() as prefix:
+        result = create_session(root / manifest.model_path, plan, threads=threads, factory=factory, check=check,
+                                disabled_optimizers=disabled, profile_prefix=prefix)
     model = ready[0]
     model.fallbacks, model.session_providers = result.fallbacks, result.session_providers
     for name, reason in result.fallbacks:
         log.info("%s: not using %s: %s", model.label, name, reason)
+    if report_card:
+        model.report_card = probe.card(model, smoke_test, load_started)
     return model
+
+
+Run = Callable[[Mapping[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+class _CardProbe:
+    """What a load notes for the report card (device_agent/report_card.py) while it happens:
+    when the chosen session's first run returned, and which provider ran each of its nodes
+    (its profile, ended after the warm-up). Does nothing when the load measures no card."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.first_answer: float | None = None
+        self.assignment: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def profile_dir(self) -> Iterator[str | None]:
+        """The profile prefix in a temporary directory (removed after the load), or None."""
+        if not self.enabled:
+            yield None
+            return
+        with tempfile.TemporaryDirectory(prefix="edgepack-card-") as directory:
+            yield profile_prefix(directory)
+
+    def run_of(self, model: LoadedModel) -> Run | None:
+        """``model.run`` noting when its first call returned (a new session starts afresh)."""
+        if not self.enabled:
+            return None
+        self.first_answer = None
+
+        def timed(feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            outputs = model.run(feed)
+            if self.first_answer is None:
+                self.first_answer = time.perf_counter()
+            return outputs
+
+        return timed
+
+    def profiled(self, session: Any) -> None:
+        if self.enabled:
+            self.assignment = node_providers(session)
+
+    def card(self, model: LoadedModel, smoke_test: bool, load_started: float) -> ReportCard:
+        """The card of the model just loaded: latency runs over its golden samples (none when the
+        smoke test was off or it has none)."""
+        samples = model.manifest.golden.get("samples", []) if smoke_test else []
+        first = None if self.first_answer is None else self.first_answer - load_started
+        return build_card(model.provider, golden_feeds(model.root, samples), model.run,
+                          first_inference_s=first, assignment=self.assignment)
 
 
 Observer = Callable[[float | None, str | None], None]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edgepack_core.errors import ManifestError, SchemaError
+from edgepack_core.golden_stream import GoldenStreamField, golden_stream_of, manifest_schema
 from edgepack_core.postprocess_spec import POSTPROCESS_SCHEMA, PostprocessSpec, parse_postprocess
 from edgepack_core.preprocess_spec import PREPROCESS_SCHEMA, PreprocessSpec, parse_preprocess
 from edgepack_core.schema import Validator, validate
@@ -133,6 +134,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                 "atol": {"type": "number", "minimum": 0},
             },
         },
+        "golden_stream": manifest_schema(MEMBER_PATTERN),
         "tools": {"type": "object", "additionalProperties": {"type": "string"}},
         "report": {"type": "string", "pattern": MEMBER_PATTERN},
     },
@@ -208,6 +210,11 @@ class Manifest:
         golden: Mapping[str, Any] = self.raw.get("golden", {"samples": []})
         return golden
 
+    @property
+    def golden_stream(self) -> GoldenStreamField | None:
+        """The golden clip, its expected events and pipeline fragment (None: the artifact has none)."""
+        return golden_stream_of(self.raw)
+
     def to_json(self) -> dict[str, Any]:
         copy: dict[str, Any] = json.loads(json.dumps(self.raw))  # a deep copy the caller may change
         return copy
@@ -216,6 +223,20 @@ class Manifest:
 def canonical_bytes(document: Mapping[str, Any]) -> bytes:
     """The exact bytes the writer stores and signs: sorted keys, compact, UTF-8, newline."""
     return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+def _referenced(document: Mapping[str, Any]) -> list[str]:
+    """Every member the manifest names outside ``files``: each must be listed there."""
+    referenced = [document["model"]["path"]]
+    if "ort_path" in document["model"]:
+        referenced.append(document["model"]["ort_path"])
+    if "report" in document:
+        referenced.append(document["report"])
+    for sample in document.get("golden", {}).get("samples", []):
+        referenced += [sample["inputs"], sample["outputs"]]
+    if "golden_stream" in document:
+        referenced += [document["golden_stream"]["clip"], document["golden_stream"]["events"]]
+    return referenced
 
 
 def check_manifest(document: Any) -> Manifest:
@@ -234,14 +255,7 @@ def check_manifest(document: Any) -> Manifest:
             raise ManifestError(f"manifest.json: files: unsafe path {name!r}") from cause
         if name in (MANIFEST_NAME, SIGNATURE_NAME):
             raise ManifestError(f"manifest.json: files: {name} cannot list itself")
-    referenced = [document["model"]["path"]]
-    if "ort_path" in document["model"]:
-        referenced.append(document["model"]["ort_path"])
-    if "report" in document:
-        referenced.append(document["report"])
-    for sample in document.get("golden", {}).get("samples", []):
-        referenced += [sample["inputs"], sample["outputs"]]
-    for ref in referenced:
+    for ref in _referenced(document):
         if ref not in files:
             raise ManifestError(f"manifest.json: {ref} is referenced but not listed in files")
     return _with_specs(Manifest(document))

@@ -28,6 +28,7 @@ from sdk.errors import RecipeError, SchemaError
 from sdk.packager.declared import gaps_problem
 from sdk.packager.options import option, parse_fields, schema_of
 from sdk.packager.passes.golden import GoldenOptions
+from sdk.packager.passes.golden_stream import GoldenStreamOptions, check_section
 from sdk.packager.passes.load import ModelOptions
 from sdk.packager.passes.optimize_options import OptimizeOptions
 from sdk.packager.passes.quantize import QuantizeOptions
@@ -84,6 +85,7 @@ class Recipe:
     quantize: QuantizeOptions = field(default_factory=QuantizeOptions)
     validate: ValidateOptions = field(default_factory=ValidateOptions)
     golden: GoldenOptions = field(default_factory=GoldenOptions)
+    golden_stream: GoldenStreamOptions = field(default_factory=GoldenStreamOptions)
     targets: tuple[str, ...] = option(("x86",), description="the device profiles the artifact is for", minItems=1,
                                       items={"enum": sorted(PROFILES)})
     target_onnxruntime: Mapping[str, str] = option(_NO_KEYS, schema=_TARGET_ONNXRUNTIME,
@@ -115,6 +117,7 @@ _PATH_KEYS: list[tuple[tuple[str, ...], bool]] = [
     (("postprocess", "charset"), True),
     *[((section, key, kind), True) for section, key in DATA_SOURCES
       for kind in ("images", "npz", "test_data", "labels", "audio")],
+    (("golden_stream", "clip"), True),
     (("sign", "key"), True),
     (("output",), False),
 ]
@@ -230,6 +233,7 @@ def check_recipe(document: Any, path: Path, *, allow_external_paths: bool = Fals
         raise RecipeError("preprocess.hop", gaps, recipe=recipe)
     postprocess = parse_postprocess(data.get("postprocess"), document=recipe, path="postprocess")
     _check_data_consent(data, recipe)
+    check_section(data, str(data["name"]), recipe)
     quantize = data.get("quantize") or {}
     if quantize.get("mode") == "static" and "calibration" not in quantize:
         raise RecipeError("quantize.calibration", "static quantization needs calibration data", recipe=recipe)

@@ -20,8 +20,10 @@ and ``onnxruntime_inference_collection.py``):
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,6 +74,20 @@ class FakeSession:
 
     def get_outputs(self) -> Any:
         return self._real.get_outputs()
+
+    def end_profiling(self) -> str:
+        """The real session's profile (its path; "" when it was not profiling), each kernel's
+        provider written as the provider heading what the fake registered: a GPU session's profile
+        names its provider for the nodes it ran, and there is no GPU here."""
+        path = self._real.end_profiling()
+        head = self.registered[0]
+        if path and head != CPU:
+            events = json.loads(Path(path).read_text(encoding="utf-8"))
+            for event in events:
+                if event.get("cat") == "Node" and "provider" in event.get("args", {}):
+                    event["args"]["provider"] = head
+            Path(path).write_text(json.dumps(events), encoding="utf-8")
+        return path
 
     def run(self, names: Any, feed: Mapping[str, np.ndarray], *args: Any) -> list[np.ndarray]:
         head = self.registered[0]

@@ -853,3 +853,28 @@ def test_the_device_page_charts_errors_by_kind(browser, server, broker):
         assert found and found[1] == found[2] and found[1] != "0", legend  # every error of the device is that kind
         assert browser.find_elements(By.CSS_SELECTOR, "#charts figure:nth-of-type(3) svg.chart .s1")
 
+
+
+def test_the_device_page_shows_each_models_report_card(browser, server, broker):
+    """Issue 26, item 7: the report cards a device's state carries are a table on its page, the
+    provider a device wrote shown as text."""
+    card = {"provider": HOSTILE[:64], "runs": 20, "p50_ms": 12.5, "p99_ms": 31.25, "first_inference_ms": 850.0,
+            "peak_rss_bytes": 300 << 20, "nodes": 40, "accelerated_nodes": 30, "accelerated_share": 0.75,
+            "measured_at": time.time(), "budget_hit": True}
+    state = {"schema": "edgepack.state/1", "device": "carded", "status": "online", "ts": time.time(),
+             "models": [{"name": "det", "version": "2.0.0", "sha256": "b" * 64, "state": "serving",
+                         "report_card": card}]}
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"carded-{free_port()}", protocol=mqtt.MQTTv5)
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    try:
+        client.publish(f"{TOPIC_ROOT}/dev/carded/state", json.dumps(state), qos=1).wait_for_publish(10)
+        assert wait_for(lambda: server.call("GET", "/api/devices/carded")[1].get("report_cards"), 15)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    _open(browser, server, "/devices/carded", "#device-report-cards tr[data-model='det']")
+    row = _text(browser, "#device-report-cards tr[data-model='det']")
+    want = f"det 2.0.0 {HOSTILE[:64]} 12.5 ms 31.3 ms 20 (time budget) 850 ms 300.0 MiB 75 % (30 of 40 nodes)"
+    assert row.startswith(want), row
+    assert browser.title != "pwned"

@@ -5,8 +5,9 @@ runs them in CI; these are the fast checks of what that run cannot notice drifti
   so deploy/docker/server-requirements.txt is that list, specifier for specifier;
 - both Dockerfiles take their base as the build argument BASE, run as a non-root user, keep their
   state on volumes and carry a HEALTHCHECK on /healthz made with Python's urllib (no curl);
-- the compose file's images are variables with real-world defaults, and every service has a
-  health check and restarts unless stopped.
+- the compose file's images are variables with real-world defaults, every service has a
+  health check and restarts unless stopped, and passwords are files (secrets), never values in
+  an environment or the database URL.
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ def test_the_compose_stack_has_health_checks_and_images_as_variables() -> None:
         assert service["image"].startswith("${EDGEPACK_"), f"{name}: the image is a variable"
         assert service["restart"] == "unless-stopped", name
         assert "healthcheck" in service, name
+    for name, service in services.items():  # secrets are files: nothing in an environment or a command line
+        for key in service.get("environment", {}):
+            assert "PASSWORD" not in key or key.endswith("_FILE"), f"{name}: {key}"
+    url = services["server"]["environment"]["EDGEPACK_FLEET_DB"]
+    assert re.fullmatch(r"postgresql://[^:@/]+@[^@]+", url), f"no password in the database URL: {url}"
+    assert "--db-password-file=/run/secrets/db.pw" in services["server"]["command"]
     for name in ("server", "agent"):  # their images' HEALTHCHECK, only its timing set here
         assert "test" not in services[name]["healthcheck"], name
     assert services["server"]["depends_on"] == {

@@ -356,3 +356,60 @@ def test_a_password_enrollment_writes_the_password_to_a_file_never_into_agent_ya
     assert loaded.mqtt is not None and loaded.mqtt.username == "pf-01" and loaded.mqtt.password == password
     assert loaded.mqtt.tls is not None and loaded.mqtt.tls.cert is None  # the broker's CA only: mqtts://
     assert "pf-01:$7$" in (server.folder / "passwd").read_text()
+
+
+class RecordingSink:
+    """Records what the driver would sign and publish (the driver's own path is the e2e test's)."""
+
+    def __init__(self) -> None:
+        self.recorded: list[dict] = []
+        self.published: list[dict] = []
+
+    def record_command(self, connection: object, device: str, kind: str, command: dict, now: float) -> dict:
+        self.recorded.append({"device": device, "kind": kind, **command})
+        return command
+
+    def publish(self, commands: list[dict], now: float) -> None:
+        self.published += commands
+
+
+def test_only_a_devices_newest_certificate_is_rotated_and_once_until_its_token_expires(tmp_path: Path) -> None:
+    from sdk.fleet_server.db import open_database
+    from sdk.fleet_server.enrollment import RENEW_AT, RENEWAL_TTL_S
+
+    database = open_database(f"sqlite:///{tmp_path / 'fleet.db'}")
+    try:
+        enrollment = Enrollment(database, tmp_path / "ca", Broker("mqtt.example", 8883, True), validity_days=90)
+        issued = []
+        for at in (1_000_000.0, 1_000_100.0):  # enrolled twice: two valid certificates
+            made = enrollment.create_token("rn-01", [], password=False, ttl_s=3600, actor="a", remote="", now=at)
+            issued.append(enrollment.redeem(made["token"], csr_pem(new_key(), "rn-01"), remote="", now=at))
+        not_before = 1_000_100.0 - 300  # the CA's allowance for clock skew
+        due = not_before + (issued[1]["not_after"] - not_before) * RENEW_AT  # as the server computes it
+        sink = RecordingSink()
+        assert enrollment.send_renewals(sink, due - 1) == 0  # the older one is due by then, but superseded
+        assert enrollment.send_renewals(sink, due) == 1
+        assert [c["id"] for c in sink.published] == [c["id"] for c in sink.recorded]
+        command = sink.recorded[0]
+        assert (command["device"], command["kind"], command["type"]) == ("rn-01", "renew-cert", "renew-certificate")
+        assert enrollment.send_renewals(sink, due + 10) == 0  # sent: not again while its token lives
+        assert enrollment.send_renewals(sink, due + RENEWAL_TTL_S + 1) == 1  # its token expired unused
+        renewed = enrollment.redeem(sink.recorded[-1]["token"], csr_pem(new_key(), "rn-01"), remote="",
+                                    now=due + RENEWAL_TTL_S + 2)
+        assert "groups" not in renewed and renewed["serial"] != issued[1]["serial"]
+        assert enrollment.send_renewals(sink, due + RENEWAL_TTL_S + 3) == 0  # the new one is not due
+    finally:
+        database.dispose()
+
+
+def test_a_device_renews_only_the_identity_file_enroll_wrote() -> None:
+    from device_agent.config import check_config
+    from device_agent.updates.renewal import renewal_problem
+
+    base = {"device_id": "d", "store": "/s", "trust": ["/t.pub"]}
+    tls = {"ca": "/i/ca.crt", "cert": "/i/device.pem", "key": "/i/device.pem"}
+    enrolled = {**base, "mqtt": {"host": "m", "tls": tls}, "enrollment": {"server": "https://fleet.example"}}
+    assert renewal_problem(check_config(enrolled, None)) == ""
+    assert "no enrollment section" in renewal_problem(check_config({**base, "mqtt": enrolled["mqtt"]}, None))
+    split = {**enrolled, "mqtt": {"host": "m", "tls": {**tls, "key": "/i/device.key"}}}
+    assert "one file" in renewal_problem(check_config(split, None))

@@ -278,6 +278,7 @@ def tls_connects(fleet: Fleet, identity: Path, ca: Path) -> bool:
     return accepted == [True]
 
 
+@pytest.mark.slow  # an integration run: a broker, a fleet server and two agents (about 20 s)
 def test_an_enrolled_device_connects_is_rotated_and_after_revocation_cannot_connect(fleet: Fleet) -> None:
     agent = enrolled_agent(fleet, "pi-07", "kitchen")
     enrolled_agent(fleet, "pi-08", "lobby")

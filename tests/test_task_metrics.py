@@ -9,9 +9,9 @@ import pytest
 
 from edgepack_core.postprocess import Postprocessor, ctc_greedy
 from edgepack_core.postprocess_spec import PostprocessSpec
+from sdk.errors import MetricInputError
 from sdk.packager.task_metrics import (
     Detections,
-    MetricInputError,
     ctc_labels,
     decode_yolov8,
     detection_agreement,

@@ -98,7 +98,6 @@ def test_updates_ca_is_resolved_beside_agent_yaml_and_a_file_that_is_no_ca_is_re
         load_config(tmp_path / "agent.yaml")
 
 
-@pytest.mark.slow
 def test_the_agent_installs_from_an_https_server_with_its_ca_and_names_a_foreign_certificate(
         tmp_path, mosquitto_broker, keypair, pki):
     """A real agent daemon: a deploy from the private-CA server becomes active; one from a server

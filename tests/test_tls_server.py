@@ -176,6 +176,8 @@ def test_a_plain_http_request_to_the_tls_port_is_told_to_use_https(https_server)
     assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr  # a wrong URL: bad usage
     assert plain.stderr.strip().endswith(f"this port speaks HTTPS: use https://127.0.0.1:{https_server.port}")
     assert https_server.get("/api/status")["http"]["dropped"].get("plain_http_on_tls", 0) >= 2
+    assert 'edgepack_fleet_http_connections_dropped_total{reason="plain_http_on_tls"}' in \
+        https_server.get("/metrics").decode()
 
 
 def test_a_tls_handshake_that_never_finishes_is_closed_at_the_head_deadline(https_server):

@@ -19,6 +19,7 @@
 #    with `edgepack rollout create --wait` against the server's published port; the agent healthy
 #    and answering /predict; the agent's process killed with SIGKILL and the container back,
 #    healthy, serving the same model (restart: unless-stopped, the store on its volume).
+#    `docker stop` (SIGTERM) then ends every service with exit status 0.
 # 5. Everything torn down: the stack with its volumes, the images, the daemon if started here.
 #
 # One PASS/FAIL line per step; exit 1 on the first failure of a step the next ones need.
@@ -45,6 +46,7 @@ DOCKER=/usr/bin/docker
 [ -x "$DOCKER" ] || DOCKER=$(command -v docker)
 if command -v docker-compose >/dev/null; then COMPOSE=(docker-compose); else COMPOSE=("$DOCKER" compose); fi
 DOCKERD_PID=
+ROOTS=
 STACK_UP=0
 
 teardown() {  # the stack with its volumes, the images made here, the daemon if started here
@@ -64,12 +66,12 @@ teardown() {  # the stack with its volumes, the images made here, the daemon if 
   fi
   set -e
 }
-cleanup() { teardown; rm -rf "$WORK"; }
+cleanup() { teardown; rm -rf "$WORK" ${ROOTS:+"$ROOTS"}; }
 trap cleanup EXIT
 
 docker() { "$DOCKER" "$@"; }
 compose() {
-  env COMPOSE_PROJECT_NAME="$PROJECT" EDGEPACK_SECRETS="$WORK/secrets" EDGEPACK_DB_PASSWORD="$DB_PASSWORD" \
+  env COMPOSE_PROJECT_NAME="$PROJECT" EDGEPACK_SECRETS="$WORK/secrets" \
     EDGEPACK_AGENT_IMAGE="edgepack-check/agent:$TAG" EDGEPACK_SERVER_IMAGE="edgepack-check/server:$TAG" \
     EDGEPACK_MOSQUITTO_IMAGE="edgepack-check/services:$TAG" EDGEPACK_POSTGRES_IMAGE="edgepack-check/postgres:$TAG" \
     EDGEPACK_MQTT_ADDRESS=127.0.0.1 EDGEPACK_MQTT_PORT="$MQTT_PORT" EDGEPACK_SERVER_PORT="$SERVER_PORT" \
@@ -130,24 +132,27 @@ BASE_TAR=$CACHE/base-$KEY.tar
 SERVICES_TAR=$CACHE/services-$KEY.tar
 if [ ! -f "$BASE_TAR" ] || [ ! -f "$SERVICES_TAR" ]; then
   mkdir -p "$CACHE"
-  ROOT=$WORK/rootfs
+  # the roots are made beside the cache, on disk: /tmp may be a tmpfs mounted nodev, where the
+  # device nodes debootstrap makes do not open
+  ROOTS=$(mktemp -d "$CACHE/roots.XXXXXX")
+  ROOT=$ROOTS/base
   run_logged "debootstrap bookworm minbase" debootstrap --variant=minbase --include="$BASE_PACKAGES" \
     bookworm "$ROOT" "$MIRROR"
-  cp -a "$ROOT" "$WORK/services"
+  cp -a "$ROOT" "$ROOTS/services"
   slim_root "$ROOT"
   tar -C "$ROOT" -cf "$BASE_TAR.tmp" . && mv "$BASE_TAR.tmp" "$BASE_TAR"
   rm -rf "$ROOT"
   # Services: no daemon starts in the chroot, and PostgreSQL makes no cluster (the entrypoint does).
-  printf '#!/bin/sh\nexit 101\n' > "$WORK/services/usr/sbin/policy-rc.d"
-  chmod 755 "$WORK/services/usr/sbin/policy-rc.d"
-  mkdir -p "$WORK/services/etc/postgresql-common"
-  echo "create_main_cluster = false" > "$WORK/services/etc/postgresql-common/createcluster.conf"
+  printf '#!/bin/sh\nexit 101\n' > "$ROOTS/services/usr/sbin/policy-rc.d"
+  chmod 755 "$ROOTS/services/usr/sbin/policy-rc.d"
+  mkdir -p "$ROOTS/services/etc/postgresql-common"
+  echo "create_main_cluster = false" > "$ROOTS/services/etc/postgresql-common/createcluster.conf"
   # shellcheck disable=SC2086  # the package list splits on purpose
-  run_logged "apt-get install $SERVICE_PACKAGES in the services root" in_root "$WORK/services" sh -c \
+  run_logged "apt-get install $SERVICE_PACKAGES in the services root" in_root "$ROOTS/services" sh -c \
     "apt-get update -qq && apt-get install -y -qq --no-install-recommends $SERVICE_PACKAGES"
-  slim_root "$WORK/services"
-  tar -C "$WORK/services" -cf "$SERVICES_TAR.tmp" . && mv "$SERVICES_TAR.tmp" "$SERVICES_TAR"
-  rm -rf "$WORK/services"
+  slim_root "$ROOTS/services"
+  tar -C "$ROOTS/services" -cf "$SERVICES_TAR.tmp" . && mv "$SERVICES_TAR.tmp" "$SERVICES_TAR"
+  rm -rf "$ROOTS"
   pass "bookworm roots made by debootstrap (cached in $CACHE)"
 fi
 run_logged "docker import the base" docker import "$BASE_TAR" "edgepack-check/base:$TAG"
@@ -187,7 +192,7 @@ rand() { "$PY" -c 'import secrets; print(secrets.token_hex(24))'; }
 printf 'admin:%s\n' "$(rand)" > "$SECRETS/tokens"
 rand > "$SECRETS/mqtt-operator.pw"
 rand > "$SECRETS/mqtt-device.pw"
-DB_PASSWORD=$(rand)
+rand > "$SECRETS/db.pw"
 chown -R 10001:10001 "$SECRETS"
 chmod 600 "$SECRETS"/*
 run_logged "build the digits demo" "$PY" "$REPO/tools/build_demos.py" --out "$WORK/demo" --only digits
@@ -245,6 +250,17 @@ AGAIN=$(predict 2>>"$LOG") || stop_for "the restarted agent's /predict did not a
   || fail "the restarted agent serves $AGAIN, not $SERVED"
 pass "agent image $AGENT_MB MB (its venv $VENV_MB MiB); idle serving digits after the restart: VmRSS $AGENT_RSS MiB, docker stats $AGENT_MEM"
 
+# 7. docker stop: every service ends on SIGTERM within the grace period (exit 0; 137 would be
+#    the SIGKILL docker sends after it), so a server checkpoints its database and an agent its store.
+run_logged "compose stop" compose stop -t 30
+CODES=""
+for service in mosquitto postgres server agent; do
+  CODES="$CODES $service=$(docker inspect -f '{{.State.ExitCode}}' "${ID[$service]}")"
+done
+case "$CODES" in
+  *=[1-9]*) fail "a service did not stop cleanly on SIGTERM:$CODES" ;;
+  *) pass "every service stopped on SIGTERM:$CODES" ;;
+esac
 teardown
 pass "torn down: the stack, its volumes and the images made here"
 ELAPSED=$(( $(date +%s) - START ))

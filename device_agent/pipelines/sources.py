@@ -41,6 +41,10 @@ OPEN_TIMEOUT_US = 5_000_000  # FFmpeg's network timeouts (microseconds): a dead 
 # (5 s of analysis) made an RTSP camera's first frame, and every reconnect, take 2.1 s on loopback;
 # half a second and 128 KiB take 0.3 s and still find H.264's parameters (sent in band).
 PROBE_OPTIONS = (("analyzeduration", "500000"), ("probesize", "131072"))
+# HTTP MJPEG cameras (mjpg-streamer, ESP32-CAM, IP cameras' /video.mjpg) send multipart/x-mixed-replace:
+# FFmpeg's mpjpeg demuxer hands each part over as it arrives (measured on loopback: 5 frames in
+# 0.05 s), while its raw mjpeg parser held every frame until the connection closed (3 s later).
+HTTP_MJPEG_FORMAT = "mpjpeg"
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class OpenPlan:
     options: tuple[tuple[str, str], ...] = ()
     audio: bool = False
     read_timeout_s: float = 10.0  # the watchdog: no packet for this long fails the read
+    arrival_clock: bool = False  # stamp frames as they arrive (the stream has no clock of its own)
 
 
 def open_plan(spec: SourceSpec) -> OpenPlan:
@@ -65,10 +70,13 @@ def open_plan(spec: SourceSpec) -> OpenPlan:
         return OpenPlan("picamera2")
     if kind == "url":
         url = str(spec.url)
-        options = [("timeout", str(OPEN_TIMEOUT_US)), *PROBE_OPTIONS]
         if url.startswith(("rtsp://", "rtsps://")):
-            options = [("rtsp_transport", spec.transport), ("timeout", str(OPEN_TIMEOUT_US)), *PROBE_OPTIONS]
-        return OpenPlan("av", url, None, tuple(options), read_timeout_s=spec.watchdog_s)
+            options = (("rtsp_transport", spec.transport), ("timeout", str(OPEN_TIMEOUT_US)), *PROBE_OPTIONS)
+            return OpenPlan("av", url, None, options, read_timeout_s=spec.watchdog_s)
+        # multipart JPEGs carry no timestamps (FFmpeg numbers them at 25 FPS whatever the camera's
+        # rate): stamped on arrival, so max_fps and dwell times follow the camera's real clock
+        return OpenPlan("av", url, HTTP_MJPEG_FORMAT, (("timeout", str(OPEN_TIMEOUT_US)),),
+                        read_timeout_s=spec.watchdog_s, arrival_clock=True)
     if kind == "device":
         return OpenPlan("av", str(spec.device), "v4l2", read_timeout_s=spec.watchdog_s)
     if kind == "audio":
@@ -131,7 +139,7 @@ def decode_av(plan: OpenPlan, stop: threading.Event) -> Iterator[tuple[float, np
             keyed = keyed or bool(frame.key_frame)
             if not keyed:  # joined mid-stream: frames before the first keyframe decode to garbage
                 continue
-            ts = float(frame.time) if frame.time is not None else time.time()
+            ts = time.time() if plan.arrival_clock or frame.time is None else float(frame.time)
             yield ts, frame.to_ndarray(format="rgb24"), 0
     finally:
         container.close()
@@ -157,6 +165,26 @@ def _audio_blocks(container: Any, stop: threading.Event) -> Iterator[tuple[float
             held, count = [joined[block:]], joined.shape[0] - block
     if count:
         yield sent / rate, np.concatenate(held), rate
+
+
+def decode_picamera2(stop: threading.Event) -> Iterator[tuple[float, np.ndarray, int]]:
+    """Frames of the Raspberry Pi camera through picamera2 (libcamera), stamped as captured.
+    Its ``RGB888`` format is laid out B, G, R in memory (libcamera's naming): flipped to RGB as a
+    view, no copy."""
+    try:
+        from picamera2 import Picamera2  # type: ignore[import-not-found]
+    except ImportError:
+        Picamera2 = None
+    camera_backend(Picamera2 is not None, Path("/dev/video0").exists())
+    camera = Picamera2()
+    try:
+        camera.configure(camera.create_video_configuration(main={"format": "RGB888"}))
+        camera.start()
+        while not stop.is_set():
+            pixels = camera.capture_array("main")
+            yield time.time(), pixels[:, :, 2::-1], 0
+    finally:
+        camera.close()
 
 
 def decode_folder(folder: Path, fps: float, stop: threading.Event) -> Iterator[tuple[float, np.ndarray, int]]:
@@ -212,6 +240,8 @@ class SourceReader:
     def _default_frames(self, plan: OpenPlan, stop: threading.Event) -> Iterator[tuple[float, np.ndarray, int]]:
         if plan.backend == "folder":
             return decode_folder(Path(plan.target), self.spec.max_fps or 10.0, stop)
+        if plan.backend == "picamera2":
+            return decode_picamera2(stop)
         return decode_av(plan, stop)
 
     def _run(self) -> None:

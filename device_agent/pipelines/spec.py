@@ -169,8 +169,6 @@ class PipelineSpec:
     tracker: TrackerSpec | None = option(None, description="Track the first detection stage's objects.")
     rules: tuple[RuleSpec, ...] = option((), description="Rules that turn results into events.", maxItems=MAX_RULES)
     sinks: tuple[SinkSpec, ...] = option((), description="Where events go.", maxItems=8)
-    golden: str | None = option(None, description="A golden clip of an installed artifact whose expected events "
-                                "the activation check compares (the model's name).", pattern=_NAME)
 
 
 def pipeline_schema() -> dict[str, Any]:

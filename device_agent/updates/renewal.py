@@ -22,6 +22,7 @@ from typing import Any
 
 from device_agent.config import AgentConfig
 from device_agent.errors import EnrollError
+from device_agent.updates import jobs as J
 from edgepack_core.errors import EdgepackError
 from edgepack_core.fsutil import atomic_write
 from edgepack_core.protocol.commands import Command
@@ -61,7 +62,7 @@ def start(config: AgentConfig, transport: Any, command: Command, reply: Reply) -
     """Renew on a thread of its own; ``reply(command, state, reason)`` answers the command."""
     problem = renewal_problem(config)
     if problem:
-        reply(command, "failed", problem)
+        reply(command, J.FAILED, problem)
         return
 
     def run() -> None:
@@ -70,10 +71,10 @@ def start(config: AgentConfig, transport: Any, command: Command, reply: Reply) -
             transport.reload_tls()
         except (EnrollError, EdgepackError, OSError) as err:
             log.warning("certificate renewal failed: %s", err)
-            reply(command, "failed", f"certificate renewal failed: {err}")
+            reply(command, J.FAILED, f"certificate renewal failed: {err}")
             return
         until = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(expires))
         log.info("certificate renewed, valid until %s; reconnecting with it", until)
-        reply(command, "done", f"certificate renewed, valid until {until}")
+        reply(command, J.DONE, f"certificate renewed, valid until {until}")
 
     threading.Thread(target=run, name="certificate-renewal", daemon=True).start()

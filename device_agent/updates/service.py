@@ -48,6 +48,7 @@ from device_agent.updates.disk import FreeSpace
 from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, allowed_origins, download
 from device_agent.updates.fetch_logs import LogFetcher
 from device_agent.updates.golden_probe import probe
+from device_agent.updates.golden_stream import check_golden_stream, failure_detail
 from device_agent.updates.health import (
     Probes,
     check_window,
@@ -627,11 +628,14 @@ class UpdateService:
         job = self._set(job, J.TESTING, "golden samples on a shadow session")
         try:
             loaded = self.host.load(staged)
+            stream = check_golden_stream(loaded)  # the golden clip's events, when the artifact has one
         except EdgepackError as err:
             slot.store.discard(staged)
             note = self._remember_rejected(job, "smoke_test", str(err), name=staged.name)
-            self._set(job, J.FAILED, f"{err} (the previous model keeps serving){note}", rejected_at="smoke_test")
+            self._set(job, J.FAILED, f"{err} (the previous model keeps serving){note}", rejected_at="smoke_test",
+                      **failure_detail(err))
             return
+        job = dataclasses.replace(job, detail={**job.detail, **stream.job_detail()})  # carried by the next _set
         self._activate_and_watch(job, slot, staged, loaded, running)
 
     def _window_of(self, job: Job) -> float:

@@ -55,6 +55,7 @@ from sdk.fleet_server import (
     history,
     openapi,
     queries,
+    report_cards,
     roles,
     settings_api,
     wave_waits,
@@ -572,6 +573,7 @@ def build_app(context: ApiContext) -> Starlette:
               methods=["POST"]),
         Route("/api/devices/{device_id}/groups", guard(r.set_groups, "device.groups"), methods=["PUT"]),
         Route("/api/devices/{device_id}/target", guard(r.device_target), methods=["GET"]),
+        Route("/api/report-cards", guard(report_cards.handler(context)), methods=["GET"]),
         Route("/api/targets", guard(r.targets), methods=["GET"]),
         *[route for scope, path in (("fleet", "/api/targets/fleet"), ("group", "/api/targets/groups/{group}"),
                                     ("device", "/api/targets/devices/{device_id}"))

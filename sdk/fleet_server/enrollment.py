@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import exists, or_, select, update
 from sqlalchemy.engine import Connection
 
 from edgepack_core.errors import SchemaError
@@ -329,15 +329,19 @@ class Enrollment:
         """Send a signed renew-certificate command, with a fresh renewal token, for each
         certificate past :data:`RENEW_AT` of its life (and again for one whose token expired
         unused). Returns how many were sent."""
-        c = device_certificates
+        c, newer = device_certificates, device_certificates.alias("newer")
         resend_before = now - RENEWAL_TTL_S
+        superseded = exists().where(newer.c.device == c.c.device, newer.c.issued_at > c.c.issued_at,
+                                    newer.c.revoked_at.is_(None))
         with self.database.read() as connection:
             rows = connection.execute(
                 select(c)
                 .where(
                     c.c.revoked_at.is_(None),
                     c.c.not_after > now,
+                    c.c.not_before + (c.c.not_after - c.c.not_before) * RENEW_AT <= now,
                     or_(c.c.renewal_sent_at.is_(None), c.c.renewal_sent_at < resend_before),
+                    ~superseded,  # only a device's newest certificate is rotated
                 )
                 .order_by(c.c.not_after)
                 .limit(MAX_RENEWALS_PER_ROUND)

@@ -18,7 +18,7 @@ from edgepack_core.protocol.messages import (
     Telemetry,
 )
 from sdk.fleet_server import db as tables
-from sdk.fleet_server import settings_db
+from sdk.fleet_server import report_card_table, report_cards, settings_db
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.liveness import HeardState, supersedes
 from sdk.fleet_server.retention import kinds_json
@@ -141,6 +141,7 @@ class Writer:
                 tables.device_rejected,
                 tables.device_models,
                 tables.settings_reports,
+                report_card_table.device_report_cards,
             ):
                 connection.execute(delete(table).where(table.c.device.in_(gone)))
         if not latest:
@@ -190,6 +191,7 @@ class Writer:
         self._rejected(connection, [(r, heard) for r, heard in fresh if r.status == "online"])
         self._models(connection, [r for r, _heard in fresh if r.status == "online" and r.models])
         settings_db.save_reports(self.database, connection, [(r, heard) for r, heard in fresh if r.status == "online"])
+        report_cards.save(connection, fresh)
 
     def _models(self, connection: Any, records: list[DeviceState]) -> None:
         """Keep ``device_models`` equal to the models each device's newest online state lists

@@ -26,6 +26,8 @@ from sdk.fleet_server.queries import (
     ROLLOUT_REQUEST_SCHEMA,
     SHA256_PATTERN,
 )
+from sdk.fleet_server.report_cards import CARD_SCHEMA as REPORT_CARD_SCHEMA
+from sdk.fleet_server.report_cards import OPENAPI_OPERATIONS as REPORT_CARD_OPERATIONS
 from sdk.fleet_server.rollouts import STATES
 
 API_VERSION = "1"
@@ -74,6 +76,9 @@ SCHEMAS: dict[str, Any] = {
             "cpu_percent": _NUMBER_OR_NULL, "memory_rss_bytes": {"type": ["integer", "null"]},
             "temperature_c": _NUMBER_OR_NULL, "telemetry_at": _NUMBER_OR_NULL,
             "capabilities": {"type": "object", "description": "only on GET /api/devices/{device_id}"},
+            "report_cards": {"type": "array", "items": REPORT_CARD_SCHEMA,
+                             "description": "only on GET /api/devices/{device_id}: per model, what the device "
+                                            "measured at activation (docs/fleet-server.md, \"Report cards\")"},
         },
     },
     "DeviceList": {
@@ -342,6 +347,7 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
         "responses": {"200": _json("the history", _ref("DeviceHistory")),
                       "404": _json("no such device", _ref("Error"))}}),
     *LOG_OPERATIONS,
+    *REPORT_CARD_OPERATIONS,
     ("put", "/api/devices/{device_id}/groups", {
         "summary": "Enroll a device in exactly these groups (audited as device.groups); rollouts target enrolled "
                    "groups only, never what a device claims",

@@ -23,7 +23,7 @@ from edgepack_core.protocol.commands import field_schema
 from edgepack_core.protocol.ids import ID_PATTERN
 from sdk.deploy.policy import RolloutError, plan_wave_shares, planned_shares
 from sdk.errors import ApiError
-from sdk.fleet_server import audit, bad_releases
+from sdk.fleet_server import audit, bad_releases, report_card_table, report_cards
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.artifacts import StoredArtifact
 from sdk.fleet_server.db import Database
@@ -223,9 +223,10 @@ def get_device(database: Database, device: str, *, now: float, silence_s: float)
                                                           "offset": 0}).scalar() or "[]")
         capabilities = connection.execute(select(tables.devices.c.capabilities).where(
             tables.devices.c.id == device)).scalar()
+        cards = report_cards.of_device(connection, device)
     if not found:
         raise ApiError(404, "not_found", f"no device {device}")
-    return {**found[0], "capabilities": json.loads(capabilities) if capabilities else {}}
+    return {**found[0], "capabilities": json.loads(capabilities) if capabilities else {}, "report_cards": cards}
 
 
 MAX_GROUPS = 64
@@ -273,7 +274,7 @@ def decommission_device(database: Database, device: str, *, reason: str, actor: 
         if known is None and marked is None:
             raise ApiError(404, "not_found", f"no device {device}")
         for rows in (tables.device_groups, tables.device_claimed_groups, tables.device_rejected,
-                     tables.device_models):
+                     tables.device_models, report_card_table.device_report_cards):
             connection.execute(rows.delete().where(rows.c.device == device))
         for scoped in (tables.target_entries, tables.target_holds):  # its own target goes with it
             connection.execute(scoped.delete().where(scoped.c.scope == "device", scoped.c.name == device))

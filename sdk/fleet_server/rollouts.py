@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from edgepack_core.errors import InvalidTransition, SchemaError
+from edgepack_core.golden_stream import mismatches_in
 from sdk.deploy.policy import ACTIVE, DeviceJob, required_successes, wave_verdict
 
 PENDING, RUNNING, PAUSED, SUCCEEDED, FAILED, ABORTED = "pending", "running", "paused", "succeeded", "failed", \
@@ -231,6 +232,14 @@ def soak_verdict(wave: Sequence[DeviceStatus], gates: Gates) -> str:
             f"{'...' if len(unhealthy) > 10 else ''}; {healthy} healthy, {required} of {len(wave)} required")
 
 
+def golden_stream_note(wave: Sequence[DeviceStatus]) -> str:
+    """The wave's golden stream event mismatches, counted from its failed devices' reasons (the
+    agent refuses a candidate whose golden clip gives other events). Pure."""
+    counts = [mismatches_in(d.reason) for d in wave if d.final and d.state != ACTIVE]
+    hit = [count for count in counts if count]
+    return f"; golden stream: {sum(hit)} event mismatch(es) on {len(hit)} device(s)" if hit else ""
+
+
 def next_step(rollout: Rollout, devices: Sequence[DeviceStatus], now: float) -> Step:
     """What a driver holding the lease does now with ``rollout``. Pure.
 
@@ -255,7 +264,7 @@ def next_step(rollout: Rollout, devices: Sequence[DeviceStatus], now: float) -> 
     label = f"wave {rollout.wave + 1} of {rollout.wave_count}"
     if verdict.outcome == "failed":
         why = f"timed out after {rollout.gates.wave_timeout_s:g} s: " if verdict.timed_out else ""
-        return failure(rollout, devices, f"{label} failed: {why}{verdict.reason}")
+        return failure(rollout, devices, f"{label} failed: {why}{verdict.reason}{golden_stream_note(wave)}")
     if verdict.outcome == "pending":
         return Step("wait")
     return _after_jobs(rollout, devices, wave, label, now)

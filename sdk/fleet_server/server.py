@@ -370,9 +370,10 @@ class FleetServer:
         if guard is not None:
             metric("edgepack_fleet_http_connections", "gauge", "Open HTTP connections.", [({}, len(guard.open))])
             metric("edgepack_fleet_http_connections_dropped_total", "counter", "HTTP connections closed by the "
-                   "server's limits, by reason (head_timeout, body_too_slow, evicted, over_cap).",
+                   "server's limits, by reason (head_timeout, body_too_slow, evicted, over_cap; "
+                   "plain_http_on_tls: a plain request told to use https://).",
                    [({"reason": r}, guard.dropped[r]) for r in ("head_timeout", "body_too_slow", "evicted",
-                                                                 "over_cap")])
+                                                                 "over_cap", "plain_http_on_tls")])
         api = self._api
         metric("edgepack_fleet_api_requests_total", "counter", "Authenticated API requests.",
                [({}, api.requests if api else 0)])

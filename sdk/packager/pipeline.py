@@ -35,7 +35,7 @@ from sdk.packager.passes import (  # noqa: F401  isort: skip
     opset, ort_format, ort_optimize, preprocess_graph, quantize, runtime_compat, shape_inference, target_report,
     validate,
 )
-from sdk.packager.passes import artifact_size, precision  # noqa: F401  isort: skip
+from sdk.packager.passes import artifact_size, golden_stream, precision  # noqa: F401  isort: skip
 
 MODEL_MEMBER = "model/model.onnx"
 
@@ -63,6 +63,7 @@ PIPELINE: list[str] = [
     "ort_format",
     "runtime_compat",
     "precision",
+    "golden_stream",
     "artifact_size",
 ]
 
@@ -158,6 +159,8 @@ def assemble_manifest(ctx: BuildContext) -> dict[str, Any]:
         manifest["description"] = ctx.recipe.description
     if ctx.golden is not None:
         manifest["golden"] = ctx.golden.to_json()
+    if ctx.golden_stream is not None:
+        manifest["golden_stream"] = ctx.golden_stream.to_json()
     return manifest
 
 

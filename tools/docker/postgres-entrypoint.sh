@@ -1,9 +1,11 @@
 #!/bin/sh
 # postgres:16's start in short, on Debian's PostgreSQL 15: a new data folder is initialised with
-# POSTGRES_USER (superuser, password POSTGRES_PASSWORD, scram-sha-256 over TCP) and
+# POSTGRES_USER (superuser, password POSTGRES_PASSWORD or the first line of POSTGRES_PASSWORD_FILE,
+# read as root; scram-sha-256 over TCP) and
 # POSTGRES_DB; then the server runs as the postgres user, listening on every address.
 set -eu
-: "${POSTGRES_USER:=postgres}" "${POSTGRES_DB:=$POSTGRES_USER}" "${POSTGRES_PASSWORD:?POSTGRES_PASSWORD is empty}"
+if [ -n "${POSTGRES_PASSWORD_FILE:-}" ]; then POSTGRES_PASSWORD=$(head -n 1 "$POSTGRES_PASSWORD_FILE"); fi
+: "${POSTGRES_USER:=postgres}" "${POSTGRES_DB:=$POSTGRES_USER}" "${POSTGRES_PASSWORD:?POSTGRES_PASSWORD (or POSTGRES_PASSWORD_FILE) is empty}"
 as_postgres() { setpriv --reuid=postgres --regid=postgres --init-groups "$@"; }
 mkdir -p "$PGDATA" /var/run/postgresql
 chown postgres:postgres "$PGDATA" /var/run/postgresql

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import onnx
 
+from edgepack_core.golden_stream import GoldenStreamField
 from edgepack_core.manifest import TensorSpec
 from edgepack_core.postprocess_spec import PostprocessSpec
 from edgepack_core.preprocess_spec import PreprocessSpec
@@ -50,6 +51,7 @@ class BuildContext:
       (preprocess_graph);
     - ``ort_member``: the ``.ort`` file's member (ort_format);
     - ``golden``: the golden samples and their tolerances (golden);
+    - ``golden_stream``: the golden clip's members, frames and pipeline fragment (golden_stream);
     - ``runtime``: opsets and the minimum onnxruntime of the final graph (runtime_compat);
     - ``original``: the reference validation compares with: the model as loaded, its
       initializers constant (load) and its inputs shaped as the recipe says (shape_inference),
@@ -72,6 +74,7 @@ class BuildContext:
     lowering: PreprocessLowering | None = None
     ort_member: str | None = None
     golden: GoldenSet | None = None
+    golden_stream: GoldenStreamField | None = None
     runtime: RuntimeRequirement | None = None
     report: dict[str, Any] = field(default_factory=dict)
     model_sizes: dict[str, int] = field(default_factory=dict)

@@ -26,7 +26,7 @@ import numpy as np
 
 from edgepack_core.postprocess import Postprocessor
 from edgepack_core.postprocess_spec import PostprocessSpec
-from sdk.errors import RecipeError, ValidationFailed
+from sdk.errors import MetricInputError, RecipeError, ValidationFailed
 from sdk.packager.data import Samples, context_options, load_samples
 from sdk.packager.fidelity import check_fidelity, compare
 from sdk.packager.options import given, option
@@ -41,7 +41,7 @@ from sdk.packager.passes.io_spec import (
 )
 from sdk.packager.sequences import run_samples
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
-from sdk.packager.task_metrics import DetectionDecoder, Detections, Evaluation, MetricInputError, evaluate, task_metric
+from sdk.packager.task_metrics import DetectionDecoder, Detections, Evaluation, evaluate, task_metric
 
 DEFAULT_SAMPLES = 64
 SYNTHETIC_SAMPLES = 16
