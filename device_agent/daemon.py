@@ -200,7 +200,8 @@ class Daemon:
                            provider_fallbacks=[] if model is None else model.fallbacks_json(),
                            rejected=for_state([r for store in stores for r in store.rejected.records()]),
                            models=[state_entry(slot) for slot in slots],
-                           extra={**self.health_of_stores(), "settings": self.settings_report()})
+                           extra={**self.health_of_stores(), "settings": self.settings_report()},
+                           pipelines=() if self.pipelines is None else self.pipelines.figures())
 
     def health_of_stores(self) -> dict[str, Any]:
         """The stores' condition (read-only, recovered): nothing while they are sound."""
@@ -238,7 +239,8 @@ class Daemon:
         address = self.config.api.address
         if address is not None:
             self.api = ApiServer(address, self.service, settings=self.config.api, health=self.health,
-                                 models=lambda: self.models.services()).start()
+                                 models=lambda: self.models.services(),
+                                 pipelines=lambda: () if self.pipelines is None else self.pipelines.figures()).start()
             log.info("HTTP API on http://%s:%d", address[0], self.api.port)
         return self
 

@@ -14,6 +14,8 @@ import paho.mqtt.client as mqtt
 import yaml
 from PIL import Image
 
+from device_agent.telemetry.metrics import TELEMETRY_SCHEMA
+from edgepack_core.schema import validate
 from sdk.packager.pipeline import build
 from sdk.recipe import load_recipe
 from tests.agent_process import free_port
@@ -56,6 +58,10 @@ def test_the_golden_clip_through_edgepack_agent_run_gives_its_events_in_every_si
     observer.on_message = lambda _c, _u, message: got_mqtt.append(json.loads(message.payload))
     observer.connect("127.0.0.1", mosquitto_broker.port)
     observer.subscribe("edgepack/v1/dev/pi-07/events", qos=1)
+    telemetry: list[dict] = []
+    observer.message_callback_add("edgepack/v1/dev/pi-07/telemetry",
+                                  lambda _c, _u, message: telemetry.append(json.loads(message.payload)))
+    observer.subscribe("edgepack/v1/dev/pi-07/telemetry", qos=1)
     observer.loop_start()
 
     pipeline = json.loads(json.dumps(PIPELINE).replace("CLIP", str(clip)))
@@ -67,7 +73,7 @@ def test_the_golden_clip_through_edgepack_agent_run_gives_its_events_in_every_si
         "device_id": "pi-07", "store": str(tmp_path / "store"), "trust": [str(keypair[1])],
         "models": [{"name": "detector", "artifact": str(artifact)}],
         "api": {"listen": f"127.0.0.1:{port}"},
-        "mqtt": {"host": "127.0.0.1", "port": mosquitto_broker.port, "telemetry_interval": 5},
+        "mqtt": {"host": "127.0.0.1", "port": mosquitto_broker.port, "telemetry_interval": 1},
         "pipelines": [pipeline]}))
     expected = expected_events()
     log = tmp_path / "agent.log"
@@ -93,6 +99,21 @@ def test_the_golden_clip_through_edgepack_agent_run_gives_its_events_in_every_si
         assert wait_until(lambda: pipeline_health()["state"] == "finished", timeout=30)
         health = pipeline_health()
         assert (health["frames"], health["dropped"], health["stage_errors"]) == (FRAMES, 0, 0)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            metrics = answer.read().decode()
+        assert f'edgepack_pipeline_frames_total{{pipeline="door-cam"}} {FRAMES}' in metrics
+        assert 'edgepack_pipeline_events_total{pipeline="door-cam",rule="gate",kind="cross"} 2' in metrics
+
+        def finished_sample() -> dict | None:
+            return next((t for t in telemetry[::-1] if t.get("pipelines", [{}])[0].get("state") == "finished"), None)
+
+        assert wait_until(lambda: finished_sample() is not None, timeout=30)
+        sample = finished_sample()
+        assert sample is not None
+        validate(sample, TELEMETRY_SCHEMA, document="telemetry")
+        section = sample["pipelines"][0]
+        assert (section["frames"], section["dropped"], section["source"]["frames"]) == (FRAMES, 0, FRAMES)
+        assert section["events"]["gate"] == {"cross": 2}
     finally:
         agent.terminate()
         agent.wait(30)

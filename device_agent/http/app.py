@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -67,13 +67,14 @@ from device_agent.http.negotiation import (
     media_type,
     outputs_wanted,
 )
-from device_agent.http.prometheus import HttpStats, load_gauges, prometheus_text
+from device_agent.http.prometheus import HttpStats, load_gauges, pipeline_metrics, prometheus_text
 from device_agent.http.results import includes_outputs, npz_headers, prediction_json
 from device_agent.prediction import Array, Audio, EncodedImage, Input, PredictRequest, PredictResult, Tensors
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.updates.health import CONTRACT_ERROR_KINDS
 from edgepack_core import __version__, wire_json
 from edgepack_core.errors import WireEncodingError
+from edgepack_core.protocol.pipeline_figures import PipelineFigures
 
 log = logging.getLogger("edgepack.agent.http")
 
@@ -108,8 +109,10 @@ class AgentApp:
 
     def __init__(self, service: InferenceService, settings: ApiSettings,
                  health: Callable[[], dict[str, Any]] | None = None,
-                 models: Callable[[], Mapping[str, InferenceService]] | None = None) -> None:
+                 models: Callable[[], Mapping[str, InferenceService]] | None = None,
+                 pipelines: Callable[[], Sequence[PipelineFigures]] | None = None) -> None:
         self.service = service
+        self.pipelines = pipelines or (lambda: ())  # the pipelines' counters (/metrics)
         # The services of the models installed, by name (several named models: the daemon's
         # ModelSet); without it, ``service`` alone, named by the model it serves.
         self.models = models or self._single
@@ -217,7 +220,7 @@ class AgentApp:
 
     async def metrics(self, request: Request) -> Response:
         text = prometheus_text(self.models() or {"": self.service}, self.http_stats) + load_gauges(
-            self._admitted, self.buffered.held)
+            self._admitted, self.buffered.held) + pipeline_metrics(self.pipelines())
         return Response(text.encode(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:

@@ -1,15 +1,16 @@
 """The agent's metrics in the Prometheus text exposition format (version 0.0.4): inference
 requests and errors, every HTTP answer by status class, answers with non-finite outputs, the
-latency histogram, the active model and the API's load."""
+latency histogram, the active model and the API's load, and each pipeline's counters."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from device_agent.request_stats import LATENCY_BUCKETS
 from device_agent.runtime import InferenceService
+from edgepack_core.protocol.pipeline_figures import PIPELINE_STATES, PipelineFigures
 
 
 def _escape(value: str) -> str:
@@ -108,3 +109,40 @@ def load_gauges(admitted: int, held_bytes: int) -> str:
             "# HELP edgepack_http_body_bytes_held Request body bytes held in memory (api.max_buffered_bytes).\n"
             "# TYPE edgepack_http_body_bytes_held gauge\n"
             f"edgepack_http_body_bytes_held {held_bytes}\n")
+
+
+# (metric, help, type, the figure of a pipeline): the per-pipeline series of /metrics
+_PIPELINE_SERIES: tuple[tuple[str, str, str, Callable[[PipelineFigures], int | None]], ...] = (
+    ("edgepack_pipeline_frames_total", "Frames a pipeline's stages answered.", "counter", lambda p: p.frames),
+    ("edgepack_pipeline_dropped_total", "Frames the latest policy dropped (the oldest, to keep the newest).",
+     "counter", lambda p: p.dropped),
+    ("edgepack_pipeline_stage_errors_total", "Frames skipped because a stage's model failed.", "counter",
+     lambda p: p.stage_errors),
+    ("edgepack_pipeline_source_frames_total", "Frames (or audio blocks) the source's reader decoded.", "counter",
+     lambda p: None if p.source is None else p.source.frames),
+    ("edgepack_pipeline_source_reconnects_total", "Times the source was reopened (after a failure or an end).",
+     "counter", lambda p: None if p.source is None else p.source.reconnects),
+    ("edgepack_pipeline_source_failures_total", "Source failures: cannot open, read error, watchdog.", "counter",
+     lambda p: None if p.source is None else p.source.failures),
+    ("edgepack_pipeline_source_up", "1 while the source gives frames, 0 while it is down or starting.", "gauge",
+     lambda p: None if p.source is None else int(p.source.state == "up")),
+)
+
+
+def pipeline_metrics(figures: Sequence[PipelineFigures]) -> str:
+    """The pipelines' counters in the Prometheus text format: one series per pipeline (label
+    ``pipeline``), its state as a state set, and events by ``rule`` and ``kind``; "" without pipelines."""
+    if not figures:
+        return ""
+    lines = ["# HELP edgepack_pipeline_state The pipeline's state (1: the one it is in).",
+             "# TYPE edgepack_pipeline_state gauge"]
+    lines += [f'edgepack_pipeline_state{{pipeline="{_escape(p.name)}",state="{state}"}} {int(p.state == state)}'
+              for p in figures for state in PIPELINE_STATES]
+    for metric, help_text, kind, value in _PIPELINE_SERIES:
+        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"]
+        lines += [f'{metric}{{pipeline="{_escape(p.name)}"}} {value(p)}' for p in figures if value(p) is not None]
+    lines += ["# HELP edgepack_pipeline_events_total Events a pipeline's rules gave, by rule and kind.",
+              "# TYPE edgepack_pipeline_events_total counter"]
+    lines += [f'edgepack_pipeline_events_total{{pipeline="{_escape(p.name)}",rule="{_escape(rule)}",kind="{kind}"}} {n}'
+              for p in figures for rule, kinds in p.events for kind, n in kinds]
+    return "\n".join(lines) + "\n"

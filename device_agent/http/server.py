@@ -36,7 +36,7 @@ import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from http import HTTPStatus
 from typing import Any
@@ -433,14 +433,15 @@ class ApiServer:
 
     def __init__(self, address: tuple[str, int], service: InferenceService, *, max_body_bytes: int | None = None,
                  health: Callable[[], dict[str, Any]] | None = None, settings: ApiSettings | None = None,
-                 models: Callable[[], Mapping[str, InferenceService]] | None = None) -> None:
+                 models: Callable[[], Mapping[str, InferenceService]] | None = None,
+                 pipelines: Callable[[], Sequence[Any]] | None = None) -> None:
         settings = settings or ApiSettings()
         if max_body_bytes is not None:
             settings = replace(settings, max_body_bytes=max_body_bytes,
                                max_buffered_bytes=max(settings.max_buffered_bytes, max_body_bytes))
         self.settings = settings
         self.service = service
-        self.app = AgentApp(service, settings, health, models)
+        self.app = AgentApp(service, settings, health, models, pipelines)
         self._socket = listening_socket(address, backlog=min(settings.max_connections, 1024))
         self._server = HttpServer(self.app.asgi, self._socket, settings, self.app.http_stats.count)
         self._thread: threading.Thread | None = None

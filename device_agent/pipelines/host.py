@@ -19,6 +19,7 @@ from device_agent.pipelines.runner import PipelineRunner
 from device_agent.pipelines.sinks import make_sinks
 from device_agent.pipelines.spec import PipelineSpec
 from edgepack_core.protocol.events import Event
+from edgepack_core.protocol.pipeline_figures import MAX_RULES, PipelineFigures, SourceFigures, events_by_rule
 
 log = logging.getLogger(__name__)
 
@@ -61,3 +62,16 @@ class PipelineSet:
                          "source": None if source is None else {"state": source.state, "detail": source.detail,
                                                                 "reconnects": source.reconnects}}
         return out
+
+    def figures(self) -> tuple[PipelineFigures, ...]:
+        """Each pipeline's counters, typed (/metrics and telemetry): refused ones with why."""
+        out = [PipelineFigures(name, "refused", reason=reason) for name, reason in self.refused.items()]
+        for name, runner in self.runners.items():
+            reader = runner.reader.status if runner.reader is not None else None
+            source = None if reader is None else SourceFigures(reader.state, reader.frames, reader.reconnects,
+                                                               reader.failures)
+            out.append(PipelineFigures(
+                name, "finished" if runner.finished.is_set() else "running", runner.counters.frames,
+                runner.queue.dropped, runner.counters.stage_errors, source,
+                events_by_rule(dict(runner.counters.by_kind))[:MAX_RULES]))
+        return tuple(out)

@@ -53,6 +53,7 @@ class PipelineCounters:
     stage_errors: int = 0
     missing_model: int = 0
     by_rule: dict[str, int] = field(default_factory=dict)
+    by_kind: dict[tuple[str, str], int] = field(default_factory=dict)  # (rule, kind): /metrics, telemetry
     last_age_s: float = 0.0
     ages_s: deque[float] = field(default_factory=lambda: deque(maxlen=AGE_SAMPLES))  # the newest frames' ages
 
@@ -308,6 +309,8 @@ class PipelineRunner:
             event = sink.emit(event, frame.image, boxes)
         self.counters.events += 1
         self.counters.by_rule[rule_event.rule] = self.counters.by_rule.get(rule_event.rule, 0) + 1
+        key = (rule_event.rule, rule_event.kind)
+        self.counters.by_kind[key] = self.counters.by_kind.get(key, 0) + 1
         return event
 
     def _event(self, e: RuleEvent, seq: int) -> Event:

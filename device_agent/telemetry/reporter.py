@@ -30,6 +30,7 @@ from edgepack_core.mqtt_settings import MqttSettings, Will
 from edgepack_core.mqtt_transport import MqttTransport
 from edgepack_core.protocol.messages import MAX_MODELS, MAX_REJECTED, JobEvent, ModelTelemetry, SessionMark
 from edgepack_core.protocol.payloads import STATE_SCHEMA_ID
+from edgepack_core.protocol.pipeline_figures import MAX_PIPELINES, PipelineFigures
 from edgepack_core.protocol.topics import Topics
 
 log = logging.getLogger("edgepack.agent.telemetry")
@@ -55,6 +56,8 @@ class AgentStatus:
     # Every model the device holds (``device_agent.models.state_entry``), the first one ``model``.
     models: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Each pipeline's counters (``PipelineSet.figures``): telemetry's ``pipelines`` section.
+    pipelines: tuple[PipelineFigures, ...] = ()
 
 
 def capabilities(status: AgentStatus) -> dict[str, Any]:
@@ -258,7 +261,8 @@ class TelemetryReporter:
         sample = self.aggregator.build(now=now, ts=ts, model=status.model,
                                        provider=status.provider, system=self._system, queue=self.outbox.counters())
         versions = {str(m["name"]): m.get("version") for m in status.models}
-        sample = dataclasses.replace(sample, models=self._model_figures(now, ts, versions))
+        sample = dataclasses.replace(sample, models=self._model_figures(now, ts, versions),
+                                     pipelines=status.pipelines[:MAX_PIPELINES])
         self.outbox.put(self.topics.telemetry(self.device_id), sample.encode(), 1, "telemetry")
 
     # ---------------------------------------------------------------- thread

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from edgepack_core.protocol.bounds import Refusal, count, counter_map, counter_sum, decode_document, number, text
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.protocol.payloads import JOB_SCHEMA_ID, STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID
+from edgepack_core.protocol.pipeline_figures import PipelineFigures, parse_pipelines_section
 from edgepack_core.protocol.report_card import ReportCard, parse_report_card
 
 MAX_GROUPS = 64  # the state schema's maxItems
@@ -227,6 +228,7 @@ class Telemetry:
     queue: QueueCounters | None = None
     clamped: tuple[str, ...] = ()
     models: tuple[ModelTelemetry, ...] = ()  # per model (several named models); () from older agents
+    pipelines: tuple[PipelineFigures, ...] = ()  # per pipeline (pipeline_figures.py); () from older agents
 
     def latency_ms(self) -> dict[str, float | None]:
         return {"p50": self.latency_p50, "p90": self.latency_p90, "p99": self.latency_p99,
@@ -244,6 +246,7 @@ class Telemetry:
             "queue": None if queue is None else {"depth": queue.depth, "dropped": queue.dropped,
                                                  "produced": queue.produced, "delivered": queue.delivered},
             **({"models": [model.to_json() for model in self.models]} if self.models else {}),
+            **({"pipelines": [p.to_json() for p in self.pipelines]} if self.pipelines else {}),
         }
 
     def encode(self) -> bytes:
@@ -488,7 +491,8 @@ def parse_telemetry(device: str, payload: bytes) -> Telemetry | Refusal:
         provider=text(doc.get("provider"), MAX_NAME_CHARS), interval_s=number(doc.get("interval_s")),
         cpu_percent=number(doc.get("cpu_percent")), memory_rss_bytes=count(doc.get("memory_rss_bytes")),
         temperature_c=number(doc.get("temperature_c")), uptime_s=number(doc.get("uptime_s")),
-        queue=_queue(doc.get("queue")), models=_models_figures(doc.get("models")), **_figures(doc),
+        queue=_queue(doc.get("queue")), models=_models_figures(doc.get("models")),
+        pipelines=parse_pipelines_section(doc.get("pipelines")), **_figures(doc),
     )
 
 

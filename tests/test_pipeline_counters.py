@@ -1,0 +1,133 @@
+"""Per-source and per-rule counters: a real pipeline's figures (the golden clip through the
+packaged detector) in the agent's /metrics text and in telemetry's ``pipelines`` section, the
+section's parser bounded, and a fleet server that stores a telemetry message carrying it."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from device_agent.http.prometheus import pipeline_metrics
+from device_agent.pipelines.checks import StageContract
+from device_agent.pipelines.host import PipelineSet
+from device_agent.pipelines.spec import parse_pipelines
+from device_agent.telemetry.metrics import TELEMETRY_SCHEMA
+from edgepack_core.protocol.messages import Telemetry, parse_telemetry
+from edgepack_core.protocol.pipeline_figures import (
+    MAX_PIPELINES,
+    MAX_RULES,
+    PipelineFigures,
+    SourceFigures,
+    parse_pipelines_section,
+)
+from edgepack_core.schema import validate
+from tests.fleet_server_process import FleetServerProcess, wait_for
+from tests.stream_models import LABELS
+from tests.test_fleet_server_ingest import _publish
+from tests.test_pipeline_streams import FRAMES, PIPELINE, expected_events, scene, service_of  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def finished(scene) -> tuple[PipelineFigures, ...]:  # noqa: F811
+    """The golden clip run to its end by the agent's PipelineSet, beside a pipeline refused for
+    a model that is not installed."""
+    service = service_of(scene)
+    clip = json.loads(json.dumps(PIPELINE).replace("CLIP", str(scene["clip"])))
+    clip["source"]["policy"] = "every"
+    missing = {**clip, "name": "yard", "stages": [{"model": "absent"}]}
+    pipelines = PipelineSet(parse_pipelines([clip, missing]), "pi-07", lambda name: service, None)
+    pipelines.start({"detector": StageContract("image", "detection", LABELS)})
+    try:
+        assert pipelines.runners["door-cam"].finished.wait(60)
+    finally:
+        pipelines.stop()
+    return pipelines.figures()
+
+
+def expected_counts() -> Counter[tuple[str, str]]:
+    return Counter((rule, kind) for _, rule, kind, _, _ in expected_events())
+
+
+def test_a_pipelines_counters_are_its_frames_source_and_events_by_rule_and_kind(finished):
+    refused, door = finished
+    assert (refused.name, refused.state, refused.source) == ("yard", "refused", None)
+    assert refused.reason and "absent" in refused.reason
+    assert (door.name, door.state, door.frames, door.dropped, door.stage_errors) == (
+        "door-cam", "finished", FRAMES, 0, 0)
+    assert door.source == SourceFigures("up", FRAMES, 0, 0)
+    assert {(rule, kind): n for rule, kinds in door.events for kind, n in kinds} == expected_counts()
+
+
+def test_metrics_carry_each_pipeline_its_source_and_its_events_by_rule_and_kind(finished):
+    text = pipeline_metrics(finished)
+    lines = set(text.splitlines())
+    for line in (f'edgepack_pipeline_frames_total{{pipeline="door-cam"}} {FRAMES}',
+                 'edgepack_pipeline_dropped_total{pipeline="door-cam"} 0',
+                 'edgepack_pipeline_stage_errors_total{pipeline="door-cam"} 0',
+                 f'edgepack_pipeline_source_frames_total{{pipeline="door-cam"}} {FRAMES}',
+                 'edgepack_pipeline_source_reconnects_total{pipeline="door-cam"} 0',
+                 'edgepack_pipeline_source_failures_total{pipeline="door-cam"} 0',
+                 'edgepack_pipeline_source_up{pipeline="door-cam"} 1',
+                 'edgepack_pipeline_state{pipeline="door-cam",state="finished"} 1',
+                 'edgepack_pipeline_state{pipeline="door-cam",state="running"} 0',
+                 'edgepack_pipeline_state{pipeline="yard",state="refused"} 1'):
+        assert line in lines, line
+    for (rule, kind), n in expected_counts().items():
+        assert f'edgepack_pipeline_events_total{{pipeline="door-cam",rule="{rule}",kind="{kind}"}} {n}' in lines
+    assert not [line for line in lines if 'pipeline="yard"' in line and "state" not in line]  # no source, no frames
+    assert pipeline_metrics(()) == ""
+
+
+def test_telemetrys_pipelines_section_validates_and_parses_back_to_the_same_figures(finished):
+    sample = Telemetry("pi-07", seq=1, ts=1.0, interval_s=10.0, throughput_per_s=0.0, inferences_total=0,
+                       inferences_interval=0, uptime_s=1.0, pipelines=finished)
+    validate(sample.to_json(), TELEMETRY_SCHEMA, document="telemetry")
+    parsed = parse_telemetry("pi-07", sample.encode())
+    assert isinstance(parsed, Telemetry) and parsed.pipelines == finished
+    older = Telemetry("pi-07", seq=1, ts=1.0).to_json()
+    assert "pipelines" not in older  # an agent without pipelines sends what it always sent
+    assert parse_telemetry("pi-07", json.dumps(older).encode()).pipelines == ()  # type: ignore[union-attr]
+
+
+def pipeline_doc(name: str, rules: int = 1, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "state": "running", "frames": 5, "dropped": 1, "stage_errors": 0,
+            "source": {"state": "down", "frames": 6, "reconnects": 2, "failures": 2},
+            "events": {f"r{i}": {"cross": i} for i in range(rules)}, **extra}
+
+
+def test_the_section_keeps_the_limit_of_pipelines_and_rules_and_drops_one_more():
+    at_limit = parse_pipelines_section([pipeline_doc(f"p{i}", MAX_RULES) for i in range(MAX_PIPELINES)])
+    assert len(at_limit) == MAX_PIPELINES and all(len(p.events) == MAX_RULES for p in at_limit)
+    over = parse_pipelines_section([pipeline_doc(f"p{i}", MAX_RULES + 1) for i in range(MAX_PIPELINES + 1)])
+    assert len(over) == MAX_PIPELINES and all(len(p.events) == MAX_RULES for p in over)
+    assert over[-1].name == f"p{MAX_PIPELINES - 1}"
+
+
+def test_a_wrong_figure_reads_none_and_never_costs_the_telemetry_message():
+    bad = [pipeline_doc("a", frames=-1, dropped="many", state="exploded", source={"state": 1, "frames": 2**63},
+                        events={"gate": {"cross": 3, "teleport": 9, "leave": -2}, "../x": {"cross": 1}, "z": 7}),
+           pipeline_doc("a"), pipeline_doc("bad name!"), "junk", None]
+    (figures,) = parse_pipelines_section(bad)
+    assert (figures.frames, figures.dropped, figures.state) == (None, None, None)
+    assert figures.source == SourceFigures(None, None, None, None)
+    assert figures.events == (("gate", (("cross", 3),)),)
+    doc = {"schema": "edgepack.telemetry/1", "device": "pi-07", "seq": 3, "pipelines": {"not": "a list"}}
+    parsed = parse_telemetry("pi-07", json.dumps(doc).encode())
+    assert isinstance(parsed, Telemetry) and parsed.seq == 3 and parsed.pipelines == ()
+
+
+def test_the_fleet_server_stores_telemetry_that_carries_pipelines(tmp_path, mosquitto_broker, server_keys):
+    server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
+    try:
+        telemetry = {"schema": "edgepack.telemetry/1", "device": "pi-07", "seq": 1, "latency_ms": {"p50": 3.0},
+                     "inferences": {"interval": 5, "total": 5}, "pipelines": [pipeline_doc("door-cam", 3)]}
+        _publish(mosquitto_broker.port, [("edgepack/v1/dev/pi-07/telemetry", json.dumps(telemetry).encode())])
+        stored = wait_for(lambda: (lambda s: s if s["ingest"]["stored"].get("telemetry") == 1 else None)(
+            server.get("/api/status")), 15)
+        assert stored is not None and sum(stored["ingest"]["dropped"].values()) == 0
+        assert server.get("/api/devices")["devices"][0]["latency_ms"]["p50"] == 3.0
+    finally:
+        server.stop()
