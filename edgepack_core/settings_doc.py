@@ -146,6 +146,8 @@ def check_value(key: str, value: Any) -> Any:
     if schema is None:
         raise SchemaError(key, f"is not a remote setting (known: {', '.join(sorted(SETTING_KEYS))}, "
                                "models.NAME.limits.max_artifact_bytes|max_member_bytes|max_total_bytes)")
+    if schema.get("type") == "integer" and isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON's 5.0 is the integer 5 (JSON Schema says so too)
     try:
         validate(value, schema, document=key)
     except SchemaError as err:  # named by the key alone: the value's own path is the key's

@@ -725,6 +725,7 @@ def test_a_viewer_sees_who_is_signed_in_and_no_button_it_cannot_use(browser, ser
         _open(browser, server, "/devices/sim-00000", "#device-facts")
         assert not browser.find_element(By.ID, "device-actions").is_displayed()
         assert not browser.find_element(By.ID, "device-decommission").is_displayed()
+        assert not browser.find_element(By.ID, "device-revoke").is_displayed()
     finally:
         _sign_in_as(browser, server, server.keys.token)
     _wait(browser, lambda d: _text(d, "#whoami") == "admin · admin", message="the admin signed in")
@@ -754,6 +755,15 @@ def test_an_admin_enrolls_a_device_from_the_fleet_page_with_a_token_that_works_o
     assert server.call("POST", "/api/enroll", {"token": token, "csr": csr_pem(new_key(), "dash-new-1")},
                        token=None)[0] == 403
     assert server.get("/api/audit?action=device.enroll_identity")["entries"][0]["target"] == "dash-new-1"
+
+    # Its page revokes what it was issued (into the CRL), with a reason.
+    _open(browser, server, "/devices/dash-new-1", "#device-revoke")
+    browser.find_element(By.ID, "device-action-reason").send_keys("lost in transit")
+    browser.find_element(By.ID, "device-revoke").click()
+    WebDriverWait(browser, 10).until(lambda d: d.switch_to.alert).accept()
+    _wait(browser, lambda d: _text(d, "#device-action-result") == "revoked 1 certificate(s)", message="revoked")
+    entry = server.get("/api/audit?action=device.revoke")["entries"][0]
+    assert entry["detail"]["serials"] == [answer["serial"]] and entry["detail"]["reason"] == "lost in transit"
 
 
 def _publish_logs(broker, device: str, *messages: str, ts: float) -> None:

@@ -85,10 +85,10 @@ def test_keys_of_the_wrong_kind_and_lockout_retirements_are_refused(server, keyp
         "POST",
         "/api/keys",
         {"kind": RELEASE, "pem": operator_pem},
-        400,
+        422,
         "is an operator key, but a release key is needed",
     )
-    _refused(server, "POST", "/api/keys", {"kind": RELEASE, "pem": "-----BEGIN PRIVATE KEY-----\nx\n"}, 400, "key")
+    _refused(server, "POST", "/api/keys", {"kind": RELEASE, "pem": "-----BEGIN PRIVATE KEY-----\nx\n"}, 422, "key")
     release = keypair[1].read_text()
     code, row = server.call("POST", "/api/keys", {"kind": RELEASE, "pem": release})
     assert code == 201 and row["key_id"] == key_id(load_public_key(keypair[1])) and row["in_use"]

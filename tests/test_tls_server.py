@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import ssl
@@ -19,7 +20,7 @@ from edgepack_core.tls import first_bytes_kind, tls_failure
 from sdk.fleet_server.client import ClientTls, tls_hint
 from tests.broker import free_port, start_mosquitto
 from tests.conftest import cli, run_cli
-from tests.fleet_server_process import FleetServerProcess, make_keys
+from tests.fleet_server_process import FleetServerProcess, make_keys, wait_for
 from tests.tls_certs import make_ca, serve_https
 
 
@@ -151,6 +152,30 @@ def test_a_client_certificate_from_another_ca_is_refused(mtls_server, keys, pki)
     line = _one_line(result)
     assert "TLS handshake failed" in line and mtls_server.url in line, line
     assert result.stdout == ""
+    # the server's side: one line naming the client (the first refusal of this server, this one or
+    # the one without a certificate)
+    assert wait_for(lambda: "(client 127.0.0.1:" in mtls_server.log_text(), 10)
+    refused = next(ln for ln in mtls_server.log_text().splitlines() if "(client 127.0.0.1:" in ln)
+    assert "WARNING edgepack.fleet_server.tls: " in refused, refused
+    assert ": certificate verify failed: " in refused or ": TLS handshake failed: " in refused, refused
+
+
+def test_refused_handshakes_are_logged_at_most_once_a_minute_with_a_count(caplog):
+    """A scanner's thousand refused handshakes are a line a minute: the first at once, none until
+    60 s passed (59.9 s holds), then one that counts those held back."""
+    from sdk.fleet_server.tls_listener import RefusalLog
+
+    now = [100.0]
+    refusals = RefusalLog(60.0, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="edgepack.fleet_server.tls")
+    assert refusals.refused("certificate verify failed: x (client a:1)")
+    now[0] += 59.9
+    assert not refusals.refused("b") and not refusals.refused("c")
+    now[0] += 0.1
+    assert refusals.refused("certificate verify failed: y (client d:4)")
+    assert [r.getMessage() for r in caplog.records] == [
+        "certificate verify failed: x (client a:1)",
+        "certificate verify failed: y (client d:4) (2 more refused since the last line)"]
 
 
 # ---------------------------------------------------------------- plain HTTP and the guard on the TLS port

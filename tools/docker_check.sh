@@ -43,7 +43,7 @@ SERVICE_PACKAGES="mosquitto mosquitto-clients postgresql-15"
 say() { printf '[%4ss] %s\n' "$(( $(date +%s) - START ))" "$*"; }  # each line with the time since the start
 
 DOCKER=/usr/bin/docker
-[ -x "$DOCKER" ] || DOCKER=$(command -v docker)
+[ -x "$DOCKER" ] || DOCKER=$(command -v docker || echo docker)
 if command -v docker-compose >/dev/null; then COMPOSE=(docker-compose); else COMPOSE=("$DOCKER" compose); fi
 DOCKERD_PID=
 ROOTS=
@@ -182,6 +182,12 @@ if docker run --rm --entrypoint /opt/edgepack/bin/python -v "$REPO/tools/device_
 else
   fail "tools/device_install_check.py in the agent image:"; sed 's/^/    /' "$WORK/install-check.txt"
 fi
+
+PROBE='import importlib.util as u; print(" ".join(m for m in ("onnx", "sklearn", "sympy", "torch") if u.find_spec(m)))'
+HOST_ONLY=$(docker run --rm --entrypoint /opt/edgepack/bin/python "edgepack-check/server:$TAG" -c "$PROBE" 2>&1) \
+  && [ -z "$HOST_ONLY" ] && docker run --rm "edgepack-check/server:$TAG" fleet serve --help >/dev/null 2>>"$LOG" \
+  && pass "server image: fleet serve runs, without the packager's onnx, scikit-learn, sympy" \
+  || fail "server image: ${HOST_ONLY:-edgepack fleet serve --help fails}"
 
 # 4. Secrets (as docs/docker.md makes them), the artifact, the stack with the shipped agent.yaml.
 SECRETS=$WORK/secrets

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from edgepack_core.protocol.ids import ID_PATTERN, is_valid_id
 from edgepack_core.schema import Validator
-from edgepack_core.settings_doc import MAX_PEM_CHARS, SETTING_KEYS
+from edgepack_core.settings_doc import MAX_PEM_CHARS, MODEL_LIMIT, SETTING_KEYS
 from edgepack_core.signing import KEY_KINDS, key_id, public_key_from_pem
 from sdk.errors import ApiError
 from sdk.fleet_server import db as tables
@@ -251,9 +251,26 @@ _KEY_ROW = {
     "required": ["key_id", "kind", "in_use"],
     "properties": {"key_id": {"type": "string"}, "kind": {"enum": list(KEY_KINDS)}, "in_use": {"type": "boolean"}},
 }
+_SETTABLE = {key: schema for key, schema in SETTING_KEYS.items() if key not in KEY_SETTING.values()}
+_NAMES = {"anyOf": [{"enum": sorted(_SETTABLE)}, {"type": "string", "pattern": MODEL_LIMIT.pattern}]}
+DESCRIBED_BODY: dict[str, Any] = {
+    **SETTINGS_BODY,
+    "properties": {
+        **SETTINGS_BODY["properties"],
+        "set": {
+            **SETTINGS_BODY["properties"]["set"],
+            "properties": _SETTABLE,
+            "patternProperties": {MODEL_LIMIT.pattern: {"type": "integer", "minimum": 1, "maximum": 2**50}},
+            "additionalProperties": False,
+        },
+        "unset": {**SETTINGS_BODY["properties"]["unset"], "items": _NAMES},
+    },
+}
+"""The body as the OpenAPI document describes it: each settable key with its value's schema (the
+server checks the same with :func:`edgepack_core.settings_doc.check_value`, naming the key)."""
 _PUT = {
     "summary": "Set or unset settings of a scope (keys: " + ", ".join(sorted(SETTING_KEYS)) + ")",
-    "requestBody": {"required": True, "content": {"application/json": {"schema": SETTINGS_BODY}}},
+    "requestBody": {"required": True, "content": {"application/json": {"schema": DESCRIBED_BODY}}},
     "responses": {"200": _json("every scope's settings", _OBJECT)},
 }
 OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [

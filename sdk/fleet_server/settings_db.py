@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection
 from edgepack_core.errors import KeyFileError, SchemaError
 from edgepack_core.protocol.commands import build_command, new_command_id
 from edgepack_core.protocol.messages import DeviceState
-from edgepack_core.settings_doc import KEY_KINDS_OF, check_value, parse_keys
+from edgepack_core.settings_doc import KEY_KINDS_OF, check_value, parse_keys, schema_of
 from edgepack_core.signing import KEY_KINDS, OPERATOR, check_kind, key_id, public_key_from_pem
 from sdk.errors import ApiError
 from sdk.fleet_server import audit
@@ -190,10 +190,12 @@ def set_entries(
     """Set and unset keys of one scope, each value checked as the device checks it (400 naming
     the key), audited ``settings.set`` with before and after."""
     now = time.time() if now is None else now
-    for key, value in values.items():
-        if key in KEY_KINDS_OF:
-            raise SchemaError(key, "is held by the fleet's keys: edgepack fleet keys add|retire")
-        check_value(key, value)
+    values = dict(values)
+    for key, value in list(values.items()):
+        _settable(key)
+        values[key] = check_value(key, value)
+    for key in unset:
+        _settable(key)
     entries = tables.settings_entries
     with database.write() as connection:
         if (
@@ -236,6 +238,14 @@ def set_entries(
         )
 
 
+def _settable(key: str) -> None:
+    """Refuse a key the operator cannot set on a scope (400 naming it)."""
+    if key in KEY_KINDS_OF:
+        raise SchemaError(key, "is held by the fleet's keys: edgepack fleet keys add|retire")
+    if schema_of(key) is None:
+        check_value(key, None)  # raises, naming an unknown or a local-only key as the device would
+
+
 def add_key(database: Database, kind: str, pem: str, *, actor: str, remote: str, now: float | None = None) -> FleetKey:
     """Add a public key of ``kind`` (a file labelled with the other kind is refused); adding a
     key in use again changes nothing; a retired key is not taken back (409)."""
@@ -248,7 +258,7 @@ def add_key(database: Database, kind: str, pem: str, *, actor: str, remote: str,
         public = public_key_from_pem(data, "key")
         parse_keys(KEY_SETTING[kind], [pem])
     except (KeyFileError, SchemaError) as err:
-        raise ApiError(400, "invalid", str(err)) from err
+        raise ApiError(422, "invalid", str(err)) from err
     kid = key_id(public)
     with database.write() as connection:
         existing = {k.key_id: k for k in load_keys(connection)}

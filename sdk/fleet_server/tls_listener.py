@@ -8,22 +8,53 @@ head deadline and connection cap. Instead each accepted connection starts as a
 bytes decide: a TLS handshake record is handed to asyncio's own TLS protocol (the handshake must
 end within ``--head-timeout`` of connecting), then to the guarded h11 protocol, which applies
 every limit to the decrypted stream; an HTTP request line is answered with a plain ``400``
-naming the ``https://`` URL (as nginx's 497) and closed; anything else is closed.
+naming the ``https://`` URL (as nginx's 497) and closed; anything else is closed. A refused
+handshake is logged as one line naming the client (``certificate verify failed: ... (client
+HOST:PORT)``), at most one line a minute with the count of the others, so a scanner cannot fill
+the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import ssl
+import time
 from asyncio import sslproto
 from typing import Any
 
-from edgepack_core.tls import first_bytes_kind
+from edgepack_core.tls import first_bytes_kind, tls_failure
 from sdk.fleet_server.http_guard import LINGER_S, Guard, GuardedH11Protocol, error_bytes, protocol_class
 
 _HOST_HEADER = re.compile(rb"\r\nhost:[ \t]*([A-Za-z0-9.\-\[\]:]{1,255})[ \t]*\r\n", re.IGNORECASE)
 _PEEK_LIMIT = 8192  # a plain request's head is read this far to find its Host header
+LOG_EVERY_S = 60.0
+log = logging.getLogger("edgepack.fleet_server.tls")
+
+
+class RefusalLog:
+    """Refused handshakes in the server's log: the first at once, then at most one line per
+    ``every_s`` saying how many were left out (a port scan is a few lines, not thousands)."""
+
+    def __init__(self, every_s: float = LOG_EVERY_S, clock: Any = time.monotonic) -> None:
+        self.every_s, self.clock = every_s, clock
+        self._next = 0.0
+        self._held = 0
+
+    def refused(self, line: str) -> bool:
+        """Log ``line`` unless one was logged within ``every_s``; whether it was logged."""
+        now = self.clock()
+        if now < self._next:
+            self._held += 1
+            return False
+        more = f" ({self._held} more refused since the last line)" if self._held else ""
+        log.warning("%s%s", line, more)
+        self._next, self._held = now + self.every_s, 0
+        return True
+
+
+REFUSALS = RefusalLog()
 
 
 def plain_http_answer(head: bytes, fallback: str) -> bytes:
@@ -49,6 +80,10 @@ class _ServerTlsProtocol(sslproto.SSLProtocol):
     def _on_handshake_complete(self, handshake_exc: BaseException | None) -> None:
         """A refused handshake (mutual TLS without a good client certificate) first sends
         OpenSSL's alert, so the client can say why; asyncio would close without it."""
+        if handshake_exc is not None:
+            peer = self._sniffer.transport.get_extra_info("peername") if self._sniffer.transport else None
+            where = f"client {peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "client"
+            REFUSALS.refused(tls_failure(handshake_exc, where) or f"{type(handshake_exc).__name__} ({where})")
         flush = getattr(self, "_process_outgoing", None)
         if handshake_exc is not None and flush is not None:
             flush()

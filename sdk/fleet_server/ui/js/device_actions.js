@@ -1,5 +1,6 @@
 // The device page's actions: rollback to the last good model, re-run the target, ping, hold,
-// release (POST /api/devices/{id}/actions/{action}) and decommission (DELETE /api/devices/{id}).
+// release (POST /api/devices/{id}/actions/{action}), revoke its credentials (POST
+// /api/devices/{id}/revoke: its certificates into the broker's CRL) and decommission (DELETE /api/devices/{id}).
 // Every one takes the operator's reason, kept whole in the audit log; the server signs the
 // commands and records them, so the answer names the command id, and the job shows up in the
 // update history.
@@ -34,6 +35,8 @@ export function actionsPanel(id, shell) {
     h("button", { type: "button", id: `device-${spec.action}`, "data-action": spec.action }, spec.label));
   const decommission = h("button", { type: "button", id: "device-decommission", class: "danger",
                                      "data-needs": "device.decommission" }, "Decommission");
+  const revoke = h("button", { type: "button", id: "device-revoke", class: "danger", "data-needs": "device.revoke" },
+                   "Revoke credentials");
 
   async function run(spec) {
     error.textContent = "";
@@ -74,8 +77,31 @@ export function actionsPanel(id, shell) {
     }
   }
 
+  async function revokeCredentials() {
+    error.textContent = "";
+    result.textContent = "";
+    const text = reason.value.trim();
+    if (!text) {
+      error.textContent = "reason: say why its credentials are revoked";
+      return;
+    }
+    if (!window.confirm(`Revoke ${id}'s certificates and broker password? It cannot connect again until it is ` +
+                        "enrolled again.")) {
+      return;
+    }
+    try {
+      const done = await api(`/api/devices/${pathId(id)}/revoke`, { method: "POST", json: { reason: text } });
+      result.textContent = `revoked ${done.revoked.length} certificate(s)` +
+        (done.password_removed ? " and the broker password" : "");
+      reason.value = "";
+    } catch (failure) {
+      error.textContent = failure.message;
+    }
+  }
+
   DEVICE_ACTIONS.forEach((spec, index) => buttons[index].addEventListener("click", () => run(spec)));
   decommission.addEventListener("click", remove);
+  revoke.addEventListener("click", revokeCredentials);
   return h("div", { id: "device-actions", "data-needs": "device.action" },
-    h("div", { class: "actions" }, reason, buttons, decommission), result, error);
+    h("div", { class: "actions" }, reason, buttons, revoke, decommission), result, error);
 }
