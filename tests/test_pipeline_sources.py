@@ -124,7 +124,7 @@ def test_capture_devices_open_with_their_demuxer_and_a_folder_with_pillow(tmp_pa
     assert (alsa.format, alsa.audio, alsa.read_timeout_s) == ("alsa", True, 2)
     wav = open_plan(source(audio="/data/doorbell.wav"))
     assert (wav.format, wav.audio) == (None, True)
-    assert open_plan(source(file=str(tmp_path))) == OpenPlan("folder", str(tmp_path))
+    assert open_plan(source(file=str(tmp_path))) == OpenPlan("folder", str(tmp_path), live=False)
     assert open_plan(source(camera="picamera2")).backend == "picamera2"
     assert open_plan(source(push=True)).backend == "push"
 

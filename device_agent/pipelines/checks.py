@@ -190,8 +190,9 @@ def _check_crop(source: str, classes: Sequence[str], by_stage: Mapping[str, Stag
 
 
 def _tracked_stage(spec: PipelineSpec, by_stage: Mapping[str, StageContract], where: str) -> StageContract | None:
-    """The contract of the stage the tracker (and the rules) read: ``tracker.stage`` or the first
-    detection stage."""
+    """The contract of the stage the tracker (and the rules) read: ``tracker.stage``, the first
+    detection stage, or without one the first stage (a classifier's label over the whole frame,
+    an audio model's over each block)."""
     if spec.tracker is None and not spec.rules:
         return None
     wanted = spec.tracker.stage if spec.tracker is not None else None
@@ -204,7 +205,7 @@ def _tracked_stage(spec: PipelineSpec, by_stage: Mapping[str, StageContract], wh
             return contract
     if spec.tracker is not None:
         raise PipelineRefused(f"{where}.tracker", "no stage gives detections to track")
-    return None
+    return by_stage[spec.stages[0].stage_name]  # no detection stage: the rules read the first (runner.py)
 
 
 def _check_labels(classes: Sequence[str], contract: StageContract, key: str) -> None:

@@ -59,6 +59,7 @@ class OpenPlan:
     audio: bool = False
     read_timeout_s: float = 10.0  # the watchdog: no packet for this long fails the read
     arrival_clock: bool = False  # stamp frames as they arrive (the stream has no clock of its own)
+    live: bool = True  # a camera or microphone (its end is a drop: reconnect); False: a file, read once
 
 
 def open_plan(spec: SourceSpec) -> OpenPlan:
@@ -82,12 +83,12 @@ def open_plan(spec: SourceSpec) -> OpenPlan:
     if kind == "audio":
         audio = str(spec.audio)
         if audio.lower().endswith(".wav"):
-            return OpenPlan("av", audio, None, audio=True)
+            return OpenPlan("av", audio, None, audio=True, live=False)
         return OpenPlan("av", audio, "alsa", audio=True, read_timeout_s=spec.watchdog_s)
     path = str(spec.file)
     if Path(path).is_dir():
-        return OpenPlan("folder", path)
-    return OpenPlan("av", path, None, audio=path.lower().endswith(".wav"))
+        return OpenPlan("folder", path, live=False)
+    return OpenPlan("av", path, None, audio=path.lower().endswith(".wav"), live=False)
 
 
 def camera_backend(has_picamera2: bool, has_v4l2_device: bool) -> str:
@@ -248,7 +249,7 @@ class SourceReader:
         attempt = 0
         while not self._stop.is_set():
             outcome = self._read_once()
-            if self._stop.is_set() or (outcome == "ended" and not self.spec.loop and self.spec.kind == "file"):
+            if self._stop.is_set() or (outcome == "ended" and not self.spec.loop and not self.plan.live):
                 break
             if outcome == "ended" and self.spec.loop:
                 continue
@@ -277,7 +278,7 @@ class SourceReader:
             self.status.failures += 1
             log.warning("source %s failed: %s", self.plan.target or self.spec.kind, self.status.detail)
             return "failed"
-        if self.spec.kind != "file":  # a live stream that ends has dropped: reconnect
+        if self.plan.live:  # a live stream that ends has dropped: reconnect
             self._set("down", "the stream ended")
             return "failed"
         return "ended"
