@@ -229,9 +229,10 @@ class Daemon:
             from device_agent.telemetry.session import ConnectionCounter
 
             counter = ConnectionCounter(self.config.store / "mqtt_session.json")
+            groups = list(mqtt.groups)  # one list: the reporter's and its last will's (settings change it in place)
             self.reporter = TelemetryReporter(
-                self.config.device_id, settings_from_config(mqtt, self.config.device_id, counter),
-                mqtt.queue.path or self.config.store / "outbox.db", self.status, groups=list(mqtt.groups),
+                self.config.device_id, settings_from_config(mqtt, self.config.device_id, counter, groups),
+                mqtt.queue.path or self.config.store / "outbox.db", self.status, groups=groups,
                 interval=mqtt.telemetry_interval, outbox_limits=mqtt.queue, counter=counter)
             self.reporter.start()
             self._start_updates()

@@ -239,3 +239,16 @@ def test_every_remote_setting_and_every_local_only_key_is_documented():
     named = (*SETTING_KEYS, *(key for key in LOCAL_ONLY if "." in key and not key.startswith("api.")))
     missing = [key for key in named if key not in section]
     assert not missing, f"docs/agent.md's Remote settings does not name: {', '.join(missing)}"
+
+
+def test_the_last_will_names_the_groups_a_settings_change_left(tmp_path):
+    import json
+
+    from device_agent.telemetry.reporter import settings_from_config
+
+    agent = config(tmp_path)
+    groups = list(agent.mqtt.groups)
+    settings = settings_from_config(agent.mqtt, agent.device_id, None, groups)
+    assert json.loads(settings.will.payload())["groups"] == ["a"]
+    groups[:] = ["b", "c"]  # what settings_apply does to the reporter's list
+    assert json.loads(settings.will.payload())["groups"] == ["b", "c"]

@@ -108,11 +108,13 @@ def state_document(device_id: str, online: bool, status: AgentStatus, groups: li
 
 
 def settings_from_config(mqtt: BrokerSettings, device_id: str,
-                         counter: ConnectionCounter | None = None) -> MqttSettings:
+                         counter: ConnectionCounter | None = None, groups: list[str] | None = None) -> MqttSettings:
     """MqttSettings from agent.yaml's ``mqtt`` section, with the device's last will; with a
-    ``counter``, each connection attempt advances it and the will carries the new mark."""
+    ``counter``, each connection attempt advances it and the will carries the new mark.
+    ``groups``: the reporter's own list, so a will made after a remote settings change names the
+    groups the device is in now (default: a copy of ``mqtt.groups``)."""
     topics = Topics(mqtt.topic_root)
-    groups = list(mqtt.groups)
+    groups = list(mqtt.groups) if groups is None else groups
 
     def will() -> bytes:
         # Called before every connection attempt: the broker publishes the will unchanged, so
@@ -153,7 +155,7 @@ class TelemetryReporter:
         counter: ConnectionCounter | None = None,
     ) -> None:
         self.device_id = device_id
-        self.groups = list(groups or [])
+        self.groups = groups if groups is not None else []  # the caller's list: its last will names it too
         self.topics = Topics(settings.topic_root)
         self.status = status
         self.counter = counter

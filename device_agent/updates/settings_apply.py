@@ -123,4 +123,4 @@ def _use_groups(service: Any, groups: list[str]) -> None:
         if group not in old:
             service.transport.subscribe(service.topics.group_cmd(group), 1, service._on_command)
     service.groups = list(groups)
-    service.reporter.groups = list(groups)
+    service.reporter.groups[:] = groups  # in place: the last will made at the next connection names them
