@@ -209,4 +209,5 @@ def test_the_python_api_examples_of_the_agent_docs_run_as_written(demo_folder):
     assert "'result'" in lines[2] and "'model'" in lines[2]
     assert re.fullmatch(r"typed \d", lines[3]), lines  # a typed request (device_agent/prediction.py)
     assert re.fullmatch(r"frames \(\d+, 1, 1\)", lines[4]) and lines[5] == "stream kept: True"
+    assert lines[7] == "pushed 6 events [('seen', 'count_above', 1)]", lines  # frames pushed from Python
     assert (demo_folder / "models" / "digits" / "manifest.json").exists()  # extracted where the example said

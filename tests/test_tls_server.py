@@ -347,3 +347,33 @@ def test_a_client_certificate_without_its_key_or_a_ca_file_that_is_no_certificat
     bad = _run("edgepack", "rollout", "list", *flags, "--ca", str(junk), env=_env_without_ca())
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert f"cannot load the TLS files ({junk})" in bad.stderr
+
+
+def test_the_servers_connections_have_nagle_off():
+    """asyncio sets TCP_NODELAY only on accepted sockets whose protocol is IPPROTO_TCP; the
+    listening socket from bind() must say so (else every HTTPS answer's body waited 40 ms for a
+    delayed ACK: measured 44 ms a request, 0.3 ms with it)."""
+    import asyncio
+
+    from sdk.fleet_server.server import bind
+
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):  # type: ignore[no-untyped-def]
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        listener = bind("127.0.0.1", free_port())
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) == 1
