@@ -20,7 +20,8 @@ One module per concern; the pure decisions are separate from the I/O around them
 | :mod:`.audit` | every write recorded: who, what, when, outcome |
 | :mod:`.api` | the REST API (Starlette), its one error shape, the ``/ui/`` mount |
 | :mod:`.openapi` | the OpenAPI 3.1 description of the API |
-| :mod:`.queries` | the API's reads and writes on the tables (devices, telemetry, rollouts, artifacts) |
+| :mod:`.queries` | the API's reads and writes on the tables (rollouts, artifacts) |
+| :mod:`.device_queries` | the API's reads and writes on the devices (list, groups, decommission, telemetry) |
 | :mod:`.server` | :class:`~.server.ServerConfig` and :func:`~.server.serve`: the wiring |
 | :mod:`.client` | the CLI's HTTP client (standard library only: ``rollout`` needs no server extra) |
 
