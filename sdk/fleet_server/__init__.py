@@ -19,6 +19,7 @@ One module per concern; the pure decisions are separate from the I/O around them
 | :mod:`.auth` | bearer tokens from a file, compared in constant time |
 | :mod:`.audit` | every write recorded: who, what, when, outcome |
 | :mod:`.api` | the REST API (Starlette), its one error shape, the ``/ui/`` mount |
+| :mod:`.targets_api` | the API's routes of the desired state (targets read and set, staged changes) |
 | :mod:`.openapi` | the OpenAPI 3.1 description of the API |
 | :mod:`.queries` | the API's reads and writes on the tables (rollouts, artifacts) |
 | :mod:`.device_queries` | the API's reads and writes on the devices (list, groups, decommission, telemetry) |

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,6 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edgepack_core.errors import InvalidTransition, SchemaError
-from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError, ForbiddenError
 from sdk.fleet_server import (
@@ -74,7 +73,7 @@ from sdk.fleet_server.http_input import (  # noqa: F401  (read_json, Params, ...
     read_json,
 )
 from sdk.fleet_server.retention import RetentionPolicy
-from sdk.fleet_server.rollouts import STATES, Gates, check_gates
+from sdk.fleet_server.rollouts import STATES
 
 log = logging.getLogger("edgepack.fleet_server.api")
 
@@ -93,7 +92,6 @@ SECURITY_HEADERS = [
 
 _ROLLOUT_VALIDATOR = Validator(queries.ROLLOUT_REQUEST_SCHEMA, document="rollout")
 _GROUPS_VALIDATOR = Validator(queries.GROUPS_REQUEST_SCHEMA, document="groups")
-_TARGET_VALIDATOR = Validator(desired.TARGET_REQUEST_SCHEMA, document="target")
 _DEVICE_ACTION_VALIDATOR = Validator(actions.ACTION_REQUEST_SCHEMA, document="action")
 _BAD_VALIDATOR = Validator(bad_releases.REQUEST_SCHEMA, document="request")
 _ACTION_VALIDATOR = Validator({"type": "object", "additionalProperties": False,
@@ -120,6 +118,10 @@ class ApiContext:
     requests: int = 0
     ui_dir: Path = UI_DIR
     enrollment: Any = None  # an enrollment.Enrollment (sdk/fleet_server/enrollment_api.py); None: off
+
+    def view(self) -> desired.View:
+        """Now, as the targets code reads the fleet (online window, command lifetime)."""
+        return desired.View(time.time(), self.silence_s, self.command_ttl_s)
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -397,7 +399,7 @@ class Routes:
         body = await read_json(request, optional=True)
         _validate(_DEVICE_ACTION_VALIDATOR, body)
         parsed = actions.parse_action(str(request.path_params["action"]), body)
-        caller = actions.Caller(actor, _remote(request), self._view())
+        caller = actions.Caller(actor, _remote(request), self.context.view())
         done = await run_in_threadpool(lambda: actions.perform(self.database, self.context.commands, device, parsed,
                                                                caller, command_ttl_s=self.context.command_ttl_s))
         if parsed.action in ("rerun", "release"):
@@ -449,81 +451,6 @@ class Routes:
         self.context.wake_driver()
         return JSONResponse(await run_in_threadpool(self._rollout_doc, rollout_id), status_code=201)
 
-    # ---------------------------------------------------------------- targets
-
-    def _view(self) -> desired.View:
-        return desired.View(time.time(), self.context.silence_s, self.context.command_ttl_s)
-
-    @staticmethod
-    def _scope(request: Request, scope: str) -> str:
-        if scope == "fleet":
-            return ""
-        if scope == "group":
-            group = request.path_params["group"]
-            if not is_valid_id(group):
-                raise ApiError(404, "not_found", "no such group")
-            return str(group)
-        return _path_id(request, "device_id")
-
-    async def targets(self, request: Request, _actor: str) -> Response:
-        Params(request, set())
-        return JSONResponse(await run_in_threadpool(lambda: desired.targets_doc(self.database, self._view())))
-
-    def target(self, scope: str) -> Handler:
-        async def show(request: Request, _actor: str) -> Response:
-            Params(request, set())
-            name = self._scope(request, scope)
-            doc = await run_in_threadpool(desired.scope_doc, self.database, scope, name)
-            if scope == "group":
-                doc["devices"] = (await run_in_threadpool(
-                    lambda: desired.targets_doc(self.database, self._view(), group=name)))["states"]
-            return JSONResponse(doc)
-        return show
-
-    def set_target(self, scope: str) -> Handler:
-        async def put(request: Request, actor: str) -> Response:
-            Params(request, set())
-            name = self._scope(request, scope)
-            body = await read_json(request)
-            _validate(_TARGET_VALIDATOR, body)
-            change = desired.parse_change(body, scope)
-            remote = _remote(request)
-            if change.staged is None:
-                await run_in_threadpool(lambda: desired.set_target(self.database, scope, name, change, actor=actor,
-                                                                   remote=remote))
-            else:
-                await run_in_threadpool(self._stage, scope, name, change, actor, remote)
-            self.context.wake_driver()
-            return JSONResponse(await run_in_threadpool(desired.scope_doc, self.database, scope, name))
-        return put
-
-    def _stage(self, scope: str, name: str, change: desired.TargetChange, actor: str, remote: str) -> None:
-        """A staged change: a rollout over the devices that need it (force_downgrade: the operator
-        chose the target), carrying the change, which the driver applies when the rollout
-        succeeds. With no device to move, the change is applied at once."""
-        staged = change.staged
-        assert staged is not None
-        devices = desired.staged_devices(self.database, scope, name, change)
-        if not devices:
-            desired.set_target(self.database, scope, name, replace(change, staged=None), actor=actor, remote=remote)
-            return
-        gates = check_gates(Gates(min_success_share=staged.min_success_share, soak_s=staged.soak_s,
-                                  wave_timeout_s=staged.wave_timeout_s, max_error_rate=staged.max_error_rate))
-        request = queries.RolloutRequest(artifact=next(iter(change.set.values())), waves=list(staged.waves),
-                                         group=None, devices=devices, gates=gates, health_window_s=None,
-                                         force_downgrade=True, allow_contract_change=False,
-                                         reason=change.reason or f"target {scope} {name}".strip())
-        now = time.time()
-        queries.create_rollout(self.database, request, actor=actor, remote=remote, silence_s=self.context.silence_s,
-                               now=now, also=lambda connection, rollout_id: desired.record_staged(
-                                   connection, rollout_id, scope, name, change, actor=actor, remote=remote, now=now))
-
-    async def device_target(self, request: Request, _actor: str) -> Response:
-        Params(request, set())
-        device = _path_id(request, "device_id")
-        return JSONResponse(await run_in_threadpool(
-            lambda: desired.device_target(self.database, device, self._view())))
-
     def action(self, name: str) -> Handler:
         async def act(request: Request, actor: str) -> Response:
             Params(request, set())
@@ -548,9 +475,11 @@ def _artifact_sha(request: Request) -> str:
 def build_app(context: ApiContext) -> Starlette:
     """The ASGI application."""
     from sdk.fleet_server import enrollment_api  # it builds on this module
+    from sdk.fleet_server.targets_api import TargetRoutes  # it imports this module's context
     from sdk.fleet_server.users_api import UserRoutes  # it imports this module's helpers
 
     r = Routes(context)
+    t = TargetRoutes(context)
     u = UserRoutes(context)
     guard = r.guard
     routes = [
@@ -572,13 +501,13 @@ def build_app(context: ApiContext) -> Starlette:
         Route("/api/devices/{device_id}/logs/fetch", guard(device_logs.fetch_handler(context), "logs.fetch"),
               methods=["POST"]),
         Route("/api/devices/{device_id}/groups", guard(r.set_groups, "device.groups"), methods=["PUT"]),
-        Route("/api/devices/{device_id}/target", guard(r.device_target), methods=["GET"]),
+        Route("/api/devices/{device_id}/target", guard(t.device_target), methods=["GET"]),
         Route("/api/report-cards", guard(report_cards.handler(context)), methods=["GET"]),
-        Route("/api/targets", guard(r.targets), methods=["GET"]),
+        Route("/api/targets", guard(t.targets), methods=["GET"]),
         *[route for scope, path in (("fleet", "/api/targets/fleet"), ("group", "/api/targets/groups/{group}"),
                                     ("device", "/api/targets/devices/{device_id}"))
-          for route in (Route(path, guard(r.target(scope)), methods=["GET"]),
-                        Route(path, guard(r.set_target(scope), "target.set"), methods=["PUT"]))],
+          for route in (Route(path, guard(t.target(scope)), methods=["GET"]),
+                        Route(path, guard(t.set_target(scope), "target.set"), methods=["PUT"]))],
         Route("/api/dead-letters", guard(r.dead_letters), methods=["GET"]),
         Route("/api/artifacts", guard(r.artifacts), methods=["GET"]),
         Route("/api/artifacts", guard(r.upload, "artifact.upload"), methods=["POST"]),
