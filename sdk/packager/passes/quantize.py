@@ -21,7 +21,8 @@ Pitfalls handled (measured on real models with onnxruntime 1.31-1.32 on x86):
   quantized nodes of the graph instead of trusting the mode.
 
 Every onnxruntime session (pre-processing, calibration, activation capture, validation runs,
-timing) runs in the onnxruntime worker (:mod:`sdk.packager.ort_host`).
+timing) runs in the onnxruntime worker (:mod:`sdk.packager.ort_host`); the functions the worker
+runs for this pass are in :mod:`sdk.packager.quant_worker`.
 
 A stateful model on stream data (``role: state`` inputs, audio files) is calibrated on the state
 the fp32 model carries over each file's frames, and every candidate is judged free-running,
@@ -30,11 +31,9 @@ carrying its own state as the agent does (:mod:`sdk.packager.sequences`).
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -64,9 +63,16 @@ from sdk.packager.passes.io_spec import settle_apply_sigmoid
 from sdk.packager.passes.validate import checked_outputs, judge, state_report
 from sdk.packager.quant_facts import quant_facts
 from sdk.packager.quant_search import Candidate, QuantConfig
+from sdk.packager.quant_worker import (  # noqa: F401  (the worker's functions keep this import path)
+    pre_process_in_folder,
+    profile_activations,
+    quantize_in_folder,
+    quantize_once,
+)
 from sdk.packager.sequences import calibration_feeds, run_samples
 from sdk.packager.sources import DATA_SOURCE_SCHEMA, DataSource
 
+WORKER = "sdk.packager.quant_worker"  # the functions the pass runs in the onnxruntime worker
 # A graph without int8 nodes (quant_facts) is fp32, whatever mode made it (dynamic
 # quantization of a model without MatMul/Gemm changes nothing).
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
@@ -156,28 +162,6 @@ def expand_exclusions(patterns: tuple[str, ...], names: list[str], *, recipe: st
     return tuple(sorted(set(matched)))
 
 
-class _Reader:
-    """onnxruntime CalibrationDataReader over model-ready feeds."""
-
-    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
-        self._iter: Iterator[dict[str, np.ndarray]] = iter(feeds)
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        return next(self._iter, None)
-
-
-@contextlib.contextmanager
-def _working_directory(folder: Path) -> Iterator[None]:
-    """onnxruntime's quantization tools drop temp files (sym_shape_infer_temp.onnx, *.data) in
-    the current directory: run them inside the build's own temp folder."""
-    previous = os.getcwd()
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(previous)
-
-
 def _ensure_names(model: onnx.ModelProto) -> bool:
     """Name every unnamed node (exclusions name nodes); whether any was renamed."""
     renamed = False
@@ -186,89 +170,6 @@ def _ensure_names(model: onnx.ModelProto) -> bool:
             node.name = f"{node.op_type}_{index}"
             renamed = True
     return renamed
-
-
-def quantize_once(model_path: Path, out_path: Path, config: QuantConfig, calibration: list[dict[str, np.ndarray]]
-                  ) -> Path:
-    from onnxruntime.quantization import (
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_dynamic,
-        quantize_static,
-    )
-
-    types = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
-    extra = {"ActivationSymmetric": config.symmetric_activations, "WeightSymmetric": config.symmetric_weights}
-    if config.mode == "dynamic":
-        quantize_dynamic(model_path, out_path, op_types_to_quantize=list(config.op_types or ("MatMul", "Gemm")),
-                         per_channel=config.per_channel, reduce_range=config.reduce_range,
-                         weight_type=types[config.weight_type], nodes_to_exclude=list(config.exclude),
-                         extra_options=extra)
-    else:
-        methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-                   "percentile": CalibrationMethod.Percentile}
-        quantize_static(model_path, out_path, _Reader(calibration), quant_format=QuantFormat.QDQ,
-                        op_types_to_quantize=list(config.op_types) or None, per_channel=config.per_channel,
-                        reduce_range=config.reduce_range, activation_type=types[config.activation_type],
-                        weight_type=types[config.weight_type], nodes_to_exclude=list(config.exclude),
-                        calibrate_method=methods[config.method], extra_options=extra)
-    return out_path
-
-
-def quantize_in_folder(folder: Path, model_path: Path, out_path: Path, config: QuantConfig,
-                       calibration: list[dict[str, np.ndarray]]) -> Path:
-    """:func:`quantize_once` with ``folder`` as the working directory. Runs inside the
-    onnxruntime worker (calibration creates sessions), where changing directory touches no
-    other thread of the build."""
-    with _working_directory(folder):
-        return quantize_once(model_path, out_path, config, calibration)
-
-
-def pre_process_in_folder(folder: Path, raw: Path, prepared: Path) -> str | None:
-    """onnxruntime's quantization pre-processing (it optimizes with a session: runs inside the
-    worker). None when done, else why it was skipped: symbolic shape inference fails on some
-    graphs, and the model is then quantized as it is."""
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    try:
-        with _working_directory(folder):
-            quant_pre_process(str(raw), str(prepared), auto_merge=True, skip_symbolic_shape=False)
-    except Exception as err:  # a tool script's untyped failure: recorded in the report
-        return f"{type(err).__name__}: {str(err)[:200]}"
-    return None
-
-
-def profile_activations(fp32_path: Path, qdq_path: Path | None, feeds: list[dict[str, np.ndarray]]
-                        ) -> dict[str, Any]:
-    """Runs in the worker: every float intermediate tensor's range in the fp32 model and, given
-    a QDQ model, each quantized activation's own rounding error (its fp32 value against the same
-    value through that tensor's scale and zero point), sample by sample so only one sample's
-    tensors are held at a time. ``{"ranges": {tensor: (low, high)}, "errors": {tensor: ErrorTally}}``."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every tensor
-    options.log_severity_level = 4
-    fp32 = onnx.load(fp32_path)
-    session = ort.InferenceSession(sensitivity.with_outputs(fp32, sensitivity.float_tensors(fp32.graph))
-                                   .SerializeToString(), options, providers=[CPU])
-    params = sensitivity.activation_quantization(onnx.load(qdq_path).graph) if qdq_path is not None else {}
-    names = [o.name for o in session.get_outputs()]
-    ranges: dict[str, tuple[float, float]] = {}
-    errors: dict[str, sensitivity.ErrorTally] = {}
-    for feed in feeds:
-        values = dict(zip(names, session.run(names, feed), strict=True))
-        values.update(feed)  # graph inputs are quantized too
-        for name, value in values.items():
-            if not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.size):
-                continue
-            low, high = float(np.nanmin(value)), float(np.nanmax(value))
-            known = ranges.get(name, (low, high))
-            ranges[name] = (min(known[0], low), max(known[1], high))
-            if name in params:
-                errors.setdefault(name, sensitivity.ErrorTally()).add(value, params[name].round_trip(value))
-    return {"ranges": ranges, "errors": errors}
 
 
 def _rounds(timing: float | Sequence[float]) -> tuple[float, ...]:
@@ -441,7 +342,7 @@ class QuantizePass(Pass):
         raw = folder / "fp32.onnx"
         onnx.save(model, raw)
         prepared = folder / "prepared.onnx"
-        skipped = call_in_worker(f"{__name__}:pre_process_in_folder", folder, raw, prepared,
+        skipped = call_in_worker(f"{WORKER}:pre_process_in_folder", folder, raw, prepared,
                                  doing="quantization pre-processing")
         if skipped is not None:
             ctx.report.setdefault("quantize_notes", []).append(f"quant_pre_process skipped: {skipped}")
@@ -509,7 +410,7 @@ class _Search:
         feeds = (self.data.calibration or self.data.validation.feeds)[:PROFILE_SAMPLES]
         self.ctx.progress(f"quantize: measuring activation ranges{' and errors' if errors else ''} on "
                           f"{len(feeds)} sample(s) ...")
-        profile = call_in_worker(f"{__name__}:profile_activations", self.data.source, first_out if errors else None,
+        profile = call_in_worker(f"{WORKER}:profile_activations", self.data.source, first_out if errors else None,
                                  feeds, doing="activation capture")
         if not quantized:  # ranges for the fp16 overflow check only
             self.ranges = profile["ranges"]
@@ -590,7 +491,7 @@ class _Search:
     def _build(self, candidate: Candidate, out: Path, index: int) -> str | None:
         """Write the candidate's model to ``out``; why it was refused, or None."""
         if candidate.config is not None:
-            call_in_worker(f"{__name__}:quantize_in_folder", self.folder, self.data.source, out, candidate.config,
+            call_in_worker(f"{WORKER}:quantize_in_folder", self.folder, self.data.source, out, candidate.config,
                            self.data.calibration, label=f"candidate {index}", doing="quantization and calibration")
             return None
         model = onnx.load(self.data.source)
