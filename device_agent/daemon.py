@@ -301,6 +301,14 @@ class Daemon:
         self.updates = UpdateService(self)
         self.updates.start()
 
+    def restart_pipelines(self) -> None:
+        """Stop the running pipelines and start those of the config now (a settings document
+        from the fleet server changed them): the sources reopen, the models stay loaded."""
+        if self.pipelines is not None:
+            self.pipelines.stop()
+            self.pipelines = None
+        self._start_pipelines()
+
     def _start_pipelines(self) -> None:
         """Start agent.yaml's pipelines, each checked against the models installed now
         (docs/agent.md, "Pipelines"); imported only when there are some (an idle agent pays nothing)."""

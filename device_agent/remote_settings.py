@@ -18,6 +18,7 @@ from device_agent.errors import ConfigError
 from edgepack_core.artifact import Limits
 from edgepack_core.errors import SchemaError
 from edgepack_core.fsutil import atomic_write
+from edgepack_core.pipeline_spec import parse_pipelines
 from edgepack_core.settings_doc import SettingsDocument, check_value, model_limits, parse_document, parse_keys
 
 SETTINGS_FILE = "settings.json"
@@ -144,6 +145,8 @@ def overlay(config: AgentConfig, values: dict[str, Any]) -> AgentConfig:
             changes[section][name] = _typed(name, value)
         elif key == "log_level":
             top[key] = value
+        elif key == "pipelines":
+            top[key] = parse_pipelines(value)
     if changes["updates"].get("health_window_s") is not None:
         window = config.updates.health_window_s
         changes["updates"]["health_window_s"] = HealthWindow(

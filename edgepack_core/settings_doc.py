@@ -25,6 +25,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from edgepack_core.errors import KeyFileError, SchemaError
+from edgepack_core.pipeline_spec import MAX_PIPELINES, parse_pipelines
 from edgepack_core.schema import validate
 from edgepack_core.signing import OPERATOR, RELEASE, check_kind, public_key_from_pem
 
@@ -60,6 +61,7 @@ SETTING_KEYS: dict[str, dict[str, Any]] = {
     "limits.max_artifact_bytes": _POSITIVE,
     "limits.max_member_bytes": _POSITIVE,
     "limits.max_total_bytes": _POSITIVE,
+    "pipelines": {"type": "array", "maxItems": MAX_PIPELINES},
 }
 """Every key a settings document may carry, with the JSON Schema of its value; besides these, the
 per-model artifact limits :data:`MODEL_LIMIT` matches."""
@@ -157,6 +159,8 @@ def check_value(key: str, value: Any) -> Any:
         raise SchemaError(key, "is not a finite number")
     if key in KEY_KINDS_OF:
         parse_keys(key, value)
+    if key == "pipelines":
+        parse_pipelines(value)  # the device's own rule: docs/agent.md, "Pipelines"
     return value
 
 

@@ -4,8 +4,8 @@
 #
 #   bash tools/docker_check.sh            (root; CI runs it from .ci/run)
 #
-# 1. Docker: uses the running dockerd, or starts one with its own data root, exec root, pidfile
-#    and socket under a temporary folder (stopped and removed at the end).
+# 1. Docker: uses the running dockerd, or starts one with its own exec root, pidfile and socket
+#    under a temporary folder and its data root beside the cache (stopped and removed at the end).
 # 2. Bases, offline for the builds: one Debian bookworm root by `debootstrap --variant=minbase`
 #    (python3, python3-venv) imported as the images' BASE; a copy of it with Debian's mosquitto
 #    and PostgreSQL added (apt in the root) is the services base: mosquitto runs from it and
@@ -46,6 +46,7 @@ DOCKER=/usr/bin/docker
 [ -x "$DOCKER" ] || DOCKER=$(command -v docker || echo docker)
 if command -v docker-compose >/dev/null; then COMPOSE=(docker-compose); else COMPOSE=("$DOCKER" compose); fi
 DOCKERD_PID=
+DATA_ROOT=
 ROOTS=
 STACK_UP=0
 
@@ -66,7 +67,7 @@ teardown() {  # the stack with its volumes, the images made here, the daemon if 
   fi
   set -e
 }
-cleanup() { teardown; rm -rf "$WORK" ${ROOTS:+"$ROOTS"}; }
+cleanup() { teardown; rm -rf "$WORK" ${ROOTS:+"$ROOTS"} ${DATA_ROOT:+"$DATA_ROOT"}; }
 trap cleanup EXIT
 
 docker() { "$DOCKER" "$@"; }
@@ -107,15 +108,16 @@ done
 
 # 1. A Docker daemon.
 if ! docker info >/dev/null 2>&1; then
-  DROOT=$WORK/dockerd
-  mkdir -p "$DROOT"
-  dockerd --data-root "$DROOT/data" --exec-root "$DROOT/exec" --pidfile "$DROOT/dockerd.pid" \
+  DROOT=$WORK/dockerd  # sockets and state: short paths (a unix socket's path is at most 107 bytes)
+  mkdir -p "$DROOT" "$CACHE"
+  DATA_ROOT=$(mktemp -d "$CACHE/dockerd-data.XXXXXX")  # images and volumes: on disk, not in a tmpfs /tmp
+  dockerd --data-root "$DATA_ROOT" --exec-root "$DROOT/exec" --pidfile "$DROOT/dockerd.pid" \
     -H "unix://$DROOT/docker.sock" >"$DROOT/dockerd.log" 2>&1 &
   DOCKERD_PID=$!
   export DOCKER_HOST=unix://$DROOT/docker.sock
   for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
   docker info >/dev/null 2>&1 || { fail "dockerd did not start:"; tail -n 20 "$DROOT/dockerd.log" | sed 's/^/    /'; exit 1; }
-  pass "dockerd started here (data root $DROOT/data)"
+  pass "dockerd started here (data root $DATA_ROOT)"
 else
   pass "dockerd running: $(docker version -f '{{.Server.Version}}')"
 fi

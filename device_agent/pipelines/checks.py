@@ -15,27 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from device_agent.errors import ConfigError, PipelineRefused
-from device_agent.pipelines.spec import (
-    SOURCE_KINDS,
-    PipelineSpec,
-    RuleSpec,
-    SinkSpec,
-    SourceSpec,
-    rule_kind,
-    rule_name,
-)
+from device_agent.errors import PipelineRefused
+from edgepack_core.pipeline_spec import PipelineSpec, SourceSpec, check_document
 
-# The keys each rule kind may set, besides its naming key, classes and anchor.
-RULE_KEYS: Mapping[str, frozenset[str]] = {
-    "zone": frozenset({"polygon", "dwell_s"}),
-    "line": frozenset({"points", "direction"}),
-    "count": frozenset({"in_zone", "above", "below"}),
-    "confidence": frozenset({"low", "high"}),
-}
-_RULE_DEFAULTS = RuleSpec()
-SINK_KINDS = ("mqtt", "webhook", "file", "snapshots")
-
+__all__ = ["StageContract", "check_document", "check_models"]
 
 @dataclass(frozen=True)
 class StageContract:
@@ -47,107 +30,6 @@ class StageContract:
     output_kind: str
     labels: tuple[str, ...] | None = None
 
-
-def check_document(specs: Sequence[PipelineSpec], *, where: str = "pipelines") -> None:
-    names = [spec.name for spec in specs]
-    for index, spec in enumerate(specs):
-        key = f"{where}[{index}]"
-        if names.count(spec.name) > 1:
-            raise ConfigError(f"{key}.name", f"two pipelines are named {spec.name!r}")
-        _check_source(spec.source, f"{key}.source")
-        _check_stages(spec, key)
-        _check_rules(spec, key)
-        _check_sinks(spec.sinks, f"{key}.sinks")
-
-
-def _check_source(source: SourceSpec, key: str) -> None:
-    given = [kind for kind in SOURCE_KINDS if getattr(source, kind) not in (None, False)]
-    if len(given) != 1:
-        raise ConfigError(key, f"give exactly one of {', '.join(SOURCE_KINDS)} (got {', '.join(given) or 'none'})")
-    if source.reconnect_max_s < source.reconnect_s:
-        raise ConfigError(f"{key}.reconnect_max_s", "is below reconnect_s")
-
-
-def _check_stages(spec: PipelineSpec, key: str) -> None:
-    seen: list[str] = []
-    for index, stage in enumerate(spec.stages):
-        if stage.stage_name in seen:
-            raise ConfigError(f"{key}.stages[{index}]", f"two stages are named {stage.stage_name!r}: give one a name")
-        if stage.crop is not None and stage.crop.source not in seen:
-            raise ConfigError(f"{key}.stages[{index}].crop.from",
-                              f"{stage.crop.source!r} is not an earlier stage ({', '.join(seen) or 'none before'})")
-        seen.append(stage.stage_name)
-    if index_of_crop_first(spec) == 0:
-        raise ConfigError(f"{key}.stages[0].crop", "the first stage has no earlier stage to crop from")
-    tracker = spec.tracker
-    if tracker is not None:
-        if tracker.stage is not None and tracker.stage not in seen:
-            raise ConfigError(f"{key}.tracker.stage", f"{tracker.stage!r} is not a stage ({', '.join(seen)})")
-        if tracker.low > tracker.high:
-            raise ConfigError(f"{key}.tracker.low", f"{tracker.low} is above high ({tracker.high})")
-
-
-def index_of_crop_first(spec: PipelineSpec) -> int | None:
-    return 0 if spec.stages and spec.stages[0].crop is not None else None
-
-
-def _check_rules(spec: PipelineSpec, key: str) -> None:
-    names: list[str] = []
-    zones = {rule_name(rule) for rule in spec.rules if rule_kind(rule) == "zone"}
-    for index, rule in enumerate(spec.rules):
-        rule_key = f"{key}.rules[{index}]"
-        kind = rule_kind(rule)
-        if not kind:
-            raise ConfigError(rule_key, "give exactly one of zone, line, count, confidence")
-        if rule_name(rule) in names:
-            raise ConfigError(rule_key, f"two rules are named {rule_name(rule)!r}")
-        names.append(rule_name(rule))
-        _check_rule_keys(rule, kind, rule_key)
-        _check_rule_values(rule, kind, rule_key, zones)
-        if spec.tracker is None and (kind in ("zone", "line") or rule.in_zone is not None):
-            raise ConfigError(rule_key, f"a {kind} rule follows objects across frames: add a tracker")
-
-
-def _check_rule_keys(rule: RuleSpec, kind: str, key: str) -> None:
-    for other, keys in RULE_KEYS.items():
-        if other == kind:
-            continue
-        for name in sorted(keys - RULE_KEYS[kind]):
-            if getattr(rule, name) != getattr(_RULE_DEFAULTS, name):
-                raise ConfigError(f"{key}.{name}", f"is not a key of a {kind} rule")
-
-
-def _check_rule_values(rule: RuleSpec, kind: str, key: str, zones: set[str]) -> None:
-    if kind == "zone":
-        _check_points(rule.polygon, f"{key}.polygon", "a zone needs its polygon")
-    elif kind == "line":
-        _check_points(rule.points, f"{key}.points", "a line needs its two points")
-        assert rule.points is not None
-        if tuple(rule.points[0]) == tuple(rule.points[1]):
-            raise ConfigError(f"{key}.points", "the line's two points are the same")
-    elif kind == "count":
-        if rule.above is None and rule.below is None:
-            raise ConfigError(key, "a count rule needs above or below")
-        if rule.in_zone is not None and rule.in_zone not in zones:
-            raise ConfigError(f"{key}.in_zone", f"{rule.in_zone!r} is not a zone rule")
-    else:
-        if rule.low is None or rule.high is None or rule.low >= rule.high:
-            raise ConfigError(key, "a confidence rule needs low below high")
-
-
-def _check_points(points: Sequence[Sequence[float]] | None, key: str, missing: str) -> None:
-    if points is None:
-        raise ConfigError(key, missing)
-    for index, point in enumerate(points):
-        if len(point) != 2 or not all(-1.0 <= value <= 2.0 for value in point):
-            raise ConfigError(f"{key}[{index}]", "a point is [x, y], fractions of the frame")
-
-
-def _check_sinks(sinks: Sequence[SinkSpec], key: str) -> None:
-    for index, sink in enumerate(sinks):
-        given = [kind for kind in SINK_KINDS if getattr(sink, kind) not in (None, False)]
-        if len(given) != 1:
-            raise ConfigError(f"{key}[{index}]", f"give exactly one of {', '.join(SINK_KINDS)}")
 
 
 # ---------------------------------------------------------------- against the installed models

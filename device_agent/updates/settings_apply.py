@@ -7,7 +7,8 @@ newer than the held one is refused (a replay or a reordering); each key is decid
 device's own bounds (:func:`device_agent.remote_settings.decide`); the document is persisted
 atomically before anything changes, then every applied key takes effect at once, with no
 restart: trust and operator keys, groups (their command topics subscribed or dropped), the
-telemetry period, health limits, allowed origins, log level, artifact limits. The state message
+telemetry period, health limits, allowed origins, log level, artifact limits, pipelines (the
+running ones stopped, the new ones checked against the installed models and started). The state message
 then reports the generation, each key's result and the keys the device holds.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 from device_agent.remote_settings import Held, decide, limits_for, overlay, save_held
 from device_agent.updates import jobs as J
 from edgepack_core.errors import EdgepackError, SchemaError, SignatureError
+from edgepack_core.pipeline_spec import parse_pipelines
 from edgepack_core.protocol.commands import Command
 from edgepack_core.settings_doc import SettingsDocument, parse_document
 from edgepack_core.signing import TrustStore
@@ -51,6 +53,8 @@ def handle(service: Any, command: Command) -> None:
         )
         return
     results = decide(document, host.base_config, _unverifiable(host, document))
+    if results.get("pipelines") == "applied":
+        results["pipelines"] = _pipelines_result(host, document.get("pipelines"))
     fresh = held.after(document, results)
     try:
         save_held(host.config.store, fresh)
@@ -93,11 +97,28 @@ def _unverifiable(host: Any, document: SettingsDocument) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _pipelines_result(host: Any, pipelines: Any) -> str:
+    """``applied``, or ``refused: ...`` for pipelines the models installed now cannot run (each
+    checked as a start would check it: docs/agent.md, "Pipelines"); the running ones then stay."""
+    from device_agent.errors import PipelineRefused
+    from device_agent.pipelines.checks import check_models
+    from device_agent.pipelines.contracts import installed_contracts
+
+    try:
+        contracts = installed_contracts(host.config)
+        for index, spec in enumerate(parse_pipelines(pipelines)):
+            check_models(spec, contracts, where=f"pipelines[{index}]")
+    except (PipelineRefused, SchemaError) as err:
+        return f"refused: {err}"
+    return "applied"
+
+
 def apply_live(service: Any, held: Held) -> None:
     """Make ``held`` the device's settings now: every part that reads them is told."""
     host = service.host
     values = held.applied()
     config = overlay(host.base_config, values)
+    pipelines_changed = config.pipelines != host.config.pipelines
     host.held = held
     host.config = config
     host.use_keys(held)
@@ -112,6 +133,8 @@ def apply_live(service: Any, held: Held) -> None:
     if config.mqtt is not None:
         service.reporter.set_interval(config.mqtt.telemetry_interval)
         _use_groups(service, list(config.mqtt.groups))
+    if pipelines_changed:
+        host.restart_pipelines()
 
 
 def _use_groups(service: Any, groups: list[str]) -> None:

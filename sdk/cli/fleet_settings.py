@@ -18,6 +18,9 @@ from sdk.cli.rollout import _server_options, client_for
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 
 
+MAX_PIPELINES_FILE_BYTES = 256 * 1024
+
+
 def _scope_path(device: str | None, group: str | None, whole_fleet: bool, verb: str) -> str:
     given = [flag for flag, value in (("--device", device), ("--group", group), ("--fleet", whole_fleet)) if value]
     if len(given) != 1:
@@ -52,7 +55,8 @@ def set_settings(
 ) -> None:
     """Set KEY=VALUE settings (e.g. mqtt.telemetry_interval=5, updates.allowed_origins=http://a:80,http://b:80).
 
-    Lists are comma-separated; the keys are agent.yaml's (docs/agent.md, "Remote settings")."""
+    Lists are comma-separated; the keys are agent.yaml's (docs/agent.md, "Remote settings");
+    pipelines=@FILE takes a YAML list of pipelines (docs/agent.md, "Pipelines")."""
     from sdk.fleet_server.settings import parse_assignment
 
     path = _scope_path(device, group, whole_fleet, "settings set")
@@ -60,6 +64,9 @@ def set_settings(
         raise click.UsageError("give KEY=VALUE settings or --unset KEY")
     values: dict[str, Any] = {}
     for text in assignments:
+        if text.startswith("pipelines=@"):
+            values["pipelines"] = _pipelines_file(Path(text.removeprefix("pipelines=@")))
+            continue
         try:
             key, value = parse_assignment(text)
         except ValueError as err:
@@ -70,6 +77,18 @@ def set_settings(
         f"set {', '.join(sorted(values)) or '-'}; unset {', '.join(unset) or '-'}; devices get the new "
         "document at the next reconciler round"
     )
+
+
+def _pipelines_file(path: Path) -> Any:
+    """The pipelines list of a YAML file, checked here by the device's own rule before it is sent."""
+    from edgepack_core.errors import SchemaError
+    from edgepack_core.pipeline_spec import parse_pipelines
+    from edgepack_core.yamlfile import read_yaml_file
+
+    document = read_yaml_file(path, MAX_PIPELINES_FILE_BYTES, lambda problem: SchemaError(str(path), problem),
+                              kind="pipelines")
+    parse_pipelines(document, where=f"{path}: pipelines")
+    return document
 
 
 @settings.command("show")
