@@ -213,6 +213,7 @@ def test_a_busy_camera_is_retried_until_it_frees_and_then_read(tmp_path):
             raise av.error.OSError(16, "Device or resource busy", plan.target)
         for index in range(3):
             yield float(index), draw(PATHS, index, WIDTH, HEIGHT), 0
+        stop.wait()  # a camera keeps streaming: nothing more until the reader stops
 
     queue = FrameQueue(8, "every")
     watch = Watch()
