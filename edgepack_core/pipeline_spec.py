@@ -62,7 +62,8 @@ class SourceSpec:
     loop: bool = option(False, description="Files: start again at the end (demos, soak tests).")
     realtime: bool = option(False, description="Files: hand frames over at the file's own frame rate, as a camera "
                             "would (demos, soak tests); otherwise as fast as they decode.")
-    sample_rate: int | None = option(None, description="Audio: the capture rate (the model's own by default).",
+    sample_rate: int | None = option(None, description="ALSA capture: the rate asked of the device (FFmpeg's "
+                                     "48000 by default; the model's preprocessing resamples).",
                                      minimum=1000, maximum=384000)
 
     @property

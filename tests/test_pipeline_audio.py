@@ -31,7 +31,7 @@ LABELS = ("tone", "silence")
 SCRIPT = "SSTTSSTT"  # 0.5 s blocks: S silence, T a 440 Hz tone at amplitude 0.5
 
 
-def tone_classifier(path: Path) -> Path:
+def tone_classifier(path: Path, frame: int) -> Path:
     """logits [batch, 2] = [40 * mean(x^2) - 1, 0]: a tone of amplitude 0.5 (energy 0.125) scores
     'tone' 0.98; silence scores 'silence' 0.73 (softmax of [-1, 0])."""
     nodes = [helper.make_node("Mul", ["input", "input"], ["sq"]),
@@ -41,7 +41,7 @@ def tone_classifier(path: Path) -> Path:
              helper.make_node("Mul", ["energy", "zero"], ["silence"]),
              helper.make_node("Concat", ["tone", "silence"], ["logits"], axis=1)]
     graph = helper.make_graph(
-        nodes, "tone", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", BLOCK])],
+        nodes, "tone", [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", frame])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 2])],
         [helper.make_tensor(name, TensorProto.FLOAT, [], [value]) for name, value in
          (("gain", 40.0), ("one", 1.0), ("zero", 0.0))])
@@ -56,17 +56,20 @@ def block(kind: str) -> np.ndarray:
     return 0.5 * np.sin(2 * np.pi * 440 * t) if kind == "T" else np.zeros(BLOCK)
 
 
-@pytest.fixture(scope="module")
-def classifier(tmp_path_factory, keypair) -> InferenceService:
+@pytest.fixture(scope="module", params=[BLOCK, BLOCK // 5], ids=["one-frame-a-block", "five-frames-a-block"])
+def classifier(request, tmp_path_factory, keypair) -> InferenceService:
+    """The classifier packaged with model frames of a whole block, or of a fifth of one (the
+    agent then answers each of a block's five frames, and each is one object of that block)."""
+    frame = request.param
     folder = tmp_path_factory.mktemp("tone")
-    tone_classifier(folder / "tone.onnx")
+    tone_classifier(folder / "tone.onnx", frame)
     (folder / "labels.txt").write_text("\n".join(LABELS) + "\n")
     for kind in "ST":
         write_wav(folder / "audio" / f"{kind}.wav", block(kind), RATE)
     recipe = folder / "tone.yaml"
     recipe.write_text(
         "name: tone\nversion: 1.0.0\nmodel: {path: tone.onnx}\n"
-        f"preprocess: {{kind: audio, sample_rate: {RATE}, frame: {BLOCK}, hop: {BLOCK}}}\n"
+        f"preprocess: {{kind: audio, sample_rate: {RATE}, frame: {frame}, hop: {frame}}}\n"
         "postprocess: {kind: topk, k: 1, labels: labels.txt}\n"
         "validate: {data: {audio: audio/}}\ngolden: {count: 2, data: {audio: audio/}}\ntargets: [x86, rpi]\n")
     build(load_recipe(recipe), key_paths=[str(keypair[0])], output=folder / "tone.edgepkg")

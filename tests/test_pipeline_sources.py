@@ -121,7 +121,8 @@ def test_an_http_url_is_read_as_multipart_jpeg_stamped_on_arrival_and_rtsp_keeps
 def test_capture_devices_open_with_their_demuxer_and_a_folder_with_pillow(tmp_path):
     assert open_plan(source(device="/dev/video0")) == OpenPlan("av", "/dev/video0", "v4l2", read_timeout_s=10.0)
     alsa = open_plan(source(audio="hw:1,0", watchdog_s=2))
-    assert (alsa.format, alsa.audio, alsa.read_timeout_s) == ("alsa", True, 2)
+    assert (alsa.format, alsa.audio, alsa.read_timeout_s, alsa.options) == ("alsa", True, 2, ())
+    assert open_plan(source(audio="hw:1,0", sample_rate=16000)).options == (("sample_rate", "16000"),)
     wav = open_plan(source(audio="/data/doorbell.wav"))
     assert (wav.format, wav.audio) == (None, True)
     assert open_plan(source(file=str(tmp_path))) == OpenPlan("folder", str(tmp_path), live=False)
@@ -212,6 +213,7 @@ def test_a_busy_camera_is_retried_until_it_frees_and_then_read(tmp_path):
             raise av.error.OSError(16, "Device or resource busy", plan.target)
         for index in range(3):
             yield float(index), draw(PATHS, index, WIDTH, HEIGHT), 0
+        stop.wait()  # a camera keeps streaming: nothing more until the reader stops
 
     queue = FrameQueue(8, "every")
     watch = Watch()

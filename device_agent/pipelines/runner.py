@@ -80,10 +80,13 @@ class Found:
 
 def found_in(result: Any, width: int, height: int) -> list[Found]:
     """A stage's task result as objects: detections as they are; a classification (top-k or
-    softmax rows) as its best label over the whole frame (pure)."""
+    softmax rows) as its best label over the whole frame; an audio model's answer to each of a
+    block's frames (a list per frame) as one object per frame, its best label (pure)."""
     if not isinstance(result, list) or not result:
         return []
     first = result[0]
+    if isinstance(first, list):
+        return [found for row in result for found in found_in(row, width, height)[:1]]
     if isinstance(first, dict) and "box" in first:
         return [Found(_box(d["box"]), float(d["score"]), str(d.get("label") or d["index"])) for d in result]
     if isinstance(first, dict) and "score" in first:

@@ -84,7 +84,8 @@ def open_plan(spec: SourceSpec) -> OpenPlan:
         audio = str(spec.audio)
         if audio.lower().endswith(".wav"):
             return OpenPlan("av", audio, None, audio=True, live=False)
-        return OpenPlan("av", audio, "alsa", audio=True, read_timeout_s=spec.watchdog_s)
+        rate = () if spec.sample_rate is None else (("sample_rate", str(spec.sample_rate)),)
+        return OpenPlan("av", audio, "alsa", rate, audio=True, read_timeout_s=spec.watchdog_s)
     path = str(spec.file)
     if Path(path).is_dir():
         return OpenPlan("folder", path, live=False)

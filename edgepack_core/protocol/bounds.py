@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, TypeVar
 
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_STRINGS = 10_000  # strings looked at in one message (a 64 KiB payload holds fewer)
@@ -101,3 +102,24 @@ def counter_map(value: Any, max_keys: int, key_chars: int) -> tuple[tuple[str, i
         if kept is not None and len(pairs) < max_keys:
             pairs.append((str(key)[:key_chars], kept))
     return tuple(pairs)
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+_N = TypeVar("_N", bound=_Named)
+
+
+def first_named(value: Any, limit: int, parse: Callable[[Any], _N | None]) -> tuple[_N, ...]:
+    """The items of a list section (a message's ``models``, ``pipelines``) that ``parse`` accepts,
+    among the first ``limit``, each name once (the first wins); () for a non-list."""
+    if not isinstance(value, list):
+        return ()
+    found: dict[str, _N] = {}
+    for item in value[:limit]:
+        parsed = parse(item)
+        if parsed is not None and parsed.name not in found:
+            found[parsed.name] = parsed
+    return tuple(found.values())

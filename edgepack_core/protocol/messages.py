@@ -23,7 +23,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from edgepack_core.protocol.bounds import Refusal, count, counter_map, counter_sum, decode_document, number, text
+from edgepack_core.protocol.bounds import (
+    Refusal,
+    count,
+    counter_map,
+    counter_sum,
+    decode_document,
+    first_named,
+    number,
+    text,
+)
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.protocol.payloads import JOB_SCHEMA_ID, STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID
 from edgepack_core.protocol.pipeline_figures import PipelineFigures, parse_pipelines_section
@@ -469,14 +478,7 @@ def _model_figures(value: Any) -> ModelTelemetry | None:
 
 def _models_figures(value: Any) -> tuple[ModelTelemetry, ...]:
     """The valid models among the first :data:`MAX_MODELS`, each name once; () for a non-list."""
-    if not isinstance(value, list):
-        return ()
-    found: dict[str, ModelTelemetry] = {}
-    for item in value[:MAX_MODELS]:
-        model = _model_figures(item)
-        if model is not None and model.name not in found:
-            found[model.name] = model
-    return tuple(found.values())
+    return first_named(value, MAX_MODELS, _model_figures)
 
 
 def parse_telemetry(device: str, payload: bytes) -> Telemetry | Refusal:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from edgepack_core.protocol.bounds import count, text
+from edgepack_core.protocol.bounds import count, first_named, text
 from edgepack_core.protocol.events import EventKind
 from edgepack_core.protocol.ids import is_valid_id
 
@@ -115,11 +115,4 @@ def _pipeline(value: Any) -> PipelineFigures | None:
 def parse_pipelines_section(value: Any) -> tuple[PipelineFigures, ...]:
     """The valid pipelines among the first :data:`MAX_PIPELINES`, each name once; () for a
     section that is absent (older agents) or not a list."""
-    if not isinstance(value, list):
-        return ()
-    found: dict[str, PipelineFigures] = {}
-    for item in value[:MAX_PIPELINES]:
-        figures = _pipeline(item)
-        if figures is not None and figures.name not in found:
-            found[figures.name] = figures
-    return tuple(found.values())
+    return first_named(value, MAX_PIPELINES, _pipeline)
