@@ -25,7 +25,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from edgepack_core.errors import KeyFileError, SchemaError
-from edgepack_core.pipeline_spec import MAX_PIPELINES, parse_pipelines
+from edgepack_core.pipeline_spec import parse_pipelines, pipelines_schema
 from edgepack_core.schema import json_integers, validate
 from edgepack_core.signing import OPERATOR, RELEASE, check_kind, public_key_from_pem
 
@@ -61,7 +61,7 @@ SETTING_KEYS: dict[str, dict[str, Any]] = {
     "limits.max_artifact_bytes": _POSITIVE,
     "limits.max_member_bytes": _POSITIVE,
     "limits.max_total_bytes": _POSITIVE,
-    "pipelines": {"type": "array", "maxItems": MAX_PIPELINES},
+    "pipelines": pipelines_schema(),
 }
 """Every key a settings document may carry, with the JSON Schema of its value; besides these, the
 per-model artifact limits :data:`MODEL_LIMIT` matches."""
