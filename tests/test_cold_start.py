@@ -130,7 +130,8 @@ def test_a_missing_input_is_the_error_reported_and_nothing_is_left_behind(artifa
 
 def test_public_keys_read_without_the_serialization_package_are_the_same_keys(tmp_path):
     """``load_public_key`` reads edgepack's own key files (one Ed25519 SubjectPublicKeyInfo in
-    PEM) itself; anything else goes through cryptography's reader exactly as before."""
+    PEM, after their ``edgepack-key:`` line or, for older files, without it) itself; anything else
+    goes through cryptography's reader exactly as before."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -140,9 +141,12 @@ def test_public_keys_read_without_the_serialization_package_are_the_same_keys(tm
 
     write_keypair(tmp_path / "k.key", tmp_path / "k.pub")
     pem = (tmp_path / "k.pub").read_bytes()
+    assert pem.startswith(b"edgepack-key: release\n-----BEGIN PUBLIC KEY-----\n")  # keygen labels its keys
     reference = serialization.load_pem_public_key(pem).public_bytes_raw()
     assert _plain_ed25519_pem(pem) is not None
     assert load_public_key(tmp_path / "k.pub").public_bytes_raw() == reference
+    bare = pem[pem.index(b"-----BEGIN"):]  # a key file written before keys had kinds
+    assert _plain_ed25519_pem(bare).public_bytes_raw() == reference
     commented = tmp_path / "commented.pub"
     commented.write_bytes(b"release key, 2026\n" + pem)  # not the plain form: cryptography's reader decides
     assert _plain_ed25519_pem(commented.read_bytes()) is None
@@ -153,16 +157,17 @@ def test_public_keys_read_without_the_serialization_package_are_the_same_keys(tm
     assert _plain_ed25519_pem(other) is None
     with pytest.raises(KeyFileError, match="not an Ed25519 public key"):
         load_public_key(tmp_path / "ec.pub")
-    body = b"".join(pem.strip().splitlines()[1:-1])
+    body = b"".join(bare.strip().splitlines()[1:-1])
     import base64
 
-    der = bytearray(base64.b64decode(body))
+    der = bytearray(base64.b64decode(body, validate=True))
     der[9] ^= 0x01  # another algorithm's OID, same length
     forged = b"-----BEGIN PUBLIC KEY-----\n" + base64.b64encode(bytes(der)) + b"\n-----END PUBLIC KEY-----\n"
-    (tmp_path / "forged.pub").write_bytes(forged)
-    assert _plain_ed25519_pem(forged) is None
-    with pytest.raises(KeyFileError):
-        load_public_key(tmp_path / "forged.pub")
+    for name, data in (("forged.pub", forged), ("labelled-forged.pub", b"edgepack-key: release\n" + forged)):
+        (tmp_path / name).write_bytes(data)
+        assert _plain_ed25519_pem(data) is None
+        with pytest.raises(KeyFileError):
+            load_public_key(tmp_path / name)
 
 
 def test_predict_pauses_the_collector_and_restores_it_in_process(artifact, keypair, example, monkeypatch, capsys):
