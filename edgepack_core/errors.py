@@ -55,6 +55,11 @@ class SchemaError(UsageError):
         self.document = document
 
 
+class DocumentRuleError(SchemaError):
+    """A document its schema accepts breaks a rule between its parts that no schema can say (two
+    pipelines of one name, a rule naming a zone no pipeline draws): a server answers it 422."""
+
+
 # --------------------------------------------------------------------------- artifacts
 
 

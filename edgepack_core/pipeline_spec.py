@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from edgepack_core.errors import SchemaError
+from edgepack_core.errors import DocumentRuleError, SchemaError
 from edgepack_core.protocol.ids import ID_PATTERN
 from edgepack_core.schema import validate
 from edgepack_core.typed_options import option, parse, schema_of
@@ -182,6 +182,12 @@ def pipeline_schema() -> dict[str, Any]:
             "title": "Edgepack pipeline", **schema}
 
 
+def pipelines_schema() -> dict[str, Any]:
+    """The JSON Schema of a ``pipelines`` list (each item :func:`pipeline_schema`'s, without its
+    ``$id``): what the fleet server's OpenAPI document says the remote setting takes."""
+    return {"type": "array", "maxItems": MAX_PIPELINES, "items": schema_of(PipelineSpec)}
+
+
 def parse_pipelines(documents: Any, *, where: str = "pipelines") -> tuple[PipelineSpec, ...]:
     """Validate and parse the ``pipelines`` list of agent.yaml or of a desired state: each item
     against the schema (the offending key path named), then the cross-field rules of
@@ -195,7 +201,10 @@ def parse_pipelines(documents: Any, *, where: str = "pipelines") -> tuple[Pipeli
         except SchemaError as err:
             raise SchemaError(f"{where}[{index}]" + (f".{err.path}" if err.path else ""), err.problem) from err
     specs = tuple(parse(PipelineSpec, item) for item in documents)
-    check_document(specs, where=where)
+    try:
+        check_document(specs, where=where)
+    except SchemaError as err:  # well-formed, but its parts do not fit: a rule no schema can say
+        raise DocumentRuleError(err.path, err.problem, document=err.document) from err
     return specs
 
 

@@ -202,6 +202,20 @@ class Validator:
                 self.validate(item, extra, _join(path, key))
 
 
+def json_integers(value: Any, schema: Mapping[str, Any]) -> Any:
+    """``value`` with each integral float where ``schema`` asks for an integer made an ``int``
+    (through properties and items, no ``$ref``): JSON's ``5.0`` is the integer 5 (JSON Schema
+    says so), yet Python reads it as a float, which the validator's ``integer`` refuses."""
+    if schema.get("type") == "integer" and isinstance(value, float) and value.is_integer():
+        return int(value)
+    properties, items = schema.get("properties"), schema.get("items")
+    if isinstance(value, dict) and isinstance(properties, Mapping):
+        return {key: json_integers(item, properties.get(key, {})) for key, item in value.items()}
+    if isinstance(value, list) and isinstance(items, Mapping):
+        return [json_integers(item, items) for item in value]
+    return value
+
+
 def validate(value: Any, schema: Mapping[str, Any], *, document: str = "") -> None:
     """Validate ``value`` against ``schema``; raise :class:`SchemaError` with the key path."""
     Validator(schema, document=document).validate(value)

@@ -25,8 +25,8 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from edgepack_core.errors import KeyFileError, SchemaError
-from edgepack_core.pipeline_spec import MAX_PIPELINES, parse_pipelines
-from edgepack_core.schema import validate
+from edgepack_core.pipeline_spec import parse_pipelines, pipelines_schema
+from edgepack_core.schema import json_integers, validate
 from edgepack_core.signing import OPERATOR, RELEASE, check_kind, public_key_from_pem
 
 MAX_KEYS = 16
@@ -61,7 +61,7 @@ SETTING_KEYS: dict[str, dict[str, Any]] = {
     "limits.max_artifact_bytes": _POSITIVE,
     "limits.max_member_bytes": _POSITIVE,
     "limits.max_total_bytes": _POSITIVE,
-    "pipelines": {"type": "array", "maxItems": MAX_PIPELINES},
+    "pipelines": pipelines_schema(),
 }
 """Every key a settings document may carry, with the JSON Schema of its value; besides these, the
 per-model artifact limits :data:`MODEL_LIMIT` matches."""
@@ -148,8 +148,7 @@ def check_value(key: str, value: Any) -> Any:
     if schema is None:
         raise SchemaError(key, f"is not a remote setting (known: {', '.join(sorted(SETTING_KEYS))}, "
                                "models.NAME.limits.max_artifact_bytes|max_member_bytes|max_total_bytes)")
-    if schema.get("type") == "integer" and isinstance(value, float) and value.is_integer():
-        value = int(value)  # JSON's 5.0 is the integer 5 (JSON Schema says so too)
+    value = json_integers(value, schema)  # JSON's 5.0 is the integer 5 (JSON Schema says so too)
     try:
         validate(value, schema, document=key)
     except SchemaError as err:  # named by the key alone: the value's own path is the key's

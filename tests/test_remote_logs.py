@@ -220,6 +220,7 @@ def test_log_fetch_mistakes_are_4xx_naming_the_field_and_a_viewer_reads_but_cann
     server, _agent, _inbox = fleet
     path = f"/api/devices/{DEVICE}/logs"
     for body, field in (({"lines": 10_001}, "lines"), ({"lines": 0}, "lines"), ({"level": "loud"}, "level"),
+                        ({"lines": 10_001.0}, "lines"), ({"lines": 9.5}, "lines"), ({"lines": True}, "lines"),
                         ({"since": -1}, "since"), ({"tail": True}, "tail")):
         status, doc = server.call("POST", f"{path}/fetch", body)
         assert status == 400 and field in doc["error"]["message"], (body, doc)
@@ -229,6 +230,10 @@ def test_log_fetch_mistakes_are_4xx_naming_the_field_and_a_viewer_reads_but_cann
         status, doc = server.call("GET", f"{path}?{query}")
         assert status == 400 and field in doc["error"]["message"], (query, doc)
     _fetch_done(server, {"lines": 10_000})  # the limit itself passes
+    # JSON's 10000.0 is the integer 10000 (JSON Schema says so): asked and signed as an integer.
+    command = _fetch_done(server, {"lines": 10_000.0})
+    entry = server.get("/api/audit?action=logs.fetch")["entries"][0]
+    assert entry["detail"]["command"] == command and type(entry["detail"]["lines"]) is int, entry
     assert server.get(f"{path}?limit=10000")["records"]
     status, made = server.call("POST", "/api/tokens", {"name": "logs-viewer", "role": "viewer"})
     assert status == 201, made

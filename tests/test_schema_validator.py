@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edgepack_core.errors import SchemaError
-from edgepack_core.schema import Validator, validate
+from edgepack_core.schema import Validator, json_integers, validate
 
 SCHEMA = {
     "type": "object",
@@ -72,3 +72,25 @@ def test_non_finite_numbers_are_refused_even_without_bounds(value):
         validate(value, {"type": "number"})
     with pytest.raises(SchemaError, match="not a finite number"):
         validate({"t": value}, {"type": "object", "properties": {"t": {"type": "number", "minimum": 0}}})
+
+
+def test_an_integral_float_where_an_integer_is_asked_is_that_integer_and_nothing_else_changes():
+    """JSON's 7978.0 is the integer 7978 (JSON Schema says so); a fraction, a float where a
+    number is asked, a boolean and an infinity stay as they were, so the validator judges them."""
+    schema = {"type": "object", "properties": {
+        "lines": {"type": "integer", "maximum": 10},
+        "since": {"type": "number"},
+        "waves": {"type": "array", "items": {"type": "integer"}},
+        "nested": {"type": "object", "properties": {"n": {"type": "integer"}}},
+    }}
+    got = json_integers({"lines": 10.0, "since": 3.0, "waves": [1.0, 2.5, True], "nested": {"n": -0.0},
+                         "other": 4.0}, schema)
+    assert got == {"lines": 10, "since": 3.0, "waves": [1, 2.5, True], "nested": {"n": 0}, "other": 4.0}
+    assert [type(v) for v in (got["lines"], got["since"], got["waves"][0], got["nested"]["n"], got["other"])] == [
+        int, float, int, int, float]
+    validate(json_integers({"lines": 10.0, "waves": [1.0, 2.0]}, schema), schema)  # the limit passes
+    with pytest.raises(SchemaError, match="lines"):  # the bound still holds: 11.0 is 11
+        validate(json_integers({"lines": 11.0}, schema), schema)
+    assert json_integers(float("inf"), {"type": "integer"}) == float("inf")
+    with pytest.raises(SchemaError, match="expected integer"):
+        validate(json_integers({"lines": 9.5}, schema), schema)

@@ -78,6 +78,28 @@ def test_settings_are_checked_as_the_device_checks_them(server):
     assert any(e["outcome"] == "refused" for e in entries)
 
 
+def test_a_pipeline_its_schema_refuses_is_a_400_and_one_whose_parts_do_not_fit_is_a_422(server):
+    """The OpenAPI document gives the pipeline schema for each item of ``pipelines`` (it said
+    "any array", so schemathesis' ``[null]`` was schema-valid yet refused 400); a pipeline that
+    schema accepts but the device's cross-field rules refuse is well-formed, so a 422."""
+    body = server.get("/openapi.json")["paths"]["/api/settings/devices/{device_id}"]["put"]["requestBody"]
+    items = body["content"]["application/json"]["schema"]["properties"]["set"]["properties"]["pipelines"]["items"]
+    assert items["type"] == "object" and {"name", "source", "stages"} <= set(items["required"])
+    path = "/api/settings/devices/st-00001"
+    good = {"name": "cam", "source": {"file": "clip.mp4"}, "stages": [{"model": "detector"}]}
+    _refused(server, "PUT", path, {"set": {"pipelines": [None]}}, 400, "pipelines[0]: expected object, got null")
+    _refused(server, "PUT", path, {"set": {"pipelines": [{**good, "colour": 1}]}}, 400, "pipelines[0].colour")
+    _refused(server, "PUT", path, {"set": {"pipelines": [{**good, "source": {}}]}}, 422,
+             "pipelines[0].source: give exactly one of")
+    _refused(server, "PUT", path, {"set": {"pipelines": [good, good]}}, 422,
+             "pipelines[0].name: two pipelines are named 'cam'")
+    code, doc = server.call("PUT", path, {"set": {"pipelines": [good]}})
+    assert code == 200, doc
+    assert server.get("/api/devices/st-00001/settings")["settings"]["pipelines"] == [good]
+    code, doc = server.call("PUT", path, {"unset": ["pipelines"]})
+    assert code == 200 and "pipelines" not in server.get("/api/devices/st-00001/settings")["settings"], doc
+
+
 def test_keys_of_the_wrong_kind_and_lockout_retirements_are_refused(server, keypair):
     operator_pem = public_key_pem(generate_private_key(), OPERATOR).decode()
     _refused(

@@ -41,7 +41,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from edgepack_core.errors import InvalidTransition, SchemaError
+from edgepack_core.errors import DocumentRuleError, InvalidTransition, SchemaError
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.schema import Validator
 from sdk.errors import ApiError, ForbiddenError
@@ -134,8 +134,10 @@ _HTTP_CODES = {400: "invalid", 401: "unauthorized", 403: "forbidden", 404: "not_
 
 
 _DOMAIN_ANSWERS: dict[type[Exception], tuple[int, str]] = {InvalidTransition: (409, "conflict"),
+                                                             DocumentRuleError: (422, "invalid"),
                                                              SchemaError: (400, "invalid")}
-"""The domain errors the pure modules raise, as HTTP answers (status, code): this layer alone
+"""The domain errors the pure modules raise, as HTTP answers (status, code), the first that
+matches (a document its schema accepts but whose parts do not fit is a 422): this layer alone
 decides the status."""
 _REFUSALS: tuple[type[Exception], ...] = (ApiError, *_DOMAIN_ANSWERS)
 

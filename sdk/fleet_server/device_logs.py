@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from edgepack_core.protocol.commands import build_command, field_schema
 from edgepack_core.protocol.logs import LEVEL_NUMBERS, LEVELS
-from edgepack_core.schema import Validator
+from edgepack_core.schema import Validator, json_integers
 from sdk.errors import ApiError
 from sdk.fleet_server import audit
 from sdk.fleet_server import db as tables
@@ -119,7 +119,7 @@ def fetch_handler(context: Any) -> Handler:
     async def fetch(request: Request, actor: str) -> Response:
         Params(request, set())
         device = _path_id(request, "device_id")
-        body = await read_json(request, optional=True)
+        body = json_integers(await read_json(request, optional=True), FETCH_REQUEST_SCHEMA)  # 7978.0 is 7978
         _validate(_FETCH_VALIDATOR, body)
         if context.commands is None:
             raise ApiError(503, "unavailable", "this server sends no commands (no broker connection)")
