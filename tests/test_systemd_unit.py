@@ -119,7 +119,7 @@ def test_files_lists_every_shipped_file_and_each_exists():
     done = run_cli("edgepack-agent", "files", "--json", check=True)
     files = json.loads(done.stdout)
     assert set(files) == {"systemd-unit", "systemd-gpu-dropin", "schema-cmd", "schema-job", "schema-state",
-                          "schema-telemetry", "schema-xfer"}
+                          "schema-telemetry", "schema-xfer", "schema-events", "schema-logs"}
     assert Path(files["systemd-unit"]) == UNIT and Path(files["systemd-gpu-dropin"]) == DROPIN
     for name, path in files.items():
         assert Path(path).is_file(), name
