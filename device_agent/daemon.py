@@ -356,11 +356,17 @@ class Daemon:
         self._stopped.wait()
 
     def run_until_signal(self) -> None:
-        """Serve until SIGTERM/SIGINT, then stop gracefully."""
+        """Serve until SIGTERM/SIGINT, then stop gracefully.
+
+        The handler only records the signal: it runs on the main thread between two bytecodes,
+        possibly inside a logging handler that holds its lock (the log ring's, a stream's), so
+        logging from it deadlocked the agent when SIGTERM came while it logged (seen in a CI
+        rehearsal: SIGTERM during start's last log line never stopped it). The main loop logs."""
+        received: list[int] = []
         stop_requested = threading.Event()
 
         def handle(signum: int, _frame: Any) -> None:
-            log.info("received %s: stopping", signal.Signals(signum).name)
+            received.append(signum)
             stop_requested.set()
 
         signal.signal(signal.SIGTERM, handle)
@@ -368,4 +374,5 @@ class Daemon:
         self.start()
         while not stop_requested.wait(1.0):
             pass
+        log.info("received %s: stopping", signal.Signals(received[0]).name)
         self.stop("agent stopped (signal)")
