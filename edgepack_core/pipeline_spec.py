@@ -218,10 +218,6 @@ def rule_name(rule: RuleSpec) -> str:
     return str(getattr(rule, rule_kind(rule)) or "")
 
 
-def stage_names(stages: Sequence[StageSpec]) -> Mapping[str, int]:
-    return {stage.stage_name: index for index, stage in enumerate(stages)}
-
-
 # ---------------------------------------------------------------- cross-field rules
 
 # The keys each rule kind may set, besides its naming key, classes and anchor.
@@ -264,18 +260,12 @@ def _check_stages(spec: PipelineSpec, key: str) -> None:
             raise SchemaError(f"{key}.stages[{index}].crop.from",
                               f"{stage.crop.source!r} is not an earlier stage ({', '.join(seen) or 'none before'})")
         seen.append(stage.stage_name)
-    if index_of_crop_first(spec) == 0:
-        raise SchemaError(f"{key}.stages[0].crop", "the first stage has no earlier stage to crop from")
     tracker = spec.tracker
     if tracker is not None:
         if tracker.stage is not None and tracker.stage not in seen:
             raise SchemaError(f"{key}.tracker.stage", f"{tracker.stage!r} is not a stage ({', '.join(seen)})")
         if tracker.low > tracker.high:
             raise SchemaError(f"{key}.tracker.low", f"{tracker.low} is above high ({tracker.high})")
-
-
-def index_of_crop_first(spec: PipelineSpec) -> int | None:
-    return 0 if spec.stages and spec.stages[0].crop is not None else None
 
 
 def _check_rules(spec: PipelineSpec, key: str) -> None:

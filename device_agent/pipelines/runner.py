@@ -52,7 +52,6 @@ class PipelineCounters:
     events: int = 0
     stage_errors: int = 0
     missing_model: int = 0
-    by_rule: dict[str, int] = field(default_factory=dict)
     by_kind: dict[tuple[str, str], int] = field(default_factory=dict)  # (rule, kind): /metrics, telemetry
     last_age_s: float = 0.0
     ages_s: deque[float] = field(default_factory=lambda: deque(maxlen=AGE_SAMPLES))  # the newest frames' ages
@@ -301,17 +300,24 @@ class PipelineRunner:
 
     # ---------------------------------------------------------------- events out
 
-    def _publish(self, rule_event: RuleEvent, frame: SourceFrame, objects: Sequence[Seen]) -> Event:
+    def _next_seq(self) -> int:
+        """The pipeline's next event number (rule events and source events share the sequence)."""
         with self._lock:
             seq = self._seq
             self._seq += 1
-        event = self._event(rule_event, seq)
+        return seq
+
+    def _emit(self, event: Event, image: np.ndarray | None, boxes: Sequence[Sequence[float]]) -> Event:
+        """``event`` through every sink in order (a snapshot sink names its file in the event)."""
+        for sink in self.sinks:
+            event = sink.emit(event, image, boxes)
+        return event
+
+    def _publish(self, rule_event: RuleEvent, frame: SourceFrame, objects: Sequence[Seen]) -> Event:
         height, width = self._size(frame)
         boxes = [(s.box[0] * width, s.box[1] * height, s.box[2] * width, s.box[3] * height) for s in objects]
-        for sink in self.sinks:
-            event = sink.emit(event, frame.image, boxes)
+        event = self._emit(self._event(rule_event, self._next_seq()), frame.image, boxes)
         self.counters.events += 1
-        self.counters.by_rule[rule_event.rule] = self.counters.by_rule.get(rule_event.rule, 0) + 1
         key = (rule_event.rule, rule_event.kind)
         self.counters.by_kind[key] = self.counters.by_kind.get(key, 0) + 1
         return event
@@ -327,11 +333,5 @@ class PipelineRunner:
 
     def _source_changed(self, status: SourceStatus) -> None:
         kind: EventKind = "source_up" if status.state == "up" else "source_down"
-        event = RuleEvent("", kind, status.frames, time.time())
-        with self._lock:
-            seq = self._seq
-            self._seq += 1
-        published = Event(schema=EVENTS_SCHEMA_ID, device=self.device_id, pipeline=self.spec.name, rule="", kind=kind,
-                          seq=seq, ts=event.ts, frame=0, detail=status.detail[:512] or None)
-        for sink in self.sinks:
-            sink.emit(published, None, ())
+        self._emit(Event(schema=EVENTS_SCHEMA_ID, device=self.device_id, pipeline=self.spec.name, rule="", kind=kind,
+                         seq=self._next_seq(), ts=time.time(), frame=0, detail=status.detail[:512] or None), None, ())

@@ -158,11 +158,6 @@ class WebhookSink:
             log.debug("webhook %s: %s", self.url, err)
             return False
 
-    def drain(self, timeout: float = 10.0) -> None:
-        """Wait until every queued event was tried (tests, shutdown)."""
-        self._queue.put(None)
-        self._thread.join(timeout)
-
     def close(self) -> None:
         self._stopped.set()
         with contextlib.suppress(queue.Full):

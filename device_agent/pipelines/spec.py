@@ -20,11 +20,10 @@ from edgepack_core.pipeline_spec import (
     pipeline_schema,
     rule_kind,
     rule_name,
-    stage_names,
 )
 
 __all__ = [
     "MAX_PIPELINES", "MAX_POLYGON_POINTS", "MAX_RULES", "MAX_STAGES", "SOURCE_KINDS", "CropSpec", "PipelineSpec",
     "RuleSpec", "SinkSpec", "SourceSpec", "StageSpec", "TrackerSpec", "parse_pipelines", "pipeline_schema",
-    "rule_kind", "rule_name", "stage_names",
+    "rule_kind", "rule_name",
 ]
