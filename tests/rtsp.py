@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.broker import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_PYTHON = "/usr/bin/python3"
 
@@ -35,12 +37,6 @@ def require_rtsp_server() -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class RtspCamera:

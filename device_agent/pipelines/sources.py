@@ -11,7 +11,7 @@ The reader (:class:`SourceReader`) hands frames to the pipeline's :class:`~.fram
 and never lets a failure escape: a source that cannot be opened, stops, or gives no frame for
 ``watchdog_s`` is reported (``on_status``) and reopened after a backoff that starts at
 ``reconnect_s`` and doubles to ``reconnect_max_s``; a file ends the stream (or starts again with
-``loop``). Pure decisions (:func:`open_plan`, :func:`reconnect_delay`, :func:`camera_backend`,
+``loop``). Pure decisions (:func:`open_plan`, :func:`camera_backend`,
 :func:`keep_frame`) are apart from the I/O, and tested alone.
 """
 
@@ -30,6 +30,7 @@ import numpy as np
 from device_agent.errors import PipelineRefused
 from device_agent.pipelines.frames import FrameQueue, SourceFrame
 from device_agent.pipelines.spec import SourceSpec
+from edgepack_core.mqtt_settings import backoff_delay
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,6 @@ def camera_backend(has_picamera2: bool, has_v4l2_device: bool) -> str:
     hint = " (or use device: /dev/video0: the camera is a V4L2 device too)" if has_v4l2_device else ""
     raise PipelineRefused("source.camera", "picamera2 is not importable: install python3-picamera2 and run the "
                           f"agent with the system Python's site packages{hint}")
-
-
-def reconnect_delay(attempt: int, first: float, most: float) -> float:
-    """Seconds before reconnect ``attempt`` (0 = the first): ``first`` doubling, capped at ``most``."""
-    return min(most, first * (2.0 ** min(attempt, 30)))
 
 
 def keep_frame(ts: float, last_kept: float | None, max_fps: float | None) -> bool:
@@ -255,7 +251,8 @@ class SourceReader:
             if outcome == "ended" and self.spec.loop:
                 continue
             attempt = 0 if self._got_frame else attempt + 1
-            delay = reconnect_delay(attempt, self.spec.reconnect_s, self.spec.reconnect_max_s)
+            # the MQTT client's schedule, without its jitter: one reader per camera, no herd to spread
+            delay = backoff_delay(attempt, self.spec.reconnect_s, self.spec.reconnect_max_s, 1.0)
             self.status.reconnects += 1
             if self._stop.wait(delay):
                 break
