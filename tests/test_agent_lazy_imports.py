@@ -90,3 +90,19 @@ def test_an_agent_with_mqtt_loads_them_when_it_starts_them(tmp_path, artifact, k
     assert matching(modules, MQTT_AND_UPDATES) != []
     assert {"paho.mqtt.client", "device_agent.telemetry.reporter", "device_agent.updates.service"} <= modules
     assert matching(modules, ONLY_FOR_IMAGES) == []
+
+
+def test_an_idle_agent_without_mqtt_has_not_imported_cryptography(without_mqtt):
+    """Signatures are checked through libsodium (edgepack_core/ed25519.py): the store verified
+    the installed artifact at start, and cryptography (6.6 MiB resident) never loaded."""
+    assert "nacl.bindings" in without_mqtt and "edgepack_core.ed25519" in without_mqtt
+    assert matching(without_mqtt, ("cryptography",)) == []
+
+
+def test_an_idle_agent_with_mqtt_has_not_imported_cryptography(tmp_path, artifact, keypair, mosquitto_broker):
+    """With ``mqtt:``, the command and settings-document checks are loaded too, still without
+    cryptography: only enroll and a certificate renewal import it, when they run."""
+    modules = loaded_by_an_idle_agent(tmp_path, artifact, keypair[1], mosquitto_broker.port)
+    assert {"paho.mqtt.client", "device_agent.updates.service", "edgepack_core.command_auth"} <= modules
+    assert "edgepack_core.settings_doc" in modules
+    assert matching(modules, ("cryptography",)) == []
