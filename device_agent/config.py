@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar
 
 from device_agent.errors import ConfigError
 from device_agent.logring import LOGS_CONFIG_SCHEMA, LogSettings
+from device_agent.memory import MEMORY_CONFIG_SCHEMA, MemorySettings
 from device_agent.password_file import MAX_PASSWORD_FILE_BYTES, read_password_file  # noqa: F401  (re-exported)
 from device_agent.pipelines.spec import PipelineSpec, parse_pipelines
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
@@ -75,6 +76,7 @@ CONFIG_SCHEMA: dict[str, Any] = {
         },
         "log_level": {"enum": ["debug", "info", "warning", "error"]},
         "logs": LOGS_CONFIG_SCHEMA,
+        "memory": MEMORY_CONFIG_SCHEMA,
         "api": {
             "type": "object",
             "additionalProperties": False,
@@ -394,6 +396,7 @@ class AgentConfig:
     mqtt: BrokerSettings | None = None
     updates: UpdateSettings = UpdateSettings()
     logs: LogSettings = field(default_factory=LogSettings)
+    memory: MemorySettings = field(default_factory=MemorySettings)
     enrollment: EnrollmentSettings | None = None
 
     def client_certificate(self) -> tuple[str, str] | None:
@@ -563,6 +566,7 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         mqtt=_broker(document["mqtt"], base, name) if "mqtt" in document else None,
         updates=_updates(document.get("updates", {}), base, name),
         logs=_section(LogSettings, document.get("logs", {})),
+        memory=_section(MemorySettings, document.get("memory", {})),
         **values,
     )
 

@@ -92,6 +92,15 @@ def test_an_agent_with_mqtt_loads_them_when_it_starts_them(tmp_path, artifact, k
     assert matching(modules, ONLY_FOR_IMAGES) == []
 
 
+WEB_FRAMEWORKS = ("hypercorn", "starlette", "anyio", "h2", "wsproto")
+
+
+def test_an_idle_agent_serves_http_without_hypercorn_starlette_or_anyio(without_mqtt):
+    """The HTTP API is the agent's own server and router on h11 (device_agent/http/server.py, web.py)."""
+    assert {"h11", "device_agent.http.server", "device_agent.http.web"} <= without_mqtt  # it really serves HTTP
+    assert matching(without_mqtt, WEB_FRAMEWORKS) == []
+
+
 def test_an_idle_agent_without_mqtt_has_not_imported_cryptography(without_mqtt):
     """Signatures are checked through libsodium (edgepack_core/ed25519.py): the store verified
     the installed artifact at start, and cryptography (6.6 MiB resident) never loaded."""
