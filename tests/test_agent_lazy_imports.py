@@ -99,3 +99,19 @@ def test_an_idle_agent_serves_http_without_hypercorn_starlette_or_anyio(without_
     """The HTTP API is the agent's own server and router on h11 (device_agent/http/server.py, web.py)."""
     assert {"h11", "device_agent.http.server", "device_agent.http.web"} <= without_mqtt  # it really serves HTTP
     assert matching(without_mqtt, WEB_FRAMEWORKS) == []
+
+
+def test_an_idle_agent_without_mqtt_has_not_imported_cryptography(without_mqtt):
+    """Signatures are checked through libsodium (edgepack_core/ed25519.py): the store verified
+    the installed artifact at start, and cryptography (6.6 MiB resident) never loaded."""
+    assert "nacl.bindings" in without_mqtt and "edgepack_core.ed25519" in without_mqtt
+    assert matching(without_mqtt, ("cryptography",)) == []
+
+
+def test_an_idle_agent_with_mqtt_has_not_imported_cryptography(tmp_path, artifact, keypair, mosquitto_broker):
+    """With ``mqtt:``, the command and settings-document checks are loaded too, still without
+    cryptography: only enroll and a certificate renewal import it, when they run."""
+    modules = loaded_by_an_idle_agent(tmp_path, artifact, keypair[1], mosquitto_broker.port)
+    assert {"paho.mqtt.client", "device_agent.updates.service", "edgepack_core.command_auth"} <= modules
+    assert "edgepack_core.settings_doc" in modules
+    assert matching(modules, ("cryptography",)) == []
