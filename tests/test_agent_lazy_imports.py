@@ -90,3 +90,24 @@ def test_an_agent_with_mqtt_loads_them_when_it_starts_them(tmp_path, artifact, k
     assert matching(modules, MQTT_AND_UPDATES) != []
     assert {"paho.mqtt.client", "device_agent.telemetry.reporter", "device_agent.updates.service"} <= modules
     assert matching(modules, ONLY_FOR_IMAGES) == []
+
+
+# What an idle agent needs only when a rare event comes (issue 25 item 10): a pipeline document or
+# a golden stream's replay, a settings document, an audio model's WAV decoder, the parsers of the
+# state messages and the MQTT settings (an agent without mqtt: never sends one), a download.
+ONLY_FOR_RARE_EVENTS = (
+    "device_agent.pipelines",
+    "edgepack_core.pipeline_spec",
+    "edgepack_core.settings_doc",
+    "device_agent.updates.settings_apply",
+    "edgepack_core.audio",
+    "wave",
+    "edgepack_core.protocol.messages",
+    "edgepack_core.mqtt_settings",
+    "urllib.request",
+)
+
+
+def test_an_idle_agent_without_mqtt_holds_no_module_of_a_rare_event(without_mqtt):
+    assert {"device_agent.remote_settings", "device_agent.updates.golden_stream", "device_agent.store"} <= without_mqtt
+    assert matching(without_mqtt, ONLY_FOR_RARE_EVENTS) == []
