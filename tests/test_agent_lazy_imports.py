@@ -106,8 +106,33 @@ ONLY_FOR_RARE_EVENTS = (
     "edgepack_core.mqtt_settings",
     "urllib.request",
 )
+# With mqtt: the update service is up, but what a command brings loads with the command: a
+# deploy's download (http.client and urllib's opener), MQTT transfer and golden probes, the
+# authorization of a signed command, settings documents, certificate renewal.
+ONLY_FOR_COMMANDS = (
+    "device_agent.pipelines",
+    "edgepack_core.pipeline_spec",
+    "edgepack_core.settings_doc",
+    "device_agent.updates.settings_apply",
+    "device_agent.updates.download",
+    "device_agent.updates.xfer",
+    "edgepack_core.protocol.codec",
+    "device_agent.updates.golden_probe",
+    "edgepack_core.command_auth",
+    "device_agent.updates.renewal",
+    "edgepack_core.audio",
+    "wave",
+)
 
 
 def test_an_idle_agent_without_mqtt_holds_no_module_of_a_rare_event(without_mqtt):
     assert {"device_agent.remote_settings", "device_agent.updates.golden_stream", "device_agent.store"} <= without_mqtt
     assert matching(without_mqtt, ONLY_FOR_RARE_EVENTS) == []
+
+
+def test_an_idle_agent_with_mqtt_loads_what_a_command_needs_only_when_one_comes(
+    tmp_path, artifact, keypair, mosquitto_broker
+):
+    modules = loaded_by_an_idle_agent(tmp_path, artifact, keypair[1], mosquitto_broker.port)
+    assert {"device_agent.updates.service", "device_agent.updates.deploy_flow", "paho.mqtt.client"} <= modules
+    assert matching(modules, ONLY_FOR_COMMANDS) == []
