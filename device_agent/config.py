@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from device_agent.errors import ConfigError
 from device_agent.logring import LOGS_CONFIG_SCHEMA, LogSettings
+from device_agent.memory import MEMORY_CONFIG_SCHEMA, MemorySettings
 from device_agent.password_file import MAX_PASSWORD_FILE_BYTES, read_password_file  # noqa: F401  (re-exported)
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
 from device_agent.telemetry import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
@@ -77,6 +78,7 @@ CONFIG_SCHEMA: dict[str, Any] = {
         },
         "log_level": {"enum": ["debug", "info", "warning", "error"]},
         "logs": LOGS_CONFIG_SCHEMA,
+        "memory": MEMORY_CONFIG_SCHEMA,
         "api": {
             "type": "object",
             "additionalProperties": False,
@@ -396,6 +398,7 @@ class AgentConfig:
     mqtt: BrokerSettings | None = None
     updates: UpdateSettings = UpdateSettings()
     logs: LogSettings = field(default_factory=LogSettings)
+    memory: MemorySettings = field(default_factory=MemorySettings)
     enrollment: EnrollmentSettings | None = None
 
     def client_certificate(self) -> tuple[str, str] | None:
@@ -569,6 +572,7 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         mqtt=_broker(document["mqtt"], base, name) if "mqtt" in document else None,
         updates=_updates(document.get("updates", {}), base, name),
         logs=_section(LogSettings, document.get("logs", {})),
+        memory=_section(MemorySettings, document.get("memory", {})),
         **values,
     )
 

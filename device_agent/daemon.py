@@ -20,6 +20,7 @@ from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
 from device_agent.logring import LogRing
+from device_agent.memory import Released, release_if_enabled
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
 from device_agent.remote_settings import Held, held_keys, limits_for, load_held, overlay
 from device_agent.runtime import InferenceService, LoadedModel, load_model
@@ -76,6 +77,8 @@ class Daemon:
         self.reporter: TelemetryReporter | None = None
         self.pipelines: Any = None  # device_agent.pipelines.host.PipelineSet, when agent.yaml has pipelines
         self.updates: UpdateService | None = None
+        self.released: Released | None = None  # the last release of start-up pages (device_agent/memory.py)
+        self._serving = False  # start() is done: an activation after it releases its pages too
         self._stopped = threading.Event()
 
     def use_keys(self, held: Held) -> None:
@@ -151,6 +154,8 @@ class Daemon:
         self._register(slot)
         if self.reporter is not None:
             self.reporter.publish_state()
+        if self._serving:
+            self.released = release_if_enabled(self.config.memory, f"after activating {model.manifest.name}")
         return old
 
     def remove_slot(self, slot: ModelSlot) -> None:
@@ -243,6 +248,8 @@ class Daemon:
                                  models=lambda: self.models.services(),
                                  pipelines=lambda: () if self.pipelines is None else self.pipelines.figures()).start()
             log.info("HTTP API on http://%s:%d", address[0], self.api.port)
+        self._serving = True
+        self.released = release_if_enabled(self.config.memory, "after start")
         return self
 
     def _recover_slots(self) -> None:

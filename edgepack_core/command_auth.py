@@ -23,12 +23,13 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
-
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from typing import TYPE_CHECKING, Any
 
 from edgepack_core.errors import BadSignatureError, CommandSignatureError, SignatureError, UntrustedKeyError
 from edgepack_core.signing import ALGORITHM, SIGNATURE_SCHEMA, SigningKey, TrustStore
+
+if TYPE_CHECKING:  # signing is the host's; the agent only verifies, without cryptography
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 DOMAIN = b"edgepack.cmd-signature/1\n"
 SIGNATURE_FIELD = "signature"
@@ -72,6 +73,8 @@ def canonical_bytes(command: Mapping[str, Any]) -> bytes:
 def _signing_key(private_key: Ed25519PrivateKey | SigningKey) -> SigningKey:
     if isinstance(private_key, SigningKey):
         return private_key
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     if isinstance(private_key, Ed25519PrivateKey):
         return SigningKey(private_key)
     raise TypeError("operator commands are signed with an Ed25519 private key")

@@ -165,6 +165,12 @@ class KeyFileError(EdgepackError):
         self.problem = problem
 
 
+class Ed25519KeyError(EdgepackError, ValueError):
+    """Bytes that are no Ed25519 public key a verifier may hold: not 32 bytes, or not a point of
+    the prime-order subgroup (a small-order key would let anyone forge). A ``ValueError`` too, as
+    ``cryptography``'s ``from_public_bytes`` raises for a wrong length."""
+
+
 class CommandSignatureError(EdgepackError):
     """A remote command that must be signed is unsigned, mis-signed, by a key that is not an
     operator key, expired, or addressed to another device or group."""

@@ -22,8 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
+from edgepack_core.ed25519 import PublicKey
 from edgepack_core.errors import KeyFileError, SchemaError
 from edgepack_core.pipeline_spec import parse_pipelines, pipelines_schema
 from edgepack_core.schema import json_integers, validate
@@ -125,8 +124,8 @@ class SettingsDocument:
 
     generation: int
     values: tuple[tuple[str, Any], ...]
-    release_keys: tuple[Ed25519PublicKey, ...] = ()
-    operator_keys: tuple[Ed25519PublicKey, ...] = ()
+    release_keys: tuple[PublicKey, ...] = ()
+    operator_keys: tuple[PublicKey, ...] = ()
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.values).get(key, default)
@@ -163,10 +162,10 @@ def check_value(key: str, value: Any) -> Any:
     return value
 
 
-def parse_keys(key: str, pems: list[str]) -> tuple[Ed25519PublicKey, ...]:
+def parse_keys(key: str, pems: list[str]) -> tuple[PublicKey, ...]:
     """The public keys of ``trust`` or ``operator_keys``; a key labelled with the other kind, or
     one given twice, is refused."""
-    parsed: list[Ed25519PublicKey] = []
+    parsed: list[PublicKey] = []
     seen: set[bytes] = set()
     for index, pem in enumerate(pems):
         where = f"{key}[{index}]"

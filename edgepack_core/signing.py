@@ -22,13 +22,12 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-
+from edgepack_core.ed25519 import PublicKey, public_key
 from edgepack_core.errors import (
     BadSignatureError,
+    Ed25519KeyError,
     KeyFileError,
     MissingSignatureError,
     SignatureError,
@@ -36,26 +35,35 @@ from edgepack_core.errors import (
     UntrustedKeyError,
 )
 
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from edgepack_core.ed25519 import AnyPublicKey
+
 SIGNATURE_SCHEMA = "edgepack.sig/1"
 ALGORITHM = "ed25519"
 MAX_SIGNATURE_BYTES = 64 * 1024
 
 
-def key_id(public_key: Ed25519PublicKey) -> str:
+def key_id(key: AnyPublicKey) -> str:
     """Stable short id of a public key: 16 hex digits of sha256 over the raw 32 key bytes."""
-    raw = public_key.public_bytes_raw()
+    raw = key.public_bytes_raw()
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
 class SigningKey:
-    """A private key ready to sign; hard to misuse: it signs bytes and says which key it is."""
+    """A private key ready to sign; hard to misuse: it signs bytes and says which key it is.
+    Host side (and tests): signing needs ``cryptography``, verifying does not."""
 
     private: Ed25519PrivateKey
 
     @property
     def key_id(self) -> str:
         return key_id(self.private.public_key())
+
+    def public_key(self) -> PublicKey:
+        return public_key(self.private.public_key())
 
     def sign(self, data: bytes) -> dict[str, str]:
         return {
@@ -117,16 +125,16 @@ def _canonical_base64(text: str) -> bool:
 class TrustStore:
     """The public keys a verifier accepts, by key id. Several keys allow rotation."""
 
-    def __init__(self, keys: Iterable[Ed25519PublicKey] = ()) -> None:
-        self._keys: dict[str, Ed25519PublicKey] = {}
+    def __init__(self, keys: Iterable[AnyPublicKey] = ()) -> None:
+        self._keys: dict[str, PublicKey] = {}
         for key in keys:
-            self._keys[key_id(key)] = key
+            self._keys[key_id(key)] = public_key(key)
 
     @classmethod
     def from_paths(cls, paths: Iterable[str | os.PathLike[str]], *, kind: str | None = None) -> TrustStore:
         """Load PEM public keys; a directory contributes every ``*.pub`` file inside it. A file
         labelled with another kind than ``kind`` is refused."""
-        keys: list[Ed25519PublicKey] = []
+        keys: list[PublicKey] = []
         for entry in paths:
             path = Path(entry)
             files = sorted(path.glob("*.pub")) if path.is_dir() else [path]
@@ -140,15 +148,15 @@ class TrustStore:
     def key_ids(self) -> list[str]:
         return sorted(self._keys)
 
-    def replace(self, keys: Iterable[Ed25519PublicKey]) -> None:
+    def replace(self, keys: Iterable[AnyPublicKey]) -> None:
         """Trust exactly ``keys`` from now on (a settings document from the server): every holder
         of this store (the model stores, the update service) sees the change at once."""
-        fresh = {key_id(key): key for key in keys}
+        fresh = {key_id(key): public_key(key) for key in keys}
         if not fresh:
             raise ValueError("a trust store cannot be emptied")
         self._keys = fresh
 
-    def public_keys(self) -> list[Ed25519PublicKey]:
+    def public_keys(self) -> list[PublicKey]:
         return [self._keys[kid] for kid in sorted(self._keys)]
 
     def __len__(self) -> int:
@@ -201,14 +209,14 @@ def _entry_fields(entry: Any) -> tuple[str, Any, str]:
     return kid, algorithm, sig
 
 
-def _verify_entry(public: Ed25519PublicKey, kid: str, algorithm: Any, sig: str, data: bytes) -> None:
+def _verify_entry(public: PublicKey, kid: str, algorithm: Any, sig: str, data: bytes) -> None:
     """Check one signature by a trusted key: a mismatch fails outright (attack or corruption)."""
     if algorithm != ALGORITHM:
         raise SignatureError(f"unsupported signature algorithm {algorithm!r}")
     try:
         raw = base64.b64decode(sig, validate=True)
         public.verify(raw, data)
-    except (InvalidSignature, binascii.Error, ValueError) as cause:
+    except (BadSignatureError, binascii.Error, ValueError) as cause:
         raise BadSignatureError(
             f"signature by trusted key {kid} does not match manifest.json (manifest changed?)"
         ) from cause
@@ -260,6 +268,8 @@ def check_kind(data: bytes, path: str, wanted: str | None) -> None:
 
 
 def generate_private_key() -> SigningKey:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     return SigningKey(Ed25519PrivateKey.generate())
 
 
@@ -273,12 +283,12 @@ def private_key_pem(key: SigningKey, kind: str | None = None) -> bytes:
     return (kind_header(kind) if kind else b"") + pem
 
 
-def public_key_pem(key: SigningKey | Ed25519PublicKey, kind: str | None = None) -> bytes:
-    """The SubjectPublicKeyInfo PEM of ``key``, after the header line of ``kind`` when given."""
-    from cryptography.hazmat.primitives import serialization
-
-    public = key.private.public_key() if isinstance(key, SigningKey) else key
-    pem = public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+def public_key_pem(key: SigningKey | AnyPublicKey, kind: str | None = None) -> bytes:
+    """The SubjectPublicKeyInfo PEM of ``key``, after the header line of ``kind`` when given
+    (byte for byte what ``cryptography`` writes: 44 bytes of DER fit one base64 line)."""
+    raw = (key.public_key() if isinstance(key, SigningKey) else key).public_bytes_raw()
+    body = base64.b64encode(_ED25519_SPKI_PREFIX + raw)
+    pem = b"-----BEGIN PUBLIC KEY-----\n" + body + b"\n-----END PUBLIC KEY-----\n"
     return (kind_header(kind) if kind else b"") + pem
 
 
@@ -298,6 +308,7 @@ def load_private_key(path: str | os.PathLike[str], password: bytes | None = None
                      kind: str | None = None) -> SigningKey:
     """A private key file; one labelled with another kind than ``kind`` is refused."""
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     path = Path(path)
     data = _read_key_file(path)
@@ -318,11 +329,11 @@ def load_private_key(path: str | os.PathLike[str], password: bytes | None = None
 _ED25519_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
 
 
-def _plain_ed25519_pem(data: bytes) -> Ed25519PublicKey | None:
+def _plain_ed25519_pem(data: bytes, path: str = "<key>") -> PublicKey | None:
     """The key of a PEM file that holds exactly one Ed25519 SubjectPublicKeyInfo (what
-    ``edgepack keygen`` writes), read without cryptography's serialization package, whose
-    import is about a tenth of ``edgepack-agent predict``'s cold start; None for anything else,
-    which then goes through cryptography's full PEM reader."""
+    ``edgepack keygen`` writes), read without cryptography, whose import is about a tenth of
+    ``edgepack-agent predict``'s cold start and 6.6 MiB of an agent's memory; None for anything
+    else, which then goes through cryptography's full PEM reader."""
     lines = data.strip().splitlines()
     if lines and lines[0].startswith(_KIND_HEADER):
         lines = lines[1:]
@@ -338,10 +349,17 @@ def _plain_ed25519_pem(data: bytes) -> Ed25519PublicKey | None:
         return None
     if len(der) != len(_ED25519_SPKI_PREFIX) + 32 or not der.startswith(_ED25519_SPKI_PREFIX):
         return None
-    return Ed25519PublicKey.from_public_bytes(der[len(_ED25519_SPKI_PREFIX) :])
+    return _checked_key(der[len(_ED25519_SPKI_PREFIX) :], path)
 
 
-def load_public_key(path: str | os.PathLike[str], *, kind: str | None = None) -> Ed25519PublicKey:
+def _checked_key(raw: bytes, path: str) -> PublicKey:
+    try:
+        return PublicKey.from_public_bytes(raw)
+    except Ed25519KeyError as err:
+        raise KeyFileError(path, str(err)) from err
+
+
+def load_public_key(path: str | os.PathLike[str], *, kind: str | None = None) -> PublicKey:
     """A public key file; one labelled with another kind than ``kind`` is refused."""
     path = Path(path)
     data = _read_key_file(path)
@@ -349,12 +367,13 @@ def load_public_key(path: str | os.PathLike[str], *, kind: str | None = None) ->
     return public_key_from_pem(data, str(path))
 
 
-def public_key_from_pem(data: bytes, path: str = "<key>") -> Ed25519PublicKey:
+def public_key_from_pem(data: bytes, path: str = "<key>") -> PublicKey:
     """The Ed25519 key of PEM bytes (a file's, or a settings document's); ``path`` names it."""
-    plain = _plain_ed25519_pem(data)
+    plain = _plain_ed25519_pem(data, path)
     if plain is not None:
         return plain
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     try:
         key = serialization.load_pem_public_key(data)
@@ -364,4 +383,4 @@ def public_key_from_pem(data: bytes, path: str = "<key>") -> Ed25519PublicKey:
         raise KeyFileError(path, "not a PEM public key") from err
     if not isinstance(key, Ed25519PublicKey):
         raise KeyFileError(path, "not an Ed25519 public key")
-    return key
+    return _checked_key(key.public_bytes_raw(), path)

@@ -24,6 +24,7 @@ from device_agent.config import (
     load_config,
 )
 from device_agent.errors import ConfigError
+from device_agent.memory import MemorySettings
 from device_agent.telemetry.reporter import settings_from_config
 from edgepack_core.artifact import Limits
 from edgepack_core.errors import SchemaError
@@ -77,6 +78,7 @@ def _section_schema(*path: str) -> dict[str, Any]:
         (TlsSettings, ("mqtt", "tls")),
         (OutboxSettings, ("mqtt", "queue")),
         (UpdateSettings, ("updates",)),
+        (MemorySettings, ("memory",)),
     ],
 )
 def test_each_typed_section_holds_exactly_its_schema_keys(cls, path):
@@ -147,6 +149,7 @@ def test_defaults_fill_every_absent_section(tmp_path):
         "mqtt.queue.bogus",
         "updates.bogus",
         "updates.health_window_s.bogus",
+        "memory.bogus",
     ],
 )
 def test_an_unknown_key_is_refused_naming_its_path(tmp_path, path):

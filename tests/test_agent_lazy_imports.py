@@ -92,6 +92,31 @@ def test_an_agent_with_mqtt_loads_them_when_it_starts_them(tmp_path, artifact, k
     assert matching(modules, ONLY_FOR_IMAGES) == []
 
 
+WEB_FRAMEWORKS = ("hypercorn", "starlette", "anyio", "h2", "wsproto")
+
+
+def test_an_idle_agent_serves_http_without_hypercorn_starlette_or_anyio(without_mqtt):
+    """The HTTP API is the agent's own server and router on h11 (device_agent/http/server.py, web.py)."""
+    assert {"h11", "device_agent.http.server", "device_agent.http.web"} <= without_mqtt  # it really serves HTTP
+    assert matching(without_mqtt, WEB_FRAMEWORKS) == []
+
+
+def test_an_idle_agent_without_mqtt_has_not_imported_cryptography(without_mqtt):
+    """Signatures are checked through libsodium (edgepack_core/ed25519.py): the store verified
+    the installed artifact at start, and cryptography (6.6 MiB resident) never loaded."""
+    assert "nacl.bindings" in without_mqtt and "edgepack_core.ed25519" in without_mqtt
+    assert matching(without_mqtt, ("cryptography",)) == []
+
+
+def test_an_idle_agent_with_mqtt_has_not_imported_cryptography(tmp_path, artifact, keypair, mosquitto_broker):
+    """With ``mqtt:``, still without cryptography: only enroll and a certificate renewal import
+    it, when they run (the command and settings-document checks load with the first command,
+    and without it too: the test after the next)."""
+    modules = loaded_by_an_idle_agent(tmp_path, artifact, keypair[1], mosquitto_broker.port)
+    assert {"paho.mqtt.client", "device_agent.updates.service"} <= modules
+    assert matching(modules, ("cryptography",)) == []
+
+
 # What an idle agent needs only when a rare event comes (issue 25 item 10): a pipeline document or
 # a golden stream's replay, a settings document, an audio model's WAV decoder, the parsers of the
 # state messages and the MQTT settings (an agent without mqtt: never sends one), a download.
@@ -136,3 +161,18 @@ def test_an_idle_agent_with_mqtt_loads_what_a_command_needs_only_when_one_comes(
     modules = loaded_by_an_idle_agent(tmp_path, artifact, keypair[1], mosquitto_broker.port)
     assert {"device_agent.updates.service", "device_agent.updates.deploy_flow", "paho.mqtt.client"} <= modules
     assert matching(modules, ONLY_FOR_COMMANDS) == []
+
+
+def test_the_modules_a_command_loads_do_not_import_cryptography():
+    """What the first command loads (its authorization, a settings document) checks signatures
+    without cryptography, as the agent did at start before they were lazy."""
+    code = (
+        "import json, sys\n"
+        "import device_agent.updates.service, device_agent.updates.settings_apply, edgepack_core.command_auth\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, check=True)
+    modules = set(json.loads(done.stdout))
+    assert {"edgepack_core.command_auth", "edgepack_core.settings_doc"} <= modules
+    assert matching(modules, ("cryptography",)) == []

@@ -24,7 +24,7 @@ def test_committed_agent_openapi_document_is_current():
 def test_agent_openapi_describes_exactly_the_routes_the_app_has():
     app = AgentApp(InferenceService(), ApiSettings())
     try:
-        served = {(method.lower(), route.path) for route in app.starlette.routes
+        served = {(method.lower(), route.path) for route in app.router.routes
                   for method in route.methods if method != "HEAD"}
     finally:
         app.pool.shutdown()

@@ -553,7 +553,7 @@ def test_every_rejection_is_counted_in_metrics_by_status_class(serve, scale_arti
 
 
 # ------------------------------------------------------------------------------------ the server layer
-# What Hypercorn lacks and device_agent/http/server.py adds: HTTP/1.1 only, the head deadline on
+# What device_agent/http/server.py and protocol.py add to h11: HTTP/1.1 only, the head deadline on
 # kept-alive connections, JSON answers for oversized heads, no hang on an unread body, a prompt stop.
 
 
@@ -612,7 +612,7 @@ def test_expect_100_continue_gets_100_at_once_then_the_refusal_of_a_declared_len
         serve, scale_artifact):
     port, _ = serve(scale_artifact, max_body_bytes=len(OK_JSON))
     head = b"POST /predict HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
-    with connect(port) as sock:  # one byte over: 100 (Hypercorn's way: as soon as the head is read), then 413
+    with connect(port) as sock:  # one byte over: 100 (as soon as the head is read), then 413
         sock.sendall(head + b"Content-Length: %d\r\n\r\n" % (len(OK_JSON) + 1))
         assert read_response(sock)[0] == 100
         status, headers, body = read_response(sock)
@@ -700,21 +700,19 @@ def test_small_body_never_sent_to_an_unknown_path_gets_the_answer_with_close_at_
 
 
 def test_app_answering_late_without_reading_a_large_body_never_hangs_the_connection():
-    """Hypercorn tells the app its request ended through the request's queue, which a body the
-    app never reads fills (ten chunks): without the guard's dropping, the connection hangs."""
+    """A body the app never reads fills the request's queue (a few chunks): the server must
+    neither wait for room in it to end the request nor hang the connection."""
     import asyncio
 
-    from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
+    from device_agent.http.web import Route, Router, json_error
 
     async def late(request):  # answers after the body filled the queue, never reading it
         await asyncio.sleep(0.5)
-        return JSONResponse({"error": {"kind": "late", "message": "late"}}, 409)
+        return json_error(409, "late", "late")
 
     settings = ApiSettings(read_timeout_s=10)
     stats = prometheus.HttpStats()
-    app = guards.Guard(Starlette(routes=[Route("/late", late, methods=["POST"])]), stats, settings.read_timeout_s)
+    app = guards.Guard(Router([Route("/late", late, methods=["POST"])]), stats, settings.read_timeout_s)
     sock = http_server.listening_socket(("127.0.0.1", 0), 8)
     server = http_server.HttpServer(app, sock, settings, stats.count)
     thread = threading.Thread(target=server.serve, daemon=True)
@@ -756,19 +754,3 @@ def test_stopping_the_server_ends_a_lingering_connection_at_once(serve, scale_ar
         started = time.monotonic()
         server.stop()
         assert time.monotonic() - started < 3 and closed_by_server(sock, within=1)
-
-
-def test_hypercorn_still_has_every_method_the_server_overrides():
-    """device_agent/http/server.py overrides private methods of Hypercorn: a release that renamed one would
-    drop its bound (the head deadline, lingering close, JSON protocol errors) without an error."""
-    from hypercorn.asyncio.tcp_server import TCPServer
-    from hypercorn.protocol.h11 import H11Protocol
-
-    overridden = {TCPServer: {"run", "_read_data", "_close", "protocol_send"},
-                  H11Protocol: {"_check_protocol", "_create_stream", "_send_h11_event", "_send_error_response"}}
-    called = {TCPServer: set(), H11Protocol: {"handle"}}
-    for base in (TCPServer, H11Protocol):
-        missing = sorted(name for name in overridden[base] | called[base] if not callable(vars(base).get(name)))
-        assert missing == [], f"{base.__name__} lacks {missing}"
-    for subclass, base in ((http_server.AgentConnection, TCPServer), (http_server.AgentH11Protocol, H11Protocol)):
-        assert {name for name in vars(subclass) if name in vars(base) and not name.startswith("__")} == overridden[base]

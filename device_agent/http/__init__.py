@@ -3,7 +3,8 @@
 ASGI guard: answers counted, bodies never left to be parsed as a request), ``negotiation``
 (body and answer media types), ``answers`` (JSON documents and the error shape), ``results``
 (the JSON shape of a prediction), ``prometheus``
-(``/metrics``), ``server`` (Hypercorn's HTTP/1.1 protocol and transport, ``ApiServer``),
+(``/metrics``), ``server`` (the HTTP/1.1 connection driver, ``ApiServer``), ``protocol`` (HTTP/1.1
+on one connection, on h11, without I/O), ``web`` (request, response, router: no web framework),
 ``admission`` (the pure connection and body-budget rules), ``bodies`` (bounded body decoding),
 ``oip`` (the Open Inference Protocol) and ``openapi`` (the API's description).
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from starlette.responses import Response
-
 from device_agent.errors import BadRequest, InferenceError, NoModelError, RequestError
 from device_agent.http.negotiation import JSON_MEDIA_TYPE
+from device_agent.http.web import Response
 from edgepack_core import wire_json
 
 MAX_MESSAGE_CHARS = 500

@@ -1,10 +1,10 @@
 """The local HTTP API: ``POST /predict``, ``GET /healthz``, ``GET /metrics`` (Prometheus),
 ``DELETE /streams/ID`` and the Open Inference Protocol (KServe v2 REST, ``oip.py``).
 
-A starlette app (the fleet server's framework too) served by Hypercorn's HTTP/1.1 protocol
-(pure Python on h11, no click on a device: ``server.py``, which adds the
-connection cap, the head deadline, JSON protocol errors and lingering close). What the
-libraries do not bound, these modules do, so the API can face a network (docs/agent.md, "HTTP API"):
+Routes on the agent's own small router (``web.py``: no web framework on a device) behind the
+guard (``guards.py``), served by the agent's HTTP/1.1 server on h11 (``server.py``, with the
+connection cap, the head deadline, JSON protocol errors and lingering close). Everything from
+the network is bounded here, so the API can face a network (docs/agent.md, "HTTP API"):
 
 - read timeouts: a request's head must arrive within ``read_timeout_s`` of the connection (or of
   the previous answer), and its body within ``read_timeout_s`` of its head, or the client gets
@@ -46,11 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from device_agent import models
 from device_agent.config import ApiSettings
@@ -69,6 +64,7 @@ from device_agent.http.negotiation import (
 )
 from device_agent.http.prometheus import HttpStats, load_gauges, pipeline_metrics, prometheus_text
 from device_agent.http.results import includes_outputs, npz_headers, prediction_json
+from device_agent.http.web import Request, Response, Route, Router
 from device_agent.prediction import Array, Audio, EncodedImage, Input, PredictRequest, PredictResult, Tensors
 from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.updates.health import CONTRACT_ERROR_KINDS
@@ -104,7 +100,7 @@ class _Exchange:
 
 
 class AgentApp:
-    """The starlette app over one ``InferenceService``: routes, admission, bounded body reads;
+    """The app over one ``InferenceService``: routes, admission, bounded body reads;
     decoding and inference in a bounded thread pool."""
 
     def __init__(self, service: InferenceService, settings: ApiSettings,
@@ -145,26 +141,23 @@ class AgentApp:
             routes += [Route(prefix, self.v2_metadata, methods=["GET"]),
                        Route(prefix + "/ready", self.v2_model_ready, methods=["GET"]),
                        Route(prefix + "/infer", self.v2_infer, methods=["POST"])]
-        self.starlette = Starlette(routes=routes,
-                                   exception_handlers={HTTPException: self._http_error, Exception: self._crash})
-        self.asgi = Guard(self.starlette, self.http_stats, settings.read_timeout_s)
+        self.router = Router(routes, miss=self._miss, crash=self._crash)
+        self.asgi = Guard(self.router, self.http_stats, settings.read_timeout_s)
 
     # ------------------------------------------------------------ errors
 
-    async def _http_error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        v2 = request.url.path.startswith("/v2")
-        if exc.status_code == 405:
-            allowed = (exc.headers or {}).get("Allow", "")
+    def _miss(self, request: Request, allowed: frozenset[str] | None) -> Response:
+        """No route: 404 for the path, 405 naming the methods its route allows."""
+        v2 = request.path.startswith("/v2")
+        if allowed is not None:
+            allow = ", ".join(sorted(allowed))
             return error_response(405, "method_not_allowed", f"{request.method} is not allowed on "
-                                  f"{request.url.path[:200]}; allowed: {allowed}", v2=v2, headers={"Allow": allowed})
-        if exc.status_code == 404:
-            return error_response(404, "not_found", f"no such endpoint {request.url.path[:200]}", v2=v2)
-        return error_response(exc.status_code, "http", str(exc.detail), v2=v2)
+                                  f"{request.path[:200]}; allowed: {allow}", v2=v2, headers={"Allow": allow})
+        return error_response(404, "not_found", f"no such endpoint {request.path[:200]}", v2=v2)
 
-    async def _crash(self, request: Request, exc: Exception) -> Response:
-        log.error("request to %s failed", request.url.path, exc_info=exc)
-        return error_response(500, "internal", f"{type(exc).__name__}: {exc}", v2=request.url.path.startswith("/v2"))
+    def _crash(self, request: Request, exc: Exception) -> Response:
+        log.error("request to %s failed", request.path[:200], exc_info=exc)
+        return error_response(500, "internal", f"{type(exc).__name__}: {exc}", v2=request.path.startswith("/v2"))
 
     def _refuse(self, err: RequestError | NoModelError, *, v2: bool = False, counted: bool = False,
                 metric_kind: str | None = None, peer: str = "", service: InferenceService | None = None) -> Response:
@@ -249,7 +242,7 @@ class AgentApp:
         try:
             service = self._service_for(request.path_params.get("model"))
             model = service.model
-            raw_outputs = outputs_wanted(request.url.query)
+            raw_outputs = outputs_wanted(request.query)
             answer_type = choose_answer_type(request.headers.get("accept"))
             if answer_type is None:
                 raise BadRequest("not_acceptable", f"answers come as {' or '.join(ANSWER_TYPES)}", http_status=406)
@@ -402,10 +395,7 @@ class AgentApp:
         limit = self.settings.max_body_bytes
         chunks, size = [], 0
         while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                raise BadRequest("disconnected", "the client went away before its body arrived")
-            chunk = message.get("body", b"")
+            chunk, more = await request.chunk()
             size += len(chunk)
             if size > limit:
                 raise bodies.too_large("body", size, limit)
@@ -413,7 +403,7 @@ class AgentApp:
                 raise Busy("the agent holds api.max_buffered_bytes of request bodies: retry later")
             held[0] += len(chunk)
             chunks.append(chunk)
-            if not message.get("more_body", False):
+            if not more:
                 return b"".join(chunks)
 
     # ------------------------------------------------------------ Open Inference Protocol (v2)
@@ -510,6 +500,6 @@ def _exchange(request: Request, content_type: str, **fields: Any) -> _Exchange:
 
 def peer_address(request: Request) -> str:
     """The client's IP address ("" when unknown); an IPv4-mapped IPv6 address as plain IPv4."""
-    host = request.client.host if request.client is not None else ""
+    host = request.client
     return host[7:] if host.lower().startswith("::ffff:") and "." in host else host
 

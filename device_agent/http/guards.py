@@ -38,9 +38,8 @@ class Guard:
     a body to be parsed as the next request. When the app answers before it read the whole body,
     a body declared at most ``DRAIN_LIMIT`` is read and dropped first (within ``read_timeout_s``)
     and the connection stays open; any other gets ``Connection: close``, and what of it the server
-    still queues for the app is dropped while the answer goes out: Hypercorn waits for room in
-    that queue to tell the app its request ended, which a queue full of unread chunks never gives
-    (the connection would hang)."""
+    still queues for the app is dropped while the answer goes out (``server.py`` drops what
+    arrives once the app is done, so a queue full of unread chunks never hangs the connection)."""
 
     def __init__(self, app: Any, stats: HttpStats, read_timeout_s: float) -> None:
         self.app = app

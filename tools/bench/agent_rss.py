@@ -52,6 +52,10 @@ from tools.bench.agent_rss_session import session_options_side_by_side  # noqa: 
 from tools.demos import build_all  # noqa: E402
 
 KIB_PER_MIB = 1024
+PRIVATE: list[Path] = []  # --private-libs: a folder of copied packages, first on every agent's path
+PRIVATE_PACKAGES = ("onnxruntime", "numpy", "numpy.libs", "cryptography", "nacl", "PIL", "pillow.libs")
+YAML = "<agent.yaml>"  # in an agent's env: lines added to its agent.yaml, not a variable
+KEEP_PAGES = "memory: {release_startup_pages: false}\n"
 # Dumps sys.modules to $EDGEPACK_RSS_MODULES on SIGUSR1; imports nothing the agent does not.
 HOOK = """import os, signal, sys
 def _dump(*_):
@@ -95,7 +99,8 @@ COMPONENTS: list[tuple[str, Callable[[str], bool]]] = [
     ("paho-mqtt", lambda m: m.split(".")[0] == "paho"),
     ("the rest of the standard library", lambda m: m.split(".")[0] not in ("device_agent", "edgepack_core")),
     ("the agent's own modules", lambda m: True),
-    ("the session (digits)", lambda m: False),  # last: the agent's session options, its modules loaded
+    ("the session (digits)", lambda m: False),  # the agent's session options, its modules loaded
+    (RELEASED := "given back once it serves (device_agent/memory.py)", lambda m: False),
 ]
 SKIP = ("__main__", "sitecustomize", "_frozen_importlib", "_frozen_importlib_external")
 # The child of the attribution: imports step by step, prints VmRSS (kB) after each step.
@@ -110,6 +115,13 @@ for names in steps:
         import onnxruntime
         from device_agent.providers import session_options
         session = onnxruntime.InferenceSession(model, session_options(0), providers=["CPUExecutionProvider"])
+    elif names == ["<release>"]:  # what the agent gives back once it serves (none before device_agent/memory.py)
+        try:
+            from device_agent.memory import release_startup_pages
+        except ImportError:
+            pass
+        else:
+            release_startup_pages()
     else:
         for name in names:
             try:
@@ -130,13 +142,14 @@ def package(folder: Path) -> tuple[Path, Path]:
     return build(load_recipe(recipe), key_paths=[str(key)], output=folder / "digits.edgepkg").output, pub
 
 
-def agent_yaml(folder: Path, artifact: Path, pub: Path, port: int, broker: int | None) -> Path:
+def agent_yaml(folder: Path, artifact: Path, pub: Path, port: int, broker: int | None, extra: str = "") -> Path:
     lines = [
         f"device_id: demo-01\nstore: {folder / 'store'}\ntrust: [{pub}]\nprofile: x86\n",
         f'artifact: {artifact}\napi: {{listen: "127.0.0.1:{port}"}}\n',
     ]
     if broker is not None:
         lines.append(f"mqtt: {{host: 127.0.0.1, port: {broker}}}\n")
+    lines.append(extra)
     path = folder / "agent.yaml"
     path.write_text("".join(lines))
     return path
@@ -149,7 +162,7 @@ def read_kib(pid: int) -> dict[str, int]:
         if line.startswith(name + ":"):
             fields[name] = int(line.split()[1])
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith(("Pss:", "Anonymous:")):
+        if line.startswith(("Pss:", "Anonymous:", "Shared_Clean:")):
             fields[line.split(":")[0]] = int(line.split()[1])
     return fields
 
@@ -193,7 +206,7 @@ def running_agent(code: Path, folder: Path, config: Path, env: dict[str, str]) -
     environ = {
         **os.environ,
         **env,
-        "PYTHONPATH": f"{code}{os.pathsep}{hook}",
+        "PYTHONPATH": os.pathsep.join(str(p) for p in (code, hook, *PRIVATE)),
         "EDGEPACK_RSS_MODULES": str(folder / "modules.txt"),
     }
     script = Path(sys.executable).with_name("edgepack-agent")
@@ -223,12 +236,15 @@ def loaded_modules(proc: subprocess.Popen[bytes], path: Path) -> list[str]:
     return path.read_text().split()
 
 
-def predict(port: int, png: bytes) -> None:
+def predict(port: int, png: bytes) -> float:
+    """One PNG prediction; its round trip in ms."""
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/predict", data=png, headers={"Content-Type": "image/png"}
     )
+    began = time.perf_counter()
     with urllib.request.urlopen(request, timeout=30) as answer:
         answer.read()
+    return (time.perf_counter() - began) * 1000
 
 
 def samples(pid: int, count: int, interval: float) -> dict[str, float]:
@@ -246,14 +262,14 @@ def measure(
     """One agent from start to stop: idle after start, idle after requests, modules, mappings."""
     folder.mkdir(parents=True)
     port = free_port()
-    config = agent_yaml(folder, inputs["artifact"], inputs["pub"], port, inputs.get("broker"))
+    env = dict(env)
+    config = agent_yaml(folder, inputs["artifact"], inputs["pub"], port, inputs.get("broker"), env.pop(YAML, ""))
     with running_agent(code, folder, config, env) as proc:
         wait_ready(proc, port)
         time.sleep(args.settle)  # idling: nothing is asked of it
         started = samples(proc.pid, args.samples, args.interval)
         modules = loaded_modules(proc, folder / "modules.txt")
-        for _ in range(args.requests):
-            predict(port, inputs["png"])
+        latencies = [predict(port, inputs["png"]) for _ in range(args.requests)]
         time.sleep(args.settle)
         served = samples(proc.pid, args.samples, args.interval)
         mappings = by_mapping(proc.pid)
@@ -266,17 +282,24 @@ def measure(
         "threads": threads,
         "modules": modules,
         "loaded_by_requests": later,
+        "latency_ms": {
+            "first": round(latencies[0], 2),
+            "median_of_the_rest": round(statistics.median(latencies[1:]), 2),
+        },
     }
 
 
-def attribute(code: Path, modules: list[str], model: Path, runs: int) -> dict[str, float]:
+def attribute(code: Path, modules: list[str], model: Path, runs: int, release: bool = True) -> dict[str, float]:
     """What each component adds, in COMPONENTS' order, medians over ``runs`` fresh interpreters."""
     left = [name for name in modules if name not in SKIP]
     steps: list[list[str] | None] = []
     for label, takes in COMPONENTS:
+        if label == RELEASED:
+            steps.append(["<release>"] if release else [])
+            continue
         steps.append(None if label.startswith("the session") else [m for m in left if takes(m)])
         left = [m for m in left if not takes(m)]
-    env = {**os.environ, "PYTHONPATH": str(code)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (code, *PRIVATE))}
     series = []
     for _ in range(runs):
         done = subprocess.run(
@@ -295,6 +318,21 @@ def attribute(code: Path, modules: list[str], model: Path, runs: int) -> dict[st
     return {label: round(value, 1) for label, value in parts}
 
 
+def private_copy(folder: Path) -> Path:
+    """A copy of the packages with large native libraries (new inodes: their pages are this copy's alone)."""
+    import shutil
+
+    import numpy
+
+    site = Path(numpy.__file__).parents[1]
+    for name in PRIVATE_PACKAGES:
+        if (site / name).is_dir():
+            shutil.copytree(site / name, folder / name, symlinks=True)
+    for library in site.glob("_cffi_backend*.so"):  # PyNaCl's binding
+        shutil.copy2(library, folder / library.name)
+    return folder
+
+
 def code_at(rev: str, folder: Path) -> Path:
     """The device packages as of ``rev`` (git archive), to run beside this checkout's."""
     folder.mkdir(parents=True)
@@ -309,15 +347,18 @@ def median_of(runs: list[dict[str, object]], key: str) -> dict[str, float]:
     return {field: round(statistics.median(r[key][field] for r in runs), 1) for field in runs[0][key]}
 
 
-def summary(runs: list[dict[str, object]], code: Path, model: Path, attribution_runs: int) -> dict[str, object]:
+def summary(
+    runs: list[dict[str, object]], code: Path, model: Path, attribution_runs: int, release: bool = True
+) -> dict[str, object]:
     """One agent's figures: medians over rounds, its last round's mappings and modules, per component."""
     last = runs[-1]
     idle = median_of(runs, "idle")
-    components = attribute(code, last["modules"], model, attribution_runs)
+    components = attribute(code, last["modules"], model, attribution_runs, release)
     components["the agent's state"] = round(idle["VmRSS_mib"] - sum(components.values()), 1)
     return {
         "idle": idle,
         "idle_after_requests": median_of(runs, "after_requests"),
+        "latency_ms": median_of(runs, "latency_ms"),
         "threads": last["threads"],
         "mappings_mib": last["mappings"],
         "components_mib": components,
@@ -338,6 +379,15 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[], help="also measure this agent with NAME=VALUE set")
     parser.add_argument("--attribution-runs", type=int, default=3)
     parser.add_argument(
+        "--private-libs",
+        action="store_true",
+        help="run the agents on their own copy of onnxruntime and numpy, so no other process on this machine "
+        "maps the same pages (as on a device that runs only the agent)",
+    )
+    parser.add_argument(
+        "--keep-pages", action="store_true", help="also measure this agent with memory.release_startup_pages: false"
+    )
+    parser.add_argument(
         "--session-options",
         action="store_true",
         help="also compare onnxruntime's memory arena and memory pattern on the model, side by side",
@@ -346,11 +396,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="agent-rss-") as tmp:
         folder = Path(tmp)
         artifact, pub = package(folder)
+        if args.private_libs:
+            PRIVATE.append(private_copy(folder / "private"))
         png = next(iter(sorted((folder / "demo" / "digits" / "val").glob("*.png")))).read_bytes()
         agents: dict[str, tuple[Path, dict[str, str]]] = {"this checkout": (ROOT, {})}
         if args.before:
             before = Path(args.before) if Path(args.before).is_dir() else code_at(args.before, folder / "before")
             agents[f"before ({args.before})"] = (before, {})
+        if args.keep_pages:
+            agents["this checkout, memory.release_startup_pages: false"] = (ROOT, {YAML: KEEP_PAGES})
         for assignment in args.env:
             name, _, value = assignment.partition("=")
             agents[f"this checkout, {assignment}"] = (ROOT, {name: value})
@@ -364,7 +418,8 @@ def main() -> None:
                     print(name, json.dumps(runs[name][-1]["idle"]), file=sys.stderr, flush=True)
             model = next((folder / "r0-0" / "store" / "models").glob("*/model/model.onnx"))
             report = {
-                name: summary(runs[name], code, model, args.attribution_runs) for name, (code, _) in agents.items()
+                name: summary(runs[name], code, model, args.attribution_runs, env.get(YAML) != KEEP_PAGES)
+                for name, (code, env) in agents.items()
             }
             sessions = session_options_side_by_side(model, args.rounds) if args.session_options else None
         finally:

@@ -1,0 +1,184 @@
+"""Giving back start-up pages (device_agent/memory.py): which mappings are chosen (pure), that a
+session answers the same once its library's pages are out, that a kernel without the advice is
+reported and nothing is done, and that the daemon does it after start and after an activation
+unless ``memory.release_startup_pages`` is off. How much RSS it gives back is measured by
+tools/bench/agent_rss.py (BENCHMARKS.md), never asserted here: on a shared machine the kernel
+leaves alone the pages other processes map too."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from device_agent import memory
+from device_agent.config import check_config
+from device_agent.daemon import Daemon
+from device_agent.memory import MemorySettings, Region, parse_maps, releasable, rss_kib
+from tests.artifacts import build_artifact, scale_model
+from tests.broker import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+MAPS = """\
+55d0c0a00000-55d0c0a01000 r--p 00000000 08:01 131 /usr/bin/python3.11
+7f0000000000-7f0000100000 r-xp 00010000 08:01 200 /venv/ort/capi/onnxruntime_pybind11_state.cpython-311.so
+7f0000100000-7f0000110000 r--p 00110000 08:01 200 /venv/ort/capi/onnxruntime_pybind11_state.cpython-311.so
+7f0000110000-7f0000112000 rw-p 00120000 08:01 200 /venv/ort/capi/onnxruntime_pybind11_state.cpython-311.so
+7f0000200000-7f0000300000 r-xp 00028000 08:01 300 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f0000300000-7f0000301000 r--p 00000000 08:01 301 /store/models/digits/model/model.onnx
+7f0000400000-7f0000500000 rw-p 00000000 00:00 0
+7f0000500000-7f0000501000 r-xp 00000000 08:01 302 /tmp/libgone.so (deleted)
+7f0000600000-7f0000601000 r--s 00000000 08:01 303 /venv/lib/_rust.abi3.so
+55d0c1000000-55d0c1100000 rw-p 00000000 00:00 0                          [heap]
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0                          [stack]
+7ffd00100000-7ffd00102000 r-xp 00000000 00:00 0                          [vdso]
+not a mapping line
+"""
+ONNXRUNTIME = "/venv/ort/capi/onnxruntime_pybind11_state.cpython-311.so"
+# A fresh interpreter: one session's answer, the pages given back, the same input again.
+AFTER_RELEASE = """
+import json, sys
+import numpy as np, onnxruntime as ort
+from device_agent.memory import parse_maps, release_startup_pages, MAPS
+session = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+x = np.arange(12, dtype=np.float32).reshape(3, 4)
+before = session.run(None, {"x": x})[0]
+regions = {(r.start, r.end, r.perms, r.path) for r in parse_maps(MAPS.read_text())}
+released = release_startup_pages()
+after = session.run(None, {"x": x})[0]
+kept = regions <= {(r.start, r.end, r.perms, r.path) for r in parse_maps(MAPS.read_text())}
+print(json.dumps({"same": before.tobytes() == after.tobytes(), "expected": after.tolist(), "regions": released.regions,
+                  "unsupported": released.unsupported, "kept": kept, "rss": released.rss_after_kib}))
+"""
+
+
+def test_only_shared_objects_code_and_read_only_data_are_chosen():
+    chosen = releasable(parse_maps(MAPS))
+    assert [(region.perms, region.path.rsplit("/", 1)[-1]) for region in chosen] == [
+        ("r-xp", ONNXRUNTIME.rsplit("/", 1)[-1]),
+        ("r--p", ONNXRUNTIME.rsplit("/", 1)[-1]),
+        ("r-xp", "libc.so.6"),
+        ("r--s", "_rust.abi3.so"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "7f0000110000-7f0000112000 rw-p 00120000 08:01 200 /venv/lib/x.so",  # written by start-up: state
+        "7f0000400000-7f0000500000 rw-p 00000000 00:00 0",  # anonymous
+        "7f0000300000-7f0000301000 r--p 00000000 08:01 301 /store/model.onnx",  # not a shared object
+        "7f0000500000-7f0000501000 r-xp 00000000 08:01 302 /tmp/libgone.so (deleted)",
+        "7ffd00100000-7ffd00102000 r-xp 00000000 00:00 0                          [vdso]",
+        "55d0c0a00000-55d0c0a01000 r--p 00000000 08:01 131 /usr/bin/python3.11",  # the executable
+        "7f0000000000-7f0000000000 r-xp 00000000 08:01 200 /venv/lib/x.so",  # empty
+    ],
+)
+def test_what_is_not_a_read_only_region_of_a_shared_object_is_never_chosen(line):
+    assert releasable(parse_maps(line)) == ()
+
+
+def test_a_maps_line_parses_into_its_range_permissions_and_path():
+    region = parse_maps(MAPS.splitlines()[1])[0]
+    assert region == Region(0x7F0000000000, 0x7F0000100000, "r-xp", ONNXRUNTIME) and region.size == 0x100000
+    assert parse_maps("zz-yy r--p 0 0 0 /x.so\nnot a mapping line\n") == ()
+
+
+def test_the_resident_size_is_read_from_the_status_text():
+    assert rss_kib("Name:\tpython\nVmHWM:\t 9000 kB\nVmRSS:\t   88312 kB\n") == 88312
+    assert rss_kib("Name:\tkthreadd\n") == 0
+
+
+def test_a_session_answers_the_same_after_its_library_pages_are_given_back(tmp_path):
+    model = scale_model(tmp_path / "scale.onnx", factor=3.0)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", AFTER_RELEASE, str(model)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = json.loads(done.stdout.splitlines()[-1])
+    assert answer["unsupported"] == "" and answer["regions"] > 0 and answer["rss"] > 0
+    assert answer["same"] and answer["kept"]  # the advice unmaps nothing and changes no answer
+    assert answer["expected"][1] == [12.0, 15.0, 18.0, 21.0]
+
+
+def _fake_madvise(results: list[int]):
+    """madvise as libc's behaves: 0, or -1 with errno set (ctypes' copy, as use_errno=True keeps it)."""
+    calls: list[tuple[int, int, int]] = []
+
+    def advise(start: int, length: int, advice: int) -> int:
+        calls.append((start, length, advice))
+        code = results[min(len(calls) - 1, len(results) - 1)]
+        if code:
+            ctypes.set_errno(code)
+            return -1
+        return 0
+
+    return advise, calls
+
+
+def test_a_kernel_without_the_advice_is_reported_and_nothing_is_counted(monkeypatch):
+    advise, calls = _fake_madvise([errno.EINVAL])
+    monkeypatch.setattr(memory, "_madvise", lambda: advise)
+    released = memory.release_startup_pages()
+    assert released.regions == 0 and "MADV_PAGEOUT" in released.unsupported and "5.4" in released.unsupported
+    assert calls and all(advice == memory.MADV_PAGEOUT for _, _, advice in calls)
+
+
+def test_a_region_unmapped_meanwhile_does_not_stop_the_others(monkeypatch):
+    advise, calls = _fake_madvise([errno.ENOMEM, 0])
+    monkeypatch.setattr(memory, "_madvise", lambda: advise)
+    released = memory.release_startup_pages()
+    assert released.unsupported == "" and released.regions == len(calls) - 1 > 0
+
+
+def _daemon(tmp_path: Path, public: Path, artifact: Path, memory_section: dict[str, bool] | None) -> Daemon:
+    document = {
+        "device_id": "mem-01",
+        "store": str(tmp_path / "store"),
+        "trust": [str(public)],
+        "artifact": str(artifact),
+        "api": {"listen": f"127.0.0.1:{free_port()}"},
+    }
+    if memory_section is not None:
+        document["memory"] = memory_section
+    return Daemon(check_config(document, tmp_path / "agent.yaml"))
+
+
+def test_the_agent_gives_pages_back_after_start_and_after_an_activation(tmp_path, keypair, monkeypatch):
+    artifact = build_artifact(tmp_path / "a", keypair[0])
+    whens: list[str] = []
+    real = memory.release_if_enabled
+    monkeypatch.setattr(
+        "device_agent.daemon.release_if_enabled", lambda settings, when: whens.append(when) or real(settings, when)
+    )
+    daemon = _daemon(tmp_path, keypair[1], artifact, None).start()
+    try:
+        assert whens == ["after start"]  # the install during start is not released twice
+        assert daemon.released is not None and daemon.released.regions > 0
+        daemon.install_artifact(build_artifact(tmp_path / "b", keypair[0], version="1.0.1", factor=3.0))
+        assert whens == ["after start", "after activating scale"]
+    finally:
+        daemon.stop()
+
+
+def test_memory_release_startup_pages_false_keeps_every_page(tmp_path, keypair, monkeypatch):
+    monkeypatch.setattr(memory, "release_startup_pages", lambda: pytest.fail("pages were given back"))
+    daemon = _daemon(
+        tmp_path, keypair[1], build_artifact(tmp_path / "a", keypair[0]), {"release_startup_pages": False}
+    ).start()
+    try:
+        assert daemon.config.memory == MemorySettings(release_startup_pages=False) and daemon.released is None
+    finally:
+        daemon.stop()
