@@ -93,6 +93,13 @@ def test_a_pipelined_request_waits_until_the_answer_is_out():
     assert isinstance(event, Head) and event.target == b"/b"
 
 
+def test_http_date_is_rfc_9110_imf_fixdate():
+    from email.utils import formatdate
+
+    for second in (0, 951_782_400, 1_764_403_199):  # the epoch, 29 Feb 2000, a Saturday night
+        assert protocol.http_date(second) == formatdate(second, usegmt=True)
+
+
 def test_the_head_waits_for_the_body_and_leaves_with_it_in_one_write():
     session = Session()
     serve_one(session, head())

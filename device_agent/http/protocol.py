@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from email.utils import formatdate
 from http import HTTPStatus
 
 import h11
@@ -89,13 +88,21 @@ def error_bytes(status: int, kind: str, message: str) -> bytes:
 
 
 _date = [0, ""]
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 
-def http_date() -> str:
-    """Now as an HTTP date, formatted once a second."""
-    now = int(time.time())
-    if _date[0] != now:
-        _date[:] = [now, formatdate(now, usegmt=True)]
+def http_date(now: float | None = None) -> str:
+    """``now`` (default: the current second) as an HTTP date (RFC 9110 IMF-fixdate), made once a
+    second; without ``email.utils``, which an idle agent has no other use for."""
+    second = int(time.time() if now is None else now)
+    if _date[0] != second or not _date[1]:
+        t = time.gmtime(second)
+        _date[:] = [
+            second,
+            f"{_DAYS[t.tm_wday]}, {t.tm_mday:02d} {_MONTHS[t.tm_mon - 1]} {t.tm_year} "
+            f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d} GMT",
+        ]
     return str(_date[1])
 
 

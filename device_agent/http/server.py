@@ -150,6 +150,8 @@ class AgentConnection:
         self._linger: asyncio.TimerHandle | None = None
         self._queue: BodyQueue | None = None  # the request being served's body
         self._task: asyncio.Task[None] | None = None  # the app serving it
+        self._peer = _address(writer.get_extra_info("peername"))  # (host, port) of the client
+        self._local = _address(writer.get_extra_info("sockname"))
         self._cycle = asyncio.Event()  # set when no answer is in progress
         self._cycle.set()
 
@@ -247,7 +249,6 @@ class AgentConnection:
         self._stop_waiting()
         self._cycle.clear()
         path, _, query = head.target.partition(b"?")
-        sock = self.writer.get_extra_info("socket")
         scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.1"},
@@ -259,8 +260,8 @@ class AgentConnection:
             "query_string": query,
             "root_path": "",
             "headers": head.headers,
-            "client": _address(self.writer.get_extra_info("peername")),
-            "server": _address(sock.getsockname() if sock is not None else None),
+            "client": self._peer,
+            "server": self._local,
         }
         self._queue = BodyQueue(APP_QUEUE_CHUNKS)
         self._task = self.loop.create_task(self._serve(scope, self._queue))

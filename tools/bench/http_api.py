@@ -1,6 +1,7 @@
-"""HTTP round trip and throughput of the agent's API: today's server (Hypercorn + starlette)
-against the uvicorn + starlette one it replaced and the hand-written ``http.server`` one before
-that, side by side in one run.
+"""HTTP round trip and throughput of the agent's API: today's server (its own, on h11)
+against the uvicorn + starlette one and the hand-written ``http.server`` one before that, and,
+with ``--before REV``, against today's API as of a git revision (``before``: e.g. the Hypercorn
++ starlette one, the revision before it was replaced), side by side in one run.
 
 Each server runs in its own child process over the same model (the tiny model, so the figure is
 the server's own cost; ``--model mobilenet`` for the MobileNet-style demo) and answers
@@ -24,7 +25,7 @@ figure is the Python function calls that thread makes per request, a count the m
 does not disturb.
 
     python tools/bench/http_api.py [--rounds 5] [--requests 400] [--clients 32] [--model tiny|mobilenet]
-                                   [--workers N] [--servers old,uvicorn,new] [--old-rev cf5af44]
+                                   [--workers N] [--servers old,uvicorn,new] [--old-rev cf5af44] [--before REV]
                                    [--uvicorn-rev d4b251e] [--calls] [--hypercorn-reads]
                                    [--server-cpus 2,3 --client-cpus 0,1]
 """
@@ -55,7 +56,7 @@ from tools.demos import build_all  # noqa: E402
 
 OLD_REV = "cf5af44"  # the last commit with the http.server API
 UVICORN_REV = "d4b251e"  # the last commit with the uvicorn API
-SERVERS = ("old", "uvicorn", "new")
+SERVERS = ("old", "uvicorn", "before", "new")
 # The child: load the model, serve it with the old, the uvicorn or today's server, print the
 # port, wait; with calls=1, its event-loop thread runs under cProfile and the child prints the
 # calls that thread made when it stops. argv: root, which, artifact, public key, folder, module
@@ -202,10 +203,26 @@ def earlier_modules(folder: Path, old_rev: str, uvicorn_rev: str) -> dict[str, P
 SERVER_CPUS: set[int] | None = None  # --server-cpus: the cores the server processes run on
 
 
+BEFORE_ROOT: Path | None = None  # --before: device_agent and edgepack_core as of that revision
+
+
+def code_at(rev: str, folder: Path) -> Path:
+    """The device packages as of ``rev`` (git archive), served as ``before`` beside today's."""
+    folder.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "device_agent", "edgepack_core"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
 def serve(which: str, artifact: Path, pub: Path, folder: Path, module: Path, workers: int | None = None,
           calls: bool = False, hypercorn_reads: bool = False) -> tuple[subprocess.Popen, int]:
     pin = (lambda: os.sched_setaffinity(0, SERVER_CPUS)) if SERVER_CPUS else None
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(ROOT), which, str(artifact), str(pub), str(folder),
+    root = ROOT
+    if which == "before":  # today's child on the packages of --before (its sdk and tools are today's)
+        assert BEFORE_ROOT is not None
+        root, which = BEFORE_ROOT, "new"
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(root), which, str(artifact), str(pub), str(folder),
                              str(module), str(workers or 0), "1" if calls else "0", "1" if hypercorn_reads else "0"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=pin)
     return proc, int(proc.stdout.readline())
@@ -247,6 +264,18 @@ def calls_per_request(which: str, artifact: Path, pub: Path, folder: Path, modul
     return figures
 
 
+def chosen_servers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The servers each round runs, in order (``before`` just ahead of ``new`` with --before)."""
+    servers = args.servers.split(",")
+    if args.before and "before" not in servers:
+        servers.insert(len(servers) - 1 if servers[-1] == "new" else len(servers), "before")
+    if not servers or set(servers) - set(SERVERS) or (args.calls and "old" in servers) or \
+            ("before" in servers and not args.before):
+        parser.error(f"--servers takes a comma-separated list of {', '.join(SERVERS)} (not old with --calls; "
+                     "before with --before REV)")
+    return servers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -262,13 +291,12 @@ def main() -> None:
     parser.add_argument("--server-cpus", help="comma-separated cores for the servers (a 2-core device on a larger "
                         "machine); with --client-cpus for the clients, so neither takes the other's")
     parser.add_argument("--client-cpus", help="comma-separated cores for this process, the clients")
+    parser.add_argument("--before", help="also serve today's API as of this git revision (server 'before')")
     parser.add_argument("--hypercorn-reads", action="store_true", help="the new server with Hypercorn's own read "
                         "size and queue (64 KiB reads, 10 chunks) instead of its 256 KiB and 3")
     args = parser.parse_args()
-    servers = args.servers.split(",")
-    if not servers or set(servers) - set(SERVERS) or (args.calls and "old" in servers):
-        parser.error(f"--servers takes a comma-separated list of {', '.join(SERVERS)} (not old with --calls)")
-    global SERVER_CPUS
+    servers = chosen_servers(parser, args)
+    global SERVER_CPUS, BEFORE_ROOT
     SERVER_CPUS = {int(cpu) for cpu in args.server_cpus.split(",")} if args.server_cpus else None
     if args.client_cpus:
         os.sched_setaffinity(0, {int(cpu) for cpu in args.client_cpus.split(",")})
@@ -279,6 +307,9 @@ def main() -> None:
         build_all(folder / "demo", only=[args.model])
         artifact = package(folder, args.model, key)
         modules = earlier_modules(folder, args.old_rev, args.uvicorn_rev)
+        if args.before:
+            BEFORE_ROOT = code_at(args.before, folder / "before-code")
+            modules["before"] = BEFORE_ROOT / "device_agent" / "http" / "app.py"
         if args.model == "tiny":
             requests = requests_for("x", [1, 4])
         else:  # 32 JSON bodies of 3.2 MB are over the default api.max_buffered_bytes (64 MiB): 503 busy
@@ -300,11 +331,12 @@ def main() -> None:
         keys = list(results[servers[0]][0])
         summary = {which: {k: round(statistics.median(r[k] for r in rounds), 3) for k in keys}
                    for which, rounds in results.items()}
-        for base in ("old", "uvicorn"):
+        for base in ("old", "uvicorn", "before"):
             if "new" in summary and base in summary:
                 summary[f"new/{base}"] = {k: round(summary["new"][k] / summary[base][k], 3) for k in keys}
         print(json.dumps({"model": args.model, "clients": args.clients, "requests": args.requests,
                           "rounds": args.rounds, "old_rev": args.old_rev, "uvicorn_rev": args.uvicorn_rev,
+                          "before_rev": args.before,
                           "workers": args.workers, "hypercorn_reads": args.hypercorn_reads,
                           "server_cpus": args.server_cpus, "client_cpus": args.client_cpus, **summary}, indent=2))
 
