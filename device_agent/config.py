@@ -15,24 +15,26 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from device_agent.errors import ConfigError
 from device_agent.logring import LOGS_CONFIG_SCHEMA, LogSettings
 from device_agent.memory import MEMORY_CONFIG_SCHEMA, MemorySettings
 from device_agent.password_file import MAX_PASSWORD_FILE_BYTES, read_password_file  # noqa: F401  (re-exported)
-from device_agent.pipelines.spec import PipelineSpec, parse_pipelines
 from device_agent.streams import DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S
 from device_agent.telemetry import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
 from device_agent.updates.disk import DEFAULT_MIN_FREE_BYTES
 from device_agent.updates.health import HealthPolicy
 from edgepack_core.artifact import Limits
 from edgepack_core.errors import InvalidNameError
-from edgepack_core.mqtt_settings import TlsSettings
 from edgepack_core.protocol.topics import DEFAULT_ROOT, validate_root
 from edgepack_core.schema import validate
 from edgepack_core.targets import PROFILES
 from edgepack_core.yamlfile import read_yaml_file
+
+if TYPE_CHECKING:  # parsed only when agent.yaml has the section (an idle agent without one never loads them)
+    from device_agent.pipelines.spec import PipelineSpec
+    from edgepack_core.mqtt_settings import TlsSettings
 
 MAX_CONFIG_BYTES = 256 * 1024
 MAX_MODELS = 16
@@ -457,6 +459,8 @@ def _broker(mqtt: Mapping[str, Any], base: Path, name: str) -> BrokerSettings:
         values["password_file"] = _resolve(base, mqtt["password_file"])
         values["password"] = read_password_file(values["password_file"], name)
     if "tls" in mqtt:
+        from edgepack_core.mqtt_settings import TlsSettings
+
         values["tls"] = _section(
             TlsSettings,
             {
@@ -555,6 +559,8 @@ def check_config(document: Any, path: Path | None) -> AgentConfig:
         ca = _resolve(base, given["ca"]) if "ca" in given else None
         values["enrollment"] = EnrollmentSettings(given["server"], ca)
     if "pipelines" in document:
+        from device_agent.pipelines.spec import parse_pipelines
+
         values["pipelines"] = parse_pipelines(document["pipelines"], where=f"{name}: pipelines")
     return AgentConfig(
         path=path,

@@ -11,15 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from device_agent.config import AgentConfig, HealthWindow
 from device_agent.errors import ConfigError
 from edgepack_core.artifact import Limits
 from edgepack_core.errors import SchemaError
 from edgepack_core.fsutil import atomic_write
-from edgepack_core.pipeline_spec import parse_pipelines
-from edgepack_core.settings_doc import SettingsDocument, check_value, model_limits, parse_document, parse_keys
+
+if TYPE_CHECKING:  # imported when a document is held or arrives: most devices never get one
+    from edgepack_core.settings_doc import SettingsDocument
 
 SETTINGS_FILE = "settings.json"
 MAX_FILE_BYTES = 256 * 1024
@@ -71,6 +72,8 @@ def load_held(store: Path) -> Held:
         raise ConfigError(str(path), f"cannot read the held settings: {err.strerror}") from err
     if len(data) > MAX_FILE_BYTES:
         raise ConfigError(str(path), f"held settings over {MAX_FILE_BYTES} bytes")
+    from edgepack_core.settings_doc import check_value, parse_document
+
     try:
         doc = json.loads(data)
         document = parse_document(doc["generation"], doc["settings"])
@@ -113,7 +116,11 @@ def held_keys(held: Held, key: str) -> tuple[Any, ...]:
     """The public keys of ``trust`` or ``operator_keys`` the device holds from the server (()
     when it holds none of that kind: agent.yaml's then)."""
     applied = held.applied()
-    return parse_keys(key, applied[key]) if key in applied else ()
+    if key not in applied:
+        return ()
+    from edgepack_core.settings_doc import parse_keys
+
+    return parse_keys(key, applied[key])
 
 
 def _refusal(key: str, value: Any, config: AgentConfig) -> str:
@@ -146,6 +153,8 @@ def overlay(config: AgentConfig, values: dict[str, Any]) -> AgentConfig:
         elif key == "log_level":
             top[key] = value
         elif key == "pipelines":
+            from edgepack_core.pipeline_spec import parse_pipelines
+
             top[key] = parse_pipelines(value)
     if changes["updates"].get("health_window_s") is not None:
         window = config.updates.health_window_s
@@ -163,6 +172,10 @@ def overlay(config: AgentConfig, values: dict[str, Any]) -> AgentConfig:
 def limits_for(config: AgentConfig, values: dict[str, Any], model: str | None) -> Limits:
     """The artifact limits of ``model``'s store: ``limits.*`` (agent.yaml, or the document over
     it, already in ``config``) with the document's ``models.NAME.limits.*`` over them. Pure."""
+    if not values:  # no document held: agent.yaml's limits (settings_doc is not loaded for nothing)
+        return config.limits.reader_limits()
+    from edgepack_core.settings_doc import model_limits
+
     own = model_limits(values).get(model or "", {})
     return dataclasses.replace(config.limits, **own).reader_limits()
 

@@ -36,7 +36,6 @@ Growth is bounded before allocation: at most ``MAX_SAMPLES`` samples after resam
 from __future__ import annotations
 
 import struct
-import wave
 from dataclasses import dataclass
 from io import BytesIO
 
@@ -151,6 +150,8 @@ def _samples(fmt: WavFormat, raw: bytes) -> np.ndarray:
 
 def _read_with_wave(data: bytes, fmt: WavFormat) -> bytes:
     """PCM 16/32: the standard library's reader, after our header checks bounded everything."""
+    import wave  # imported when a WAV file is decoded: an agent serving images never does
+
     try:
         with wave.open(BytesIO(data), "rb") as reader:
             if (reader.getnchannels(), reader.getframerate(), reader.getsampwidth() * 8) != \

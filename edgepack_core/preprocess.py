@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgepack_core import audio, jpeg_scans, resample
+from edgepack_core import jpeg_scans, resample
 from edgepack_core.errors import PreprocessError
 from edgepack_core.geometry import (
     REDUCING_GAP,
@@ -116,7 +116,11 @@ class Preprocessor:
         self.reference = reference
         self.kind: str = self.spec.kind
         self.input_name: str | None = self.spec.input
-        self.max_audio_bytes = audio.DEFAULT_MAX_BYTES
+        self.max_audio_bytes = 0  # no audio taken; an audio model's below (the WAV decoder loads for those only)
+        if self.kind == "audio":
+            from edgepack_core.audio import DEFAULT_MAX_BYTES
+
+            self.max_audio_bytes = DEFAULT_MAX_BYTES
         if self.kind == "image":
             channels = self.spec.channels
             self._mean = np.asarray(self.spec.mean, dtype=np.float32).reshape(1, 1, channels)
@@ -154,6 +158,8 @@ class Preprocessor:
         if self.kind != "audio":
             raise PreprocessError(f"this model takes {self.kind} input (preprocess kind: {self.kind}), not audio")
         spec = self.spec
+        from edgepack_core import audio
+
         samples, rate = audio.decode_wav(data, max_bytes=self.max_audio_bytes)
         audio.check_rate(rate, spec.sample_rate, resample=spec.resample)
         mono = audio.resample(audio.to_mono(samples), rate, spec.sample_rate)

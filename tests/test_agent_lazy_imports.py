@@ -109,9 +109,70 @@ def test_an_idle_agent_without_mqtt_has_not_imported_cryptography(without_mqtt):
 
 
 def test_an_idle_agent_with_mqtt_has_not_imported_cryptography(tmp_path, artifact, keypair, mosquitto_broker):
-    """With ``mqtt:``, the command and settings-document checks are loaded too, still without
-    cryptography: only enroll and a certificate renewal import it, when they run."""
+    """With ``mqtt:``, still without cryptography: only enroll and a certificate renewal import
+    it, when they run (the command and settings-document checks load with the first command,
+    and without it too: the test after the next)."""
     modules = loaded_by_an_idle_agent(tmp_path, artifact, keypair[1], mosquitto_broker.port)
-    assert {"paho.mqtt.client", "device_agent.updates.service", "edgepack_core.command_auth"} <= modules
-    assert "edgepack_core.settings_doc" in modules
+    assert {"paho.mqtt.client", "device_agent.updates.service"} <= modules
+    assert matching(modules, ("cryptography",)) == []
+
+
+# What an idle agent needs only when a rare event comes (issue 25 item 10): a pipeline document or
+# a golden stream's replay, a settings document, an audio model's WAV decoder, the parsers of the
+# state messages and the MQTT settings (an agent without mqtt: never sends one), a download.
+ONLY_FOR_RARE_EVENTS = (
+    "device_agent.pipelines",
+    "edgepack_core.pipeline_spec",
+    "edgepack_core.settings_doc",
+    "device_agent.updates.settings_apply",
+    "edgepack_core.audio",
+    "wave",
+    "edgepack_core.protocol.messages",
+    "edgepack_core.mqtt_settings",
+    "urllib.request",
+)
+# With mqtt: the update service is up, but what a command brings loads with the command: a
+# deploy's download (http.client and urllib's opener), MQTT transfer and golden probes, the
+# authorization of a signed command, settings documents, certificate renewal.
+ONLY_FOR_COMMANDS = (
+    "device_agent.pipelines",
+    "edgepack_core.pipeline_spec",
+    "edgepack_core.settings_doc",
+    "device_agent.updates.settings_apply",
+    "device_agent.updates.download",
+    "device_agent.updates.xfer",
+    "edgepack_core.protocol.codec",
+    "device_agent.updates.golden_probe",
+    "edgepack_core.command_auth",
+    "device_agent.updates.renewal",
+    "edgepack_core.audio",
+    "wave",
+)
+
+
+def test_an_idle_agent_without_mqtt_holds_no_module_of_a_rare_event(without_mqtt):
+    assert {"device_agent.remote_settings", "device_agent.updates.golden_stream", "device_agent.store"} <= without_mqtt
+    assert matching(without_mqtt, ONLY_FOR_RARE_EVENTS) == []
+
+
+def test_an_idle_agent_with_mqtt_loads_what_a_command_needs_only_when_one_comes(
+    tmp_path, artifact, keypair, mosquitto_broker
+):
+    modules = loaded_by_an_idle_agent(tmp_path, artifact, keypair[1], mosquitto_broker.port)
+    assert {"device_agent.updates.service", "device_agent.updates.deploy_flow", "paho.mqtt.client"} <= modules
+    assert matching(modules, ONLY_FOR_COMMANDS) == []
+
+
+def test_the_modules_a_command_loads_do_not_import_cryptography():
+    """What the first command loads (its authorization, a settings document) checks signatures
+    without cryptography, as the agent did at start before they were lazy."""
+    code = (
+        "import json, sys\n"
+        "import device_agent.updates.service, device_agent.updates.settings_apply, edgepack_core.command_auth\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, check=True)
+    modules = set(json.loads(done.stdout))
+    assert {"edgepack_core.command_auth", "edgepack_core.settings_doc"} <= modules
     assert matching(modules, ("cryptography",)) == []

@@ -17,15 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from device_agent.errors import AdmissionRefused, StoreError
+from device_agent.errors import AdmissionRefused, DownloadCancelled, DownloadError, StoreError, TransferError
 from device_agent.models import ModelSlot
 from device_agent.runtime import LoadedModel
 from device_agent.store import InstalledModel
 from device_agent.updates import jobs as J
 from device_agent.updates import rejected as R
 from device_agent.updates.admission import DEVICE_STATE_RULES, DevicePolicy, refusal
-from device_agent.updates.download import Bounds, DownloadCancelled, DownloadError, download
-from device_agent.updates.golden_probe import probe
 from device_agent.updates.golden_stream import check_golden_stream, failure_detail
 from device_agent.updates.health import (
     Probes,
@@ -35,7 +33,6 @@ from device_agent.updates.health import (
     traffic_of,
 )
 from device_agent.updates.jobs import Job
-from device_agent.updates.xfer import Receiver, TransferError, XferSpec
 from edgepack_core.errors import ArtifactError, EdgepackError
 from edgepack_core.manifest import Manifest
 from edgepack_core.versions import Version
@@ -74,6 +71,7 @@ class DeployFlow:
     """The deploy jobs' steps, run on a model's deploy lane."""
 
     if TYPE_CHECKING:
+        from device_agent.updates.origins import Bounds
         from device_agent.updates.service import AgentHost
 
         host: AgentHost
@@ -121,14 +119,20 @@ class DeployFlow:
                 self._running.pop(key, None)
 
     def _fetch(self, job: Job, running: _Running) -> Path:
+        """The artifact over HTTP(S) or the MQTT transfer; each is imported by the first deploy
+        that uses it (``http.client`` and ``urllib`` are not held by an agent that never downloads)."""
         command = job.command
         target = self.downloads / f"{command['sha256']}.edgepkg"
         reference = command["artifact"]
         if "url" in reference:
+            from device_agent.updates.download import download
+
             return download(reference["url"], target, size=command["size"], sha256=command["sha256"],
                             bounds=self.bounds, cancelled=running.stop.is_set)
         if command["size"] > self.bounds.max_bytes:
             raise DownloadError(f"artifact of {command['size']} bytes is over the download limit")
+        from device_agent.updates.xfer import Receiver, XferSpec
+
         spec = XferSpec(reference["xfer"]["id"], reference["xfer"]["chunk_size"], reference["xfer"]["chunks"])
         receiver = Receiver(self.transport, self.topics, self.device_id, spec, size=command["size"],
                             sha256=command["sha256"], target=target)
@@ -258,6 +262,8 @@ class DeployFlow:
         traffic = traffic_between(before, after)
         probes = Probes()
         if not running.stop.is_set() and needs_probes(traffic, self.health):
+            from device_agent.updates.golden_probe import probe
+
             probes = probe(service, loaded)
         self._close_window(job, running, old, traffic_of(before), traffic, probes)
 

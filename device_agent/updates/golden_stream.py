@@ -19,7 +19,6 @@ from typing import Any
 from device_agent.errors import GoldenStreamMismatch, PipelineRefused
 from device_agent.runtime import InferenceService, LoadedModel
 from edgepack_core.errors import EdgepackError
-from edgepack_core.golden_stream import MAX_EVENTS_BYTES, compare, mismatch_problem, parse_events
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +45,15 @@ def has_pyav() -> bool:
 
 def check_golden_stream(model: LoadedModel) -> GoldenStreamReport:
     """Replay the candidate's golden clip; raises :class:`GoldenStreamMismatch` on a difference
-    (or a clip the model cannot run)."""
-    from device_agent.pipelines.golden import replay_clip
-
+    (or a clip the model cannot run). The pipelines and the comparison are imported only for a
+    model that has a clip: most have none, and an idle agent should not hold them."""
     manifest = model.manifest
     section = manifest.golden_stream
     if section is None:
         return GoldenStreamReport({})
+    from device_agent.pipelines.golden import replay_clip
+    from edgepack_core.golden_stream import MAX_EVENTS_BYTES, compare, mismatch_problem, parse_events
+
     label = f"{manifest.name} {manifest.version}"
     if not has_pyav():
         log.warning("%s: golden stream skipped: %s", label, NO_PYAV)

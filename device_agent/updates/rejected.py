@@ -36,8 +36,8 @@ from typing import Any
 from device_agent.errors import StoreError
 from edgepack_core.fsutil import atomic_write
 from edgepack_core.protocol.ids import is_valid_id
-from edgepack_core.protocol.messages import MAX_REJECTED, RejectedRef
-from edgepack_core.protocol.messages import REJECTION_STAGES as STAGES
+from edgepack_core.protocol.rejected import MAX_REJECTED, RejectedRef
+from edgepack_core.protocol.rejected import REJECTION_STAGES as STAGES
 from edgepack_core.versions import VERSION_PATTERN
 
 log = logging.getLogger("edgepack.agent.store")

@@ -38,20 +38,18 @@ from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.store import InstalledModel, ModelStore
 from device_agent.telemetry.outbox import OutboxError
 from device_agent.updates import jobs as J
-from device_agent.updates import renewal, settings_apply
 from device_agent.updates.admission import policy_names, rollback_refusal
 from device_agent.updates.deploy_flow import DeployFlow, _Running, job_model
 from device_agent.updates.disk import FreeSpace
-from device_agent.updates.download import Bounds, allowed_origins
 from device_agent.updates.fetch_logs import LogFetcher
 from device_agent.updates.health import (
     check_window,
 )
 from device_agent.updates.jobs import Job, advance, on_restart, restart_reason
 from device_agent.updates.journal import Journal, JournalError
+from device_agent.updates.origins import Bounds, allowed_origins
 from device_agent.updates.replay import UNSIGNED, ReplayError, ReplayGuard
 from edgepack_core import faults
-from edgepack_core.command_auth import authorize_command, requires_signature
 from edgepack_core.errors import CommandSignatureError, EdgepackError
 from edgepack_core.protocol.commands import Command, Rejection, parse_command
 from edgepack_core.signing import TrustStore
@@ -236,6 +234,9 @@ class UpdateService(DeployFlow):
             # id, an operator retrying): answer with the job as it stands, never re-run.
             self._publish(existing, duplicate=True)
             return
+        # Commands are rare: their authorization (and the modules below) load with the first one.
+        from edgepack_core.command_auth import authorize_command, requires_signature
+
         try:
             keyid = authorize_command(command.body, self.host.operator_trust, device_id=self.device_id,
                                       groups=self.groups, now=now)
@@ -297,8 +298,12 @@ class UpdateService(DeployFlow):
             self.reporter.set_interval(float(command.body["seconds"]))
             self._reply(command, J.DONE, f"telemetry every {command.body['seconds']} s")
         elif kind == "renew-certificate":  # on a thread of its own (device_agent/updates/renewal.py)
+            from device_agent.updates import renewal
+
             renewal.start(self.host.config, self.transport, command, self._reply)
         elif kind == "apply-settings":
+            from device_agent.updates import settings_apply
+
             settings_apply.handle(self, command)
         elif kind == "cancel":
             found = self._cancel(command.body["job"], f"cancelled by command {command.id}")

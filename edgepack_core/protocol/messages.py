@@ -36,6 +36,7 @@ from edgepack_core.protocol.bounds import (
 from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.protocol.payloads import JOB_SCHEMA_ID, STATE_SCHEMA_ID, TELEMETRY_SCHEMA_ID
 from edgepack_core.protocol.pipeline_figures import PipelineFigures, parse_pipelines_section
+from edgepack_core.protocol.rejected import MAX_REJECTED, REJECTION_STAGES, RejectedRef
 from edgepack_core.protocol.report_card import ReportCard, parse_report_card
 
 MAX_GROUPS = 64  # the state schema's maxItems
@@ -47,9 +48,7 @@ MAX_VERSION_CHARS = 128
 MAX_JOB_TYPE_CHARS = 32
 MAX_ERROR_KINDS = 64  # the agent sends at most 32 kinds and "other"
 JOB_STATE = re.compile(r"[a-z_]{1,32}")  # the job schema's pattern
-MAX_REJECTED = 32  # the state schema's maxItems for rejected
 MAX_MODELS = 16  # the state schema's maxItems for models
-REJECTION_STAGES = ("admission", "smoke_test", "health_window")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 Status = Literal["online", "offline"]
@@ -68,29 +67,6 @@ class ModelRef:
     def to_json(self) -> dict[str, Any]:
         card = {} if self.report_card is None else {"report_card": self.report_card.to_json()}
         return {"name": self.name, "version": self.version, "sha256": self.sha256, **card}
-
-
-@dataclass(frozen=True)
-class RejectedRef:
-    """A version the device refused to keep (``device_agent/updates/rejected.py`` keeps them as
-    this type): the fleet server marks (device, ``sha256``) rejected and never re-targets it
-    automatically. ``sha256`` is the artifact's; ``stage`` one of :data:`REJECTION_STAGES`;
-    ``reason`` cut to :data:`MAX_STATE_REASON`."""
-
-    name: str
-    version: str
-    sha256: str
-    stage: str
-    reason: str
-    ts: float
-
-    @property
-    def label(self) -> str:
-        return f"{self.name} {self.version}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "sha256": self.sha256, "stage": self.stage,
-                "reason": self.reason, "ts": self.ts}
 
 
 @dataclass(frozen=True)
@@ -523,6 +499,7 @@ def parse_job_event(device: str, payload: bytes) -> JobEvent | Refusal:
 
 
 __all__ = [
+    "MAX_REJECTED", "REJECTION_STAGES",
     "Decommissioned", "DeviceState", "JobEvent", "ModelRef", "ModelTelemetry", "QueueCounters", "Refusal",
     "RejectedRef", "Telemetry",
     "parse_job_event", "parse_state", "parse_telemetry",
