@@ -347,6 +347,13 @@ def median_of(runs: list[dict[str, object]], key: str) -> dict[str, float]:
     return {field: round(statistics.median(r[key][field] for r in runs), 1) for field in runs[0][key]}
 
 
+def releases(code: Path, env: dict[str, str]) -> bool:
+    """Whether an agent gives start-up pages back: its code has device_agent/memory.py (the
+    attribution must not take it from this checkout through the editable install) and its
+    agent.yaml does not turn it off."""
+    return (code / "device_agent" / "memory.py").exists() and env.get(YAML) != KEEP_PAGES
+
+
 def summary(
     runs: list[dict[str, object]], code: Path, model: Path, attribution_runs: int, release: bool = True
 ) -> dict[str, object]:
@@ -418,7 +425,7 @@ def main() -> None:
                     print(name, json.dumps(runs[name][-1]["idle"]), file=sys.stderr, flush=True)
             model = next((folder / "r0-0" / "store" / "models").glob("*/model/model.onnx"))
             report = {
-                name: summary(runs[name], code, model, args.attribution_runs, env.get(YAML) != KEEP_PAGES)
+                name: summary(runs[name], code, model, args.attribution_runs, releases(code, env))
                 for name, (code, env) in agents.items()
             }
             sessions = session_options_side_by_side(model, args.rounds) if args.session_options else None
