@@ -741,6 +741,69 @@ def test_app_answering_late_without_reading_a_large_body_never_hangs_the_connect
         sock.close()
 
 
+@contextlib.contextmanager
+def app_server(app) -> Iterator[tuple[int, prometheus.HttpStats]]:
+    """``app`` (ASGI-shaped) behind the guard on the agent's HTTP server, on a free port."""
+    settings = ApiSettings(read_timeout_s=30)
+    stats = prometheus.HttpStats()
+    sock = http_server.listening_socket(("127.0.0.1", 0), 8)
+    server = http_server.HttpServer(guards.Guard(app, stats, settings.read_timeout_s), sock, settings, stats.count)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    assert server.ready.wait(10)
+    try:
+        yield sock.getsockname()[1], stats
+    finally:
+        server.stop()
+        thread.join(10)
+        sock.close()
+
+
+def test_a_body_the_app_reads_slowly_waits_in_the_client_never_queued_whole_in_the_server():
+    """Back pressure: while the app reads nothing, the server stops reading (a few chunks wait
+    for the app), so a 64 MiB body stalls in its sender; once the app reads, all of it arrives."""
+    import asyncio
+
+    from device_agent.http.web import Response, Route, Router
+
+    release = threading.Event()
+
+    async def slow(request):
+        chunk, more = await request.chunk()
+        total = len(chunk)
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 60)
+        while more:
+            chunk, more = await request.chunk()
+            total += len(chunk)
+        return Response(str(total).encode())
+
+    body = b"x" * (64 << 20)
+    with app_server(Router([Route("/slow", slow, ["POST"])])) as (port, _), connect(port) as client:
+        client.sendall(b"POST /slow HTTP/1.1\r\nHost: agent\r\nContent-Length: %d\r\n\r\n" % len(body))
+        client.settimeout(2)
+        sent = 0
+        with pytest.raises(TimeoutError):  # the server stopped reading: the sender stalls
+            while sent < len(body):
+                sent += client.send(body[sent:sent + (1 << 20)])
+        assert sent < 32 << 20  # what the kernel and a few chunks hold, far from the whole body
+        release.set()
+        client.settimeout(30)
+        client.sendall(body[sent:])
+        status, _, answer = read_response(client)
+        assert status == 200 and int(answer) == len(body)
+
+
+def test_an_app_that_returns_without_an_answer_gets_a_500_in_json_and_the_connection_closes():
+    async def silent(scope, receive, send):  # ASGI, and never sends
+        return None
+
+    with app_server(silent) as (port, stats), connect(port) as sock:
+        sock.sendall(request_bytes("GET", "/anything"))
+        status, headers, body = read_response(sock)
+        assert (status, error_of(body)["kind"], headers["connection"]) == (500, "internal", "close")
+        assert closed_by_server(sock) and stats.snapshot()["5xx"] == 1
+
+
 def test_stopping_the_server_ends_a_lingering_connection_at_once(serve, scale_artifact, monkeypatch):
     monkeypatch.setattr(http_server, "LINGER_S", 60.0)
     port, _ = serve(scale_artifact, max_body_bytes=4096)

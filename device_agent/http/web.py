@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from device_agent.errors import BadRequest
-from edgepack_core import wire_json
+from device_agent.http.protocol import error_body
 
 log = logging.getLogger("edgepack.agent.http")
 
@@ -114,8 +114,7 @@ class Response:
 
 def json_error(status: int, kind: str, message: str, headers: Mapping[str, str] | None = None) -> Response:
     """The documented error shape, ``{"error": {"kind", "message"}}``."""
-    body = wire_json.dumps({"error": {"kind": kind, "message": message}}) + b"\n"
-    return Response(body, status, headers, JSON_MEDIA_TYPE)
+    return Response(error_body(kind, message), status, headers, JSON_MEDIA_TYPE)
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
