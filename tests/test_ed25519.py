@@ -189,3 +189,27 @@ def test_a_public_key_pem_is_byte_for_byte_what_cryptography_writes():
     assert public_key_pem(PUBLIC) == public_key_pem(SigningKey(PRIVATE)) == public_key_pem(PRIVATE.public_key())
     assert public_key_pem(PUBLIC) == expected
     assert public_key_pem(PUBLIC, RELEASE) == b"edgepack-key: release\n" + expected
+
+
+def test_a_key_added_in_another_pem_spelling_reaches_devices_in_the_form_they_read_without_cryptography(tmp_path):
+    """The fleet server keeps (and puts in settings documents) keygen's PEM form of a key added in
+    any spelling cryptography reads, so a device never needs cryptography's PEM reader for it."""
+    from edgepack_core.signing import _plain_ed25519_pem
+    from sdk.fleet_server import settings_db
+    from sdk.fleet_server.db import open_database
+
+    database = open_database(f"sqlite:///{tmp_path / 'fleet.db'}")
+    try:
+        for given, sent in (
+            (b"release key, 2026\r\n" + public_key_pem(PUBLIC), public_key_pem(PUBLIC)),
+            (public_key_pem(PUBLIC, RELEASE).replace(b"\n", b"\r\n") + b"\r\n", public_key_pem(PUBLIC, RELEASE)),
+        ):
+            added = settings_db.add_key(database, RELEASE, given.decode(), actor="admin", remote="")
+            with database.read() as connection:
+                (stored,) = [key.pem for key in settings_db.load_keys(connection) if key.key_id == added.key_id]
+            assert added.pem == stored == sent.decode()
+            assert _plain_ed25519_pem(stored.encode()) == PUBLIC
+            with database.write() as connection:  # the next spelling is a new key again
+                connection.execute(settings_db.tables.fleet_keys.delete())
+    finally:
+        database.dispose()

@@ -22,7 +22,15 @@ from edgepack_core.errors import KeyFileError, SchemaError
 from edgepack_core.protocol.commands import build_command, new_command_id
 from edgepack_core.protocol.messages import DeviceState
 from edgepack_core.settings_doc import KEY_KINDS_OF, check_value, parse_keys, schema_of
-from edgepack_core.signing import KEY_KINDS, OPERATOR, check_kind, key_id, public_key_from_pem
+from edgepack_core.signing import (
+    KEY_KINDS,
+    OPERATOR,
+    check_kind,
+    file_kind,
+    key_id,
+    public_key_from_pem,
+    public_key_pem,
+)
 from sdk.errors import ApiError
 from sdk.fleet_server import audit
 from sdk.fleet_server import db as tables
@@ -248,7 +256,9 @@ def _settable(key: str) -> None:
 
 def add_key(database: Database, kind: str, pem: str, *, actor: str, remote: str, now: float | None = None) -> FleetKey:
     """Add a public key of ``kind`` (a file labelled with the other kind is refused); adding a
-    key in use again changes nothing; a retired key is not taken back (409)."""
+    key in use again changes nothing; a retired key is not taken back (409). The key is kept,
+    and sent to devices, in ``edgepack keygen``'s PEM form (its header line kept or left out as
+    given), whatever spelling came in: devices read that form without cryptography."""
     now = time.time() if now is None else now
     if kind not in KEY_KINDS:
         raise ApiError(400, "invalid", f"kind must be one of {', '.join(KEY_KINDS)}")
@@ -259,6 +269,7 @@ def add_key(database: Database, kind: str, pem: str, *, actor: str, remote: str,
         parse_keys(KEY_SETTING[kind], [pem])
     except (KeyFileError, SchemaError) as err:
         raise ApiError(422, "invalid", str(err)) from err
+    pem = public_key_pem(public, file_kind(data, "key")).decode("ascii")
     kid = key_id(public)
     with database.write() as connection:
         existing = {k.key_id: k for k in load_keys(connection)}
