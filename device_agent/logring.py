@@ -12,6 +12,12 @@ crash mid-write) is cut off; a segment that is not what the ring writes (a bad l
 bound) is deleted with a warning: never fatal. A write that fails (a full or read-only medium)
 turns persistence off with a warning and the ring goes on in memory.
 
+A record is held as its JSON line alone (bytes), decoded into a :class:`LogLine` only when a
+fetch reads the ring (a rare command: decoding a full ring takes milliseconds), so what the ring
+holds is about ``logs.max_bytes`` plus ~40 bytes a record, not the ``LogLine`` objects and
+their strings (issue 25 item 10; 70-character messages: 1.3 MiB of Python heap instead of 2.2
+for a full default ring, 0.7 MiB instead of 1.6 for what a restart reads back).
+
 Every record passes :class:`~device_agent.log_redact.RedactingFilter` first, on the ring and on
 the stderr handler alike, so no configured secret is kept, printed or sent.
 """
@@ -87,40 +93,50 @@ class Segments:
         self._size = 0
         self._count = 0
 
-    def load(self) -> tuple[list[tuple[LogLine, int]], list[str]]:
-        """The records kept (oldest first) with their line sizes, and warnings about what was dropped."""
+    def load(self) -> tuple[list[bytes], int, list[str]]:
+        """The records kept (oldest first), the number after the highest one, and warnings about
+        what was dropped."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lines: list[tuple[LogLine, int]] = []
+        entries: list[bytes] = []
         notes: list[str] = []
+        last = -1
         for name in (PREVIOUS, CURRENT):
             path = self.directory / name
             try:
-                found, keep = self._read(path)
+                found, keep, seq = self._read(path)
             except (OSError, ValueError, TypeError, KeyError) as err:
                 notes.append(f"log ring segment {path} is unreadable ({str(err)[:200]}): dropped")
                 path.unlink(missing_ok=True)
                 continue
-            lines.extend(found)
+            entries.extend(found)
+            last = max(last, seq)
             if name == CURRENT:
                 self._size, self._count = keep, len(found)
-        return lines, notes
+        return entries, last + 1, notes
 
-    def _read(self, path: Path) -> tuple[list[tuple[LogLine, int]], int]:
-        """A segment's records, and the size its valid part ends at (a torn tail is cut off)."""
+    def _read(self, path: Path) -> tuple[list[bytes], int, int]:
+        """A segment's records, the size its valid part ends at (a torn tail is cut off), and
+        the highest record number in it (-1: none). Each line is checked whole, then kept as
+        its bytes: no :class:`LogLine` outlives the check."""
         if not path.exists():
-            return [], 0
+            return [], 0, -1
         limit = self.max_bytes + MAX_MESSAGE_CHARS * 6 + 1024
         with open(path, "rb") as handle:
             data = handle.read(limit + 1)
         if len(data) > limit:
             raise ValueError(f"over its bound of {limit} bytes")
         end = data.rfind(b"\n") + 1
-        lines = [(_decode_line(raw), len(raw) + 1) for raw in data[:end].splitlines() if raw]
-        if len(lines) > self.max_records + 1:
-            raise ValueError(f"{len(lines)} records is over its bound of {self.max_records}")
+        entries: list[bytes] = []
+        seq = -1
+        for raw in data[:end].splitlines():
+            if raw:
+                seq = max(seq, _decode_line(raw).seq)
+                entries.append(raw + b"\n")
+        if len(entries) > self.max_records + 1:
+            raise ValueError(f"{len(entries)} records is over its bound of {self.max_records}")
         if end < len(data):
             os.truncate(path, end)
-        return lines, end
+        return entries, end, seq
 
     def append(self, data: bytes) -> None:
         if self._handle is not None and (self._size + len(data) > self.max_bytes or self._count >= self.max_records):
@@ -152,7 +168,7 @@ class LogRing(logging.Handler):
     def __init__(self, settings: LogSettings, directory: Path | None = None) -> None:
         super().__init__(logging.DEBUG)
         self.settings = settings
-        self._records: deque[tuple[LogLine, int]] = deque()
+        self._records: deque[bytes] = deque()  # JSON lines, oldest first
         self._bytes = 0
         self._seq = 0
         self._guard = threading.Lock()
@@ -163,20 +179,19 @@ class LogRing(logging.Handler):
         """Read what the segments kept; the warnings to log once the ring is attached."""
         if self._segments is None:
             return []
-        lines, notes = self._segments.load()
+        entries, next_seq, notes = self._segments.load()
         with self._guard:
-            for line, size in lines:
-                self._keep(line, size)
-            self._seq = max((line.seq for line, _ in lines), default=-1) + 1
+            for entry in entries:
+                self._keep(entry)
+            self._seq = next_seq
         return notes
 
-    def _keep(self, line: LogLine, size: int) -> None:
-        self._records.append((line, size))
-        self._bytes += size
+    def _keep(self, data: bytes) -> None:
+        self._records.append(data)
+        self._bytes += len(data)
         bounds = self.settings
         while self._records and (self._bytes > bounds.max_bytes or len(self._records) > bounds.max_records):
-            _, dropped = self._records.popleft()
-            self._bytes -= dropped
+            self._bytes -= len(self._records.popleft())
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
@@ -187,10 +202,10 @@ class LogRing(logging.Handler):
                            record.name[:MAX_LOGGER_CHARS], message[:MAX_MESSAGE_CHARS])
             self._seq += 1
             data = encode_line(line)
-            self._keep(line, len(data))
-            self._persist(data)
+            self._keep(data)
+            self._persist(data, line.ts)
 
-    def _persist(self, data: bytes) -> None:
+    def _persist(self, data: bytes, ts: float) -> None:
         if self._segments is None:
             return
         try:
@@ -198,21 +213,23 @@ class LogRing(logging.Handler):
         except OSError as err:  # a full or read-only medium: the ring goes on in memory
             segments, self._segments = self._segments, None
             segments.close()
-            note = LogLine(self._seq, self._records[-1][0].ts, "warning", log.name,
+            note = LogLine(self._seq, ts, "warning", log.name,
                            f"log ring not kept on disk any more: {err}"[:MAX_MESSAGE_CHARS])
             self._seq += 1
-            self._keep(note, len(encode_line(note)))
+            self._keep(encode_line(note))
 
     def records(self) -> Iterator[LogLine]:
         with self._guard:
-            return iter([line for line, _ in self._records])
+            kept = list(self._records)
+        return iter([_decode_line(data) for data in kept])
 
     def query(self, *, since: float | None, level: str, lines: int) -> list[LogLine]:
         """The newest ``lines`` records logged after ``since`` at ``level`` or above, oldest first."""
         floor = LEVEL_NUMBERS[level]
         with self._guard:
-            chosen = [line for line, _ in self._records
-                      if LEVEL_NUMBERS[line.level] >= floor and (since is None or line.ts > since)]
+            kept = list(self._records)
+        chosen = [line for line in map(_decode_line, kept)
+                  if LEVEL_NUMBERS[line.level] >= floor and (since is None or line.ts > since)]
         return chosen[-lines:]
 
     @property

@@ -101,6 +101,10 @@ def test_an_idle_agent_serves_http_without_hypercorn_starlette_or_anyio(without_
     assert matching(without_mqtt, WEB_FRAMEWORKS) == []
 
 
+def test_an_idle_agent_loads_the_openapi_document_and_the_v2_protocol_with_their_first_request(without_mqtt):
+    assert matching(without_mqtt, ("device_agent.http.openapi", "device_agent.http.oip")) == []
+
+
 def test_an_idle_agent_without_mqtt_has_not_imported_cryptography(without_mqtt):
     """Signatures are checked through libsodium (edgepack_core/ed25519.py): the store verified
     the installed artifact at start, and cryptography (6.6 MiB resident) never loaded."""

@@ -7,6 +7,7 @@ newest per device kept) on SQLite and PostgreSQL, agent.yaml ``logs:`` validated
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -110,6 +111,26 @@ def test_a_segment_over_its_bound_is_dropped_not_read(tmp_path):
     (tmp_path / CURRENT).write_bytes(encode_line(_line(1)) * 2000)
     ring = LogRing(settings, tmp_path)
     assert "over its bound" in ring.load()[0] and list(ring.records()) == []
+
+
+def test_the_ring_holds_its_records_as_their_lines_not_as_objects_and_a_restart_makes_none(tmp_path):
+    """Issue 25 item 10: a full ring held ``LogLine`` objects with their strings (2.2 MiB of heap
+    for 1 MiB of lines); it holds the JSON lines and decodes them when a fetch reads them."""
+    gc.collect()
+    before = sum(isinstance(item, LogLine) for item in gc.get_objects())
+    settings = LogSettings(max_bytes=64 * 1024, max_records=300)
+    ring = LogRing(settings, tmp_path)
+    logger = _logger(ring)
+    for number in range(500):
+        logger.info("served %d", number)
+    ring.close()
+    again = LogRing(settings, tmp_path)
+    assert again.load() == []
+    gc.collect()
+    assert sum(isinstance(item, LogLine) for item in gc.get_objects()) == before  # none held by either ring
+    assert ring.size[0] == 300 and again.size[0] >= 150
+    kept = again.query(since=None, level="info", lines=2)
+    assert [line.message for line in kept] == ["served 498", "served 499"] and kept[-1].seq == 499
 
 
 # ------------------------------------------------------------------ redaction

@@ -50,7 +50,7 @@ import numpy as np
 from device_agent import models
 from device_agent.config import ApiSettings
 from device_agent.errors import AgentError, BadRequest, Busy, NoModelError, RequestError
-from device_agent.http import admission, bodies, oip, openapi
+from device_agent.http import admission, bodies
 from device_agent.http.answers import error_response, json_response, status_of
 from device_agent.http.guards import Guard
 from device_agent.http.negotiation import (
@@ -122,7 +122,7 @@ class AgentApp:
                                         max_json_output_bytes=settings.max_json_output_bytes)
         self.images = bodies.ImageGate(pixels, settings.max_image_decodes)
         self.http_stats = HttpStats()
-        self._openapi = openapi.document_bytes()
+        self._openapi: bytes | None = None  # made with the first request for it (openapi.py)
         self.pool = ThreadPoolExecutor(max_workers=settings.workers, thread_name_prefix="http-worker")
         self._admitted = 0  # requests holding a slot (event loop only: no lock)
         self.buffered = admission.BodyBudget(settings.max_buffered_bytes)  # body bytes held (event loop only)
@@ -217,7 +217,12 @@ class AgentApp:
         return Response(text.encode(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:
-        """This API's OpenAPI document (``openapi.py``; the same for every request)."""
+        """This API's OpenAPI document (``openapi.py``; the same for every request), made when
+        first asked for: an idle agent does not hold its 36 kB nor the module."""
+        if self._openapi is None:
+            from device_agent.http import openapi
+
+            self._openapi = openapi.document_bytes()
         return Response(self._openapi, 200, media_type=JSON_MEDIA_TYPE)
 
     async def delete_stream(self, request: Request) -> Response:
@@ -409,6 +414,8 @@ class AgentApp:
     # ------------------------------------------------------------ Open Inference Protocol (v2)
 
     async def v2_server(self, request: Request) -> Response:
+        from device_agent.http import oip  # with the first v2 request: /predict alone never loads it
+
         return json_response(200, oip.server_metadata(__version__))
 
     async def v2_live(self, request: Request) -> Response:
@@ -433,6 +440,8 @@ class AgentApp:
         return service, model
 
     async def v2_metadata(self, request: Request) -> Response:
+        from device_agent.http import oip  # with the first v2 request: /predict alone never loads it
+
         try:
             return json_response(200, oip.model_metadata(self._v2_model(request)[1]))
         except BadRequest as err:
@@ -448,6 +457,8 @@ class AgentApp:
         return Response(status_code=200)
 
     async def v2_infer(self, request: Request) -> Response:
+        from device_agent.http import oip  # with the first v2 request: /predict alone never loads it
+
         try:
             service, _ = self._v2_model(request)
         except BadRequest as err:
@@ -458,6 +469,8 @@ class AgentApp:
 
     def _v2_work(self, exchange: _Exchange, body: bytes) -> Response:
         """Parse, infer and encode one v2 infer request (a worker thread)."""
+        from device_agent.http import oip
+
         service = exchange.service or self.service
         try:
             model = self._model_for(exchange)
