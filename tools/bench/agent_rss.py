@@ -70,10 +70,10 @@ COMPONENTS: list[tuple[str, Callable[[str], bool]]] = [
     ("numpy", lambda m: m == "numpy" or m.startswith("numpy.")),
     ("onnxruntime import", lambda m: m.split(".")[0] == "onnxruntime"),
     ("PyYAML", lambda m: m.split(".")[0] in ("yaml", "_yaml")),
-    ("cryptography", lambda m: m.split(".")[0] in ("cryptography", "_cffi_backend")),
+    ("Ed25519 (PyNaCl; cryptography before)", lambda m: m.split(".")[0] in ("cryptography", "nacl", "_cffi_backend")),
     ("Pillow", lambda m: m.split(".")[0] == "PIL"),
     (
-        "hypercorn/starlette (+asyncio, h11, ssl)",
+        "the HTTP server: asyncio, h11, ssl (+ hypercorn, starlette before)",
         lambda m: (
             m.split(".")[0]
             in (
