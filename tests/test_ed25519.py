@@ -213,3 +213,44 @@ def test_a_key_added_in_another_pem_spelling_reaches_devices_in_the_form_they_re
                 connection.execute(settings_db.tables.fleet_keys.delete())
     finally:
         database.dispose()
+
+
+def _accepted_by_cryptography(raw_key: bytes, signature: bytes, data: bytes) -> bool:
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    try:
+        Ed25519PublicKey.from_public_bytes(raw_key).verify(signature, data)
+    except InvalidSignature:
+        return False
+    return True
+
+
+def _accepted_by_ours(raw_key: bytes, signature: bytes, data: bytes) -> bool:
+    try:
+        PublicKey.from_public_bytes(raw_key).verify(signature, data)
+    except (Ed25519KeyError, BadSignatureError):
+        return False
+    return True
+
+
+def test_no_signature_cryptography_refused_is_accepted_now():
+    """Differential: every case (bit flips, S + kL, S with its top bits set, the RFC vectors, the
+    small-order forgeries) accepted now was accepted by cryptography (OpenSSL); the only cases
+    cryptography accepted and libsodium refuses are the forgeries with a small-order key."""
+    signature = PRIVATE.sign(DATA)
+    s = int.from_bytes(signature[32:], "little")
+    cases = [(PUBLIC.raw, signature, DATA)]
+    cases += [(PUBLIC.raw, flipped(signature, bit), DATA) for bit in range(512)]
+    cases += [(PUBLIC.raw, signature[:32] + (s + k * L).to_bytes(32, "little"), DATA) for k in (1, 2, 3)]
+    cases += [(PUBLIC.raw, signature[:63] + bytes([signature[63] | top]), DATA) for top in (0x20, 0x40, 0x80)]
+    cases += [(bytes.fromhex(k), bytes.fromhex(sig), bytes.fromhex(m)) for k, m, sig in RFC8032]
+    cases += [(raw, FORGERY, b"manifest %d" % i) for raw in SMALL_ORDER_KEYS.values() for i in range(8)]
+    only_cryptography = set()
+    for raw_key, sig, data in cases:
+        ours, theirs = _accepted_by_ours(raw_key, sig, data), _accepted_by_cryptography(raw_key, sig, data)
+        assert theirs or not ours, (raw_key.hex(), sig.hex())
+        if theirs and not ours:
+            only_cryptography.add(raw_key)
+    assert only_cryptography <= set(SMALL_ORDER_KEYS.values()) and IDENTITY in only_cryptography
+    assert sum(_accepted_by_ours(*case) for case in cases) == 1 + len(RFC8032)
