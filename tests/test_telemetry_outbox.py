@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from device_agent.telemetry.outbox import Forwarder, MessageTooLargeError, Outbox
+from device_agent.telemetry.outbox import CACHE_KIB, Forwarder, MessageTooLargeError, Outbox
 from edgepack_core.errors import UsageError
 from edgepack_core.mqtt_transport import Incoming, MqttTransport
 from edgepack_core.protocol.topics import Topics
@@ -142,6 +142,17 @@ def test_concurrent_producers_keep_the_accounting_exact(tmp_path: Path) -> None:
     assert counters["produced"] == 400 and counters["dropped_by_kind"]["job"] == 0
     seqs = [m.seq for m in outbox.peek(1000)]
     assert seqs == sorted(seqs)
+
+
+def test_the_sqlite_page_cache_is_bounded_also_after_a_recovery(tmp_path: Path) -> None:
+    """Issue 25 item 10: SQLite's default cache (about 2 MiB) filled during an outage's backlog
+    stayed resident after it drained; every connection the outbox makes is held to CACHE_KIB."""
+    outbox = Outbox(tmp_path / "outbox.db")
+    assert outbox._db.execute("PRAGMA cache_size").fetchone()[0] == -CACHE_KIB == -256
+    (tmp_path / "garbage.db").write_bytes(b"this is not a sqlite database" * 100)
+    recovered = Outbox(tmp_path / "garbage.db")
+    assert recovered.recovered_from is not None
+    assert recovered._db.execute("PRAGMA cache_size").fetchone()[0] == -CACHE_KIB
 
 
 def test_garbage_outbox_file_is_moved_aside_and_recreated(tmp_path: Path) -> None:

@@ -24,6 +24,12 @@ So the file holds at most max(soft, hard) messages, job results survive an outag
 than telemetry, and every drop is counted per kind. Accounting invariant, kept in the same
 transactions as the rows: ``produced == delivered + dropped + queued``.
 
+SQLite's page cache is bounded to :data:`CACHE_KIB` (its default is about 2 MiB a connection):
+the outbox reads the head of a queue and appends at its tail, and the default cache, filled
+during an outage's backlog, stayed resident for the agent's life (issue 25 item 10: 9,000
+messages of 1.5 kB put and drained left 1.9 MiB more RSS with the default, 0.3 with this, in
+the same time).
+
 Delivery is at least once: a message is removed only after the broker acknowledged it, so a
 crash between the broker's PUBACK and the local delete sends it again on restart.
 """
@@ -53,6 +59,8 @@ log = logging.getLogger(__name__)
 
 Kind = Literal["telemetry", "job", "state", "events"]
 KINDS: tuple[Kind, ...] = ("telemetry", "job", "state", "events")
+CACHE_KIB = 256
+"""SQLite page cache of the outbox's connection (``PRAGMA cache_size``; module docstring)."""
 # Non-job kinds in the order they are sacrificed when the soft bound is reached.
 _DROP_ORDER: tuple[Kind, ...] = ("telemetry", "events", "state")
 
@@ -137,6 +145,7 @@ class Outbox:
             if check != "ok":
                 raise OutboxError(target, f"integrity check failed: {check}")
             db.execute(f"PRAGMA synchronous={synchronous}")
+            db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
             db.executescript(_SCHEMA)
             db.executemany("INSERT OR IGNORE INTO counters (name, value) VALUES (?, 0)", [(n,) for n in _COUNTERS])
             self._load_totals()
