@@ -44,12 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from sdk.keys import write_keypair  # noqa: E402
-from sdk.packager.pipeline import build  # noqa: E402
-from sdk.recipe import load_recipe  # noqa: E402
 from tests.broker import free_port, start_mosquitto  # noqa: E402
 from tools.bench.agent_rss_session import session_options_side_by_side  # noqa: E402
-from tools.demos import build_all  # noqa: E402
 
 KIB_PER_MIB = 1024
 PRIVATE: list[Path] = []  # --private-libs: a folder of copied packages, first on every agent's path
@@ -133,13 +129,25 @@ for names in steps:
 
 
 def package(folder: Path) -> tuple[Path, Path]:
-    """The digits demo built from code and packaged as tools/demo.sh does: (artifact, public key)."""
+    """The digits demo built from code and packaged as tools/demo.sh does: (artifact, public key),
+    in a child process: this one must not map onnxruntime or numpy, or the pages the agents
+    share with it are never given back (the kernel leaves a page mapped twice alone)."""
+    subprocess.run([sys.executable, __file__, "--package-into", str(folder)], check=True, timeout=600)
+    return folder / "digits.edgepkg", folder / "release.pub"
+
+
+def package_here(folder: Path) -> None:
+    from sdk.keys import write_keypair
+    from sdk.packager.pipeline import build
+    from sdk.recipe import load_recipe
+    from tools.demos import build_all
+
     key, pub = folder / "release.key", folder / "release.pub"
     write_keypair(key, pub)
     build_all(folder / "demo", only=["digits"])
     recipe = folder / "digits.yaml"
     recipe.write_text((ROOT / "recipes" / "digits.yaml").read_text().replace("../demo/", "demo/"))
-    return build(load_recipe(recipe), key_paths=[str(key)], output=folder / "digits.edgepkg").output, pub
+    build(load_recipe(recipe), key_paths=[str(key)], output=folder / "digits.edgepkg")
 
 
 def agent_yaml(folder: Path, artifact: Path, pub: Path, port: int, broker: int | None, extra: str = "") -> Path:
@@ -399,7 +407,11 @@ def main() -> None:
         action="store_true",
         help="also compare onnxruntime's memory arena and memory pattern on the model, side by side",
     )
+    parser.add_argument("--package-into", type=Path, help=argparse.SUPPRESS)  # the child of package()
     args = parser.parse_args()
+    if args.package_into:
+        package_here(args.package_into)
+        return
     with tempfile.TemporaryDirectory(prefix="agent-rss-") as tmp:
         folder = Path(tmp)
         artifact, pub = package(folder)
