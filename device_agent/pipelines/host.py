@@ -68,8 +68,9 @@ class PipelineSet:
         out = [PipelineFigures(name, "refused", reason=reason) for name, reason in self.refused.items()]
         for name, runner in self.runners.items():
             reader = runner.reader.status if runner.reader is not None else None
-            source = None if reader is None else SourceFigures(reader.state, reader.frames, reader.reconnects,
-                                                               reader.failures)
+            source = None if reader is None else SourceFigures(
+                reader.state, reader.frames, reader.reconnects, reader.failures,
+                (reader.detail or None) if reader.state == "down" else None)
             out.append(PipelineFigures(
                 name, "finished" if runner.finished.is_set() else "running", runner.counters.frames,
                 runner.queue.dropped, runner.counters.stage_errors, source,
