@@ -92,6 +92,27 @@ def test_telemetrys_pipelines_section_validates_and_parses_back_to_the_same_figu
     assert parse_telemetry("pi-07", json.dumps(older).encode()).pipelines == ()  # type: ignore[union-attr]
 
 
+def test_a_source_that_is_down_sends_why_in_telemetry(scene):  # noqa: F811
+    """What an operator reads on the fleet server's device page: the reader's failure, bounded."""
+    down = {**PIPELINE, "name": "gate", "source": {"url": "rtsp://127.0.0.1:9/none", "reconnect_s": 0.05,
+                                                   "reconnect_max_s": 0.1}}
+    service = service_of(scene)
+    pipelines = PipelineSet(parse_pipelines([down]), "pi-07", lambda name: service, None)
+    pipelines.start({"detector": StageContract("image", "detection", LABELS)})
+    try:
+        found = wait_for(lambda: (lambda f: f if f.source is not None and f.source.state == "down" else None)(
+            pipelines.figures()[0]), 20)
+    finally:
+        pipelines.stop()
+    assert found is not None and found.source is not None and found.source.reason, found
+    assert "127.0.0.1:9" in found.source.reason or "refused" in found.source.reason.lower(), found.source.reason
+    sample = Telemetry("pi-07", seq=1, ts=1.0, interval_s=10.0, throughput_per_s=0.0, inferences_total=0,
+                       inferences_interval=0, uptime_s=1.0, pipelines=(found,))
+    validate(sample.to_json(), TELEMETRY_SCHEMA, document="telemetry")
+    parsed = parse_telemetry("pi-07", sample.encode())
+    assert isinstance(parsed, Telemetry) and parsed.pipelines[0].source == found.source
+
+
 def pipeline_doc(name: str, rules: int = 1, **extra: Any) -> dict[str, Any]:
     return {"name": name, "state": "running", "frames": 5, "dropped": 1, "stage_errors": 0,
             "source": {"state": "down", "frames": 6, "reconnects": 2, "failures": 2},
