@@ -20,7 +20,7 @@ from device_agent.config import AgentConfig
 from device_agent.errors import StoreError
 from device_agent.http.server import ApiServer
 from device_agent.logring import LogRing
-from device_agent.memory import Released, release_if_enabled
+from device_agent.memory import Released, read_memory, release_if_enabled
 from device_agent.models import SLOTS_DIR, ModelSet, ModelSlot, slot_directory, state_entry
 from device_agent.remote_settings import Held, held_keys, limits_for, load_held, overlay
 from device_agent.runtime import InferenceService, LoadedModel, load_model
@@ -184,10 +184,13 @@ class Daemon:
         slot.service.observers.append(lambda latency, error: self._observe(slot.name, latency, error))
 
     def health(self) -> dict[str, Any]:
-        """What /healthz adds to the models: the stores' condition, on a full disk ``degraded``, and
-        each pipeline's state (running with its counters, or refused with the reason)."""
+        """What /healthz adds to the models: the stores' condition, on a full disk ``degraded``,
+        each pipeline's state (running with its counters, or refused with the reason), and the
+        agent's resident memory (``device_agent/memory.py``)."""
         pipelines = {"pipelines": self.pipelines.status()} if self.pipelines is not None else {}
-        return {**self.health_of_stores(), **self.space.health(), **pipelines}
+        reading = read_memory(self.released)
+        memory = {"memory": reading.to_json()} if reading is not None else {}
+        return {**self.health_of_stores(), **self.space.health(), **pipelines, **memory}
 
     def status(self) -> AgentStatus:
         import onnxruntime as ort

@@ -110,12 +110,58 @@ def releasable(regions: Iterable[Region]) -> tuple[Region, ...]:
     )
 
 
-def rss_kib(status_text: str) -> int:
-    """``VmRSS`` of a ``/proc/PID/status`` text, in KiB (0 when absent)."""
+def _status_kib(status_text: str, field: str) -> int:
+    """One ``kB`` field of a ``/proc/PID/status`` text (0 when absent)."""
     for line in status_text.splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def rss_kib(status_text: str) -> int:
+    """``VmRSS`` of a ``/proc/PID/status`` text, in KiB (0 when absent)."""
+    return _status_kib(status_text, "VmRSS")
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """The agent's resident memory now (bytes): all of it, its own (anonymous) and the pages of
+    files it maps (libraries: the kernel can drop and re-read them), and what the last release
+    gave back (None: none made, or turned off)."""
+
+    rss: int
+    anonymous: int
+    file: int
+    released: Released | None
+
+    def to_json(self) -> dict[str, Any]:
+        given_back = self.released
+        doc: dict[str, Any] = {"rss_bytes": self.rss, "anonymous_bytes": self.anonymous, "file_bytes": self.file}
+        if given_back is None:
+            doc["release"] = "off"
+        elif given_back.unsupported:
+            doc["release"] = f"unsupported: {given_back.unsupported}"
+        else:
+            doc["release"] = "on"
+            doc["released_bytes"] = max(given_back.rss_before_kib - given_back.rss_after_kib, 0) * 1024
+        return doc
+
+
+def memory_reading(status_text: str, released: Released | None) -> MemoryReading:
+    """The reading of a ``/proc/PID/status`` text. Pure."""
+    return MemoryReading(
+        rss_kib(status_text) * 1024,
+        _status_kib(status_text, "RssAnon") * 1024,
+        _status_kib(status_text, "RssFile") * 1024,
+        released,
+    )
+
+
+def read_memory(released: Released | None) -> MemoryReading | None:
+    """This process's :class:`MemoryReading` (None off Linux)."""
+    if not STATUS.exists():
+        return None
+    return memory_reading(_read(STATUS), released)
 
 
 def _read(path: Path) -> str:

@@ -20,7 +20,7 @@ import pytest
 from device_agent import memory
 from device_agent.config import check_config
 from device_agent.daemon import Daemon
-from device_agent.memory import MemorySettings, Region, parse_maps, releasable, rss_kib
+from device_agent.memory import MemorySettings, Region, Released, memory_reading, parse_maps, releasable, rss_kib
 from tests.artifacts import build_artifact, scale_model
 from tests.broker import free_port
 
@@ -95,6 +95,30 @@ def test_the_resident_size_is_read_from_the_status_text():
     assert rss_kib("Name:\tkthreadd\n") == 0
 
 
+STATUS = "Name:\tpython\nVmRSS:\t   46900 kB\nRssAnon:\t   35100 kB\nRssFile:\t   11700 kB\nRssShmem:\t 100 kB\n"
+
+
+@pytest.mark.parametrize(
+    "released, fields",
+    [
+        (None, {"release": "off"}),
+        (Released(210, 75000, 46900), {"release": "on", "released_bytes": 28100 * 1024}),
+        (
+            Released(0, 73000, 73000, unsupported="the kernel has no MADV_PAGEOUT (Linux 5.4 and later)"),
+            {"release": "unsupported: the kernel has no MADV_PAGEOUT (Linux 5.4 and later)"},
+        ),
+        (Released(3, 46000, 46100), {"release": "on", "released_bytes": 0}),  # grew meanwhile: nothing given back
+    ],
+)
+def test_the_memory_reading_says_what_is_resident_and_what_the_release_gave_back(released, fields):
+    assert memory_reading(STATUS, released).to_json() == {
+        "rss_bytes": 46900 * 1024,
+        "anonymous_bytes": 35100 * 1024,
+        "file_bytes": 11700 * 1024,
+        **fields,
+    }
+
+
 def test_a_session_answers_the_same_after_its_library_pages_are_given_back(tmp_path):
     model = scale_model(tmp_path / "scale.onnx", factor=3.0)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -167,6 +191,9 @@ def test_the_agent_gives_pages_back_after_start_and_after_an_activation(tmp_path
     try:
         assert whens == ["after start"]  # the install during start is not released twice
         assert daemon.released is not None and daemon.released.regions > 0
+        memory_doc = daemon.health()["memory"]
+        assert memory_doc["release"] == "on" and memory_doc["released_bytes"] >= 0
+        assert memory_doc["rss_bytes"] >= memory_doc["anonymous_bytes"] > 0
         daemon.install_artifact(build_artifact(tmp_path / "b", keypair[0], version="1.0.1", factor=3.0))
         assert whens == ["after start", "after activating scale"]
     finally:
@@ -180,5 +207,6 @@ def test_memory_release_startup_pages_false_keeps_every_page(tmp_path, keypair, 
     ).start()
     try:
         assert daemon.config.memory == MemorySettings(release_startup_pages=False) and daemon.released is None
+        assert daemon.health()["memory"]["release"] == "off" and "released_bytes" not in daemon.health()["memory"]
     finally:
         daemon.stop()

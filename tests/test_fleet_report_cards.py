@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from edgepack_core.protocol.messages import parse_state
 from sdk.broker import BrokerOptions
 from sdk.deploy import DeployOptions, deploy
 from sdk.fleet_server.db import Database, open_database
 from sdk.fleet_server.ingest import Writer
+from sdk.fleet_server.log_tables import device_log_chunks, device_logs
 from sdk.fleet_server.queries import decommission_device, get_device
 from sdk.fleet_server.report_cards import aggregate
 from tests.agent_process import AgentProcess
@@ -137,3 +139,21 @@ def test_a_real_agent_s_report_card_reaches_the_fleet_server_and_its_api(
     finally:
         agent.stop()
         server.stop()
+
+
+def test_a_decommissioned_device_takes_its_fetched_logs_along_and_another_keeps_its_own(database):
+    from edgepack_core.protocol.logs import LogChunk, LogLine
+    from sdk.fleet_server.device_logs import LogQuery, read_logs
+    from sdk.fleet_server.log_ingest import write_chunks
+
+    _write(database, ("d1", _state("d1", [])), ("d2", _state("d2", [])))
+    line = LogLine(seq=1, ts=time.time(), level="info", logger="edgepack.agent", message="serving")
+    with database.write() as connection:
+        write_chunks(database, connection, [(LogChunk(device, f"r-{device}", 0, True, time.time(), (line,)),
+                                             time.time()) for device in ("d1", "d2")])
+    assert [r["message"] for r in read_logs(database, "d1", LogQuery())["records"]] == ["serving"]
+    decommission_device(database, "d1", reason="gone", actor="op", remote="test")
+    with database.read() as connection:
+        left = {table.name: sorted(connection.execute(select(table.c.device)).scalars())
+                for table in (device_logs, device_log_chunks)}
+    assert left == {"device_logs": ["d2"], "device_log_chunks": ["d2"]}

@@ -307,8 +307,9 @@ def test_device_documents_are_built_alike_on_both_backends(database: Database):
     assert listed["devices"][0]["online"] is False and listed["devices"][2]["model"] is None
     assert listed["devices"][0]["error_rate"] is None and listed["devices"][0]["groups"] == ["g1"]
     single = get_device(database, "b", now=now, silence_s=60)
-    assert {k: v for k, v in single.items() if k not in ("capabilities", "report_cards")} == b
+    assert {k: v for k, v in single.items() if k not in ("capabilities", "report_cards", "pipelines")} == b
     assert single["report_cards"] == []  # a device whose agent measured none (or predates report cards)
+    assert single["pipelines"] == []  # nor runs a pipeline
     assert list_devices(database, DeviceFilter(group="z"), now=now, silence_s=60)["total"] == 1
     assert list_devices(database, DeviceFilter(online=False), now=now, silence_s=60)["devices"][0]["id"] == "a"
     assert list_devices(database, DeviceFilter(online=True, limit=1, offset=1), now=now,

@@ -119,7 +119,8 @@ def test_a_wrong_figure_reads_none_and_never_costs_the_telemetry_message():
     assert isinstance(parsed, Telemetry) and parsed.seq == 3 and parsed.pipelines == ()
 
 
-def test_the_fleet_server_stores_telemetry_that_carries_pipelines(tmp_path, mosquitto_broker, server_keys):
+def test_the_fleet_server_stores_telemetry_that_carries_pipelines_and_lists_them_on_the_device(
+        tmp_path, mosquitto_broker, server_keys):
     server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
     try:
         telemetry = {"schema": "edgepack.telemetry/1", "device": "pi-07", "seq": 1, "latency_ms": {"p50": 3.0},
@@ -129,6 +130,10 @@ def test_the_fleet_server_stores_telemetry_that_carries_pipelines(tmp_path, mosq
             server.get("/api/status")), 15)
         assert stored is not None and sum(stored["ingest"]["dropped"].values()) == 0
         assert server.get("/api/devices")["devices"][0]["latency_ms"]["p50"] == 3.0
+        (shown,) = server.get("/api/devices/pi-07")["pipelines"]  # what it sent, typed, on the device's document
+        assert shown == {**parse_pipelines_section([pipeline_doc("door-cam", 3)])[0].to_json(), "fps": None}
+        assert shown["source"]["state"] == "down" and shown["events"] == {"r0": {"cross": 0}, "r1": {"cross": 1},
+                                                                          "r2": {"cross": 2}}
     finally:
         server.stop()
 

@@ -41,6 +41,14 @@ SCHEMAS: dict[str, Any] = {
                                     "description": "why the device is degraded (no space: ...)"},
                        "model": {"type": "object", "description": "the active model, its provider and hash "
                                                                   "(the first of models)"},
+                       "memory": {"type": "object", "description": "the agent's resident memory: rss_bytes, "
+                                  "anonymous_bytes (its own), file_bytes (libraries' pages), release (on, off or "
+                                  "unsupported: why) and released_bytes (what the last release gave back)",
+                                  "properties": {"rss_bytes": {"type": "integer"},
+                                                 "anonymous_bytes": {"type": "integer"},
+                                                 "file_bytes": {"type": "integer"},
+                                                 "release": {"type": "string"},
+                                                 "released_bytes": {"type": "integer"}}},
                        "models": {"type": "array", "description": "every model installed: name, version, "
                                                                   "provider, state, model_bytes",
                                   "items": {"type": "object", "required": ["name", "state"],

@@ -108,8 +108,9 @@ class PipelineReading:
         if self.state == "refused":
             return PipelineFigures(self.name, "refused", reason=self.reason)
         source = self.source
-        figures = None if source is None else SourceFigures(source.state, source.frames, source.reconnects,
-                                                            source.failures)
+        figures = None if source is None else SourceFigures(
+            source.state, source.frames, source.reconnects, source.failures,
+            (source.detail or None) if source.state == "down" else None)
         return PipelineFigures(self.name, self.state, self.frames, self.dropped, self.stage_errors, figures,
                                events_by_rule(dict(self.by_kind))[:MAX_RULES])
 

@@ -3,8 +3,8 @@
 so a failed wave counts mismatches without parsing the job's reason. Rows stored before this
 revision have none.
 
-Revision ID: 0019_rollout_golden
-Revises: 0018_report_cards
+Revision ID: 0020_rollout_golden
+Revises: 0019_device_pipelines
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0019_rollout_golden"
-down_revision = "0018_report_cards"
+revision = "0020_rollout_golden"
+down_revision = "0019_device_pipelines"
 branch_labels = None
 depends_on = None
 
