@@ -157,3 +157,49 @@ def test_the_fleet_server_stores_telemetry_that_carries_pipelines_and_lists_them
                                                                           "r2": {"cross": 2}}
     finally:
         server.stop()
+
+
+class _Advancing:
+    """A running pipeline's counters as its threads move them: each read of a figure finds it one
+    higher, so two separate reads of one answer would disagree."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.stage_errors = 0
+        self.by_kind = {("gate", "cross"): 2}
+
+    @property
+    def frames(self) -> int:
+        self.reads += 1
+        return 100 + self.reads
+
+    @property
+    def events(self) -> int:
+        return 2 + self.reads
+
+
+def test_healthz_and_metrics_derive_from_one_snapshot_so_a_moving_pipeline_never_disagrees_with_itself():
+    import threading
+    from types import SimpleNamespace
+
+    from device_agent.pipelines.host import figures_of, status_of
+    from device_agent.pipelines.sources import SourceStatus
+
+    counters, done = _Advancing(), threading.Event()
+    pipelines = PipelineSet((), "pi-07", lambda name: None, None)
+    reader = SimpleNamespace(status=SourceStatus("up", "ok", frames=100, reconnects=1, failures=0))
+    pipelines.runners["cam"] = SimpleNamespace(counters=counters, finished=done, queue=SimpleNamespace(dropped=3),
+                                               reader=reader)
+    pipelines.refused["yard"] = "model absent is not installed"
+    snapshot = pipelines.snapshot()
+    assert counters.reads == 1  # each figure read once, whatever is derived from it after
+    status, figures = status_of(snapshot), figures_of(snapshot)
+    assert counters.reads == 1 and status_of(snapshot) == status and figures_of(snapshot) == figures
+    assert status["cam"] == {"state": "running", "frames": 101, "events": 3, "dropped": 3, "stage_errors": 0,
+                             "source": {"state": "up", "detail": "ok", "reconnects": 1}}
+    assert figures == (PipelineFigures("yard", "refused", reason="model absent is not installed"),
+                       PipelineFigures("cam", "running", 101, 3, 0, SourceFigures("up", 100, 1, 0),
+                                       (("gate", (("cross", 2),)),)))
+    assert status["yard"] == {"state": "refused", "reason": "model absent is not installed"}
+    done.set()
+    assert pipelines.status()["cam"]["state"] == "finished" and pipelines.figures()[1].state == "finished"

@@ -22,6 +22,7 @@ from sdk.fleet_server import device_pipelines, report_card_table, report_cards, 
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.liveness import HeardState, supersedes
 from sdk.fleet_server.retention import kinds_json
+from sdk.fleet_server.rollout_golden import golden_values
 
 log = logging.getLogger("edgepack.fleet_server.ingest")
 
@@ -369,7 +370,8 @@ class Writer:
                     rd.c.final.is_(False),
                     in_order,
                 )
-                .values(state=record.state, final=record.final, reason=record.reason, job_ts=record.ts, updated_at=at)
+                .values(state=record.state, final=record.final, reason=record.reason, job_ts=record.ts, updated_at=at,
+                        **golden_values(record.golden_stream))
             )
             connection.execute(
                 update(rd)
