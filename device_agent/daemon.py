@@ -53,7 +53,7 @@ class Daemon:
         # for the keys they carry; ``base_config`` is agent.yaml alone, what a new document overlays.
         self.base_config = config
         self.held = load_held(config.store)
-        self.config = overlay(config, self.held.applied())
+        self.config = overlay(config, self.held.applied(), self.held.pipelines)
         if config.mqtt is not None:
             # Before any session is made: imported after onnxruntime's start-up allocations, the
             # same modules cost 1.9 MiB more RSS (tools/bench/agent_rss.py --mqtt, BENCHMARKS.md).

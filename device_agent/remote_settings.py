@@ -20,6 +20,7 @@ from edgepack_core.errors import SchemaError
 from edgepack_core.fsutil import atomic_write
 
 if TYPE_CHECKING:  # imported when a document is held or arrives: most devices never get one
+    from edgepack_core.pipeline_spec import PipelineSpec
     from edgepack_core.settings_doc import SettingsDocument
 
 SETTINGS_FILE = "settings.json"
@@ -31,11 +32,21 @@ APPLIED = "applied"
 class Held:
     """The document this device applied last (None: none yet), each key's result, and the values
     kept from the document before for keys this one carries but were refused (a refused key keeps
-    what the device held, never falls back to agent.yaml behind the operator's back)."""
+    what the device held, never falls back to agent.yaml behind the operator's back).
+    ``kept_pipelines``: the kept ``pipelines`` value as parsed when it was applied."""
 
     document: SettingsDocument | None = None
     results: tuple[tuple[str, str], ...] = ()
     kept: tuple[tuple[str, Any], ...] = ()
+    kept_pipelines: tuple[PipelineSpec, ...] | None = None
+
+    @property
+    def pipelines(self) -> tuple[PipelineSpec, ...] | None:
+        """The pipelines that win over agent.yaml's (None: these settings hold none), as parsed
+        with their document: checked against the models and started without parsing again."""
+        if self.document is not None and dict(self.results).get("pipelines") == APPLIED:
+            return self.document.pipelines
+        return self.kept_pipelines
 
     @property
     def generation(self) -> int:
@@ -52,7 +63,8 @@ class Held:
         """The held settings once ``document`` is decided: a refused key keeps the value it had."""
         before = self.applied()
         kept = {key: before[key] for key, result in results.items() if result != APPLIED and key in before}
-        return Held(document, tuple(sorted(results.items())), tuple(sorted(kept.items())))
+        pipelines = self.pipelines if "pipelines" in kept else None
+        return Held(document, tuple(sorted(results.items())), tuple(sorted(kept.items())), pipelines)
 
 
 def settings_path(store: Path) -> Path:
@@ -72,21 +84,20 @@ def load_held(store: Path) -> Held:
         raise ConfigError(str(path), f"cannot read the held settings: {err.strerror}") from err
     if len(data) > MAX_FILE_BYTES:
         raise ConfigError(str(path), f"held settings over {MAX_FILE_BYTES} bytes")
-    from edgepack_core.settings_doc import check_value, parse_document
+    from edgepack_core.settings_doc import checked, parse_document
 
     try:
         doc = json.loads(data)
         document = parse_document(doc["generation"], doc["settings"])
         results = tuple(sorted((str(k), str(v)) for k, v in doc["results"].items()))
         kept = doc.get("kept", {})
-        for key, value in kept.items():
-            check_value(key, value)
+        kept_pipelines = {key: checked(key, value)[1] for key, value in kept.items()}.get("pipelines")
     except (ValueError, KeyError, TypeError, AttributeError, SchemaError) as err:
         raise ConfigError(
             str(path),
             f"held settings are not a settings document ({err}); move the file away to start on agent.yaml alone",
         ) from err
-    return Held(document, results, tuple(sorted(kept.items())))
+    return Held(document, results, tuple(sorted(kept.items())), kept_pipelines)
 
 
 def save_held(store: Path, held: Held) -> None:
@@ -141,9 +152,13 @@ def _refusal(key: str, value: Any, config: AgentConfig) -> str:
 _SECTIONS = ("mqtt", "updates", "limits")
 
 
-def overlay(config: AgentConfig, values: dict[str, Any]) -> AgentConfig:
+def overlay(
+    config: AgentConfig, values: dict[str, Any], pipelines: tuple[PipelineSpec, ...] | None = None
+) -> AgentConfig:
     """``config`` with the applied ``values`` over its keys (``trust`` and ``operator_keys`` are
-    public keys the daemon holds itself, not paths: they are skipped here). Pure."""
+    public keys the daemon holds itself, not paths: they are skipped here), and ``pipelines``
+    (:attr:`Held.pipelines`, already parsed; ``values``' raw ``pipelines`` is never parsed
+    again) over agent.yaml's when not None. Pure."""
     changes: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
     top: dict[str, Any] = {}
     for key, value in values.items():
@@ -152,10 +167,8 @@ def overlay(config: AgentConfig, values: dict[str, Any]) -> AgentConfig:
             changes[section][name] = _typed(name, value)
         elif key == "log_level":
             top[key] = value
-        elif key == "pipelines":
-            from edgepack_core.pipeline_spec import parse_pipelines
-
-            top[key] = parse_pipelines(value)
+    if pipelines is not None:
+        top["pipelines"] = pipelines
     if changes["updates"].get("health_window_s") is not None:
         window = config.updates.health_window_s
         changes["updates"]["health_window_s"] = HealthWindow(

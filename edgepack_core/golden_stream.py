@@ -11,7 +11,6 @@ number objects differently and still see the same crossings).
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -174,8 +173,9 @@ def compare(expected: Iterable[EventKey], got: Iterable[EventKey]) -> Comparison
 
 
 def mismatch_reason(model: str, problem: str) -> str:
-    """The one line a device's refusal gives (the job's reason): :func:`mismatches_in` reads its
-    count back on the fleet server, which keeps a job's reason but not its detail."""
+    """The one line a device's refusal gives (the job's reason), for people: the fleet server
+    counts mismatches from the job's typed ``golden_stream`` detail (:func:`counts_in`), never
+    from this line."""
     return f"golden stream of {model} failed: {problem}"
 
 
@@ -183,10 +183,30 @@ def mismatch_problem(comparison: Comparison) -> str:
     return f"{comparison.mismatches} event(s) differ from the {comparison.events} expected; first: {comparison.first}"
 
 
-_MISMATCHES = re.compile(r"golden stream of \S+ \S+ failed: (\d{1,9}) event\(s\) differ")
+MAX_COUNT = MAX_EVENTS * 2
+"""The most a count can be: every expected event missing plus as many not expected."""
 
 
-def mismatches_in(reason: str) -> int:
-    """The event mismatches a job's reason reports (0: not a golden stream refusal). Pure."""
-    found = _MISMATCHES.search(reason)
-    return int(found.group(1)) if found else 0
+@dataclass(frozen=True)
+class GoldenCounts:
+    """A job's ``golden_stream`` detail as the device sent it: events expected, mismatches."""
+
+    events: int
+    mismatches: int
+
+
+def _count(value: Any) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+    return value if ok else None
+
+
+def counts_in(detail: Mapping[str, Any]) -> GoldenCounts | None:
+    """The typed counts of a job detail's ``golden_stream`` entry, or None when it has none (no
+    clip, a skipped clip, or counts that are not integers within :data:`MAX_COUNT`). Pure."""
+    section = detail.get("golden_stream")
+    if not isinstance(section, Mapping):
+        return None
+    events, mismatches = _count(section.get("events")), _count(section.get("mismatches"))
+    if events is None or mismatches is None:
+        return None
+    return GoldenCounts(events, mismatches)

@@ -24,7 +24,7 @@ from typing import Any
 
 from edgepack_core.ed25519 import PublicKey
 from edgepack_core.errors import KeyFileError, SchemaError
-from edgepack_core.pipeline_spec import parse_pipelines, pipelines_schema
+from edgepack_core.pipeline_spec import PipelineSpec, parse_pipelines, pipelines_schema
 from edgepack_core.schema import json_integers, validate
 from edgepack_core.signing import OPERATOR, RELEASE, check_kind, public_key_from_pem
 
@@ -120,12 +120,15 @@ KEY_KINDS_OF = {"trust": RELEASE, "operator_keys": OPERATOR}
 
 @dataclass(frozen=True)
 class SettingsDocument:
-    """A checked document: the generation, the values by key (sorted), and the parsed keys."""
+    """A checked document: the generation, the values by key (sorted), and the parsed keys and
+    pipelines (``pipelines``: None when the document does not carry the key), parsed once here
+    so the device checks and runs these values, never a second parse of ``values``."""
 
     generation: int
     values: tuple[tuple[str, Any], ...]
     release_keys: tuple[PublicKey, ...] = ()
     operator_keys: tuple[PublicKey, ...] = ()
+    pipelines: tuple[PipelineSpec, ...] | None = None
 
     def get(self, key: str, default: Any = None) -> Any:
         return dict(self.values).get(key, default)
@@ -141,6 +144,11 @@ class SettingsDocument:
 def check_value(key: str, value: Any) -> Any:
     """Refuse ``value`` for ``key`` unless its schema accepts it (:class:`SchemaError` naming
     the key); lists come back as lists, integers given for numbers stay numbers."""
+    return checked(key, value)[0]
+
+
+def checked(key: str, value: Any) -> tuple[Any, tuple[PipelineSpec, ...] | None]:
+    """:func:`check_value`, with the pipelines it parsed for ``pipelines`` (None for other keys)."""
     if key in LOCAL_ONLY:
         raise SchemaError(key, 'can only be changed in agent.yaml on the device (docs/agent.md, "Remote settings")')
     schema = schema_of(key)
@@ -157,9 +165,8 @@ def check_value(key: str, value: Any) -> Any:
         raise SchemaError(key, "is not a finite number")
     if key in KEY_KINDS_OF:
         parse_keys(key, value)
-    if key == "pipelines":
-        parse_pipelines(value)  # the device's own rule: docs/agent.md, "Pipelines"
-    return value
+    pipelines = parse_pipelines(value) if key == "pipelines" else None  # the device's own rule (docs/agent.md)
+    return value, pipelines
 
 
 def parse_keys(key: str, pems: list[str]) -> tuple[PublicKey, ...]:
@@ -212,13 +219,17 @@ def parse_document(generation: Any, settings: Any) -> SettingsDocument:
     for key in ("trust", "operator_keys"):
         if key in settings and settings[key] == []:
             raise SchemaError(key, "would leave the device without any key of this kind: refused whole")
+    pipelines: tuple[PipelineSpec, ...] | None = None
     for key, value in settings.items():
-        check_value(key, value)
+        _, parsed = checked(key, value)
+        if key == "pipelines":
+            pipelines = parsed
     return SettingsDocument(
         generation=generation,
         values=tuple(sorted(settings.items())),
         release_keys=parse_keys("trust", settings["trust"]) if "trust" in settings else (),
         operator_keys=parse_keys("operator_keys", settings["operator_keys"]) if "operator_keys" in settings else (),
+        pipelines=pipelines,
     )
 
 

@@ -892,3 +892,45 @@ def test_the_device_page_shows_each_models_report_card(browser, server, broker):
     want = f"det 2.0.0 {HOSTILE[:64]} 12.5 ms 31.3 ms 20 (time budget) 850 ms 300.0 MiB 75 % (30 of 40 nodes)"
     assert row.startswith(want), row
     assert browser.title != "pwned"
+
+
+def test_the_device_page_shows_its_pipelines_a_source_down_with_its_reason_and_markup_as_text(browser, server,
+                                                                                              broker):
+    """Issue 26: the pipelines a device's telemetry carries are a table on its page: a source that
+    is down reads down with the device's reason; a reason that is markup stays text, and a
+    pipeline named with markup never reaches the page (names follow the protocol's id pattern)."""
+    source = {"state": "down", "frames": 120, "reconnects": 3, "failures": 4, "reason": f"cannot open {HOSTILE}"}
+    pipelines = [
+        {"name": "door-cam", "state": "running", "frames": 100, "dropped": 7, "stage_errors": 1,
+         "source": {"state": "up", "frames": 107, "reconnects": 0, "failures": 0},
+         "events": {"door-line": {"cross": 4, "enter": 1}}},
+        {"name": "yard", "state": "running", "frames": 90, "dropped": 0, "stage_errors": 0, "source": source},
+        {"name": HOSTILE, "state": "running", "frames": 1},
+        {"name": "attic", "state": "refused", "reason": HOSTILE_SCRIPT},
+    ]
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"piped-{free_port()}", protocol=mqtt.MQTTv5)
+    client.connect(broker.host, broker.port)
+    client.loop_start()
+    try:
+        for seq, scale in ((1, 1), (2, 3)):  # two samples 10 s apart: frames per second from the difference
+            doc = {"schema": "edgepack.telemetry/1", "device": "piped", "seq": seq, "ts": 1.7e9 + 10 * seq,
+                   "pipelines": [{**p, "frames": p["frames"] * scale} if p["name"] == "door-cam" else p
+                                 for p in pipelines]}
+            client.publish(f"{TOPIC_ROOT}/dev/piped/telemetry", json.dumps(doc), qos=1).wait_for_publish(10)
+            assert wait_for(lambda s=seq: (lambda status, d: status == 200 and d.get("pipelines") and (
+                d["pipelines"][0]["fps"] is not None) == (s == 2))(*server.call("GET", "/api/devices/piped")), 15)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    _open(browser, server, "/devices/piped", "#device-pipelines tr[data-pipeline='attic']")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#device-pipelines tbody tr")
+    assert [row.get_attribute("data-pipeline") for row in rows] == ["door-cam", "yard", "attic"]
+    door = _text(browser, "#device-pipelines tr[data-pipeline='door-cam']")
+    assert door == ("door-cam running up 0 reconnects, 0 failures 107 300 7 20 1 door-line: cross 4, enter 1"), door
+    yard = browser.find_element(By.CSS_SELECTOR, "#device-pipelines tr[data-pipeline='yard']")
+    assert yard.get_attribute("data-source") == "down"
+    assert yard.find_element(By.CSS_SELECTOR, ".source .badge").text == "down"
+    assert yard.find_element(By.CSS_SELECTOR, ".source-reason").text == f"cannot open {HOSTILE}"
+    assert _text(browser, "#device-pipelines tr[data-pipeline='attic'] .pipeline-reason") == HOSTILE_SCRIPT
+    assert browser.execute_script("return document.querySelectorAll('main img, main script, [onerror]').length") == 0
+    assert browser.title != "pwned"

@@ -214,6 +214,31 @@ def test_an_event_for_another_command_or_device_changes_no_rollout(database: Dat
     assert _rollout_device(database)["state"] == "sent"
 
 
+
+def test_a_golden_stream_refusal_reaches_the_rollout_driver_as_typed_counts_not_its_reason(database: Database):
+    """The ingest stores the job detail's counts as the protocol parsed them; the driver reads
+    them back typed. A reason that only reads like a refusal carries no counts."""
+    from edgepack_core.golden_stream import GoldenCounts
+    from sdk.fleet_server.driver import Driver
+    from sdk.fleet_server.rollouts import DeviceStatus
+
+    _seed_rollout(database)
+    refused = json.loads(_job("d1", "ro-1-d0-x", "failed", True, 2.0))
+    refused.update(reason="refused", detail={"golden_stream": {"events": 6, "mismatches": 12}})
+    _write_jobs(database, _job("d1", "ro-1-d0-x", "testing", False, 1.0), json.dumps(refused).encode())
+    driver = Driver(database, None, None, None, str, "s1")  # type: ignore[arg-type]  (reads only)
+    [status] = driver.device_statuses({"id": "ro-1", "wave": 0, "soak_started_at": None}, time.time())
+    assert isinstance(status, DeviceStatus) and status.golden_stream == GoldenCounts(6, 12)
+    assert status.reason == "refused"
+    with database.write() as connection:  # a second rollout device whose reason only looks like one
+        connection.execute(tables.rollout_devices.update().values(final=False, state="sent"))
+    lookalike = json.loads(_job("d1", "ro-1-d0-x", "failed", True, 3.0))
+    lookalike["reason"] = "golden stream of m 2.0.0 failed: 12 event(s) differ from the 6 expected; first: x"
+    _write_jobs(database, json.dumps(lookalike).encode())
+    [status] = driver.device_statuses({"id": "ro-1", "wave": 0, "soak_started_at": None}, time.time())
+    assert status.golden_stream is None and status.reason == lookalike["reason"]
+
+
 # ------------------------------------------------------------------ retention
 
 
@@ -282,8 +307,9 @@ def test_device_documents_are_built_alike_on_both_backends(database: Database):
     assert listed["devices"][0]["online"] is False and listed["devices"][2]["model"] is None
     assert listed["devices"][0]["error_rate"] is None and listed["devices"][0]["groups"] == ["g1"]
     single = get_device(database, "b", now=now, silence_s=60)
-    assert {k: v for k, v in single.items() if k not in ("capabilities", "report_cards")} == b
+    assert {k: v for k, v in single.items() if k not in ("capabilities", "report_cards", "pipelines")} == b
     assert single["report_cards"] == []  # a device whose agent measured none (or predates report cards)
+    assert single["pipelines"] == []  # nor runs a pipeline
     assert list_devices(database, DeviceFilter(group="z"), now=now, silence_s=60)["total"] == 1
     assert list_devices(database, DeviceFilter(online=False), now=now, silence_s=60)["devices"][0]["id"] == "a"
     assert list_devices(database, DeviceFilter(online=True, limit=1, offset=1), now=now,

@@ -27,6 +27,7 @@ from device_agent.updates.golden_stream import NO_PYAV, check_golden_stream, fai
 from edgepack_core.errors import SchemaError
 from edgepack_core.golden_stream import (
     MAX_CLIP_BYTES,
+    MAX_COUNT,
     EventKey,
     compare,
     events_bytes,
@@ -284,14 +285,12 @@ def test_a_deploy_reports_the_golden_stream_in_the_job_and_a_mismatch_fails_it_n
 
 
 def test_a_rollout_wave_failed_by_golden_stream_mismatches_counts_them_in_its_reason():
-    """The fleet server keeps a job's reason: the rollout's failure counts the event mismatches
-    its devices' refusals report (the agent's own reason line, read back by the shared rule)."""
-    from edgepack_core.golden_stream import Comparison, mismatch_problem, mismatch_reason, mismatches_in
+    """The rollout's failure counts the event mismatches its devices' jobs carry as typed counts
+    (parsed once from the job detail); a reason line alone, however it reads, counts nothing."""
+    from edgepack_core.golden_stream import Comparison, GoldenCounts, mismatch_problem, mismatch_reason
     from sdk.fleet_server.rollouts import RUNNING, DeviceStatus, Gates, Rollout, next_step
 
     refused = mismatch_reason("detector 1.1.0", mismatch_problem(Comparison(6, 12, "frame 10 hall enter car")))
-    assert mismatches_in(refused + " (the previous model keeps serving)") == 12
-    assert mismatches_in("smoke test of detector 1.1.0 failed: output differs") == 0
     rollout = Rollout(
         id="ro-000000000001",
         state=RUNNING,
@@ -301,16 +300,46 @@ def test_a_rollout_wave_failed_by_golden_stream_mismatches_counts_them_in_its_re
         wave_started_at=0.0,
         gates=Gates(soak_s=10.0, wave_timeout_s=100.0),
     )
+    counted = GoldenCounts(6, 12)
     wave = [
-        DeviceStatus("cam-1", 0, "failed", True, refused),
-        DeviceStatus("cam-2", 0, "failed", True, refused),
+        DeviceStatus("cam-1", 0, "failed", True, refused, golden_stream=counted),
+        DeviceStatus("cam-2", 0, "failed", True, "refused", golden_stream=counted),
         DeviceStatus("cam-3", 0, "failed", True, "download failed"),
-        DeviceStatus("cam-4", 0, "active", True),
+        DeviceStatus("cam-4", 0, "active", True, golden_stream=GoldenCounts(6, 0)),
     ]
     step = next_step(rollout, wave, 1.0)
     assert step.kind == "fail" and step.reason.endswith("; golden stream: 24 event mismatch(es) on 2 device(s)")
     plain = next_step(rollout, wave[2:], 1.0)
     assert plain.kind == "fail" and "golden stream" not in plain.reason
+    only_reason = next_step(rollout, [DeviceStatus("cam-1", 0, "failed", True, refused)], 1.0)
+    assert only_reason.kind == "fail" and "event mismatch" not in only_reason.reason
+
+
+@pytest.mark.parametrize(
+    ("golden_stream", "counts"),
+    [
+        ({"events": 6, "mismatches": 12}, (6, 12)),
+        ({"events": 0, "mismatches": MAX_COUNT}, (0, MAX_COUNT)),  # the bound passes
+        ({"events": 0, "mismatches": MAX_COUNT + 1}, None),  # one over: no counts
+        ({"events": 6, "mismatches": -1}, None),
+        ({"events": 6, "mismatches": True}, None),
+        ({"events": 6, "mismatches": "12"}, None),
+        ({"events": 6}, None),
+        ({"skipped": "PyAV is not installed"}, None),
+        ("12 mismatches", None),
+    ],
+)
+def test_a_job_events_golden_stream_detail_is_parsed_once_into_typed_counts(golden_stream, counts):
+    from edgepack_core.golden_stream import GoldenCounts
+    from edgepack_core.protocol.messages import JobEvent, parse_job_event
+
+    sent = JobEvent(
+        "cam-1", "job-1", "deploy", "failed", True, 1.0, reason="refused", detail={"golden_stream": golden_stream}
+    )
+    parsed = parse_job_event("cam-1", sent.encode())
+    assert isinstance(parsed, JobEvent)
+    assert parsed.golden_stream == (None if counts is None else GoldenCounts(*counts))
+    assert parsed.to_json() == sent.to_json()  # the counts are not a second wire field
 
 
 def test_a_clip_over_its_frame_bound_is_refused_as_it_decodes(golden):

@@ -92,6 +92,27 @@ def test_telemetrys_pipelines_section_validates_and_parses_back_to_the_same_figu
     assert parse_telemetry("pi-07", json.dumps(older).encode()).pipelines == ()  # type: ignore[union-attr]
 
 
+def test_a_source_that_is_down_sends_why_in_telemetry(scene):  # noqa: F811
+    """What an operator reads on the fleet server's device page: the reader's failure, bounded."""
+    down = {**PIPELINE, "name": "gate", "source": {"url": "rtsp://127.0.0.1:9/none", "reconnect_s": 0.05,
+                                                   "reconnect_max_s": 0.1}}
+    service = service_of(scene)
+    pipelines = PipelineSet(parse_pipelines([down]), "pi-07", lambda name: service, None)
+    pipelines.start({"detector": StageContract("image", "detection", LABELS)})
+    try:
+        found = wait_for(lambda: (lambda f: f if f.source is not None and f.source.state == "down" else None)(
+            pipelines.figures()[0]), 20)
+    finally:
+        pipelines.stop()
+    assert found is not None and found.source is not None and found.source.reason, found
+    assert "127.0.0.1:9" in found.source.reason or "refused" in found.source.reason.lower(), found.source.reason
+    sample = Telemetry("pi-07", seq=1, ts=1.0, interval_s=10.0, throughput_per_s=0.0, inferences_total=0,
+                       inferences_interval=0, uptime_s=1.0, pipelines=(found,))
+    validate(sample.to_json(), TELEMETRY_SCHEMA, document="telemetry")
+    parsed = parse_telemetry("pi-07", sample.encode())
+    assert isinstance(parsed, Telemetry) and parsed.pipelines[0].source == found.source
+
+
 def pipeline_doc(name: str, rules: int = 1, **extra: Any) -> dict[str, Any]:
     return {"name": name, "state": "running", "frames": 5, "dropped": 1, "stage_errors": 0,
             "source": {"state": "down", "frames": 6, "reconnects": 2, "failures": 2},
@@ -119,7 +140,8 @@ def test_a_wrong_figure_reads_none_and_never_costs_the_telemetry_message():
     assert isinstance(parsed, Telemetry) and parsed.seq == 3 and parsed.pipelines == ()
 
 
-def test_the_fleet_server_stores_telemetry_that_carries_pipelines(tmp_path, mosquitto_broker, server_keys):
+def test_the_fleet_server_stores_telemetry_that_carries_pipelines_and_lists_them_on_the_device(
+        tmp_path, mosquitto_broker, server_keys):
     server = FleetServerProcess(tmp_path / "server", broker=mosquitto_broker.address, keys=server_keys).start()
     try:
         telemetry = {"schema": "edgepack.telemetry/1", "device": "pi-07", "seq": 1, "latency_ms": {"p50": 3.0},
@@ -129,5 +151,55 @@ def test_the_fleet_server_stores_telemetry_that_carries_pipelines(tmp_path, mosq
             server.get("/api/status")), 15)
         assert stored is not None and sum(stored["ingest"]["dropped"].values()) == 0
         assert server.get("/api/devices")["devices"][0]["latency_ms"]["p50"] == 3.0
+        (shown,) = server.get("/api/devices/pi-07")["pipelines"]  # what it sent, typed, on the device's document
+        assert shown == {**parse_pipelines_section([pipeline_doc("door-cam", 3)])[0].to_json(), "fps": None}
+        assert shown["source"]["state"] == "down" and shown["events"] == {"r0": {"cross": 0}, "r1": {"cross": 1},
+                                                                          "r2": {"cross": 2}}
     finally:
         server.stop()
+
+
+class _Advancing:
+    """A running pipeline's counters as its threads move them: each read of a figure finds it one
+    higher, so two separate reads of one answer would disagree."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.stage_errors = 0
+        self.by_kind = {("gate", "cross"): 2}
+
+    @property
+    def frames(self) -> int:
+        self.reads += 1
+        return 100 + self.reads
+
+    @property
+    def events(self) -> int:
+        return 2 + self.reads
+
+
+def test_healthz_and_metrics_derive_from_one_snapshot_so_a_moving_pipeline_never_disagrees_with_itself():
+    import threading
+    from types import SimpleNamespace
+
+    from device_agent.pipelines.host import figures_of, status_of
+    from device_agent.pipelines.sources import SourceStatus
+
+    counters, done = _Advancing(), threading.Event()
+    pipelines = PipelineSet((), "pi-07", lambda name: None, None)
+    reader = SimpleNamespace(status=SourceStatus("up", "ok", frames=100, reconnects=1, failures=0))
+    pipelines.runners["cam"] = SimpleNamespace(counters=counters, finished=done, queue=SimpleNamespace(dropped=3),
+                                               reader=reader)
+    pipelines.refused["yard"] = "model absent is not installed"
+    snapshot = pipelines.snapshot()
+    assert counters.reads == 1  # each figure read once, whatever is derived from it after
+    status, figures = status_of(snapshot), figures_of(snapshot)
+    assert counters.reads == 1 and status_of(snapshot) == status and figures_of(snapshot) == figures
+    assert status["cam"] == {"state": "running", "frames": 101, "events": 3, "dropped": 3, "stage_errors": 0,
+                             "source": {"state": "up", "detail": "ok", "reconnects": 1}}
+    assert figures == (PipelineFigures("yard", "refused", reason="model absent is not installed"),
+                       PipelineFigures("cam", "running", 101, 3, 0, SourceFigures("up", 100, 1, 0),
+                                       (("gate", (("cross", 2),)),)))
+    assert status["yard"] == {"state": "refused", "reason": "model absent is not installed"}
+    done.set()
+    assert pipelines.status()["cam"]["state"] == "finished" and pipelines.figures()[1].state == "finished"

@@ -252,3 +252,37 @@ def test_the_last_will_names_the_groups_a_settings_change_left(tmp_path):
     assert json.loads(settings.will.payload())["groups"] == ["a"]
     groups[:] = ["b", "c"]  # what settings_apply does to the reporter's list
     assert json.loads(settings.will.payload())["groups"] == ["b", "c"]
+
+
+def test_a_settings_documents_pipelines_are_parsed_once_and_those_values_are_the_ones_applied(tmp_path, monkeypatch):
+    """The document's ``pipelines`` are parsed with the document (the boundary); the held
+    settings and the config the agent runs carry those very values, kept as parsed when a later
+    document's pipelines are refused; a restart reads the held file (a new boundary) once."""
+    import edgepack_core.pipeline_spec as pipeline_spec
+    import edgepack_core.settings_doc as settings_doc
+
+    parsed = []
+
+    def counting(*args, **kwargs):
+        parsed.append(args)
+        return pipeline_spec.parse_pipelines(*args, **kwargs)
+
+    monkeypatch.setattr(settings_doc, "parse_pipelines", counting)
+    cam = {"name": "cam", "source": {"file": "/clip.mp4"}, "stages": [{"model": "scale"}]}
+    agent = config(tmp_path)
+    first = parse_document(1, {"pipelines": [cam], "log_level": "debug"})
+    held = Held().after(first, {"pipelines": "applied", "log_level": "applied"})
+    running = overlay(agent, held.applied(), held.pipelines)
+    assert len(parsed) == 1 and first.pipelines is not None and running.pipelines is first.pipelines
+    assert running.pipelines[0].name == "cam" and running.log_level == "debug"
+    refused = parse_document(2, {"pipelines": [{**cam, "name": "other"}]})
+    later = held.after(refused, {"pipelines": "refused: the models installed cannot run it"})
+    assert len(parsed) == 2 and later.pipelines is first.pipelines  # kept as parsed, not parsed again
+    assert overlay(agent, later.applied(), later.pipelines).pipelines is first.pipelines
+    dropped = held.after(parse_document(3, {"log_level": "info"}), {"log_level": "applied"})
+    assert dropped.pipelines is None and overlay(agent, dropped.applied(), dropped.pipelines).pipelines == ()
+    store = tmp_path / "store"
+    store.mkdir()
+    save_held(store, later)
+    again = load_held(store)
+    assert len(parsed) == 4 and again.pipelines == first.pipelines  # the file: its document and its kept value

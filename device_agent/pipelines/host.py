@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from device_agent.errors import PipelineRefused
@@ -51,27 +52,85 @@ class PipelineSet:
         for runner in self.runners.values():
             runner.stop()
 
+    def snapshot(self) -> tuple[PipelineReading, ...]:
+        """Every pipeline's state, each runner's counters and source read once: refused ones
+        first, then the running in start order. What one answer says is derived from one of
+        these, so its parts (/healthz's status, /metrics' figures) never disagree."""
+        out = [PipelineReading(name, "refused", reason=reason) for name, reason in self.refused.items()]
+        return (*out, *(_reading(name, runner) for name, runner in self.runners.items()))
+
     def status(self) -> dict[str, Any]:
         """Per pipeline: running with its counters, or refused with the reason (/healthz)."""
-        out: dict[str, Any] = {name: {"state": "refused", "reason": reason} for name, reason in self.refused.items()}
-        for name, runner in self.runners.items():
-            source = runner.reader.status if runner.reader is not None else None
-            out[name] = {"state": "finished" if runner.finished.is_set() else "running",
-                         "frames": runner.counters.frames, "events": runner.counters.events,
-                         "dropped": runner.queue.dropped, "stage_errors": runner.counters.stage_errors,
-                         "source": None if source is None else {"state": source.state, "detail": source.detail,
-                                                                "reconnects": source.reconnects}}
-        return out
+        return status_of(self.snapshot())
 
     def figures(self) -> tuple[PipelineFigures, ...]:
         """Each pipeline's counters, typed (/metrics and telemetry): refused ones with why."""
-        out = [PipelineFigures(name, "refused", reason=reason) for name, reason in self.refused.items()]
-        for name, runner in self.runners.items():
-            reader = runner.reader.status if runner.reader is not None else None
-            source = None if reader is None else SourceFigures(reader.state, reader.frames, reader.reconnects,
-                                                               reader.failures)
-            out.append(PipelineFigures(
-                name, "finished" if runner.finished.is_set() else "running", runner.counters.frames,
-                runner.queue.dropped, runner.counters.stage_errors, source,
-                events_by_rule(dict(runner.counters.by_kind))[:MAX_RULES]))
-        return tuple(out)
+        return figures_of(self.snapshot())
+
+
+@dataclass(frozen=True)
+class SourceReading:
+    """A pipeline's source reader as read once."""
+
+    state: str
+    detail: str
+    frames: int
+    reconnects: int
+    failures: int
+
+
+@dataclass(frozen=True)
+class PipelineReading:
+    """One pipeline as read once (:meth:`PipelineSet.snapshot`): ``state`` running, finished or
+    refused (``reason``: why), its counters, its source (None: frames pushed from Python) and its
+    events by (rule, kind)."""
+
+    name: str
+    state: str
+    reason: str | None = None
+    frames: int = 0
+    events: int = 0
+    dropped: int = 0
+    stage_errors: int = 0
+    source: SourceReading | None = None
+    by_kind: tuple[tuple[tuple[str, str], int], ...] = ()
+
+    def status(self) -> dict[str, Any]:
+        if self.state == "refused":
+            return {"state": "refused", "reason": self.reason}
+        source = self.source
+        return {"state": self.state, "frames": self.frames, "events": self.events, "dropped": self.dropped,
+                "stage_errors": self.stage_errors,
+                "source": None if source is None else {"state": source.state, "detail": source.detail,
+                                                       "reconnects": source.reconnects}}
+
+    def figures(self) -> PipelineFigures:
+        if self.state == "refused":
+            return PipelineFigures(self.name, "refused", reason=self.reason)
+        source = self.source
+        figures = None if source is None else SourceFigures(
+            source.state, source.frames, source.reconnects, source.failures,
+            (source.detail or None) if source.state == "down" else None)
+        return PipelineFigures(self.name, self.state, self.frames, self.dropped, self.stage_errors, figures,
+                               events_by_rule(dict(self.by_kind))[:MAX_RULES])
+
+
+def _reading(name: str, runner: PipelineRunner) -> PipelineReading:
+    """One runner's state read once, into a frozen value."""
+    reader = runner.reader.status if runner.reader is not None else None
+    source = None if reader is None else SourceReading(reader.state, reader.detail, reader.frames,
+                                                       reader.reconnects, reader.failures)
+    counters = runner.counters
+    return PipelineReading(name, "finished" if runner.finished.is_set() else "running", None, counters.frames,
+                           counters.events, runner.queue.dropped, counters.stage_errors, source,
+                           tuple(dict(counters.by_kind).items()))
+
+
+def status_of(snapshot: Sequence[PipelineReading]) -> dict[str, Any]:
+    """/healthz's ``pipelines`` of one snapshot. Pure."""
+    return {reading.name: reading.status() for reading in snapshot}
+
+
+def figures_of(snapshot: Sequence[PipelineReading]) -> tuple[PipelineFigures, ...]:
+    """/metrics' and telemetry's figures of one snapshot. Pure."""
+    return tuple(reading.figures() for reading in snapshot)

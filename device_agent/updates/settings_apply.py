@@ -20,7 +20,7 @@ from typing import Any
 from device_agent.remote_settings import Held, decide, limits_for, overlay, save_held
 from device_agent.updates import jobs as J
 from edgepack_core.errors import EdgepackError, SchemaError, SignatureError
-from edgepack_core.pipeline_spec import parse_pipelines
+from edgepack_core.pipeline_spec import PipelineSpec
 from edgepack_core.protocol.commands import Command
 from edgepack_core.settings_doc import SettingsDocument, parse_document
 from edgepack_core.signing import TrustStore
@@ -54,7 +54,7 @@ def handle(service: Any, command: Command) -> None:
         return
     results = decide(document, host.base_config, _unverifiable(host, document))
     if results.get("pipelines") == "applied":
-        results["pipelines"] = _pipelines_result(host, document.get("pipelines"))
+        results["pipelines"] = _pipelines_result(host, document.pipelines or ())
     fresh = held.after(document, results)
     try:
         save_held(host.config.store, fresh)
@@ -97,16 +97,17 @@ def _unverifiable(host: Any, document: SettingsDocument) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _pipelines_result(host: Any, pipelines: Any) -> str:
+def _pipelines_result(host: Any, pipelines: tuple[PipelineSpec, ...]) -> str:
     """``applied``, or ``refused: ...`` for pipelines the models installed now cannot run (each
-    checked as a start would check it: docs/agent.md, "Pipelines"); the running ones then stay."""
+    checked as a start would check it: docs/agent.md, "Pipelines"); the running ones then stay.
+    ``pipelines``: the document's, as parsed with it (the values then started)."""
     from device_agent.errors import PipelineRefused
     from device_agent.pipelines.checks import check_models
     from device_agent.pipelines.contracts import installed_contracts
 
     try:
         contracts = installed_contracts(host.config)
-        for index, spec in enumerate(parse_pipelines(pipelines)):
+        for index, spec in enumerate(pipelines):
             check_models(spec, contracts, where=f"pipelines[{index}]")
     except (PipelineRefused, SchemaError) as err:
         return f"refused: {err}"
@@ -117,7 +118,7 @@ def apply_live(service: Any, held: Held) -> None:
     """Make ``held`` the device's settings now: every part that reads them is told."""
     host = service.host
     values = held.applied()
-    config = overlay(host.base_config, values)
+    config = overlay(host.base_config, values, held.pipelines)
     pipelines_changed = config.pipelines != host.config.pipelines
     host.held = held
     host.config = config

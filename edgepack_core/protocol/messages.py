@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from edgepack_core.golden_stream import GoldenCounts, counts_in
 from edgepack_core.protocol.bounds import (
     Refusal,
     count,
@@ -242,7 +243,9 @@ class Telemetry:
 @dataclass(frozen=True)
 class JobEvent:
     """One state change of a command's job. ``detail`` holds the state's facts as the device
-    sent them (within the message bounds); it is the parser's own copy, not to be mutated."""
+    sent them (within the message bounds); it is the parser's own copy, not to be mutated.
+    ``golden_stream``: its golden stream counts, typed once by :func:`parse_job_event` (the
+    fleet server's rollouts read them; not sent: ``detail`` carries them on the wire)."""
 
     device: str
     job: str
@@ -254,6 +257,7 @@ class JobEvent:
     version: str | None = None
     duplicate: bool = False
     detail: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    golden_stream: GoldenCounts | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The event's wire document: what the agent publishes and ``edgepack device`` prints.
@@ -491,11 +495,12 @@ def parse_job_event(device: str, payload: bytes) -> JobEvent | Refusal:
     if doc.get("device") != device:
         return "device_mismatch"
     detail, ts = doc.get("detail"), number(doc["ts"])
+    detail = detail if isinstance(detail, dict) else {}
     return JobEvent(device=device, job=doc["job"], type=text(doc.get("type"), MAX_JOB_TYPE_CHARS) or "",
                     state=doc["state"], final=doc["final"], ts=ts if ts is not None else 0.0,
                     reason=text(doc.get("reason"), MAX_JOB_REASON) or "",
                     version=text(doc.get("version"), MAX_VERSION_CHARS), duplicate=doc.get("duplicate") is True,
-                    detail=detail if isinstance(detail, dict) else {})
+                    detail=detail, golden_stream=counts_in(detail))
 
 
 __all__ = [

@@ -33,16 +33,21 @@ MAX_REASON_CHARS = 300
 @dataclass(frozen=True)
 class SourceFigures:
     """A pipeline's source reader: ``state`` (starting, up, down), frames read, reopenings
-    after a failure or an end, and failures (cannot open, read error, watchdog)."""
+    after a failure or an end, failures (cannot open, read error, watchdog), and why it is down
+    (``reason``: sent only then, so an operator sees the cause without the device's logs)."""
 
     state: str | None = None
     frames: int | None = None
     reconnects: int | None = None
     failures: int | None = None
+    reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"state": self.state, "frames": self.frames, "reconnects": self.reconnects,
-                "failures": self.failures}
+        doc: dict[str, Any] = {"state": self.state, "frames": self.frames, "reconnects": self.reconnects,
+                               "failures": self.failures}
+        if self.reason is not None:
+            doc["reason"] = self.reason[:MAX_REASON_CHARS]
+        return doc
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,8 @@ def _source(value: Any) -> SourceFigures | None:
     if not isinstance(value, dict):
         return None
     return SourceFigures(_choice(value.get("state"), SOURCE_STATES), count(value.get("frames")),
-                         count(value.get("reconnects")), count(value.get("failures")))
+                         count(value.get("reconnects")), count(value.get("failures")),
+                         text(value.get("reason"), MAX_REASON_CHARS))
 
 
 def _events(value: Any) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:

@@ -597,4 +597,4 @@ def open_database(url: str, *, migrate_schema: bool = True, stored_artifacts: in
 
 from sdk.fleet_server import users as _users  # noqa: E402,F401  isort: skip  (its api_tokens table joins metadata)
 from sdk.fleet_server import alert_table as _alert_table  # noqa: E402,F401  isort: skip  (the alerts table)
-from sdk.fleet_server import log_tables, report_card_table  # noqa: E402,F401  their tables join metadata
+from sdk.fleet_server import device_pipelines, log_tables, report_card_table, rollout_golden  # noqa: E402,F401  tables

@@ -21,7 +21,7 @@ from sqlalchemy import func, select, text
 
 from edgepack_core.protocol.ids import ID_PATTERN
 from sdk.errors import ApiError
-from sdk.fleet_server import audit, log_tables, report_card_table, report_cards
+from sdk.fleet_server import audit, device_pipelines, log_tables, report_card_table, report_cards
 from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.retention import Bucket, RetentionPolicy, check_step, effective_step, fold, rebucket
@@ -161,9 +161,11 @@ def get_device(database: Database, device: str, *, now: float, silence_s: float)
         capabilities = connection.execute(select(tables.devices.c.capabilities).where(
             tables.devices.c.id == device)).scalar()
         cards = report_cards.of_device(connection, device)
+        pipelines = device_pipelines.of_device(connection, device)
     if not found:
         raise ApiError(404, "not_found", f"no device {device}")
-    return {**found[0], "capabilities": json.loads(capabilities) if capabilities else {}, "report_cards": cards}
+    return {**found[0], "capabilities": json.loads(capabilities) if capabilities else {}, "report_cards": cards,
+            "pipelines": pipelines}
 
 
 MAX_GROUPS = 64
@@ -212,7 +214,7 @@ def decommission_device(database: Database, device: str, *, reason: str, actor: 
             raise ApiError(404, "not_found", f"no device {device}")
         for rows in (tables.device_groups, tables.device_claimed_groups, tables.device_rejected,
                      tables.device_models, report_card_table.device_report_cards,
-                     log_tables.device_logs, log_tables.device_log_chunks):
+                     log_tables.device_logs, log_tables.device_log_chunks, device_pipelines.device_pipelines):
             connection.execute(rows.delete().where(rows.c.device == device))
         for scoped in (tables.target_entries, tables.target_holds):  # its own target goes with it
             connection.execute(scoped.delete().where(scoped.c.scope == "device", scoped.c.name == device))

@@ -51,6 +51,7 @@ from sdk.fleet_server import db as tables
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.desired import apply_staged
 from sdk.fleet_server.lease import LEASE_NAME, Lease  # noqa: F401  (imported from here by others)
+from sdk.fleet_server.rollout_golden import golden_of
 from sdk.fleet_server.rollouts import (
     NOT_SENT,
     RUNNING,
@@ -320,7 +321,7 @@ class Driver:
         with self.database.read() as connection:
             found = connection.execute(
                 select(rd.c.device, rd.c.wave, rd.c.state, rd.c.final, rd.c.reason, devices.c.status,
-                       devices.c.last_seen)
+                       devices.c.last_seen, rd.c.golden_events, rd.c.golden_mismatches)
                 .select_from(rd.outerjoin(devices, devices.c.id == rd.c.device))
                 .where(rd.c.rollout_id == row["id"])).all()
             health = self._soak_figures(connection, row, [f.device for f in found if f.wave == row["wave"]])
@@ -330,7 +331,8 @@ class Driver:
                 now - item.last_seen <= self.config.silence_s
             inferences, errors = health.get(item.device, (0, 0))
             statuses.append(DeviceStatus(item.device, item.wave, item.state, bool(item.final), item.reason or "",
-                                         online, inferences, errors))
+                                         online, inferences, errors,
+                                         golden_of(item.golden_events, item.golden_mismatches)))
         return statuses
 
     @staticmethod

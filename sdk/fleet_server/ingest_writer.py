@@ -18,10 +18,11 @@ from edgepack_core.protocol.messages import (
     Telemetry,
 )
 from sdk.fleet_server import db as tables
-from sdk.fleet_server import report_card_table, report_cards, settings_db
+from sdk.fleet_server import device_pipelines, report_card_table, report_cards, settings_db
 from sdk.fleet_server.db import Database
 from sdk.fleet_server.liveness import HeardState, supersedes
 from sdk.fleet_server.retention import kinds_json
+from sdk.fleet_server.rollout_golden import golden_values
 
 log = logging.getLogger("edgepack.fleet_server.ingest")
 
@@ -142,6 +143,7 @@ class Writer:
                 tables.device_models,
                 tables.settings_reports,
                 report_card_table.device_report_cards,
+                device_pipelines.device_pipelines,
             ):
                 connection.execute(delete(table).where(table.c.device.in_(gone)))
         if not latest:
@@ -330,6 +332,7 @@ class Writer:
         for name in ("model_name", "model_version", "model_sha256", "provider"):
             updates[name] = case((applies, _coalesce(new[name], old[name])), else_=old[name])
         connection.execute(stmt.on_conflict_do_update(index_elements=["id"], set_=updates), rows)
+        device_pipelines.save(self.database, connection, list(latest.values()), replaces_latest)
 
     def jobs(self, connection: Any, records: list[tuple[JobEvent, float]]) -> int:
         """Store job events (a repeat is ignored) and fold them into the rollouts they belong
@@ -367,7 +370,8 @@ class Writer:
                     rd.c.final.is_(False),
                     in_order,
                 )
-                .values(state=record.state, final=record.final, reason=record.reason, job_ts=record.ts, updated_at=at)
+                .values(state=record.state, final=record.final, reason=record.reason, job_ts=record.ts, updated_at=at,
+                        **golden_values(record.golden_stream))
             )
             connection.execute(
                 update(rd)
@@ -390,6 +394,12 @@ def newer_seq(seq: int | None, than: int | None) -> bool:
     server of the share group, does not), unknown numbers always do, and a number far below
     is a restarted sequence. Pure."""
     return seq is None or than is None or seq > than or seq < than - SEQ_RESTART_GAP
+
+
+def replaces_latest(seq: int | None, heard: float, stored_seq: int | None, stored_heard: float | None) -> bool:
+    """The rule of :meth:`Writer.telemetry`'s SQL (``applies``) in Python, for rows kept beside
+    the latest figures (:mod:`.device_pipelines`). Pure."""
+    return stored_heard is None or newer_seq(seq, stored_seq) or stored_heard < heard - SEQ_STALE_S
 
 
 def _coalesce(new: Any, old: Any) -> Any:

@@ -15,6 +15,7 @@ from sdk.fleet_server.actions import ACTION_REQUEST_SCHEMA, ACTIONS
 from sdk.fleet_server.bad_releases import REQUEST_SCHEMA as BAD_REQUEST_SCHEMA
 from sdk.fleet_server.desired import MAX_MODELS, TARGET_REQUEST_SCHEMA
 from sdk.fleet_server.device_logs import OPENAPI_OPERATIONS as LOG_OPERATIONS
+from sdk.fleet_server.device_pipelines import PIPELINES_PROPERTY
 from sdk.fleet_server.enrollment_openapi import OPERATIONS as ENROLLMENT_OPERATIONS
 from sdk.fleet_server.history import DEFAULT_PAGE as HISTORY_DEFAULT_PAGE
 from sdk.fleet_server.history import MAX_PAGE as HISTORY_MAX_PAGE
@@ -79,6 +80,7 @@ SCHEMAS: dict[str, Any] = {
             "report_cards": {"type": "array", "items": REPORT_CARD_SCHEMA,
                              "description": "only on GET /api/devices/{device_id}: per model, what the device "
                                             "measured at activation (docs/fleet-server.md, \"Report cards\")"},
+            "pipelines": PIPELINES_PROPERTY,
         },
     },
     "DeviceList": {

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from edgepack_core.errors import InvalidTransition, SchemaError
-from edgepack_core.golden_stream import mismatches_in
+from edgepack_core.golden_stream import GoldenCounts
 from sdk.deploy.policy import ACTIVE, DeviceJob, required_successes, wave_verdict
 
 PENDING, RUNNING, PAUSED, SUCCEEDED, FAILED, ABORTED = "pending", "running", "paused", "succeeded", "failed", \
@@ -149,7 +149,8 @@ def new_rollout_id(entropy: bytes) -> str:
 @dataclass(frozen=True)
 class DeviceStatus:
     """One device of a rollout as the driver read it: its wave, its job, its health figures
-    since the current wave's soak began (``inferences``/``errors``), whether it is online."""
+    since the current wave's soak began (``inferences``/``errors``), whether it is online, and
+    the golden stream counts its job's detail carried (None: none)."""
 
     device: str
     wave: int
@@ -159,6 +160,7 @@ class DeviceStatus:
     online: bool = True
     inferences: int = 0
     errors: int = 0
+    golden_stream: GoldenCounts | None = None
 
 
 StepKind = Literal["wait", "start", "send", "soak", "advance", "succeed", "fail"]
@@ -233,9 +235,10 @@ def soak_verdict(wave: Sequence[DeviceStatus], gates: Gates) -> str:
 
 
 def golden_stream_note(wave: Sequence[DeviceStatus]) -> str:
-    """The wave's golden stream event mismatches, counted from its failed devices' reasons (the
-    agent refuses a candidate whose golden clip gives other events). Pure."""
-    counts = [mismatches_in(d.reason) for d in wave if d.final and d.state != ACTIVE]
+    """The wave's golden stream event mismatches, counted from its failed devices' typed job
+    counts (the agent refuses a candidate whose golden clip gives other events). Pure."""
+    counts = [d.golden_stream.mismatches for d in wave
+              if d.final and d.state != ACTIVE and d.golden_stream is not None]
     hit = [count for count in counts if count]
     return f"; golden stream: {sum(hit)} event mismatch(es) on {len(hit)} device(s)" if hit else ""
 

@@ -7,6 +7,7 @@ import { badge, bytes, h, ms, number, percent, replace, table, time, when } from
 import { actionsPanel } from "./device_actions.js";
 import { reportCardsPanel } from "./device_cards.js";
 import { logsPanel } from "./device_logs.js";
+import { pipelinesPanel } from "./device_pipelines.js";
 import { settingsPanel } from "./device_settings.js";
 import { artifactText } from "./rollouts.js";
 
@@ -126,12 +127,14 @@ export function mount(root, route, shell) {
   const desired = h("div");
   const settings = h("div");
   const cards = h("div", { class: "table-wrap" });
+  const pipelines = h("div", { class: "table-wrap" });
   const charts = h("div", { class: "charts", id: "charts" });
   const updates = h("div", { class: "table-wrap" });
   const logs = logsPanel(id);
   replace(root,
     h("p", { class: "crumbs" }, h("a", { href: "#/fleet" }, "Fleet"), " / ", id),
     h("h1", { id: "device-id" }, id), actionsPanel(id, shell), header, h("h2", {}, "Report cards"), cards,
+    h("h2", {}, "Pipelines"), pipelines,
     h("h2", {}, "Target"), desired,
     h("h2", {}, "Settings"), settings,
     h("h2", {}, "Update history"), updates, logs.node,
@@ -151,6 +154,7 @@ export function mount(root, route, shell) {
     replace(settings, settingsPanel(held));
     replace(header, facts(device, runningArtifact(history)));
     replace(cards, reportCardsPanel(device.report_cards || []));
+    replace(pipelines, pipelinesPanel(device.pipelines || []));
     replace(desired, target(wanted));
     replace(updates, table(["Started", "Kind", "Artifact", "Rollout", "Outcome", "Reason"],
                            history.entries.map(historyRow), { id: "device-history", empty: "no update recorded" }));
