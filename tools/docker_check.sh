@@ -253,10 +253,18 @@ wait_healthy agent || stop_for "the restarted agent is not healthy (health: $(he
 # idle: the model loaded and smoke-tested, no request yet (BENCHMARKS.md)
 AGENT_RSS=$(docker exec "$AGENT_ID" sh -c 'grep VmRSS /proc/1/status' | awk '{printf "%.1f", $2 / 1024}')
 AGENT_MEM=$(docker stats --no-stream --format '{{.MemUsage}}' "$AGENT_ID" | cut -d/ -f1)
+# what the agent says of its memory (/healthz: anonymous, and the start-up pages it gave back)
+AGENT_MEMORY=$("$PY" - "http://127.0.0.1:$AGENT_PORT/healthz" 2>>"$LOG" <<'PY'
+import json, sys, urllib.request
+memory = json.load(urllib.request.urlopen(sys.argv[1], timeout=10)).get("memory", {})
+print(f"anonymous {memory.get('anonymous_bytes', 0) / 2**20:.1f} MiB, start-up pages given back: "
+      f"{memory.get('release', '?')}, {memory.get('released_bytes', 0) / 2**20:.1f} MiB")
+PY
+) || AGENT_MEMORY="/healthz gave no memory"
 AGAIN=$(predict 2>>"$LOG") || stop_for "the restarted agent's /predict did not answer"
 [ "$AGAIN" = "$SERVED" ] && pass "agent killed with SIGKILL came back healthy, serving $AGAIN" \
   || fail "the restarted agent serves $AGAIN, not $SERVED"
-pass "agent image $AGENT_MB MB (its venv $VENV_MB MiB); idle serving digits after the restart: VmRSS $AGENT_RSS MiB, docker stats $AGENT_MEM"
+pass "agent image $AGENT_MB MB (its venv $VENV_MB MiB); idle serving digits after the restart: VmRSS $AGENT_RSS MiB ($AGENT_MEMORY), docker stats $AGENT_MEM"
 
 # 7. docker stop: every service ends on SIGTERM within the grace period (exit 0; 137 would be
 #    the SIGKILL docker sends after it), so a server checkpoints its database and an agent its store.
