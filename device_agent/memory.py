@@ -3,34 +3,41 @@
 Making the first onnxruntime session registers every CPU kernel: about 15 MiB of onnxruntime's
 library is read once for that and never again for a small model, and importing numpy, the
 verification of the store and the smoke tests leave more such pages. They are clean pages of
-shared libraries, so the kernel would drop them under memory pressure anyway; until then they
-count in the agent's RSS and crowd the page cache of a 512 MB device. ``MADV_PAGEOUT``
-(Linux 5.4) asks the kernel to reclaim them now: what the agent still runs faults back in from
-the file on first use (the working set), the rest stays out. The advice never changes what a
-page holds (it is not ``MADV_DONTNEED``): a page written since it was mapped is written back or
-kept, never lost, and pages another process maps too are left alone by the kernel.
+shared libraries: the kernel would drop them under memory pressure anyway; until then they
+count in the agent's RSS. Two advices, per read-only mapping of a shared object:
 
-The choice of mappings is a pure function of ``/proc/self/maps`` (:func:`releasable`); the
-advice is the I/O (:func:`release_startup_pages`).
+- ``MADV_PAGEOUT`` (Linux 5.4) reclaims the pages now, page cache included. The kernel takes it
+  only from a process that owns the file or may write it (a root-owned venv under an
+  unprivileged agent is neither), and never for a page another process maps too. It never
+  changes what a page holds (a private copy is written to swap or kept, never lost).
+- ``MADV_DONTNEED`` unmaps the pages from the agent (they stay in the page cache, unmapped: the
+  first memory the kernel takes back). Only on a mapping that holds no private copy of a page
+  (``Anonymous: 0`` in ``/proc/self/smaps``): a page the loader relocated (RELRO) would be read
+  back from the file unrelocated, so such a mapping is never unmapped.
+
+What the agent runs next faults back in (the working set). The choice of mappings is a pure
+function of ``/proc/self/smaps`` (:func:`releasable`, :func:`unmappable`); the advice is the I/O
+(:func:`release_startup_pages`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("edgepack.agent.memory")
 
-MADV_PAGEOUT = 21  # linux/mman-common.h; Linux 5.4 and later
+MADV_DONTNEED = 4  # linux/mman-common.h
+MADV_PAGEOUT = 21  # Linux 5.4 and later
 MAPS = Path("/proc/self/maps")
+SMAPS = Path("/proc/self/smaps")
 STATUS = Path("/proc/self/status")
-MAX_MAPS_BYTES = 4 * 1024 * 1024  # a process with ~40,000 mappings; ours has a few hundred
+MAX_MAPS_BYTES = 16 * 1024 * 1024  # smaps of ~40,000 mappings; the agent has a few hundred
 
 MEMORY_CONFIG_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -50,12 +57,14 @@ class MemorySettings:
 
 @dataclass(frozen=True)
 class Region:
-    """One line of ``/proc/self/maps``: an address range, its permissions and what it maps."""
+    """One mapping of ``/proc/self/maps``: an address range, its permissions, what it maps, and
+    (from ``smaps``) how much of it is private copies of pages (``Anonymous``, KiB)."""
 
     start: int
     end: int
     perms: str
     path: str
+    anonymous_kib: int = 0
 
     @property
     def size(self) -> int:
@@ -73,19 +82,29 @@ class Released:
     unsupported: str = ""
 
 
+def _mapping(line: str) -> Region | None:
+    """The region a maps (or smaps header) line names; None for any other line."""
+    fields = line.split(maxsplit=5)
+    if len(fields) < 5 or "-" not in fields[0] or fields[0].endswith(":"):
+        return None
+    low, _, high = fields[0].partition("-")
+    try:
+        start, end = int(low, 16), int(high, 16)
+    except ValueError:
+        return None
+    return Region(start, end, fields[1], fields[5].strip() if len(fields) > 5 else "")
+
+
 def parse_maps(text: str) -> tuple[Region, ...]:
-    """The regions of a ``/proc/PID/maps`` text; a line that is not a mapping is skipped."""
-    regions = []
+    """The regions of a ``/proc/PID/maps`` or ``smaps`` text, with each one's ``Anonymous`` from
+    smaps (0 from maps); a line that is neither a mapping nor its ``Anonymous`` is skipped."""
+    regions: list[Region] = []
     for line in text.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 5 or "-" not in fields[0]:
-            continue
-        low, _, high = fields[0].partition("-")
-        try:
-            start, end = int(low, 16), int(high, 16)
-        except ValueError:
-            continue
-        regions.append(Region(start, end, fields[1], fields[5].strip() if len(fields) > 5 else ""))
+        region = _mapping(line)
+        if region is not None:
+            regions.append(region)
+        elif line.startswith("Anonymous:") and regions and len(line.split()) >= 2 and line.split()[1].isdigit():
+            regions[-1] = replace(regions[-1], anonymous_kib=int(line.split()[1]))
     return tuple(regions)
 
 
@@ -108,6 +127,12 @@ def releasable(regions: Iterable[Region]) -> tuple[Region, ...]:
         and is_shared_object(region.path)
         and region.size > 0
     )
+
+
+def unmappable(regions: Iterable[Region]) -> tuple[Region, ...]:
+    """The :func:`releasable` regions whose pages may also be unmapped (``MADV_DONTNEED``): those
+    that hold no private copy of a page, so every page reads back from the file as it was."""
+    return tuple(region for region in releasable(regions) if region.anonymous_kib == 0)
 
 
 def _status_kib(status_text: str, field: str) -> int:
@@ -178,23 +203,22 @@ def _madvise() -> Any:
 
 
 def release_startup_pages() -> Released:
-    """Advise the kernel to reclaim the pages of every :func:`releasable` region now. On a
-    kernel without ``MADV_PAGEOUT`` (before 5.4) or off Linux, nothing is done and
-    ``unsupported`` says why."""
-    if not sys.platform.startswith("linux") or not MAPS.exists():
-        return Released(0, 0, 0, unsupported="not Linux: no /proc/self/maps")
+    """Advise the kernel to reclaim the pages of every :func:`releasable` region
+    (``MADV_PAGEOUT``; refused by kernels before 5.4 and for files the agent may not write) and
+    to unmap those of every :func:`unmappable` one (``MADV_DONTNEED``). ``regions``: how many took
+    one advice or both. Off Linux nothing is done and ``unsupported`` says why."""
+    if not sys.platform.startswith("linux") or not SMAPS.exists():
+        return Released(0, 0, 0, unsupported="not Linux: no /proc/self/smaps")
     before = rss_kib(_read(STATUS))
     advise = _madvise()
-    regions = releasable(parse_maps(_read(MAPS)))
-    advised = failed_unknown = 0
-    for region in regions:
-        if advise(region.start, region.size, MADV_PAGEOUT) == 0:
-            advised += 1
-        elif ctypes.get_errno() == errno.EINVAL:
-            failed_unknown += 1
-        # ENOMEM: the region went away meanwhile (a library unloaded); the others still count
-    if advised == 0 and failed_unknown:
-        return Released(0, before, before, unsupported="the kernel has no MADV_PAGEOUT (Linux 5.4 and later)")
+    regions = parse_maps(_read(SMAPS))
+    unmap = set(unmappable(regions))
+    advised = 0
+    for region in releasable(regions):
+        # Either may fail alone (EINVAL: no MADV_PAGEOUT; ENOMEM: the library went away meanwhile)
+        paged = advise(region.start, region.size, MADV_PAGEOUT) == 0
+        unmapped = region in unmap and advise(region.start, region.size, MADV_DONTNEED) == 0
+        advised += paged or unmapped
     return Released(advised, before, rss_kib(_read(STATUS)))
 
 

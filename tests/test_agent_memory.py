@@ -45,14 +45,14 @@ ONNXRUNTIME = "/venv/ort/capi/onnxruntime_pybind11_state.cpython-311.so"
 AFTER_RELEASE = """
 import json, sys
 import numpy as np, onnxruntime as ort
-from device_agent.memory import parse_maps, release_startup_pages, MAPS
+from device_agent.memory import parse_maps, release_startup_pages, releasable, MAPS
 session = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
 x = np.arange(12, dtype=np.float32).reshape(3, 4)
 before = session.run(None, {"x": x})[0]
-regions = {(r.start, r.end, r.perms, r.path) for r in parse_maps(MAPS.read_text())}
+regions = {(r.start, r.end, r.perms, r.path) for r in releasable(parse_maps(MAPS.read_text()))}
 released = release_startup_pages()
 after = session.run(None, {"x": x})[0]
-kept = regions <= {(r.start, r.end, r.perms, r.path) for r in parse_maps(MAPS.read_text())}
+kept = regions <= {(r.start, r.end, r.perms, r.path) for r in releasable(parse_maps(MAPS.read_text()))}
 print(json.dumps({"same": before.tobytes() == after.tobytes(), "expected": after.tolist(), "regions": released.regions,
                   "unsupported": released.unsupported, "kept": kept, "rss": released.rss_after_kib}))
 """
@@ -137,13 +137,15 @@ def test_a_session_answers_the_same_after_its_library_pages_are_given_back(tmp_p
     assert answer["expected"][1] == [12.0, 15.0, 18.0, 21.0]
 
 
-def _fake_madvise(results: list[int]):
-    """madvise as libc's behaves: 0, or -1 with errno set (ctypes' copy, as use_errno=True keeps it)."""
+def _fake_madvise(answers: dict[int, list[int]]):
+    """madvise as libc's behaves: 0, or -1 with errno set (ctypes' copy, as use_errno=True keeps
+    it); ``answers``: per advice, the errno of each call in turn (0: done; the last one repeats)."""
     calls: list[tuple[int, int, int]] = []
 
     def advise(start: int, length: int, advice: int) -> int:
         calls.append((start, length, advice))
-        code = results[min(len(calls) - 1, len(results) - 1)]
+        given = answers[advice]
+        code = given[min(sum(1 for call in calls if call[2] == advice) - 1, len(given) - 1)]
         if code:
             ctypes.set_errno(code)
             return -1
@@ -152,19 +154,45 @@ def _fake_madvise(results: list[int]):
     return advise, calls
 
 
-def test_a_kernel_without_the_advice_is_reported_and_nothing_is_counted(monkeypatch):
-    advise, calls = _fake_madvise([errno.EINVAL])
+def test_a_kernel_without_pageout_still_unmaps_what_holds_no_private_copy(monkeypatch):
+    """Before Linux 5.4 (EINVAL for MADV_PAGEOUT), or for a library the agent may not write."""
+    advise, calls = _fake_madvise({memory.MADV_PAGEOUT: [errno.EINVAL], memory.MADV_DONTNEED: [0]})
     monkeypatch.setattr(memory, "_madvise", lambda: advise)
     released = memory.release_startup_pages()
-    assert released.regions == 0 and "MADV_PAGEOUT" in released.unsupported and "5.4" in released.unsupported
-    assert calls and all(advice == memory.MADV_PAGEOUT for _, _, advice in calls)
+    unmapped = {(start, length) for start, length, advice in calls if advice == memory.MADV_DONTNEED}
+    assert released.unsupported == "" and released.regions == len(unmapped) > 0
 
 
-def test_a_region_unmapped_meanwhile_does_not_stop_the_others(monkeypatch):
-    advise, calls = _fake_madvise([errno.ENOMEM, 0])
+def test_a_mapping_holding_private_copies_is_never_unmapped(monkeypatch):
+    """The loader's relocated read-only data (RELRO) would read back from the file unrelocated."""
+    advise, calls = _fake_madvise({memory.MADV_PAGEOUT: [0], memory.MADV_DONTNEED: [0]})
+    monkeypatch.setattr(memory, "_madvise", lambda: advise)
+    regions = {(r.start, r.size): r for r in parse_maps(memory.SMAPS.read_text())}
+    memory.release_startup_pages()
+    unmapped = [regions[(start, length)] for start, length, advice in calls if advice == memory.MADV_DONTNEED]
+    paged = [regions[(start, length)] for start, length, advice in calls if advice == memory.MADV_PAGEOUT]
+    assert unmapped and all(region.anonymous_kib == 0 and "w" not in region.perms for region in unmapped)
+    assert any(region.anonymous_kib > 0 for region in paged)  # this process has relocated libraries
+
+
+def test_a_region_gone_meanwhile_does_not_stop_the_others(monkeypatch):
+    advise, calls = _fake_madvise({memory.MADV_PAGEOUT: [errno.ENOMEM, 0], memory.MADV_DONTNEED: [errno.ENOMEM, 0]})
     monkeypatch.setattr(memory, "_madvise", lambda: advise)
     released = memory.release_startup_pages()
-    assert released.unsupported == "" and released.regions == len(calls) - 1 > 0
+    pageouts = sum(1 for call in calls if call[2] == memory.MADV_PAGEOUT)
+    assert released.unsupported == "" and released.regions == pageouts - 1 > 0
+
+
+def test_smaps_gives_each_mapping_its_private_copies():
+    text = (
+        MAPS.splitlines()[1]
+        + "\nSize:  1024 kB\nAnonymous:    12 kB\nVmFlags: rd ex\n"
+        + MAPS.splitlines()[4]
+        + "\nAnonymous:     0 kB\n"
+    )
+    first, second = parse_maps(text)
+    assert (first.anonymous_kib, second.anonymous_kib) == (12, 0)
+    assert memory.unmappable((first, second)) == (second,)
 
 
 def _daemon(tmp_path: Path, public: Path, artifact: Path, memory_section: dict[str, bool] | None) -> Daemon:
