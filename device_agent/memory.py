@@ -58,13 +58,14 @@ class MemorySettings:
 @dataclass(frozen=True)
 class Region:
     """One mapping of ``/proc/self/maps``: an address range, its permissions, what it maps, and
-    (from ``smaps``) how much of it is private copies of pages (``Anonymous``, KiB)."""
+    (from ``smaps``) how much of it is private copies of pages (``Anonymous``, KiB; None: not
+    known, from a maps text or an smaps text cut short)."""
 
     start: int
     end: int
     perms: str
     path: str
-    anonymous_kib: int = 0
+    anonymous_kib: int | None = None
 
     @property
     def size(self) -> int:
@@ -97,7 +98,7 @@ def _mapping(line: str) -> Region | None:
 
 def parse_maps(text: str) -> tuple[Region, ...]:
     """The regions of a ``/proc/PID/maps`` or ``smaps`` text, with each one's ``Anonymous`` from
-    smaps (0 from maps); a line that is neither a mapping nor its ``Anonymous`` is skipped."""
+    smaps (None from maps); a line that is neither a mapping nor its ``Anonymous`` is skipped."""
     regions: list[Region] = []
     for line in text.splitlines():
         region = _mapping(line)
@@ -131,7 +132,8 @@ def releasable(regions: Iterable[Region]) -> tuple[Region, ...]:
 
 def unmappable(regions: Iterable[Region]) -> tuple[Region, ...]:
     """The :func:`releasable` regions whose pages may also be unmapped (``MADV_DONTNEED``): those
-    that hold no private copy of a page, so every page reads back from the file as it was."""
+    that hold no private copy of a page, so every page reads back from the file as it was (one
+    whose ``Anonymous`` is not known is never unmapped)."""
     return tuple(region for region in releasable(regions) if region.anonymous_kib == 0)
 
 

@@ -172,7 +172,7 @@ def test_a_mapping_holding_private_copies_is_never_unmapped(monkeypatch):
     unmapped = [regions[(start, length)] for start, length, advice in calls if advice == memory.MADV_DONTNEED]
     paged = [regions[(start, length)] for start, length, advice in calls if advice == memory.MADV_PAGEOUT]
     assert unmapped and all(region.anonymous_kib == 0 and "w" not in region.perms for region in unmapped)
-    assert any(region.anonymous_kib > 0 for region in paged)  # this process has relocated libraries
+    assert any((region.anonymous_kib or 0) > 0 for region in paged)  # this process has relocated libraries
 
 
 def test_a_region_gone_meanwhile_does_not_stop_the_others(monkeypatch):
@@ -193,6 +193,8 @@ def test_smaps_gives_each_mapping_its_private_copies():
     first, second = parse_maps(text)
     assert (first.anonymous_kib, second.anonymous_kib) == (12, 0)
     assert memory.unmappable((first, second)) == (second,)
+    cut_short = parse_maps(MAPS.splitlines()[4] + "\nSize:  1024 kB\n")  # smaps read up to its bound
+    assert cut_short[0].anonymous_kib is None and memory.unmappable(cut_short) == ()
 
 
 def _daemon(tmp_path: Path, public: Path, artifact: Path, memory_section: dict[str, bool] | None) -> Daemon:
