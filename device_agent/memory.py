@@ -104,8 +104,10 @@ def parse_maps(text: str) -> tuple[Region, ...]:
         region = _mapping(line)
         if region is not None:
             regions.append(region)
-        elif line.startswith("Anonymous:") and regions and len(line.split()) >= 2 and line.split()[1].isdigit():
-            regions[-1] = replace(regions[-1], anonymous_kib=int(line.split()[1]))
+        elif line.startswith("Anonymous:") and regions:
+            fields = line.split()
+            if len(fields) >= 2 and fields[1].isdigit():
+                regions[-1] = replace(regions[-1], anonymous_kib=int(fields[1]))
     return tuple(regions)
 
 
@@ -130,11 +132,15 @@ def releasable(regions: Iterable[Region]) -> tuple[Region, ...]:
     )
 
 
+def holds_no_private_copy(region: Region) -> bool:
+    """Whether every page of ``region`` reads back from its file as it was, so it may also be
+    unmapped (``MADV_DONTNEED``); one whose ``Anonymous`` is not known never is."""
+    return region.anonymous_kib == 0
+
+
 def unmappable(regions: Iterable[Region]) -> tuple[Region, ...]:
-    """The :func:`releasable` regions whose pages may also be unmapped (``MADV_DONTNEED``): those
-    that hold no private copy of a page, so every page reads back from the file as it was (one
-    whose ``Anonymous`` is not known is never unmapped)."""
-    return tuple(region for region in releasable(regions) if region.anonymous_kib == 0)
+    """The :func:`releasable` regions that :func:`holds_no_private_copy`."""
+    return tuple(region for region in releasable(regions) if holds_no_private_copy(region))
 
 
 def _status_kib(status_text: str, field: str) -> int:
@@ -213,13 +219,11 @@ def release_startup_pages() -> Released:
         return Released(0, 0, 0, unsupported="not Linux: no /proc/self/smaps")
     before = rss_kib(_read(STATUS))
     advise = _madvise()
-    regions = parse_maps(_read(SMAPS))
-    unmap = set(unmappable(regions))
     advised = 0
-    for region in releasable(regions):
+    for region in releasable(parse_maps(_read(SMAPS))):
         # Either may fail alone (EINVAL: no MADV_PAGEOUT; ENOMEM: the library went away meanwhile)
         paged = advise(region.start, region.size, MADV_PAGEOUT) == 0
-        unmapped = region in unmap and advise(region.start, region.size, MADV_DONTNEED) == 0
+        unmapped = holds_no_private_copy(region) and advise(region.start, region.size, MADV_DONTNEED) == 0
         advised += paged or unmapped
     return Released(advised, before, rss_kib(_read(STATUS)))
 
