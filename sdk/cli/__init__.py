@@ -52,4 +52,4 @@ def main() -> None:
 
 # Register the commands (each module adds itself to ``main``).
 from sdk.cli import artifact_commands, artifact_marks, bench, deploy, enroll, fleet, fleet_server  # noqa: E402,F401  isort: skip
-from sdk.cli import device_logs, fleet_db, fleet_settings, keys, rollout, target, tokens  # noqa: E402,F401  isort: skip
+from sdk.cli import device_logs, device_show, fleet_db, fleet_settings, keys, rollout, target, tokens  # noqa: E402,F401  isort: skip

@@ -8,6 +8,8 @@
   the certificate, the CA bundle, the broker address and the groups.
 - ``POST /api/devices/{id}/revoke`` (admins; audited ``device.revoke``): its certificates into the
   CRL, its broker password removed. ``DELETE /api/devices/{id}`` (decommission) revokes too.
+- ``GET /api/devices/{id}/credentials`` (a read, viewers): its newest certificates' serials and
+  validity and whether it holds a broker password (``edgepack device show``: the expiry).
 
 A server started without a CA folder (``fleet serve --ca-dir``) answers 503 naming the flag.
 """
@@ -27,6 +29,7 @@ from sdk.fleet_server import api
 from sdk.fleet_server.ca import MAX_CSR_BYTES
 from sdk.fleet_server.enrollment import DEFAULT_TOKEN_TTL_S, Enrollment
 from sdk.fleet_server.enrollment_openapi import ENROLL_REQUEST_SCHEMA, REVOKE_REQUEST_SCHEMA, TOKEN_REQUEST_SCHEMA
+from sdk.fleet_server.enrollment_tables import device_credentials
 
 MAX_ENROLL_BODY = 16 * 1024
 _TOKEN_VALIDATOR = Validator(TOKEN_REQUEST_SCHEMA, document="enrollment")
@@ -93,6 +96,11 @@ class EnrollmentRoutes:
             )
         )
 
+    async def credentials(self, request: Request, _actor: str) -> Response:
+        api.Params(request, set())
+        device = api._path_id(request, "device_id")
+        return JSONResponse(await run_in_threadpool(device_credentials, self.context.database, device))
+
     def decommission(self, handler: Handler) -> Handler:
         """The decommission handler, then the device's credentials revoked (when this server
         enrolls devices): a decommissioned device cannot connect with them again."""
@@ -119,6 +127,7 @@ def routes(context: api.ApiContext, guard: Callable[..., Endpoint]) -> list[Rout
         Route("/api/enroll", r.redeem, methods=["POST"]),
         Route("/api/devices/{device_id}/enrollment", guard(r.create_token, "device.enroll_identity"), methods=["POST"]),
         Route("/api/devices/{device_id}/revoke", guard(r.revoke, "device.revoke"), methods=["POST"]),
+        Route("/api/devices/{device_id}/credentials", guard(r.credentials), methods=["GET"]),
     ]
 
 

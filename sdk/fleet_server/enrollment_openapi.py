@@ -8,6 +8,7 @@ from typing import Any
 from edgepack_core.protocol.ids import ID_PATTERN
 from sdk.fleet_server.ca import MAX_CSR_BYTES
 from sdk.fleet_server.enrollment import MAX_TOKEN_TTL_S, MIN_TOKEN_TTL_S
+from sdk.fleet_server.enrollment_tables import MAX_LISTED_CERTIFICATES
 
 MAX_GROUPS = 64  # as PUT /api/devices/{id}/groups
 _GROUP = {"type": "string", "pattern": ID_PATTERN, "maxLength": 64}
@@ -155,6 +156,42 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                     },
                 ),
                 "404": _json("the device holds no certificate or password", _ERROR),
+            },
+        },
+    ),
+    (
+        "get",
+        "/api/devices/{device_id}/credentials",
+        {
+            "summary": "A device's newest certificates (serial and validity, never the certificate) and whether it "
+            "holds a broker password; empty for a device never enrolled through the server",
+            "parameters": [_DEVICE],
+            "responses": {
+                "200": _json(
+                    "the device's credentials",
+                    {
+                        "type": "object",
+                        "required": ["device", "certificates", "password"],
+                        "properties": {
+                            "device": {"type": "string"},
+                            "certificates": {
+                                "type": "array",
+                                "maxItems": MAX_LISTED_CERTIFICATES,
+                                "items": {
+                                    "type": "object",
+                                    "properties": {
+                                        "serial": {"type": "string"},
+                                        "issued_at": {"type": "number"},
+                                        "not_before": {"type": "number"},
+                                        "not_after": {"type": "number"},
+                                        "revoked_at": {"type": ["number", "null"]},
+                                    },
+                                },
+                            },
+                            "password": {"type": "boolean"},
+                        },
+                    },
+                ),
             },
         },
     ),

@@ -3,14 +3,16 @@
 
 They live beside :mod:`.db` rather than in it so that module stays within its size; the Alembic
 environment and :mod:`.enrollment` import this module, so the tables are known wherever the
-metadata is used.
+metadata is used. :func:`device_credentials` is their one read for the API.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Float, Index, String, Table, Text
+from typing import Any
 
-from sdk.fleet_server.db import ID, metadata
+from sqlalchemy import Column, Float, Index, String, Table, Text, select
+
+from sdk.fleet_server.db import ID, Database, metadata
 
 enrollment_tokens = Table(  # one-time tokens: only their sha256 is kept (the token is printed once)
     "enrollment_tokens",
@@ -48,3 +50,29 @@ device_passwords = Table(  # devices enrolled with a broker password (--password
     Column("entry", String(300), nullable=False),  # mosquitto's $7$ PBKDF2-SHA512 hash (never the password)
     Column("created_at", Float, nullable=False),
 )
+
+
+MAX_LISTED_CERTIFICATES = 5
+
+
+def device_credentials(database: Database, device: str) -> dict[str, Any]:
+    """``GET /api/devices/{id}/credentials``: the device's newest certificates (serial, validity,
+    revocation; never the certificate itself) and whether it holds a broker password. Empty for
+    a device never enrolled through the server: what ``edgepack device show`` reads for the
+    certificate's expiry."""
+    c = device_certificates
+    with database.read() as connection:
+        rows = (
+            connection.execute(
+                select(c.c.serial, c.c.issued_at, c.c.not_before, c.c.not_after, c.c.revoked_at)
+                .where(c.c.device == device)
+                .order_by(c.c.issued_at.desc(), c.c.serial)
+                .limit(MAX_LISTED_CERTIFICATES)
+            )
+            .mappings()
+            .all()
+        )
+        password = connection.execute(
+            select(device_passwords.c.device).where(device_passwords.c.device == device)
+        ).first()
+    return {"device": device, "certificates": [dict(row) for row in rows], "password": password is not None}
