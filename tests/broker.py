@@ -132,6 +132,22 @@ class Broker:
         self.stop()
         return self.start(timeout)
 
+    def publish(self, messages: list[tuple[str, bytes]]) -> None:
+        """Publish each ``(topic, payload)`` at QoS 1 as an outside client (a device, a hostile
+        one) would, each acknowledged by the broker before this returns."""
+        import paho.mqtt.client as mqtt
+
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"pub-{time.monotonic_ns()}",
+                             protocol=mqtt.MQTTv5)
+        client.connect(self.host, self.port)
+        client.loop_start()
+        try:
+            for topic, payload in messages:
+                client.publish(topic, payload, qos=1).wait_for_publish(10)
+        finally:
+            client.disconnect()
+            client.loop_stop()
+
     def log(self) -> str:
         """Everything mosquitto wrote so far (for assertion messages)."""
         try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import time
 
-import paho.mqtt.client as mqtt
 import pytest
 
 from device_agent.enroll import csr_pem, new_key
@@ -28,18 +27,6 @@ EVIL = f"ok{ESCAPES}\nFORGED LINE: device is healthy"
 
 def _env(server: FleetServerProcess) -> dict[str, str]:
     return {"EDGEPACK_SERVER": server.url, "EDGEPACK_SERVER_TOKEN_FILE": str(server.keys.token_file)}
-
-
-def _publish(broker, messages: list[tuple[str, bytes]]) -> None:
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"evil-{free_port()}", protocol=mqtt.MQTTv5)
-    client.connect(broker.host, broker.port)
-    client.loop_start()
-    try:
-        for topic, payload in messages:
-            client.publish(topic, payload, qos=1).wait_for_publish(10)
-    finally:
-        client.disconnect()
-        client.loop_stop()
 
 
 def _hostile_device(broker) -> None:
@@ -64,8 +51,7 @@ def _hostile_device(broker) -> None:
         "pipelines": [{"name": "door", "state": "refused", "reason": EVIL}],
     }
     job = JobEvent("evil-01", "job-evil-1", "deploy", "failed", True, now, reason=EVIL)
-    _publish(
-        broker,
+    broker.publish(
         [
             (topics.state("evil-01"), json.dumps(state).encode()),
             (topics.telemetry("evil-01"), json.dumps(telemetry).encode()),
