@@ -154,3 +154,52 @@ def test_a_hostile_stages_list_is_cut_to_the_stage_limit_and_wrong_figures_read_
            "pipelines": [{"name": "cam", "stages": many[:MAX_STAGES + 1]}]}
     parsed = parse_telemetry("pi-07", json.dumps(doc).encode())
     assert isinstance(parsed, Telemetry) and len(parsed.pipelines[0].stages) == MAX_STAGES
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_recent_quantiles_cover_the_last_one_to_two_windows_and_the_counts_every_sample():
+    """A sample stays in the recent figures until two windows after the one it fell in began
+    (119.999 s in: there; 120 s: gone), while the since-start counts keep it."""
+    from device_agent.pipelines.latency import WINDOW_S
+
+    clock = Clock()
+    histogram = Histogram(clock)
+    histogram.record(0.002)
+    clock.now += WINDOW_S - 0.001
+    assert histogram.recent().count == 1
+    clock.now += 0.001  # the next window: the sample is in the previous one
+    assert histogram.recent().count == 1
+    clock.now += WINDOW_S - 0.001
+    assert histogram.recent().count == 1
+    clock.now += 0.001
+    assert histogram.recent().count == 0 and histogram.recent().quantile(0.5) is None
+    assert histogram.snapshot().count == 1
+    histogram.record(0.003)
+    clock.now += 10 * WINDOW_S  # idle for long: nothing recent, whatever came before
+    assert histogram.recent().count == 0 and histogram.snapshot().count == 2
+
+
+def test_a_stage_that_turns_slow_after_hours_shows_it_in_its_recent_p50():
+    """Hours of fast frames, then a minute of slow ones: /healthz's and telemetry's p50 is the
+    slow one (the since-start buckets, /metrics', would still say fast)."""
+    from device_agent.pipelines.host import _stage_figures
+
+    clock = Clock()
+    recorder = LatencyRecorder((("detect", "yolo"),), clock)
+    for _ in range(3 * 3600):  # one frame a second for three hours, 2 ms each
+        recorder.by_stage["detect"].record(0.002)
+        clock.now += 1.0
+    for _ in range(60):
+        recorder.by_stage["detect"].record(0.4)
+        clock.now += 1.0
+    stage = recorder.snapshot().stages[0]
+    assert stage.histogram.quantile(0.5) <= 0.0025  # type: ignore[operator]
+    figures = _stage_figures(stage.name, stage.histogram, stage.recent)
+    assert figures.count == 3 * 3600 + 60 and figures.p50_ms is not None and figures.p50_ms > 250

@@ -119,9 +119,10 @@ class PipelineReading:
         frames' whole way; nothing for a reading without histograms."""
         if self.latency is None:
             return {}
-        return {"stages": [{**_stage_figures(s.name, s.histogram).to_json(), "model": s.model}
-                           for s in self.latency.stages],
-                "end_to_end": _stage_figures(END_TO_END, self.latency.end_to_end).unnamed_json()}
+        latency = self.latency
+        return {"stages": [{**_stage_figures(s.name, s.histogram, s.recent).to_json(), "model": s.model}
+                           for s in latency.stages],
+                "end_to_end": _stage_figures(END_TO_END, latency.end_to_end, latency.end_to_end_recent).unnamed_json()}
 
     def figures(self) -> PipelineFigures:
         if self.state == "refused":
@@ -134,13 +135,15 @@ class PipelineReading:
         return PipelineFigures(self.name, self.state, self.frames, self.dropped, self.stage_errors, figures,
                                events_by_rule(dict(self.by_kind))[:MAX_RULES],
                                stages=() if latency is None else tuple(
-                                   _stage_figures(s.name, s.histogram) for s in latency.stages),
-                               end_to_end=None if latency is None else _stage_figures(END_TO_END, latency.end_to_end))
+                                   _stage_figures(s.name, s.histogram, s.recent) for s in latency.stages),
+                               end_to_end=None if latency is None else _stage_figures(
+                                   END_TO_END, latency.end_to_end, latency.end_to_end_recent))
 
 
-def _stage_figures(name: str, histogram: HistogramSnapshot) -> StageFigures:
-    """A histogram as its count, p50 and p95 in ms (None while empty)."""
-    return StageFigures(name, histogram.count, histogram.quantile_ms(0.5), histogram.quantile_ms(0.95))
+def _stage_figures(name: str, histogram: HistogramSnapshot, recent: HistogramSnapshot) -> StageFigures:
+    """The frames answered since the start, and the p50 and p95 in ms of the last minute or two
+    (None when no frame was answered in it: a stalled stage has no recent latency)."""
+    return StageFigures(name, histogram.count, recent.quantile_ms(0.5), recent.quantile_ms(0.95))
 
 
 def _reading(name: str, runner: PipelineRunner) -> PipelineReading:
