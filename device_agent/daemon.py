@@ -249,7 +249,7 @@ class Daemon:
         if address is not None:
             self.api = ApiServer(address, self.service, settings=self.config.api, health=self.health,
                                  models=lambda: self.models.services(),
-                                 pipelines=lambda: () if self.pipelines is None else self.pipelines.figures()).start()
+                                 pipelines=lambda: () if self.pipelines is None else self.pipelines.snapshot()).start()
             log.info("HTTP API on http://%s:%d", address[0], self.api.port)
         self._serving = True
         self.released = release_if_enabled(self.config.memory, "after start")

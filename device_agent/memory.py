@@ -197,6 +197,17 @@ def read_memory(released: Released | None) -> MemoryReading | None:
     return memory_reading(_read(STATUS), released)
 
 
+def read_rss_bytes(status: Path = STATUS) -> int | None:
+    """The ``VmRSS`` of a ``/proc/PID/status`` file, in bytes: the one reader of the agent's
+    resident size (telemetry's ``memory_rss_bytes`` and /healthz's ``memory``). None where
+    the file or the field is absent."""
+    try:
+        text = _read(status)
+        return rss_kib(text) * 1024 if "\nVmRSS:" in "\n" + text else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _read(path: Path) -> str:
     with path.open("rb") as source:
         return source.read(MAX_MAPS_BYTES).decode("utf-8", "replace")

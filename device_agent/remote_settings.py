@@ -20,12 +20,14 @@ from edgepack_core.errors import SchemaError
 from edgepack_core.fsutil import atomic_write
 
 if TYPE_CHECKING:  # imported when a document is held or arrives: most devices never get one
+    from edgepack_core.ed25519 import PublicKey
     from edgepack_core.pipeline_spec import PipelineSpec
     from edgepack_core.settings_doc import SettingsDocument
 
 SETTINGS_FILE = "settings.json"
 MAX_FILE_BYTES = 256 * 1024
 APPLIED = "applied"
+_KEY_SETTINGS = ("trust", "operator_keys")  # the settings that hold public keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +35,14 @@ class Held:
     """The document this device applied last (None: none yet), each key's result, and the values
     kept from the document before for keys this one carries but were refused (a refused key keeps
     what the device held, never falls back to agent.yaml behind the operator's back).
-    ``kept_pipelines``: the kept ``pipelines`` value as parsed when it was applied."""
+    ``kept_pipelines`` and ``kept_keys``: the kept ``pipelines`` and ``trust``/``operator_keys``
+    values as parsed when they were applied (never parsed again from ``kept``)."""
 
     document: SettingsDocument | None = None
     results: tuple[tuple[str, str], ...] = ()
     kept: tuple[tuple[str, Any], ...] = ()
     kept_pipelines: tuple[PipelineSpec, ...] | None = None
+    kept_keys: tuple[tuple[str, tuple[PublicKey, ...]], ...] = ()
 
     @property
     def pipelines(self) -> tuple[PipelineSpec, ...] | None:
@@ -64,7 +68,8 @@ class Held:
         before = self.applied()
         kept = {key: before[key] for key, result in results.items() if result != APPLIED and key in before}
         pipelines = self.pipelines if "pipelines" in kept else None
-        return Held(document, tuple(sorted(results.items())), tuple(sorted(kept.items())), pipelines)
+        keys = tuple((key, held_keys(self, key)) for key in _KEY_SETTINGS if key in kept)
+        return Held(document, tuple(sorted(results.items())), tuple(sorted(kept.items())), pipelines, keys)
 
 
 def settings_path(store: Path) -> Path:
@@ -91,13 +96,15 @@ def load_held(store: Path) -> Held:
         document = parse_document(doc["generation"], doc["settings"])
         results = tuple(sorted((str(k), str(v)) for k, v in doc["results"].items()))
         kept = doc.get("kept", {})
-        kept_pipelines = {key: checked(key, value)[1] for key, value in kept.items()}.get("pipelines")
+        parsed = {key: checked(key, value) for key, value in kept.items()}
     except (ValueError, KeyError, TypeError, AttributeError, SchemaError) as err:
         raise ConfigError(
             str(path),
             f"held settings are not a settings document ({err}); move the file away to start on agent.yaml alone",
         ) from err
-    return Held(document, results, tuple(sorted(kept.items())), kept_pipelines)
+    kept_pipelines = parsed["pipelines"].pipelines if "pipelines" in parsed else None
+    kept_keys = tuple((key, parsed[key].keys or ()) for key in _KEY_SETTINGS if key in parsed)
+    return Held(document, results, tuple(sorted(kept.items())), kept_pipelines, kept_keys)
 
 
 def save_held(store: Path, held: Held) -> None:
@@ -123,15 +130,14 @@ def decide(document: SettingsDocument, config: AgentConfig, unverifiable: tuple[
     return results
 
 
-def held_keys(held: Held, key: str) -> tuple[Any, ...]:
+def held_keys(held: Held, key: str) -> tuple[PublicKey, ...]:
     """The public keys of ``trust`` or ``operator_keys`` the device holds from the server (()
-    when it holds none of that kind: agent.yaml's then)."""
-    applied = held.applied()
-    if key not in applied:
-        return ()
-    from edgepack_core.settings_doc import parse_keys
-
-    return parse_keys(key, applied[key])
+    when it holds none of that kind: agent.yaml's then), as parsed with their document or kept
+    from the one before (the same precedence as :meth:`Held.applied`)."""
+    document = held.document
+    if document is not None and dict(held.results).get(key) == APPLIED:
+        return document.release_keys if key == "trust" else document.operator_keys
+    return dict(held.kept_keys).get(key, ())
 
 
 def _refusal(key: str, value: Any, config: AgentConfig) -> str:

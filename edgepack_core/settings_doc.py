@@ -141,14 +141,25 @@ class SettingsDocument:
         return {"generation": self.generation, "settings": dict(self.values)}
 
 
+@dataclass(frozen=True)
+class CheckedValue:
+    """One key's value as checked, with what checking it parsed: the pipelines of ``pipelines``
+    and the public keys of ``trust`` or ``operator_keys`` (None for every other key), so that
+    nothing downstream parses the raw value again."""
+
+    value: Any
+    pipelines: tuple[PipelineSpec, ...] | None = None
+    keys: tuple[PublicKey, ...] | None = None
+
+
 def check_value(key: str, value: Any) -> Any:
     """Refuse ``value`` for ``key`` unless its schema accepts it (:class:`SchemaError` naming
     the key); lists come back as lists, integers given for numbers stay numbers."""
-    return checked(key, value)[0]
+    return checked(key, value).value
 
 
-def checked(key: str, value: Any) -> tuple[Any, tuple[PipelineSpec, ...] | None]:
-    """:func:`check_value`, with the pipelines it parsed for ``pipelines`` (None for other keys)."""
+def checked(key: str, value: Any) -> CheckedValue:
+    """:func:`check_value`, with what it parsed (:class:`CheckedValue`)."""
     if key in LOCAL_ONLY:
         raise SchemaError(key, 'can only be changed in agent.yaml on the device (docs/agent.md, "Remote settings")')
     schema = schema_of(key)
@@ -163,10 +174,9 @@ def checked(key: str, value: Any) -> tuple[Any, tuple[PipelineSpec, ...] | None]
         raise SchemaError(where, err.problem) from err
     if isinstance(value, float) and value != value:  # NaN passes every bound
         raise SchemaError(key, "is not a finite number")
-    if key in KEY_KINDS_OF:
-        parse_keys(key, value)
+    keys = parse_keys(key, value) if key in KEY_KINDS_OF else None
     pipelines = parse_pipelines(value) if key == "pipelines" else None  # the device's own rule (docs/agent.md)
-    return value, pipelines
+    return CheckedValue(value, pipelines, keys)
 
 
 def parse_keys(key: str, pems: list[str]) -> tuple[PublicKey, ...]:
@@ -219,17 +229,13 @@ def parse_document(generation: Any, settings: Any) -> SettingsDocument:
     for key in ("trust", "operator_keys"):
         if key in settings and settings[key] == []:
             raise SchemaError(key, "would leave the device without any key of this kind: refused whole")
-    pipelines: tuple[PipelineSpec, ...] | None = None
-    for key, value in settings.items():
-        _, parsed = checked(key, value)
-        if key == "pipelines":
-            pipelines = parsed
+    parsed = {key: checked(key, value) for key, value in settings.items()}
     return SettingsDocument(
         generation=generation,
         values=tuple(sorted(settings.items())),
-        release_keys=parse_keys("trust", settings["trust"]) if "trust" in settings else (),
-        operator_keys=parse_keys("operator_keys", settings["operator_keys"]) if "operator_keys" in settings else (),
-        pipelines=pipelines,
+        release_keys=parsed["trust"].keys or () if "trust" in parsed else (),
+        operator_keys=parsed["operator_keys"].keys or () if "operator_keys" in parsed else (),
+        pipelines=parsed["pipelines"].pipelines if "pipelines" in parsed else None,
     )
 
 

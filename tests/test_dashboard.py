@@ -903,7 +903,10 @@ def test_the_device_page_shows_its_pipelines_a_source_down_with_its_reason_and_m
     pipelines = [
         {"name": "door-cam", "state": "running", "frames": 100, "dropped": 7, "stage_errors": 1,
          "source": {"state": "up", "frames": 107, "reconnects": 0, "failures": 0},
-         "events": {"door-line": {"cross": 4, "enter": 1}}},
+         "events": {"door-line": {"cross": 4, "enter": 1}},
+         "stages": [{"name": "detector", "count": 100, "p50_ms": 2.5, "p95_ms": 4.7},
+                    {"name": "colour", "count": 98, "p50_ms": 0.6, "p95_ms": 1.2}],
+         "end_to_end": {"count": 100, "p50_ms": 9.5, "p95_ms": 30.0}},
         {"name": "yard", "state": "running", "frames": 90, "dropped": 0, "stage_errors": 0, "source": source},
         {"name": HOSTILE, "state": "running", "frames": 1},
         {"name": "attic", "state": "refused", "reason": HOSTILE_SCRIPT},
@@ -926,7 +929,11 @@ def test_the_device_page_shows_its_pipelines_a_source_down_with_its_reason_and_m
     rows = browser.find_elements(By.CSS_SELECTOR, "#device-pipelines tbody tr")
     assert [row.get_attribute("data-pipeline") for row in rows] == ["door-cam", "yard", "attic"]
     door = _text(browser, "#device-pipelines tr[data-pipeline='door-cam']")
-    assert door == ("door-cam running up 0 reconnects, 0 failures 107 300 7 20 1 door-line: cross 4, enter 1"), door
+    assert door == ("door-cam running up 0 reconnects, 0 failures 107 300 7 20 1 door-line: cross 4, enter 1\n"
+                    "detector 2.5 / 4.7 ms\ncolour 0.6 / 1.2 ms\nend to end 9.5 / 30 ms"), door
+    colour = "#device-pipelines tr[data-pipeline='door-cam'] [data-stage='colour']"
+    assert _text(browser, colour) == "colour 0.6 / 1.2 ms"
+    assert _text(browser, "#device-pipelines tr[data-pipeline='yard'] .latency") == "–"  # an agent without latency
     yard = browser.find_element(By.CSS_SELECTOR, "#device-pipelines tr[data-pipeline='yard']")
     assert yard.get_attribute("data-source") == "down"
     assert yard.find_element(By.CSS_SELECTOR, ".source .badge").text == "down"

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from edgepack_core.pipeline_spec import MAX_STAGES
 from edgepack_core.protocol.messages import Telemetry, parse_telemetry
 from edgepack_core.protocol.pipeline_figures import MAX_PIPELINES, MAX_REASON_CHARS, SourceFigures
 from edgepack_core.schema import validate
@@ -181,3 +182,15 @@ def test_the_openapi_document_describes_a_devices_pipelines():
     device = describe()["components"]["schemas"]["Device"]["properties"]
     assert device["pipelines"]["maxItems"] == MAX_PIPELINES
     assert {"fps", "source", "events", "frames", "dropped"} <= set(device["pipelines"]["items"]["properties"])
+
+
+def test_each_stages_p50_and_p95_are_stored_and_served_bounded_and_an_older_agents_pipeline_has_none(database):
+    stages = [{"name": f"s{i}", "count": 10 + i, "p50_ms": 1.5, "p95_ms": 4.25} for i in range(MAX_STAGES + 1)]
+    chain = pipeline("door", 100, stages=stages, end_to_end={"count": 100, "p50_ms": 9.5, "p95_ms": 30.0})
+    write(database, sample("cam-1", 1, T0, chain, pipeline("yard", 5)))
+    door, yard = shown(database, "cam-1")
+    assert door["stages"] == stages[:MAX_STAGES]  # the limit kept, one more dropped at the ingest
+    assert door["end_to_end"] == {"count": 100, "p50_ms": 9.5, "p95_ms": 30.0}
+    assert "stages" not in yard and "end_to_end" not in yard  # an older agent's pipeline
+    validate(shown(database, "cam-1"), PIPELINES_PROPERTY, document="pipelines")
+    assert PIPELINES_PROPERTY["items"]["properties"]["stages"]["maxItems"] == MAX_STAGES

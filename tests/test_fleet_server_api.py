@@ -492,3 +492,26 @@ def _refs(node: object) -> list[str]:
     if isinstance(node, list):
         return [r for item in node for r in _refs(item)]
     return []
+
+
+def test_a_write_the_driver_acts_on_is_answered_before_the_driver_wakes():
+    """A server that dies in the round a write starts (a crash point, a kill) has already told
+    the caller its change was stored: the answer's bytes go out first, then the driver wakes."""
+    import asyncio
+
+    from sdk.fleet_server.api import ApiContext
+
+    events: list[str] = []
+    context = ApiContext(database=None, tokens=None, store=None, retention=None,  # type: ignore[arg-type]
+                         artifact_url=lambda sha: sha, wake_driver=lambda: events.append("wake"))
+    response = context.answer_then_wake({"stored": True}, 201)
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, object]) -> None:
+        events.append(str(message["type"]))
+
+    asyncio.run(response({"type": "http", "method": "PUT", "path": "/", "headers": []}, receive, send))
+    assert events == ["http.response.start", "http.response.body", "wake"]
+    assert response.status_code == 201 and json.loads(response.body) == {"stored": True}

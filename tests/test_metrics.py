@@ -158,7 +158,7 @@ def test_read_system_reads_real_proc_and_a_thermal_tree(tmp_path: Path) -> None:
     first = read_system(thermal=thermal)
     assert first.cpu_percent is None  # no interval yet
     assert first.temperature_c == 51.25  # hottest readable zone
-    if Path("/proc/self/statm").exists():
+    if Path("/proc/self/status").exists():
         assert first.memory_rss_bytes is not None and first.memory_rss_bytes > 1_000_000
     deadline = os.times().user + os.times().system + 0.05
     while os.times().user + os.times().system < deadline:  # burn some CPU so the delta is > 0
@@ -167,6 +167,23 @@ def test_read_system_reads_real_proc_and_a_thermal_tree(tmp_path: Path) -> None:
     assert second.cpu_percent is not None and second.cpu_percent > 0
     bare = read_system(proc=tmp_path / "no-proc", thermal=tmp_path / "no-thermal")
     assert bare.memory_rss_bytes is None and bare.temperature_c is None
+
+
+def test_telemetry_and_healthz_read_the_resident_size_the_same_way(tmp_path: Path) -> None:
+    """One reader (``VmRSS`` of the status file): a fake proc's figure comes through telemetry
+    exactly, a status without the field (a kernel thread's) or a garbled one reads as unknown."""
+    from device_agent.memory import memory_reading
+
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    status = "Name:\tedgepack-agent\nVmPeak:\t  90000 kB\nVmRSS:\t   41564 kB\nRssAnon:\t   35000 kB\n"
+    (proc / "status").write_text(status)
+    reading = read_system(proc=proc, thermal=tmp_path / "none")
+    assert reading.memory_rss_bytes == 41564 * 1024 == memory_reading(status, None).rss
+    (proc / "status").write_text("Name:\tkthreadd\nVmPeak:\t 1 kB\n")
+    assert read_system(proc=proc, thermal=tmp_path / "none").memory_rss_bytes is None
+    (proc / "status").write_text("VmRSS:\n")
+    assert read_system(proc=proc, thermal=tmp_path / "none").memory_rss_bytes is None
 
 
 # ---------------------------------------------------------------------- topics (pure, no broker)

@@ -99,10 +99,17 @@ def test_the_golden_clip_through_edgepack_agent_run_gives_its_events_in_every_si
         assert wait_until(lambda: pipeline_health()["state"] == "finished", timeout=30)
         health = pipeline_health()
         assert (health["frames"], health["dropped"], health["stage_errors"]) == (FRAMES, 0, 0)
+        (stage,) = health["stages"]  # where the time goes, per stage and end to end
+        assert (stage["name"], stage["model"], stage["count"], health["end_to_end"]["count"]) == (
+            "detector", "detector", FRAMES, FRAMES)
+        assert 0 < stage["p50_ms"] <= stage["p95_ms"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
             metrics = answer.read().decode()
         assert f'edgepack_pipeline_frames_total{{pipeline="door-cam"}} {FRAMES}' in metrics
         assert 'edgepack_pipeline_events_total{pipeline="door-cam",rule="gate",kind="cross"} 2' in metrics
+        assert f'edgepack_pipeline_stage_seconds_bucket{{pipeline="door-cam",stage="detector",le="+Inf"}} {FRAMES}' \
+            in metrics
+        assert f'edgepack_pipeline_end_to_end_seconds_count{{pipeline="door-cam"}} {FRAMES}' in metrics
 
         def finished_sample() -> dict | None:
             return next((t for t in telemetry[::-1] if t.get("pipelines", [{}])[0].get("state") == "finished"), None)
@@ -114,6 +121,7 @@ def test_the_golden_clip_through_edgepack_agent_run_gives_its_events_in_every_si
         section = sample["pipelines"][0]
         assert (section["frames"], section["dropped"], section["source"]["frames"]) == (FRAMES, 0, FRAMES)
         assert section["events"]["gate"] == {"cross": 2}
+        assert [(s["name"], s["count"]) for s in section["stages"]] == [("detector", FRAMES)]
     finally:
         agent.terminate()
         agent.wait(30)

@@ -10,10 +10,13 @@ from typing import Any
 
 import pytest
 
-from device_agent.http.prometheus import pipeline_metrics
+from device_agent.http.prometheus import pipeline_latency_metrics, pipeline_metrics
 from device_agent.pipelines.checks import StageContract
 from device_agent.pipelines.host import PipelineSet
+from device_agent.pipelines.latency import LatencyRecorder
+from device_agent.pipelines.runner import PipelineRunner
 from device_agent.pipelines.spec import parse_pipelines
+from device_agent.runtime import InferenceService, load_model
 from device_agent.telemetry.metrics import TELEMETRY_SCHEMA
 from edgepack_core.protocol.messages import Telemetry, parse_telemetry
 from edgepack_core.protocol.pipeline_figures import (
@@ -21,13 +24,24 @@ from edgepack_core.protocol.pipeline_figures import (
     MAX_RULES,
     PipelineFigures,
     SourceFigures,
+    StageFigures,
     parse_pipelines_section,
 )
 from edgepack_core.schema import validate
 from tests.fleet_server_process import FleetServerProcess, wait_for
-from tests.stream_models import LABELS
+from tests.stream_models import LABELS, draw
 from tests.test_fleet_server_ingest import _publish
-from tests.test_pipeline_streams import FRAMES, PIPELINE, expected_events, scene, service_of  # noqa: F401
+from tests.test_pipeline_streams import (  # noqa: F401
+    FPS,
+    FRAMES,
+    HEIGHT,
+    PATHS,
+    PIPELINE,
+    WIDTH,
+    expected_events,
+    scene,
+    service_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +73,9 @@ def test_a_pipelines_counters_are_its_frames_source_and_events_by_rule_and_kind(
         "door-cam", "finished", FRAMES, 0, 0)
     assert door.source == SourceFigures("up", FRAMES, 0, 0)
     assert {(rule, kind): n for rule, kinds in door.events for kind, n in kinds} == expected_counts()
+    assert [(s.name, s.count) for s in door.stages] == [("detector", FRAMES)]
+    assert door.end_to_end is not None and door.end_to_end.count == FRAMES  # from the file's reader on
+    assert refused.stages == () and refused.end_to_end is None
 
 
 def test_metrics_carry_each_pipeline_its_source_and_its_events_by_rule_and_kind(finished):
@@ -189,17 +206,64 @@ def test_healthz_and_metrics_derive_from_one_snapshot_so_a_moving_pipeline_never
     pipelines = PipelineSet((), "pi-07", lambda name: None, None)
     reader = SimpleNamespace(status=SourceStatus("up", "ok", frames=100, reconnects=1, failures=0))
     pipelines.runners["cam"] = SimpleNamespace(counters=counters, finished=done, queue=SimpleNamespace(dropped=3),
-                                               reader=reader)
+                                               reader=reader, latency=LatencyRecorder((("det", "detector"),)))
     pipelines.refused["yard"] = "model absent is not installed"
     snapshot = pipelines.snapshot()
     assert counters.reads == 1  # each figure read once, whatever is derived from it after
     status, figures = status_of(snapshot), figures_of(snapshot)
     assert counters.reads == 1 and status_of(snapshot) == status and figures_of(snapshot) == figures
+    empty = {"count": 0, "p50_ms": None, "p95_ms": None}
     assert status["cam"] == {"state": "running", "frames": 101, "events": 3, "dropped": 3, "stage_errors": 0,
-                             "source": {"state": "up", "detail": "ok", "reconnects": 1}}
+                             "source": {"state": "up", "detail": "ok", "reconnects": 1},
+                             "stages": [{"name": "det", "model": "detector", **empty}], "end_to_end": empty}
     assert figures == (PipelineFigures("yard", "refused", reason="model absent is not installed"),
                        PipelineFigures("cam", "running", 101, 3, 0, SourceFigures("up", 100, 1, 0),
-                                       (("gate", (("cross", 2),)),)))
+                                       (("gate", (("cross", 2),)),), stages=(StageFigures("det", 0),),
+                                       end_to_end=StageFigures("end_to_end", 0)))
     assert status["yard"] == {"state": "refused", "reason": "model absent is not installed"}
     done.set()
     assert pipelines.status()["cam"]["state"] == "finished" and pipelines.figures()[1].state == "finished"
+
+
+def test_each_stage_of_a_running_chain_counts_the_frames_it_answered_with_its_p50_at_most_its_p95(scene):  # noqa: F811
+    """Detector -> crop classifier (a stage named apart from its model), frames pushed: each
+    stage's histogram counts every frame it answered, its p50 and p95 are positive and ordered,
+    and /healthz, /metrics and telemetry show them from one snapshot."""
+    services = {"detector": service_of(scene),
+                "colour": InferenceService(load_model(scene["colour"].root, scene["colour"].manifest))}
+    document = {**PIPELINE, "source": {"push": True, "policy": "every", "queue": 4},
+                "stages": [{"model": "detector"}, {"model": "colour", "name": "paint", "crop": {"from": "detector"}}]}
+    (chain,) = parse_pipelines([document])
+    runner = PipelineRunner(chain, "pi-07", services.get, [])
+    pipelines = PipelineSet((), "pi-07", services.get, None)
+    pipelines.runners[chain.name] = runner
+    runner.start()
+    for index in range(FRAMES):
+        runner.push(draw(PATHS, index, WIDTH, HEIGHT), ts=index / FPS)
+    runner.queue.close()
+    assert runner.finished.wait(60)
+    runner.stop()
+    (reading,) = pipelines.snapshot()
+    assert reading.latency is not None and (reading.frames, reading.stage_errors) == (FRAMES, 0)
+    assert [(s.name, s.model, s.histogram.count) for s in reading.latency.stages] == [
+        ("detector", "detector", FRAMES), ("paint", "colour", FRAMES)]
+    status = reading.status()
+    for shown in (*status["stages"], status["end_to_end"]):
+        assert shown["count"] == FRAMES and 0 < shown["p50_ms"] <= shown["p95_ms"], shown
+    assert [s["name"] for s in status["stages"]] == ["detector", "paint"] and status["stages"][1]["model"] == "colour"
+    figures = reading.figures()
+    assert [s.to_json() for s in figures.stages] == [{k: v for k, v in s.items() if k != "model"}
+                                                     for s in status["stages"]]
+    sample = Telemetry("pi-07", seq=1, ts=1.0, interval_s=10.0, throughput_per_s=0.0, inferences_total=0,
+                       inferences_interval=0, uptime_s=1.0, pipelines=(figures,))
+    validate(sample.to_json(), TELEMETRY_SCHEMA, document="telemetry")
+    parsed = parse_telemetry("pi-07", sample.encode())
+    assert isinstance(parsed, Telemetry) and parsed.pipelines == (figures,)
+    lines = pipeline_latency_metrics({reading.name: reading.latency}).splitlines()
+    for stage in ("detector", "paint"):
+        labels = f'pipeline="door-cam",stage="{stage}"'
+        counts = [int(line.rsplit(" ", 1)[1]) for line in lines
+                  if line.startswith(f"edgepack_pipeline_stage_seconds_bucket{{{labels},")]
+        assert counts == sorted(counts) and counts[-1] == FRAMES
+        assert f"edgepack_pipeline_stage_seconds_count{{{labels}}} {FRAMES}" in lines
+    assert f'edgepack_pipeline_end_to_end_seconds_bucket{{pipeline="door-cam",le="+Inf"}} {FRAMES}' in lines

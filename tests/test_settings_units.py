@@ -286,3 +286,42 @@ def test_a_settings_documents_pipelines_are_parsed_once_and_those_values_are_the
     save_held(store, later)
     again = load_held(store)
     assert len(parsed) == 4 and again.pipelines == first.pipelines  # the file: its document and its kept value
+
+
+def test_a_settings_documents_keys_are_parsed_once_and_those_keys_are_the_ones_held(tmp_path, monkeypatch):
+    """``trust`` and ``operator_keys`` are parsed with their document (each PEM once); the keys
+    the daemon trusts are those very values, kept as parsed when a later document's ``trust``
+    is refused, dropped when a document leaves the key out; a restart parses the file once."""
+    import edgepack_core.settings_doc as settings_doc
+    from device_agent.remote_settings import held_keys
+
+    parsed = []
+
+    def counting(data, where):
+        parsed.append(where)
+        return real(data, where)
+
+    real = settings_doc.public_key_from_pem
+    monkeypatch.setattr(settings_doc, "public_key_from_pem", counting)
+    agent = config(tmp_path)
+    first = parse_document(1, {"trust": [pem(), pem()], "operator_keys": [pem(OPERATOR)]})
+    assert parsed == ["trust[0]", "trust[1]", "operator_keys[0]"]
+    held = Held().after(first, decide(first, agent))
+    assert held_keys(held, "trust") is first.release_keys and len(first.release_keys) == 2
+    assert held_keys(held, "operator_keys") is first.operator_keys
+    refused = parse_document(2, {"trust": [pem()], "operator_keys": [pem(OPERATOR)]})
+    later = held.after(refused, {**decide(refused, agent), "trust": "refused: would verify none"})
+    assert len(parsed) == 5
+    assert held_keys(later, "trust") is first.release_keys  # kept as parsed, not agent.yaml's
+    assert held_keys(later, "operator_keys") is refused.operator_keys
+    dropped = later.after(parse_document(3, {"log_level": "info"}), {"log_level": "applied"})
+    assert held_keys(dropped, "trust") == () and held_keys(dropped, "operator_keys") == ()
+    store = tmp_path / "store"
+    store.mkdir()
+    save_held(store, later)
+    del parsed[:]
+    again = load_held(store)
+    assert sorted(parsed) == ["operator_keys[0]", "trust[0]", "trust[0]", "trust[1]"]  # its document, its kept trust
+    assert [k.public_bytes_raw() for k in held_keys(again, "trust")] == \
+        [k.public_bytes_raw() for k in first.release_keys]
+    assert held_keys(again, "operator_keys")[0].public_bytes_raw() == refused.operator_keys[0].public_bytes_raw()

@@ -43,7 +43,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -62,7 +62,13 @@ from device_agent.http.negotiation import (
     media_type,
     outputs_wanted,
 )
-from device_agent.http.prometheus import HttpStats, load_gauges, pipeline_metrics, prometheus_text
+from device_agent.http.prometheus import (
+    HttpStats,
+    load_gauges,
+    pipeline_latency_metrics,
+    pipeline_metrics,
+    prometheus_text,
+)
 from device_agent.http.results import includes_outputs, npz_headers, prediction_json
 from device_agent.http.web import Request, Response, Route, Router
 from device_agent.prediction import Array, Audio, EncodedImage, Input, PredictRequest, PredictResult, Tensors
@@ -70,7 +76,9 @@ from device_agent.runtime import InferenceService, LoadedModel
 from device_agent.updates.health import CONTRACT_ERROR_KINDS
 from edgepack_core import __version__, wire_json
 from edgepack_core.errors import WireEncodingError
-from edgepack_core.protocol.pipeline_figures import PipelineFigures
+
+if TYPE_CHECKING:
+    from device_agent.pipelines.host import PipelineReading
 
 log = logging.getLogger("edgepack.agent.http")
 
@@ -106,9 +114,9 @@ class AgentApp:
     def __init__(self, service: InferenceService, settings: ApiSettings,
                  health: Callable[[], dict[str, Any]] | None = None,
                  models: Callable[[], Mapping[str, InferenceService]] | None = None,
-                 pipelines: Callable[[], Sequence[PipelineFigures]] | None = None) -> None:
+                 pipelines: Callable[[], Sequence[PipelineReading]] | None = None) -> None:
         self.service = service
-        self.pipelines = pipelines or (lambda: ())  # the pipelines' counters (/metrics)
+        self.pipelines = pipelines or (lambda: ())  # the pipelines read once (/metrics)
         # The services of the models installed, by name (several named models: the daemon's
         # ModelSet); without it, ``service`` alone, named by the model it serves.
         self.models = models or self._single
@@ -212,8 +220,10 @@ class AgentApp:
         return json_response(200, {"status": "ok", "model": first, "models": described, **extra})
 
     async def metrics(self, request: Request) -> Response:
+        readings = self.pipelines()  # one snapshot: the counters and histograms agree
         text = prometheus_text(self.models() or {"": self.service}, self.http_stats) + load_gauges(
-            self._admitted, self.buffered.held) + pipeline_metrics(self.pipelines())
+            self._admitted, self.buffered.held) + pipeline_metrics([r.figures() for r in readings]) + \
+            pipeline_latency_metrics({r.name: r.latency for r in readings if r.latency is not None})
         return Response(text.encode(), 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> Response:

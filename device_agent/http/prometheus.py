@@ -1,6 +1,7 @@
 """The agent's metrics in the Prometheus text exposition format (version 0.0.4): inference
 requests and errors, every HTTP answer by status class, answers with non-finite outputs, the
-latency histogram, the active model and the API's load, and each pipeline's counters."""
+latency histogram, the active model and the API's load, and each pipeline's counters and
+stage latency histograms."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from device_agent.pipelines.latency import BUCKETS_S, HistogramSnapshot, PipelineLatency
 from device_agent.request_stats import LATENCY_BUCKETS
 from device_agent.runtime import InferenceService
 from edgepack_core.protocol.pipeline_figures import PIPELINE_STATES, PipelineFigures
@@ -146,3 +148,34 @@ def pipeline_metrics(figures: Sequence[PipelineFigures]) -> str:
     lines += [f'edgepack_pipeline_events_total{{pipeline="{_escape(p.name)}",rule="{_escape(rule)}",kind="{kind}"}} {n}'
               for p in figures for rule, kinds in p.events for kind, n in kinds]
     return "\n".join(lines) + "\n"
+
+
+def pipeline_latency_metrics(latencies: Mapping[str, PipelineLatency]) -> str:
+    """The pipelines' latency histograms (``latencies`` by pipeline name) in the Prometheus
+    text format: each stage's work on a frame (labels ``pipeline``, ``stage``) and the frames'
+    whole way from the reader to the sinks; "" without pipelines."""
+    if not latencies:
+        return ""
+    lines = ["# HELP edgepack_pipeline_stage_seconds A stage's work on one frame (its model, pre- and "
+             "postprocessing; not its wait for the frame).",
+             "# TYPE edgepack_pipeline_stage_seconds histogram"]
+    for pipeline, latency in latencies.items():
+        for stage in latency.stages:
+            labels = f'pipeline="{_escape(pipeline)}",stage="{_escape(stage.name)}"'
+            lines += _bucket_series("edgepack_pipeline_stage_seconds", labels, stage.histogram)
+    lines += ["# HELP edgepack_pipeline_end_to_end_seconds A frame's whole way, from the source's reader "
+              "handing it on to the sinks done.",
+              "# TYPE edgepack_pipeline_end_to_end_seconds histogram"]
+    for pipeline, latency in latencies.items():
+        lines += _bucket_series("edgepack_pipeline_end_to_end_seconds", f'pipeline="{_escape(pipeline)}"',
+                                latency.end_to_end)
+    return "\n".join(lines) + "\n"
+
+
+def _bucket_series(metric: str, labels: str, histogram: HistogramSnapshot) -> list[str]:
+    """One histogram's cumulative ``_bucket`` series up to ``le="+Inf"``, its ``_sum`` and ``_count``."""
+    lines = [f'{metric}_bucket{{{labels},le="{bound}"}} {n}' for bound, n in zip(BUCKETS_S, histogram.cumulative,
+                                                                                strict=False)]
+    lines += [f'{metric}_bucket{{{labels},le="+Inf"}} {histogram.count}',
+              f"{metric}_sum{{{labels}}} {histogram.sum_s:.9f}", f"{metric}_count{{{labels}}} {histogram.count}"]
+    return lines

@@ -16,11 +16,19 @@ from typing import Any
 
 from device_agent.errors import PipelineRefused
 from device_agent.pipelines.checks import StageContract, check_models
+from device_agent.pipelines.latency import HistogramSnapshot, PipelineLatency
 from device_agent.pipelines.runner import PipelineRunner
 from device_agent.pipelines.sinks import make_sinks
 from device_agent.pipelines.spec import PipelineSpec
 from edgepack_core.protocol.events import Event
-from edgepack_core.protocol.pipeline_figures import MAX_RULES, PipelineFigures, SourceFigures, events_by_rule
+from edgepack_core.protocol.pipeline_figures import (
+    END_TO_END,
+    MAX_RULES,
+    PipelineFigures,
+    SourceFigures,
+    StageFigures,
+    events_by_rule,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +90,8 @@ class SourceReading:
 @dataclass(frozen=True)
 class PipelineReading:
     """One pipeline as read once (:meth:`PipelineSet.snapshot`): ``state`` running, finished or
-    refused (``reason``: why), its counters, its source (None: frames pushed from Python) and its
-    events by (rule, kind)."""
+    refused (``reason``: why), its counters, its source (None: frames pushed from Python), its
+    events by (rule, kind) and its stages' latency histograms (None: refused)."""
 
     name: str
     state: str
@@ -94,6 +102,7 @@ class PipelineReading:
     stage_errors: int = 0
     source: SourceReading | None = None
     by_kind: tuple[tuple[tuple[str, str], int], ...] = ()
+    latency: PipelineLatency | None = None
 
     def status(self) -> dict[str, Any]:
         if self.state == "refused":
@@ -102,7 +111,18 @@ class PipelineReading:
         return {"state": self.state, "frames": self.frames, "events": self.events, "dropped": self.dropped,
                 "stage_errors": self.stage_errors,
                 "source": None if source is None else {"state": source.state, "detail": source.detail,
-                                                       "reconnects": source.reconnects}}
+                                                       "reconnects": source.reconnects},
+                **self._latency_status()}
+
+    def _latency_status(self) -> dict[str, Any]:
+        """Each stage's frames answered, p50 and p95 in ms (and the model it runs), and the
+        frames' whole way; nothing for a reading without histograms."""
+        if self.latency is None:
+            return {}
+        latency = self.latency
+        return {"stages": [{**_stage_figures(s.name, s.histogram, s.recent).to_json(), "model": s.model}
+                           for s in latency.stages],
+                "end_to_end": _stage_figures(END_TO_END, latency.end_to_end, latency.end_to_end_recent).unnamed_json()}
 
     def figures(self) -> PipelineFigures:
         if self.state == "refused":
@@ -111,8 +131,19 @@ class PipelineReading:
         figures = None if source is None else SourceFigures(
             source.state, source.frames, source.reconnects, source.failures,
             (source.detail or None) if source.state == "down" else None)
+        latency = self.latency
         return PipelineFigures(self.name, self.state, self.frames, self.dropped, self.stage_errors, figures,
-                               events_by_rule(dict(self.by_kind))[:MAX_RULES])
+                               events_by_rule(dict(self.by_kind))[:MAX_RULES],
+                               stages=() if latency is None else tuple(
+                                   _stage_figures(s.name, s.histogram, s.recent) for s in latency.stages),
+                               end_to_end=None if latency is None else _stage_figures(
+                                   END_TO_END, latency.end_to_end, latency.end_to_end_recent))
+
+
+def _stage_figures(name: str, histogram: HistogramSnapshot, recent: HistogramSnapshot) -> StageFigures:
+    """The frames answered since the start, and the p50 and p95 in ms of the last minute or two
+    (None when no frame was answered in it: a stalled stage has no recent latency)."""
+    return StageFigures(name, histogram.count, recent.quantile_ms(0.5), recent.quantile_ms(0.95))
 
 
 def _reading(name: str, runner: PipelineRunner) -> PipelineReading:
@@ -123,7 +154,7 @@ def _reading(name: str, runner: PipelineRunner) -> PipelineReading:
     counters = runner.counters
     return PipelineReading(name, "finished" if runner.finished.is_set() else "running", None, counters.frames,
                            counters.events, runner.queue.dropped, counters.stage_errors, source,
-                           tuple(dict(counters.by_kind).items()))
+                           tuple(dict(counters.by_kind).items()), runner.latency.snapshot())
 
 
 def status_of(snapshot: Sequence[PipelineReading]) -> dict[str, Any]:

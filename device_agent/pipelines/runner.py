@@ -10,7 +10,8 @@ running pipeline answers the next frame, with no failed frame and no restart of 
 stage whose model is missing or fails skips that frame, counted, and the pipeline goes on.
 Detections become tracked objects (:mod:`.tracker`), the rules' events (:mod:`.rules`) become
 typed :class:`~edgepack_core.protocol.events.Event`\\ s numbered per pipeline, and every sink
-gets each event.
+gets each event. Each stage's work on a frame (not its wait for the frame) and each frame's whole
+way from the reader to the sinks are timed into fixed-bucket histograms (:mod:`.latency`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import numpy as np
 
 from device_agent.errors import RequestError
 from device_agent.pipelines.frames import FrameQueue, SourceFrame
+from device_agent.pipelines.latency import LatencyRecorder
 from device_agent.pipelines.rules import Frame, RuleEngine, RuleEvent, Seen, typed_rules
 from device_agent.pipelines.sinks import Sink
 from device_agent.pipelines.sources import SourceReader, SourceStatus
@@ -139,6 +141,7 @@ class PipelineRunner:
         self.tracker = Tracker(spec.tracker) if spec.tracker is not None else None
         self.engine = RuleEngine(typed_rules(spec.rules))
         self.counters = PipelineCounters()
+        self.latency = LatencyRecorder(tuple((stage.stage_name, stage.model) for stage in spec.stages))
         self._tracked_stage = self._pick_tracked_stage()
         self._seq = 0
         self._attributes: dict[int, tuple[tuple[str, str], ...]] = {}
@@ -235,6 +238,7 @@ class PipelineRunner:
             self.counters.missing_model += 1
             item.failed = True
             return
+        started = time.perf_counter()
         try:
             item.by_stage[stage.stage_name] = self._run_stage(stage, service, item.frame, item.by_stage)
         except RequestError as err:
@@ -242,6 +246,8 @@ class PipelineRunner:
             item.failed = True
             log.warning("pipeline %s: stage %s failed on frame %d: %s", self.spec.name, stage.stage_name,
                         item.frame.index, err)
+            return
+        self.latency.by_stage[stage.stage_name].record(time.perf_counter() - started)
 
     def _finish(self, item: _InFlight) -> list[Event]:
         """The tracker, the rules and the sinks, in frame order (the last stage's thread)."""
@@ -252,7 +258,10 @@ class PipelineRunner:
         height, width = self._size(frame)
         objects, live = self._track(item.by_stage.get(self._tracked_stage, []), width, height)
         rule_events = self.engine.step(Frame(frame.index, frame.ts, objects, live))
-        return [self._publish(e, frame, objects) for e in rule_events]
+        events = [self._publish(e, frame, objects) for e in rule_events]
+        if frame.read_at:  # from the reader's hand-over (or a push) to the sinks done
+            self.latency.end_to_end.record(time.monotonic() - frame.read_at)
+        return events
 
     def _run_stage(self, stage: StageSpec, service: Any, frame: SourceFrame,
                    by_stage: dict[str, list[Found]]) -> list[Found]:

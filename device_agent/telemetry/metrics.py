@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from device_agent.memory import read_rss_bytes
 from edgepack_core.protocol.messages import ModelRef, QueueCounters, Telemetry
 from edgepack_core.protocol.payloads import load_schema
 
@@ -136,14 +137,6 @@ class SystemReading:
     temperature_c: float | None
 
 
-def _read_rss(proc: Path) -> int | None:
-    try:
-        fields = (proc / "statm").read_text().split()
-        return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _read_temperature(thermal: Path) -> float | None:
     """Hottest thermal zone in °C: throttling follows the hottest sensor, not the average."""
     readings: list[float] = []
@@ -165,7 +158,8 @@ def read_system(
 
     ``cpu_percent`` is the process's CPU time over the wall time since ``previous``, in percent
     of one core (like ``top``: 150 means one and a half cores busy). RSS comes from
-    /proc/self/statm and the temperature from /sys/class/thermal; either is None where absent.
+    /proc/self/status (:func:`device_agent.memory.read_rss_bytes`, as /healthz reads it) and
+    the temperature from /sys/class/thermal; either is None where absent.
     """
     times = os.times()
     cpu = times.user + times.system
@@ -173,7 +167,7 @@ def read_system(
     percent = None
     if previous is not None and now > previous.monotonic:
         percent = round(100.0 * (cpu - previous.cpu_seconds) / (now - previous.monotonic), 1)
-    return SystemReading(cpu, now, percent, _read_rss(proc), _read_temperature(thermal))
+    return SystemReading(cpu, now, percent, read_rss_bytes(proc / "status"), _read_temperature(thermal))
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -32,6 +32,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -122,6 +123,12 @@ class ApiContext:
     def view(self) -> desired.View:
         """Now, as the targets code reads the fleet (online window, command lifetime)."""
         return desired.View(time.time(), self.silence_s, self.command_ttl_s)
+
+    def answer_then_wake(self, doc: Any, status_code: int = 200) -> JSONResponse:
+        """The answer to a write the driver acts on, waking the driver once the answer is sent:
+        the caller learns its change was stored before any command it causes goes out (a server
+        that dies in that round has still answered)."""
+        return JSONResponse(doc, status_code=status_code, background=BackgroundTask(self.wake_driver))
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -339,9 +346,9 @@ class Routes:
             _validate(_BAD_VALIDATOR, body)
             named = await run_in_threadpool(lambda: bad_releases.mark_bad(self.database, sha, body["reason"],
                                                                           actor=actor, remote=_remote(request)))
-        self.context.wake_driver()
         row = await run_in_threadpool(queries.get_artifact, self.database, sha)
-        return JSONResponse({"artifact": queries.artifact_doc(row, self.context.artifact_url(sha)), **named})
+        return self.context.answer_then_wake({"artifact": queries.artifact_doc(row, self.context.artifact_url(sha)),
+                                              **named})
 
     async def rollouts(self, request: Request, _actor: str) -> Response:
         params = Params(request, {"state", "limit"})
@@ -405,7 +412,7 @@ class Routes:
         done = await run_in_threadpool(lambda: actions.perform(self.database, self.context.commands, device, parsed,
                                                                caller, command_ttl_s=self.context.command_ttl_s))
         if parsed.action in ("rerun", "release"):
-            self.context.wake_driver()
+            return self.context.answer_then_wake(done)
         return JSONResponse(done)
 
     async def enroll(self, request: Request, actor: str) -> Response:
@@ -450,8 +457,7 @@ class Routes:
         rollout_id = await run_in_threadpool(queries.create_rollout, self.database,
                                              queries.RolloutRequest.from_json(body), actor=actor,
                                              remote=_remote(request), silence_s=self.context.silence_s)
-        self.context.wake_driver()
-        return JSONResponse(await run_in_threadpool(self._rollout_doc, rollout_id), status_code=201)
+        return self.context.answer_then_wake(await run_in_threadpool(self._rollout_doc, rollout_id), 201)
 
     def action(self, name: str) -> Handler:
         async def act(request: Request, actor: str) -> Response:
@@ -461,8 +467,7 @@ class Routes:
             rollout_id = _path_id(request, "rollout_id")
             await run_in_threadpool(queries.rollout_action, self.database, rollout_id, name, actor=actor,
                                     remote=_remote(request), reason=body.get("reason", ""))
-            self.context.wake_driver()
-            return JSONResponse(await run_in_threadpool(self._rollout_doc, rollout_id))
+            return self.context.answer_then_wake(await run_in_threadpool(self._rollout_doc, rollout_id))
         return act
 
 

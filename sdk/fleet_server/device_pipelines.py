@@ -7,8 +7,9 @@ imports this module), listed in ``GET /api/devices/{id}`` and on the dashboard's
   becomes its latest figures (the same rule as the ``devices`` row, passed in by the writer); a
   sample without pipelines (an agent that runs none, or an older one) deletes the row.
 - What is stored is the typed figures' own JSON (the protocol's parser ran at the ingest
-  boundary, so at most :data:`MAX_PIPELINES` pipelines of :data:`MAX_RULES` rules each); a read
-  parses it again with the same parser, so the page never gets more than a device may send.
+  boundary, so at most :data:`MAX_PIPELINES` pipelines of :data:`MAX_RULES` rules and
+  :data:`MAX_STAGES` stage latencies each); a read parses it again with the same parser, so the
+  page never gets more than a device may send.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from sqlalchemy import BigInteger, Column, Float, String, Table, Text, select
 from sqlalchemy.engine import Connection
 
+from edgepack_core.pipeline_spec import MAX_STAGES
 from edgepack_core.protocol.bounds import number
 from edgepack_core.protocol.messages import Telemetry
 from edgepack_core.protocol.pipeline_figures import (
@@ -163,6 +165,8 @@ def of_device(connection: Connection, device: str) -> list[dict[str, Any]]:
 
 
 _COUNT = {"type": ["integer", "null"], "minimum": 0}
+_MS = {"type": ["number", "null"], "minimum": 0, "description": "estimated from the device's histogram buckets"}
+_LATENCY = {"count": {**_COUNT, "description": "frames answered"}, "p50_ms": _MS, "p95_ms": _MS}
 PIPELINE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -196,6 +200,17 @@ PIPELINE_SCHEMA: dict[str, Any] = {
                 "properties": {k: {"type": "integer"} for k in EVENT_KINDS},
                 "additionalProperties": False,
             },
+        },
+        "stages": {
+            "type": "array",
+            "maxItems": MAX_STAGES,
+            "description": "per stage in order, its work on a frame (absent: an older agent)",
+            "items": {"type": "object", "properties": {"name": {"type": "string"}, **_LATENCY}},
+        },
+        "end_to_end": {
+            "type": "object",
+            "description": "frames from the source's reader to the sinks done (absent: an older agent)",
+            "properties": _LATENCY,
         },
     },
 }

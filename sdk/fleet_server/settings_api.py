@@ -175,8 +175,7 @@ class SettingsRoutes:
                     self.database, scope, name, values, unset, actor=actor, remote=remote, reason=body.get("reason", "")
                 )
             )
-            self.context.wake_driver()
-            return JSONResponse(await run_in_threadpool(scopes_view, self.database))
+            return self.context.answer_then_wake(await run_in_threadpool(scopes_view, self.database))
 
         return handler
 
@@ -198,8 +197,7 @@ class SettingsRoutes:
         key = await run_in_threadpool(
             lambda: settings_db.add_key(self.database, body["kind"], body["pem"], actor=actor, remote=remote)
         )
-        self.context.wake_driver()
-        return JSONResponse(keys_row(key), status_code=201)
+        return self.context.answer_then_wake(keys_row(key), 201)
 
     async def retire_key(self, request: Request, actor: str) -> Response:
         _no_query(request)
@@ -211,8 +209,7 @@ class SettingsRoutes:
         key = await run_in_threadpool(
             lambda: settings_db.retire_key(self.database, kid, signers, actor=actor, remote=remote)
         )
-        self.context.wake_driver()
-        return JSONResponse(keys_row(key))
+        return self.context.answer_then_wake(keys_row(key))
 
 
 def _no_query(request: Request) -> None:

@@ -70,8 +70,8 @@ class TargetRoutes:
                                                                    remote=remote))
             else:
                 await run_in_threadpool(self._stage, scope, name, change, actor, remote)
-            self.context.wake_driver()
-            return JSONResponse(await run_in_threadpool(desired.scope_doc, self.database, scope, name))
+            return self.context.answer_then_wake(await run_in_threadpool(desired.scope_doc, self.database, scope,
+                                                                         name))
         return put
 
     def _stage(self, scope: str, name: str, change: desired.TargetChange, actor: str, remote: str) -> None:

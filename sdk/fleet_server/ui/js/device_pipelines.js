@@ -23,6 +23,18 @@ function eventsText(events) {
   return rules.join("; ") || "–";
 }
 
+// Each stage's p50 / p95 (its work on a frame), then the frames' whole way; an older agent sends none.
+function latencyLine(key, label, figures) {
+  return h("div", { class: "stage-latency", "data-stage": key },
+    `${label} ${number(figures.p50_ms, 1)} / ${number(figures.p95_ms, 1)} ms`);
+}
+
+function latencyCell(pipeline) {
+  const lines = (pipeline.stages || []).map((stage) => latencyLine(stage.name, stage.name, stage));
+  if (pipeline.end_to_end) lines.push(latencyLine("end_to_end", "end to end", pipeline.end_to_end));
+  return lines.length ? lines : "–";
+}
+
 function pipelineRow(pipeline) {
   const source = pipeline.source || {};
   return h("tr", { "data-pipeline": pipeline.name, "data-source": source.state || undefined },
@@ -33,10 +45,12 @@ function pipelineRow(pipeline) {
     h("td", { class: "frames-in" }, number(source.frames)), h("td", { class: "frames" }, number(pipeline.frames)),
     h("td", { class: "dropped" }, number(pipeline.dropped)), h("td", { class: "fps" }, number(pipeline.fps, 1)),
     h("td", { class: "stage-errors" }, number(pipeline.stage_errors)),
-    h("td", { class: "events detail" }, eventsText(pipeline.events)));
+    h("td", { class: "events detail" }, eventsText(pipeline.events)),
+    h("td", { class: "latency" }, latencyCell(pipeline)));
 }
 
 export function pipelinesPanel(pipelines) {
-  return table(["Pipeline", "State", "Source", "Frames in", "Answered", "Dropped", "FPS", "Stage errors", "Events"],
+  return table(["Pipeline", "State", "Source", "Frames in", "Answered", "Dropped", "FPS", "Stage errors", "Events",
+    "Latency p50 / p95"],
     pipelines.map(pipelineRow), { id: "device-pipelines", empty: "no pipeline reported" });
 }
