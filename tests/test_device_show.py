@@ -29,12 +29,12 @@ def _env(server: FleetServerProcess) -> dict[str, str]:
     return {"EDGEPACK_SERVER": server.url, "EDGEPACK_SERVER_TOKEN_FILE": str(server.keys.token_file)}
 
 
-def _hostile_device(broker) -> None:
-    """evil-01: an offline state, a job answer and a refused pipeline, each reason with escapes."""
+def _hostile_device(broker, device: str = "evil-01") -> None:
+    """An offline state, a job answer and a refused pipeline, each reason with escapes."""
     topics, now = Topics(ROOT), time.time()
     state = {
         "schema": STATE_SCHEMA,
-        "device": "evil-01",
+        "device": device,
         "status": "offline",
         "ts": now,
         "reason": EVIL,
@@ -43,19 +43,19 @@ def _hostile_device(broker) -> None:
     }
     telemetry = {
         "schema": TELEMETRY_SCHEMA,
-        "device": "evil-01",
+        "device": device,
         "seq": 1,
         "ts": now,
         "latency_ms": {"p50": 1.0},
         "inferences": {"interval": 1, "total": 1},
         "pipelines": [{"name": "door", "state": "refused", "reason": EVIL}],
     }
-    job = JobEvent("evil-01", "job-evil-1", "deploy", "failed", True, now, reason=EVIL)
+    job = JobEvent(device, f"job-{device}", "deploy", "failed", True, now, reason=EVIL)
     broker.publish(
         [
-            (topics.state("evil-01"), json.dumps(state).encode()),
-            (topics.telemetry("evil-01"), json.dumps(telemetry).encode()),
-            (topics.job("evil-01"), job.encode()),
+            (topics.state(device), json.dumps(state).encode()),
+            (topics.telemetry(device), json.dumps(telemetry).encode()),
+            (topics.job(device), job.encode()),
         ],
     )
 
@@ -117,6 +117,10 @@ def fleet(tmp_path_factory, keypair):
                     and server.get("/api/devices/evil-01")["pipelines"]
                 )
             )
+            _hostile_device(broker, "gone-01")
+            assert wait_for(lambda: server.call("GET", "/api/devices/gone-01/history")[0] == 200)
+            gone = edgepack("device", "decommission", "gone-01", "--reason", "stolen from the loading bay", env=env)
+            assert gone.returncode == 0, gone.stderr
             yield server, rollout, arts, issued
     finally:
         server.stop()
@@ -194,7 +198,7 @@ def test_terminal_escapes_from_a_hostile_device_never_reach_the_operators_termin
         assert raw not in done.stdout
     assert "ok\\x1b]0;pwned\\x07\\x1b[2J\\x9b31m\\u202e\\x0aFORGED LINE" in done.stdout  # shown, inert
     assert "device evil-01: offline: ok\\x1b" in done.stdout  # the status reason
-    assert "door: refused: ok\\x1b" in done.stdout and "job-evil-1" in done.stdout
+    assert "door: refused: ok\\x1b" in done.stdout and "(job job-evil-01)" in done.stdout
     assert all(len(line) <= WIDTH for line in done.stdout.splitlines())
     as_json = edgepack("device", "show", "evil-01", "--json", env=_env(server))
     assert "\x1b" not in as_json.stdout and json.loads(as_json.stdout)["identity"]["status_reason"].startswith(
@@ -251,3 +255,29 @@ def test_a_decommissioned_device_is_shown_as_such():
         "device gone-1: decommissioned 2h 0m ago by ann: stolen\n"
         "  its messages are dropped until it is enrolled again; certificate: not known to this server"
     )
+
+
+def test_a_decommissioned_device_is_shown_with_when_who_and_why(fleet):
+    server = fleet[0]
+    done = edgepack("device", "show", "gone-01", env=_env(server))
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()
+    assert first.startswith("device gone-01: decommissioned ") and first.endswith(
+        " by admin: stolen from the loading bay"
+    )
+    assert second.startswith("  its messages are dropped until it is enrolled again; no certificate")
+    doc = json.loads(edgepack("device", "show", "gone-01", "--json", env=_env(server)).stdout)
+    assert doc["identity"]["enrolled"] is False and doc["identity"]["status"] == "decommissioned"
+    assert doc["models"] == [] and doc["health"] is None and doc["history"] == []
+
+
+def test_a_viewer_token_is_enough(fleet, tmp_path):
+    server = fleet[0]
+    status, made = server.call("POST", "/api/tokens", {"name": "night-viewer", "role": "viewer"})
+    assert status == 201, made
+    token_file = tmp_path / "viewer"
+    token_file.write_text(made["token"] + "\n")
+    token_file.chmod(0o600)
+    done = edgepack("device", "show", "show-00000", "--server", server.url, "--token-file", str(token_file))
+    assert done.returncode == 0, done.stderr
+    assert "BAD RELEASE" in done.stdout and "expires in" in done.stdout
