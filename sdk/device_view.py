@@ -27,6 +27,7 @@ MAX_MODELS = 32
 MAX_PIPELINES = 16  # the protocol's limit (edgepack_core/protocol/pipeline_figures.py)
 MAX_HISTORY = 5
 MAX_ROLLOUTS = 5
+MAX_CERTIFICATES = 5  # what GET /api/devices/{id}/credentials lists
 MAX_GROUPS = 64
 _ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
@@ -225,7 +226,7 @@ def _texts(value: Any, limit: int) -> tuple[str, ...]:
 
 
 def _certificate(credentials: Mapping[str, Any]) -> Certificate | None:
-    for row in _list(credentials.get("certificates"), MAX_MODELS):  # newest first
+    for row in _list(credentials.get("certificates"), MAX_CERTIFICATES):  # newest first
         row = _map(row)
         not_after = _number(row.get("not_after"))
         if not_after is not None:
