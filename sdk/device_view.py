@@ -15,40 +15,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sdk.text_safety import MAX_TEXT, clean  # noqa: F401  the one rule every command prints by (and its limit)
+
 SCHEMA = "edgepack.device-show/1"
-MAX_TEXT = 500
-"""Characters kept of any string (the server's own reason limit); longer ones end in ``…``."""
 MAX_MODELS = 32
 MAX_PIPELINES = 16  # the protocol's limit (edgepack_core/protocol/pipeline_figures.py)
 MAX_HISTORY = 5
 MAX_ROLLOUTS = 5
 MAX_CERTIFICATES = 5  # what GET /api/devices/{id}/credentials lists
 MAX_GROUPS = 64
-_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
-
-
-def clean(value: Any, limit: int = MAX_TEXT) -> str:
-    """``value`` as text safe to print on one terminal line: control, format (bidi overrides),
-    surrogate, unassigned and line-separator characters as ``\\xNN``/``\\uNNNN`` escapes, the
-    result cut to ``limit`` characters (the last one ``…``). A non-string is ``""``. Pure."""
-    if not isinstance(value, str):
-        return ""
-    out: list[str] = []
-    size = 0
-    for char in value:  # at most limit + 1 characters are looked at: each adds one or more
-        if unicodedata.category(char) in _ESCAPED_CATEGORIES:
-            code = ord(char)
-            char = f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-        if size + len(char) > limit:
-            return "".join(out)[: limit - 1] + "…"
-        out.append(char)
-        size += len(char)
-    return "".join(out)
 
 
 def _number(value: Any) -> float | None:

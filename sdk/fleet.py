@@ -29,6 +29,7 @@ from edgepack_core.protocol.messages import (
 )
 from edgepack_core.protocol.topics import DEFAULT_ROOT, Topics
 from sdk.broker import BrokerOptions
+from sdk.text_safety import cell
 
 __all__ = ["DeviceRow", "FleetView", "collect", "format_table", "stream_messages"]
 
@@ -166,19 +167,21 @@ class FleetView:
 
 
 def format_table(rows: list[DeviceRow], now: float) -> str:
-    """The human table of ``edgepack fleet status``."""
+    """The human table of ``edgepack fleet status``; every cell a device sent (model, provider,
+    figures) escaped and cut to its column (:func:`sdk.text_safety.cell`), so a row is one line."""
     header = f"{'DEVICE':<20} {'STATUS':<8} {'MODEL':<24} {'PROVIDER':<26} {'P50 MS':>7} {'P99 MS':>7} " \
              f"{'ERRORS':>6} {'LAST SEEN':>9}"
     lines = [header]
     for row in rows:
-        model = f"{row.model.name} {row.model.version}" if row.model else "-"
+        model = f"{row.model.name} {row.model.version}" if row.model else None
         sample = row.telemetry
         total_errors = (sample.errors_total or 0) if sample is not None else 0
         seen = f"{now - row.last_seen:.0f}s ago" if row.last_seen else "-"
         p50, p99 = (sample.latency_p50, sample.latency_p99) if sample is not None else (None, None)
         lines.append(
-            f"{row.device[:20]:<20} {row.status:<8} {model[:24]:<24} {(row.provider or '-')[:26]:<26} "
-            f"{p50 if p50 is not None else '-':>7} {p99 if p99 is not None else '-':>7} {total_errors:>6} {seen:>9}"
+            f"{cell(row.device, 20):<20} {cell(row.status, 8):<8} {cell(model, 24):<24} "
+            f"{cell(row.provider or None, 26):<26} {cell(p50, 32):>7} {cell(p99, 32):>7} {cell(total_errors, 32):>6} "
+            f"{seen:>9}"
         )
     online = sum(1 for r in rows if r.status == "online")
     lines.append(f"{len(rows)} device(s), {online} online")

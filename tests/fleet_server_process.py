@@ -200,8 +200,13 @@ class CommandCounter:
         self.client.loop_stop()
 
 
-def edgepack(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    """Run the `edgepack` CLI with no EDGEPACK_* variable from the outside, plus ``env``."""
+def edgepack(*args: str, env: dict[str, str] | None = None, timeout: float = 180,
+             exact: bool = False) -> subprocess.CompletedProcess:
+    """Run the `edgepack` CLI with no EDGEPACK_* variable from the outside, plus ``env``.
+    ``exact``: stdout and stderr decoded from UTF-8 as they came (a ``\r`` stays a ``\r``)."""
     clean = {key: value for key, value in os.environ.items() if not key.startswith("EDGEPACK_")}
-    return subprocess.run([cli("edgepack"), *args], capture_output=True, text=True, timeout=timeout,
+    done = subprocess.run([cli("edgepack"), *args], capture_output=True, text=not exact, timeout=timeout,
                           stdin=subprocess.DEVNULL, env={**clean, "PYTHONWARNINGS": "ignore", **(env or {})})
+    if exact:
+        done.stdout, done.stderr = done.stdout.decode(), done.stderr.decode()
+    return done

@@ -32,11 +32,12 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except EdgepackError as err:
-            click.echo(f"edgepack: error: {err}", err=True)
+        except EdgepackError as err:  # its message may quote a device's or the server's text
+            from sdk.cli.terminal import echo
+
+            echo(f"edgepack: error: {err}", err=True)
             if ctx.meta.get("edgepack.verbose"):
-                for line in cause_chain(err):
-                    click.echo(f"edgepack:   {line}", err=True)
+                echo(*(f"edgepack:   {line}" for line in cause_chain(err)), err=True)
             sys.exit(err.exit_code)
         except KeyboardInterrupt:
             click.echo("edgepack: interrupted", err=True)

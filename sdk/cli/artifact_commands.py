@@ -14,6 +14,7 @@ from edgepack_core.artifact import verify_artifact
 from edgepack_core.errors import EdgepackError, UsageError
 from edgepack_core.signing import RELEASE, TrustStore
 from sdk.cli import VERBOSE, main
+from sdk.cli.terminal import echo, echo_text
 from sdk.inspect import (
     format_model_summary,
     format_nodes,
@@ -142,8 +143,8 @@ def verify(artifact: Path, trust: tuple[Path, ...]) -> None:
     if not trust:
         raise click.UsageError("give at least one --trust PUBLIC key")
     result = verify_artifact(artifact, TrustStore.from_paths(trust, kind=RELEASE))
-    click.echo(f"OK {artifact}: {result.manifest.name} {result.manifest.version}, "
-               f"{len(result.manifest.files)} files verified, signed by key {result.key_id}")
+    echo(f"OK {artifact}: {result.manifest.name} {result.manifest.version}, "
+         f"{len(result.manifest.files)} files verified, signed by key {result.key_id}")
 
 
 @main.command()
@@ -164,7 +165,10 @@ def inspect(artifact: Path, trust: tuple[Path, ...], as_json: bool, nodes: bool,
             _open_in_netron_file(artifact)
     else:
         view = inspect_artifact(artifact, store)
-        click.echo(json.dumps(view.to_json(), indent=2, sort_keys=True) if as_json else format_view(view))
+        if as_json:
+            click.echo(json.dumps(view.to_json(), indent=2, sort_keys=True))
+        else:  # an artifact from anywhere, read before (or without) verifying it
+            echo_text(format_view(view))
     if netron and not model_file:
         _open_in_netron(artifact, read_unverified_for_display(artifact).manifest.get("model", {})
                         .get("path", "model/model.onnx"))
@@ -174,10 +178,16 @@ def _inspect_model(path: Path, trust: TrustStore | None, as_json: bool, nodes: b
     model = load_model_for_display(path, trust)
     if nodes:
         rows, note = node_table(model)
-        click.echo(json.dumps({"nodes": rows, "note": note}, indent=2) if as_json else format_nodes(rows, note))
+        if as_json:
+            click.echo(json.dumps({"nodes": rows, "note": note}, indent=2))
+        else:
+            echo_text(format_nodes(rows, note))
         return
     summary = model_summary(model, path)
-    click.echo(json.dumps(summary, indent=2) if as_json else format_model_summary(summary))
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        echo_text(format_model_summary(summary))
 
 
 def _open_in_netron_file(model: Path) -> None:

@@ -15,6 +15,7 @@ import click
 
 from sdk.cli import main
 from sdk.cli.rollout import _server_options, client_for
+from sdk.cli.terminal import echo
 
 
 def _named_lines(doc: dict[str, Any]) -> list[str]:
@@ -30,8 +31,7 @@ def _show(doc: dict[str, Any], as_json: bool, what: str) -> None:
         click.echo(json.dumps(doc))
         return
     art = doc["artifact"]
-    click.echo(f"{art['name']} {art['version']} ({art['sha256'][:12]}) {what}")
-    click.echo("\n".join(_named_lines(doc)))
+    echo(f"{art['name']} {art['version']} ({art['sha256'][:12]}) {what}", *_named_lines(doc))
 
 
 @main.group()

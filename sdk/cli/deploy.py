@@ -15,6 +15,7 @@ from sdk.cli import main
 from sdk.cli.broker_options import broker_options
 from sdk.cli.rollout import _server_options, client_for
 from sdk.cli.server_tls import tls_options
+from sdk.cli.terminal import echo
 from sdk.deploy import DeployOptions, parse_model_ref, send_command, send_rollback
 from sdk.deploy import deploy as run_deploy
 from sdk.errors import CommandFailed
@@ -49,8 +50,7 @@ def _print_result(result: Any, wait: bool, as_json: bool) -> None:
                                "devices": {d: {"state": j.state, "reason": j.reason, "final": j.final}
                                            for d, j in result.jobs.items()}}))
     elif wait:
-        for device, job in sorted(result.jobs.items()):
-            click.echo(f"{device:<24} {job.state:<12} {job.reason}")
+        echo(*(f"{device:<24} {job.state:<12} {job.reason}" for device, job in sorted(result.jobs.items())))
     else:
         click.echo(f"sent {result.command_id} to {len(result.jobs)} device(s)")
 
@@ -90,7 +90,7 @@ def deploy(artifact: Path, devices: tuple[str, ...], group: str | None, broker: 
 
     def show(device: str, event: JobEvent) -> None:
         if not as_json:
-            click.echo(f"{device}: {event.state} {'(final) ' if event.final else ''}{event.reason}", err=True)
+            echo(f"{device}: {event.state} {'(final) ' if event.final else ''}{event.reason}", err=True)
 
     options = DeployOptions(
         artifact=artifact, broker=broker, devices=devices, group=group, wait=wait, timeout=timeout,
@@ -273,7 +273,7 @@ def decommission(device_id: str, server: str, token_file: Path | None, reason: s
     is cleared on the broker, and its later messages are dropped until it is enrolled again.
     Remove its broker account too (docs/fleet-server.md, "Devices")."""
     done = client_for(server, token_file).delete(f"/api/devices/{device_id}", {"reason": reason})
-    click.echo(f"{done['device']} decommissioned" + (f": {done['reason']}" if done.get("reason") else ""))
+    echo(f"{done['device']} decommissioned" + (f": {done['reason']}" if done.get("reason") else ""))
 
 
 @device.command(name="enroll")
@@ -283,7 +283,7 @@ def decommission(device_id: str, server: str, token_file: Path | None, reason: s
 def enroll(device_id: str, server: str, token_file: Path | None, reason: str) -> None:
     """Take a decommissioned device back: its next state enrols it as a new device."""
     done = client_for(server, token_file).post(f"/api/devices/{device_id}/enroll", {"reason": reason})
-    click.echo(f"{done['device']} may join again; its next state enrols it")
+    echo(f"{done['device']} may join again; its next state enrols it")
 
 
 def history_lines(doc: dict[str, Any]) -> list[str]:
@@ -323,4 +323,7 @@ def history(device_id: str, server: str, token_file: Path | None, limit: int, be
     if before is not None:
         query["before"] = repr(before)
     doc = client_for(server, token_file).get(f"/api/devices/{device_id}/history", **query)
-    click.echo(json.dumps(doc) if as_json else "\n".join(history_lines(doc)))
+    if as_json:
+        click.echo(json.dumps(doc))
+    else:
+        echo(*history_lines(doc))

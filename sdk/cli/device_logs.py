@@ -18,6 +18,7 @@ from edgepack_core.protocol.ids import is_valid_id
 from edgepack_core.protocol.logs import LEVELS
 from sdk.cli.deploy import device
 from sdk.cli.rollout import _server_options, client_for
+from sdk.cli.terminal import echo
 from sdk.errors import CommandFailed
 from sdk.fleet_server.client import FleetClient
 
@@ -48,7 +49,8 @@ def parse_since(text: str, now: float) -> float:
 
 
 def record_line(record: dict[str, Any]) -> str:
-    """One record as a line: UTC time to the millisecond, level, logger, message."""
+    """One record as a line: UTC time to the millisecond, level, logger, message (the device's
+    text: printed through :func:`sdk.cli.terminal.echo`, which escapes it)."""
     when = datetime.datetime.fromtimestamp(record["ts"], datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")
     return f"{when[:-3]}Z {record['level'].upper():<8} {record['logger']}: {record['message']}"
 
@@ -71,8 +73,7 @@ def fetch(client: FleetClient, device_id: str, body: dict[str, Any], timeout: fl
 def _print_new(client: FleetClient, device_id: str, since: float | None, level: str | None, limit: int) -> float | None:
     doc = client.get(f"/api/devices/{device_id}/logs", since=None if since is None else repr(since), level=level,
                      limit=limit)
-    for record in doc["records"]:
-        click.echo(record_line(record))
+    echo(*(record_line(record) for record in doc["records"]))
     return doc["newest"] if doc["newest"] is not None else since
 
 
@@ -107,7 +108,7 @@ def logs(device_id: str, server: str, token_file: Path | None, since_text: str |
             try:
                 fetch(client, device_id, {**body, **({"since": newest} if newest is not None else {})}, timeout)
             except CommandFailed as err:  # a refused or unanswered fetch: said, and tried again
-                click.echo(f"edgepack: {err}", err=True)
+                echo(f"edgepack: {err}", err=True)
             newest = _print_new(client, device_id, newest, level, 10_000)
     except KeyboardInterrupt:  # Ctrl-C ends --follow: a normal end, exit 0
         if not follow:

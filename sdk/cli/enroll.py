@@ -12,6 +12,7 @@ import click
 
 from sdk.cli.fleet import fleet
 from sdk.cli.rollout import _server_options, client_for
+from sdk.cli.terminal import echo
 from sdk.errors import ServerConfigError
 
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -170,8 +171,8 @@ def enroll(
     if password:
         body["password"] = True
     done = client_for(server, token_file).post(f"/api/devices/{device_id}/enrollment", body)
-    click.echo(done["token"])
-    click.echo(
+    echo(done["token"])
+    echo(
         f"one use, until {_when(done['expires_at'])}; on the device: edgepack-agent enroll --server "
         f"{server} --token {done['token']} --config agent.yaml",
         err=True,
@@ -186,7 +187,7 @@ def revoke(device_id: str, reason: str, server: str, token_file: Path | None) ->
     """Revoke DEVICE_ID's certificates (into the broker's CRL) and broker password (admins)."""
     done = client_for(server, token_file).post(f"/api/devices/{device_id}/revoke", {"reason": reason})
     serials = ", ".join(done["revoked"]) or "none"
-    click.echo(
+    echo(
         f"{device_id}: certificates revoked: {serials}; broker password removed: "
         f"{'yes' if done['password_removed'] else 'no'}"
     )

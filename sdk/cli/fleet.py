@@ -14,6 +14,7 @@ from sdk.broker import BrokerOptions
 from sdk.cli import main
 from sdk.cli.broker_options import broker_options
 from sdk.cli.server_tls import tls_options
+from sdk.cli.terminal import echo
 from sdk.fleet import DeviceRow, FleetView, collect, format_table
 
 _SILENCE = click.option("--silence", "silence_s", default=60.0, show_default=True,
@@ -51,9 +52,9 @@ def _server_status(server: str, token_file: Path | None, group: str | None, as_j
     if as_json:
         click.echo(json.dumps(answer))
         return
-    click.echo(format_table(server_rows(answer.get("devices", [])), time.time()))
+    echo(*format_table(server_rows(answer.get("devices", [])), time.time()).split("\n"))
     if answer.get("total", 0) > len(answer.get("devices", [])):
-        click.echo(f"(first {len(answer['devices'])} of {answer['total']})")
+        echo(f"(first {len(answer['devices'])} of {answer['total']})")
 
 
 @fleet.command()
@@ -89,7 +90,7 @@ def status(broker: BrokerOptions | None, server: str | None, token_file: Path | 
         click.echo(json.dumps({"devices": [r.to_json() for r in rows], "dropped": view.dropped,
                                "online": sum(1 for r in rows if r.status == "online")}, default=str))
     else:
-        click.echo(format_table(rows, now))
+        echo(*format_table(rows, now).split("\n"))
 
 
 @fleet.command()
@@ -108,7 +109,7 @@ def watch(broker: BrokerOptions, silence_s: float, share: str | None, interval: 
         if now - last_draw[0] >= interval:
             last_draw[0] = now
             click.clear()
-            click.echo(format_table(view.rows(now), now))
+            echo(*format_table(view.rows(now), now).split("\n"))
 
     forever = duration <= 0
     collect(broker, wait_s=duration if not forever else float("inf"), quiet_s=float("inf"), silence_s=silence_s,

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from sdk.cli.fleet import fleet
+from sdk.cli.terminal import echo
 from sdk.errors import CommandFailed, ServerConfigError
 
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -70,7 +71,6 @@ def migrate_db(
     done = run(source_url, database_url(target, db_password_file, flag="--to"), force=force)
     for count in done.counts:
         click.echo(f"{count.table}: {count.target} row(s)")
-    for problem in done.problems:
-        click.echo(f"edgepack: migrate-db: {problem}", err=True)
+    echo(*(f"edgepack: migrate-db: {problem}" for problem in done.problems), err=True)  # rows' text in them
     if done.problems:
         raise CommandFailed(f"migrate-db: {len(done.problems)} problem(s); the target is not a complete copy")

@@ -14,6 +14,7 @@ from edgepack_core.errors import KeyFileError
 from edgepack_core.signing import KEY_KINDS, check_kind, key_id, public_key_from_pem
 from sdk.cli.fleet import fleet
 from sdk.cli.rollout import _server_options, client_for
+from sdk.cli.terminal import echo
 
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 
@@ -107,25 +108,24 @@ def show_settings(server: str, token_file: Path | None, device: str | None, as_j
         return
     for entry in doc["entries"]:
         scope = entry["scope"] + (f" {entry['name']}" if entry["name"] else "")
-        click.echo(f"{scope:<24} {entry['key']:<34} {json.dumps(entry['value'])}  (by {entry['set_by']})")
-    for key in doc["keys"]:
-        click.echo(f"key {key['key_id']} {key['kind']:<9} {'in use' if key['in_use'] else 'retired'}")
+        echo(f"{scope:<24} {entry['key']:<34} {json.dumps(entry['value'])}  (by {entry['set_by']})")
+    echo(*(f"key {key['key_id']} {key['kind']:<9} {'in use' if key['in_use'] else 'retired'}" for key in doc["keys"]))
 
 
 def _show_device(doc: dict[str, Any]) -> None:
     reported = doc.get("reported") or {}
     results = reported.get("results", {})
     sent = doc.get("sent") or {}
-    click.echo(
+    echo(
         f"{doc['device']}: generation sent {sent.get('generation', '-')}, held {reported.get('generation', '-')}"
         f" ({doc['decision']['kind']}{': ' + doc['decision']['reason'] if doc['decision']['reason'] else ''})"
     )
     for key, value in sorted(doc["settings"].items()):
-        click.echo(
+        echo(
             f"  {key:<34} {json.dumps(value):<30} from {doc['sources'][key]:<14} {results.get(key, 'not reported')}"
         )
     keys = reported.get("keys") or {}
-    click.echo(
+    echo(
         f"  keys held: release {', '.join(keys.get('release', [])) or '-'}; operator "
         f"{', '.join(keys.get('operator', [])) or '-'}"
     )
@@ -148,7 +148,7 @@ def add_key(server: str, token_file: Path | None, kind: str, public_key: Path) -
         raise KeyFileError(str(public_key), "this is a private key; give the public key")
     public_key_from_pem(data, str(public_key))
     row = client_for(server, token_file).post("/api/keys", {"kind": kind, "pem": data.decode("ascii")})
-    click.echo(f"added {row['kind']} key {row['key_id']}")
+    echo(f"added {row['kind']} key {row['key_id']}")
 
 
 @keys.command("retire")
@@ -159,12 +159,12 @@ def retire_key(server: str, token_file: Path | None, key: str) -> None:
     path = Path(key)
     kid = key_id(public_key_from_pem(path.read_bytes()[: 64 * 1024], key)) if path.is_file() else key
     row = client_for(server, token_file).delete(f"/api/keys/{kid}")
-    click.echo(f"retired {row['kind']} key {row['key_id']}")
+    echo(f"retired {row['kind']} key {row['key_id']}")
 
 
 @keys.command("list")
 @_server_options
 def list_keys(server: str, token_file: Path | None) -> None:
     """The fleet's keys, in use and retired."""
-    for row in client_for(server, token_file).get("/api/keys")["keys"]:
-        click.echo(f"{row['key_id']} {row['kind']:<9} {'in use' if row['in_use'] else 'retired'}")
+    rows = client_for(server, token_file).get("/api/keys")["keys"]
+    echo(*(f"{row['key_id']} {row['kind']:<9} {'in use' if row['in_use'] else 'retired'}" for row in rows))

@@ -18,6 +18,7 @@ import click
 from edgepack_core.fsutil import sha256_file
 from sdk.cli import main
 from sdk.cli.server_tls import server_tls, tls_options
+from sdk.cli.terminal import echo
 from sdk.errors import CommandFailed, FleetServerError
 from sdk.fleet_server.auth import client_token
 from sdk.fleet_server.client import FleetClient
@@ -63,7 +64,8 @@ def _waits(wave: dict[str, Any]) -> str:
     return offline + deadline
 
 
-def _table(doc: dict[str, Any]) -> str:
+def _table(doc: dict[str, Any]) -> list[str]:
+    """The rollout's lines (devices' reasons in them: printed through :func:`echo`)."""
     lines = [_line(doc)]
     for wave in doc.get("waves", []):
         lines.append(f"  wave {wave['index'] + 1} ({wave['percent']:g}%): {wave['state']:<8} "
@@ -81,7 +83,15 @@ def _table(doc: dict[str, Any]) -> str:
         moved = f"{step['from']} -> {step['to']}" if step["from"] != step["to"] else step["to"]
         lines.append(f"  {utc_time(step['at'])}  {step['event']:<8} {moved:<20} wave {step['wave']:<3} "
                      f"by {step['actor']}" + (f": {step['reason']}" if step["reason"] else ""))
-    return "\n".join(lines)
+    return lines
+
+
+def _print(doc: dict[str, Any], as_json: bool) -> None:
+    """A rollout: the server's JSON, or its lines escaped."""
+    if as_json:
+        click.echo(json.dumps(doc))
+    else:
+        echo(*_table(doc))
 
 
 def utc_time(ts: float | None) -> str:
@@ -159,7 +169,7 @@ def create(artifact: Path, server: str, token_file: Path | None, group: str | No
     sha = sha256_file(artifact)
     if client.artifact(sha) is None:
         uploaded = client.upload(artifact)
-        click.echo(f"uploaded {uploaded['name']} {uploaded['version']} ({sha[:12]})", err=True)
+        echo(f"uploaded {uploaded['name']} {uploaded['version']} ({sha[:12]})", err=True)
     body: dict[str, Any] = {"artifact": sha, "waves": _waves(waves), "soak_s": soak_s,
                             "min_success_share": success_share, "wave_timeout_s": wave_timeout,
                             "rollback_on_failure": rollback_on_failure, "force_downgrade": force_downgrade,
@@ -177,13 +187,13 @@ def create(artifact: Path, server: str, token_file: Path | None, group: str | No
         body["exclude_offline"] = True
     doc = client.post("/api/rollouts", body)
     if not wait:
-        click.echo(json.dumps(doc) if as_json else f"created {doc['id']}: {doc['counts']['devices']} device(s) "
-                                                   f"in {doc['wave_count']} wave(s)")
+        click.echo(json.dumps(doc)) if as_json else echo(
+            f"created {doc['id']}: {doc['counts']['devices']} device(s) in {doc['wave_count']} wave(s)")
         return
-    click.echo(f"created {doc['id']}", err=True)
+    echo(f"created {doc['id']}", err=True)
     final = _follow(client, doc["id"], timeout=timeout, interval=1.0,
-                    show=None if as_json else (lambda d: click.echo(_line(d), err=True)))
-    click.echo(json.dumps(final) if as_json else _table(final))
+                    show=None if as_json else (lambda d: echo(_line(d), err=True)))
+    _print(final, as_json)
     if not _everyone_active(final):
         raise CommandFailed(f"rollout {final['id']} ended {final['state']}: not every device is active"
                             f"{': ' + final['reason'] if final.get('reason') else ''}")
@@ -200,16 +210,18 @@ def status(rollout_id: str, server: str, token_file: Path | None, watch: bool, i
     """Show a rollout: its state, waves and every device's job."""
     client = client_for(server, token_file)
     if not watch:
-        doc = client.get(f"/api/rollouts/{rollout_id}")
-        click.echo(json.dumps(doc) if as_json else _table(doc))
+        _print(client.get(f"/api/rollouts/{rollout_id}"), as_json)
         return
 
     def show(doc: dict[str, Any]) -> None:
-        click.echo(json.dumps(doc) if as_json else _line(doc))
+        if as_json:
+            click.echo(json.dumps(doc))
+        else:
+            echo(_line(doc))
 
     final = _follow(client, rollout_id, timeout=float("inf"), interval=max(0.2, interval), show=show)
     if not as_json:
-        click.echo(_table(final))
+        echo(*_table(final))
 
 
 @rollout.command(name="list")
@@ -222,9 +234,8 @@ def list_rollouts(server: str, token_file: Path | None, state: str | None, as_js
     if as_json:
         click.echo(json.dumps(docs))
         return
-    for doc in docs:
-        click.echo(f"{doc['id']} {doc['state']:<9} {doc['artifact']['name']} {doc['artifact']['version']} "
-                   f"wave {doc['wave'] + 1}/{doc['wave_count']} {doc['reason']}")
+    echo(*(f"{doc['id']} {doc['state']:<9} {doc['artifact']['name']} {doc['artifact']['version']} "
+           f"wave {doc['wave'] + 1}/{doc['wave_count']} {doc['reason']}" for doc in docs))
 
 
 def _action(name: str, doc: str) -> None:
@@ -236,7 +247,7 @@ def _action(name: str, doc: str) -> None:
     def command(rollout_id: str, server: str, token_file: Path | None, reason: str) -> None:
         answer = client_for(server, token_file).post(f"/api/rollouts/{rollout_id}/{name}",
                                                      {"reason": reason} if reason else {})
-        click.echo(_line(answer))
+        echo(_line(answer))
 
 
 _action("pause", "Stop sending new commands (jobs already sent go on).")

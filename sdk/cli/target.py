@@ -20,6 +20,7 @@ import click
 from edgepack_core.fsutil import sha256_file
 from sdk.cli import main
 from sdk.cli.rollout import _follow, _line, _server_options, _waves, client_for
+from sdk.cli.terminal import echo
 from sdk.errors import CommandFailed, FleetServerError
 from sdk.fleet_server.client import FleetClient
 
@@ -51,7 +52,7 @@ def _artifact(client: FleetClient, artifact: str) -> tuple[str, str | None]:
     known = client.artifact(sha)
     if known is None:
         known = client.upload(path)
-        click.echo(f"uploaded {known['name']} {known['version']} ({sha[:12]})", err=True)
+        echo(f"uploaded {known['name']} {known['version']} ({sha[:12]})", err=True)
     return sha, str(known["name"])
 
 
@@ -128,22 +129,26 @@ def set_target(artifact: str, server: str, token_file: Path | None, fleet: bool,
     staged = [s for s in doc.get("staged", []) if s["artifact"] == sha and s["model"] == model]
     if not wait:
         where = path.removeprefix("/api/targets/")
-        click.echo(json.dumps(doc) if as_json else f"{where}: {model} -> {sha}"
-                   f"{' (staged in rollout ' + staged[-1]['rollout'] + ')' if staged else ''}")
+        if as_json:
+            click.echo(json.dumps(doc))
+        else:
+            echo(f"{where}: {model} -> {sha}{' (staged in rollout ' + staged[-1]['rollout'] + ')' if staged else ''}")
         return
     deadline = time.monotonic() + timeout
     if staged:
         rollout_id = staged[-1]["rollout"]
-        click.echo(f"staged in rollout {rollout_id}", err=True)
+        echo(f"staged in rollout {rollout_id}", err=True)
         final = _follow(client, rollout_id, timeout=timeout, interval=1.0,
-                        show=None if as_json else (lambda d: click.echo(_line(d), err=True)))
+                        show=None if as_json else (lambda d: echo(_line(d), err=True)))
         if final["state"] != "succeeded":
             raise CommandFailed(f"rollout {rollout_id} ended {final['state']}: the target was not changed"
                                 f"{': ' + final['reason'] if final.get('reason') else ''}")
     states = _wait(client, (fleet, group, device), max(0.0, deadline - time.monotonic()))
     off = [item for item in states if item["state"] != "converged"]
-    click.echo(json.dumps(states) if as_json else "\n".join(
-        [f"{len(states) - len(off)}/{len(states)} device(s) on target", *_state_lines(states)]))
+    if as_json:
+        click.echo(json.dumps(states))
+    else:
+        echo(f"{len(states) - len(off)}/{len(states)} device(s) on target", *_state_lines(states))
     if off:
         raise CommandFailed(f"{len(off)} device(s) not on target after {timeout:g} s: "
                             f"{off[0]['device']}: {off[0]['reason']}")
@@ -178,7 +183,7 @@ def show(server: str, token_file: Path | None, group: str | None, device: str | 
         lines += [f"  differs {m}: {d}" for m, d in doc["difference"].items()]
         if effective["held_by"]:
             lines.append(f"  held by {', '.join(effective['held_by'])}")
-        click.echo("\n".join(lines))
+        echo(*lines)
         return
     path = f"/api/targets/groups/{group}" if group is not None else "/api/targets"
     doc = client.get(path)
@@ -194,7 +199,7 @@ def show(server: str, token_file: Path | None, group: str | None, device: str | 
             for name, scope in doc[kind].items():
                 lines += _show_scope(scope, f"{kind[:-1]} {name}")
         lines += _state_lines(doc["states"])
-    click.echo("\n".join(lines))
+    echo(*lines)
 
 
 def _hold(name: str, hold: bool, doc: str) -> None:
@@ -204,7 +209,7 @@ def _hold(name: str, hold: bool, doc: str) -> None:
     @click.option("--reason", default="", help="Why (kept in the audit log).")
     def command(server: str, token_file: Path | None, device: str, reason: str) -> None:
         client_for(server, token_file).put(f"/api/targets/devices/{device}", {"hold": hold, "reason": reason})
-        click.echo(f"{device}: {'held' if hold else 'released'}")
+        echo(f"{device}: {'held' if hold else 'released'}")
 
 
 _hold("hold", True, "Send a device no command until it is released (its target is kept).")

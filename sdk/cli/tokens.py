@@ -12,13 +12,14 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import click
 
 from edgepack_core.protocol.ids import is_valid_id
 from sdk.cli.fleet import fleet
 from sdk.cli.rollout import _server_options, client_for, utc_time
+from sdk.cli.terminal import JsonLines, echo
 from sdk.fleet_server.roles import ROLES  # pure: needs no server extra
 
 
@@ -62,7 +63,7 @@ def token() -> None:
 def create(name: str, role: str, server: str, token_file: Path | None) -> None:
     """Make token NAME; prints the token (only it, once) on stdout."""
     made = client_for(server, token_file).post("/api/tokens", {"name": _name(name), "role": role})
-    click.echo(made["token"])
+    echo(made["token"])
 
 
 def _token_line(doc: dict[str, Any]) -> str:
@@ -81,9 +82,8 @@ def list_tokens(server: str, token_file: Path | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(doc))
         return
-    click.echo(f"{'NAME':<24} {'ROLE':<9} {'SOURCE':<9} {'CREATED':<34} {'LAST USED':<20} STATE")
-    for entry in doc["tokens"]:
-        click.echo(_token_line(entry))
+    echo(f"{'NAME':<24} {'ROLE':<9} {'SOURCE':<9} {'CREATED':<34} {'LAST USED':<20} STATE",
+         *(_token_line(entry) for entry in doc["tokens"]))
 
 
 @token.command(name="revoke")
@@ -92,7 +92,7 @@ def list_tokens(server: str, token_file: Path | None, as_json: bool) -> None:
 def revoke(name: str, server: str, token_file: Path | None) -> None:
     """Revoke token NAME: every server refuses it from its next request."""
     done = client_for(server, token_file).delete(f"/api/tokens/{_name(name)}")
-    click.echo(f"{done['name']} ({done['role']}) revoked")
+    echo(f"{done['name']} ({done['role']}) revoked")
 
 
 @fleet.group()
@@ -105,8 +105,10 @@ def audit() -> None:
 @click.option("--since", help="Only entries from this time on: unix seconds or ISO 8601 (UTC unless it says).")
 @click.option("--action", help="Only this action (rollout.create, token.revoke, ...).")
 def export(server: str, token_file: Path | None, since: str | None, action: str | None) -> None:
-    """Write the audit log as JSON lines to stdout, oldest first (> audit.jsonl)."""
+    """Write the audit log as JSON lines to stdout, oldest first (> audit.jsonl); each line
+    re-encoded as ASCII JSON on the way, so no byte the server sent acts on a terminal."""
     start = None if since is None else repr(parse_since(since))
-    client_for(server, token_file).download("/api/audit", sys.stdout.buffer, format="jsonl", since=start,
+    lines = JsonLines(sys.stdout.buffer)
+    client_for(server, token_file).download("/api/audit", cast(BinaryIO, lines), format="jsonl", since=start,
                                             action=action)
-    sys.stdout.buffer.flush()
+    lines.close()
