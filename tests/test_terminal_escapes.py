@@ -182,6 +182,14 @@ def test_a_device_job_reason_with_terminal_escapes_is_printed_escaped_by_rollout
     assert_inert(created.stdout, created.stderr, status.stdout, status.stderr, listed.stdout, listed.stderr)
 
 
+def test_a_device_reason_with_terminal_escapes_is_logged_escaped_by_fleet_serve(stack):
+    """The failed rollout of the test above: the server logs its reason, which quotes the device's."""
+    server = stack[0]
+    log = server.log.read_bytes().decode()
+    assert f"failed: {DEVICE}: failed ({SHOWN})" in log
+    assert_inert(log)
+
+
 def test_a_device_reported_version_and_reason_with_terminal_escapes_are_printed_escaped_by_target(stack):
     _server, _broker, env, art = stack
     wait = edgepack("target", "set", str(art), "--device", DEVICE, "--wait", "--timeout", "3", env=env)
@@ -285,3 +293,22 @@ def test_json_lines_re_encodes_each_line_across_writes_and_bounds_a_line_without
     out = sink.getvalue()
     assert out == b'{"a":"\\u001b]0;x\\u0007"}\n{"b":1}\n"\\ufffd\\u001b"\n123456789\n'
     assert all(32 <= byte < 127 or byte == 10 for byte in out)
+
+
+def test_a_log_record_is_one_escaped_line_and_its_traceback_keeps_its_lines_escaped():
+    import logging
+    import sys
+
+    from sdk.cli.terminal import EscapingFormatter
+
+    try:
+        raise ValueError(EVIL)
+    except ValueError:
+        info = sys.exc_info()
+    record = logging.LogRecord(
+        "edgepack.fleet_server", logging.ERROR, __file__, 1, "rollout %s failed: %s", ("ro-1", EVIL), info
+    )
+    lines = EscapingFormatter("%(levelname)s %(name)s: %(message)s").format(record).split("\n")
+    assert lines[0] == f"ERROR edgepack.fleet_server: rollout ro-1 failed: {SHOWN}"
+    assert lines[1] == "Traceback (most recent call last):" and lines[-1] == f"ValueError: {SHOWN}"
+    assert_inert("\n".join(lines))

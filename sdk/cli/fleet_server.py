@@ -14,6 +14,7 @@ from sdk.cli.broker_options import broker_options
 from sdk.cli.enroll import enroll_options
 from sdk.cli.fleet import fleet
 from sdk.cli.fleet_db import database_url, db_password_option
+from sdk.cli.terminal import EscapingFormatter
 from sdk.errors import ServerConfigError
 
 _FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -163,7 +164,9 @@ def serve(broker: BrokerOptions, db_url: str, listen: str, artifacts_dir: Path, 
     except ImportError as err:
         raise ServerConfigError(f"edgepack fleet serve needs the server extra (pip install 'edgepack[server]'): "
                                 f"{err}") from err
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_lines = logging.StreamHandler()  # device text in the log lines (rollout reasons): escaped
+    log_lines.setFormatter(EscapingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[log_lines])
     logging.getLogger("edgepack.mqtt").setLevel(logging.WARNING)
     quiet_alembic(verbose=bool(click.get_current_context().find_root().meta.get("edgepack.verbose")))
     db_url = database_url(db_url, db_password_file)

@@ -10,7 +10,9 @@ device sent shows as ``\\x0a``, ``\\x1b``... and never acts on the terminal or f
 from __future__ import annotations
 
 import json
-from typing import BinaryIO
+import logging
+import traceback
+from typing import Any, BinaryIO
 
 import click
 
@@ -31,6 +33,36 @@ def echo_text(text: str, err: bool = False) -> None:
     """Print text a formatter made of several lines, each line escaped: for text read from a
     local file (an artifact's manifest), whose values the formatter did not mark."""
     echo(*text.split("\n"), err=err)
+
+
+def escape_lines(text: str) -> str:
+    """Each line of ``text`` escaped, the lines kept: for a message made of the operator's own
+    input (a usage error) or a traceback, whose line breaks are the program's."""
+    return "\n".join(escape(line) for line in text.split("\n"))
+
+
+def _escaped_within(chunk: str) -> str:
+    """``chunk``'s text escaped whole (an exception's message: one line), its leading and
+    trailing line breaks (the traceback's own) kept."""
+    body = chunk.strip("\n")
+    start = chunk.index(body) if body else len(chunk)
+    return chunk[:start] + escape(body) + chunk[start + len(body) :]
+
+
+class EscapingFormatter(logging.Formatter):
+    """A log line of ``edgepack fleet serve``: its message (a rollout's reason quoting a device's)
+    escaped whole, so one record is one inert line; a traceback's frames keep their lines (the
+    program's), each exception's own message is escaped whole (it may quote a device)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return escape(super().formatMessage(record))
+
+    def formatException(self, ei: Any) -> str:
+        chunks = traceback.format_exception(*ei)
+        return "".join(escape_lines(c) if c.startswith("  File ") else _escaped_within(c) for c in chunks).rstrip("\n")
+
+    def formatStack(self, stack_info: str) -> str:
+        return escape_lines(super().formatStack(stack_info))
 
 
 class JsonLines:
