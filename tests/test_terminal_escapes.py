@@ -259,8 +259,10 @@ def test_a_server_answer_with_terminal_escapes_is_printed_escaped_by_fleet_audit
 
 
 def test_escape_shows_every_control_format_separator_and_surrogate_and_keeps_printable_text():
+    from sdk import device_view, text_safety
     from sdk.text_safety import escape
 
+    assert device_view.clean is text_safety.clean  # edgepack device show prints by the same rule
     hostile = "\x00\x1b\x7f\x85\x9b\u200b\u202e\u2066\u2028\u2029\ud800\ue000\U000e0001\ufeff"
     assert escape(hostile) == (
         "\\x00\\x1b\\x7f\\x85\\x9b\\u200b\\u202e\\u2066\\u2028\\u2029\\ud800\\ue000\\ue0001\\ufeff"
