@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from edgepack_core.errors import DocumentRuleError, SchemaError
+from edgepack_core.pipeline_limits import MAX_PIPELINES as MAX_PIPELINES  # re-exported: the old name
+from edgepack_core.pipeline_limits import MAX_STAGES as MAX_STAGES
 from edgepack_core.protocol.ids import ID_PATTERN
 from edgepack_core.schema import validate
 from edgepack_core.typed_options import option, parse, schema_of
 
 SCHEMA_ID = "https://edgepack.dev/schemas/pipeline.schema.json"
-MAX_PIPELINES = 16
-MAX_STAGES = 8
 MAX_RULES = 64
 MAX_POLYGON_POINTS = 64
 _NAME = ID_PATTERN

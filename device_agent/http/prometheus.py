@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from device_agent.pipelines.latency import BUCKETS_S, HistogramSnapshot, PipelineLatency
 from device_agent.request_stats import LATENCY_BUCKETS
 from device_agent.runtime import InferenceService
 from edgepack_core.protocol.pipeline_figures import PIPELINE_STATES, PipelineFigures
+
+if TYPE_CHECKING:  # an agent without pipelines never loads them (tests/test_agent_lazy_imports.py)
+    from device_agent.pipelines.latency import HistogramSnapshot, PipelineLatency
 
 
 def _escape(value: str) -> str:
@@ -174,6 +176,8 @@ def pipeline_latency_metrics(latencies: Mapping[str, PipelineLatency]) -> str:
 
 def _bucket_series(metric: str, labels: str, histogram: HistogramSnapshot) -> list[str]:
     """One histogram's cumulative ``_bucket`` series up to ``le="+Inf"``, its ``_sum`` and ``_count``."""
+    from device_agent.pipelines.latency import BUCKETS_S
+
     lines = [f'{metric}_bucket{{{labels},le="{bound}"}} {n}' for bound, n in zip(BUCKETS_S, histogram.cumulative,
                                                                                 strict=False)]
     lines += [f'{metric}_bucket{{{labels},le="+Inf"}} {histogram.count}',

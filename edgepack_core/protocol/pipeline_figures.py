@@ -22,12 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, get_args
 
-from edgepack_core.pipeline_spec import MAX_STAGES
+from edgepack_core.pipeline_limits import MAX_PIPELINES as MAX_PIPELINES  # re-exported: the old name
+from edgepack_core.pipeline_limits import MAX_STAGES as MAX_STAGES
 from edgepack_core.protocol.bounds import count, first_named, number, text
 from edgepack_core.protocol.events import EventKind
 from edgepack_core.protocol.ids import is_valid_id
 
-MAX_PIPELINES = 16  # the agent's own limit on pipelines (device_agent/pipelines/spec.py)
 MAX_RULES = 32  # rules per pipeline whose event counts travel in telemetry
 PIPELINE_STATES = ("running", "finished", "refused")
 SOURCE_STATES = ("starting", "up", "down")
