@@ -22,19 +22,6 @@ def broker(mosquitto_broker):
     return mosquitto_broker
 
 
-def _publish(port: int, messages: list[tuple[str, bytes]]) -> None:
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"pub-{time.monotonic_ns()}",
-                         protocol=mqtt.MQTTv5)
-    client.connect("127.0.0.1", port)
-    client.loop_start()
-    try:
-        for topic, payload in messages:
-            client.publish(topic, payload, qos=1).wait_for_publish(5)
-    finally:
-        client.disconnect()
-        client.loop_stop()
-
-
 def test_manual_ack_unacknowledged_messages_come_back_to_a_persistent_session(broker):
     """What the fleet server relies on: a message handed to the handler but never acknowledged
     (the process died before its transaction committed) is delivered again on reconnect; an
@@ -52,14 +39,14 @@ def test_manual_ack_unacknowledged_messages_come_back_to_a_persistent_session(br
     def payloads_up_to(transport: MqttTransport, marker: bytes) -> list[bytes]:
         """Publish ``marker`` and wait for it: the broker hands a resumed session what it kept
         before anything published later, so what came before the marker is all it had."""
-        _publish(broker.port, [("edgepack/v1/dev/d1/job", marker)])
+        broker.publish([("edgepack/v1/dev/d1/job", marker)])
         assert wait_for(lambda: marker in [m.payload for m in got], 5)
         for message in got:
             transport.ack(message)  # in arrival order (MQTT 4.6)
         return [m.payload for m in got]
 
     first = session()
-    _publish(broker.port, [("edgepack/v1/dev/d1/job", b"one"), ("edgepack/v1/dev/d1/job", b"two")])
+    broker.publish([("edgepack/v1/dev/d1/job", b"one"), ("edgepack/v1/dev/d1/job", b"two")])
     assert wait_for(lambda: len(got) == 2, 5)
     first.ack(got[0])  # "one" committed; "two" was not when the process went away
     first.close(timeout=1)  # the PUBACK goes out before the DISCONNECT: one queue, in order
@@ -80,12 +67,12 @@ def test_an_ack_from_an_earlier_connection_is_void(broker):
     transport.subscribe("edgepack/v1/dev/+/job", 1, got.append)
     transport.connect_or_raise(5)
     assert wait_for(lambda: transport.is_subscribed("edgepack/v1/dev/+/job"), 5)
-    _publish(broker.port, [("edgepack/v1/dev/d1/job", b"x")])
+    broker.publish([("edgepack/v1/dev/d1/job", b"x")])
     assert wait_for(lambda: len(got) == 1, 5)
     broker.restart()  # the connection (generation) changes; the old packet id means nothing now
     assert wait_for(lambda: transport.connected, 10)
     assert wait_for(lambda: transport.is_subscribed("edgepack/v1/dev/+/job"), 10)
-    _publish(broker.port, [("edgepack/v1/dev/d1/job", b"y")])
+    broker.publish([("edgepack/v1/dev/d1/job", b"y")])
     assert wait_for(lambda: len(got) == 2, 5)
     stale, fresh = got
     assert stale.generation < fresh.generation
@@ -103,7 +90,7 @@ def test_junk_is_counted_by_reason_and_never_stored(tmp_path, broker, keys):
     server = FleetServerProcess(tmp_path / "server", broker=broker.address, keys=keys).start()
     try:
         state = {"schema": "edgepack.state/1", "device": "d1", "status": "online", "ts": 1.0}
-        _publish(broker.port, [
+        broker.publish([
             ("edgepack/v1/dev/d1/telemetry", b"not json"),
             ("edgepack/v1/dev/d1/telemetry", json.dumps({"schema": "edgepack.telemetry/1", "device": "d2"}).encode()),
             ("edgepack/v1/dev/d1/telemetry", b"[1]"),
