@@ -170,6 +170,21 @@ def wait_for(predicate: Any, timeout: float = 30.0, interval: float = 0.05) -> A
     return None
 
 
+def enroll(server: FleetServerProcess, device: str, groups: tuple[str, ...] = (), *, password: bool = False) -> dict:
+    """Enroll ``device`` as ``edgepack-agent enroll`` does: a one-time token from the server, then a
+    CSR for a fresh key redeemed with it. The server's answer: a real certificate from the fleet
+    CA (its ``serial``), or with ``password`` a broker password."""
+    from device_agent.enroll import csr_pem, new_key
+
+    status, token = server.call("POST", f"/api/devices/{device}/enrollment", {"groups": list(groups),
+                                                                              "password": password})
+    assert status == 201, token
+    status, issued = server.call("POST", "/api/enroll", {"token": token["token"], "csr": csr_pem(new_key(), device)},
+                                 token=None)
+    assert status == 200, issued
+    return issued
+
+
 class CommandCounter:
     """Counts every command the broker delivers on ``dev/+/cmd``, by device and by command id."""
 

@@ -16,6 +16,7 @@ Chromium missing: the tests skip on a developer machine and fail under CI (CI in
 from __future__ import annotations
 
 import base64
+import datetime
 import json
 import os
 import re
@@ -33,9 +34,11 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.ui import WebDriverWait
 
+from sdk.device_view_text import age
+from sdk.fleet_server.enrollment import renewal_due
 from tests.artifacts import build_artifact
 from tests.broker import free_port, start_mosquitto
-from tests.fleet_server_process import FleetServerProcess, make_keys, wait_for
+from tests.fleet_server_process import FleetServerProcess, enroll, make_keys, wait_for
 from tools.fleet_sim import Behaviour, SimFleet
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -762,6 +765,8 @@ def test_an_admin_enrolls_a_device_from_the_fleet_page_with_a_token_that_works_o
     browser.find_element(By.ID, "device-revoke").click()
     WebDriverWait(browser, 10).until(lambda d: d.switch_to.alert).accept()
     _wait(browser, lambda d: _text(d, "#device-action-result") == "revoked 1 certificate(s)", message="revoked")
+    _wait(browser, lambda d: d.find_element(By.ID, "device-credentials").get_attribute("data-state") == "revoked",
+          message="the credentials panel reads revoked")
     entry = server.get("/api/audit?action=device.revoke")["entries"][0]
     assert entry["detail"]["serials"] == [answer["serial"]] and entry["detail"]["reason"] == "lost in transit"
 
@@ -941,3 +946,67 @@ def test_the_device_page_shows_its_pipelines_a_source_down_with_its_reason_and_m
     assert _text(browser, "#device-pipelines tr[data-pipeline='attic'] .pipeline-reason") == HOSTILE_SCRIPT
     assert browser.execute_script("return document.querySelectorAll('main img, main script, [onerror]').length") == 0
     assert browser.title != "pwned"
+
+
+def _utc(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def test_the_device_page_shows_its_certificates_serial_and_expiry_and_none_on_record_without_one(browser, server,
+                                                                                                  fleet):
+    """Issue 25, item 1: an operator rotating certificates reads on the device page the serial of
+    the certificate the fleet CA issued (a real one, for a CSR), its validity in UTC and the time
+    it has left; a password device reads "password"; a device never enrolled, "none on record"."""
+    issued = enroll(server, "dash-cert-1", ("sim",))
+    enroll(server, "dash-pw-1", password=True)
+    cert = server.get("/api/devices/dash-cert-1/credentials")["certificates"][0]
+    assert cert["serial"] == issued["serial"]
+    _open(browser, server, "/devices/dash-cert-1", "#device-credentials .serial")
+    panel = browser.find_element(By.ID, "device-credentials")
+    assert panel.get_attribute("data-state") == "valid"
+    assert _text(browser, "#device-credentials .serial") == issued["serial"]
+    text = panel.text
+    assert f"Valid from\n{_utc(cert['not_before'])}\nValid until\n{_utc(cert['not_after'])}\n" in text, text
+    assert f"Rotation from\n{_utc(cert['renewal_from'])}" in text and "Credentials\ncertificate\n" in text, text
+    assert _text(browser, "#device-credentials .expires") == f"in {age(cert['not_after'] - time.time())}"
+    assert browser.find_element(By.CSS_SELECTOR, "#device-credentials .badge").text == "valid"
+
+    _open(browser, server, "/devices/dash-pw-1", "#device-credentials")
+    assert _text(browser, "#device-credentials") == "Credentials\npassword"
+    _open(browser, server, "/devices/sim-00002", "#device-credentials")
+    assert _text(browser, "#device-credentials") == "Credentials\nnone on record"
+    assert browser.find_element(By.ID, "device-credentials").get_attribute("data-state") == "none"
+
+
+def test_the_certificate_warning_starts_exactly_where_the_server_starts_rotating(browser, server, fleet):
+    """The warning is the server's own rule (renewal_due), sent as renewal_from: one second before
+    it the certificate reads valid, at it "renewal due", one second inside still due, at not_after
+    "expired"."""
+    enroll(server, "dash-cert-2")
+    doc = server.get("/api/devices/dash-cert-2/credentials")
+    cert = doc["certificates"][0]
+    at = cert["renewal_from"]
+    assert renewal_due(cert["not_before"], cert["not_after"], at)
+    assert not renewal_due(cert["not_before"], cert["not_after"], at - 1)
+    _open(browser, server, "/devices/dash-cert-2", "#device-credentials")
+    seen = browser.execute_async_script("""
+        const [doc, at, done] = arguments;
+        import('/ui/js/device_credentials.js').then((m) => {
+          const cert = doc.certificates[0];
+          const panel = (now) => {
+            const node = m.credentialsPanel(doc, now);
+            const text = (css) => node.querySelector(css).textContent;
+            return [node.dataset.state, text('.badge'), text('.expires')];
+          };
+          done([panel(at - 1), panel(at), panel(at + 1), panel(cert.not_after - 1), panel(cert.not_after + 3600),
+                m.certificateState({...cert, revoked_at: at - 10}, at - 1)]);
+        }, (e) => done(String(e)));""", doc, at)
+    left = age(cert["not_after"] - at)
+    assert seen == [
+        ["valid", "valid", f"in {age(cert['not_after'] - at + 1)}"],
+        ["renewal", "renewal due", f"in {left}"],
+        ["renewal", "renewal due", f"in {age(cert['not_after'] - at - 1)}"],
+        ["renewal", "renewal due", "in 1s"],
+        ["expired", "expired", "expired 1h 0m ago"],
+        "revoked",
+    ], seen

@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from device_agent.enroll import csr_pem, new_key
 from edgepack_core.fsutil import sha256_file
 from edgepack_core.protocol.messages import JobEvent
 from edgepack_core.protocol.topics import Topics
@@ -18,7 +17,7 @@ from sdk.device_view import MAX_TEXT, Answers, DeviceView, Identity, Pipeline, c
 from sdk.device_view_text import MAX_LINES, WIDTH, age, fit, render
 from tests.artifacts import build_artifact
 from tests.broker import free_port, start_mosquitto
-from tests.fleet_server_process import ROOT, FleetServerProcess, edgepack, make_keys, wait_for
+from tests.fleet_server_process import ROOT, FleetServerProcess, edgepack, enroll, make_keys, wait_for
 from tools.fleet_sim import STATE_SCHEMA, TELEMETRY_SCHEMA, Behaviour, SimFleet
 
 ESCAPES = "\x1b]0;pwned\x07\x1b[2J\x9b31m\u202e"
@@ -104,12 +103,7 @@ def fleet(tmp_path_factory, keypair):
             bad = edgepack("artifact", "bad", sha256_file(arts["1.1.0"]), "--reason", "NaN on night frames", env=env)
             assert bad.returncode == 0, bad.stderr
             assert wait_for(lambda: server.get(f"/api/rollouts/{rollout}")["state"] == "paused", 30)
-            status, token = server.call("POST", "/api/devices/show-00000/enrollment", {"groups": ["show"]})
-            assert status == 201, token
-            status, issued = server.call(
-                "POST", "/api/enroll", {"token": token["token"], "csr": csr_pem(new_key(), "show-00000")}, token=None
-            )
-            assert status == 200, issued
+            issued = enroll(server, "show-00000", ("show",))
             _hostile_device(broker)
             assert wait_for(
                 lambda: (

@@ -81,10 +81,17 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def renewal_from(not_before: float, not_after: float) -> float:
+    """When a certificate valid from ``not_before`` to ``not_after`` becomes due for rotation
+    (:data:`RENEW_AT` of its life): one expression, so the renewal loop and the credentials
+    document the dashboard warns from agree to the last bit. Pure."""
+    return not_before + RENEW_AT * (not_after - not_before)
+
+
 def renewal_due(not_before: float, not_after: float, now: float) -> bool:
     """Whether a certificate valid from ``not_before`` to ``not_after`` is due for rotation at
     ``now``: past :data:`RENEW_AT` of its life and not yet expired. Pure."""
-    return not_before + RENEW_AT * (not_after - not_before) <= now < not_after
+    return renewal_from(not_before, not_after) <= now < not_after
 
 
 def token_refusal(row: Any, device: str | None, now: float) -> str:

@@ -8,8 +8,9 @@
   the certificate, the CA bundle, the broker address and the groups.
 - ``POST /api/devices/{id}/revoke`` (admins; audited ``device.revoke``): its certificates into the
   CRL, its broker password removed. ``DELETE /api/devices/{id}`` (decommission) revokes too.
-- ``GET /api/devices/{id}/credentials`` (a read, viewers): its newest certificates' serials and
-  validity and whether it holds a broker password (``edgepack device show``: the expiry).
+- ``GET /api/devices/{id}/credentials`` (a read, viewers): its newest certificates' serials,
+  validity and ``renewal_from`` (when rotation starts) and whether it holds a broker password
+  (``edgepack device show``: the expiry; the dashboard's device page).
 
 A server started without a CA folder (``fleet serve --ca-dir``) answers 503 naming the flag.
 """
@@ -27,7 +28,7 @@ from edgepack_core.schema import Validator
 from sdk.errors import ApiError
 from sdk.fleet_server import api
 from sdk.fleet_server.ca import MAX_CSR_BYTES
-from sdk.fleet_server.enrollment import DEFAULT_TOKEN_TTL_S, Enrollment
+from sdk.fleet_server.enrollment import DEFAULT_TOKEN_TTL_S, Enrollment, renewal_from
 from sdk.fleet_server.enrollment_openapi import ENROLL_REQUEST_SCHEMA, REVOKE_REQUEST_SCHEMA, TOKEN_REQUEST_SCHEMA
 from sdk.fleet_server.enrollment_tables import device_credentials
 
@@ -99,7 +100,10 @@ class EnrollmentRoutes:
     async def credentials(self, request: Request, _actor: str) -> Response:
         api.Params(request, set())
         device = api._path_id(request, "device_id")
-        return JSONResponse(await run_in_threadpool(device_credentials, self.context.database, device))
+        doc = await run_in_threadpool(device_credentials, self.context.database, device)
+        for certificate in doc["certificates"]:  # when the server starts rotating it: the dashboard's warning
+            certificate["renewal_from"] = renewal_from(certificate["not_before"], certificate["not_after"])
+        return JSONResponse(doc)
 
     def decommission(self, handler: Handler) -> Handler:
         """The decommission handler, then the device's credentials revoked (when this server

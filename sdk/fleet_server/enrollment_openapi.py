@@ -185,6 +185,11 @@ OPERATIONS: list[tuple[str, str, dict[str, Any]]] = [
                                         "not_before": {"type": "number"},
                                         "not_after": {"type": "number"},
                                         "revoked_at": {"type": ["number", "null"]},
+                                        "renewal_from": {
+                                            "type": "number",
+                                            "description": "when the server starts rotating it (past 2/3 of "
+                                            "its life); the dashboard warns from then",
+                                        },
                                     },
                                 },
                             },

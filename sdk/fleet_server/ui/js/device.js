@@ -6,6 +6,7 @@ import { lineChart } from "./chart.js";
 import { badge, bytes, h, ms, number, percent, replace, table, time, when } from "./dom.js";
 import { actionsPanel } from "./device_actions.js";
 import { reportCardsPanel } from "./device_cards.js";
+import { credentialsPanel } from "./device_credentials.js";
 import { logsPanel } from "./device_logs.js";
 import { pipelinesPanel } from "./device_pipelines.js";
 import { settingsPanel } from "./device_settings.js";
@@ -126,6 +127,7 @@ export function mount(root, route, shell) {
   const header = h("div");
   const desired = h("div");
   const settings = h("div");
+  const credentials = h("div");
   const cards = h("div", { class: "table-wrap" });
   const pipelines = h("div", { class: "table-wrap" });
   const charts = h("div", { class: "charts", id: "charts" });
@@ -137,6 +139,7 @@ export function mount(root, route, shell) {
     h("h2", {}, "Pipelines"), pipelines,
     h("h2", {}, "Target"), desired,
     h("h2", {}, "Settings"), settings,
+    h("h2", {}, "Credentials"), credentials,
     h("h2", {}, "Update history"), updates, logs.node,
     h("div", { class: "row" }, h("h2", {}, "Over time"), h("label", {}, "Range ", select)),
     charts);
@@ -144,14 +147,16 @@ export function mount(root, route, shell) {
   async function refresh() {
     const now = Math.floor(Date.now() / 1000);
     const since = now - chosen.seconds;
-    const [device, wanted, series, history, held] = await Promise.all([
+    const [device, wanted, series, history, held, issued] = await Promise.all([
       api(`/api/devices/${pathId(id)}`),
       api(`/api/devices/${pathId(id)}/target`),
       api(`/api/devices/${pathId(id)}/telemetry${query({ since, until: now + 1, step: chosen.step })}`),
       api(`/api/devices/${pathId(id)}/history${query({ limit: 50 })}`),
       api(`/api/devices/${pathId(id)}/settings`),
+      api(`/api/devices/${pathId(id)}/credentials`),
     ]);
     replace(settings, settingsPanel(held));
+    replace(credentials, credentialsPanel(issued, Date.now() / 1000));
     replace(header, facts(device, runningArtifact(history)));
     replace(cards, reportCardsPanel(device.report_cards || []));
     replace(pipelines, pipelinesPanel(device.pipelines || []));
