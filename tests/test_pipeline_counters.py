@@ -30,7 +30,6 @@ from edgepack_core.protocol.pipeline_figures import (
 from edgepack_core.schema import validate
 from tests.fleet_server_process import FleetServerProcess, wait_for
 from tests.stream_models import LABELS, draw
-from tests.test_fleet_server_ingest import _publish
 from tests.test_pipeline_streams import (  # noqa: F401
     FPS,
     FRAMES,
@@ -163,7 +162,7 @@ def test_the_fleet_server_stores_telemetry_that_carries_pipelines_and_lists_them
     try:
         telemetry = {"schema": "edgepack.telemetry/1", "device": "pi-07", "seq": 1, "latency_ms": {"p50": 3.0},
                      "inferences": {"interval": 5, "total": 5}, "pipelines": [pipeline_doc("door-cam", 3)]}
-        _publish(mosquitto_broker.port, [("edgepack/v1/dev/pi-07/telemetry", json.dumps(telemetry).encode())])
+        mosquitto_broker.publish([("edgepack/v1/dev/pi-07/telemetry", json.dumps(telemetry).encode())])
         stored = wait_for(lambda: (lambda s: s if s["ingest"]["stored"].get("telemetry") == 1 else None)(
             server.get("/api/status")), 15)
         assert stored is not None and sum(stored["ingest"]["dropped"].values()) == 0
