@@ -243,3 +243,18 @@ def test_a_telemetry_message_with_thousands_of_error_kinds_is_kept_bounded_by_th
                                                      junk={"deep": ["x"] * 100}), now=1)
     row = view.rows(now=1)[0].to_json()
     assert len(row["errors"]) == MAX_ERROR_KINDS and "junk" not in json.dumps(row)
+
+
+def test_a_figure_too_large_for_a_float_reads_as_none_and_does_not_stop_the_parse():
+    """JSON has no bound on an integer's size: a device's ``"cpu_percent": 1000…0`` (400 digits)
+    overflowed ``float()`` inside the one figure reader, raising out of the telemetry parser.
+    The figure reads as None like any other out-of-bounds one; the limit itself stays."""
+    from edgepack_core.protocol.payloads import TELEMETRY_SCHEMA_ID
+
+    huge = 10**400
+    assert bounds.number(huge) is None and bounds.number(-huge) is None
+    assert bounds.number(bounds.MAX_FIGURE - 1) == bounds.MAX_FIGURE - 1 and bounds.number(bounds.MAX_FIGURE) is None
+    payload = json.dumps({"schema": TELEMETRY_SCHEMA_ID, "device": "d1", "seq": 1, "ts": 1.0,
+                          "cpu_percent": huge, "uptime_s": 5}).encode()
+    sample = parse_telemetry("d1", payload)
+    assert not isinstance(sample, str) and sample.cpu_percent is None and sample.uptime_s == 5.0

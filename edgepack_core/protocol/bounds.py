@@ -63,9 +63,11 @@ def decode_document(payload: bytes) -> dict[str, Any] | Refusal:
 
 def number(value: Any) -> float | None:
     """A finite number below :data:`MAX_FIGURE` in size, as a float; None for anything else
-    (booleans, NaN, Infinity, strings)."""
+    (booleans, NaN, Infinity, strings, an integer too large for a float: JSON does not bound one)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
+    if isinstance(value, int) and not -MAX_FIGURE < value < MAX_FIGURE:
+        return None  # float() of a 400-digit integer raises instead of answering
     figure = float(value)
     return figure if math.isfinite(figure) and abs(figure) < MAX_FIGURE else None
 
