@@ -14,11 +14,11 @@ JSON. The renderer then cuts each line to the terminal's share.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from edgepack_core.protocol.bounds import count, number  # the one figure and counter rule of device messages
 from sdk.text_safety import MAX_TEXT, clean  # noqa: F401  the one rule every command prints by (and its limit)
 
 SCHEMA = "edgepack.device-show/1"
@@ -28,16 +28,6 @@ MAX_HISTORY = 5
 MAX_ROLLOUTS = 5
 MAX_CERTIFICATES = 5  # what GET /api/devices/{id}/credentials lists
 MAX_GROUPS = 64
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _count(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _map(value: Any) -> Mapping[str, Any]:
@@ -207,9 +197,9 @@ def _texts(value: Any, limit: int) -> tuple[str, ...]:
 def _certificate(credentials: Mapping[str, Any]) -> Certificate | None:
     for row in _list(credentials.get("certificates"), MAX_CERTIFICATES):  # newest first
         row = _map(row)
-        not_after = _number(row.get("not_after"))
+        not_after = number(row.get("not_after"))
         if not_after is not None:
-            return Certificate(clean(row.get("serial"), 40), not_after, _number(row.get("revoked_at")))
+            return Certificate(clean(row.get("serial"), 40), not_after, number(row.get("revoked_at")))
     return None
 
 
@@ -231,7 +221,7 @@ def _identity(answers: Answers) -> Identity:
             id=clean(answers.device_id, 64),
             enrolled=False,
             status="decommissioned",
-            decommissioned_at=_number(gone.get("at")),
+            decommissioned_at=number(gone.get("at")),
             decommissioned_by=clean(gone.get("actor"), 128),
             decommission_reason=clean(gone.get("reason")),
         )
@@ -244,8 +234,8 @@ def _identity(answers: Answers) -> Identity:
         online=doc.get("online") is True,
         status=clean(doc.get("status"), 16) or "unknown",
         status_reason=clean(doc.get("status_reason")),
-        last_seen=_number(doc.get("last_seen")),
-        first_seen=_number(doc.get("first_seen")),
+        last_seen=number(doc.get("last_seen")),
+        first_seen=number(doc.get("first_seen")),
     )
 
 
@@ -296,19 +286,19 @@ def _target(target: Mapping[str, Any]) -> TargetState:
 def _health(doc: Mapping[str, Any]) -> Health:
     latency = _map(doc.get("latency_ms"))
     return Health(
-        telemetry_at=_number(doc.get("telemetry_at")),
+        telemetry_at=number(doc.get("telemetry_at")),
         provider=clean(doc.get("provider"), 64),
         profile=clean(doc.get("profile"), 64),
         update_status=clean(doc.get("update_status"), 16),
-        latency_p50_ms=_number(latency.get("p50")),
-        latency_p99_ms=_number(latency.get("p99")),
-        throughput_per_s=_number(doc.get("throughput_per_s")),
-        inferences_total=_count(doc.get("inferences_total")),
-        errors_total=_count(doc.get("errors_total")),
-        error_rate=_number(doc.get("error_rate")),
-        memory_rss_bytes=_count(doc.get("memory_rss_bytes")),
-        cpu_percent=_number(doc.get("cpu_percent")),
-        temperature_c=_number(doc.get("temperature_c")),
+        latency_p50_ms=number(latency.get("p50")),
+        latency_p99_ms=number(latency.get("p99")),
+        throughput_per_s=number(doc.get("throughput_per_s")),
+        inferences_total=count(doc.get("inferences_total")),
+        errors_total=count(doc.get("errors_total")),
+        error_rate=number(doc.get("error_rate")),
+        memory_rss_bytes=count(doc.get("memory_rss_bytes")),
+        cpu_percent=number(doc.get("cpu_percent")),
+        temperature_c=number(doc.get("temperature_c")),
     )
 
 
@@ -318,10 +308,10 @@ def _pipeline(doc: Any) -> Pipeline:
         name=clean(doc.get("name"), 64),
         state=clean(doc.get("state"), 16),
         reason=clean(doc.get("reason")),
-        frames=_count(doc.get("frames")),
-        fps=_number(doc.get("fps")),
-        dropped=_count(doc.get("dropped")),
-        stage_errors=_count(doc.get("stage_errors")),
+        frames=count(doc.get("frames")),
+        fps=number(doc.get("fps")),
+        dropped=count(doc.get("dropped")),
+        stage_errors=count(doc.get("stage_errors")),
         source_state=clean(_map(doc.get("source")).get("state"), 16),
     )
 
@@ -340,7 +330,7 @@ def _history(history: Mapping[str, Any]) -> tuple[HistoryEntry, ...]:
         entry = _map(entry)
         entries.append(
             HistoryEntry(
-                started_at=_number(entry.get("started_at")),
+                started_at=number(entry.get("started_at")),
                 job=clean(entry.get("job"), 64),
                 kind=clean(entry.get("kind"), 32),
                 artifact=_artifact_words(entry.get("artifact")),
@@ -356,12 +346,12 @@ def _rollout(doc: Mapping[str, Any], device: str) -> RolloutEntry | None:
     row = next((_map(d) for d in _list(doc.get("devices"), 100_000) if _map(d).get("device") == device), None)
     if row is None:
         return None
-    wave = _count(row.get("wave"))
+    wave = count(row.get("wave"))
     return RolloutEntry(
         id=clean(doc.get("id"), 64),
         state=clean(doc.get("state"), 16),
-        wave=_count(doc.get("wave_number")) or 0,
-        wave_count=_count(doc.get("wave_count")) or 0,
+        wave=count(doc.get("wave_number")) or 0,
+        wave_count=count(doc.get("wave_count")) or 0,
         artifact=_artifact_words(doc.get("artifact")),
         reason=clean(doc.get("reason")),
         device_wave=0 if wave is None else wave + 1,
@@ -388,7 +378,7 @@ def _bad_releases(models: Sequence[ModelState], artifacts: Sequence[Mapping[str,
                     model=model.model,
                     sha256=clean(artifact.get("sha256"), 64),
                     version=model.runs,
-                    at=_number(bad.get("at")),
+                    at=number(bad.get("at")),
                     actor=clean(bad.get("actor"), 128),
                     reason=clean(bad.get("reason")),
                 )
